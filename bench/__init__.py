@@ -1,0 +1,1 @@
+"""Benchmarks: batching, KV caching, offline throughput; results land in bench/results/."""

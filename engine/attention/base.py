@@ -1,0 +1,105 @@
+"""What every attention backend receives and promises.
+
+A backend writes the step's new K/V into their paged slots and attends each sequence's queries
+over its whole context (cached prefix + new tokens), causally, with grouped-query heads.
+It knows nothing of scheduling: the runner hands it flat tensors and an `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's batch, flattened.
+
+    Sequence i owns query rows [query_start_loc[i], query_start_loc[i+1]); those rows sit at
+    positions [seq_lens[i] - num_new, seq_lens[i]) of its context, so the cached prefix is
+    seq_lens[i] - num_new tokens long.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    query_start_loc: list[int]  # [num_seqs + 1], host
+    seq_lens: list[int]  # [num_seqs] context length after this step, host
+    block_tables: list[list[int]]  # per sequence, host; block ids covering seq_lens[i]
+    block_tables_tensor: torch.Tensor  # [num_seqs, max_blocks] int32 on the device, padded with 0
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int32 on the device
+    query_start_loc_tensor: torch.Tensor  # [num_seqs + 1] int32 on the device
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(Protocol):
+    name: ClassVar[str]
+    supports_cpu: ClassVar[bool]
+    supports_cuda: ClassVar[bool]
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+
+
+_BACKENDS: dict[str, Callable[[AttentionSpec], AttentionBackend]] = {}
+
+
+def register_backend(cls: type) -> type:
+    """Class decorator: makes a backend available by its `name`."""
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def create_backend(name: str, spec: AttentionSpec, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        candidates = [n for n, c in _BACKENDS.items() if _fits(c, device)]
+        # Prefer anything faster than the reference when the device allows it.
+        candidates.sort(key=lambda n: n == "torch")
+        if not candidates:
+            raise ValueError(f"no attention backend runs on {device}; registered: {available_backends()}")
+        name = candidates[0]
+    if name not in _BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; available: {', '.join(available_backends())}")
+    cls = _BACKENDS[name]
+    if not _fits(cls, device):
+        raise ValueError(f"attention backend {name!r} does not run on {device.type}")
+    return cls(spec)
+
+
+def _fits(cls: object, device: torch.device) -> bool:
+    return bool(getattr(cls, "supports_cuda" if device.type == "cuda" else "supports_cpu"))
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new tokens' K/V into their paged slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -1,0 +1,134 @@
+"""Frozen, validated configuration of the engine: what to load, how big the KV cache is, how the
+scheduler batches, and how each request samples.
+
+Every model here rejects unknown fields and is never changed after creation; defaults are
+defined once, here, and the CLI reads them from these models.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_MODEL = "default"
+"""The name of the embedded tiny model that ships inside the package and needs no download."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    """Which checkpoint to run and in what precision."""
+
+    model: str = Field(DEFAULT_MODEL, description="HF checkpoint directory, or 'default' for the embedded model.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weight and activation dtype; 'auto' is bfloat16 on GPU and float32 on CPU."
+    )
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        "auto", description="'dummy' builds random weights at the checkpoint's shape (config.json only)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output in tokens; default and upper limit: the model's own."
+    )
+    device: str = Field("auto", description="'auto' (cuda when available), 'cpu', or 'cuda[:N]'.")
+    seed: int = Field(0, description="Seed of dummy weights and of requests that bring no seed of their own.")
+
+
+class CacheConfig(_Frozen):
+    """The paged KV cache: block geometry and how much memory it may take."""
+
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of GPU memory pdserve may use in all (weights, activations, KV)."
+    )
+    cpu_kv_cache_bytes: int = Field(256 << 20, ge=1 << 16, description="KV budget in bytes on the CPU.")
+    num_blocks: int | None = Field(
+        None, ge=2, description="Fixed number of KV blocks; overrides the memory-based sizing (tests, benchmarks)."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse full KV blocks of identical prompt prefixes.")
+
+
+class SchedulerConfig(_Frozen):
+    """Iteration-level batching limits."""
+
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in one running batch.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step: decode tokens plus prefill chunks."
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split prompts longer than the step's remaining budget across steps."
+    )
+
+
+class EngineConfig(_Frozen):
+    """Everything one engine needs."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (OpenAI's limit)."""
+
+MAX_STOP_STRINGS = 16
+"""Most stop strings one request may carry."""
+
+
+class SamplingParams(_Frozen):
+    """How one request samples and when it stops (vLLM's and OpenAI's meanings)."""
+
+    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    min_tokens: int = Field(0, ge=0, description="Stop conditions other than max_tokens wait for this many tokens.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 or 0 keeps all.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus: smallest set whose probability reaches top_p.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p times the top probability.")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0, description="Divides positive (multiplies negative) logits of seen tokens."
+    )
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from generated tokens' logits.")
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence from generated tokens' logits."
+    )
+    seed: int | None = Field(None, description="Same seed, same prompt, same parameters: same output.")
+    stop: tuple[str, ...] = Field((), description="Stop strings; the output ends before the first one.")
+    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the output (kept in it).")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Return the sampled token's logprob and this many alternatives."
+    )
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_tuple(cls, value: object) -> object:
+        if isinstance(value, str):
+            return (value,)
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_as_tuple(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _check_min_tokens(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

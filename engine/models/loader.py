@@ -1,0 +1,98 @@
+"""Builds a model from a Hugging Face checkpoint directory (safetensors) or with random weights.
+
+Reads config.json and *.safetensors; never imports transformers. Every tensor the model needs
+must be in the checkpoint, and the error names the ones that are not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.arch import ArchConfig, load_arch
+from engine.models.llama import LlamaForCausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{index.name} names {', '.join(missing)}, missing from the checkpoint directory {str(model_dir)!r}"
+            )
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights (e.g. model.safetensors) in the checkpoint directory {str(model_dir)!r}; "
+            "use load_format='dummy' for random weights"
+        )
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or name not in params:
+                    continue
+                tensor = f.get_tensor(name)
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor.to(device=device, dtype=dtype))
+                loaded.add(name)
+    tied = {"lm_head.weight"} if model.arch.tie_word_embeddings else set()
+    if tied and "lm_head.weight" in loaded:
+        loaded.add("model.embed_tokens.weight")
+    missing = sorted(set(params) - loaded - tied)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors the model needs: {shown}")
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights at the real shape (vLLM's load_format='dummy'): normals for matrices, ones for norms."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def build_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+) -> tuple[LlamaForCausalLM, ArchConfig]:
+    model_dir = Path(model_dir)
+    arch = load_arch(model_dir)
+    files = [] if load_format == "dummy" else safetensors_files(model_dir)  # fail before allocating
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # NOTE: build in the target dtype: an 8B model never exists in float32
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(arch)
+    finally:
+        torch.set_default_dtype(previous)
+    if files:
+        load_weights(model, model_dir, dtype, device)
+    else:
+        init_dummy_weights(model, seed)
+    model.eval()
+    return model, arch

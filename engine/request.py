@@ -1,0 +1,79 @@
+"""A request's state inside one engine: its tokens, how many of them have KV, and its blocks.
+
+Token positions, for a request with P prompt and O output tokens:
+
+| positions                         | meaning                                          |
+|-----------------------------------|--------------------------------------------------|
+| [0, num_computed_tokens)          | KV written in `block_ids`                        |
+| [num_computed_tokens, num_tokens) | still to compute (prompt, or all after preempt)  |
+
+A request samples in a step only when that step computes its last token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import SamplingParams
+from engine.kv_cache import BlockHash, hash_full_blocks
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks of token_ids
+    num_committed_blocks: int = 0  # leading blocks registered in the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    stop_token_id: int | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # the request's own, on the engine's device, when it has a seed
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        self.block_hashes = hash_full_blocks(self.token_ids, block_size, self.block_hashes)
+        return self.block_hashes

@@ -1,0 +1,83 @@
+"""How many KV blocks fit: a byte budget on the CPU; on a GPU, what `gpu_memory_utilization`
+leaves after the weights and the activation peak of a measured worst-case step."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_tensors, bytes_per_block
+from engine.models import ArchConfig, LlamaForCausalLM
+
+
+def num_kv_blocks(
+    model: LlamaForCausalLM,
+    arch: ArchConfig,
+    backend: AttentionBackend,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    if device.type != "cuda":
+        num = cache.cpu_kv_cache_bytes // per_block
+    else:
+        peak = profile_activation_bytes(model, arch, backend, config, dtype, device, max_model_len)
+        _, total = torch.cuda.mem_get_info(device)
+        budget = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - peak
+        num = budget // per_block
+    if num < 2:
+        raise ValueError(
+            f"the KV cache gets {num} blocks of {per_block} bytes; raise "
+            f"{'gpu_memory_utilization' if device.type == 'cuda' else 'cpu_kv_cache_bytes'} or use a smaller model"
+        )
+    return int(num)
+
+
+@torch.inference_mode()
+def profile_activation_bytes(
+    model: LlamaForCausalLM,
+    arch: ArchConfig,
+    backend: AttentionBackend,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    """Peak extra memory of the largest step the scheduler may build: one full token budget
+    (as one sequence) plus logits for `max_num_seqs` rows."""
+    from engine.attention import AttentionMetadata
+
+    num_tokens = min(config.scheduler.max_num_batched_tokens, max_model_len)
+    block_size = config.cache.block_size
+    num_blocks = -(-num_tokens // block_size)
+    kv = allocate_kv_tensors(arch, num_blocks, block_size, dtype, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    blocks = list(range(num_blocks))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device),
+        query_start_loc=[0, num_tokens],
+        seq_lens=[num_tokens],
+        block_tables=[blocks],
+        block_tables_tensor=torch.tensor([blocks], dtype=torch.int32, device=device),
+        seq_lens_tensor=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc_tensor=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), kv, meta, backend)
+    rows = min(config.scheduler.max_num_seqs, num_tokens)
+    model.compute_logits(hidden[:rows]).softmax(-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del kv, hidden
+    torch.cuda.empty_cache()
+    return int(peak * 1.1) + (64 << 20)  # margin for allocator fragmentation and sampling temporaries
