@@ -26,6 +26,16 @@ from engine.validation import validate_prompt
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_blocks: int
+    num_free_blocks: int  # free or cached-and-evictable
+    num_cached_blocks: int  # registered in the prefix cache (held or not)
+    num_preemptions: int  # since start
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """One request's news from one step."""
 
@@ -162,6 +172,16 @@ class EngineCore:
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_seq_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_cached_blocks=self.pool.num_cached_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     # ---- invariants
     def check_integrity(self) -> None:

@@ -62,19 +62,19 @@ class LLM:
         param_list = _as_param_list(params, len(prompt_list))
         encoded = [self.encode(p) for p in prompt_list]  # NOTE: encode all first: bad input adds nothing
         states: dict[str, tuple[TextState, RequestOutput]] = {}
-        for ids, sp in zip(encoded, param_list):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, sp)
-            output = RequestOutput(rid, ids, CompletionOutput(logprobs=[] if sp.logprobs is not None else None))
-            if sp.logprobs is not None:
-                output.outputs.top_logprobs = []
-            states[rid] = (TextState(self.tokenizer, ids, sp), output)
         try:
+            for ids, sp in zip(encoded, param_list):
+                rid = str(next(self._ids))
+                output = RequestOutput(rid, ids, CompletionOutput())
+                if sp.logprobs is not None:
+                    output.outputs.logprobs, output.outputs.top_logprobs = [], []
+                states[rid] = (TextState(self.tokenizer, ids, sp), output)
+                self.engine.add_request(rid, ids, sp)
             while self.engine.has_unfinished():
                 yield [self._apply(states, o) for o in self.engine.step()]
         finally:
             for rid in states:
-                self.engine.abort_request(rid)  # a caller that stops iterating frees everything
+                self.engine.abort_request(rid)  # a bad prompt or a caller that stops iterating frees all
 
     def _apply(self, states: dict[str, tuple[TextState, RequestOutput]], step: Any) -> RequestOutput:
         text_state, output = states[step.request_id]

@@ -44,7 +44,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None  # the request's own, when params.seed is set; owned and advanced by the caller's sequence
+    # The request's own, when params.seed is set; owned and advanced by the caller's sequence.
+    generator: torch.Generator | None
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class SampleResult:
 
     token_ids: list[int]  # one per row
     logprobs: list[float | None]  # sampled token's logprob per row; None where params.logprobs is None
-    top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs alternatives (token id, logprob), most likely first; None where not asked
+    # params.logprobs alternatives (token id, logprob), most likely first; None where not asked.
+    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 class Sampler:
@@ -143,7 +145,8 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     params = [rows[i].params for i in penalized_rows]
     index = torch.tensor(penalized_rows, device=device)  # [pen]
     sub = logits.index_select(0, index)  # [pen, vocab]
-    output_counts = _token_counts([rows[i].output_token_ids for i in penalized_rows], vocab_size, device)  # [pen, vocab]
+    outputs = [rows[i].output_token_ids for i in penalized_rows]
+    output_counts = _token_counts(outputs, vocab_size, device)  # [pen, vocab]
     in_output = output_counts > 0  # [pen, vocab]
 
     if any(p.repetition_penalty != 1.0 for p in params):

@@ -46,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start
 
     @property
     def num_unfinished(self) -> int:
@@ -144,6 +145,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:

@@ -113,7 +113,8 @@ def test_penalties_change_exactly_the_expected_logits() -> None:
     ],
 )
 def test_penalty_flips_the_greedy_choice(logits_row: list[float], row: SamplingRow, expected: int) -> None:
-    greedy_row = SamplingRow(row.params.model_copy(update={"temperature": 0.0}), row.prompt_token_ids, row.output_token_ids, None)
+    greedy_params = row.params.model_copy(update={"temperature": 0.0})
+    greedy_row = SamplingRow(greedy_params, row.prompt_token_ids, row.output_token_ids, None)
     assert Sampler([EOS])(torch.tensor([logits_row]), [greedy_row]).token_ids == [expected]
 
 

@@ -1,0 +1,169 @@
+"""Helpers the benchmarks share: the common command line, building an engine from it, naming the
+device, random prompts, a synchronised clock, the leak check, and writing the JSON and PNG.
+
+Knows nothing of any one benchmark's workload: each benchmark passes its own workload, results,
+plot and title line, and this module adds the environment (device, torch, date, model shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import EngineCore, engine_config
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes; each adds its own workload sizes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="default", help="HF checkpoint directory, or 'default' (embedded model).")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="'dummy': random weights.")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cpu', or 'cuda[:N]'.")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Folder for the JSON and PNG results.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the random prompts and of dummy weights.")
+    parser.add_argument("--quick", action="store_true", help="A smaller workload, for a fast look.")
+    return parser
+
+
+def build_engine(args: argparse.Namespace, **options: Any) -> EngineCore:
+    return EngineCore(
+        engine_config(
+            args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed, **options
+        )
+    )
+
+
+# ---- the device and the clock
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name from /proc/cpuinfo."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_slug(device: torch.device) -> str:
+    """'cpu', or the GPU's name in lower case with dashes: 'nvidia-h100-80gb-hbm3'."""
+    if device.type != "cuda":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds `fn` takes, with the device's queued work finished at both ends; and its result."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
+# ---- workloads
+def random_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Prompts of uniformly random token ids, the same for the same seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(num_tokens)] for _ in range(num_prompts)]
+
+
+def check_no_leak(engine: EngineCore) -> None:
+    """Raises if a request is still live or a KV block is still held after a run."""
+    engine.check_integrity()
+    if engine.has_unfinished() or engine.pool.num_held_blocks:
+        raise RuntimeError(
+            f"engine not idle after the run: unfinished={engine.has_unfinished()}, "
+            f"held blocks={engine.pool.num_held_blocks}"
+        )
+
+
+# ---- results
+def environment(engine: EngineCore, args: argparse.Namespace) -> dict[str, Any]:
+    """Where and on what a benchmark ran: device, software, date, and the model's shape."""
+    arch = engine.arch
+    return {
+        "device": str(engine.device),
+        "device_name": device_name(engine.device),
+        "num_cpu_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "name": args.model,
+            "dir": str(engine.model_dir),
+            "load_format": args.load_format,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "architecture": arch.architecture,
+            "num_layers": arch.num_layers,
+            "hidden_size": arch.hidden_size,
+            "intermediate_size": arch.intermediate_size,
+            "num_heads": arch.num_heads,
+            "num_kv_heads": arch.num_kv_heads,
+            "head_dim": arch.head_dim,
+            "vocab_size": arch.vocab_size,
+            "num_params": arch.num_params,
+        },
+    }
+
+
+def title(bench_title: str, env: dict[str, Any], workload_line: str) -> str:
+    """Four lines: what, which model (shape, dtype), where (device, torch, date), and the workload."""
+    m = env["model"]
+    shape = (
+        f"{m['num_layers']}L h{m['hidden_size']} ffn{m['intermediate_size']} "
+        f"{m['num_heads']}q/{m['num_kv_heads']}kv x{m['head_dim']} V{m['vocab_size']}, {m['num_params'] / 1e6:.2f}M params"
+    )
+    return (
+        f"{bench_title}\n"
+        f"model {m['name']} ({m['architecture']}: {shape}), {m['dtype']}, {m['load_format']} weights\n"
+        f"{env['device_name']} ({env['device']}), torch {env['torch_version']}, {env['date']}\n"
+        f"{workload_line}"
+    )
+
+
+def write_results(
+    out_dir: Path, bench: str, env: dict[str, Any], record: dict[str, Any], plot: Callable[[Any], None], plot_title: str
+) -> tuple[Path, Path]:
+    """Writes `<bench>_<device slug>.json` (env + record) and `.png` (drawn by `plot(fig)`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{bench}_{device_slug(torch.device(env['device']))}"
+    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+    json_path.write_text(json.dumps({"benchmark": bench, "environment": env, **record}, indent=2) + "\n")
+    fig = plt.figure(figsize=(11, 6.5))
+    plot(fig)
+    fig.suptitle(plot_title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.8))
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def label_bars(ax: Any, bars: Any, values: Sequence[float], fmt: str) -> None:
+    for bar, value in zip(bars, values):
+        ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
