@@ -46,6 +46,8 @@ class StepOutput:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_prompt_tokens: int
     num_cached_tokens: int
+    kv_block_ids: list[int] | None = None  # finished with hold_kv: the blocks now held for the caller
+    generator_state: bytes | None = None  # finished with hold_kv and a seed: where the next draw continues
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,6 +89,9 @@ class EngineCore:
         self.sampler = Sampler(arch.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.pool)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        # Blocks held outside running requests, by key: a prefill's finished request awaiting its
+        # push (key = request id) or a decode worker's lease (key = lease id).
+        self.held: dict[str, list[int]] = {}
         # A request alone must always fit the cache, so it never waits for blocks that cannot come.
         self.max_seq_tokens = min(self.max_model_len, self.capacity_tokens)
 
@@ -95,10 +100,28 @@ class EngineCore:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        if request_id in self.scheduler.requests:
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, hold_kv: bool = False
+    ) -> None:
+        """Queues a request. With `hold_kv` its blocks stay held when it finishes, under its id in
+        `held`, until `release_held(request_id)` (the prefill role's KV push)."""
+        if request_id in self.scheduler.requests or request_id in self.held:
             raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
-        prompt = validate_prompt(
+        prompt = self._validate(prompt_token_ids, params)
+        request = Request(request_id, prompt, params, arrival_time=self.clock(), hold_kv=hold_kv)
+        request.generator = self._generator_for(params)
+        self.scheduler.add(request)
+
+    def _generator_for(self, params: SamplingParams, state: bytes | None = None) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if state is not None:
+            generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        return generator
+
+    def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        return validate_prompt(
             prompt_token_ids,
             params,
             vocab_size=self.arch.vocab_size,
@@ -109,14 +132,55 @@ class EngineCore:
                 None if self.config.scheduler.enable_chunked_prefill else self.config.scheduler.max_num_batched_tokens
             ),
         )
-        request = Request(request_id, prompt, params, arrival_time=self.clock())
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> bool:
-        """Idempotent: True if the request was live and is now aborted with its blocks freed."""
-        return self.scheduler.abort(request_id) is not None
+        """Idempotent: True if the request was live (or its KV held) and now all its blocks are freed."""
+        return self.scheduler.abort(request_id) is not None or self.release_held(request_id)
+
+    # ---- KV held outside running requests (disaggregation)
+    def reserve(self, key: str, num_blocks: int) -> list[int] | None:
+        """Holds `num_blocks` blocks under `key` (a decode worker's lease); None when they cannot be had."""
+        if key in self.held:
+            raise ValueError(f"{key!r} already holds blocks")
+        if not self.pool.can_allocate(num_blocks):
+            return None
+        self.held[key] = self.pool.allocate(num_blocks)
+        return self.held[key]
+
+    def release_held(self, key: str) -> bool:
+        """Frees what `key` holds; idempotent."""
+        blocks = self.held.pop(key, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+        lease_key: str,
+        generator_state: bytes | None = None,
+    ) -> None:
+        """Joins a request whose prompt KV already sits in the blocks held under `lease_key`
+        and whose first token was sampled elsewhere (with `generator_state` after that draw)."""
+        prompt = self._validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
+        blocks = self.held.get(lease_key)
+        needed = -(-len(prompt) // self.pool.block_size)
+        if blocks is None or len(blocks) < needed:
+            raise ValueError(f"lease {lease_key!r} holds {len(blocks or [])} blocks; the prompt needs {needed}")
+        del self.held[lease_key]
+        request = Request(request_id, prompt, params, arrival_time=self.clock(), block_ids=blocks)
+        request.token_ids.append(first_token)
+        request.num_computed_tokens = len(prompt)
+        request.generator = self._generator_for(params, generator_state)
+        self.scheduler.commit_computed_blocks(request)
+        self.scheduler.add_running(request)
+
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -147,8 +211,12 @@ class EngineCore:
             token = sampled.token_ids[i]
             request.token_ids.append(token)
             status = self._stop_status(request, token)
+            kept, state = None, None
             if status is not None:
-                self.scheduler.finish(request, status)
+                blocks = self.scheduler.finish(request, status)
+                if request.hold_kv:
+                    kept = self.held[request.request_id] = blocks
+                    state = _generator_bytes(request.generator)
             want = request.params.logprobs is not None
             outputs.append(
                 StepOutput(
@@ -159,6 +227,8 @@ class EngineCore:
                     finish_reason=status.value if status is not None else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    kv_block_ids=kept,
+                    generator_state=state,
                 )
             )
         return outputs
@@ -185,12 +255,17 @@ class EngineCore:
 
     # ---- invariants
     def check_integrity(self) -> None:
-        """The pool's own table holds, and its holders are exactly the live requests' blocks."""
+        """The pool's own table holds, and its holders are exactly the live requests' and the
+        held keys' blocks."""
         self.pool.check_integrity()
         total_refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_blocks))
-        claimed = self.scheduler.num_held_blocks_by_requests()
+        claimed = self.scheduler.num_held_blocks_by_requests() + sum(len(b) for b in self.held.values())
         if total_refs != claimed:
             raise IntegrityError(f"the pool counts {total_refs} block holders, the requests claim {claimed}")
+
+
+def _generator_bytes(generator: torch.Generator | None) -> bytes | None:
+    return bytes(generator.get_state().numpy().tobytes()) if generator is not None else None
 
 
 def _max_model_len(arch: ArchConfig, asked: int | None) -> int:

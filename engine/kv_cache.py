@@ -159,6 +159,9 @@ class BlockPool:
             raise IntegrityError("a block is listed twice as free")
         if free & evictable:
             raise IntegrityError(f"blocks both free and cached: {sorted(free & evictable)[:8]}")
+        strays = sorted(b for b in free | evictable if not 0 <= b < self.num_blocks)
+        if strays:
+            raise IntegrityError(f"block ids outside [0, {self.num_blocks}) listed as free or cached: {strays[:8]}")
         for block in range(self.num_blocks):
             ref, h = self._ref[block], self._hash[block]
             if ref < 0:

@@ -48,6 +48,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    hold_kv: bool = False  # prefill role: on finish, keep the blocks held for the KV push
     generator: torch.Generator | None = None  # the request's own, on the engine's device, when it has a seed
 
     def __post_init__(self) -> None:

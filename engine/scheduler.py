@@ -160,17 +160,32 @@ class Scheduler:
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
-            hashes = request.update_block_hashes(self.block_size)
-            num_full = min(request.num_computed_tokens // self.block_size, len(hashes))
-            for i in range(request.num_committed_blocks, num_full):
-                self.pool.commit(request.block_ids[i], hashes[i])
-            request.num_committed_blocks = max(request.num_committed_blocks, num_full)
+            self.commit_computed_blocks(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus) -> list[int]:
+        """Retires a running request. Its blocks are freed, or, with `hold_kv`, handed to the
+        caller still held (the caller frees them)."""
         self.running.remove(request)
         del self.requests[request.request_id]
+        kept = request.block_ids if request.hold_kv else []
+        if request.hold_kv:
+            request.block_ids = []
         self._release(request)
         request.status = status
+        return kept
+
+    def add_running(self, request: Request) -> None:
+        """Joins a request whose prompt KV is already in its blocks (it arrived from a prefill worker)."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def commit_computed_blocks(self, request: Request) -> None:
+        hashes = request.update_block_hashes(self.block_size)
+        num_full = min(request.num_computed_tokens // self.block_size, len(hashes))
+        for i in range(request.num_committed_blocks, num_full):
+            self.pool.commit(request.block_ids[i], hashes[i])
+        request.num_committed_blocks = max(request.num_committed_blocks, num_full)
 
     def num_held_blocks_by_requests(self) -> int:
         """Holder count the requests claim; equals the pool's total ref count when nothing leaks."""

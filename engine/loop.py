@@ -1,0 +1,106 @@
+"""EngineLoop: an EngineCore on its own thread.
+
+The engine is not thread-safe: only this thread touches it. Other threads (a worker's asyncio
+event loop, a transfer thread) hand it commands with `submit`, which run between steps in
+arrival order; each step's outputs go to `on_outputs`, called on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from engine.engine import EngineCore, StepOutput
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: EngineCore,
+        on_outputs: Callable[[list[StepOutput]], None],
+        on_error: Callable[[BaseException], None] | None = None,
+        idle_wait_s: float = 0.05,
+        name: str = "engine-loop",
+    ) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.on_error = on_error
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[EngineCore], Any], Future[Any]]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def submit(self, command: Callable[[EngineCore], T]) -> Future[T]:
+        """Runs `command(engine)` on the engine thread before its next step."""
+        future: Future[T] = Future()
+        if self._stopping.is_set():
+            future.set_exception(RuntimeError("the engine loop is stopped"))
+            return future
+        self._commands.put((command, future))
+        self._wake.set()
+        return future
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                command, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(command(self.engine))
+            except BaseException as err:  # noqa: BLE001 - the submitter gets it
+                future.set_exception(err)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain()
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    self.num_steps += 1
+                    if outputs:
+                        self.on_outputs(outputs)
+                else:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as err:  # noqa: BLE001 - reported, then the loop ends
+            log.exception("engine loop failed")
+            if self.on_error is not None:
+                self.on_error(err)
+        finally:
+            self._stopping.set()
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the engine loop stopped before running this command"))

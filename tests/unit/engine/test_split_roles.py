@@ -1,0 +1,85 @@
+"""The engine's disaggregation hooks without Ray or a transport: a prefill engine computes the
+prompt and keeps its blocks (hold_kv), a decode engine reserves a lease, the KV is copied block by
+block, and the decode engine continues: the tokens equal the colocated engine's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SamplingParams
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 2048) for _ in range(rng.randrange(5, 60))] for _ in range(count)]
+
+
+def _disaggregated(prefill, decode, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
+    first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": 0})
+    prefill.add_request(rid, prompt, first_params, hold_kv=True)
+    outs = []
+    while prefill.has_unfinished():
+        outs += prefill.step()
+    (out,) = outs
+    src_blocks = out.kv_block_ids
+    assert src_blocks and prefill.held[rid] == src_blocks
+    # the decode side's lease: prompt blocks plus room for the first decode step
+    lease = decode.reserve(f"lease-{rid}", -(-(len(prompt) + 1) // decode.pool.block_size))
+    num_prompt_blocks = -(-len(prompt) // prefill.pool.block_size)
+    src = prefill.runner.kv_caches[:, :, src_blocks[:num_prompt_blocks]]  # [layers, 2, n, block, heads, dim]
+    decode.runner.kv_caches[:, :, lease[:num_prompt_blocks]] = src
+    prefill.release_held(rid)
+    decode.add_prefilled(rid, prompt, out.new_token_ids[0], params, f"lease-{rid}", out.generator_state)
+    tokens = list(out.new_token_ids)
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens += o.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_split_prefill_and_decode_equal_colocated(make_llm, params):
+    prompts = _prompts(4, seed=0)
+    want = [o.outputs.token_ids for o in make_llm(block_size=8).generate(prompts, params)]
+    prefill = make_llm(block_size=8).engine
+    decode = make_llm(block_size=8).engine
+    got = [_disaggregated(prefill, decode, p, params, str(i)) for i, p in enumerate(prompts)]
+    assert got == want
+    assert prefill.pool.num_cached_blocks > 0  # the pushed prompts stay in the prefill's prefix cache
+
+
+def test_held_kv_and_leases_count_in_integrity(make_llm):
+    engine = make_llm(block_size=4, num_blocks=16).engine
+    assert engine.reserve("lease-a", 5) is not None
+    assert engine.reserve("lease-b", 20) is None  # cannot be had: nothing taken
+    engine.check_integrity()
+    assert engine.pool.num_held_blocks == 5
+    with pytest.raises(ValueError, match="already holds"):
+        engine.reserve("lease-a", 1)
+    assert engine.release_held("lease-a") and not engine.release_held("lease-a")
+    engine.add_request("r", [5] * 9, SamplingParams(max_tokens=1), hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_held_blocks == 3 and "r" in engine.held
+    engine.check_integrity()
+    assert engine.abort_request("r")  # abort frees held KV too
+    assert engine.pool.num_held_blocks == 0
+
+
+def test_add_prefilled_rejects_a_short_lease(make_llm):
+    engine = make_llm(block_size=4).engine
+    engine.reserve("l", 1)
+    with pytest.raises(ValueError, match="lease 'l' holds 1 blocks; the prompt needs 3"):
+        engine.add_prefilled("r", [5] * 10, 7, SamplingParams(), "l")
+    engine.release_held("l")
+    assert torch.is_tensor(engine.runner.kv_caches)
