@@ -1,4 +1,6 @@
-"""DecodeWorker: KV leases, continuous batching of decodes, preemption, speculative drafting.
-(Being built: issue "Disaggregation".)"""
+"""DecodeWorker: KV leases, receiving pushed KV, continuous batching of decodes with preemption,
+and (colocated mode) whole requests. Speculative drafting comes with issue "Speculative decoding"."""
 
-__all__: list[str] = []
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+
+__all__ = ["DecodeWorker", "DecodeWorkerConfig"]

@@ -1,4 +1,6 @@
-"""PrefillWorker: prompt scheduling under a token budget, prefix cache, and the KV push to a
-decode worker's leased blocks. (Being built: issue "Disaggregation".)"""
+"""PrefillWorker: prompt scheduling under a token budget (chunked), prefix cache, first-token
+sampling, and the KV push into a decode worker's leased blocks."""
 
-__all__: list[str] = []
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+
+__all__ = ["PrefillWorker", "PrefillWorkerConfig"]

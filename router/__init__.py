@@ -1,4 +1,6 @@
-"""The Serve ingress: OpenAI-compatible HTTP and gRPC, dispatch, streaming, cancellation.
-(Being built: issue "Router and APIs".)"""
+"""The router: drives requests through the prefill and decode workers and streams tokens back.
+The OpenAI HTTP and gRPC ingress on Ray Serve comes with issue "Router and APIs"."""
 
-__all__: list[str] = []
+from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError, Workers
+
+__all__ = ["Dispatcher", "NoCapacityError", "RequestFailedError", "Workers"]

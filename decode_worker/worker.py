@@ -1,0 +1,329 @@
+"""DecodeWorker: leases KV blocks to incoming prompts, receives their KV, and decodes them in its
+continuous batch; in colocated mode it also takes whole requests and prefills them itself.
+
+An async Ray actor body (cluster/ wraps it with ray.remote); in unit tests a plain object.
+Control methods are async and never touch the engine: they hand commands to the EngineLoop
+thread. Tokens leave in one TokenBatchMsg per router per `poll`, never one message per token.
+
+Lease states:  reserved --kv_incoming--> receiving --KV arrived--> (a running request)
+                   \\--expired/aborted--> freed     \\--timeout/aborted--> freed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import EngineConfig, EngineCore, StepOutput
+from engine.loop import EngineLoop
+from kvtransfer import KvLayout, TransferError, TransferHandle, create_transport, scatter_blocks
+from kvtransfer.protocol import (
+    GenerateRequestMsg,
+    KvAcceptMsg,
+    KvReadyMsg,
+    LeaseMsg,
+    ReserveMsg,
+    TokenBatchMsg,
+    TokenOutputMsg,
+)
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class DecodeWorkerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    worker_id: str = Field(description="Unique within the cluster; names the worker in messages.")
+    engine: EngineConfig = EngineConfig()
+    transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
+    host: str = Field("127.0.0.1", description="Address peers reach this worker's rendezvous store on.")
+    lease_ttl_s: float = Field(30.0, gt=0, description="A lease whose KV has not started arriving by then is freed.")
+    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a KV transfer to finish.")
+    pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a prefill worker to pair.")
+
+
+class LeaseState(enum.Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    request_id: str
+    router_id: str
+    block_ids: list[int]
+    expires_at: float
+    state: LeaseState = LeaseState.RESERVED
+    is_aborted: bool = False
+
+
+@dataclass
+class Outbox:
+    """Updates waiting for one router's next poll."""
+
+    outputs: list[TokenOutputMsg] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class DecodeWorker:
+    def __init__(self, config: DecodeWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        engine = EngineCore(config.engine)
+        self.block_size = engine.pool.block_size
+        self.layout = KvLayout.from_kv(engine.runner.kv_caches)
+        self.transport = create_transport(
+            config.transport, self.worker_id, self.layout, engine.device, **(transport_options or {})
+        )
+        self.leases: dict[str, Lease] = {}
+        self.lease_of_request: dict[str, str] = {}
+        self.router_of_request: dict[str, str] = {}  # requests in the engine -> who polls their tokens
+        self.outboxes: dict[str, Outbox] = {}
+        self._lease_ids = itertools.count()
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
+        self.loop.start()
+
+    # ---- plumbing
+    def _bind(self) -> None:
+        """Remembers the actor's event loop (engine outputs are handed to it) and starts the lease reaper."""
+        if self._aio is None:
+            self._aio = asyncio.get_running_loop()
+            self._reaper = self._aio.create_task(self._reap_expired_leases())
+
+    async def _call(self, command: Callable[[EngineCore], T]) -> T:
+        return await asyncio.wrap_future(self.loop.submit(command))
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
+        assert self._aio is not None
+        self._aio.call_soon_threadsafe(self._deliver, [_token_msg(o) for o in outputs])
+
+    def _on_engine_error(self, err: BaseException) -> None:  # engine thread
+        self._error = err
+
+    def _deliver(self, outputs: list[TokenOutputMsg]) -> None:  # event loop
+        for out in outputs:
+            router_id = self.router_of_request.get(out.request_id)
+            if router_id is None:
+                continue  # aborted in the meantime
+            if out.finish_reason is not None:
+                del self.router_of_request[out.request_id]
+            box = self.outboxes.setdefault(router_id, Outbox())
+            box.outputs.append(out)
+            box.ready.set()
+
+    # ---- control: colocated
+    async def submit(self, request: bytes) -> None:
+        """Colocated mode: prefill and decode a whole request here."""
+        self._bind()
+        msg = GenerateRequestMsg.decode(request)
+        self.router_of_request[msg.request_id] = msg.router_id
+        try:
+            await self._call(lambda e: e.add_request(msg.request_id, msg.prompt_token_ids, msg.params))
+        except Exception:
+            self.router_of_request.pop(msg.request_id, None)
+            raise
+
+    # ---- control: the lease protocol
+    async def reserve(self, request: bytes) -> bytes | None:
+        """A lease on enough blocks for the prompt and its first decode step, or None when full."""
+        self._bind()
+        msg = ReserveMsg.decode(request)
+        if msg.request_id in self.lease_of_request or msg.request_id in self.router_of_request:
+            raise ValueError(f"request {msg.request_id!r} already has a lease or runs here")
+        lease_id = f"{self.worker_id}/{next(self._lease_ids)}"
+        num_blocks = -(-(msg.num_prompt_tokens + 1) // self.block_size)
+        blocks = await self._call(lambda e: e.reserve(lease_id, num_blocks))
+        if blocks is None:
+            return None
+        lease = Lease(lease_id, msg.request_id, msg.router_id, blocks, time.time() + self.config.lease_ttl_s)
+        self.leases[lease_id] = lease
+        self.lease_of_request[msg.request_id] = lease_id
+        return LeaseMsg(
+            lease_id=lease_id, decode_worker_id=self.worker_id, block_ids=blocks, expires_at=lease.expires_at
+        ).encode()
+
+    async def transport_address(self) -> tuple[str, int]:
+        address = await asyncio.to_thread(self.transport.address)
+        return address.host, address.port
+
+    async def accept_pair(self, prefill_worker_id: str) -> None:
+        """The decode side (rank 0, hosting the store) of forming a pair; the prefill side calls
+        `pair` at the same time. A stale pair with the same peer is dropped first."""
+        if self.transport.is_paired(prefill_worker_id):
+            self.transport.drop(prefill_worker_id)
+        address = await asyncio.to_thread(self.transport.address)
+        await asyncio.to_thread(self.transport.pair, prefill_worker_id, address, 0, self.config.pair_timeout_s)
+
+    async def kv_incoming(self, ready: bytes) -> bytes:
+        """Posts the receive for a lease's KV and returns at once; the KV lands in the background."""
+        self._bind()
+        msg = KvReadyMsg.decode(ready)
+        lease = self.leases.get(msg.lease_id)
+        reason = _refusal(lease, msg)
+        if reason:
+            return KvAcceptMsg(accepted=False, reason=reason).encode()
+        assert lease is not None
+        lease.state = LeaseState.RECEIVING
+        layout = self.layout
+        buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=self.loop.engine.device)
+        handle = self.transport.recv(msg.prefill_worker_id, buf)
+        self._aio.create_task(self._land(msg, lease, buf, handle))  # type: ignore[union-attr]
+        return KvAcceptMsg(accepted=True).encode()
+
+    async def _land(self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handle: TransferHandle) -> None:
+        """Waits for the KV, then scatters it into the lease's blocks and joins the request."""
+        failure = await _wait_transfer(handle, self.config.transfer_timeout_s)
+        request = msg.request
+        if failure is not None or lease.is_aborted:
+            await self._drop_lease(lease)
+            if failure is not None:
+                self.transport.drop(msg.prefill_worker_id)  # never waits on a dead peer; re-pairs later
+            if not lease.is_aborted:
+                self._deliver_error(request.request_id, lease.router_id, f"KV transfer {failure}")
+            return
+
+        def join(engine: EngineCore) -> None:
+            scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
+            engine.add_prefilled(
+                request.request_id, request.prompt_token_ids, msg.first_token, request.params,
+                lease.lease_id, msg.generator_state,
+            )
+
+        self.router_of_request[request.request_id] = lease.router_id
+        self._forget_lease(lease)
+        try:
+            await self._call(join)
+        except Exception as err:  # noqa: BLE001 - reported to the router, the lease freed
+            self.router_of_request.pop(request.request_id, None)
+            await self._call(lambda e: e.release_held(lease.lease_id))
+            self._deliver_error(request.request_id, lease.router_id, f"decode worker refused the request: {err}")
+
+    def _deliver_error(self, request_id: str, router_id: str, error: str) -> None:
+        self.router_of_request[request_id] = router_id
+        self._deliver([TokenOutputMsg(request_id=request_id, new_token_ids=[], finish_reason="abort", error=error)])
+
+    # ---- control: everything else
+    async def poll(self, router_id: str, timeout_s: float = 1.0) -> bytes:
+        """Everything new for `router_id` since its last poll; waits up to `timeout_s` for something."""
+        self._bind()
+        box = self.outboxes.setdefault(router_id, Outbox())
+        if not box.outputs:
+            try:
+                await asyncio.wait_for(box.ready.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        outputs, box.outputs = box.outputs, []
+        box.ready.clear()
+        return TokenBatchMsg(worker_id=self.worker_id, outputs=outputs).encode()
+
+    async def abort(self, request_id: str) -> bool:
+        """Idempotent: frees whatever the request holds here (a lease, or its running blocks)."""
+        self._bind()
+        lease_id = self.lease_of_request.get(request_id)
+        if lease_id is not None:
+            lease = self.leases[lease_id]
+            lease.is_aborted = True
+            if lease.state == LeaseState.RESERVED:
+                await self._drop_lease(lease)
+            return True
+        self.router_of_request.pop(request_id, None)
+        return await self._call(lambda e: e.abort_request(request_id))
+
+    async def _drop_lease(self, lease: Lease) -> None:
+        self._forget_lease(lease)
+        await self._call(lambda e: e.release_held(lease.lease_id))
+
+    def _forget_lease(self, lease: Lease) -> None:
+        self.leases.pop(lease.lease_id, None)
+        self.lease_of_request.pop(lease.request_id, None)
+
+    async def _reap_expired_leases(self, interval_s: float = 0.25) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.time()
+            for lease in [x for x in self.leases.values() if x.state == LeaseState.RESERVED and x.expires_at < now]:
+                log.info("lease %s of request %s expired unclaimed", lease.lease_id, lease.request_id)
+                await self._drop_lease(lease)
+
+    async def stats(self) -> dict[str, Any]:
+        s = await self._call(lambda e: e.stats())
+        return {
+            "worker_id": self.worker_id,
+            "num_waiting": s.num_waiting,
+            "num_running": s.num_running,
+            "num_blocks": s.num_blocks,
+            "num_free_blocks": s.num_free_blocks,
+            "num_leases": len(self.leases),
+            "num_preemptions": s.num_preemptions,
+            "is_healthy": self._error is None and self.loop.is_alive,
+        }
+
+    async def check_integrity(self) -> int:
+        """Raises if the block table is inconsistent; returns the number of held blocks."""
+
+        def check(engine: EngineCore) -> int:
+            engine.check_integrity()
+            return engine.pool.num_held_blocks
+
+        return await self._call(check)
+
+    async def health(self) -> bool:
+        return self._error is None and self.loop.is_alive
+
+    async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self.loop.stop()
+        self.transport.close()
+
+
+async def _wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
+    """None when the transfer finished well, else what went wrong."""
+    try:
+        is_done = await asyncio.to_thread(handle.wait, timeout_s)
+    except TransferError as err:
+        return f"failed: {err}"
+    return None if is_done else f"timed out after {timeout_s} s"
+
+
+def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:
+    if lease is None:
+        return f"lease {msg.lease_id!r} is unknown here: it expired or was aborted"
+    if lease.is_aborted:
+        return f"request {lease.request_id!r} was aborted"
+    if lease.state != LeaseState.RESERVED:
+        return f"lease {msg.lease_id!r} is already receiving"
+    if lease.request_id != msg.request.request_id:
+        return f"lease {msg.lease_id!r} belongs to request {lease.request_id!r}"
+    if msg.num_blocks > len(lease.block_ids):
+        return f"{msg.num_blocks} blocks do not fit a lease of {len(lease.block_ids)}"
+    return ""
+
+
+def _token_msg(out: StepOutput) -> TokenOutputMsg:
+    return TokenOutputMsg(
+        request_id=out.request_id,
+        new_token_ids=out.new_token_ids,
+        logprobs=out.logprobs,
+        top_logprobs=out.top_logprobs,
+        finish_reason=out.finish_reason,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+__all__ = ["DecodeWorker", "DecodeWorkerConfig", "Lease", "LeaseState"]

@@ -1,0 +1,119 @@
+"""The typed messages between router, prefill workers and decode workers, with a msgpack encoding.
+
+The block-ownership protocol, in order (shared/DESIGN.md, "Life of a request"):
+
+| step | from -> to         | message                                   | blocks change owner                    |
+|------|--------------------|-------------------------------------------|----------------------------------------|
+| 1    | router -> decode   | ReserveMsg -> LeaseMsg                    | decode: free -> held by the lease      |
+| 2    | router -> prefill  | PrefillTaskMsg                            | prefill: computes, holds until pushed  |
+| 3    | prefill -> decode  | KvReadyMsg -> KvAcceptMsg (recv posted)   |                                        |
+| 4    | prefill ~> decode  | the KV bytes over the pair's transport    | decode: lease -> running request       |
+| 5    | prefill -> router  | PrefillResultMsg (first token)            | prefill: held -> prefix cache          |
+| 6    | decode -> router   | TokenBatchMsg, one per step per router    | decode: freed when the request ends    |
+
+An AbortMsg may come at any step; it is idempotent and frees whatever the request holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict
+
+from engine.config import SamplingParams
+
+M = TypeVar("M", bound="Msg")
+
+
+class Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def encode(self) -> bytes:
+        return msgpack.packb(self.model_dump(mode="python"), use_bin_type=True)
+
+    @classmethod
+    def decode(cls: type[M], data: bytes) -> M:
+        return cls.model_validate(msgpack.unpackb(data, raw=False))
+
+
+class GenerateRequestMsg(Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    router_id: str  # whose TokenBatchMsg carries this request's tokens
+
+
+class ReserveMsg(Msg):
+    request_id: str
+    num_prompt_tokens: int
+    router_id: str
+
+
+class LeaseMsg(Msg):
+    lease_id: str
+    decode_worker_id: str
+    block_ids: list[int]
+    expires_at: float  # the decode worker's clock (time.time()); unclaimed blocks are freed then
+
+
+class PrefillTaskMsg(Msg):
+    request: GenerateRequestMsg
+    lease: LeaseMsg
+
+
+class KvReadyMsg(Msg):
+    """Prefill -> decode: the KV of `num_prompt_tokens` tokens is about to arrive over the pair."""
+
+    lease_id: str
+    prefill_worker_id: str
+    request: GenerateRequestMsg
+    first_token: int
+    num_blocks: int  # blocks sent: ceil(num_prompt_tokens / block_size)
+    generator_state: bytes | None = None  # seeded requests: the sampler continues from here
+
+
+class KvAcceptMsg(Msg):
+    accepted: bool
+    reason: str = ""  # why not: the lease expired or was aborted
+
+
+class PrefillResultMsg(Msg):
+    request_id: str
+    first_token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # set when the first token already ends the request
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None  # the request failed here (lease refused, transfer failed...)
+
+
+class TokenOutputMsg(Msg):
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class TokenBatchMsg(Msg):
+    """Decode (or colocated) worker -> router: every update of that router's requests since the last batch."""
+
+    worker_id: str
+    outputs: list[TokenOutputMsg]
+
+
+class AbortMsg(Msg):
+    request_id: str
+
+
+def encode_all(messages: list[Msg]) -> list[bytes]:
+    return [m.encode() for m in messages]
+
+
+def as_dict(message: Msg) -> dict[str, Any]:
+    return message.model_dump(mode="python")

@@ -1,0 +1,220 @@
+"""PrefillWorker: computes prompts (batched under a token budget, chunked, prefix-cache hits reused),
+samples each first token, and pushes the prompt's KV into the blocks a decode worker leased.
+
+An async Ray actor body (cluster/ wraps it with ray.remote); in unit tests a plain object. Its
+blocks for a request stay held from the prefill until the push ends (sent, refused, failed or
+aborted), then go to the prefix cache. Transfers on one pair run one at a time, so receives are
+posted in the order sends are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import EngineConfig, EngineCore, StepOutput
+from engine.loop import EngineLoop
+from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
+from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class PrefillWorkerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    worker_id: str = Field(description="Unique within the cluster; names the worker in messages.")
+    engine: EngineConfig = EngineConfig()
+    transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
+    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV push to finish.")
+    pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a decode worker to pair.")
+
+
+class PrefillWorker:
+    def __init__(self, config: PrefillWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        engine = EngineCore(config.engine)
+        self.block_size = engine.pool.block_size
+        self.max_seq_tokens = engine.max_seq_tokens
+        self.transport = create_transport(
+            config.transport, self.worker_id, KvLayout.from_kv(engine.runner.kv_caches), engine.device,
+            **(transport_options or {}),
+        )
+        self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
+        self._aborted: set[str] = set()
+        self._pair_locks: dict[str, asyncio.Lock] = {}
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
+        self.loop.start()
+
+    # ---- plumbing
+    async def _call(self, command: Callable[[EngineCore], T]) -> T:
+        return await asyncio.wrap_future(self.loop.submit(command))
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
+        assert self._aio is not None
+        self._aio.call_soon_threadsafe(self._resolve, outputs)
+
+    def _on_engine_error(self, err: BaseException) -> None:  # engine thread
+        self._error = err
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self._fail_all, err)
+
+    def _resolve(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            future = self._first_tokens.pop(out.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(out)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for future in self._first_tokens.values():
+            if not future.done():
+                future.set_exception(RuntimeError(f"prefill worker {self.worker_id} failed: {err}"))
+
+    # ---- the protocol
+    async def prefill(self, task: bytes, decode_worker: Any) -> bytes:
+        """Computes the prompt, pushes its KV to `decode_worker` (an actor handle, or the worker
+        itself in-process) and answers with the first token."""
+        self._aio = asyncio.get_running_loop()
+        msg = PrefillTaskMsg.decode(task)
+        request = msg.request
+        rid = request.request_id
+        params = request.params
+        first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": min(1, params.min_tokens)})
+        future: asyncio.Future[StepOutput] = self._aio.create_future()
+        self._first_tokens[rid] = future
+        try:
+            await self._call(lambda e: e.add_request(rid, request.prompt_token_ids, first_params, hold_kv=True))
+        except Exception as err:
+            self._first_tokens.pop(rid, None)
+            return PrefillResultMsg(request_id=rid, error=str(err)).encode()
+        out = await future
+        try:
+            return (await self._push(msg, out, decode_worker)).encode()
+        finally:
+            self._aborted.discard(rid)
+            await self._call(lambda e: e.release_held(rid))  # into the prefix cache
+
+    async def _push(self, task: PrefillTaskMsg, out: StepOutput, decode_worker: Any) -> PrefillResultMsg:
+        request = task.request
+        rid = request.request_id
+        result = dict(
+            request_id=rid,
+            first_token=out.new_token_ids[0] if out.new_token_ids else None,
+            logprob=out.logprobs[0] if out.logprobs else None,
+            top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        if out.finish_reason == "abort" or rid in self._aborted:
+            return PrefillResultMsg(**result, finish_reason="abort", error="aborted")
+        finish = self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
+        if finish is not None:
+            return PrefillResultMsg(**result, finish_reason=finish)  # nothing to decode: no push
+        decode_id = task.lease.decode_worker_id
+        num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        blocks = out.kv_block_ids or []
+        buf = await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks[:num_blocks]))
+        ready = KvReadyMsg(
+            lease_id=task.lease.lease_id, prefill_worker_id=self.worker_id, request=request,
+            first_token=out.new_token_ids[0], num_blocks=num_blocks, generator_state=out.generator_state,
+        )
+        try:
+            lock = self._pair_locks.setdefault(decode_id, asyncio.Lock())
+            async with lock:  # NOTE: recv and send are posted in the same order on both sides
+                await self._ensure_pair(decode_id, decode_worker)
+                accept = KvAcceptMsg.decode(await _invoke(decode_worker.kv_incoming, ready.encode()))
+                if not accept.accepted:
+                    return PrefillResultMsg(**result, error=f"decode worker refused the KV: {accept.reason}")
+                handle = self.transport.send(decode_id, buf)
+            is_done = await asyncio.to_thread(handle.wait, self.config.transfer_timeout_s)
+        except Exception as err:  # noqa: BLE001 - a failed push is this request's error, not the worker's
+            self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
+            return PrefillResultMsg(**result, error=f"KV push to {decode_id} failed: {err}")
+        if not is_done:
+            self.transport.drop(decode_id)
+            return PrefillResultMsg(**result, error=f"KV push to {decode_id} timed out")
+        return PrefillResultMsg(**result)
+
+    def _finish_reason(self, out: StepOutput, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        if out.finish_reason == "stop":
+            return "stop"  # the first token is an end-of-sequence or stop token
+        if max_tokens == 1 or num_prompt_tokens + 1 >= self.max_seq_tokens:
+            return "length"
+        return None
+
+    async def _ensure_pair(self, decode_id: str, decode_worker: Any) -> None:
+        if self.transport.is_paired(decode_id):
+            return
+        host, port = await _invoke(decode_worker.transport_address)
+        address = PairAddress(host, port)
+        timeout = self.config.pair_timeout_s
+        await asyncio.gather(
+            _invoke(decode_worker.accept_pair, self.worker_id),
+            asyncio.to_thread(self.transport.pair, decode_id, address, 1, timeout),
+        )
+
+    async def abort(self, request_id: str) -> bool:
+        """Idempotent: stops the prompt's computation; a push under way ends as aborted."""
+        self._aborted.add(request_id)
+        was_live = await self._call(lambda e: e.abort_request(request_id))
+        future = self._first_tokens.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(StepOutput(request_id, [], None, None, "abort", 0, 0))
+        return was_live
+
+    # ---- introspection
+    async def stats(self) -> dict[str, Any]:
+        s = await self._call(lambda e: e.stats())
+        return {
+            "worker_id": self.worker_id,
+            "num_waiting": s.num_waiting,
+            "num_running": s.num_running,
+            "num_blocks": s.num_blocks,
+            "num_free_blocks": s.num_free_blocks,
+            "num_cached_blocks": s.num_cached_blocks,
+            "is_healthy": self._error is None and self.loop.is_alive,
+        }
+
+    async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """How many leading tokens of a prompt this worker's prefix cache holds (for dispatch)."""
+
+        def lookup(engine: EngineCore) -> int:
+            from engine.kv_cache import hash_full_blocks
+
+            hashes = hash_full_blocks(prompt_token_ids, engine.pool.block_size, [])
+            return len(engine.pool.find_cached_prefix(hashes)) * engine.pool.block_size
+
+        return await self._call(lookup)
+
+    async def check_integrity(self) -> int:
+        def check(engine: EngineCore) -> int:
+            engine.check_integrity()
+            return engine.pool.num_held_blocks
+
+        return await self._call(check)
+
+    async def health(self) -> bool:
+        return self._error is None and self.loop.is_alive
+
+    async def shutdown(self) -> None:
+        self.loop.stop()
+        self.transport.close()
+
+
+async def _invoke(method: Any, *args: Any) -> Any:
+    """Calls a peer's method: a Ray actor method (`.remote`) or, in-process, a coroutine function."""
+    remote = getattr(method, "remote", None)
+    if remote is not None:
+        return await remote(*args)
+    return await method(*args)
+
+
+__all__ = ["PrefillWorker", "PrefillWorkerConfig"]

@@ -1,0 +1,134 @@
+"""The whole disaggregated path in one process, without Ray: Dispatcher -> DecodeWorker lease ->
+PrefillWorker prefill and KV push over the local transport -> decode -> tokens. Greedy tokens
+equal the offline engine's and the colocated mode's; aborts at every stage and expired leases
+leave no block held on either worker."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from decode_worker import DecodeWorker, DecodeWorkerConfig
+from engine import LLM, SamplingParams
+from engine.llm import engine_config
+from kvtransfer import LocalHub
+from prefill_worker import PrefillWorker, PrefillWorkerConfig
+from router import Dispatcher, Workers
+
+ENGINE = dict(device="cpu", block_size=8, num_blocks=256)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 2048) for _ in range(rng.randrange(3, 70))] for _ in range(count)]
+
+
+def _build(colocated: bool = False, lease_ttl_s: float = 30.0, **engine_options):
+    options = {**ENGINE, **engine_options}
+    hub = LocalHub()
+    local = {"hub": hub}
+    decode = DecodeWorker(
+        DecodeWorkerConfig(worker_id="d0", engine=engine_config(**options), transport="local", lease_ttl_s=lease_ttl_s),
+        transport_options=local,
+    )
+    if colocated:
+        return Workers(prefill={}, decode={"d0": decode}), [decode]
+    prefill = PrefillWorker(
+        PrefillWorkerConfig(worker_id="p0", engine=engine_config(**options), transport="local"),
+        transport_options=local,
+    )
+    return Workers(prefill={"p0": prefill}, decode={"d0": decode}), [prefill, decode]
+
+
+async def _collect(dispatcher: Dispatcher, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    tokens: list[int] = []
+    async for out in dispatcher.generate(rid, prompt, params):
+        tokens += out.new_token_ids
+    return tokens
+
+
+async def _run_all(workers: Workers, prompts, params) -> list[list[int]]:
+    dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2)
+    try:
+        return await asyncio.wait_for(
+            asyncio.gather(*(_collect(dispatcher, str(i), p, params) for i, p in enumerate(prompts))), 120
+        )
+    finally:
+        await dispatcher.close()
+
+
+async def _held(workers_list) -> list[int]:
+    return [await w.check_integrity() for w in workers_list]
+
+
+async def _shutdown(workers_list) -> None:
+    for w in workers_list:
+        await w.shutdown()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_disaggregated_equals_colocated_and_offline(params):
+    prompts = _prompts(16)
+    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+
+    async def main():
+        results = {}
+        for mode in ("disaggregated", "colocated"):
+            workers, objs = _build(colocated=(mode == "colocated"))
+            results[mode] = await _run_all(workers, prompts, params)
+            assert await _held(objs) == [0] * len(objs), mode
+            await _shutdown(objs)
+        return results
+
+    results = asyncio.run(main())
+    assert results["disaggregated"] == offline
+    assert results["colocated"] == offline
+
+
+def test_first_token_that_ends_the_request_frees_the_lease():
+    async def main():
+        workers, objs = _build()
+        tokens = await _run_all(workers, _prompts(3), SamplingParams(max_tokens=1, temperature=0.0))
+        assert all(len(t) == 1 for t in tokens)
+        assert await _held(objs) == [0, 0]
+        await _shutdown(objs)
+
+    asyncio.run(main())
+
+
+def test_abort_before_push_during_decode_and_unclaimed_lease():
+    async def main():
+        workers, (prefill, decode) = _build(lease_ttl_s=0.5)
+        dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2)
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        # during decode: leave the stream after a few tokens (a client disconnect)
+        stream = dispatcher.generate("a", _prompts(1)[0], params)
+        for _ in range(3):
+            await stream.__anext__()
+        await stream.aclose()
+        # before the push: cancel while the prompt is still being prefilled
+        task = asyncio.ensure_future(_collect(dispatcher, "b", list(range(4, 900)), params))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # an unclaimed lease: reserved, never prefilled -> freed after its ttl
+        from kvtransfer.protocol import ReserveMsg
+
+        lease = await decode.reserve(ReserveMsg(request_id="c", num_prompt_tokens=40, router_id="r0").encode())
+        assert lease is not None and await decode.check_integrity() > 0
+        await asyncio.sleep(1.0)
+        await dispatcher.close()
+        assert await _held([prefill, decode]) == [0, 0]
+        await _shutdown([prefill, decode])
+
+    asyncio.run(main())
