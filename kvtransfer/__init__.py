@@ -1,4 +1,38 @@
-"""Moving paged KV blocks between workers: the Transport interface (nccl, gloo, local), pairing,
-and the block-ownership protocol messages. (Being built: issue "Disaggregation".)"""
+"""Moving paged KV blocks between workers: the Transport interface and its implementations.
 
-__all__: list[str] = []
+A worker's KV cache is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]. A transfer
+gathers a request's blocks into one contiguous buffer (`gather_blocks`), moves it over the pair's
+transport, and scatters it into the receiver's block ids (`scatter_blocks`).
+
+Transports (pick by name with `create_transport`; ask `supports_cpu`/`supports_cuda`):
+  local   in one process, through a shared LocalHub (colocated mode, unit tests)
+  gloo    CPU tensors, one ProcessGroupGloo per pair
+  nccl    CUDA tensors, one ProcessGroupNCCL per pair (workers need NCCL_WORKER_ENV)
+
+Every pair is formed explicitly (`pair`, blocking, on both sides at once), compares the two KV
+layouts (a mismatch raises LayoutMismatchError on both sides), and can be dropped without blocking.
+send/recv never block; their handles are polled or waited on with a timeout.
+
+This package does not know which blocks are free or held, what a lease is, or that Ray exists:
+the workers above it own the blocks and call it. It imports nothing from engine/.
+"""
+
+from kvtransfer.layout import KvLayout, LayoutMismatchError, gather_blocks, scatter_blocks
+from kvtransfer.local import LocalHub, LocalTransport
+from kvtransfer.torch_dist import NCCL_WORKER_ENV, GlooTransport, NcclTransport
+from kvtransfer.transport import (
+    PairAddress,
+    TransferError,
+    TransferHandle,
+    Transport,
+    available_transports,
+    create_transport,
+    register_transport,
+)
+
+__all__ = [
+    "KvLayout", "LayoutMismatchError", "gather_blocks", "scatter_blocks",
+    "PairAddress", "TransferError", "TransferHandle", "Transport",
+    "register_transport", "create_transport", "available_transports",
+    "LocalHub", "LocalTransport", "GlooTransport", "NcclTransport", "NCCL_WORKER_ENV",
+]

@@ -1,0 +1,66 @@
+"""Starts the worker pools a ClusterConfig asks for and hands their handles to a router.
+
+The driver (the CLI, the Serve application builder, a test) owns the Deployment; `workers()`
+is what the router is given. Ray must be initialized first.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.pools import WorkerPool
+from decode_worker import DecodeWorker, DecodeWorkerConfig
+from prefill_worker import PrefillWorker, PrefillWorkerConfig
+from router import Workers
+
+
+class Deployment:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self.transport = config.resolved_transport(has_gpus)
+        gpus = config.resolved_gpus(has_gpus)
+        self.prefill: WorkerPool | None = None
+        if config.mode == "disaggregated":
+            self.prefill = WorkerPool("prefill", PrefillWorker, self._prefill_config, config.num_prefill, gpus)
+        kind = "decode" if config.mode == "disaggregated" else "colocated"
+        self.decode = WorkerPool(kind, DecodeWorker, self._decode_config, config.num_decode, gpus)
+
+    def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:
+        c = self.config
+        return PrefillWorkerConfig(
+            worker_id=worker_id, engine=c.engine, transport=self.transport, transfer_timeout_s=c.transfer_timeout_s
+        )
+
+    def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:
+        c = self.config
+        return DecodeWorkerConfig(
+            worker_id=worker_id, engine=c.engine, transport=self.transport, host=c.host,
+            lease_ttl_s=c.lease_ttl_s, transfer_timeout_s=c.transfer_timeout_s,
+        )
+
+    @property
+    def pools(self) -> list[WorkerPool]:
+        return [p for p in (self.prefill, self.decode) if p is not None]
+
+    async def start(self, timeout_s: float = 180.0) -> None:
+        for pool in self.pools:
+            pool.start()
+        for pool in self.pools:
+            await pool.wait_ready(timeout_s)
+
+    def workers(self) -> Workers:
+        return Workers(prefill=dict(self.prefill.handles) if self.prefill else {}, decode=dict(self.decode.handles))
+
+    async def held_blocks(self) -> dict[str, int]:
+        """Every worker's held block count after its integrity check (0 everywhere once drained)."""
+        held = {}
+        for pool in self.pools:
+            for worker_id, handle in pool.handles.items():
+                held[worker_id] = await handle.check_integrity.remote()
+        return held
+
+    def shutdown(self) -> None:
+        for pool in self.pools:
+            pool.shutdown()
