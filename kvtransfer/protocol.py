@@ -16,7 +16,7 @@ An AbortMsg may come at any step; it is idempotent and frees whatever the reques
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict
@@ -87,6 +87,9 @@ class PrefillResultMsg(Msg):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed here (lease refused, transfer failed...)
+    prefill_s: float = 0.0  # from arrival at the prefill worker to its first token
+    push_s: float = 0.0  # from the first token to the KV's arrival acknowledged (gather + handshake + send)
+    push_bytes: int = 0
 
 
 class TokenOutputMsg(Msg):
@@ -110,10 +113,3 @@ class TokenBatchMsg(Msg):
 class AbortMsg(Msg):
     request_id: str
 
-
-def encode_all(messages: list[Msg]) -> list[bytes]:
-    return [m.encode() for m in messages]
-
-
-def as_dict(message: Msg) -> dict[str, Any]:
-    return message.model_dump(mode="python")

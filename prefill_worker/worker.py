@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -88,6 +89,7 @@ class PrefillWorker:
         rid = request.request_id
         params = request.params
         first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": min(1, params.min_tokens)})
+        started = time.perf_counter()
         future: asyncio.Future[StepOutput] = self._aio.create_future()
         self._first_tokens[rid] = future
         try:
@@ -96,8 +98,11 @@ class PrefillWorker:
             self._first_tokens.pop(rid, None)
             return PrefillResultMsg(request_id=rid, error=str(err)).encode()
         out = await future
+        prefilled = time.perf_counter()
         try:
-            return (await self._push(msg, out, decode_worker)).encode()
+            result = await self._push(msg, out, decode_worker)
+            timing = {"prefill_s": prefilled - started, "push_s": time.perf_counter() - prefilled}
+            return result.model_copy(update=timing).encode()
         finally:
             self._aborted.discard(rid)
             await self._call(lambda e: e.release_held(rid))  # into the prefix cache
@@ -141,7 +146,7 @@ class PrefillWorker:
         if not is_done:
             self.transport.drop(decode_id)
             return PrefillResultMsg(**result, error=f"KV push to {decode_id} timed out")
-        return PrefillResultMsg(**result)
+        return PrefillResultMsg(**result, push_bytes=buf.numel() * buf.element_size())
 
     def _finish_reason(self, out: StepOutput, num_prompt_tokens: int, max_tokens: int) -> str | None:
         if out.finish_reason == "stop":

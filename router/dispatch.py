@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +55,15 @@ async def invoke(method: Any, *args: Any) -> Any:
 
 
 class Dispatcher:
-    def __init__(self, router_id: str, workers: Workers, poll_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        router_id: str,
+        workers: Workers,
+        poll_timeout_s: float = 1.0,
+        on_prefill_result: Callable[[PrefillResultMsg], None] | None = None,
+    ) -> None:
         self.router_id = router_id
+        self.on_prefill_result = on_prefill_result  # metrics: prefill and KV-push timings
         self.workers = workers
         self.poll_timeout_s = poll_timeout_s
         self._streams: dict[str, asyncio.Queue[TokenOutputMsg]] = {}
@@ -154,6 +161,8 @@ class Dispatcher:
         touched.append(prefill)
         task = PrefillTaskMsg(request=request, lease=lease).encode()
         result = PrefillResultMsg.decode(await invoke(prefill.prefill, task, decode))
+        if self.on_prefill_result is not None:
+            self.on_prefill_result(result)
         if result.error is not None:
             raise RequestFailedError(result.error)
         if result.finish_reason is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, AttentionSpec, register_backend, write_kv
 
@@ -53,6 +54,14 @@ def attend(
     return out
 
 
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [n, heads, dim], k/v: [n, kv_heads, dim] -> [n, heads, dim], causal, grouped-query."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
 @register_backend
 class TorchAttention:
     name: ClassVar[str] = "torch"
@@ -76,6 +85,11 @@ class TorchAttention:
         out = torch.empty_like(q)
         for i, seq_len in enumerate(meta.seq_lens):
             start, stop = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            if stop - start == seq_len > 1 and self.spec.sliding_window is None and q.is_cuda:
+                # A whole prompt with no cached prefix: its K/V are the new ones; let torch's fused
+                # causal kernel (flash attention on GPUs) do it without a score matrix.
+                out[start:stop] = _causal_sdpa(q[start:stop], k[start:stop], v[start:stop], self.spec.scale)
+                continue
             ks = gather_context(k_cache, meta.block_tables[i], seq_len)
             vs = gather_context(v_cache, meta.block_tables[i], seq_len)
             out[start:stop] = attend(

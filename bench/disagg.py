@@ -1,0 +1,209 @@
+"""Disaggregation on two GPUs: 1 prefill + 1 decode worker over NCCL against one colocated worker.
+
+Measures, per model shape (dummy weights), in one run:
+  - tokens: greedy outputs of a few requests, one at a time, colocated vs disaggregated (equal?);
+  - TTFT of `--prompt-len`-token prompts (fresh random prompts, no prefix-cache hits, one at a
+    time, median), as the router sees it: colocated (submit -> first token) vs disaggregated
+    (reserve -> prefill -> KV push -> first token);
+  - the KV push as the prefill worker times it (gather + handshake + send until acknowledged),
+    and its bandwidth against raw NCCL send/recv of a buffer of the same size between two Ray
+    actors on the same two GPUs (our NcclTransport, no gather, no handshake), median of many.
+Writes JSON and a PNG with the device name. Needs Ray and 2 GPUs.
+
+    python -m bench.disagg --shapes qwen3-0.6b,llama-3.1-8b --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from cluster.config import ClusterConfig
+from cluster.deployment import Deployment
+from engine import SamplingParams
+from engine.llm import engine_config
+from kvtransfer import NCCL_WORKER_ENV, KvLayout, PairAddress, create_transport
+from kvtransfer.protocol import PrefillResultMsg
+from router import Dispatcher
+
+SHAPES = Path(__file__).resolve().parent / "shapes"
+
+
+@ray.remote(num_cpus=0)
+class RawPeer:
+    """One side of the raw transport baseline: our transport, nothing else."""
+
+    def __init__(self, peer_id: str, transport: str, device: str) -> None:
+        layout = KvLayout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=1, dtype="bfloat16")
+        self.device = device
+        self.transport = create_transport(transport, peer_id, layout, device)
+        self.buf: torch.Tensor | None = None
+
+    def address(self) -> tuple[str, int]:
+        a = self.transport.address()
+        return a.host, a.port
+
+    def pair(self, peer_id: str, host: str, port: int, rank: int) -> None:
+        self.transport.pair(peer_id, PairAddress(host, port), rank, 60.0)
+
+    def alloc(self, num_bytes: int) -> None:
+        self.buf = torch.randn(num_bytes // 2, device=self.device).to(torch.bfloat16)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+    def move(self, peer_id: str, op: str) -> float:
+        assert self.buf is not None
+        start = time.perf_counter()
+        handle = (self.transport.send if op == "send" else self.transport.recv)(peer_id, self.buf)
+        assert handle.wait(60.0)
+        return time.perf_counter() - start
+
+
+def raw_bandwidth(sizes: list[int], iters: int, transport: str, device: str) -> dict[int, float]:
+    """Median GB/s of send->recv between two workers (GPUs) for each message size (bytes)."""
+    gpus = 1 if device != "cpu" else 0
+    a, b = (RawPeer.options(num_gpus=gpus).remote(f"peer-{x}", transport, device) for x in "ab")
+    host, port = ray.get(a.address.remote())
+    ray.get([a.pair.remote("peer-b", host, port, 0), b.pair.remote("peer-a", host, port, 1)])
+    out = {}
+    for size in sizes:
+        ray.get([a.alloc.remote(size), b.alloc.remote(size)])
+        times = []
+        for i in range(iters + 3):
+            recv = b.move.remote("peer-a", "recv")
+            sent = ray.get(a.move.remote("peer-b", "send"))
+            ray.get(recv)
+            if i >= 3:
+                times.append(sent)
+        out[size] = size / statistics.median(times) / 1e9
+    for actor in (a, b):
+        ray.kill(actor)
+    return out
+
+
+async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts: list[list[int]]) -> dict[str, Any]:
+    deployment = Deployment(config)
+    await deployment.start(timeout_s=600)
+    results: list[PrefillResultMsg] = []
+    dispatcher = Dispatcher("bench", deployment.workers(), poll_timeout_s=0.5, on_prefill_result=results.append)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    try:
+        tokens = []
+        for i, prompt in enumerate(prompts):
+            tokens.append([t async for out in dispatcher.generate(f"eq-{i}", prompt, greedy) for t in out.new_token_ids])
+        results.clear()
+        ttfts = []
+        two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(ttft_prompts):
+            start = time.perf_counter()
+            stream = dispatcher.generate(f"ttft-{i}", prompt, two)
+            await stream.__anext__()
+            ttfts.append(time.perf_counter() - start)
+            async for _ in stream:
+                pass
+        await dispatcher.close()
+        held = await deployment.held_blocks()
+    finally:
+        deployment.shutdown()
+    warm = 2  # the first requests pay for allocator growth and kernel selection
+    pushes = [r for r in results[warm:] if r.push_bytes]
+    return {
+        "tokens": tokens,
+        "ttft_s": ttfts[warm:],
+        "ttft_median_s": statistics.median(ttfts[warm:]),
+        "prefill_median_s": statistics.median([r.prefill_s for r in results[warm:]]) if results else None,
+        "push_median_s": statistics.median([r.push_s for r in pushes]) if pushes else None,
+        "push_bytes": pushes[0].push_bytes if pushes else None,
+        "held_blocks_after": held,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--num-ttft", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--device", default="cuda", help="'cpu' (with --transport gloo) for a smoke test")
+    parser.add_argument("--transport", default="nccl")
+    parser.add_argument("--shapes-dir", type=Path, default=SHAPES)
+    parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
+    args = parser.parse_args()
+    ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
+    on_gpu = args.device != "cpu"
+    device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if on_gpu else "cpu"
+    report: dict[str, Any] = {"device": device, "torch": torch.__version__, "transport": args.transport,
+                              "prompt_len": args.prompt_len, "shapes": {}}
+    rng = random.Random(0)
+    for shape in args.shapes.split(","):
+        model = args.shapes_dir / shape
+        options = dict(gpu_memory_utilization=0.85, dtype="bfloat16") if on_gpu else dict(num_blocks=1024)
+        engine = engine_config(str(model), load_format="dummy", device=args.device,
+                               max_num_batched_tokens=max(2048, args.prompt_len), **options)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
+        ttft_prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_ttft + 2)]
+        modes = {}
+        for mode in ("colocated", "disaggregated"):
+            config = ClusterConfig(engine=engine, mode=mode, num_prefill=1, num_decode=1, transport=args.transport)
+            modes[mode] = asyncio.run(run_mode(config, prompts, ttft_prompts))
+            print(shape, mode, {k: v for k, v in modes[mode].items() if k not in ("tokens", "ttft_s")}, flush=True)
+        d, c = modes["disaggregated"], modes["colocated"]
+        raw = raw_bandwidth([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
+        push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
+        report["shapes"][shape] = {
+            "modes": modes,
+            "same_tokens": d["tokens"] == c["tokens"],
+            "ttft_overhead": d["ttft_median_s"] / c["ttft_median_s"] - 1,
+            "push_gbps": push_gbps,
+            "raw_gbps_same_size": raw,
+            "push_fraction_of_raw": push_gbps / raw,
+        }
+        print(shape, {k: v for k, v in report["shapes"][shape].items() if k != "modes"}, flush=True)
+    if on_gpu:
+        sweep = raw_bandwidth([1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30], args.iters, args.transport, args.device)
+        report["raw_gbps_by_size"] = {str(k): v for k, v in sweep.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"disagg_{args.tag}.json").write_text(json.dumps(report, indent=1))
+    plot(report, args.out / f"disagg_{args.tag}.png")
+    ray.shutdown()
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(report["shapes"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(shapes))
+    for offset, mode in ((-0.2, "colocated"), (0.2, "disaggregated")):
+        ax1.bar([i + offset for i in x], [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes],
+                width=0.4, label=mode)
+    ax1.set_xticks(list(x), shapes)
+    ax1.set_ylabel(f"TTFT ms (median, {report['prompt_len']}-token prompts)")
+    ax1.legend()
+    ax2.bar([i - 0.2 for i in x], [report["shapes"][s]["push_gbps"] for s in shapes], width=0.4, label="KV push")
+    ax2.bar([i + 0.2 for i in x], [report["shapes"][s]["raw_gbps_same_size"] for s in shapes], width=0.4,
+            label=f"raw {report['transport']} send/recv, same size")
+    ax2.set_xticks(list(x), shapes)
+    ax2.set_ylabel("GB/s")
+    ax2.legend()
+    fig.suptitle(f"pdserve 1P1D over {report['transport']} vs colocated — {report['device']}, torch {report['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
