@@ -67,6 +67,7 @@ class Dispatcher:
         self.workers = workers
         self.poll_timeout_s = poll_timeout_s
         self._streams: dict[str, asyncio.Queue[TokenOutputMsg]] = {}
+        self._worker_of: dict[str, str] = {}  # request id -> the decode (or colocated) worker streaming it
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._round_robin = itertools.count()
 
@@ -85,11 +86,27 @@ class Dispatcher:
                 raise
             except Exception as err:  # noqa: BLE001 - the worker is gone: fail its requests, stop polling
                 log.warning("polling %s failed: %s", worker_id, err)
+                self._fail_requests_of(worker_id, f"decode worker {worker_id} failed: {err}")
                 return
             for out in batch.outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+
+    def _fail_requests_of(self, worker_id: str, error: str) -> None:
+        for request_id, owner in list(self._worker_of.items()):
+            queue = self._streams.get(request_id)
+            if owner == worker_id and queue is not None:
+                queue.put_nowait(TokenOutputMsg(request_id=request_id, new_token_ids=[], finish_reason="abort", error=error))
+
+    def set_workers(self, workers: Workers) -> None:
+        """Takes a new worker set (a worker was replaced); requests on workers that left fail."""
+        for worker_id in set(self.workers.decode) - set(workers.decode):
+            task = self._pollers.pop(worker_id, None)
+            if task is not None:
+                task.cancel()
+            self._fail_requests_of(worker_id, f"decode worker {worker_id} left the cluster")
+        self.workers = workers
 
     async def close(self) -> None:
         for task in self._pollers.values():
@@ -131,31 +148,36 @@ class Dispatcher:
                     return
         finally:
             del self._streams[request_id]
+            self._worker_of.pop(request_id, None)
             if not is_finished:
                 await asyncio.shield(self._abort(request_id, touched))
 
     async def _submit_colocated(self, request: GenerateRequestMsg, touched: list[Any]) -> None:
         ids = list(self.workers.decode)
-        handle = self.workers.decode[ids[next(self._round_robin) % len(ids)]]
+        worker_id = ids[next(self._round_robin) % len(ids)]
+        handle = self.workers.decode[worker_id]
         touched.append(handle)
+        self._worker_of[request.request_id] = worker_id
         await invoke(handle.submit, request.encode())
 
-    async def _reserve(self, request: GenerateRequestMsg) -> tuple[Any, LeaseMsg]:
+    async def _reserve(self, request: GenerateRequestMsg) -> tuple[str, LeaseMsg]:
         ids = list(self.workers.decode)
         start = next(self._round_robin)
         reserve = ReserveMsg(
             request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), router_id=self.router_id
         ).encode()
         for i in range(len(ids)):
-            handle = self.workers.decode[ids[(start + i) % len(ids)]]
-            lease = await invoke(handle.reserve, reserve)
+            worker_id = ids[(start + i) % len(ids)]
+            lease = await invoke(self.workers.decode[worker_id].reserve, reserve)
             if lease is not None:
-                return handle, LeaseMsg.decode(lease)
+                return worker_id, LeaseMsg.decode(lease)
         raise NoCapacityError(f"no decode worker has KV blocks for {len(request.prompt_token_ids)} prompt tokens")
 
     async def _prefill(self, request: GenerateRequestMsg, touched: list[Any]) -> TokenOutputMsg:
-        decode, lease = await self._reserve(request)
+        decode_id, lease = await self._reserve(request)
+        decode = self.workers.decode[decode_id]
         touched.append(decode)
+        self._worker_of[request.request_id] = decode_id
         ids = list(self.workers.prefill)
         prefill = self.workers.prefill[ids[next(self._round_robin) % len(ids)]]
         touched.append(prefill)

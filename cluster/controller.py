@@ -1,0 +1,75 @@
+"""ClusterController: a Ray actor that owns the worker pools, watches their health, replaces dead
+workers, and tells routers which workers exist (versioned, so routers notice changes cheaply).
+
+Routers are handed this actor's handle and call `workers()`; they never import cluster/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.deployment import Deployment
+
+log = logging.getLogger(__name__)
+
+
+class ClusterController:
+    def __init__(self, config: ClusterConfig, health_interval_s: float = 1.0) -> None:
+        self.config = config
+        self.health_interval_s = health_interval_s
+        self.deployment = Deployment(config)
+        self.version = 0
+        self.num_replaced = 0
+        self._supervisor: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.deployment.start()
+        self.version += 1
+        self._ready.set()
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def wait_ready(self) -> int:
+        await self._ready.wait()
+        return self.version
+
+    async def workers(self) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        """(version, prefill handles by id, decode handles by id)."""
+        await self._ready.wait()
+        w = self.deployment.workers()
+        return self.version, dict(w.prefill), dict(w.decode)
+
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for pool in self.deployment.pools:
+                for worker_id in await pool.find_dead():
+                    new_id = pool.replace(worker_id)
+                    self.num_replaced += 1
+                    self.version += 1
+                    log.warning("worker %s is dead; replaced by %s", worker_id, new_id)
+                    try:
+                        await pool.wait_ready()
+                    except Exception as err:  # noqa: BLE001 - retried on the next round
+                        log.warning("replacement %s is not ready yet: %s", new_id, err)
+
+    async def held_blocks(self) -> dict[str, int]:
+        return await self.deployment.held_blocks()
+
+    async def stats(self) -> list[dict[str, Any]]:
+        out = []
+        for pool in self.deployment.pools:
+            for handle in pool.handles.values():
+                try:
+                    out.append(await asyncio.wait_for(handle.stats.remote(), 5.0))
+                except Exception as err:  # noqa: BLE001 - shown as unhealthy
+                    out.append({"error": str(err)})
+        return out
+
+    async def shutdown(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        self.deployment.shutdown()
