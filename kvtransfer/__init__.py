@@ -14,7 +14,8 @@ layouts (a mismatch raises LayoutMismatchError on both sides), and can be droppe
 send/recv never block; their handles are polled or waited on with a timeout.
 
 This package does not know which blocks are free or held, what a lease is, or that Ray exists:
-the workers above it own the blocks and call it. It imports nothing from engine/.
+the workers above it own the blocks and call it. The transports import nothing from engine/;
+`kvtransfer.protocol` (the typed messages of the block-ownership protocol) uses engine's SamplingParams.
 """
 
 from kvtransfer.layout import KvLayout, LayoutMismatchError, gather_blocks, scatter_blocks

@@ -164,7 +164,7 @@ class LocalTransport(Transport):
         with self._lock:
             return peer_id in self._pairs
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
         with self._lock:
             peers = list(self._pairs)
         for peer_id in peers:

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtransfer.layout import KvLayout
-from kvtransfer.rendezvous import StoreHost, connect, handshake
+from kvtransfer.layout import KvLayout, LayoutMismatchError
+from kvtransfer.rendezvous import Rendezvous, handshake
 from kvtransfer.transport import EventHandle, PairAddress, TransferError, TransferHandle, Transport
 
-__all__ = ["PairGroupTransport"]
+__all__ = ["PairGroupTransport", "Pair", "Waiter", "TAG_DATA", "TAG_LAYOUT"]
 
 TAG_DATA = 0
 TAG_LAYOUT = 1
@@ -29,16 +29,16 @@ TAG_LAYOUT = 1
 class Pair:
     """One formed pair. `rank` is this side's rank in the pair's group; the peer's is 1 - rank."""
 
-    def __init__(self, peer_id: str, rank: int, group: Any, store: dist.TCPStore, stream: Any = None) -> None:
+    def __init__(self, peer_id: str, rank: int, group: Any, stream: Any = None) -> None:
         self.peer_id = peer_id
         self.rank = rank
         self.peer_rank = 1 - rank
         self.group = group
-        self.store = store  # kept alive as long as the group
         self.stream = stream  # NCCL: the pair's own CUDA stream (a dead peer poisons only it)
         self.lock = threading.Lock()  # guards is_dropped and the waiters
         self.is_dropped = False
         self.waiters: dict[str, Waiter] = {}  # gloo: "send"/"recv" -> waiter thread
+        self.threads: list[threading.Thread] = []  # every thread working for this pair, for close()
 
 
 class Waiter:
@@ -55,8 +55,9 @@ class Waiter:
         self._pair = pair
         self._explain = explain
         self._queue: queue.SimpleQueue[tuple[Any, EventHandle] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"kvtransfer-{direction}-{pair.peer_id}", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name=f"kvtransfer-{direction}-{pair.peer_id}", daemon=True)
+        pair.threads.append(thread)
+        thread.start()
 
     def submit(self, work: Any, handle: EventHandle) -> None:
         self._queue.put((work, handle))
@@ -87,12 +88,12 @@ class PairGroupTransport(Transport):
         super().__init__(self_id, layout, device)
         self.max_transfer_s = max_transfer_s
         self._host = host
-        self._store_host = StoreHost(host)
+        self._rendezvous = Rendezvous(host)
         self._lock = threading.Lock()
         self._pairs: dict[str, Pair] = {}
 
     def address(self) -> PairAddress:
-        return self._store_host.address()
+        return self._rendezvous.address()
 
     def pair(self, peer_id: str, address: PairAddress, rank: int, timeout_s: float) -> None:
         self._check_rank(rank)
@@ -102,35 +103,62 @@ class PairGroupTransport(Transport):
         self.drop(peer_id)  # re-pairing replaces the old pair
         deadline = time.monotonic() + timeout_s
         host_id, joiner_id = (self.self_id, peer_id) if rank == 0 else (peer_id, self.self_id)
-        store = connect(address, timeout_s, f"{self.self_id!r} pairing with {peer_id!r}")
-        prefix = handshake(store, host_id, joiner_id, rank, timeout_s)
+        what = f"{self.self_id!r} pairing with {peer_id!r}"
+        store = self._rendezvous.store_for(address, rank, timeout_s, what)
         try:
-            pair = self._form(peer_id, rank, dist.PrefixStore(prefix, store), store)
+            prefix = handshake(store, host_id, joiner_id, rank, timeout_s)
+        except RuntimeError as e:  # the store itself failed (its host died?): reconnect next time
+            self._rendezvous.forget(address)
+            raise TransferError(f"{what}: the rendezvous at {address.host}:{address.port} failed: {e}") from e
+        try:
+            pair = self._form(peer_id, rank, dist.PrefixStore(prefix, store))
         except Exception as e:
             raise TransferError(f"forming the {self.name} group of {host_id!r} and {joiner_id!r} failed: {e}") from e
         try:
-            peer_layout = self._exchange_layouts(pair, deadline - time.monotonic())
-            self.layout.check_compatible(peer_layout)  # NOTE: both sides compare the same two layouts
+            self._exchange_layouts(pair, deadline - time.monotonic())
         except BaseException:
             self._release(pair)
             raise
         with self._lock:
+            old = self._pairs.pop(peer_id, None)  # a concurrent pair() with the same peer lost the race
             self._pairs[peer_id] = pair
+        if old is not None:
+            self._release(old)
 
-    def _exchange_layouts(self, pair: Pair, timeout_s: float) -> KvLayout:
-        """Send ours, receive theirs, in an order both ranks agree on (rank 0 sends first): for NCCL
-        this also opens both directions of the lazy connection now, while both sides are alive."""
+    def _exchange_layouts(self, pair: Pair, timeout_s: float) -> None:
+        """Send ours, receive theirs, compare: LayoutMismatchError on both sides if they differ.
+
+        Both ranks issue the two ops in the same order (rank 0 sends first), which NCCL needs; for
+        NCCL this also opens both directions of the lazy connection now, while both are alive."""
         mine = self.layout.to_ints().to(self.device)  # [NUM_INTS] int64
         theirs = torch.empty_like(mine)
         if pair.rank == 0:
-            handles = [self._start(pair, "send", mine, TAG_LAYOUT), self._start(pair, "recv", theirs, TAG_LAYOUT)]
+            send = self._start(pair, "send", mine, TAG_LAYOUT)
+            recv = self._start(pair, "recv", theirs, TAG_LAYOUT)
         else:
-            handles = [self._start(pair, "recv", theirs, TAG_LAYOUT), self._start(pair, "send", mine, TAG_LAYOUT)]
+            recv = self._start(pair, "recv", theirs, TAG_LAYOUT)
+            send = self._start(pair, "send", mine, TAG_LAYOUT)
         deadline = time.monotonic() + timeout_s
-        for handle in handles:
-            if not handle.wait(deadline - time.monotonic()):
-                raise TimeoutError(f"{pair.peer_id!r} did not exchange KV layouts within {timeout_s:.1f} s")
-        return KvLayout.from_ints(theirs.cpu())
+        if not recv.wait(timeout_s):
+            raise TimeoutError(f"{pair.peer_id!r} did not send its KV layout within {timeout_s:.1f} s")
+        mismatch: LayoutMismatchError | None = None
+        try:
+            self.layout.check_compatible(KvLayout.from_ints(theirs.cpu()))
+        except LayoutMismatchError as e:
+            mismatch = e
+        # NOTE: wait for our own send even on a mismatch, so the peer gets our layout before the
+        # release closes the connection; and a peer that closed first over the same mismatch must
+        # still leave us reporting the mismatch, not the closed connection.
+        try:
+            is_sent = send.wait(deadline - time.monotonic())
+        except TransferError:
+            if mismatch is None:
+                raise
+            is_sent = True
+        if mismatch is not None:
+            raise mismatch
+        if not is_sent:
+            raise TimeoutError(f"{pair.peer_id!r} did not take our KV layout within {timeout_s:.1f} s")
 
     def send(self, peer_id: str, tensor: torch.Tensor) -> TransferHandle:
         self._check_tensor(peer_id, tensor)
@@ -150,12 +178,20 @@ class PairGroupTransport(Transport):
         with self._lock:
             return peer_id in self._pairs
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Drop every pair, then wait up to `timeout_s` for their threads to finish.
+
+        NOTE: the only call here that waits: a process that exits while a gloo thread is still
+        inside a wait() dies with "terminate called without an active exception" (torch 2.13)."""
         with self._lock:
             pairs, self._pairs = list(self._pairs.values()), {}
         for pair in pairs:
             self._release(pair)
-        self._store_host.close()
+        deadline = time.monotonic() + timeout_s
+        for pair in pairs:
+            for thread in list(pair.threads):
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._rendezvous.close()
 
     def _get(self, peer_id: str) -> Pair:
         with self._lock:
@@ -171,10 +207,12 @@ class PairGroupTransport(Transport):
                 return
             pair.is_dropped = True
             waiters = list(pair.waiters.values())
+            pair.waiters.clear()  # no Pair <-> Waiter cycle: the group is freed once the waiters exit
         for waiter in waiters:
             waiter.stop()
-        threading.Thread(target=self._abort, args=(pair,), name=f"kvtransfer-abort-{pair.peer_id}",
-                         daemon=True).start()
+        abort = threading.Thread(target=self._abort, args=(pair,), name=f"kvtransfer-abort-{pair.peer_id}", daemon=True)
+        pair.threads.append(abort)
+        abort.start()
 
     def _explain(self, pair: Pair, error: BaseException) -> TransferError:
         if pair.is_dropped:
@@ -184,7 +222,7 @@ class PairGroupTransport(Transport):
     # -- backend hooks ---------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore, store: dist.TCPStore) -> Pair:
+    def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore) -> Pair:
         """Build the pair's process group (blocking until both sides joined)."""
 
     @abc.abstractmethod

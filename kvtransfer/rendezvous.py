@@ -1,21 +1,30 @@
-"""Pair rendezvous over a torch.distributed TCPStore: which worker hosts the store, and how the two
-sides of a pair agree on a fresh key prefix (generation) for their process group.
+"""Pair rendezvous over torch.distributed TCPStores: the store a worker hosts for the pairs where it
+is rank 0, the client connections it keeps to other hosts' stores, and the handshake by which the
+two sides of a pair agree on a fresh key prefix (generation) for their process group.
+
+NOTE: connections are scarce. On torch 2.13 every TCPStore connection costs a reverse DNS lookup
+(getnameinfo of the peer) in the store server's single accept thread; where the resolver is slow or
+unreachable, a connect (and every other client of that server) stalls for the resolver's timeout
+(5 s seen on the CPU sandbox). So the host pairs through its own master store object, a joiner keeps
+one client per host address, and nobody opens a connection per pair attempt.
+
+NOTE: one TCPStore object runs one operation at a time (a blocking `wait` holds up every other call
+on that object), so the handshake polls with `check`, which returns at once, instead of `wait`.
 
 The host (rank 0) owns a generation counter per pair in its own store. Since the store lives and
-dies with the host, the counter is never stale for it: a restarted joiner simply reads the host's
-latest offer, and a restarted host starts a new store at a new address.
-
-Keys, under "pdserve/kv/{host_id}/{joiner_id}":
+dies with the host, the counter is never stale for it; a restarted joiner reads the latest offer,
+and a restarted host starts a new store at a new address. Keys, under "pdserve/kv/{host}/{joiner}":
 
     gen              counter, +1 per attempt of the host                    (host)
-    offer            the generation of the host's attempt in progress        (host sets, deletes when done)
+    offer            the generation of the host's attempt in progress,      (host)
+                     or "withdrawn" once that attempt ended either way
     {gen}/accept     the joiner has read the offer                           (joiner)
     {gen}/go         the host saw the accept: both build the group now       (host)
     {gen}/group/...  the process group's own rendezvous (PrefixStore)
 
-The handshake bounds pairing by `timeout_s` before any process group is built: once both sides
-passed it, the group forms in milliseconds. (A side that dies inside that window leaves the
-other waiting for the group's own timeout.)
+The handshake bounds pairing by `timeout_s` before any process group is built; once both sides
+passed it, the group forms in milliseconds. (A side that dies inside that window leaves the other
+waiting for the group's own timeout.)
 """
 
 from __future__ import annotations
@@ -28,49 +37,70 @@ import torch.distributed as dist
 
 from kvtransfer.transport import PairAddress
 
-__all__ = ["StoreHost", "connect", "handshake"]
+__all__ = ["Rendezvous", "handshake"]
+
+_WITHDRAWN = b"withdrawn"
+_POLL_S = 0.002
 
 
-class StoreHost:
-    """The TCPStore server a worker hosts for the pairs where it is rank 0; started on first use."""
+class Rendezvous:
+    """One worker's stores: the master it hosts (started on first use) and its clients of others."""
 
     def __init__(self, host: str) -> None:
-        self._host = host
+        self._host = host  # the address peers reach this worker at
         self._lock = threading.Lock()
-        self._store: dist.TCPStore | None = None
+        self._master: dist.TCPStore | None = None
+        self._clients: dict[PairAddress, dist.TCPStore] = {}
 
     def address(self) -> PairAddress:
+        return PairAddress(self._host, int(self._master_store().port))
+
+    def store_for(self, address: PairAddress, rank: int, timeout_s: float, what: str) -> dist.TCPStore:
+        """The store to pair through: our own master as rank 0, a (cached) client of `address` as rank 1."""
+        if rank == 0:
+            return self._master_store()
         with self._lock:
-            if self._store is None:
-                # Port 0: the OS picks a free port; the store reports the real one.
-                self._store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False,
-                                            timeout=timedelta(seconds=30))
-            return PairAddress(self._host, int(self._store.port))
+            client = self._clients.get(address)
+        if client is not None:
+            return client
+        try:
+            client = dist.TCPStore(address.host, address.port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=max(timeout_s, 0.001)))
+        except (dist.DistError, RuntimeError) as e:
+            raise TimeoutError(f"{what}: could not reach the rendezvous at {address.host}:{address.port} "
+                               f"within {timeout_s:.1f} s ({e})") from e
+        with self._lock:
+            return self._clients.setdefault(address, client)
+
+    def forget(self, address: PairAddress) -> None:
+        """Drop the client of `address` (after it failed), so the next pairing reconnects."""
+        with self._lock:
+            self._clients.pop(address, None)
 
     def close(self) -> None:
         with self._lock:
-            self._store = None  # the server stops with the last reference
+            self._master = None  # the server stops with the last reference
+            self._clients.clear()
+
+    def _master_store(self) -> dist.TCPStore:
+        with self._lock:
+            if self._master is None:
+                # Port 0: the OS picks a free port; the store reports the real one.
+                self._master = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False,
+                                             timeout=timedelta(seconds=30))
+            return self._master
 
 
-def connect(address: PairAddress, timeout_s: float, what: str) -> dist.TCPStore:
-    """A client of the store at `address` (one per pair attempt, so no pair waits on another's
-    blocking store call)."""
-    try:
-        return dist.TCPStore(address.host, address.port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=max(timeout_s, 0.001)))
-    except (dist.DistError, RuntimeError) as e:
-        raise TimeoutError(f"{what}: could not reach the rendezvous at {address.host}:{address.port} "
-                           f"within {timeout_s:.1f} s ({e})") from e
-
-
-def _wait_key(store: dist.TCPStore, key: str, deadline: float, what: str) -> None:
-    remaining = deadline - time.monotonic()
-    try:
-        if remaining <= 0:
-            raise dist.DistStoreError(f"no time left to wait for {key}")
-        store.wait([key], timedelta(seconds=remaining))
-    except (dist.DistError, RuntimeError) as e:
-        raise TimeoutError(f"{what}: the peer did not show up in time (waiting for {key!r})") from e
+def _poll(store: dist.TCPStore, key: str, deadline: float, what: str) -> bytes:
+    """The value of `key` once it is set (and not withdrawn); TimeoutError at the deadline."""
+    while True:
+        if store.check([key]):
+            value = store.get(key)  # set and never deleted: returns at once
+            if value != _WITHDRAWN:
+                return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what}: the peer did not show up in time (waiting for {key!r})")
+        time.sleep(_POLL_S)
 
 
 def handshake(store: dist.TCPStore, host_id: str, joiner_id: str, rank: int, timeout_s: float) -> str:
@@ -82,17 +112,13 @@ def handshake(store: dist.TCPStore, host_id: str, joiner_id: str, rank: int, tim
         generation = store.add(f"{base}/gen", 1)
         store.set(f"{base}/offer", str(generation))
         try:
-            _wait_key(store, f"{base}/{generation}/accept", deadline, what)
+            _poll(store, f"{base}/{generation}/accept", deadline, what)
             store.set(f"{base}/{generation}/go", "1")
         finally:
             # NOTE: always withdrawn, so a joiner arriving later never takes an abandoned offer.
-            store.delete_key(f"{base}/offer")
+            store.set(f"{base}/offer", _WITHDRAWN)
     else:
-        _wait_key(store, f"{base}/offer", deadline, what)
-        try:
-            generation = int(store.get(f"{base}/offer"))
-        except (dist.DistError, RuntimeError) as e:  # withdrawn between the wait and the get
-            raise TimeoutError(f"{what}: the host gave up before we joined") from e
+        generation = int(_poll(store, f"{base}/offer", deadline, what))
         store.set(f"{base}/{generation}/accept", "1")
-        _wait_key(store, f"{base}/{generation}/go", deadline, what)
+        _poll(store, f"{base}/{generation}/go", deadline, what)
     return f"{base}/{generation}/group"

@@ -47,14 +47,14 @@ class GlooTransport(PairGroupTransport):
     supports_cpu = True
     supports_cuda = False
 
-    def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore, store: dist.TCPStore) -> Pair:
+    def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore) -> Pair:
         options = dist.ProcessGroupGloo._Options()
         # NOTE: gloo fixes a pair's op timeout when the group is built (set_timeout() later does not
         # reach send/recv), so it is the per-transfer limit, not the pairing timeout.
         options._timeout = timedelta(seconds=self.max_transfer_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]  # no env lookup
         group = dist.ProcessGroupGloo(prefix_store, rank, 2, options)
-        return Pair(peer_id, rank, group, store)
+        return Pair(peer_id, rank, group)
 
     def _start(self, pair: Pair, op: str, tensor: torch.Tensor, tag: int) -> TransferHandle:
         handle = EventHandle(f"{op} {'to' if op == 'send' else 'from'} {pair.peer_id!r}")
@@ -147,13 +147,13 @@ class NcclTransport(PairGroupTransport):
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(self_id, layout, device, host, max_transfer_s)
 
-    def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore, store: dist.TCPStore) -> Pair:
+    def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore) -> Pair:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=self.max_transfer_s)
         with torch.cuda.device(self.device):
             group = dist.ProcessGroupNCCL(prefix_store, rank, 2, options)
             stream = torch.cuda.Stream(device=self.device)
-        return Pair(peer_id, rank, group, store, stream)
+        return Pair(peer_id, rank, group, stream)
 
     def _start(self, pair: Pair, op: str, tensor: torch.Tensor, tag: int) -> TransferHandle:
         what = f"{op} {'to' if op == 'send' else 'from'} {pair.peer_id!r}"

@@ -146,8 +146,9 @@ class Transport(abc.ABC):
     def is_paired(self, peer_id: str) -> bool: ...
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Drop every pair and release the rendezvous point. Idempotent."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Drop every pair and release the rendezvous point; may wait up to `timeout_s` for the
+        transport's own threads to finish (call it on shutdown, not from the engine loop). Idempotent."""
 
     def _check_rank(self, rank: int) -> None:
         if rank not in (0, 1):

@@ -173,8 +173,40 @@ def test_registry_names_the_known_and_the_capable_transports() -> None:
 
 def test_pairing_times_out_when_the_peer_never_comes(builder: Builder) -> None:
     a = builder.make("prefill-0")
+    address = a.address()
     start = time.monotonic()
     with pytest.raises(TimeoutError):
-        a.pair("decode-0", a.address(), 0, 0.3)
+        a.pair("decode-0", address, 0, 0.3)
     assert time.monotonic() - start < 1.0
     assert not a.is_paired("decode-0")
+
+
+class _FakeEvent:
+    """Stands in for a torch.cuda.Event: completes when told to."""
+
+    def __init__(self) -> None:
+        self.is_complete = False
+
+    def query(self) -> bool:
+        return self.is_complete
+
+
+def test_nccl_handle_polls_its_event_against_the_deadline_and_fails_once_dropped() -> None:
+    # The NCCL handle's logic runs on the CPU with a fake event; the transport itself needs 2 GPUs.
+    from kvtransfer.pair_group import Pair
+    from kvtransfer.torch_dist import _CudaEventHandle
+
+    pair = Pair("decode-0", rank=0, group=None)
+    event = _FakeEvent()
+    handle = _CudaEventHandle("recv from 'decode-0'", event, pair, "prefill-0")  # type: ignore[arg-type]
+    start = time.monotonic()
+    assert handle.wait(0.1) is False and not handle.done()
+    assert 0.1 <= time.monotonic() - start < 0.3
+    event.is_complete = True
+    assert handle.done() and handle.wait(0.0) and handle.error is None
+
+    stuck = _CudaEventHandle("recv from 'decode-0'", _FakeEvent(), pair, "prefill-0")  # type: ignore[arg-type]
+    pair.is_dropped = True
+    assert stuck.done() and isinstance(stuck.error, TransferError)
+    with pytest.raises(TransferError, match="dropped its pair"):
+        stuck.wait(1.0)
