@@ -14,8 +14,8 @@ other's prompt blocks.
 
 Both drive `EngineCore` through its public API (`add_request`, `step`, `has_unfinished`) after
 one warm-up run. Measured: wall time (`time.perf_counter` around the whole run, CUDA
-synchronised at both ends), engine steps, output tokens/s and requests/s, and their ratio
-continuous / static.
+synchronised at both ends; the median of 3 runs of each mode, alternating which goes first),
+engine steps, output tokens/s and requests/s, and their ratio continuous / static.
 
     .venv/bin/python -m bench.batching [--quick] [--model DIR] [--device cuda]
 """
@@ -47,10 +47,12 @@ class Workload:
 
 @dataclass(frozen=True)
 class ModeResult:
-    wall_s: float
+    wall_s: float  # the median over the repeats
+    wall_s_all: list[float]  # every repeat, in the order run
     num_steps: int
     num_requests: int
     num_output_tokens: int
+    num_preemptions: int  # KV cache too small for the slots: requests were recomputed
     tokens_per_s: float
     requests_per_s: float
     mean_batch_size: float  # output tokens per step: every running request emits one token a step
@@ -105,9 +107,20 @@ def run_continuous(engine: EngineCore, work: Workload, num_slots: int, tag: str)
 RUNNERS = {"static": run_static, "continuous": run_continuous}
 
 
-def measure(engine: EngineCore, mode: str, work: Workload, num_slots: int) -> ModeResult:
+@dataclass(frozen=True, order=True)
+class Run:
+    wall_s: float  # first: runs sort by wall time
+    num_steps: int
+    num_requests: int
+    num_output_tokens: int
+    num_preemptions: int
+
+
+def measure(engine: EngineCore, mode: str, work: Workload, num_slots: int, repeat: int) -> Run:
+    """One timed run, checked for leaked blocks and for the counts that ignore_eos promises."""
+    preempted_before = engine.stats().num_preemptions
     wall_s, (num_steps, num_requests, num_tokens) = timed(
-        engine.device, lambda: RUNNERS[mode](engine, work, num_slots, mode)
+        engine.device, lambda: RUNNERS[mode](engine, work, num_slots, f"{mode}{repeat}")
     )
     check_no_leak(engine)
     expected = sum(work.max_tokens)
@@ -116,14 +129,25 @@ def measure(engine: EngineCore, mode: str, work: Workload, num_slots: int) -> Mo
             f"{mode}: finished {num_requests}/{work.num_requests} requests with {num_tokens} output tokens; "
             f"expected {expected} (ignore_eos: every request runs to max_tokens; is max_model_len too small?)"
         )
+    return Run(wall_s, num_steps, num_requests, num_tokens, engine.stats().num_preemptions - preempted_before)
+
+
+def summarize(runs: list[Run]) -> ModeResult:
+    """The run of median wall time (the lower middle of an even count).
+
+    Steps and counts are the same in every run: greedy, ignore_eos, one engine.
+    """
+    run = sorted(runs)[(len(runs) - 1) // 2]
     return ModeResult(
-        wall_s=wall_s,
-        num_steps=num_steps,
-        num_requests=num_requests,
-        num_output_tokens=num_tokens,
-        tokens_per_s=num_tokens / wall_s,
-        requests_per_s=num_requests / wall_s,
-        mean_batch_size=num_tokens / num_steps,
+        wall_s=run.wall_s,
+        wall_s_all=[r.wall_s for r in runs],
+        num_steps=run.num_steps,
+        num_requests=run.num_requests,
+        num_output_tokens=run.num_output_tokens,
+        num_preemptions=run.num_preemptions,
+        tokens_per_s=run.num_output_tokens / run.wall_s,
+        requests_per_s=run.num_requests / run.wall_s,
+        mean_batch_size=run.num_output_tokens / run.num_steps,
     )
 
 
@@ -134,10 +158,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32, help="Prompt length in tokens.")
     parser.add_argument("--short-tokens", type=int, default=50, help="max_tokens of the short requests.")
     parser.add_argument("--long-tokens", type=int, default=200, help="max_tokens of the long requests.")
+    parser.add_argument("--repeats", type=int, default=None, help="Timed runs of each mode, alternating (3; 1 quick).")
     args = parser.parse_args(argv)
     if args.num_requests is None:
         args.num_requests = 16 if args.quick else 32
-    for name in ("num_requests", "num_slots", "prompt_len", "short_tokens", "long_tokens"):
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    for name in ("num_requests", "num_slots", "prompt_len", "short_tokens", "long_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -151,7 +178,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     run_static(engine, warmup, args.num_slots, "warmup")
     check_no_leak(engine)
 
-    results = {mode: measure(engine, mode, work, args.num_slots) for mode in MODES}
+    runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
+    for repeat in range(args.repeats):
+        for mode in MODES if repeat % 2 == 0 else MODES[::-1]:  # NOTE: alternate, so order favours neither
+            runs[mode].append(measure(engine, mode, work, args.num_slots, repeat))
+    results = {mode: summarize(runs[mode]) for mode in MODES}
     static, continuous = results["static"], results["continuous"]
     workload = {
         "num_requests": work.num_requests,
@@ -166,7 +197,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "prompts": f"uniform random token ids, seed {args.seed}",
         "enable_prefix_caching": False,
         "warmup": f"one static batch of {len(warmup.prompts)} requests, max_tokens <= 8",
-        "timing": "time.perf_counter around the whole run, CUDA synchronised at both ends",
+        "repeats": args.repeats,
+        "timing": "time.perf_counter around the whole run, CUDA synchronised at both ends; modes alternate "
+        "(static first on even repeats); wall_s is the median over the repeats",
     }
     record = {
         "workload": workload,
@@ -182,9 +215,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{work.num_requests} requests, {args.num_slots} slots, prompt {args.prompt_len} tokens, "
         f"max_tokens {args.short_tokens}/{args.long_tokens} interleaved, greedy, ignore_eos"
     )
-    json_path, png_path = write_results(
-        args.out, "batching", env, record, lambda fig: _plot(fig, results), title("Static vs continuous batching", env, line)
-    )
+    plot_title = title("Static vs continuous batching", env, line)
+    json_path, png_path = write_results(args.out, "batching", env, record, lambda fig: _plot(fig, results), plot_title)
     _report(results, record["ratio_continuous_over_static"], json_path, png_path)
     return {"json": str(json_path), "png": str(png_path), "benchmark": "batching", "environment": env, **record}
 

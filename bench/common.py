@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import re
@@ -35,10 +36,18 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Folder for the JSON and PNG results.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random prompts and of dummy weights.")
     parser.add_argument("--quick", action="store_true", help="A smaller workload, for a fast look.")
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads (default: torch's own); 1 on a busy machine."
+    )
     return parser
 
 
 def build_engine(args: argparse.Namespace, **options: Any) -> EngineCore:
+    """The engine the command line asks for; sets torch's CPU thread count (process-wide) if given."""
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
+        torch.set_num_threads(args.num_threads)
     return EngineCore(
         engine_config(
             args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed, **options
@@ -106,9 +115,13 @@ def environment(engine: EngineCore, args: argparse.Namespace) -> dict[str, Any]:
         "device": str(engine.device),
         "device_name": device_name(engine.device),
         "num_cpu_threads": torch.get_num_threads(),
+        "num_cpus": os.cpu_count(),
+        # 1, 5 and 15 minute load averages as the results are written: other work on the machine
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "kv_cache": {"num_blocks": engine.pool.num_blocks, "block_size": engine.pool.block_size},
         "model": {
             "name": args.model,
             "dir": str(engine.model_dir),
@@ -132,7 +145,8 @@ def title(bench_title: str, env: dict[str, Any], workload_line: str) -> str:
     m = env["model"]
     shape = (
         f"{m['num_layers']}L h{m['hidden_size']} ffn{m['intermediate_size']} "
-        f"{m['num_heads']}q/{m['num_kv_heads']}kv x{m['head_dim']} V{m['vocab_size']}, {m['num_params'] / 1e6:.2f}M params"
+        f"{m['num_heads']}q/{m['num_kv_heads']}kv x{m['head_dim']} V{m['vocab_size']}, "
+        f"{m['num_params'] / 1e6:.2f}M params"
     )
     return (
         f"{bench_title}\n"
@@ -158,7 +172,7 @@ def write_results(
     fig = plt.figure(figsize=(11, 6.5))
     plot(fig)
     fig.suptitle(plot_title, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.8))
+    fig.tight_layout(rect=(0, 0, 1, 0.87))
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return json_path, png_path

@@ -104,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     recompute_s, num_matching = run_recompute(engine, prompt, tokens, args.num_decode)
     check_no_leak(engine)
 
+    num_preemptions = engine.stats().num_preemptions  # 0 unless the KV cache cannot hold one context
     cached_median, recompute_median = statistics.median(decode_s), statistics.median(recompute_s)
     context_lens = [args.context_len + j for j in range(1, args.num_decode + 1)]
     record = {
@@ -136,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             },
         },
         "ratio_recompute_over_cached": recompute_median / cached_median,
+        "num_preemptions": num_preemptions,
     }
     env = environment(engine, args)
     line = (
