@@ -34,6 +34,11 @@ class ModelConfig(_Frozen):
     )
     device: str = Field("auto", description="'auto' (cuda when available), 'cpu', or 'cuda[:N]'.")
     seed: int = Field(0, description="Seed of dummy weights and of requests that bring no seed of their own.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "torch",
+        description="'torch' (reference, any device), 'triton' (CUDA), or 'auto' (the fastest the device runs). "
+        "The default stays 'torch' until the Triton kernels are verified on a GPU.",
+    )
 
 
 class CacheConfig(_Frozen):

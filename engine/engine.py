@@ -79,7 +79,7 @@ class EngineCore:
         self.arch: ArchConfig = arch
         self.max_model_len = _max_model_len(arch, config.model.max_model_len)
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, arch.sliding_window)
-        backend = create_backend("torch", spec, self.device)
+        backend = create_backend(config.model.attention_backend, spec, self.device)
         block_size = config.cache.block_size
         num_blocks = num_kv_blocks(model, arch, backend, config, self.dtype, self.device, self.max_model_len)
         self.block_bytes = bytes_per_block(arch, block_size, self.dtype)

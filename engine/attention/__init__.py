@@ -1,7 +1,9 @@
-"""Attention over the paged KV cache: the backend interface, a registry by name, and the torch
-reference backend (CPU and tests). The Triton backend registers itself here when it lands."""
+"""Attention over the paged KV cache: the backend interface, a registry by name, the torch
+reference backend (any device; CPU and tests) and the Triton backend (CUDA; checked on the CPU
+under TRITON_INTERPRET=1). Importing this package does not import triton."""
 
 from engine.attention import torch_ref as _torch_ref  # noqa: F401  (registers "torch")
+from engine.attention import triton_backend as _triton_backend  # noqa: F401  (registers "triton")
 from engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,

@@ -1,0 +1,265 @@
+"""Triton kernels over the paged KV cache: store the step's K/V, and decode attention
+(flash-decoding: split-K partials, then a reduce). Prefill/extend attention is in `triton_prefill`.
+
+Knows the cache layout and the flat batch of `AttentionMetadata`, nothing of scheduling or of the
+backend registry. The launchers take device tensors and host-side launch sizes only; none of them
+reads a device value on the host (no synchronization).
+
+Layouts (every last dimension contiguous):
+
+| tensor | shape | dtype |
+| --- | --- | --- |
+| q, out | [num_tokens, num_heads, head_dim] | fp16 / bf16 / fp32 |
+| k, v (new tokens) | [num_tokens, num_kv_heads, head_dim] | fp16 / bf16 / fp32 |
+| k_cache, v_cache | [num_blocks, block_size, num_kv_heads, head_dim] | fp16 / bf16 / fp32 |
+| slot_mapping | [num_tokens], block_id * block_size + offset; < 0 skips the token | int64 |
+| block_tables | [num_seqs, max_blocks] | int32 |
+| seq_lens | [num_seqs], context length after the step | int32 |
+| query_start_loc | [num_seqs + 1] | int32 |
+
+Query heads of one KV head are processed together: row r of a tile is query head
+kv_head * GROUP + r (decode) so K/V are read once per KV head, and the rows form the M of `tl.dot`,
+padded to at least 16. Scores are kept in the log2 domain (scale * log2(e) folded in) and every
+sum is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs take exact fp32 products (the default would be tf32 on GPUs)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name} has dtype {t.dtype}; the Triton attention takes float16, bfloat16 or float32")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension; strides {t.stride()}")
+
+
+# ---- store_kv
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + h * stride_kch + d
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + d
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[token]; one program a token."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(name, t)
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+    )  # fmt: skip
+
+
+# ---- decode: one query token per sequence
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2, window, tokens_per_split, num_splits, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) attends the GROUP
+    query heads of kv_head over keys [split * tokens_per_split, (split + 1) * tokens_per_split) of
+    the sequence's context (clipped to the context and the window). Sequences whose query count is
+    not 1 are left to the prefill kernel. IS_SPLIT: write unnormalised partials (acc, max, sum) for
+    `_decode_reduce_kernel`; else the one split covers the whole context and writes `out`."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if HAS_WINDOW:
+        start = tl.maximum(start, seq_len - window)  # keys <= (seq_len - 1) - window are masked
+    if start >= end:
+        return  # NOTE: the reduce reads only splits that hold keys, so nothing need be written
+
+    rows = tl.arange(0, BLOCK_M)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
+    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for j in range(start, end, BLOCK_N):
+        keys = j + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offset = keys % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ko + kv_head * stride_kh + d[:, None],
+            mask=key_ok[None, :] & d_ok[:, None], other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        # NOTE: every tile holds at least one key (j < end), so m_new is finite in every row.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
+            mask=key_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m = m_new
+
+    if IS_SPLIT:
+        idx = (seq * num_heads + heads) * num_splits + split  # [BLOCK_M] into [seqs, heads, splits]
+        tl.store(part_m_ptr + idx, m, mask=row_ok)
+        tl.store(part_l_ptr + idx, l, mask=row_ok)
+        tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        o = acc / l[:, None]
+        tl.store(
+            out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, query_start_loc_ptr,
+    window, tokens_per_split, num_splits, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_seqs, num_heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
+    splits that held keys, M = max_s m_s."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    first = lo // tokens_per_split  # splits [first, last) were written by the decode kernel
+    last = (seq_len + tokens_per_split - 1) // tokens_per_split
+    s = tl.arange(0, BLOCK_S)
+    s_ok = (s >= first) & (s < last) & (s < num_splits)
+    idx = (seq * num_heads + head) * num_splits + s  # [BLOCK_S]
+    m = tl.load(part_m_ptr + idx, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + idx, mask=s_ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # 0 for splits not written
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(part_acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)  # [BLOCK_D]
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows of decode sequences are written
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    *,
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int,
+    tokens_per_split: int,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    """Attention of every sequence with exactly one new token (others are skipped on the device).
+
+    The launch depends on the shapes of the metadata tensors and on (num_splits, tokens_per_split)
+    only, not on their values: with those fixed per batch size, a CUDA graph can replay it.
+    num_splits * tokens_per_split must cover the longest context; tokens_per_split is a multiple
+    of block_n. With num_splits > 1 a [num_seqs, num_heads, num_splits, head_dim] float32
+    workspace is allocated here (a graph capture would hold it as a static buffer).
+    """
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if tokens_per_split % block_n:
+        raise ValueError(f"tokens_per_split={tokens_per_split} must be a multiple of block_n={block_n}")
+    if num_seqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    is_split = num_splits > 1
+    if is_split:
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # not read
+    window = sliding_window or 0
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
+        block_tables, seq_lens, query_start_loc,
+        scale * LOG2E, window, tokens_per_split, num_splits, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if is_split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_m, part_l, seq_lens, query_start_loc,
+            window, tokens_per_split, num_splits, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
+            HAS_WINDOW=sliding_window is not None, num_warps=4,
+        )  # fmt: skip

@@ -1,0 +1,237 @@
+"""The Triton attention backend against the torch reference, on the CPU through Triton's
+interpreter: mixed batches (decode + extend over a cached prefix + fresh prompts) in one forward,
+block boundaries, GQA ratios 1/2/3/4/8, one-token prompts, split-K decode, sliding window, random
+non-contiguous block tables, and the cache written exactly at slot_mapping.
+
+Every cache slot starts as NaN and only the cached prefixes get finite values, so a kernel that
+writes a wrong slot, or reads a slot past a context's end, shows up as a mismatch or a NaN.
+fp32 and fp16 only: bf16 is wrong under the CPU interpreter (checked on GPUs by
+bench/attention_gpu.py). Shapes are tiny so the interpreter stays fast.
+
+NOTE: TRITON_INTERPRET is read when a kernel is defined (`@triton.jit`, at the import of
+engine.attention.triton_kernels; older Triton read it at `import triton`), so it is set here, before
+both imports. Unless it was set before, it is removed again once the kernels exist and set only
+around each test of this module (the interpreter reads it while running too), so that Triton code
+imported later in the same session compiles as usual. If another module imported the kernels first
+without it, they are compiled ones and this module skips.
+"""
+
+from __future__ import annotations
+
+import os
+
+_INTERPRET_WAS_SET = "TRITON_INTERPRET" in os.environ
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from engine.attention import triton_kernels, triton_prefill  # noqa: E402
+from engine.attention.base import AttentionMetadata, AttentionSpec, available_backends, create_backend  # noqa: E402
+from engine.attention.base import write_kv  # noqa: E402
+from engine.attention.torch_ref import TorchAttention  # noqa: E402
+from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig, decode_split_plan  # noqa: E402
+
+if not _INTERPRET_WAS_SET:
+    del os.environ["TRITON_INTERPRET"]  # back on around each test only (interpreted_triton)
+if not all(isinstance(f, InterpretedFunction) for f in (triton_kernels._decode_kernel, triton_prefill._prefill_kernel)):
+    pytest.skip(
+        "the Triton kernels were defined without TRITON_INTERPRET=1 (another module imported them first); "
+        "run this module alone: TRITON_INTERPRET=1 pytest tests/unit/engine/attention/test_triton_interpret.py",
+        allow_module_level=True,
+    )
+
+
+
+@pytest.fixture(autouse=True)
+def interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter reads TRITON_INTERPRET while kernels run too, not only when they are defined."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# Small tiles: fewer interpreted operations. Decode contexts > 16 split into 16-key splits (the
+# interpreter counts as 8 SMs; 64 programs a SM are never reached here).
+SMALL = TritonAttentionConfig(
+    decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16, target_programs_per_sm=64
+)
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3}}
+
+
+@dataclass
+class Batch:
+    spec: AttentionSpec
+    q: torch.Tensor  # [tokens, heads, dim]
+    k: torch.Tensor  # [tokens, kv_heads, dim]
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [blocks, block_size, kv_heads, dim], NaN but for the cached prefixes
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],  # (num_new, seq_len) per sequence
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 16,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    seed: int = 0,
+) -> Batch:
+    """A step's batch over a NaN-poisoned cache whose blocks are handed out in random order."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    num_blocks = sum(-(-seq_len // block_size) for _, seq_len in seqs) + 3  # + spare blocks, never read
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables: list[list[int]] = []
+    slots: list[int] = []
+    starts = [0]
+    for num_new, seq_len in seqs:
+        assert 1 <= num_new <= seq_len
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        slot = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        prefix = seq_len - num_new
+        write_kv(
+            randn(prefix, num_kv_heads, head_dim), randn(prefix, num_kv_heads, head_dim), k_cache, v_cache,
+            torch.tensor(slot[:prefix], dtype=torch.long),
+        )  # fmt: skip
+        tables.append(table)
+        slots.extend(slot[prefix:])
+        starts.append(starts[-1] + num_new)
+    seq_lens = [seq_len for _, seq_len in seqs]
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        block_tables_tensor=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc_tensor=torch.tensor(starts, dtype=torch.int32),
+        max_query_len=max(n for n, _ in seqs),
+        max_seq_len=max(seq_lens),
+    )
+    num_tokens = starts[-1]
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, window)
+    return Batch(
+        spec, randn(num_tokens, num_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim),
+        randn(num_tokens, num_kv_heads, head_dim), k_cache, v_cache, meta,
+    )  # fmt: skip
+
+
+def check_against_reference(batch: Batch, config: TritonAttentionConfig = SMALL) -> torch.Tensor:
+    """Runs both backends on copies of the cache; outputs match, caches are bit-identical (NaN where
+    nothing was written). Returns the Triton output."""
+    b = batch
+    ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
+    want = TorchAttention(b.spec).forward(b.q, b.k, b.v, ref_k, ref_v, b.meta)
+    got_k, got_v = b.k_cache.clone(), b.v_cache.clone()
+    got = TritonAttention(b.spec, config).forward(b.q, b.k, b.v, got_k, got_v, b.meta)
+    torch.testing.assert_close(got_k, ref_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got_v, ref_v, atol=0, rtol=0, equal_nan=True)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert not got.isnan().any(), "a NaN slot was read, or a row was never written"
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[b.q.dtype])
+    return got
+
+
+# decode (one new token) | extend (cached prefix) | fresh prompt; block_size 4
+MIXED = [(1, 1), (1, 16), (1, 17), (1, 31), (5, 21), (2, 9), (13, 13), (8, 8), (1, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_mixed_batch_matches_reference(dtype, group):
+    check_against_reference(make_batch(MIXED, num_heads=2 * group, num_kv_heads=2, dtype=dtype, seed=group))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_block_boundaries(block_size):
+    bs = block_size
+    seqs = [(1, bs - 1), (1, bs), (1, bs + 1), (1, 2 * bs), (1, 2 * bs + 1),  # decode
+            (bs, bs), (bs + 1, bs + 1), (bs - 1, bs - 1),  # fresh prompts
+            (3, 2 * bs + 3), (bs, 2 * bs), (2, bs + 1), (bs + 1, 2 * bs - 1)]  # extend: prefix k*bs, +-1
+    check_against_reference(make_batch(seqs, num_heads=4, num_kv_heads=2, block_size=bs, head_dim=32, seed=bs))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 1), (6, 2)])  # GQA 8; 3, not a power of two
+def test_wide_and_odd_groups(num_heads, num_kv_heads):
+    seqs = [(1, 23), (1, 2), (9, 30), (11, 11)]
+    check_against_reference(make_batch(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=torch.float16))
+
+
+def test_one_token_prompts():
+    # A one-token prompt has num_new == 1: the decode kernel serves it; (2, 2) the prefill kernel.
+    check_against_reference(make_batch([(1, 1), (1, 1), (2, 2), (1, 1)], num_heads=4, num_kv_heads=2))
+    check_against_reference(make_batch([(1, 1)], num_heads=4, num_kv_heads=4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_spans_several_splits(dtype):
+    batch = make_batch([(1, 70), (1, 45), (1, 3), (1, 17)], num_heads=4, num_kv_heads=2, dtype=dtype)
+    num_splits, tokens_per_split = decode_split_plan(4, 2, 70, 8, SMALL)
+    assert num_splits == 5 and tokens_per_split == 16 and num_splits * tokens_per_split >= 70
+    split = check_against_reference(batch)
+    # The same with one split (no reduce kernel), through the launcher directly.
+    b = batch
+    k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
+    triton_kernels.store_kv(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping)
+    whole = torch.full_like(b.q, float("nan"))
+    triton_kernels.decode_attention(
+        b.q, k_cache, v_cache, whole, b.meta.block_tables_tensor, b.meta.seq_lens_tensor,
+        b.meta.query_start_loc_tensor, scale=b.spec.scale, sliding_window=None, num_splits=1,
+        tokens_per_split=80, block_n=16,
+    )  # fmt: skip
+    torch.testing.assert_close(whole.float(), split.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(("window", "dtype"), [(5, torch.float32), (16, torch.float32), (21, torch.float16)])
+def test_sliding_window(window, dtype):
+    seqs = [(1, 70), (1, 4), (1, 22), (6, 40), (30, 30), (3, 3), (17, 20)]
+    check_against_reference(make_batch(seqs, num_heads=4, num_kv_heads=2, window=window, dtype=dtype, seed=window))
+
+
+def test_larger_tiles_and_block_size_16():
+    config = TritonAttentionConfig(decode_block_n=32, prefill_block_m=64, prefill_block_n=32, min_split_tokens=32)
+    seqs = [(1, 66), (40, 66), (64, 64), (2, 33)]
+    check_against_reference(make_batch(seqs, num_heads=4, num_kv_heads=1, head_dim=32, block_size=16), config)
+
+
+def test_graph_max_context_fixes_the_decode_launch():
+    batch = make_batch([(1, 30), (1, 9), (4, 12)], num_heads=4, num_kv_heads=2)
+    check_against_reference(batch, TritonAttentionConfig(**{**SMALL.__dict__, "graph_max_context": 64}))
+    b = batch
+    with pytest.raises(ValueError, match="graph_max_context=16"):
+        TritonAttention(b.spec, TritonAttentionConfig(graph_max_context=16)).forward(
+            b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta
+        )
+
+
+def test_store_kv_skips_negative_slots():
+    k_cache = torch.zeros(2, 4, 2, 16)
+    v_cache = torch.zeros(2, 4, 2, 16)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    triton_kernels.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 2]))
+    assert torch.equal(k_cache.view(8, 2, 16)[5], k[0]) and torch.equal(v_cache.view(8, 2, 16)[2], v[2])
+    assert k_cache.count_nonzero() == 2 * 2 * 16
+
+
+def test_registered_for_cuda_only():
+    assert "triton" in available_backends()
+    spec = AttentionSpec(4, 2, 16, 0.25)
+    with pytest.raises(ValueError, match="does not run on cpu"):
+        create_backend("triton", spec, torch.device("cpu"))
+    with pytest.raises(ValueError, match="power of two"):
+        TritonAttentionConfig(prefill_block_n=24)
