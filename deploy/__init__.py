@@ -1,3 +1,4 @@
-"""`ray up` cluster configs, the Serve config and the application builder. (Issue "Deploy".)"""
+"""Deployment: the Serve application builder (`deploy.app:build_app`), its config schema
+(ServeAppConfig), `ray up` cluster configs (deploy/clusters/) and their validator."""
 
-__all__: list[str] = []
+__all__ = ["app", "schema"]

@@ -1,6 +1,21 @@
-"""The router: drives requests through the prefill and decode workers and streams tokens back.
-The OpenAI HTTP and gRPC ingress on Ray Serve comes with issue "Router and APIs"."""
+"""The router: OpenAI-compatible HTTP and gRPC front ends (RouterCore: tokenization, limits, stop
+strings, streaming), and the Dispatcher that drives each request through the prefill and decode
+workers. It is handed the workers' handles and never imports cluster/."""
 
+from router.core import ChoiceDelta, RouterConfig, RouterCore, RouterMetrics
 from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError, Workers
+from router.http_app import build_http_app
+from router.openai_schema import APIError
 
-__all__ = ["Dispatcher", "NoCapacityError", "RequestFailedError", "Workers"]
+__all__ = [
+    "APIError",
+    "ChoiceDelta",
+    "Dispatcher",
+    "NoCapacityError",
+    "RequestFailedError",
+    "RouterConfig",
+    "RouterCore",
+    "RouterMetrics",
+    "Workers",
+    "build_http_app",
+]

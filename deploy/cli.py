@@ -1,0 +1,192 @@
+"""The `pdserve` command: `serve` (a local or joined Ray cluster serving HTTP and gRPC), `status`
+(the workers, their load and KV use), `generate` (the offline engine, no Ray).
+
+It lives in deploy/ (not cluster/, as DESIGN.md first had it) because it runs the Serve
+application that deploy/ builds, and imports point downwards only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from cluster.config import ClusterConfig
+from deploy.schema import ServeAppConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from router.core import RouterConfig
+
+APP_NAME = "pdserve"
+
+
+def _default(model: type, field: str) -> Any:
+    return model.model_fields[field].default
+
+
+def _help(model: type, field: str) -> str:
+    return model.model_fields[field].description or ""
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    for field, kind in (("model", str), ("dtype", str), ("device", str), ("load_format", str),
+                        ("max_model_len", int), ("attention_backend", str)):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=_default(ModelConfig, field),
+                            help=_help(ModelConfig, field))
+    for field in ("block_size", "num_blocks"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=_default(CacheConfig, field),
+                            help=_help(CacheConfig, field))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=_default(CacheConfig, "gpu_memory_utilization"))
+    for field in ("max_num_seqs", "max_num_batched_tokens"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=_default(SchedulerConfig, field),
+                            help=_help(SchedulerConfig, field))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC")
+    _engine_flags(serve)
+    mode = serve.add_mutually_exclusive_group()
+    mode.add_argument("--colocated", action="store_true", help="one pool doing prefill and decode (the default)")
+    mode.add_argument("--prefill", type=int, default=None, help="prefill workers: disaggregated mode")
+    serve.add_argument("--decode", type=int, default=_default(ClusterConfig, "num_decode"),
+                       help="decode workers (or colocated workers)")
+    serve.add_argument("--transport", default=_default(ClusterConfig, "transport"), help=_help(ClusterConfig, "transport"))
+    serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto', or host:port)")
+    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port")
+    serve.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
+    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: open)")
+    serve.add_argument("--num-router-replicas", type=int, default=_default(ServeAppConfig, "num_router_replicas"))
+    serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
+    serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
+
+    status = sub.add_parser("status", help="workers of a running pdserve, their load and KV use")
+    status.add_argument("--address", default="auto")
+
+    generate = sub.add_parser("generate", help="complete prompts with the offline engine (no Ray)")
+    _engine_flags(generate)
+    generate.add_argument("--prompt", action="append", help="a prompt (repeatable); else one per line on stdin")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    return parser
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("model", "dtype", "device", "load_format", "max_model_len", "attention_backend", "block_size",
+             "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
+    return {n: getattr(args, n) for n in names}
+
+
+def app_config(args: argparse.Namespace) -> ServeAppConfig:
+    from engine.llm import engine_config
+
+    if args.config:
+        with open(args.config) as f:
+            return ServeAppConfig.model_validate(json.load(f))
+    options = _engine_options(args)
+    cluster = ClusterConfig(
+        engine=engine_config(options.pop("model"), **options),
+        mode="disaggregated" if args.prefill else "colocated",
+        num_prefill=args.prefill or 1,
+        num_decode=args.decode,
+        transport=args.transport,
+    )
+    router = RouterConfig(model_name=args.model, api_key=args.api_key)
+    return ServeAppConfig(cluster=cluster, router=router, num_router_replicas=args.num_router_replicas)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from deploy.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from router.proto.codegen import ensure_generated
+
+    config = app_config(args)
+    ensure_generated()
+    started = time.monotonic()
+    # NOTE: "local" starts a new cluster even when another one runs on this machine.
+    ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(
+            http_options=HTTPOptions(host=args.host, port=args.port),
+            grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+                                     enable_reflection=True),
+        )
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        c = config.cluster
+        pools = f"{c.num_prefill} prefill + {c.num_decode} decode" if c.mode == "disaggregated" else f"{c.num_decode} colocated"
+        print(f"pdserve: serving {config.router.model_name!r} with {pools} worker(s), "
+              f"ready in {time.monotonic() - started:.1f} s", flush=True)
+        print(f"  HTTP  http://{args.host}:{args.port}/v1  (OpenAI API; /health, /metrics)", flush=True)
+        print(f"  gRPC  {args.host}:{args.grpc_port}  (pdserve.v1.Generation, reflection on)", flush=True)
+        _wait(args.exit_after)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _wait(exit_after: float | None) -> None:
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait(exit_after)
+    except KeyboardInterrupt:
+        pass
+
+
+def status_command(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    try:
+        controller = serve.get_deployment_handle("Controller", app_name=APP_NAME)
+        rows = controller.stats.remote().result(timeout_s=30)
+    finally:
+        ray.shutdown()
+    print(f"{'worker':<16}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}  health")
+    for row in rows:
+        if "error" in row:
+            print(f"{'?':<16}  unreachable: {row['error']}")
+            continue
+        kv = f"{row['num_blocks'] - row['num_free_blocks']}/{row['num_blocks']}"
+        print(f"{row['worker_id']:<16}{row['num_running']:>8}{row['num_waiting']:>8}"
+              f"{kv:>12}{row.get('num_leases', 0):>8}  "
+              f"{'ok' if row['is_healthy'] else 'FAILED'}")
+    return 0
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    options = _engine_options(args)
+    llm = LLM(options.pop("model"), **options)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    prompts = args.prompt or (line.rstrip("\n") for line in sys.stdin)
+    for prompt in prompts:
+        if prompt:
+            for step in llm.stream(prompt, params):
+                print("".join(o.new_text for o in step), end="", flush=True)
+            print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"serve": serve_command, "status": status_command, "generate": generate_command}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""ServeAppConfig: the one schema behind `pdserve serve` and the Serve config's application args
+(`serve deploy deploy/serve_config.yaml`). Validated once; unknown fields are errors."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.config import ClusterConfig
+from router.core import RouterConfig
+
+
+class ServeAppConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cluster: ClusterConfig = ClusterConfig()
+    router: RouterConfig = RouterConfig()
+    num_router_replicas: int = Field(1, ge=1, le=64, description="Serve replicas of the router (HTTP and gRPC).")

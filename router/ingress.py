@@ -1,0 +1,59 @@
+"""RouterIngress: the body of the router's Ray Serve replicas. One Dispatcher and RouterCore per
+replica, serving the OpenAI HTTP API (FastAPI, built at replica start) and the gRPC service.
+
+It is handed a controller handle (anything whose `workers()` returns (version, prefill handles,
+decode handles)) and follows worker replacements by polling that version. Knows nothing of how
+pools are made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+from router import grpc_service
+from router.core import RouterConfig, RouterCore
+from router.dispatch import Dispatcher, Workers
+from router.http_app import build_http_app
+
+log = logging.getLogger(__name__)
+
+
+class RouterIngress:
+    async def __init__(  # type: ignore[misc]  # Serve awaits async constructors
+        self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int, refresh_s: float = 1.0
+    ) -> None:
+        self.controller = controller
+        self.refresh_s = refresh_s
+        self.version, prefill, decode = await controller.workers.remote()
+        self.router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self.dispatcher = Dispatcher(self.router_id, Workers(prefill=prefill, decode=decode))
+        self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len)
+        self._refresher = asyncio.get_running_loop().create_task(self._follow_workers())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_http_app(self.core)
+
+    async def _follow_workers(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                version, prefill, decode = await self.controller.workers.remote()
+            except Exception as err:  # noqa: BLE001 - the controller restarts; keep the last set
+                log.warning("cannot reach the cluster controller: %s", err)
+                continue
+            if version != self.version:
+                self.version = version
+                self.dispatcher.set_workers(Workers(prefill=prefill, decode=decode))
+
+    # ---- gRPC (pdserve.v1.Generation); Serve routes methods by name
+    async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
+        async for response in grpc_service.generate(self.core, request, grpc_context):
+            yield response
+
+    async def Complete(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await grpc_service.complete(self.core, request, grpc_context)
