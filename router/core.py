@@ -24,8 +24,9 @@ from engine.config import DEFAULT_MODEL, SamplingParams
 from engine.output_processor import TextState
 from engine.tokenizer import Tokenizer
 from engine.validation import InvalidRequestError
-from kvtransfer.protocol import TokenOutputMsg
+from kvtransfer.protocol import PrefillResultMsg, TokenOutputMsg
 from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError
+from router.spans import SpanRecorder
 from router.openai_schema import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -87,6 +88,10 @@ class RouterMetrics(Protocol):
 
     def on_response(self, *, route: str, status_code: int, elapsed_s: float) -> None: ...  # front ends call it
 
+    def on_inter_token(self, *, gap_s: float, num_tokens: int) -> None: ...  # tokens after the first, as they arrive
+
+    def on_prefill_result(self, result: PrefillResultMsg) -> None: ...  # prefill and KV-push timings
+
 
 @dataclass(frozen=True)
 class _ChoiceEnd:
@@ -114,6 +119,16 @@ class RouterCore:
         self.metrics = metrics  # may be set later; None: no metrics
         self.clock = clock
         self.num_in_flight = 0  # choices admitted and not yet closed
+        self.spans = SpanRecorder(clock=clock)
+
+    def on_prefill_result(self, result: PrefillResultMsg) -> None:
+        """The Dispatcher's hook: the prefill worker's compute and push durations of one request."""
+        self.spans.event(
+            result.request_id, "prefill_result", prefill_worker_s=result.prefill_s, kv_push_s=result.push_s,
+            kv_push_bytes=result.push_bytes, num_cached_prompt_tokens=result.num_cached_tokens,
+        )
+        if self.metrics is not None:
+            self.metrics.on_prefill_result(result)
 
     # ---- checks and tokenization
     def check_model(self, model: str | None) -> None:
@@ -244,7 +259,7 @@ class RouterCore:
         try:
             # Leaving this block early (stop string, cancellation) closes the stream: the Dispatcher aborts.
             async with aclosing(self.dispatcher.generate(request_id, prompt, params)) as stream:
-                async for delta in self._deltas(index, prompt, params, stream):
+                async for delta in self._deltas(request_id, index, prompt, params, stream):
                     queue.put_nowait(delta)
         except asyncio.CancelledError:
             raise
@@ -253,14 +268,24 @@ class RouterCore:
         queue.put_nowait(_ChoiceEnd(error))
 
     async def _deltas(
-        self, index: int, prompt: list[int], params: SamplingParams, stream: AsyncIterator[TokenOutputMsg]
+        self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
+        stream: AsyncIterator[TokenOutputMsg],
     ) -> AsyncIterator[ChoiceDelta]:
         text_state = TextState(self.tokenizer, prompt, params)
-        started, first_token_at = self.clock(), None
+        started, first_token_at, last_token_at = self.clock(), None, None
+        self.spans.start(request_id)
         num_tokens = num_cached = 0
         async for out in stream:
-            if first_token_at is None and out.new_token_ids:
-                first_token_at = self.clock()
+            if out.new_token_ids:
+                now = self.clock()
+                if first_token_at is None:
+                    first_token_at = now
+                    self.spans.event(request_id, "first_token")
+                elif last_token_at == first_token_at:
+                    self.spans.event(request_id, "first_decode_token")
+                if last_token_at is not None and self.metrics is not None:
+                    self.metrics.on_inter_token(gap_s=now - last_token_at, num_tokens=len(out.new_token_ids))
+                last_token_at = now
             num_tokens += len(out.new_token_ids)
             num_cached = max(num_cached, out.num_cached_tokens)
             text, stop = text_state.add(out.new_token_ids)
@@ -279,6 +304,7 @@ class RouterCore:
                 num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens, num_cached_tokens=num_cached,
             )
             if finish is not None:
+                self.spans.event(request_id, "finished", finish_reason=finish, num_completion_tokens=num_tokens)
                 if self.metrics is not None:
                     self.metrics.on_choice_finished(
                         finish_reason=finish, num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens,

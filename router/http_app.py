@@ -32,7 +32,7 @@ from router.openai_schema import APIError, UsageInfo, bad_request
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 UNAUTHENTICATED_ROUTES = ("/health",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
@@ -60,6 +60,21 @@ def build_http_app(core: RouterCore) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response('{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        render = getattr(core.metrics, "render", None)
+        if render is None:
+            raise APIError(404, "metrics are not enabled on this server", code="not_found")
+        return Response(await render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/requests/{request_id}/trace")
+    async def trace(request_id: str) -> Response:
+        spans = core.spans.find(request_id)
+        if not spans:
+            raise APIError(404, f"request_id: no recent request {request_id!r} (the last "
+                           f"{core.spans.max_requests} are kept)", param="request_id", code="not_found")
+        return Response(json.dumps({"request_id": request_id, "choices": spans}), media_type="application/json")
 
     @app.get("/v1/models")
     async def models() -> Response:

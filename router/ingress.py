@@ -17,8 +17,9 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from router import grpc_service
 from router.core import RouterConfig, RouterCore
-from router.dispatch import Dispatcher, Workers
+from router.dispatch import Dispatcher, Workers, invoke
 from router.http_app import build_http_app
+from router.metrics import PrometheusMetrics
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,19 @@ class RouterIngress:
         self.refresh_s = refresh_s
         self.version, prefill, decode = await controller.workers.remote()
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
-        self.dispatcher = Dispatcher(self.router_id, Workers(prefill=prefill, decode=decode))
-        self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len)
+        self.dispatcher = Dispatcher(
+            self.router_id, Workers(prefill=prefill, decode=decode),
+            on_prefill_result=lambda result: self.core.on_prefill_result(result),
+        )
+        metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)
+        self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
         self._refresher = asyncio.get_running_loop().create_task(self._follow_workers())
+
+    async def _worker_stats(self) -> list[dict[str, Any]]:
+        workers = self.dispatcher.workers
+        handles = [*workers.prefill.values(), *workers.decode.values()]
+        rows = await asyncio.gather(*(invoke(h.stats) for h in handles), return_exceptions=True)
+        return [r for r in rows if isinstance(r, dict)]
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_http_app(self.core)

@@ -306,11 +306,13 @@ def test_metrics_hook(disagg):
     try:
         disagg.client().completions.create(model="default", prompt=PROMPT, max_tokens=3, **GREEDY)
         deadline = time.monotonic() + 5
-        while len(mine()) < 2 and time.monotonic() < deadline:
+        while not any(n == "on_response" for n, _ in mine()) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         disagg.core.metrics = None
-    (kind, choice), (kind2, response) = mine()
+    gaps = [kw for n, kw in mine() if n == "on_inter_token"]
+    assert sum(g["num_tokens"] for g in gaps) == 2 and all(g["gap_s"] >= 0 for g in gaps)  # tokens 2 and 3
+    (kind, choice), (kind2, response) = [(n, kw) for n, kw in mine() if n != "on_inter_token"]
     assert (kind, choice["finish_reason"], choice["num_completion_tokens"]) == ("on_choice_finished", "length", 3)
     assert choice["time_to_first_token_s"] is not None and choice["elapsed_s"] >= choice["time_to_first_token_s"]
     assert (kind2, response["status_code"]) == ("on_response", 200)
@@ -440,3 +442,45 @@ def test_dispatcher_errors_map_to_503_and_500(tokenizer, error, status):
         assert core.num_in_flight == 0
     finally:
         server.close()
+
+
+# ---- metrics and traces
+
+
+def test_prometheus_metrics_and_request_trace(disagg):
+    from router.metrics import PrometheusMetrics
+
+    async def worker_stats():
+        return [await w.stats() for w in disagg.workers]
+
+    metrics = PrometheusMetrics("default", worker_stats=worker_stats)
+    disagg.core.metrics = metrics
+    disagg.core.dispatcher.on_prefill_result = disagg.core.on_prefill_result
+    try:
+        done = disagg.client().completions.create(model="default", prompt=PROMPT, max_tokens=4, **GREEDY)
+        import urllib.request
+
+        scrape = urllib.request.Request(f"{disagg.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(scrape, timeout=30) as response:
+            status, text = response.status, response.read().decode()
+        status_trace, trace = disagg.raw("GET", f"/v1/requests/{done.id}/trace")
+    finally:
+        disagg.core.metrics = None
+        disagg.core.dispatcher.on_prefill_result = None
+    assert status == 200
+    lines = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line and not line.startswith("#")}
+    assert lines['pdserve:time_to_first_token_seconds_count{model_name="default"}'] == 1
+    assert lines['pdserve:generation_tokens_total{model_name="default"}'] == 4
+    assert lines['pdserve:inter_token_latency_seconds_count{model_name="default"}'] == 3
+    assert lines['pdserve:request_success_total{finished_reason="length",model_name="default"}'] == 1
+    assert lines['pdserve:kv_transfer_bytes_total{model_name="default"}'] > 0
+    assert any(k.startswith("pdserve:kv_cache_usage_perc{") for k in lines)
+    assert status_trace == 200
+    (choice,) = trace["choices"]
+    names = [e["name"] for e in choice["events"]]
+    assert names == ["prefill_result", "first_token", "first_decode_token", "finished"], names
+    times = [e["t_s"] for e in choice["events"]]
+    assert times == sorted(times)
+    assert choice["attributes"]["kv_push_bytes"] > 0 and choice["attributes"]["finish_reason"] == "length"
+    assert disagg.raw("GET", "/v1/requests/cmpl-unknown/trace")[0] == 404

@@ -1,0 +1,116 @@
+"""Prometheus metrics of a router replica, named after vLLM's where one exists (prefix `pdserve:`).
+
+End to end, per finished choice: time to first token, time per output token, inter-token latency,
+end-to-end latency (histograms); requests by outcome; tokens. Per worker, refreshed at each
+scrape from the workers' `stats()`: running and waiting requests, KV blocks in use, preemptions,
+leases. Per KV push (from the prefill worker's result): bytes and seconds.
+Each replica has its own registry; GET /metrics shows the replica that answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvtransfer.protocol import PrefillResultMsg
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                  0.75, 1.0, 2.5)
+
+
+class PrometheusMetrics:
+    """Implements router.core.RouterMetrics, plus the KV-push and worker gauges."""
+
+    def __init__(self, model_name: str, worker_stats: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None):
+        self.registry = CollectorRegistry()
+        self.worker_stats = worker_stats
+        r, labels = self.registry, {"model_name": model_name}
+        self._labels = labels
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self.ttft = hist("pdserve:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = hist("pdserve:time_per_output_token_seconds", "Mean time per output token after the first.",
+                         _TOKEN_BUCKETS)
+        self.itl = hist("pdserve:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                        _TOKEN_BUCKETS)
+        self.e2e = hist("pdserve:e2e_request_latency_seconds", "End-to-end latency of a choice.", _LATENCY_BUCKETS)
+        self.push_s = hist("pdserve:kv_transfer_seconds", "KV push (gather, handshake, send) per request.",
+                           _LATENCY_BUCKETS)
+        self.success = Counter("pdserve:request_success", "Finished choices by finish reason.",
+                               [*labels, "finished_reason"], registry=r)
+        self.rejected = Counter("pdserve:requests_rejected", "Requests refused (429 queue full, 503 no capacity).",
+                                [*labels, "status_code"], registry=r)
+        self.responses = Counter("pdserve:http_responses", "HTTP responses by route and status.",
+                                 [*labels, "route", "status_code"], registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens.", list(labels), registry=r).labels(**labels)
+        self.cached_tokens = Counter("pdserve:prefix_cache_hit_tokens", "Prompt tokens served from prefix caches.",
+                                     list(labels), registry=r).labels(**labels)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", list(labels),
+                                         registry=r).labels(**labels)
+        self.push_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes pushed prefill -> decode.", list(labels),
+                                  registry=r).labels(**labels)
+        gauge_labels = [*labels, "worker"]
+        self.running = Gauge("pdserve:num_requests_running", "Requests in a worker's running batch.", gauge_labels,
+                             registry=r)
+        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting in a worker.", gauge_labels, registry=r)
+        self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (0-1).",
+                              gauge_labels, registry=r)
+        self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions since the worker started.", gauge_labels,
+                                 registry=r)
+        self.leases = Gauge("pdserve:kv_leases", "Open KV leases of a decode worker.", gauge_labels, registry=r)
+
+    # ---- RouterMetrics
+    def on_choice_finished(
+        self, *, finish_reason: str, num_prompt_tokens: int, num_completion_tokens: int,
+        num_cached_tokens: int, time_to_first_token_s: float | None, elapsed_s: float,
+    ) -> None:
+        self.success.labels(**self._labels, finished_reason=finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_tokens.inc(num_cached_tokens)
+        self.generation_tokens.inc(num_completion_tokens)
+        self.e2e.observe(elapsed_s)
+        if time_to_first_token_s is not None:
+            self.ttft.observe(time_to_first_token_s)
+            if num_completion_tokens > 1:
+                self.tpot.observe((elapsed_s - time_to_first_token_s) / (num_completion_tokens - 1))
+
+    def on_inter_token(self, *, gap_s: float, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
+
+    def on_rejected(self, *, status_code: int) -> None:
+        self.rejected.labels(**self._labels, status_code=str(status_code)).inc()
+
+    def on_response(self, *, route: str, status_code: int, elapsed_s: float) -> None:
+        self.responses.labels(**self._labels, route=route, status_code=str(status_code)).inc()
+
+    def on_prefill_result(self, result: PrefillResultMsg) -> None:
+        if result.push_bytes:
+            self.push_bytes.inc(result.push_bytes)
+            self.push_s.observe(result.push_s)
+
+    # ---- scrape
+    async def render(self, timeout_s: float = 2.0) -> bytes:
+        if self.worker_stats is not None:
+            try:
+                rows = await asyncio.wait_for(self.worker_stats(), timeout_s)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a scrape never fails for one slow worker
+                rows = []
+            for row in rows:
+                if "worker_id" not in row:
+                    continue
+                w = {**self._labels, "worker": row["worker_id"]}
+                self.running.labels(**w).set(row.get("num_running", 0))
+                self.waiting.labels(**w).set(row.get("num_waiting", 0))
+                blocks = max(1, row.get("num_blocks", 1))
+                self.kv_usage.labels(**w).set((blocks - row.get("num_free_blocks", blocks)) / blocks)
+                self.preemptions.labels(**w).set(row.get("num_preemptions", 0))
+                self.leases.labels(**w).set(row.get("num_leases", 0))
+        return generate_latest(self.registry)
