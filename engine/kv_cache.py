@@ -111,17 +111,25 @@ class BlockPool:
         return taken
 
     def acquire(self, block_ids: Iterable[int]) -> None:
-        """Adds a holder to blocks found by `find_cached_prefix` (a prefix-cache hit)."""
-        for block in block_ids:
+        """Adds a holder to blocks found by `find_cached_prefix` (a prefix-cache hit); all or none."""
+        blocks = list(block_ids)
+        for block in blocks:  # NOTE: check every block before changing any
+            self._check_id(block)
+            if self._ref[block] == 0 and self._hash[block] is None:
+                raise IntegrityError(f"block {block} is free; only cached or held blocks can be acquired")
+        for block in blocks:
             if self._ref[block] == 0:
-                if self._hash[block] is None:
-                    raise IntegrityError(f"block {block} is free; only cached or held blocks can be acquired")
                 del self._evictable[block]
             self._ref[block] += 1
+
+    def _check_id(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise IntegrityError(f"block id {block} is outside [0, {self.num_blocks})")
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drops one holder from each block. Freed tail blocks become the first evicted."""
         for block in reversed(block_ids):
+            self._check_id(block)
             if self._ref[block] <= 0:
                 raise IntegrityError(f"block {block} freed more often than it was held")
             self._ref[block] -= 1
@@ -133,6 +141,7 @@ class BlockPool:
 
     def commit(self, block_id: int, block_hash: BlockHash) -> None:
         """Registers a held, full block under its hash so later prompts can reuse it."""
+        self._check_id(block_id)
         if not self.enable_prefix_caching or self._hash[block_id] is not None:
             return
         if self._ref[block_id] <= 0:

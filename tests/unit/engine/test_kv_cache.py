@@ -6,6 +6,7 @@ a leak check: integrity holds and, once everything is freed, no block is held.""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -371,6 +372,9 @@ def test_integrity_passes_with_blocks_in_every_state() -> None:
     _assert_drained(pool)
 
 
+Corruption = Callable[[BlockPool, dict[str, int]], None]
+
+
 def _corrupt_negative_ref(pool: BlockPool, b: dict[str, int]) -> None:
     pool._free.remove(b["free"])
     pool._ref[b["free"]] = -1
@@ -444,7 +448,7 @@ def _corrupt_forgotten_hash_entry(pool: BlockPool, b: dict[str, int]) -> None:
         (_corrupt_stray_cached_id, r"outside \[0, 5\) listed as free or cached: \[-1\]"),
     ],
 )
-def test_integrity_raises_on_corrupted_internals(corrupt, message: str) -> None:
+def test_integrity_raises_on_corrupted_internals(corrupt: Corruption, message: str) -> None:
     pool, blocks = _pool_in_every_state()
     corrupt(pool, blocks)
     with pytest.raises(IntegrityError, match=message):
@@ -662,7 +666,7 @@ class _PoolModel:
             return
         self.pool.acquire(found)
         self.lru = [b for b in self.lru if b not in found]
-        self.holders.append(found)
+        self.holders.append(found)  # held before `_take`, so the model counts the hits as held
         self.holders[-1] = found + self._take(pick % 3)
 
     def free(self, pick: int, keys: list[int]) -> None:
@@ -682,6 +686,7 @@ class _PoolModel:
         self.lru = []
 
     def check(self) -> None:
+        assert all(len(set(blocks)) == len(blocks) for blocks in self.holders), "a holder lists a block twice"
         self.pool.check_integrity()
         refs = self._refs()
         assert [self.pool.ref_count(b) for b in range(self.pool.num_blocks)] == refs
@@ -721,3 +726,17 @@ def test_block_pool_random_operations_keep_integrity(
         model.free(0, [])
         model.check()
     _assert_drained(model.pool)
+
+
+def test_acquire_is_all_or_nothing_and_ids_are_checked():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    (held,) = pool.allocate(1)
+    pool.commit(held, hash_block(None, [1, 2]))
+    pool.free([held])  # now cached, evictable
+    with pytest.raises(IntegrityError, match="is free"):
+        pool.acquire([held, 3])  # block 3 is free: nothing may be acquired
+    assert pool.ref_count(held) == 0
+    pool.check_integrity()
+    for bad in (-1, 4):
+        with pytest.raises(IntegrityError, match="outside"):
+            pool.free([bad])

@@ -1,0 +1,140 @@
+"""`pdserve serve` as a user runs it: a subprocess that starts its own local Ray cluster and Serve,
+then the real `openai` client, a real gRPC client, curl's SSE stream and `pdserve status` against it.
+Disaggregated (1 prefill + 1 decode over gloo), with an API key."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self) -> None:
+        self.port, self.grpc_port = _free_port(), _free_port()
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PDSERVE_API_KEY": KEY}
+        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--prefill", "1", "--decode", "1", "--transport", "gloo",
+               "--device", "cpu", "--num-blocks", "512", "--block-size", "8",
+               "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--exit-after", "600"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        deadline = time.monotonic() + 240
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.output.append(line)
+            if "gRPC " in line:
+                return
+        self.stop()
+        raise AssertionError("pdserve serve did not come up:\n" + "".join(self.output[-40:]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    import ray
+
+    if ray.is_initialized():  # the serve command starts its own local cluster
+        ray.shutdown()
+    s = Server()
+    yield s
+    s.stop()
+
+
+def test_openai_client_completions_and_chat(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=60)
+    whole = client.completions.create(model="default", prompt="def main():", max_tokens=12, temperature=0)
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    stream = client.completions.create(model="default", prompt="def main():", max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, temperature=0)
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].message.role == "assistant"
+    chat_stream = list(client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == chat.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="default", prompt="x", max_tokens=0)
+    # the next good request is served
+    assert client.completions.create(model="default", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_grpc_streaming_client_with_reflection(server):
+    import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    from router.proto import pdserve_pb2 as pb
+    from router.proto import pdserve_pb2_grpc as pbg
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "pdserve.v1.Generation" in services
+    stub = pbg.GenerationStub(channel)
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    request = pb.GenerateRequest(text="def main():", sampling=pb.SamplingOptions(max_tokens=12, temperature=0))
+    parts = list(stub.Generate(request, metadata=metadata, timeout=60))
+    assert parts[-1].finish_reason == "length" and parts[-1].usage.completion_tokens == 12
+    assert sum(len(p.token_ids) for p in parts) == 12
+    whole = stub.Complete(request, metadata=metadata, timeout=60)
+    assert whole.text == "".join(p.text for p in parts)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Complete(request, timeout=60)  # no key
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    bad = pb.GenerateRequest(text="x", sampling=pb.SamplingOptions(max_tokens=4, temperature=-1))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Complete(bad, metadata=metadata, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_sse_stream_and_status(server):
+    body = json.dumps({"model": "default", "prompt": "import os", "max_tokens": 5, "stream": True})
+    out = subprocess.run(
+        ["curl", "-sN", "-m", "60", f"http://127.0.0.1:{server.port}/v1/completions",
+         "-H", "Content-Type: application/json", "-H", f"Authorization: Bearer {KEY}", "-d", body],
+        capture_output=True, text=True, timeout=90, check=True,
+    ).stdout
+    events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["object"] for e in events[:-1]] == ["text_completion"] * (len(events) - 1)
+    status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", "auto"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "prefill-0" in status.stdout and "decode-0" in status.stdout
