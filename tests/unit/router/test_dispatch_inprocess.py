@@ -132,3 +132,27 @@ def test_abort_before_push_during_decode_and_unclaimed_lease():
         await _shutdown([prefill, decode])
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("option", "values", "named"), [("block_size", (8, 16), "block_size"),
+                                                          ("dtype", ("float32", "float16"), "dtype")])
+def test_layout_mismatch_fails_at_pairing_and_names_the_field(option, values, named):
+    from router import RequestFailedError
+
+    async def main():
+        hub = LocalHub()
+        prefill_options = {**ENGINE, option: values[0]}
+        decode_options = {**ENGINE, option: values[1]}
+        decode = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=engine_config(**decode_options),
+                                                 transport="local", pair_timeout_s=5), transport_options={"hub": hub})
+        prefill = PrefillWorker(PrefillWorkerConfig(worker_id="p0", engine=engine_config(**prefill_options),
+                                                    transport="local", pair_timeout_s=5), transport_options={"hub": hub})
+        dispatcher = Dispatcher("r0", Workers(prefill={"p0": prefill}, decode={"d0": decode}), poll_timeout_s=0.2)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        with pytest.raises(RequestFailedError, match=named):
+            await asyncio.wait_for(_collect(dispatcher, "x", _prompts(1)[0], params), 60)
+        await dispatcher.close()
+        assert await _held([prefill, decode]) == [0, 0]
+        await _shutdown([prefill, decode])
+
+    asyncio.run(main())
