@@ -159,16 +159,20 @@ def title(bench_title: str, env: dict[str, Any], workload_line: str) -> str:
 def write_results(
     out_dir: Path, bench: str, env: dict[str, Any], record: dict[str, Any], plot: Callable[[Any], None], plot_title: str
 ) -> tuple[Path, Path]:
-    """Writes `<bench>_<device slug>.json` (env + record) and `.png` (drawn by `plot(fig)`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Writes `<bench>_<device slug>.json` (env + record) and `.png` (drawn by `plot(fig)`).
+    The JSON is written first: where matplotlib is missing (the GPU machines), only it is."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{bench}_{device_slug(torch.device(env['device']))}"
     json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     json_path.write_text(json.dumps({"benchmark": bench, "environment": env, **record}, indent=2) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: wrote {json_path} without its plot")
+        return json_path, png_path
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig = plt.figure(figsize=(11, 6.5))
     plot(fig)
     fig.suptitle(plot_title, fontsize=9)
