@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -103,7 +104,16 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     return ServeAppConfig(cluster=cluster, router=router, num_router_replicas=args.num_router_replicas)
 
 
+def _token_auth_for(address: str | None) -> None:
+    """Ray 2.60 turns token auth on by itself only for a cluster it finds ('auto'); joining one by
+    explicit address needs RAY_AUTH_MODE=token, which this sets when this machine has a token."""
+    explicit = address not in (None, "auto", "local")
+    if explicit and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def serve_command(args: argparse.Namespace) -> int:
+    _token_auth_for(args.address)  # NOTE: before importing ray, which reads RAY_AUTH_MODE at import
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
@@ -115,7 +125,7 @@ def serve_command(args: argparse.Namespace) -> int:
     ensure_generated()
     started = time.monotonic()
     # NOTE: "local" starts a new cluster even when another one runs on this machine.
-    ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
+    context = ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
     try:
         serve.start(
             http_options=HTTPOptions(host=args.host, port=args.port),
@@ -128,6 +138,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"pdserve: serving {config.router.model_name!r} with {pools} worker(s), "
               f"ready in {time.monotonic() - started:.1f} s", flush=True)
         print(f"  HTTP  http://{args.host}:{args.port}/v1  (OpenAI API; /health, /metrics)", flush=True)
+        print(f"  Ray   {context.address_info['gcs_address']}  (pdserve status --address ...)", flush=True)
         print(f"  gRPC  {args.host}:{args.grpc_port}  (pdserve.v1.Generation, reflection on)", flush=True)
         _wait(args.exit_after)
     finally:
@@ -146,6 +157,7 @@ def _wait(exit_after: float | None) -> None:
 
 
 def status_command(args: argparse.Namespace) -> int:
+    _token_auth_for(args.address)  # NOTE: before importing ray, which reads RAY_AUTH_MODE at import
     import ray
     from ray import serve
 

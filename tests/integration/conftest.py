@@ -11,15 +11,24 @@ import pytest
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_cluster() -> Iterator[None]:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=True,
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
-    )
+    """This process's local Ray cluster, started on first use and kept for later tests (a test
+    that needs its own cluster shuts this one down first; the next user starts it again)."""
+    if not ray.is_initialized():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=True,
+            runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
+        )
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_ray_at_the_end() -> Iterator[None]:
+    yield
+    if ray.is_initialized():
+        ray.shutdown()

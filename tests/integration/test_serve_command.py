@@ -40,11 +40,14 @@ class Server:
         self.output: list[str] = []
         deadline = time.monotonic() + 240
         assert self.proc.stdout is not None
+        self.ray_address = ""
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
                 break
             self.output.append(line)
+            if line.strip().startswith("Ray "):
+                self.ray_address = line.split()[1]
             if "gRPC " in line:
                 return
         self.stop()
@@ -62,11 +65,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    import ray
-
-    if ray.is_initialized():  # the serve command starts its own local cluster
-        ray.shutdown()
-    s = Server()
+    s = Server()  # it starts a Ray cluster of its own ("local"), beside any other
     yield s
     s.stop()
 
@@ -134,7 +133,7 @@ def test_curl_sse_stream_and_status(server):
     events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert [json.loads(e)["object"] for e in events[:-1]] == ["text_completion"] * (len(events) - 1)
-    status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", "auto"], cwd=ROOT,
+    status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", server.ray_address], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "prefill-0" in status.stdout and "decode-0" in status.stdout
