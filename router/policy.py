@@ -1,0 +1,209 @@
+"""Dispatch policies: which prefill worker computes a prompt and which decode worker leases its KV.
+
+`CacheAwarePolicy` (the default): a prefill worker by the longest prefix of the prompt it is
+believed to hold in its prefix cache, then by queue depth; a decode worker by free KV blocks,
+then by running batch. The router learns both without asking per request:
+
+- prefix: `PrefixIndex` remembers the full-block hashes of the prompts this router sent to each
+  prefill worker (bounded, least recently used dropped first) — an estimate, since workers evict;
+- load: `LoadTracker` refreshes every worker's `stats()` in the background, and the policy adds
+  the requests this router assigned since the last refresh.
+
+Policies register by name (`register_policy`), so a deployment picks one by config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from engine.kv_cache import BlockHash, hash_full_blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+class DispatchPolicy(Protocol):
+    name: ClassVar[str]
+
+    def prefill_order(self, prompt: Sequence[int], prefill_ids: Sequence[str]) -> list[str]:
+        """Prefill workers to try, best first."""
+        ...
+
+    def decode_order(self, num_prompt_tokens: int, decode_ids: Sequence[str]) -> list[str]:
+        """Decode (or colocated) workers to try, best first."""
+        ...
+
+    def on_assigned(self, worker_id: str, prompt: Sequence[int] | None) -> None:
+        """A request went to `worker_id` (a prefill worker when `prompt` is given)."""
+        ...
+
+    def on_finished(self, worker_id: str) -> None: ...
+
+
+_POLICIES: dict[str, Callable[..., DispatchPolicy]] = {}
+
+
+def register_policy(cls: type) -> type:
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def create_policy(name: str, **kwargs: Any) -> DispatchPolicy:
+    if name not in _POLICIES:
+        raise ValueError(f"dispatch policy {name!r} is unknown; known: {', '.join(sorted(_POLICIES))}")
+    return _POLICIES[name](**kwargs)
+
+
+class PrefixIndex:
+    """Per worker, the block hashes of prompts sent there; at most `max_blocks` per worker."""
+
+    def __init__(self, block_size: int, max_blocks: int = 100_000) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
+
+    def hashes(self, prompt: Sequence[int]) -> list[BlockHash]:
+        return hash_full_blocks(prompt, self.block_size, [])
+
+    def add(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
+        blocks = self._blocks.setdefault(worker_id, OrderedDict())
+        for h in hashes:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+    def match_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of `hashes` believed cached on `worker_id`."""
+        blocks = self._blocks.get(worker_id, {})
+        count = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            count += 1
+        return count
+
+    def forget(self, worker_id: str) -> None:
+        self._blocks.pop(worker_id, None)
+
+
+class LoadTracker:
+    """The workers' last reported load, refreshed every `interval_s` by one stats() call each."""
+
+    def __init__(self, fetch: Callable[[str], Awaitable[dict[str, Any]]], interval_s: float = 0.25) -> None:
+        self.fetch = fetch
+        self.interval_s = interval_s
+        self.loads: dict[str, WorkerLoad] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.worker_ids: list[str] = []
+
+    def track(self, worker_ids: Sequence[str]) -> None:
+        self.worker_ids = list(worker_ids)
+        for gone in set(self.loads) - set(worker_ids):
+            del self.loads[gone]
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def refresh(self) -> None:
+        ids = list(self.worker_ids)
+        rows = await asyncio.gather(*(asyncio.wait_for(self.fetch(i), 2.0) for i in ids), return_exceptions=True)
+        for worker_id, row in zip(ids, rows):
+            if isinstance(row, dict):
+                self.loads[worker_id] = WorkerLoad(
+                    worker_id, row.get("num_running", 0), row.get("num_waiting", 0),
+                    row.get("num_free_blocks", 0), row.get("num_blocks", 0),
+                )
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as err:  # noqa: BLE001 - a failed refresh keeps the last loads
+                log.debug("load refresh failed: %s", err)
+            await asyncio.sleep(self.interval_s)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+@register_policy
+class RoundRobinPolicy:
+    name: ClassVar[str] = "round_robin"
+
+    def __init__(self, **_: Any) -> None:
+        self._next = itertools.count()
+
+    def _rotate(self, ids: Sequence[str]) -> list[str]:
+        start = next(self._next) % max(1, len(ids))
+        return list(ids[start:]) + list(ids[:start])
+
+    def prefill_order(self, prompt: Sequence[int], prefill_ids: Sequence[str]) -> list[str]:
+        return self._rotate(prefill_ids)
+
+    def decode_order(self, num_prompt_tokens: int, decode_ids: Sequence[str]) -> list[str]:
+        return self._rotate(decode_ids)
+
+    def on_assigned(self, worker_id: str, prompt: Sequence[int] | None) -> None:
+        pass
+
+    def on_finished(self, worker_id: str) -> None:
+        pass
+
+
+@register_policy
+class CacheAwarePolicy:
+    name: ClassVar[str] = "cache_aware"
+
+    def __init__(self, block_size: int = 16, loads: Mapping[str, WorkerLoad] | None = None, **_: Any) -> None:
+        self.prefix = PrefixIndex(block_size)
+        self.loads: Mapping[str, WorkerLoad] = loads if loads is not None else {}
+        self.assigned: dict[str, int] = {}  # requests this router sent since they last finished
+        self._tie = itertools.count()
+
+    def prefill_order(self, prompt: Sequence[int], prefill_ids: Sequence[str]) -> list[str]:
+        hashes = self.prefix.hashes(prompt)
+        tie = next(self._tie)
+
+        def key(i_id: tuple[int, str]) -> tuple[int, int, int]:
+            i, worker_id = i_id
+            load = self.loads.get(worker_id, WorkerLoad(worker_id))
+            queue = load.num_waiting + load.num_running + self.assigned.get(worker_id, 0)
+            return (-self.prefix.match_blocks(worker_id, hashes), queue, (i - tie) % len(prefill_ids))
+
+        return [w for _, w in sorted(enumerate(prefill_ids), key=key)]
+
+    def decode_order(self, num_prompt_tokens: int, decode_ids: Sequence[str]) -> list[str]:
+        tie = next(self._tie)
+
+        def key(i_id: tuple[int, str]) -> tuple[int, int, int]:
+            i, worker_id = i_id
+            load = self.loads.get(worker_id, WorkerLoad(worker_id))
+            pending = self.assigned.get(worker_id, 0)
+            return (-load.num_free_blocks, load.num_running + pending, (i - tie) % len(decode_ids))
+
+        return [w for _, w in sorted(enumerate(decode_ids), key=key)]
+
+    def on_assigned(self, worker_id: str, prompt: Sequence[int] | None) -> None:
+        self.assigned[worker_id] = self.assigned.get(worker_id, 0) + 1
+        if prompt is not None:
+            self.prefix.add(worker_id, self.prefix.hashes(prompt))
+
+    def on_finished(self, worker_id: str) -> None:
+        if self.assigned.get(worker_id, 0) > 0:
+            self.assigned[worker_id] -= 1
+
