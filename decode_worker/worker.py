@@ -7,6 +7,11 @@ thread. Tokens leave in one TokenBatchMsg per router per `poll`, never one messa
 
 Lease states:  reserved --kv_incoming--> receiving --KV arrived--> (a running request)
                    \\--expired/aborted--> freed     \\--timeout/aborted--> freed
+
+Failures: a KV transfer that fails or misses its deadline frees the lease, drops the pair (without
+waiting on the peer; the prefill side re-forms it next time) and tells the router, which retries
+the request. If the engine loop dies, every request here is failed to its router at once, which
+moves them to another worker.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine import EngineConfig, EngineCore, StepOutput
 from engine.loop import EngineLoop
 from kvtransfer import KvLayout, TransferError, TransferHandle, create_transport, scatter_blocks
+from kvtransfer.fault import FaultRule, FaultTransport
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     KvAcceptMsg,
@@ -90,6 +97,9 @@ class DecodeWorker:
         self.lease_of_request: dict[str, str] = {}
         self.router_of_request: dict[str, str] = {}  # requests in the engine -> who polls their tokens
         self.outboxes: dict[str, Outbox] = {}
+        # prefill worker -> how many times a pair with it was formed: a failed transfer drops the pair
+        # only if it is still the one the transfer ran on (never a pair re-formed in the meantime).
+        self._pair_epochs: dict[str, int] = {}
         self._lease_ids = itertools.count()
         self._aio: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -113,6 +123,14 @@ class DecodeWorker:
 
     def _on_engine_error(self, err: BaseException) -> None:  # engine thread
         self._error = err
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self._fail_all, err)
+
+    def _fail_all(self, err: BaseException) -> None:  # event loop
+        """The engine is gone: every request here ends with an error its router can act on."""
+        error = f"decode worker {self.worker_id} failed: {err}"
+        self._deliver([TokenOutputMsg(request_id=r, new_token_ids=[], finish_reason="abort", error=error)
+                       for r in list(self.router_of_request)])
 
     def _deliver(self, outputs: list[TokenOutputMsg]) -> None:  # event loop
         for out in outputs:
@@ -167,6 +185,7 @@ class DecodeWorker:
             self.transport.drop(prefill_worker_id)
         address = await asyncio.to_thread(self.transport.address)
         await asyncio.to_thread(self.transport.pair, prefill_worker_id, address, 0, self.config.pair_timeout_s)
+        self._pair_epochs[prefill_worker_id] = self._pair_epochs.get(prefill_worker_id, 0) + 1
 
     async def kv_incoming(self, ready: bytes) -> bytes:
         """Posts the receive for a lease's KV and returns at once; the KV lands in the background."""
@@ -177,20 +196,26 @@ class DecodeWorker:
         if reason:
             return KvAcceptMsg(accepted=False, reason=reason).encode()
         assert lease is not None
-        lease.state = LeaseState.RECEIVING
         layout = self.layout
         buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=self.loop.engine.device)
-        handle = self.transport.recv(msg.prefill_worker_id, buf)
-        self._aio.create_task(self._land(msg, lease, buf, handle))  # type: ignore[union-attr]
+        epoch = self._pair_epochs.get(msg.prefill_worker_id, 0)
+        try:
+            handle = self.transport.recv(msg.prefill_worker_id, buf)
+        except ValueError as err:  # not paired any more (a failed transfer dropped the pair)
+            return KvAcceptMsg(accepted=False, reason=str(err)).encode()
+        lease.state = LeaseState.RECEIVING
+        self._aio.create_task(self._land(msg, lease, buf, handle, epoch))  # type: ignore[union-attr]
         return KvAcceptMsg(accepted=True).encode()
 
-    async def _land(self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handle: TransferHandle) -> None:
+    async def _land(
+        self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handle: TransferHandle, epoch: int
+    ) -> None:
         """Waits for the KV, then scatters it into the lease's blocks and joins the request."""
         failure = await _wait_transfer(handle, self.config.transfer_timeout_s)
         request = msg.request
         if failure is not None or lease.is_aborted:
             await self._drop_lease(lease)
-            if failure is not None:
+            if failure is not None and self._pair_epochs.get(msg.prefill_worker_id, 0) == epoch:
                 self.transport.drop(msg.prefill_worker_id)  # never waits on a dead peer; re-pairs later
             if not lease.is_aborted:
                 self._deliver_error(request.request_id, lease.router_id, f"KV transfer {failure}")
@@ -263,6 +288,7 @@ class DecodeWorker:
         s = await self._call(lambda e: e.stats())
         return {
             "worker_id": self.worker_id,
+            "pid": os.getpid(),  # where its memory can be watched (bench/soak.py)
             "num_waiting": s.num_waiting,
             "num_running": s.num_running,
             "num_blocks": s.num_blocks,
@@ -284,6 +310,20 @@ class DecodeWorker:
     async def health(self) -> bool:
         return self._error is None and self.loop.is_alive
 
+    # ---- fault injection (chaos tests)
+    async def arm_fault(self, rule: bytes | None) -> None:
+        """Arms a FaultRule (msgpack) on this worker's transport, or (None) disarms every rule."""
+        fault = _fault_transport(self.transport, self.worker_id)
+        if rule is None:
+            fault.disarm()
+        else:
+            fault.arm(FaultRule.decode(rule))
+
+    async def fault_stats(self) -> dict[str, Any]:
+        """Transfers seen and faults fired (with their time.time()) by this worker's fault transport."""
+        stats = _fault_transport(self.transport, self.worker_id).stats()
+        return {"num_transfers": stats.num_transfers, "num_fired": stats.num_fired, "fired_at": stats.fired_at}
+
     async def shutdown(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
@@ -292,12 +332,29 @@ class DecodeWorker:
 
 
 async def _wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
-    """None when the transfer finished well, else what went wrong."""
+    """None when the transfer finished well, else what went wrong.
+
+    NOTE: polls `done()` (it never blocks) instead of a thread blocked in `wait()`: the event loop's
+    default executor has only a few threads, and transfers that stall until their deadline (a dead
+    peer) would hold them all, starving the pairing calls that also run there."""
+    deadline = time.monotonic() + timeout_s
+    interval_s = 0.0005
+    while not handle.done():
+        if time.monotonic() >= deadline:
+            return f"timed out after {timeout_s} s"
+        await asyncio.sleep(interval_s)
+        interval_s = min(2 * interval_s, 0.005)
     try:
-        is_done = await asyncio.to_thread(handle.wait, timeout_s)
+        handle.wait(0.0)
     except TransferError as err:
         return f"failed: {err}"
-    return None if is_done else f"timed out after {timeout_s} s"
+    return None
+
+
+def _fault_transport(transport: Any, worker_id: str) -> FaultTransport:
+    if not isinstance(transport, FaultTransport):
+        raise ValueError(f"worker {worker_id!r} runs the {transport.name!r} transport; faults need transport='fault'")
+    return transport
 
 
 def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:

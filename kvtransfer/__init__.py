@@ -8,6 +8,7 @@ Transports (pick by name with `create_transport`; ask `supports_cpu`/`supports_c
   local   in one process, through a shared LocalHub (colocated mode, unit tests)
   gloo    CPU tensors, one ProcessGroupGloo per pair
   nccl    CUDA tensors, one ProcessGroupNCCL per pair (workers need NCCL_WORKER_ENV)
+  fault   wraps any of the above and injects drops, delays, failures and kills (chaos tests)
 
 Every pair is formed explicitly (`pair`, blocking, on both sides at once), compares the two KV
 layouts (a mismatch raises LayoutMismatchError on both sides), and can be dropped without blocking.
@@ -18,6 +19,7 @@ the workers above it own the blocks and call it. The transports import nothing f
 `kvtransfer.protocol` (the typed messages of the block-ownership protocol) uses engine's SamplingParams.
 """
 
+from kvtransfer.fault import FaultRule, FaultTransport
 from kvtransfer.layout import KvLayout, LayoutMismatchError, gather_blocks, scatter_blocks
 from kvtransfer.local import LocalHub, LocalTransport
 from kvtransfer.torch_dist import NCCL_WORKER_ENV, GlooTransport, NcclTransport
@@ -36,4 +38,5 @@ __all__ = [
     "PairAddress", "TransferError", "TransferHandle", "Transport",
     "register_transport", "create_transport", "available_transports",
     "LocalHub", "LocalTransport", "GlooTransport", "NcclTransport", "NCCL_WORKER_ENV",
+    "FaultRule", "FaultTransport",
 ]

@@ -5,12 +5,17 @@ An async Ray actor body (cluster/ wraps it with ray.remote); in unit tests a pla
 blocks for a request stay held from the prefill until the push ends (sent, refused, failed or
 aborted), then go to the prefix cache. Transfers on one pair run one at a time, so receives are
 posted in the order sends are.
+
+Failures: a push that fails or misses its deadline drops the pair (never waiting on the peer; the
+next push re-forms it) and answers the router with an error, which retries the request elsewhere.
+Bad input raises InvalidRequestError (the router answers 4xx and retries nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine import EngineConfig, EngineCore, StepOutput
 from engine.loop import EngineLoop
-from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
+from engine.validation import InvalidRequestError
+from kvtransfer import KvLayout, PairAddress, TransferError, TransferHandle, create_transport, gather_blocks
+from kvtransfer.fault import FaultRule, FaultTransport
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
 
 T = TypeVar("T")
@@ -48,8 +55,12 @@ class PrefillWorker:
             **(transport_options or {}),
         )
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
-        self._aborted: set[str] = set()
+        self._live: set[str] = set()  # requests inside `prefill`
+        self._aborted: set[str] = set()  # those of them aborted (their push must not start)
         self._pair_locks: dict[str, asyncio.Lock] = {}
+        # decode worker -> how many times a pair with it was formed: a failed push drops the pair only
+        # if it is still the one the push ran on (never a pair another push re-formed meanwhile).
+        self._pair_epochs: dict[str, int] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
@@ -85,15 +96,27 @@ class PrefillWorker:
         itself in-process) and answers with the first token."""
         self._aio = asyncio.get_running_loop()
         msg = PrefillTaskMsg.decode(task)
+        rid = msg.request.request_id
+        future: asyncio.Future[StepOutput] = self._aio.create_future()
+        self._first_tokens[rid] = future
+        self._live.add(rid)
+        try:
+            return await self._prefill(msg, future, decode_worker)
+        finally:
+            self._live.discard(rid)
+            self._aborted.discard(rid)
+
+    async def _prefill(self, msg: PrefillTaskMsg, future: asyncio.Future[StepOutput], decode_worker: Any) -> bytes:
         request = msg.request
         rid = request.request_id
         params = request.params
         first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": min(1, params.min_tokens)})
         started = time.perf_counter()
-        future: asyncio.Future[StepOutput] = self._aio.create_future()
-        self._first_tokens[rid] = future
         try:
             await self._call(lambda e: e.add_request(rid, request.prompt_token_ids, first_params, hold_kv=True))
+        except InvalidRequestError:
+            self._first_tokens.pop(rid, None)
+            raise  # the client's mistake: no other worker would take it either
         except Exception as err:
             self._first_tokens.pop(rid, None)
             return PrefillResultMsg(request_id=rid, error=str(err)).encode()
@@ -104,7 +127,6 @@ class PrefillWorker:
             timing = {"prefill_s": prefilled - started, "push_s": time.perf_counter() - prefilled}
             return result.model_copy(update=timing).encode()
         finally:
-            self._aborted.discard(rid)
             await self._call(lambda e: e.release_held(rid))  # into the prefix cache
 
     async def _push(self, task: PrefillTaskMsg, out: StepOutput, decode_worker: Any) -> PrefillResultMsg:
@@ -131,21 +153,25 @@ class PrefillWorker:
             lease_id=task.lease.lease_id, prefill_worker_id=self.worker_id, request=request,
             first_token=out.new_token_ids[0], num_blocks=num_blocks, generator_state=out.generator_state,
         )
+        epoch = -1
         try:
             lock = self._pair_locks.setdefault(decode_id, asyncio.Lock())
             async with lock:  # NOTE: recv and send are posted in the same order on both sides
                 await self._ensure_pair(decode_id, decode_worker)
-                accept = KvAcceptMsg.decode(await _invoke(decode_worker.kv_incoming, ready.encode()))
+                epoch = self._pair_epochs[decode_id]
+                accept = KvAcceptMsg.decode(await asyncio.wait_for(
+                    _invoke(decode_worker.kv_incoming, ready.encode()), self.config.pair_timeout_s
+                ))
                 if not accept.accepted:
                     return PrefillResultMsg(**result, error=f"decode worker refused the KV: {accept.reason}")
                 handle = self.transport.send(decode_id, buf)
-            is_done = await asyncio.to_thread(handle.wait, self.config.transfer_timeout_s)
+            failure = await _wait_transfer(handle, self.config.transfer_timeout_s)
         except Exception as err:  # noqa: BLE001 - a failed push is this request's error, not the worker's
-            self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
-            return PrefillResultMsg(**result, error=f"KV push to {decode_id} failed: {err}")
-        if not is_done:
-            self.transport.drop(decode_id)
-            return PrefillResultMsg(**result, error=f"KV push to {decode_id} timed out")
+            failure = f"failed: {type(err).__name__}: {err}"
+        if failure is not None:
+            if self._pair_epochs.get(decode_id) == epoch or epoch < 0:
+                self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
+            return PrefillResultMsg(**result, error=f"KV push to {decode_id} {failure}")
         return PrefillResultMsg(**result, push_bytes=buf.numel() * buf.element_size())
 
     def _finish_reason(self, out: StepOutput, num_prompt_tokens: int, max_tokens: int) -> str | None:
@@ -158,17 +184,21 @@ class PrefillWorker:
     async def _ensure_pair(self, decode_id: str, decode_worker: Any) -> None:
         if self.transport.is_paired(decode_id):
             return
-        host, port = await _invoke(decode_worker.transport_address)
-        address = PairAddress(host, port)
         timeout = self.config.pair_timeout_s
-        await asyncio.gather(
+        host, port = await asyncio.wait_for(_invoke(decode_worker.transport_address), timeout)
+        address = PairAddress(host, port)
+        # NOTE: both sides' pair() are bounded by `timeout`; the extra second lets the peer's own
+        # timeout error, which names the cause, arrive first.
+        await asyncio.wait_for(asyncio.gather(
             _invoke(decode_worker.accept_pair, self.worker_id),
             asyncio.to_thread(self.transport.pair, decode_id, address, 1, timeout),
-        )
+        ), timeout + 1.0)
+        self._pair_epochs[decode_id] = self._pair_epochs.get(decode_id, 0) + 1
 
     async def abort(self, request_id: str) -> bool:
         """Idempotent: stops the prompt's computation; a push under way ends as aborted."""
-        self._aborted.add(request_id)
+        if request_id in self._live:
+            self._aborted.add(request_id)
         was_live = await self._call(lambda e: e.abort_request(request_id))
         future = self._first_tokens.pop(request_id, None)
         if future is not None and not future.done():
@@ -180,6 +210,7 @@ class PrefillWorker:
         s = await self._call(lambda e: e.stats())
         return {
             "worker_id": self.worker_id,
+            "pid": os.getpid(),  # where its memory can be watched (bench/soak.py)
             "num_waiting": s.num_waiting,
             "num_running": s.num_running,
             "num_blocks": s.num_blocks,
@@ -209,9 +240,46 @@ class PrefillWorker:
     async def health(self) -> bool:
         return self._error is None and self.loop.is_alive
 
+    # ---- fault injection (chaos tests)
+    async def arm_fault(self, rule: bytes | None) -> None:
+        """Arms a FaultRule (msgpack) on this worker's transport, or (None) disarms every rule."""
+        fault = _fault_transport(self.transport, self.worker_id)
+        if rule is None:
+            fault.disarm()
+        else:
+            fault.arm(FaultRule.decode(rule))
+
+    async def fault_stats(self) -> dict[str, Any]:
+        """Transfers seen and faults fired (with their time.time()) by this worker's fault transport."""
+        stats = _fault_transport(self.transport, self.worker_id).stats()
+        return {"num_transfers": stats.num_transfers, "num_fired": stats.num_fired, "fired_at": stats.fired_at}
+
     async def shutdown(self) -> None:
         self.loop.stop()
         self.transport.close()
+
+
+async def _wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
+    """None when the transfer finished well, else what went wrong. Polls `done()` (never blocks)
+    rather than tying up an executor thread until the deadline (decode_worker._wait_transfer says why)."""
+    deadline = time.monotonic() + timeout_s
+    interval_s = 0.0005
+    while not handle.done():
+        if time.monotonic() >= deadline:
+            return f"timed out after {timeout_s} s"
+        await asyncio.sleep(interval_s)
+        interval_s = min(2 * interval_s, 0.005)
+    try:
+        handle.wait(0.0)
+    except TransferError as err:
+        return f"failed: {err}"
+    return None
+
+
+def _fault_transport(transport: Any, worker_id: str) -> FaultTransport:
+    if not isinstance(transport, FaultTransport):
+        raise ValueError(f"worker {worker_id!r} runs the {transport.name!r} transport; faults need transport='fault'")
+    return transport
 
 
 async def _invoke(method: Any, *args: Any) -> Any:

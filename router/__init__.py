@@ -3,7 +3,7 @@ strings, streaming), and the Dispatcher that drives each request through the pre
 workers. It is handed the workers' handles and never imports cluster/."""
 
 from router.core import ChoiceDelta, RouterConfig, RouterCore, RouterMetrics
-from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError, Workers
+from router.dispatch import Dispatcher, DispatcherConfig, NoCapacityError, RequestFailedError, Workers
 from router.http_app import build_http_app
 from router.openai_schema import APIError
 
@@ -11,6 +11,7 @@ __all__ = [
     "APIError",
     "ChoiceDelta",
     "Dispatcher",
+    "DispatcherConfig",
     "NoCapacityError",
     "RequestFailedError",
     "RouterConfig",

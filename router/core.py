@@ -123,8 +123,9 @@ class RouterCore:
 
     def on_prefill_result(self, result: PrefillResultMsg) -> None:
         """The Dispatcher's hook: the prefill worker's compute and push durations of one request."""
+        attempt = result.request_id.partition("#")[2]  # a migrated or retried placement: "rid#n"
         self.spans.event(
-            result.request_id, "prefill_result", prefill_worker_s=result.prefill_s, kv_push_s=result.push_s,
+            result.request_id.partition("#")[0], "prefill_result", attempt=int(attempt or 0), prefill_worker_s=result.prefill_s, kv_push_s=result.push_s,
             kv_push_bytes=result.push_bytes, num_cached_prompt_tokens=result.num_cached_tokens,
         )
         if self.metrics is not None:

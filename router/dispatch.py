@@ -1,10 +1,39 @@
-"""Dispatcher: drives one request through the workers and streams its tokens back.
+"""Dispatcher: drives one request through the workers, streams its tokens back, and moves it to
+other workers when the ones it is on fail.
 
 Disaggregated: reserve a lease on a decode worker -> prefill (which pushes the KV) -> first token
 -> the decode worker's token batches. Colocated: submit to one worker -> its token batches.
 One poller task per decode worker fetches that worker's TokenBatchMsg for this router and fans
 the outputs out to the requests' queues. Knows nothing of HTTP, text or Ray pools: it is handed
 the workers' handles (Ray actor handles, or the worker objects themselves in-process).
+
+Faults. A request runs as a series of attempts, each placed on workers under its own id
+(`<request id>`, then `<request id>#1`, `#2`...), so nothing a failed attempt's workers still send
+can reach the new one. An attempt fails, and the next starts, when:
+
+| what                                                     | seen as                                  |
+|----------------------------------------------------------|------------------------------------------|
+| its decode (or colocated) worker died or left the set    | its poll fails / `set_workers` drops it  |
+| its prefill worker died or did not answer in time        | the prefill call raises / times out      |
+| the KV push failed or missed its deadline (either side)  | an error in PrefillResultMsg / the stream |
+| its worker sent nothing for `stall_timeout_s`            | the stream's deadline                    |
+
+The next attempt continues the stream where the client is: its prompt is the original prompt plus
+every token already yielded, with max_tokens and min_tokens lowered by their count. Disaggregated,
+the prefill worker's prefix cache still holds the prompt's blocks, so only the tail is computed
+again; colocated, the new worker computes it all. Nothing is lost or repeated: the client sees
+only what this Dispatcher yielded, and the continuation starts right after it.
+
+What a continuation preserves: greedy requests give exactly the tokens of a fault-free run (the
+same model over the same tokens); logprobs are those of the new attempt's computation. Not
+preserved: a seeded request's random stream (the new attempt seeds a fresh generator with the
+request's seed at the continuation point, so its output is reproducible for that migration point
+but differs from a fault-free run), and frequency/presence penalties, which the engine counts over
+output tokens only (the yielded tokens become prompt tokens of the continuation; the repetition
+penalty, over prompt and output, is preserved).
+
+Every wait has a deadline (DispatcherConfig); after `max_attempts` the client gets a
+RequestFailedError naming the last failure, and NoCapacityError when no worker can take it.
 """
 
 from __future__ import annotations
@@ -12,11 +41,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from engine.config import SamplingParams
+from engine.validation import InvalidRequestError
+from router.policy import CacheAwarePolicy, DispatchPolicy, LoadTracker
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     LeaseMsg,
@@ -38,6 +72,34 @@ class RequestFailedError(RuntimeError):
     """A worker failed the request; the message says where and why."""
 
 
+class DispatcherConfig(BaseModel):
+    """Deadlines and retry limits of the Dispatcher."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    load_refresh_s: float = Field(
+        0.25, gt=0, description="How often the workers' load (queue depth, free KV blocks) is refreshed for dispatch."
+    )
+    max_attempts: int = Field(
+        4, ge=1, le=32, description="Placements one request may use: the first, then migrations and retries."
+    )
+    max_capacity_wait_s: float = Field(
+        2.0, ge=0.0, description="How long a request waits for a worker with room before NoCapacityError."
+    )
+    prefill_timeout_s: float = Field(
+        120.0, gt=0.0, description="Longest wait for a prefill worker's answer (its queue, the prompt, the KV push)."
+    )
+    stall_timeout_s: float = Field(
+        60.0, gt=0.0, description="An attempt whose worker sends nothing for this long is moved to another worker."
+    )
+    call_timeout_s: float = Field(
+        10.0, gt=0.0, description="Longest wait for a control call (reserve, submit, abort), and a poll's grace."
+    )
+    failed_worker_cooldown_s: float = Field(
+        10.0, ge=0.0, description="A worker whose call failed gets no new attempt for this long (or until it leaves)."
+    )
+
+
 @dataclass(frozen=True)
 class Workers:
     prefill: Mapping[str, Any]  # worker id -> handle; empty in colocated mode
@@ -54,6 +116,63 @@ async def invoke(method: Any, *args: Any) -> Any:
     return await (remote(*args) if remote is not None else method(*args))
 
 
+class _AttemptFailed(Exception):
+    """This attempt cannot go on; the request may go on elsewhere."""
+
+
+@dataclass(frozen=True)
+class _WorkerLost:
+    reason: str
+
+
+@dataclass
+class _Attempt:
+    request: GenerateRequestMsg  # as the workers see it: the attempt's id and the continuation prompt
+    queue: asyncio.Queue[TokenOutputMsg | _WorkerLost] = field(default_factory=asyncio.Queue)
+    worker_id: str | None = None  # the decode (or colocated) worker streaming its tokens
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set with a _WorkerLost in the queue
+    touched: list[tuple[str, Any]] = field(default_factory=list)  # (worker id, handle) that may hold some of it
+    is_finished: bool = False  # nothing is left on any worker: no abort needed
+
+
+@dataclass
+class _Progress:
+    """What the client has been given so far, across attempts."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    router_id: str
+    token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_attempts: int = 0
+    failed_workers: set[str] = field(default_factory=set)  # not tried again for this request if avoidable
+    prefill_id: str | None = None  # the prefill worker whose prefix cache holds the prompt
+
+    def next_request(self) -> GenerateRequestMsg:
+        n = len(self.token_ids)
+        attempt_id = self.request_id if self.num_attempts == 0 else f"{self.request_id}#{self.num_attempts}"
+        params = self.params
+        if n:
+            params = params.model_copy(
+                update={"max_tokens": params.max_tokens - n, "min_tokens": max(0, params.min_tokens - n)}
+            )
+        return GenerateRequestMsg(
+            request_id=attempt_id, prompt_token_ids=self.prompt + self.token_ids, params=params,
+            router_id=self.router_id,
+        )
+
+    def take(self, out: TokenOutputMsg) -> TokenOutputMsg:
+        """Records an output of the current attempt and returns it as the client sees it."""
+        if self.num_attempts == 0:
+            self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        self.token_ids += out.new_token_ids
+        return out.model_copy(update={
+            "request_id": self.request_id, "num_prompt_tokens": len(self.prompt),
+            "num_cached_tokens": self.num_cached_tokens,
+        })
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -61,54 +180,102 @@ class Dispatcher:
         workers: Workers,
         poll_timeout_s: float = 1.0,
         on_prefill_result: Callable[[PrefillResultMsg], None] | None = None,
+        config: DispatcherConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy: DispatchPolicy | None = None,
     ) -> None:
         self.router_id = router_id
         self.on_prefill_result = on_prefill_result  # metrics: prefill and KV-push timings
         self.workers = workers
-        self.poll_timeout_s = poll_timeout_s
-        self._streams: dict[str, asyncio.Queue[TokenOutputMsg]] = {}
-        self._worker_of: dict[str, str] = {}  # request id -> the decode (or colocated) worker streaming it
+        self.poll_timeout_s = poll_timeout_s  # how long a poll waits on the worker for news
+        self.config = config or DispatcherConfig()
+        self.clock = clock
+        self.num_migrations = 0  # attempts started after a failed one, since start
+        self._attempts: dict[str, _Attempt] = {}  # attempt id -> the attempt, while it runs
         self._pollers: dict[str, asyncio.Task[None]] = {}
-        self._round_robin = itertools.count()
+        self._failed_until: dict[str, float] = {}  # worker id -> clock() until which it gets no new attempt
+        self._round_robin: dict[str, itertools.count[int]] = {}  # per kind of worker
+        # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker.
+        self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
+        self.policy = policy or CacheAwarePolicy(loads=self.loads.loads)
 
-    # ---- the token stream
-    def _ensure_pollers(self) -> None:
-        for worker_id, handle in self.workers.decode.items():
-            task = self._pollers.get(worker_id)
-            if task is None or task.done():
-                self._pollers[worker_id] = asyncio.get_running_loop().create_task(self._poll(worker_id, handle))
+    async def _fetch_stats(self, worker_id: str) -> dict[str, Any]:
+        handle = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
+        if handle is None:
+            raise KeyError(worker_id)
+        return await invoke(handle.stats)
 
-    async def _poll(self, worker_id: str, handle: Any) -> None:
-        while True:
-            try:
-                batch = TokenBatchMsg.decode(await invoke(handle.poll, self.router_id, self.poll_timeout_s))
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # noqa: BLE001 - the worker is gone: fail its requests, stop polling
-                log.warning("polling %s failed: %s", worker_id, err)
-                self._fail_requests_of(worker_id, f"decode worker {worker_id} failed: {err}")
-                return
-            for out in batch.outputs:
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-
-    def _fail_requests_of(self, worker_id: str, error: str) -> None:
-        for request_id, owner in list(self._worker_of.items()):
-            queue = self._streams.get(request_id)
-            if owner == worker_id and queue is not None:
-                queue.put_nowait(TokenOutputMsg(request_id=request_id, new_token_ids=[], finish_reason="abort", error=error))
-
+    # ---- the worker set
     def set_workers(self, workers: Workers) -> None:
-        """Takes a new worker set (a worker was replaced); requests on workers that left fail."""
+        """Takes a new worker set (a worker was replaced, added or retired); requests on decode
+        workers that left move to others."""
         for worker_id in set(self.workers.decode) - set(workers.decode):
             task = self._pollers.pop(worker_id, None)
             if task is not None:
                 task.cancel()
-            self._fail_requests_of(worker_id, f"decode worker {worker_id} left the cluster")
+            self._lose_requests_of(worker_id, f"decode worker {worker_id} left the cluster")
         self.workers = workers
+        for worker_id in list(self._failed_until):
+            if worker_id not in workers.decode and worker_id not in workers.prefill:
+                del self._failed_until[worker_id]
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet: the next request starts the pollers
+        self._ensure_pollers()
+
+    def _usable(
+        self, kind: str, handles: Mapping[str, Any], avoid: set[str], prompt: Sequence[int] = ()
+    ) -> list[tuple[str, Any]]:
+        """Workers that may take a new attempt, in the policy's order; those in `avoid` (failed for
+        this request) last, and workers whose calls failed recently not at all."""
+        now = self.clock()
+        ids = [i for i in handles if self._failed_until.get(i, 0.0) <= now]
+        if kind == "prefill":
+            ids = self.policy.prefill_order(prompt, ids)
+        else:
+            ids = self.policy.decode_order(len(prompt), ids)
+        ids.sort(key=lambda i: i in avoid)  # stable: keeps the policy's order within each group
+        return [(i, handles[i]) for i in ids]
+
+    def _mark_failed(self, worker_id: str, err: object) -> None:
+        log.warning("worker %s failed a call: %s", worker_id, err)
+        self._failed_until[worker_id] = self.clock() + self.config.failed_worker_cooldown_s
+
+    # ---- the token stream
+    def _ensure_pollers(self) -> None:
+        self.loads.track([*self.workers.prefill, *self.workers.decode])
+        now = self.clock()
+        for worker_id, handle in self.workers.decode.items():
+            task = self._pollers.get(worker_id)
+            if (task is None or task.done()) and self._failed_until.get(worker_id, 0.0) <= now:
+                self._pollers[worker_id] = asyncio.get_running_loop().create_task(self._poll(worker_id, handle))
+
+    async def _poll(self, worker_id: str, handle: Any) -> None:
+        deadline_s = self.poll_timeout_s + self.config.call_timeout_s
+        while True:
+            try:
+                raw = await asyncio.wait_for(invoke(handle.poll, self.router_id, self.poll_timeout_s), deadline_s)
+                batch = TokenBatchMsg.decode(raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the worker is gone or hangs: move its requests
+                self._mark_failed(worker_id, f"poll: {type(err).__name__}: {err}")
+                self._lose_requests_of(worker_id, f"decode worker {worker_id} failed: {type(err).__name__}: {err}")
+                return
+            for out in batch.outputs:
+                attempt = self._attempts.get(out.request_id)
+                if attempt is not None and attempt.worker_id == worker_id:
+                    attempt.queue.put_nowait(out)
+
+    def _lose_requests_of(self, worker_id: str, reason: str) -> None:
+        for attempt in self._attempts.values():
+            if attempt.worker_id == worker_id:
+                attempt.queue.put_nowait(_WorkerLost(reason))
+                attempt.lost.set()
 
     async def close(self) -> None:
+        self.loads.close()
         for task in self._pollers.values():
             task.cancel()
         await asyncio.gather(*self._pollers.values(), return_exceptions=True)
@@ -119,76 +286,163 @@ class Dispatcher:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenOutputMsg]:
         """Yields the request's token outputs; the last has a finish_reason. Leaving early
-        (client gone) aborts it on every worker that holds something of it."""
+        (client gone) aborts it on every worker that holds something of it. Raises
+        NoCapacityError, RequestFailedError, or InvalidRequestError (bad input a worker refused)."""
+        progress = _Progress(request_id, list(prompt_token_ids), params, self.router_id)
+        while True:
+            if len(progress.token_ids) >= params.max_tokens:  # cannot happen: the last token had a finish_reason
+                yield TokenOutputMsg(request_id=request_id, new_token_ids=[], finish_reason="length")
+                return
+            attempt = _Attempt(progress.next_request())
+            self._attempts[attempt.request.request_id] = attempt
+            try:
+                out = await self._start(attempt, progress)
+                while True:
+                    if out is not None:
+                        yield progress.take(out)
+                        if out.finish_reason is not None:
+                            attempt.is_finished = True
+                            return
+                    out = await self._next(attempt)
+            except _AttemptFailed as failure:
+                progress.num_attempts += 1
+                if attempt.worker_id is not None:
+                    progress.failed_workers.add(attempt.worker_id)
+                log.warning("request %s: attempt %d failed: %s", request_id, progress.num_attempts, failure)
+                if progress.num_attempts >= self.config.max_attempts:
+                    raise RequestFailedError(
+                        f"request {request_id} failed {progress.num_attempts} times (max_attempts); last: {failure}"
+                    ) from None
+                self.num_migrations += 1
+            finally:
+                del self._attempts[attempt.request.request_id]
+                if attempt.worker_id is not None:
+                    self.policy.on_finished(attempt.worker_id)
+                if not attempt.is_finished:
+                    await asyncio.shield(self._abort(attempt))
+
+    async def _start(self, attempt: _Attempt, progress: _Progress) -> TokenOutputMsg | None:
+        """Places the attempt; disaggregated, returns its first token."""
         self._ensure_pollers()
-        queue: asyncio.Queue[TokenOutputMsg] = asyncio.Queue()
-        self._streams[request_id] = queue
-        request = GenerateRequestMsg(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, router_id=self.router_id
-        )
-        touched: list[Any] = []
-        is_finished = False
+        if self.workers.is_colocated:
+            await self._submit_colocated(attempt, progress)
+            return None
+        return await self._prefill(attempt, progress)
+
+    async def _next(self, attempt: _Attempt) -> TokenOutputMsg:
         try:
-            if self.workers.is_colocated:
-                await self._submit_colocated(request, touched)
-            else:
-                first = await self._prefill(request, touched)
-                yield first
-                if first.finish_reason is not None:
-                    is_finished = True
-                    return
-            while True:
-                out = await queue.get()
-                if out.error is not None:
-                    is_finished = True  # the worker has freed what it held
-                    raise RequestFailedError(out.error)
-                yield out
-                if out.finish_reason is not None:
-                    is_finished = True
-                    return
-        finally:
-            del self._streams[request_id]
-            self._worker_of.pop(request_id, None)
-            if not is_finished:
-                await asyncio.shield(self._abort(request_id, touched))
+            item = await asyncio.wait_for(attempt.queue.get(), self.config.stall_timeout_s)
+        except asyncio.TimeoutError:
+            raise _AttemptFailed(
+                f"worker {attempt.worker_id} sent nothing for {self.config.stall_timeout_s} s (stall_timeout_s)"
+            ) from None
+        if isinstance(item, _WorkerLost):
+            raise _AttemptFailed(item.reason)
+        if item.error is not None:
+            attempt.is_finished = True  # the worker has freed what it held
+            raise _AttemptFailed(f"worker {attempt.worker_id}: {item.error}")
+        return item
 
-    async def _submit_colocated(self, request: GenerateRequestMsg, touched: list[Any]) -> None:
-        ids = list(self.workers.decode)
-        worker_id = ids[next(self._round_robin) % len(ids)]
-        handle = self.workers.decode[worker_id]
-        touched.append(handle)
-        self._worker_of[request.request_id] = worker_id
-        await invoke(handle.submit, request.encode())
+    async def _wait_for_workers(self, kind: str, handles: Callable[[], Mapping[str, Any]], avoid: set[str],
+                                prompt: Sequence[int] = ()) -> list[tuple[str, Any]]:
+        """Usable workers of a kind, waiting up to max_capacity_wait_s for one (a replacement starting)."""
+        deadline = self.clock() + self.config.max_capacity_wait_s
+        delay_s = 0.05
+        while not (usable := self._usable(kind, handles(), avoid, prompt)):
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise NoCapacityError(f"no {kind} worker is serving")
+            await asyncio.sleep(min(delay_s, remaining))
+            delay_s = min(2 * delay_s, 0.5)
+        return usable
 
-    async def _reserve(self, request: GenerateRequestMsg) -> tuple[str, LeaseMsg]:
-        ids = list(self.workers.decode)
-        start = next(self._round_robin)
+    async def _submit_colocated(self, attempt: _Attempt, progress: _Progress) -> None:
+        prompt = attempt.request.prompt_token_ids
+        usable = await self._wait_for_workers("colocated", lambda: self.workers.decode, progress.failed_workers, prompt)
+        worker_id, handle = usable[0]
+        self.policy.on_assigned(worker_id, None)
+        attempt.worker_id = worker_id
+        attempt.touched.append((worker_id, handle))
+        try:
+            await asyncio.wait_for(invoke(handle.submit, attempt.request.encode()), self.config.call_timeout_s)
+        except Exception as err:  # noqa: BLE001 - bad input is the client's; anything else, the worker's
+            _raise_if_invalid(err)
+            self._mark_failed(worker_id, err)
+            raise _AttemptFailed(f"colocated worker {worker_id} failed: {type(err).__name__}: {err}") from None
+
+    async def _reserve(self, attempt: _Attempt, progress: _Progress) -> tuple[str, Any, LeaseMsg]:
+        """A lease on the first decode worker with room; waits up to max_capacity_wait_s for one."""
+        request = attempt.request
         reserve = ReserveMsg(
             request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), router_id=self.router_id
         ).encode()
-        for i in range(len(ids)):
-            worker_id = ids[(start + i) % len(ids)]
-            lease = await invoke(self.workers.decode[worker_id].reserve, reserve)
-            if lease is not None:
-                return worker_id, LeaseMsg.decode(lease)
-        raise NoCapacityError(f"no decode worker has KV blocks for {len(request.prompt_token_ids)} prompt tokens")
+        deadline = self.clock() + self.config.max_capacity_wait_s
+        delay_s = 0.02
+        while True:
+            usable = await self._wait_for_workers(
+                "decode", lambda: self.workers.decode, progress.failed_workers, request.prompt_token_ids
+            )
+            for worker_id, handle in usable:
+                try:
+                    lease = await asyncio.wait_for(invoke(handle.reserve, reserve), self.config.call_timeout_s)
+                except Exception as err:  # noqa: BLE001 - a dead or hung worker: try the next
+                    self._mark_failed(worker_id, err)
+                    continue
+                if lease is not None:
+                    self.policy.on_assigned(worker_id, None)
+                    return worker_id, handle, LeaseMsg.decode(lease)
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise NoCapacityError(
+                    f"no decode worker has KV blocks for {len(request.prompt_token_ids)} prompt tokens"
+                )
+            await asyncio.sleep(min(delay_s, remaining))
+            delay_s = min(2 * delay_s, 0.5)
 
-    async def _prefill(self, request: GenerateRequestMsg, touched: list[Any]) -> TokenOutputMsg:
-        decode_id, lease = await self._reserve(request)
-        decode = self.workers.decode[decode_id]
-        touched.append(decode)
-        self._worker_of[request.request_id] = decode_id
-        ids = list(self.workers.prefill)
-        prefill = self.workers.prefill[ids[next(self._round_robin) % len(ids)]]
-        touched.append(prefill)
+    async def _prefill(self, attempt: _Attempt, progress: _Progress) -> TokenOutputMsg:
+        # NOTE: the prefill worker first, so that a request finding none holds no lease meanwhile.
+        usable = await self._wait_for_workers(
+            "prefill", lambda: self.workers.prefill, progress.failed_workers, attempt.request.prompt_token_ids
+        )
+        # A continuation goes back to the prefill worker that computed the prompt: its prefix cache holds it.
+        preferred = [w for w in usable if w[0] == progress.prefill_id and w[0] not in progress.failed_workers]
+        prefill_id, prefill = (preferred or usable)[0]
+        progress.prefill_id = prefill_id
+        self.policy.on_assigned(prefill_id, attempt.request.prompt_token_ids)
+        decode_id, decode, lease = await self._reserve(attempt, progress)
+        attempt.worker_id = decode_id
+        attempt.touched += [(decode_id, decode), (prefill_id, prefill)]
+        request = attempt.request
         task = PrefillTaskMsg(request=request, lease=lease).encode()
-        result = PrefillResultMsg.decode(await invoke(prefill.prefill, task, decode))
+        call = asyncio.ensure_future(invoke(prefill.prefill, task, decode))
+        lost = asyncio.ensure_future(attempt.lost.wait())  # the decode worker may die meanwhile
+        try:
+            done, _ = await asyncio.wait({call, lost}, timeout=self.config.prefill_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.policy.on_finished(prefill_id)
+            for future in (call, lost):
+                if not future.done():
+                    future.cancel()
+        if lost in done:
+            raise _AttemptFailed(f"decode worker {decode_id} was lost during the prefill")
+        if call not in done:
+            progress.failed_workers.add(prefill_id)
+            raise _AttemptFailed(f"prefill worker {prefill_id} did not answer within {self.config.prefill_timeout_s} s")
+        try:
+            result = PrefillResultMsg.decode(call.result())
+        except Exception as err:  # noqa: BLE001 - bad input is the client's; anything else, the worker's
+            _raise_if_invalid(err)
+            self._mark_failed(prefill_id, err)
+            progress.failed_workers.add(prefill_id)
+            raise _AttemptFailed(f"prefill worker {prefill_id} failed: {type(err).__name__}: {err}") from None
         if self.on_prefill_result is not None:
             self.on_prefill_result(result)
         if result.error is not None:
-            raise RequestFailedError(result.error)
+            raise _AttemptFailed(f"prefill on {prefill_id} for decode worker {decode_id}: {result.error}")
         if result.finish_reason is not None:
-            await invoke(decode.abort, request.request_id)  # the lease is not needed: free it now
+            await self._abort(attempt, [(decode_id, decode)])  # the lease is not needed: free it now
+            attempt.is_finished = True
         return TokenOutputMsg(
             request_id=request.request_id,
             new_token_ids=[result.first_token] if result.first_token is not None else [],
@@ -199,9 +453,21 @@ class Dispatcher:
             num_cached_tokens=result.num_cached_tokens,
         )
 
-    async def _abort(self, request_id: str, touched: list[Any]) -> None:
-        for handle in touched:
+    async def _abort(self, attempt: _Attempt, touched: list[tuple[str, Any]] | None = None) -> None:
+        """Frees what the attempt holds on every worker it touched (or those given); a dead worker
+        holds nothing."""
+
+        async def one(worker_id: str, handle: Any) -> None:
             try:
-                await invoke(handle.abort, request_id)
+                await asyncio.wait_for(invoke(handle.abort, attempt.request.request_id), self.config.call_timeout_s)
             except Exception as err:  # noqa: BLE001 - a dead worker holds nothing any more
-                log.warning("abort of %s failed: %s", request_id, err)
+                log.info("abort of %s on %s failed: %s", attempt.request.request_id, worker_id, err)
+
+        await asyncio.gather(*(one(i, h) for i, h in (attempt.touched if touched is None else touched)))
+
+
+def _raise_if_invalid(err: BaseException) -> None:
+    """Re-raises a worker's InvalidRequestError (bare, even when Ray wrapped it): the client's mistake."""
+    cause = getattr(err, "cause", err)
+    if isinstance(cause, InvalidRequestError):
+        raise cause from None

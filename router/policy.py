@@ -1,8 +1,8 @@
 """Dispatch policies: which prefill worker computes a prompt and which decode worker leases its KV.
 
 `CacheAwarePolicy` (the default): a prefill worker by the longest prefix of the prompt it is
-believed to hold in its prefix cache, then by queue depth; a decode worker by free KV blocks,
-then by running batch. The router learns both without asking per request:
+believed to hold in its prefix cache, then by queue depth; a decode worker with KV room by the
+smallest running batch, then by free KV blocks. The router learns both without asking per request:
 
 - prefix: `PrefixIndex` remembers the full-block hashes of the prompts this router sent to each
   prefill worker (bounded, least recently used dropped first) — an estimate, since workers evict;
@@ -169,15 +169,22 @@ class RoundRobinPolicy:
 class CacheAwarePolicy:
     name: ClassVar[str] = "cache_aware"
 
-    def __init__(self, block_size: int = 16, loads: Mapping[str, WorkerLoad] | None = None, **_: Any) -> None:
+    def __init__(
+        self, block_size: int = 16, loads: Mapping[str, WorkerLoad] | None = None, min_free_fraction: float = 0.05,
+        **_: Any,
+    ) -> None:
         self.prefix = PrefixIndex(block_size)
+        self.min_free_fraction = min_free_fraction
         self.loads: Mapping[str, WorkerLoad] = loads if loads is not None else {}
         self.assigned: dict[str, int] = {}  # requests this router sent since they last finished
-        self._tie = itertools.count()
+        # NOTE: one rotation per kind: requests that arrive together see the same loads, and
+        # ties must still spread them.
+        self._prefill_tie = itertools.count()
+        self._decode_tie = itertools.count()
 
     def prefill_order(self, prompt: Sequence[int], prefill_ids: Sequence[str]) -> list[str]:
         hashes = self.prefix.hashes(prompt)
-        tie = next(self._tie)
+        tie = next(self._prefill_tie)
 
         def key(i_id: tuple[int, str]) -> tuple[int, int, int]:
             i, worker_id = i_id
@@ -188,13 +195,17 @@ class CacheAwarePolicy:
         return [w for _, w in sorted(enumerate(prefill_ids), key=key)]
 
     def decode_order(self, num_prompt_tokens: int, decode_ids: Sequence[str]) -> list[str]:
-        tie = next(self._tie)
+        """Workers with KV room first (over `min_free_fraction` of their blocks free, or not yet
+        reported), then the smallest running batch (its own plus what this router sent since),
+        then the most free blocks."""
+        tie = next(self._decode_tie)
 
-        def key(i_id: tuple[int, str]) -> tuple[int, int, int]:
+        def key(i_id: tuple[int, str]) -> tuple[bool, int, int, int]:
             i, worker_id = i_id
             load = self.loads.get(worker_id, WorkerLoad(worker_id))
-            pending = self.assigned.get(worker_id, 0)
-            return (-load.num_free_blocks, load.num_running + pending, (i - tie) % len(decode_ids))
+            has_room = load.num_blocks == 0 or load.num_free_blocks > self.min_free_fraction * load.num_blocks
+            batch = load.num_running + load.num_waiting + self.assigned.get(worker_id, 0)
+            return (not has_room, batch, -load.num_free_blocks, (i - tie) % len(decode_ids))
 
         return [w for _, w in sorted(enumerate(decode_ids), key=key)]
 

@@ -163,11 +163,11 @@ def test_transport_checks_its_arguments(builder: Builder) -> None:
 
 def test_registry_names_the_known_and_the_capable_transports() -> None:
     assert {"local", "gloo", "nccl"} <= set(available_transports())
-    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known transports: gloo, local, nccl"):
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known transports: fault, gloo, local, nccl"):
         create_transport("carrier-pigeon", "w", LAYOUT, "cpu")
-    with pytest.raises(ValueError, match="'nccl' cannot run on cpu tensors; transports that can: gloo, local"):
+    with pytest.raises(ValueError, match="'nccl' cannot run on cpu tensors; transports that can: fault, gloo, local"):
         create_transport("nccl", "w", LAYOUT, "cpu")
-    with pytest.raises(ValueError, match="'gloo' cannot run on cuda tensors; transports that can: local, nccl"):
+    with pytest.raises(ValueError, match="'gloo' cannot run on cuda tensors; transports that can: fault, local, nccl"):
         create_transport("gloo", "w", LAYOUT, "cuda")
 
 

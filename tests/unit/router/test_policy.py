@@ -20,12 +20,13 @@ def test_prefill_goes_where_the_prefix_was_sent():
     assert policy.prefill_order(list(range(500, 540)), ["p0", "p1", "p2"])[0] == "p2"
 
 
-def test_decode_by_free_blocks_then_running_batch():
-    loads = {"d0": WorkerLoad("d0", num_running=3, num_free_blocks=100),
-             "d1": WorkerLoad("d1", num_running=1, num_free_blocks=500),
-             "d2": WorkerLoad("d2", num_running=0, num_free_blocks=500)}
+def test_decode_by_room_then_running_batch_then_free_blocks():
+    loads = {"d0": WorkerLoad("d0", num_running=3, num_free_blocks=100, num_blocks=1000),
+             "d1": WorkerLoad("d1", num_running=1, num_free_blocks=500, num_blocks=1000),
+             "d2": WorkerLoad("d2", num_running=0, num_free_blocks=500, num_blocks=1000),
+             "full": WorkerLoad("full", num_running=0, num_free_blocks=10, num_blocks=1000)}
     policy = CacheAwarePolicy(loads=loads)
-    assert policy.decode_order(10, ["d0", "d1", "d2"]) == ["d2", "d1", "d0"]
+    assert policy.decode_order(10, ["full", "d0", "d1", "d2"]) == ["d2", "d1", "d0", "full"]
     policy.on_assigned("d2", None)
     policy.on_assigned("d2", None)  # pending work this router sent counts until the next refresh
     assert policy.decode_order(10, ["d0", "d1", "d2"])[:2] == ["d1", "d2"]
