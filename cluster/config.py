@@ -1,13 +1,29 @@
 """ClusterConfig: what a pdserve deployment runs, validated once; the CLI and the Serve config
-take their defaults from here."""
+take their defaults from here.
+
+Placement: `prefill_resources` / `decode_resources` are Ray custom resources each worker of the
+pool asks for, so a pool lands only on nodes that offer them. The cluster YAMLs in
+deploy/clusters/ give every prefill node `pdserve_prefill: <its GPU count>` and every decode node
+`pdserve_decode: <its GPU count>` (PREFILL_RESOURCE, DECODE_RESOURCE); asking 1 of it per worker
+puts one worker per GPU on the right node type.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import EngineConfig
+
+PREFILL_RESOURCE = "pdserve_prefill"
+"""The custom resource the cluster YAMLs give prefill nodes (one unit per GPU)."""
+DECODE_RESOURCE = "pdserve_decode"
+"""The custom resource the cluster YAMLs give decode nodes (one unit per GPU)."""
+
+# Ray sets these from num_cpus / num_gpus / memory; they cannot be asked for as custom resources.
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class ClusterConfig(BaseModel):
@@ -28,11 +44,25 @@ class ClusterConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address workers publish for KV pairing.")
     lease_ttl_s: float = Field(30.0, gt=0, description="Unclaimed decode leases are freed after this.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer.")
+    prefill_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each prefill worker asks for (and each of its placement-group "
+        "bundles holds), e.g. {'pdserve_prefill': 1}: prefill workers then land only on nodes offering them. "
+        "Empty: anywhere.",
+    )
+    decode_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each decode worker (or colocated worker) asks for, e.g. "
+        "{'pdserve_decode': 1}. Empty: anywhere.",
+    )
 
     @model_validator(mode="after")
     def _check_pools(self) -> ClusterConfig:
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise ValueError("num_prefill must be at least 1 in disaggregated mode")
+        for field in ("prefill_resources", "decode_resources"):
+            for name, amount in getattr(self, field).items():
+                _check_resource(field, name, amount)
         return self
 
     def resolved_transport(self, has_gpus: bool) -> str:
@@ -44,3 +74,17 @@ class ClusterConfig(BaseModel):
         if self.num_gpus_per_worker < 0:
             return 1.0 if has_gpus else 0.0
         return self.num_gpus_per_worker
+
+
+def _check_resource(field: str, name: str, amount: float) -> None:
+    """Ray's own rules for an actor's custom resources, checked here so a bad config fails at
+    validation rather than when the first actor is created."""
+    if not name or name in _RAY_BUILTIN_RESOURCES:
+        raise ValueError(
+            f"{field}: {name!r} is not a custom resource name; use a name of your own such as "
+            f"{PREFILL_RESOURCE!r} or {DECODE_RESOURCE!r} (CPU, GPU and memory come from num_gpus_per_worker)"
+        )
+    if not math.isfinite(amount) or amount <= 0 or (amount > 1 and not float(amount).is_integer()):
+        raise ValueError(
+            f"{field}[{name!r}] is {amount}; it must be in (0, 1] or a whole number above 1 (Ray's rule)"
+        )

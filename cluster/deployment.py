@@ -23,9 +23,14 @@ class Deployment:
         gpus = config.resolved_gpus(has_gpus)
         self.prefill: WorkerPool | None = None
         if config.mode == "disaggregated":
-            self.prefill = WorkerPool("prefill", PrefillWorker, self._prefill_config, config.num_prefill, gpus)
+            self.prefill = WorkerPool(
+                "prefill", PrefillWorker, self._prefill_config, config.num_prefill, gpus,
+                resources=config.prefill_resources,
+            )
         kind = "decode" if config.mode == "disaggregated" else "colocated"
-        self.decode = WorkerPool(kind, DecodeWorker, self._decode_config, config.num_decode, gpus)
+        self.decode = WorkerPool(
+            kind, DecodeWorker, self._decode_config, config.num_decode, gpus, resources=config.decode_resources
+        )
 
     def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:
         c = self.config
@@ -51,7 +56,11 @@ class Deployment:
             await pool.wait_ready(timeout_s)
 
     def workers(self) -> Workers:
-        return Workers(prefill=dict(self.prefill.handles) if self.prefill else {}, decode=dict(self.decode.handles))
+        """What routers may use now (WorkerPool.router_handles: no starting worker, retiring ones
+        as they drain)."""
+        return Workers(
+            prefill=self.prefill.router_handles() if self.prefill else {}, decode=self.decode.router_handles()
+        )
 
     async def held_blocks(self) -> dict[str, int]:
         """Every worker's held block count after its integrity check (0 everywhere once drained)."""

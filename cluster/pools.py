@@ -1,15 +1,27 @@
-"""Worker pools: Ray actors of one worker kind, their placement, health, and replacement.
+"""Worker pools: Ray actors of one worker kind, their placement, health, replacement and resizing.
 
-A pool names its workers `<kind>-<n>`; a replaced worker gets a new name (n only grows), so a
-dead worker's id is never reused and stale leases or pairs cannot be confused with the new one.
+A pool names its workers `<kind>-<n>`; a replaced or added worker gets a new name (n only grows),
+so a dead or retired worker's id is never reused and stale leases or pairs cannot be confused
+with the new one.
+
+Placement: every worker asks for the pool's `resources` (Ray custom resources such as
+`{"pdserve_decode": 1}`, from ClusterConfig), so it lands only on nodes that offer them. With
+GPUs each worker has a placement-group bundle `{"GPU": num_gpus, **resources}`.
+
+Worker states, as routers see them (`router_handles`):
+
+    starting --healthy--> serving --resize down--> retiring --idle--> (retired: killed)
+       (not shown)          (shown)                (decode: shown as a RetiringHandle,
+                                                    which takes no new lease; prefill: not shown)
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -19,6 +31,27 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from kvtransfer import NCCL_WORKER_ENV
 
 log = logging.getLogger(__name__)
+
+Bundle = tuple[PlacementGroup, int]  # (group, bundle index)
+Publish = Callable[[], Awaitable[None] | None]
+
+
+class RetiringHandle:
+    """What routers are given for a retiring worker while it drains: its token stream (`poll`),
+    `abort` and the KV protocol reach the actor as before, but it takes no new request: `reserve`
+    answers None (no room), so a router leases on another worker."""
+
+    def __init__(self, worker_id: str, handle: Any) -> None:
+        self.worker_id = worker_id
+        self._handle = handle
+
+    async def reserve(self, request: bytes) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # NOTE: keeps pickling (and a half-built instance) off the actor handle
+            raise AttributeError(name)
+        return getattr(self._handle, name)
 
 
 class WorkerPool:
@@ -30,25 +63,35 @@ class WorkerPool:
         num_workers: int,
         num_gpus: float,
         env: dict[str, str] | None = None,
+        resources: dict[str, float] | None = None,
     ) -> None:
         self.kind = kind
         self.worker_cls = worker_cls
         self.make_config = make_config
-        self.num_workers = num_workers
+        self.num_workers = num_workers  # serving workers wanted
         self.num_gpus = num_gpus
+        self.resources = dict(resources or {})  # custom resources each worker asks for (placement)
         self.env = {**(NCCL_WORKER_ENV if num_gpus > 0 else {}), **(env or {})}
-        self.handles: dict[str, Any] = {}
+        self.handles: dict[str, Any] = {}  # every live worker: starting, serving or retiring
+        self.starting: set[str] = set()  # spawned by `resize`, not yet healthy: routers do not see them
+        self.retiring: set[str] = set()  # draining before they are killed
         self._names = itertools.count()
-        self._pg: PlacementGroup | None = None
-        self._free_bundles: list[int] = []
-        self._bundle_of: dict[str, int] = {}
+        self._pg: PlacementGroup | None = None  # the group `start` reserves, one bundle per worker
+        self._grown_pgs: list[PlacementGroup] = []  # one-bundle groups `resize` added
+        self._free_bundles: list[Bundle] = []
+        self._bundle_of: dict[str, Bundle] = {}
+        self._resizing = asyncio.Lock()  # one resize at a time
+
+    @property
+    def _bundle(self) -> dict[str, float]:
+        return {"GPU": self.num_gpus, **self.resources}
 
     def start(self) -> None:
         if self.num_gpus > 0:
             # One bundle per worker, packed: prefill and decode pools each get their own group.
-            self._pg = placement_group([{"GPU": self.num_gpus}] * self.num_workers, strategy="PACK")
+            self._pg = placement_group([self._bundle] * self.num_workers, strategy="PACK")
             ray.get(self._pg.ready())
-            self._free_bundles = list(range(self.num_workers))
+            self._free_bundles = [(self._pg, i) for i in range(self.num_workers)]
         for _ in range(self.num_workers):
             self._spawn()
 
@@ -61,10 +104,11 @@ class WorkerPool:
             max_concurrency=1000,
             runtime_env={"env_vars": self.env} if self.env else None,
         )
-        if self._pg is not None:
-            bundle = self._free_bundles.pop(0)
-            self._bundle_of[worker_id] = bundle
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg, bundle)
+        if self.resources:
+            options["resources"] = self.resources  # inside a bundle: taken from the bundle, which holds them
+        if self.num_gpus > 0:
+            group, index = self._bundle_of[worker_id] = self._free_bundles.pop(0)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, index)
         actor_cls = ray.remote(self.worker_cls)
         self.handles[worker_id] = actor_cls.options(**options).remote(self.make_config(worker_id))
         return worker_id
@@ -72,13 +116,29 @@ class WorkerPool:
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         await asyncio.wait_for(asyncio.gather(*(h.health.remote() for h in self.handles.values())), timeout_s)
 
+    def router_handles(self) -> dict[str, Any]:
+        """The workers routers may use, by id: serving ones as they are, and retiring ones that
+        still stream tokens (decode) as a RetiringHandle until they are idle."""
+        streams_tokens = hasattr(self.worker_cls, "poll")
+        out: dict[str, Any] = {}
+        for worker_id, handle in self.handles.items():
+            if worker_id in self.starting:
+                continue
+            if worker_id in self.retiring:
+                if streams_tokens:
+                    out[worker_id] = RetiringHandle(worker_id, handle)
+                continue
+            out[worker_id] = handle
+        return out
+
     async def find_dead(self, timeout_s: float = 5.0) -> list[str]:
-        """Workers that do not answer a health check (Ray reports them dead, or they hang)."""
-        ids = list(self.handles)
+        """Serving workers that do not answer a health check (Ray reports them dead, or they hang).
+        Starting and retiring workers are `resize`'s to watch, not the supervisor's to replace."""
+        ids = [i for i in self.handles if i not in self.starting and i not in self.retiring]
         results = await asyncio.gather(
             *(asyncio.wait_for(self.handles[i].health.remote(), timeout_s) for i in ids), return_exceptions=True
         )
-        return [i for i, ok in zip(ids, results) if ok is not True]
+        return [i for i, ok in zip(ids, results) if ok is not True and i in self.handles and i not in self.retiring]
 
     def replace(self, worker_id: str) -> str:
         """Drops a dead worker and starts a new one in its place (its bundle, a new id)."""
@@ -91,6 +151,150 @@ class WorkerPool:
             self._free_bundles.append(self._bundle_of.pop(worker_id))
         return self._spawn()
 
+    # ---- resizing while serving
+    async def resize(
+        self,
+        num_workers: int,
+        publish: Publish | None = None,
+        *,
+        ready_timeout_s: float = 180.0,
+        drain_timeout_s: float = 300.0,
+        poll_interval_s: float = 0.1,
+        settle_s: float = 0.5,
+    ) -> list[str]:
+        """Grows or shrinks the pool to `num_workers` serving workers while it serves; returns the
+        ids added or retired. `publish` is called (and awaited) after each change of what
+        `router_handles` shows; it must return once every router has taken the new set (the
+        Dispatcher's `set_workers` does, at once).
+
+        Grow: spawn, wait until healthy (or retire them and raise TimeoutError), then publish.
+        Shrink, newest workers first. NOTE: the order is what makes it lossless:
+          1. mark them retiring and publish: routers lease on them no more (a decode worker is
+             shown as a RetiringHandle, so its streams keep being polled; a prefill worker leaves
+             the set: its prefill calls under way hold their own handle);
+          2. wait until each is idle twice in a row (nothing waiting, running or leased, no block
+             held), then `settle_s` more for its last token batch to reach the router;
+          3. drop them from the pool and publish: routers forget them, with nothing left to fail;
+          4. shut their engines down, kill the actors and free their bundles.
+        A worker still busy after `drain_timeout_s` is retired anyway (its requests then end with
+        the router's "left the cluster" error) and a warning is logged.
+        """
+        if num_workers < 1:
+            raise ValueError(f"num_workers is {num_workers}; a pool needs at least 1 worker")
+        async with self._resizing:
+            serving = [i for i in self.handles if i not in self.starting and i not in self.retiring]
+            if num_workers > len(serving):
+                return await self._grow(num_workers - len(serving), publish, ready_timeout_s)
+            if num_workers < len(serving):
+                if self.kind == "colocated":
+                    raise NotImplementedError(
+                        "shrinking a colocated pool cannot drain it: a colocated worker has no way to refuse "
+                        "the router's submit; resize the decode pool of a disaggregated deployment instead"
+                    )
+                victims = serving[num_workers:]  # insertion order is spawn order: the newest last
+                return await self._shrink(victims, publish, drain_timeout_s, poll_interval_s, settle_s)
+            return []
+
+    async def _grow(self, count: int, publish: Publish | None, timeout_s: float) -> list[str]:
+        new_ids: list[str] = []
+        try:
+            for _ in range(count):
+                if self.num_gpus > 0 and not self._free_bundles:
+                    group = placement_group([self._bundle], strategy="PACK")
+                    self._grown_pgs.append(group)
+                    self._free_bundles.append((group, 0))
+                    await asyncio.wait_for(group.ready(), timeout_s)
+                worker_id = self._spawn()
+                self.starting.add(worker_id)
+                new_ids.append(worker_id)
+            await asyncio.wait_for(asyncio.gather(*(self.handles[i].health.remote() for i in new_ids)), timeout_s)
+        except Exception as err:  # noqa: BLE001 - a timeout, or a worker that died starting
+            for worker_id in new_ids:
+                self._retire(worker_id)
+            self._release_grown_groups()
+            raise TimeoutError(
+                f"{self.kind} pool: {count} new worker(s) did not become healthy within {timeout_s} s ({err!r}); "
+                f"does a node offer {self._bundle if self.num_gpus > 0 else self.resources or 'room'}?"
+            ) from err
+        self.starting.difference_update(new_ids)
+        self.num_workers += count
+        await _call(publish)
+        log.info("%s pool grew by %s", self.kind, new_ids)
+        return new_ids
+
+    async def _shrink(
+        self, victims: list[str], publish: Publish | None, drain_timeout_s: float, poll_interval_s: float,
+        settle_s: float,
+    ) -> list[str]:
+        self.retiring.update(victims)
+        self.num_workers -= len(victims)
+        await _call(publish)
+        drained = await asyncio.gather(
+            *(self._wait_idle(i, drain_timeout_s, poll_interval_s) for i in victims)
+        )
+        if any(drained):
+            await asyncio.sleep(settle_s)  # NOTE: the last token batch may still be on its way to a router
+        handles = {i: self.handles.pop(i) for i in victims}
+        self.retiring.difference_update(victims)
+        await _call(publish)
+        for worker_id, handle in handles.items():
+            try:
+                await asyncio.wait_for(handle.shutdown.remote(), 10.0)
+            except Exception as err:  # noqa: BLE001 - killed below either way
+                log.warning("shutting down %s failed: %s", worker_id, err)
+            self._retire(worker_id, handle)
+        self._release_grown_groups()
+        log.info("%s pool retired %s", self.kind, victims)
+        return victims
+
+    async def _wait_idle(self, worker_id: str, timeout_s: float, poll_interval_s: float) -> bool:
+        """True once the worker was idle on two checks in a row (the second one catches a request
+        between two states, e.g. a lease that just became a running sequence); False when it died
+        or stayed busy past `timeout_s`."""
+        handle = self.handles[worker_id]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        num_idle = 0
+        while num_idle < 2:
+            if loop.time() > deadline:
+                log.warning("%s still busy after %.0f s of draining; retiring it anyway", worker_id, timeout_s)
+                return False
+            try:
+                stats = await asyncio.wait_for(handle.stats.remote(), 5.0)
+                num_held = await asyncio.wait_for(handle.check_integrity.remote(), 5.0)
+            except Exception as err:  # noqa: BLE001 - dead: its requests failed through the router
+                log.warning("%s failed while draining: %s", worker_id, err)
+                return False
+            is_idle = (
+                stats["num_waiting"] == 0 and stats["num_running"] == 0
+                and stats.get("num_leases", 0) == 0 and num_held == 0
+            )
+            num_idle = num_idle + 1 if is_idle else 0
+            if num_idle < 2:
+                await asyncio.sleep(poll_interval_s)
+        return True
+
+    def _retire(self, worker_id: str, handle: Any = None) -> None:
+        """Kills a worker that left (or never joined) the routers' set and frees its bundle."""
+        handle = handle if handle is not None else self.handles.pop(worker_id, None)
+        self.starting.discard(worker_id)
+        self.retiring.discard(worker_id)
+        if handle is not None:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if worker_id in self._bundle_of:
+            self._free_bundles.append(self._bundle_of.pop(worker_id))
+
+    def _release_grown_groups(self) -> None:
+        """Gives back the one-bundle groups `resize` added once their worker is gone (the group of
+        `start` stays reserved: a placement group cannot shrink)."""
+        for group in [g for g, _ in self._free_bundles if g is not self._pg]:
+            self._free_bundles = [b for b in self._free_bundles if b[0] is not group]
+            self._grown_pgs.remove(group)
+            remove_placement_group(group)
+
     def shutdown(self) -> None:
         for handle in self.handles.values():
             try:
@@ -98,6 +302,19 @@ class WorkerPool:
             except Exception:  # noqa: BLE001
                 pass
         self.handles.clear()
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        self.starting.clear()
+        self.retiring.clear()
+        for group in [self._pg, *self._grown_pgs]:
+            if group is not None:
+                remove_placement_group(group)
+        self._pg = None
+        self._grown_pgs.clear()
+        self._free_bundles.clear()
+        self._bundle_of.clear()
+
+
+async def _call(publish: Publish | None) -> None:
+    if publish is not None:
+        result = publish()
+        if inspect.isawaitable(result):
+            await result
