@@ -41,7 +41,9 @@ class ClusterConfig(BaseModel):
     num_gpus_per_worker: float = Field(
         -1, description="GPUs per worker; -1: one when the cluster has GPUs, none otherwise."
     )
-    host: str = Field("127.0.0.1", description="Address workers publish for KV pairing.")
+    host: str = Field(
+        "127.0.0.1", description="Address workers publish for KV pairing; 'auto': each node's IP (multi-node)."
+    )
     lease_ttl_s: float = Field(30.0, gt=0, description="Unclaimed decode leases are freed after this.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer.")
     prefill_resources: dict[str, float] = Field(

@@ -35,7 +35,8 @@ class Deployment:
     def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:
         c = self.config
         return PrefillWorkerConfig(
-            worker_id=worker_id, engine=c.engine, transport=self.transport, transfer_timeout_s=c.transfer_timeout_s
+            worker_id=worker_id, engine=c.engine, transport=self.transport, transfer_timeout_s=c.transfer_timeout_s,
+            host=c.host,
         )
 
     def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:

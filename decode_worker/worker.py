@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine import EngineConfig, EngineCore, StepOutput
 from engine.loop import EngineLoop
+from kvtransfer.netaddr import resolve_host
+from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, TransferError, TransferHandle, create_transport, scatter_blocks
 from kvtransfer.fault import FaultRule, FaultTransport
 from kvtransfer.protocol import (
@@ -53,7 +55,9 @@ class DecodeWorkerConfig(BaseModel):
     worker_id: str = Field(description="Unique within the cluster; names the worker in messages.")
     engine: EngineConfig = EngineConfig()
     transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
-    host: str = Field("127.0.0.1", description="Address peers reach this worker's rendezvous store on.")
+    host: str = Field(
+        "127.0.0.1", description="Address peers reach this worker's KV transport at; 'auto': this Ray node's IP."
+    )
     lease_ttl_s: float = Field(30.0, gt=0, description="A lease whose KV has not started arriving by then is freed.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a KV transfer to finish.")
     pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a prefill worker to pair.")
@@ -90,8 +94,10 @@ class DecodeWorker:
         engine = EngineCore(config.engine)
         self.block_size = engine.pool.block_size
         self.layout = KvLayout.from_kv(engine.runner.kv_caches)
+        host = resolve_host(config.host)
         self.transport = create_transport(
-            config.transport, self.worker_id, self.layout, engine.device, **(transport_options or {})
+            config.transport, self.worker_id, self.layout, engine.device,
+            **kv_transport_options(config.transport, host, transport_options),
         )
         self.leases: dict[str, Lease] = {}
         self.lease_of_request: dict[str, str] = {}

@@ -1,8 +1,8 @@
 """The single-device model runtime every worker kind shares: Llama-family models over a paged KV
 cache with prefix caching, continuous batching with chunked prefill and preemption, batched
-sampling, and the tokenizer. Knows nothing of Ray, transports or HTTP."""
+sampling, speculative decoding (engine/spec/), and the tokenizer. Knows nothing of Ray, transports or HTTP."""
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from engine.engine import EngineCore, StepOutput
 from engine.kv_cache import BlockPool
 from engine.llm import LLM, engine_config
@@ -23,6 +23,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "StepOutput",
     "Tokenizer",
     "engine_config",

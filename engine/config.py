@@ -1,5 +1,5 @@
 """Frozen, validated configuration of the engine: what to load, how big the KV cache is, how the
-scheduler batches, and how each request samples.
+scheduler batches, whether it speculates, and how each request samples.
 
 Every model here rejects unknown fields and is never changed after creation; defaults are
 defined once, here, and the CLI reads them from these models.
@@ -67,12 +67,70 @@ class SchedulerConfig(_Frozen):
     )
 
 
+class SpeculativeConfig(_Frozen):
+    """Speculative decoding: a proposer drafts up to `num_draft_tokens` tokens per running request and
+    the target checks them all in one step (engine/spec/). Exact: greedy output is the output without
+    speculation; sampled output follows the target's distribution (rejection sampling).
+
+    The draft model runs on the target's device with the target's dtype, load_format and seed, in a
+    paged KV cache and block pool of its own.
+
+    Seeds: a seeded request draws its drafts, acceptance tests and corrections from its own
+    generator, so it gives the same tokens for the same seed whenever the same drafts are verified.
+    Whether a step drafts can depend on the batch (disable_above_batch_size, the token budget, free
+    blocks); that changes which random numbers are drawn, so the tokens, never their distribution.
+    The tokens are not those of sampling without speculation for the same seed.
+    """
+
+    method: Literal["none", "ngram", "draft"] = Field(
+        "none", description="'none' (off), 'ngram' (prompt lookup, no model) or 'draft' (a smaller model)."
+    )
+    num_draft_tokens: int = Field(4, ge=1, le=32, description="Most tokens drafted per request and step (K).")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix of the context looked up.")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up (tried first).")
+    draft_model: str | None = Field(
+        None, description="draft: HF checkpoint directory of a model with the target's tokenizer, or 'default'."
+    )
+    draft_num_blocks: int | None = Field(
+        None, ge=2, description="draft: KV blocks of the draft's own cache; default: the target's plus lookahead."
+    )
+    enable_adaptive_draft_length: bool = Field(
+        True, description="Draft fewer tokens for requests whose drafts are often rejected (K per request)."
+    )
+    min_draft_gain: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Adaptive K: draft the k-th token only while a**k reaches this, a being the request's "
+        "measured acceptance per drafted token.",
+    )
+    disable_above_batch_size: int | None = Field(
+        None, ge=0, description="No drafting while more requests than this are running; None: always draft."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method='draft' needs draft_model: the checkpoint directory of the draft model")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.method != "none"
+
+
 class EngineConfig(_Frozen):
     """Everything one engine needs."""
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 MAX_LOGPROBS = 20

@@ -1,7 +1,15 @@
 """EngineCore: one model on one device, stepping a continuous batch of token-id requests.
 
-`step()` is schedule -> execute -> post-process. Token ids in, token ids out: text, chat
+`step()` is draft -> schedule -> execute -> post-process. Token ids in, token ids out: text, chat
 templates and stop strings are the caller's (see `engine.llm` and the router).
+
+Speculative decoding (EngineConfig.speculative, engine/spec/): before scheduling, the proposer
+drafts up to K tokens for each decoding request without a draft. The scheduler gives a drafted
+request K more positions; the runner returns logits for its K+1 positions; `Sampler.verify`
+accepts a prefix of the draft and adds one token of the target's; post-processing appends those
+tokens one by one, checking the stop conditions after each (a stop truncates the run), and rolls
+the rejected positions' KV back (`Scheduler.accept_verified`). Requests without drafts decode or
+prefill in the same step as before. A StepOutput may then carry several new tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, byte
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampler import SampleResult, Sampler, SamplingRow
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sampler import Sampler, SamplingRow, VerifyRow
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sizing import num_kv_blocks
+from engine.spec import DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.validation import validate_prompt
 
 
@@ -33,6 +42,27 @@ class EngineStats:
     num_free_blocks: int  # free or cached-and-evictable
     num_cached_blocks: int  # registered in the prefix cache (held or not)
     num_preemptions: int  # since start
+    # Speculative decoding, since start (engine/spec/adaptive.py: SpecCounters says how to read them).
+    num_spec_draft_tokens: int = 0  # drafted tokens verified
+    num_spec_accepted_tokens: int = 0
+    num_spec_verifications: int = 0  # request-steps that verified drafted tokens
+    num_spec_rejections: int = 0  # verifications that rejected a drafted token
+    num_spec_emitted_tokens: int = 0  # tokens the verifications produced
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted per verified drafted token (None before any)."""
+        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else None
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """One sampling request's tokens from one step, before stop conditions."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    num_accepted: int = 0  # drafted tokens accepted (verifying requests)
 
 
 @dataclass(frozen=True)
@@ -81,12 +111,26 @@ class EngineCore:
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, arch.sliding_window)
         backend = create_backend(config.model.attention_backend, spec, self.device)
         block_size = config.cache.block_size
-        num_blocks = num_kv_blocks(model, arch, backend, config, self.dtype, self.device, self.max_model_len)
+        self.sampler = Sampler(arch.eos_token_ids)
+        # NOTE: the proposer (a draft model's weights) is built before the cache is sized, so the
+        # KV budget is what both leave.
+        self.proposer = build_proposer(
+            ProposerContext(
+                config.speculative, config.model, arch, self.device, self.dtype, block_size,
+                config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, self.sampler,
+            )
+        )
+        extra_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
+        num_blocks = num_kv_blocks(
+            model, arch, backend, config, self.dtype, self.device, self.max_model_len, extra_bytes
+        )
+        if self.proposer is not None:
+            self.proposer.bind(num_blocks)
+        self.spec_counters = SpecCounters()
         self.block_bytes = bytes_per_block(arch, block_size, self.dtype)
         kv = allocate_kv_tensors(arch, num_blocks, block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.runner = ModelRunner(model, kv, backend, self.device)
-        self.sampler = Sampler(arch.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.pool)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         # Blocks held outside running requests, by key: a prefill's finished request awaiting its
@@ -135,7 +179,12 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         """Idempotent: True if the request was live (or its KV held) and now all its blocks are freed."""
+        self._drop_proposer_state(request_id)
         return self.scheduler.abort(request_id) is not None or self.release_held(request_id)
+
+    def _drop_proposer_state(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.drop(request_id)
 
     # ---- KV held outside running requests (disaggregation)
     def reserve(self, key: str, num_blocks: int) -> list[int] | None:
@@ -187,43 +236,114 @@ class EngineCore:
 
     # ---- the step
     def step(self) -> list[StepOutput]:
+        self._draft()
         out = self.scheduler.schedule()
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         sampled = self._execute(out)
         return self._post_process(out, sampled)
 
-    def _execute(self, out: SchedulerOutput) -> SampleResult | None:
-        if not out.scheduled:
-            return None
-        logits = self.runner.execute(out.scheduled)
-        sampling = out.sampling
-        if not sampling:
-            return None
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sampling]
-        return self.sampler(logits, rows, self.generator)
+    def _draft(self) -> None:
+        """Drafts for the decoding requests without a draft, unless the batch is too large to gain."""
+        if self.proposer is None:
+            return
+        spec = self.config.speculative
+        running = self.scheduler.running
+        if spec.disable_above_batch_size is not None and len(running) > spec.disable_above_batch_size:
+            for request in running:
+                request.draft = None
+            return
+        asks: list[DraftRequest] = []
+        for r in running:
+            if r.draft is not None or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            # NOTE: a step yields up to K+1 tokens: never past max_tokens or the longest sequence.
+            k = min(
+                adaptive.num_draft_tokens(spec, r),
+                r.params.max_tokens - r.num_output_tokens - 1,
+                self.max_seq_tokens - r.num_tokens - 1,
+            )
+            if k >= 1:
+                asks.append(DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.generator, k))
+        if asks:
+            for ask, draft in zip(asks, self.proposer.propose(asks, self.generator)):
+                self.scheduler.requests[ask.request_id].draft = draft
 
-    def _post_process(self, out: SchedulerOutput, sampled: SampleResult | None) -> list[StepOutput]:
+    def _execute(self, out: SchedulerOutput) -> list[_Sampled]:
+        """One _Sampled per sampling request, in scheduled order."""
+        if not out.scheduled:
+            return []
+        logits = self.runner.execute(out.scheduled)
+        sampling = [s for s in out.scheduled if s.will_sample]
+        if not sampling:
+            return []
+        if not any(s.num_spec_tokens for s in sampling):
+            result = self.sampler(logits, [_row(s.request) for s in sampling], self.generator)
+            return [
+                _Sampled([t], *_one(result.logprobs[i], result.top_logprobs[i])) for i, t in enumerate(result.token_ids)
+            ]
+        return self._execute_speculative(sampling, logits)
+
+    def _execute_speculative(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> list[_Sampled]:
+        """Plain rows through the sampler, verifying rows (K+1 logits rows each) through verify."""
+        plain_rows: list[int] = []  # logits rows
+        verify_rows: list[int] = []
+        plain: list[int] = []  # indexes into sampling
+        verifying: list[int] = []
+        row = 0
+        for i, s in enumerate(sampling):
+            if s.num_spec_tokens:
+                verifying.append(i)
+                verify_rows.extend(range(row, row + s.num_spec_tokens + 1))
+            else:
+                plain.append(i)
+                plain_rows.append(row)
+            row += s.num_spec_tokens + 1
+        results: list[_Sampled | None] = [None] * len(sampling)
+        if plain:
+            rows = [_row(sampling[i].request) for i in plain]
+            result = self.sampler(logits[torch.tensor(plain_rows, device=logits.device)], rows, self.generator)
+            for j, i in enumerate(plain):
+                results[i] = _Sampled([result.token_ids[j]], *_one(result.logprobs[j], result.top_logprobs[j]))
+        vrows = []
+        for i in verifying:
+            s = sampling[i]
+            draft, k = s.request.draft, s.num_spec_tokens
+            assert draft is not None
+            probs = draft.probs[:k] if draft.probs is not None else None
+            vrows.append(VerifyRow(_row(s.request), draft.token_ids[:k], probs))
+        verified = self.sampler.verify(logits[torch.tensor(verify_rows, device=logits.device)], vrows, self.generator)
+        for j, i in enumerate(verifying):
+            results[i] = _Sampled(
+                verified.token_ids[j], verified.logprobs[j], verified.top_logprobs[j], verified.num_accepted[j]
+            )
+        return results  # type: ignore[return-value]
+
+    def _post_process(self, out: SchedulerOutput, sampled: list[_Sampled]) -> list[StepOutput]:
+        for victim in out.preempted:
+            self._drop_proposer_state(victim.request_id)
         self.scheduler.advance(out)
         outputs: list[StepOutput] = []
-        for i, request in enumerate(out.sampling):
-            assert sampled is not None
-            token = sampled.token_ids[i]
-            request.token_ids.append(token)
-            status = self._stop_status(request, token)
+        for s, sample in zip([s for s in out.scheduled if s.will_sample], sampled):
+            request = s.request
+            request.draft = None  # drafted for the tokens before this step's
+            new_tokens, status = self._append_tokens(request, sample.token_ids)
+            if s.num_spec_tokens:
+                self._accept_verified(s, sample, new_tokens)
             kept, state = None, None
             if status is not None:
                 blocks = self.scheduler.finish(request, status)
+                self._drop_proposer_state(request.request_id)
                 if request.hold_kv:
                     kept = self.held[request.request_id] = blocks
                     state = _generator_bytes(request.generator)
-            want = request.params.logprobs is not None
+            n = len(new_tokens)
             outputs.append(
                 StepOutput(
                     request_id=request.request_id,
-                    new_token_ids=[token],
-                    logprobs=[sampled.logprobs[i]] if want else None,  # type: ignore[list-item]
-                    top_logprobs=[sampled.top_logprobs[i]] if want else None,  # type: ignore[list-item]
+                    new_token_ids=new_tokens,
+                    logprobs=sample.logprobs[:n] if sample.logprobs is not None else None,
+                    top_logprobs=sample.top_logprobs[:n] if sample.top_logprobs is not None else None,
                     finish_reason=status.value if status is not None else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
@@ -232,6 +352,23 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Appends tokens one by one until a stop condition holds; returns those appended and the stop."""
+        for n, token in enumerate(token_ids, start=1):
+            request.token_ids.append(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                return token_ids[:n], status
+        return token_ids, None
+
+    def _accept_verified(self, s: ScheduledRequest, sample: _Sampled, new_tokens: list[int]) -> None:
+        """KV stays for the step's first position and the accepted drafts that were kept; the
+        rest rolls back. Counts the verification and feeds the request's acceptance estimate."""
+        num_kept_drafts = min(sample.num_accepted, len(new_tokens))
+        self.scheduler.accept_verified(s.request, 1 + num_kept_drafts)
+        self.spec_counters.record(s.num_spec_tokens, sample.num_accepted, len(new_tokens))
+        adaptive.observe(s.request, s.num_spec_tokens, sample.num_accepted)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
@@ -251,6 +388,11 @@ class EngineCore:
             num_free_blocks=self.pool.num_free_blocks,
             num_cached_blocks=self.pool.num_cached_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_spec_draft_tokens=self.spec_counters.num_draft_tokens,
+            num_spec_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            num_spec_verifications=self.spec_counters.num_verifications,
+            num_spec_rejections=self.spec_counters.num_rejections,
+            num_spec_emitted_tokens=self.spec_counters.num_emitted_tokens,
         )
 
     # ---- invariants
@@ -262,6 +404,18 @@ class EngineCore:
         claimed = self.scheduler.num_held_blocks_by_requests() + sum(len(b) for b in self.held.values())
         if total_refs != claimed:
             raise IntegrityError(f"the pool counts {total_refs} block holders, the requests claim {claimed}")
+        if self.proposer is not None:
+            self.proposer.check_integrity(self.scheduler.requests.keys())
+
+
+def _row(request: Request) -> SamplingRow:
+    return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, request.generator)
+
+
+def _one(
+    logprob: float | None, top: list[tuple[int, float]] | None
+) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    return ([logprob], [top]) if logprob is not None else (None, None)  # type: ignore[list-item]
 
 
 def _generator_bytes(generator: torch.Generator | None) -> bytes | None:

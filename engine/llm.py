@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from engine.engine import EngineCore
 from engine.output_processor import CompletionOutput, RequestOutput, TextState
 from engine.tokenizer import Tokenizer
@@ -15,19 +15,25 @@ from engine.tokenizer import Tokenizer
 Prompt = str | list[int]
 
 
-def engine_config(model: str = "default", **options: Any) -> EngineConfig:
-    """Builds an EngineConfig from flat keyword options, each routed to the config that owns it."""
+def engine_config(
+    model: str = "default", *, speculative: SpeculativeConfig | dict[str, Any] | None = None, **options: Any
+) -> EngineConfig:
+    """Builds an EngineConfig from flat keyword options, each routed to the config that owns it;
+    speculative decoding comes whole, as a SpeculativeConfig (or its fields as a dict)."""
     parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
     for key, value in options.items():
         owner = next((cls for cls in parts if key in cls.model_fields), None)
         if owner is None:
-            known = sorted(f for cls in parts for f in cls.model_fields)
+            known = sorted([*(f for cls in parts for f in cls.model_fields), "speculative"])
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         parts[owner][key] = value
+    if isinstance(speculative, dict):
+        speculative = SpeculativeConfig(**speculative)
     return EngineConfig(
         model=ModelConfig(**parts[ModelConfig]),
         cache=CacheConfig(**parts[CacheConfig]),
         scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+        speculative=speculative or SpeculativeConfig(),
     )
 
 

@@ -7,7 +7,10 @@ Token positions, for a request with P prompt and O output tokens:
 | [0, num_computed_tokens)          | KV written in `block_ids`                        |
 | [num_computed_tokens, num_tokens) | still to compute (prompt, or all after preempt)  |
 
-A request samples in a step only when that step computes its last token.
+A request samples in a step only when that step computes its last token. A request in decode
+(num_computed_tokens == num_tokens - 1) may carry a `draft` of K proposed tokens: the step then
+also computes positions [num_tokens, num_tokens + K) with the drafted tokens as input, and keeps
+the KV of those it accepts (engine/spec/).
 """
 
 from __future__ import annotations
@@ -19,6 +22,19 @@ import torch
 
 from engine.config import SamplingParams
 from engine.kv_cache import BlockHash, hash_full_blocks
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens proposed to follow a request's current tokens, and what they were drawn from."""
+
+    token_ids: list[int]  # K >= 1
+    # [K, vocab] float32: the distribution each drafted token was drawn from (rows sum to 1);
+    # None: point masses (n-gram lookup, greedy drafting).
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +66,11 @@ class Request:
     num_preemptions: int = 0
     hold_kv: bool = False  # prefill role: on finish, keep the blocks held for the KV push
     generator: torch.Generator | None = None  # the request's own, on the engine's device, when it has a seed
+    draft: Draft | None = None  # proposed for the next step; valid while num_tokens is unchanged
+    # Decayed counts of this request's verified drafted tokens (engine/spec/adaptive.py): accepted,
+    # and tested (accepted plus the first rejected of each step).
+    num_draft_accepted: float = 0.0
+    num_draft_tested: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -17,9 +17,24 @@ token, which samples exactly from probs. A row whose request has a seed brings i
 torch.Generator and draws its E from it alone, so its token depends neither on the other rows of
 the batch nor on their order. Greedy rows draw nothing.
 
+Speculative decoding (Leviathan et al., 2023) adds two entry points:
+
+- `sample_with_probs` (the draft's side) samples like `__call__` and also returns, per row, the
+  distribution the token was drawn from (a one-hot row for greedy rows).
+- `verify` (the target's side) takes the logits of the K+1 positions of each speculating row (its
+  last token's, then each drafted token's) and returns the accepted drafts plus one token of the
+  target's. Position i is processed exactly as a plain step would process it after the drafts
+  d_1..d_i had been sampled (min_tokens, penalties over those tokens, temperature, top-k, top-p,
+  min-p), so target and draft distributions see the same processing. Greedy rows accept the
+  longest prefix equal to the target's argmax, then take the argmax: the tokens of plain greedy
+  decoding. Random rows accept d_i with probability min(1, p(d_i) / q(d_i)) (u ~ U(0, 1) per draft),
+  and at the first rejection draw from max(0, p - q) renormalized, or from p after K acceptances:
+  the output follows p exactly. q of an n-gram draft is a point mass. A seeded row draws its
+  uniforms, then its one race, from its own generator: the same seed and the same drafts give the
+  same tokens, but not the tokens of plain sampling (those draw one race per token).
+
 This module does not know sequences, schedulers or tokenizers: the caller owns the token lists
-and the generators, and decides what a sampled EOS or stop token means. The rejection sampler of
-speculative decoding is not here yet.
+and the generators, and decides what a sampled EOS or stop token means.
 """
 
 from __future__ import annotations
@@ -32,7 +47,7 @@ import torch
 
 from engine.config import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "SamplingRow"]
+__all__ = ["SampleResult", "Sampler", "SamplingRow", "VerifyResult", "VerifyRow"]
 
 _NEG_INF = float("-inf")
 
@@ -56,6 +71,47 @@ class SampleResult:
     logprobs: list[float | None]  # sampled token's logprob per row; None where params.logprobs is None
     # params.logprobs alternatives (token id, logprob), most likely first; None where not asked.
     top_logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One speculating sequence at a verification step."""
+
+    row: SamplingRow  # the sequence before its drafted tokens
+    draft_token_ids: Sequence[int]  # K >= 1
+    # [K, vocab]: the distribution each drafted token was drawn from; None: point masses.
+    draft_probs: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Per row: the accepted drafted tokens, then one token of the target's (1 to K+1 tokens)."""
+
+    token_ids: list[list[int]]
+    num_accepted: list[int]  # drafted tokens accepted, per row
+    logprobs: list[list[float] | None]  # per emitted token; None where params.logprobs is None
+    top_logprobs: list[list[list[tuple[int, float]]] | None]
+
+
+class _Extended(Sequence[int]):
+    """base + extra as one read-only sequence, without copying base (a row's output plus drafts)."""
+
+    def __init__(self, base: Sequence[int], extra: Sequence[int]) -> None:
+        self.base, self.extra = base, extra
+
+    def __len__(self) -> int:
+        return len(self.base) + len(self.extra)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += len(self)
+        n = len(self.base)
+        return self.base[index] if index < n else self.extra[index - n]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return itertools.chain(self.base, self.extra)
 
 
 class Sampler:
@@ -94,6 +150,156 @@ class Sampler:
 
         logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+    def _processed(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
+        """raw [n, vocab] float32, argmax of the penalized logits [n], the random rows, and their
+        normalized probabilities [random, vocab] (None when all rows are greedy)."""
+        raw = logits.float()
+        penalized = _apply_penalties(_apply_min_tokens(raw, rows, self.eos_token_ids), rows)  # [n, vocab]
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not random_rows:
+            return raw, penalized.argmax(dim=-1), random_rows, None
+        index = torch.tensor(random_rows, device=logits.device)  # [random]
+        probs = _truncated_probs(penalized.index_select(0, index), [rows[i].params for i in random_rows])
+        return raw, penalized.argmax(dim=-1), random_rows, probs / probs.sum(dim=-1, keepdim=True)
+
+    def sample_with_probs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
+    ) -> tuple[list[int], torch.Tensor]:
+        """The draft's side: one token per row, and the distribution [rows, vocab] float32 it was
+        drawn from (normalized; one-hot at the argmax for greedy rows)."""
+        _, token_ids, random_rows, probs = self._processed(logits, rows)
+        dist = torch.nn.functional.one_hot(token_ids, logits.shape[1]).float()  # [rows, vocab]
+        if probs is not None:
+            index = torch.tensor(random_rows, device=logits.device)
+            generators = [rows[i].generator for i in random_rows]
+            token_ids = token_ids.index_copy(0, index, _exponential_race(probs, generators, generator))
+            dist = dist.index_copy(0, index, probs)
+        return token_ids.tolist(), dist
+
+    def verify(
+        self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None = None
+    ) -> VerifyResult:
+        """The target's side: logits [sum of (K_i + 1), vocab], row i's K_i + 1 positions in a run."""
+        expanded: list[SamplingRow] = []  # one per position
+        for vr in rows:
+            drafts = list(vr.draft_token_ids)
+            for i in range(len(drafts) + 1):
+                output = _Extended(vr.row.output_token_ids, drafts[:i])
+                expanded.append(SamplingRow(vr.row.params, vr.row.prompt_token_ids, output, vr.row.generator))
+        if logits.dim() != 2 or logits.shape[0] != len(expanded):
+            raise ValueError(
+                f"logits must be [positions, vocab] with positions == {len(expanded)} (K + 1 per row); "
+                f"got shape {tuple(logits.shape)}"
+            )
+        raw, argmax, random_positions, probs = self._processed(logits, expanded)
+        argmax_list = argmax.tolist()
+        starts = list(itertools.accumulate((len(vr.draft_token_ids) + 1 for vr in rows), initial=0))
+        num_accepted = [0] * len(rows)
+        token_ids: list[list[int]] = [[] for _ in rows]
+        random_rows = [i for i, vr in enumerate(rows) if not vr.row.params.is_greedy]
+        for i, vr in enumerate(rows):
+            if vr.row.params.is_greedy:
+                m = _first_mismatch(vr.draft_token_ids, argmax_list[starts[i] : starts[i + 1]])
+                num_accepted[i] = m
+                token_ids[i] = [*vr.draft_token_ids[:m], argmax_list[starts[i] + m]]
+        if random_rows:
+            assert probs is not None
+            local = {pos: j for j, pos in enumerate(random_positions)}  # position -> row of probs
+            self._verify_random(rows, random_rows, starts, probs, local, generator, num_accepted, token_ids)
+
+        emitted = [(i, starts[i] + k, t) for i, tokens in enumerate(token_ids) for k, t in enumerate(tokens)]
+        logprobs: list[list[float] | None] = [None] * len(rows)
+        top_logprobs: list[list[list[tuple[int, float]]] | None] = [None] * len(rows)
+        asking = [e for e in emitted if rows[e[0]].row.params.logprobs is not None]
+        if asking:
+            index = torch.tensor([pos for _, pos, _ in asking], device=logits.device)
+            tokens = torch.tensor([t for _, _, t in asking], device=logits.device)
+            lps, tops = _gather_logprobs(raw.index_select(0, index), tokens, [expanded[pos] for _, pos, _ in asking])
+            for i in {i for i, _, _ in asking}:
+                logprobs[i], top_logprobs[i] = [], []
+            for (i, _, _), lp, top in zip(asking, lps, tops):
+                logprobs[i].append(lp)  # type: ignore[union-attr, arg-type]
+                top_logprobs[i].append(top)  # type: ignore[union-attr, arg-type]
+        return VerifyResult(token_ids, num_accepted, logprobs, top_logprobs)
+
+    @staticmethod
+    def _verify_random(
+        rows: Sequence[VerifyRow],
+        random_rows: list[int],
+        starts: list[int],
+        probs: torch.Tensor,  # [random positions, vocab], normalized
+        local: dict[int, int],
+        generator: torch.Generator | None,
+        num_accepted: list[int],
+        token_ids: list[list[int]],
+    ) -> None:
+        """Rejection sampling of the random rows; fills num_accepted and token_ids in place."""
+        device, vocab_size = probs.device, probs.shape[1]
+        # q of each drafted token under its draft distribution: [K, vocab] per row, point masses one-hot.
+        draft_dists = [_draft_dist(rows[i], vocab_size, device) for i in random_rows]
+        draft_pos = [local[starts[i] + k] for i in random_rows for k in range(len(rows[i].draft_token_ids))]
+        drafted = torch.tensor([t for i in random_rows for t in rows[i].draft_token_ids], device=device)
+        p_draft = probs[torch.tensor(draft_pos, device=device), drafted]  # [drafts]
+        q_draft = torch.cat(draft_dists).gather(1, drafted.unsqueeze(1)).squeeze(1)  # [drafts]
+        counts = [len(rows[i].draft_token_ids) for i in random_rows]
+        uniforms = _uniforms(counts, [rows[i].row.generator for i in random_rows], generator, device)  # [drafts]
+        accept = (uniforms * q_draft <= p_draft).tolist()  # accept with probability min(1, p / q)
+
+        final = torch.empty(len(random_rows), vocab_size, device=device)  # [random rows, vocab]
+        offset = 0
+        for j, i in enumerate(random_rows):
+            k = len(rows[i].draft_token_ids)
+            m = _first_mismatch([True] * k, accept[offset : offset + k])
+            offset += k
+            num_accepted[i] = m
+            p = probs[local[starts[i] + m]]  # [vocab]
+            if m < k:
+                residual = (p - draft_dists[j][m]).clamp_min(0.0)
+                # p <= q everywhere only by rounding (a rejection then has probability ~0): fall back to p.
+                p = torch.where(residual.sum() > 0, residual, p)
+            final[j] = p
+        last = _exponential_race(final, [rows[i].row.generator for i in random_rows], generator).tolist()
+        for j, i in enumerate(random_rows):
+            token_ids[i] = [*rows[i].draft_token_ids[: num_accepted[i]], last[j]]
+
+
+def _first_mismatch(drafts: Sequence[object], wanted: Sequence[object]) -> int:
+    """Index of the first drafts[i] != wanted[i], or len(drafts)."""
+    for i, d in enumerate(drafts):
+        if d != wanted[i]:
+            return i
+    return len(drafts)
+
+
+def _draft_dist(vr: VerifyRow, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[K, vocab] float32 the drafts were drawn from; one-hot rows for point masses."""
+    if vr.draft_probs is not None:
+        return vr.draft_probs.to(device=device, dtype=torch.float32)
+    ids = torch.tensor(list(vr.draft_token_ids), device=device)
+    return torch.nn.functional.one_hot(ids, vocab_size).float()
+
+
+def _uniforms(
+    counts: Sequence[int],
+    generators: Sequence[torch.Generator | None],
+    shared: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """U(0, 1) draws, counts[i] for row i, concatenated; rows with their own generator draw from it alone."""
+    parts: list[torch.Tensor | None] = [None] * len(counts)
+    shared_rows = [i for i, g in enumerate(generators) if g is None]
+    if shared_rows:
+        drawn = torch.rand(sum(counts[i] for i in shared_rows), device=device, generator=shared)
+        for i, part in zip(shared_rows, drawn.split([counts[i] for i in shared_rows])):
+            parts[i] = part
+    for i, g in enumerate(generators):
+        if g is not None:
+            parts[i] = torch.rand(counts[i], device=device, generator=g)
+    return torch.cat(parts)  # type: ignore[arg-type]
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> torch.Tensor:

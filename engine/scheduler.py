@@ -4,6 +4,11 @@ Each step: running requests first, oldest first (decodes and unfinished prompt c
 waiting requests in arrival order, all under one token budget. When blocks run out for a running
 request, the newest running request is preempted by recompute: its blocks are freed (full ones
 stay in the prefix cache) and it waits at the head of the queue to be computed again.
+
+Speculation: a decoding request with a `draft` also computes its drafted positions, budget and
+blocks permitting; drafts are dropped before any request is preempted for blocks. After the step
+the engine keeps the KV of the accepted tokens only (`accept_verified`): the rejected positions
+roll back and the blocks past the last computed token are freed.
 Knows nothing of tensors: the runner turns a `SchedulerOutput` into a forward pass.
 """
 
@@ -22,6 +27,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # computes positions [num_computed_tokens, num_computed_tokens + num_new_tokens)
     will_sample: bool  # this step computes the request's last token, so its logits are sampled
+    # The last num_spec_tokens of the new positions take the draft's first tokens as input; their
+    # logits are sampled too (verification). 0: no speculation for this request this step.
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -83,6 +91,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_spec = self._num_spec_tokens(request, budget - num_new)
+            if num_spec and not self.pool.can_allocate(self._blocks_needed(request, num_new + num_spec)):
+                num_spec = 0  # NOTE: drafts go before any request is preempted for their blocks
             while not self.pool.can_allocate(self._blocks_needed(request, num_new)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -90,9 +101,9 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._grow(request, num_new)
-                out.scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
+                self._grow(request, num_new + num_spec)
+                out.scheduled.append(self._scheduled(request, num_new, num_spec))
+                budget -= num_new + num_spec
                 index += 1
                 continue
             break  # the request itself was preempted: nothing after it can run either
@@ -131,6 +142,13 @@ class Scheduler:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         return self.pool.find_cached_prefix(hashes[:max_hit_blocks])
 
+    @staticmethod
+    def _num_spec_tokens(request: Request, budget: int) -> int:
+        """How many of the request's drafted tokens this step verifies: only in decode, within budget."""
+        if request.draft is None or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        return min(len(request.draft), budget)
+
     def _blocks_needed(self, request: Request, num_new: int) -> int:
         return max(0, -(-(request.num_computed_tokens + num_new) // self.block_size) - len(request.block_ids))
 
@@ -138,8 +156,9 @@ class Scheduler:
         request.block_ids.extend(self.pool.allocate(self._blocks_needed(request, num_new)))
 
     @staticmethod
-    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
+    def _scheduled(request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
+        will_sample = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledRequest(request, num_new + num_spec, will_sample, num_spec)
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
@@ -149,6 +168,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
+        request.draft = None
         self.pool.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
@@ -156,11 +176,26 @@ class Scheduler:
 
     # ---- post-process
     def advance(self, out: SchedulerOutput) -> None:
-        """Records that the step's tokens now have KV; registers newly full blocks for reuse."""
+        """Records that the step's tokens now have KV; registers newly full blocks for reuse.
+        Speculating requests are left to `accept_verified`, once their accepted tokens are known."""
         for s in out.scheduled:
+            if s.num_spec_tokens:
+                continue
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             self.commit_computed_blocks(request)
+
+    def accept_verified(self, request: Request, num_computed: int) -> None:
+        """After a verification step: the first `num_computed` positions the step computed keep their
+        KV (the last accepted token's input and the accepted drafts, already appended to
+        token_ids); the rejected positions roll back and the blocks past them are freed. Only
+        blocks full of accepted tokens reach the prefix cache."""
+        request.num_computed_tokens += num_computed
+        assert request.num_computed_tokens <= request.num_tokens, "more KV than tokens"
+        self.commit_computed_blocks(request)
+        num_kept = -(-request.num_computed_tokens // self.block_size)
+        self.pool.free(request.block_ids[num_kept:])
+        del request.block_ids[num_kept:]
 
     def finish(self, request: Request, status: RequestStatus) -> list[int]:
         """Retires a running request. Its blocks are freed, or, with `hold_kv`, handed to the

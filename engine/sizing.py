@@ -19,11 +19,14 @@ def num_kv_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
+    extra_bytes_per_block: int = 0,
 ) -> int:
+    """`extra_bytes_per_block`: memory that grows with each block beside the target's KV (a draft
+    model's KV for the same tokens); the budget is shared out with it."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    per_block = bytes_per_block(arch, cache.block_size, dtype) + extra_bytes_per_block
     if device.type != "cuda":
         num = cache.cpu_kv_cache_bytes // per_block
     else:
@@ -74,7 +77,10 @@ def profile_activation_bytes(
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(ids, torch.arange(num_tokens, device=device), kv, meta, backend)
-    rows = min(config.scheduler.max_num_seqs, num_tokens)
+    # A verifying request returns logits for its drafted positions too.
+    spec = config.speculative
+    rows_per_seq = 1 + (spec.num_draft_tokens if spec.is_enabled else 0)
+    rows = min(config.scheduler.max_num_seqs * rows_per_seq, num_tokens)
     model.compute_logits(hidden[:rows]).softmax(-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base

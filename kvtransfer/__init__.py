@@ -14,7 +14,8 @@ Every pair is formed explicitly (`pair`, blocking, on both sides at once), compa
 layouts (a mismatch raises LayoutMismatchError on both sides), and can be dropped without blocking.
 send/recv never block; their handles are polled or waited on with a timeout.
 
-This package does not know which blocks are free or held, what a lease is, or that Ray exists:
+This package does not know which blocks are free or held or what a lease is, and needs no Ray
+(`netaddr.resolve_host('auto')` asks Ray for the node's address when it runs inside Ray):
 the workers above it own the blocks and call it. The transports import nothing from engine/;
 `kvtransfer.protocol` (the typed messages of the block-ownership protocol) uses engine's SamplingParams.
 """
@@ -29,14 +30,16 @@ from kvtransfer.transport import (
     TransferHandle,
     Transport,
     available_transports,
+    binds_network,
     create_transport,
+    transport_options,
     register_transport,
 )
 
 __all__ = [
     "KvLayout", "LayoutMismatchError", "gather_blocks", "scatter_blocks",
     "PairAddress", "TransferError", "TransferHandle", "Transport",
-    "register_transport", "create_transport", "available_transports",
+    "register_transport", "create_transport", "available_transports", "binds_network", "transport_options",
     "LocalHub", "LocalTransport", "GlooTransport", "NcclTransport", "NCCL_WORKER_ENV",
     "FaultRule", "FaultTransport",
 ]

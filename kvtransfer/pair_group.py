@@ -80,6 +80,8 @@ class PairGroupTransport(Transport):
     """Pairing, bookkeeping and dropping shared by gloo and NCCL; subclasses build the group, start
     the ops and abort a group."""
 
+    binds_network = True
+
     def __init__(self, self_id: str, layout: KvLayout, device: torch.device | str, host: str = "127.0.0.1",
                  max_transfer_s: float = 600.0) -> None:
         """host: the address peers reach this worker at (its store and its gloo sockets bind there).

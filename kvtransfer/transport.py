@@ -114,6 +114,7 @@ class Transport(abc.ABC):
     name: ClassVar[str]
     supports_cpu: ClassVar[bool]
     supports_cuda: ClassVar[bool]
+    binds_network: ClassVar[bool] = False  # takes `host=`: the address peers reach it at
 
     def __init__(self, self_id: str, layout: KvLayout, device: torch.device | str) -> None:
         self.self_id = self_id
@@ -172,6 +173,19 @@ def register_transport(cls: _T) -> _T:
         raise ValueError(f"a transport named {cls.name!r} is already registered ({_REGISTRY[cls.name]!r})")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def binds_network(name: str) -> bool:
+    """Whether the transport registered as `name` listens on a network address (takes `host=`)."""
+    return name in _REGISTRY and _REGISTRY[name].binds_network
+
+
+def transport_options(name: str, host: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The constructor options of transport `name`: `options`, plus `host` when it listens on one."""
+    merged = dict(options or {})
+    if binds_network(name):
+        merged.setdefault("host", host)
+    return merged
 
 
 def available_transports() -> list[str]:

@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine import EngineConfig, EngineCore, StepOutput
 from engine.loop import EngineLoop
+from kvtransfer.netaddr import resolve_host
 from engine.validation import InvalidRequestError
+from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, PairAddress, TransferError, TransferHandle, create_transport, gather_blocks
 from kvtransfer.fault import FaultRule, FaultTransport
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
@@ -40,6 +42,9 @@ class PrefillWorkerConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV push to finish.")
+    host: str = Field(
+        "127.0.0.1", description="Address peers reach this worker's KV transport at; 'auto': this Ray node's IP."
+    )
     pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a decode worker to pair.")
 
 
@@ -52,7 +57,7 @@ class PrefillWorker:
         self.max_seq_tokens = engine.max_seq_tokens
         self.transport = create_transport(
             config.transport, self.worker_id, KvLayout.from_kv(engine.runner.kv_caches), engine.device,
-            **(transport_options or {}),
+            **kv_transport_options(config.transport, resolve_host(config.host), transport_options),
         )
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
         self._live: set[str] = set()  # requests inside `prefill`

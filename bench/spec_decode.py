@@ -1,0 +1,268 @@
+"""Speculative decoding: acceptance per drafted token, tokens per target step against the
+formula, and decode tokens/s with and without speculation.
+
+Models: --target and --draft (HF checkpoint directories, or 'default' for the embedded model; the
+draft follows the target's --load-format and --dtype); --method draft (the default) or ngram.
+
+1. Acceptance, at --temperature (1.0): for each K of --ks, with adaptive K off, --num-requests
+   requests run together, each with --max-tokens output tokens (ignore_eos). Prompts are slices of
+   --text (held-out text, tokenized with the target's tokenizer) or, without it, random token ids.
+   Reported: a = accepted / tested drafted tokens (the first rejection of a step ends its tests),
+   accepted / drafted, and tokens per target step per request (emitted / verifications) against
+   (1 - a^(K+1)) / (1 - a).
+2. Decode speed at batch 1 and --large-batch: plain vs speculative (K = max(--ks), adaptive K, and
+   --disable-above-batch-size), same prompts and seeds. Timed from the step after every request
+   has its first token (prefill excluded) to the end, device synchronised; decode tokens/s =
+   tokens generated in that window / its seconds; the median of --repeats runs.
+
+Every run ends with the leak check (target and draft pools). On a CPU, or with the target as its
+own draft, the numbers only show that the pipeline works (the JSON says so in "notes").
+
+    .venv/bin/python -m bench.spec_decode --target DIR --draft DIR [--text FILE] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import base_parser, build_engine, check_no_leak, environment, label_bars, random_prompts
+from bench.common import synchronize, title, write_results
+from engine import EngineCore, SamplingParams, SpeculativeConfig, Tokenizer
+from engine.engine import resolve_model_dir
+
+
+def predicted_tokens_per_step(a: float, k: int) -> float:
+    """Expected tokens a verification yields when each draft is accepted with probability a."""
+    return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def make_prompts(args: argparse.Namespace, num: int, vocab_size: int, seed: int) -> list[list[int]]:
+    if args.text is None:
+        return random_prompts(num, args.prompt_len, vocab_size, seed)
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(args.model))
+    ids = tokenizer.encode(Path(args.text).read_text(errors="replace"), add_special_tokens=False)
+    if len(ids) < args.prompt_len + 1:
+        raise ValueError(f"--text {args.text} has {len(ids)} tokens; --prompt-len is {args.prompt_len}")
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(ids) - args.prompt_len) for _ in range(num)]
+    return [ids[s : s + args.prompt_len] for s in starts]
+
+
+def _params(args: argparse.Namespace, num: int, seed: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed + i, ignore_eos=True)
+        for i in range(num)
+    ]
+
+
+def _speculative(args: argparse.Namespace, k: int, adaptive: bool) -> SpeculativeConfig:
+    return SpeculativeConfig(
+        method=args.method,
+        draft_model=args.draft if args.method == "draft" else None,
+        num_draft_tokens=k,
+        enable_adaptive_draft_length=adaptive,
+        disable_above_batch_size=args.disable_above_batch_size if adaptive else None,
+    )
+
+
+def _engine(args: argparse.Namespace, speculative: SpeculativeConfig | None, max_num_seqs: int) -> EngineCore:
+    gc.collect()  # NOTE: the previous engine's cache must be gone before this one sizes its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return build_engine(args, speculative=speculative, max_num_seqs=max_num_seqs)
+
+
+def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> dict[str, Any]:
+    """All requests at once; times the decode phase (after every request has its first token)."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"{tag}-{i}", p, sp)
+    started: set[str] = set()
+    num_tokens = num_steps = 0
+    start = None
+    while engine.has_unfinished():
+        outputs = engine.step()
+        if start is None:
+            started.update(o.request_id for o in outputs)
+            if len(started) == len(prompts):
+                synchronize(engine.device)
+                start = time.perf_counter()
+            continue
+        num_tokens += sum(len(o.new_token_ids) for o in outputs)
+        num_steps += 1
+    synchronize(engine.device)
+    wall_s = time.perf_counter() - start if start is not None else 0.0
+    check_no_leak(engine)
+    return {"decode_s": wall_s, "num_decode_tokens": num_tokens, "num_decode_steps": num_steps}
+
+
+def draft_shape(engine: EngineCore) -> dict[str, Any] | None:
+    arch = getattr(engine.proposer, "arch", None)
+    if arch is None:
+        return None
+    return {"num_layers": arch.num_layers, "hidden_size": arch.hidden_size, "num_params": arch.num_params}
+
+
+def measure_acceptance(args: argparse.Namespace, vocab_size: int, shape: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per K: acceptance and tokens per target step. Fills `shape` with the draft model's."""
+    prompts = make_prompts(args, args.num_requests, vocab_size, args.seed)
+    rows = []
+    for k in args.ks:
+        engine = _engine(args, _speculative(args, k, adaptive=False), max_num_seqs=max(args.num_requests, 1))
+        shape.update(draft_shape(engine) or {})
+        _run(engine, prompts, _params(args, len(prompts), args.seed), f"acc{k}")
+        s = engine.stats()
+        tested = s.num_spec_accepted_tokens + s.num_spec_rejections
+        a = s.num_spec_accepted_tokens / tested if tested else 0.0
+        rows.append(
+            {
+                "k": k,
+                "a_per_tested_draft": a,
+                "accepted_per_drafted": s.spec_acceptance_rate,
+                "mean_drafted_per_verification": s.num_spec_draft_tokens / max(1, s.num_spec_verifications),
+                "tokens_per_target_step": s.num_spec_emitted_tokens / max(1, s.num_spec_verifications),
+                "predicted_tokens_per_target_step": predicted_tokens_per_step(a, k),
+                "num_verifications": s.num_spec_verifications,
+                "num_draft_tokens": s.num_spec_draft_tokens,
+                "num_accepted_tokens": s.num_spec_accepted_tokens,
+            }
+        )
+        print(f"K={k}: a={a:.3f} tokens/step {rows[-1]['tokens_per_target_step']:.2f} "
+              f"(formula {rows[-1]['predicted_tokens_per_target_step']:.2f})")
+        del engine
+    return rows
+
+
+def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]:
+    rows = []
+    k = max(args.ks)
+    for batch in (1, args.large_batch):
+        prompts = make_prompts(args, batch, vocab_size, args.seed + 1)
+        for mode in ("plain", "speculative"):
+            spec = _speculative(args, k, adaptive=True) if mode == "speculative" else None
+            engine = _engine(args, spec, max_num_seqs=batch)
+            _run(engine, prompts, _params(args, batch, args.seed)[:batch], "warmup")
+            runs = [_run(engine, prompts, _params(args, batch, args.seed), f"r{r}") for r in range(args.repeats)]
+            run = sorted(runs, key=lambda r: r["decode_s"])[(len(runs) - 1) // 2]
+            s = engine.stats()
+            rows.append(
+                {
+                    "batch_size": batch,
+                    "mode": mode,
+                    "decode_tokens_per_s": run["num_decode_tokens"] / run["decode_s"],
+                    "decode_s_all": [r["decode_s"] for r in runs],
+                    **run,
+                    "spec_acceptance_rate": s.spec_acceptance_rate,
+                    "num_spec_verifications": s.num_spec_verifications,
+                }
+            )
+            print(f"batch {batch} {mode}: {rows[-1]['decode_tokens_per_s']:.1f} decode tokens/s")
+            del engine
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--target", dest="model", help="Target checkpoint directory (same as --model).")
+    parser.add_argument("--draft", default="default", help="Draft checkpoint directory, or 'default'.")
+    parser.add_argument("--method", default="draft", choices=["draft", "ngram"])
+    parser.add_argument("--text", type=Path, default=None, help="Held-out text for prompts (else random ids).")
+    parser.add_argument("--ks", type=int, nargs="+", default=None, help="Draft lengths K (1 2 4 8; 1 2 4 quick).")
+    parser.add_argument("--num-requests", type=int, default=None, help="Acceptance requests (32; 8 quick).")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None, help="Output tokens a request (128; 32 quick).")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--large-batch", type=int, default=None, help="The large batch (128; 8 quick).")
+    parser.add_argument("--disable-above-batch-size", type=int, default=None, help="SpeculativeConfig's.")
+    parser.add_argument("--repeats", type=int, default=None, help="Timed runs per speed point (3; 1 quick).")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = {"ks": [1, 2, 4] if quick else [1, 2, 4, 8], "num_requests": 8 if quick else 32,
+                "max_tokens": 32 if quick else 128, "large_batch": 8 if quick else 128, "repeats": 1 if quick else 3}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("num_requests", "prompt_len", "max_tokens", "large_batch", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.ks) < 1:
+        parser.error(f"--ks must all be at least 1, got {args.ks}")
+    return args
+
+
+def notes(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
+    """Caveats of this run: a short tag (for the plot's title) -> the full sentence (for the JSON)."""
+    out = {}
+    draft_dir, target_dir = resolve_model_dir(args.draft).resolve(), resolve_model_dir(args.model).resolve()
+    if args.method == "draft" and draft_dir == target_dir:
+        out["SMOKE RUN: target = draft"] = (
+            "smoke run: the target is its own draft, so every draft is (nearly) accepted by construction; "
+            "this shows the pipeline works, not what a real draft gains"
+        )
+    if device.type != "cuda":
+        out["CPU"] = (
+            "CPU run: a draft's forward pass costs about as much as the target's at these sizes, so speed-ups "
+            "here say nothing about a GPU"
+        )
+    if args.text is None:
+        out["random prompts"] = "prompts are random token ids, not held-out text"
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    probe = _engine(args, None, max_num_seqs=1)
+    vocab_size, env = probe.arch.vocab_size, environment(probe, args)
+    del probe
+    shape: dict[str, Any] = {}
+    acceptance = measure_acceptance(args, vocab_size, shape)
+    speed = measure_speed(args, vocab_size)
+    speedups = {}
+    for batch in (1, args.large_batch):
+        by_mode = {r["mode"]: r["decode_tokens_per_s"] for r in speed if r["batch_size"] == batch}
+        speedups[str(batch)] = by_mode["speculative"] / by_mode["plain"]
+    workload = {
+        "method": args.method, "target": args.model, "draft": args.draft if args.method == "draft" else None,
+        "draft_shape": shape or None,
+        "ks": args.ks, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "large_batch": args.large_batch,
+        "disable_above_batch_size": args.disable_above_batch_size, "repeats": args.repeats,
+        "prompts": f"slices of {args.text}" if args.text else f"uniform random token ids, seed {args.seed}",
+    }
+    caveats = notes(args, torch.device(env["device"]))
+    record = {"workload": workload, "notes": list(caveats.values()), "acceptance": acceptance,
+              "speed": speed, "speedup": speedups}
+
+    def plot(fig: Any) -> None:
+        ax1, ax2 = fig.subplots(1, 2)
+        ks = [r["k"] for r in acceptance]
+        ax1.plot(ks, [r["tokens_per_target_step"] for r in acceptance], "o-", label="measured")
+        predicted = [r["predicted_tokens_per_target_step"] for r in acceptance]
+        ax1.plot(ks, predicted, "x--", label="(1 - a^(K+1)) / (1 - a)")
+        for r in acceptance:
+            ax1.annotate(f"a={r['a_per_tested_draft']:.2f}", (r["k"], r["tokens_per_target_step"]), fontsize=8)
+        ax1.set(xlabel="K (drafted tokens per step)", ylabel="tokens per target step, per request",
+                title=f"acceptance at temperature {args.temperature}")
+        ax1.legend()
+        labels = [f"batch {r['batch_size']}\n{r['mode']}" for r in speed]
+        values = [r["decode_tokens_per_s"] for r in speed]
+        bars = ax2.bar(labels, values, color=["tab:gray" if r["mode"] == "plain" else "tab:blue" for r in speed])
+        label_bars(ax2, bars, values, "{:.0f}")
+        ax2.set(ylabel="decode tokens/s", title=f"decode speed (speculative: adaptive K, K max = {max(args.ks)})")
+
+    line = f"method {args.method}, draft {workload['draft']}; " + "; ".join(caveats)
+    plot_title = title("Speculative decoding", env, line)
+    json_path, png_path = write_results(args.out, "spec_decode", env, record, plot, plot_title)
+    print(f"wrote {json_path} and {png_path}")
+    return {"json": str(json_path), "png": str(png_path), **record}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""A draft model: a smaller model of the target's tokenizer, run in the engine's process on the
+target's device with a paged KV cache and a BlockPool of its own (prefix caching off).
+
+Per request it keeps the token ids whose KV its cache holds. Each `propose` first rolls that back
+to the longest prefix the request still shares (the target rejected the rest; the blocks past it
+are freed), then runs K forward passes over all requests at once: the first catches up on the
+tokens the target accepted since (the whole prompt for a newcomer, within the step's token budget)
+and drafts d_1; the others feed d_{i-1} and draft d_i. Drafts are sampled from the draft's logits
+processed as the target's are (the engine's Sampler), so verification can use their probabilities.
+
+Does not know the target's blocks or scheduler: a request it cannot give blocks to gets no draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from engine.attention import AttentionSpec, create_backend
+from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
+from engine.models import DEFAULT_MODEL_DIR, build_model
+from engine.request import Draft
+from engine.runner import ForwardSeq, ModelRunner
+from engine.sampler import SamplingRow
+from engine.spec.base import DraftRequest, ProposerContext, register_proposer
+
+
+@dataclass
+class _DraftSeq:
+    token_ids: list[int] = field(default_factory=list)  # inputs whose KV the draft cache holds, from position 0
+    block_ids: list[int] = field(default_factory=list)
+    num_trusted: int = 0  # leading token_ids known to be the request's own (the rest were drafted)
+
+
+@dataclass
+class _Job:
+    request: DraftRequest
+    seq: _DraftSeq
+    num_new: int  # tokens fed in the first pass
+    is_drafting: bool  # False: a partial catch-up, no draft this step
+    token_ids: list[int] = field(default_factory=list)  # drafted so far
+    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] each
+
+
+@register_proposer
+class DraftModelProposer:
+    name: ClassVar[str] = "draft"
+
+    def __init__(self, context: ProposerContext) -> None:
+        self.context = context
+        cfg = context.config
+        assert cfg.draft_model is not None, "SpeculativeConfig checks this"
+        model_dir = DEFAULT_MODEL_DIR if cfg.draft_model == "default" else Path(cfg.draft_model)
+        m = context.model
+        self.model, self.arch = build_model(model_dir, context.dtype, context.device, m.load_format, m.seed)
+        if self.arch.vocab_size != context.target_arch.vocab_size:
+            raise ValueError(
+                f"draft_model {cfg.draft_model!r} has vocab_size {self.arch.vocab_size}; the target has "
+                f"{context.target_arch.vocab_size}: the draft must share the target's tokenizer"
+            )
+        a = self.arch
+        spec = AttentionSpec(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5, a.sliding_window)
+        self.backend = create_backend(m.attention_backend, spec, context.device)
+        self.kv_bytes_per_block = bytes_per_block(a, context.block_size, context.dtype)
+        self.seqs: dict[str, _DraftSeq] = {}
+        self.pool: BlockPool | None = None
+        self.runner: ModelRunner | None = None
+
+    def bind(self, num_target_blocks: int) -> None:
+        ctx = self.context
+        bs, k = ctx.block_size, ctx.config.num_draft_tokens
+        # The draft holds at most what the target holds, plus its lookahead of up to K tokens a request.
+        lookahead = ctx.max_num_seqs * (-(-k // bs) + 1)
+        num_blocks = ctx.config.draft_num_blocks or num_target_blocks + lookahead
+        kv = allocate_kv_tensors(self.arch, num_blocks, bs, ctx.dtype, ctx.device)
+        self.pool = BlockPool(num_blocks, bs, enable_prefix_caching=False)
+        self.runner = ModelRunner(self.model, kv, self.backend, ctx.device)
+
+    # ---- per-request state
+    def drop(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and self.pool is not None:
+            self.pool.free(seq.block_ids)
+
+    def _sync(self, request: DraftRequest) -> _DraftSeq:
+        """The request's state, rolled back to the prefix of its tokens the draft still shares,
+        leaving at least the last token to feed (its logits draft d_1)."""
+        seq = self.seqs.setdefault(request.request_id, _DraftSeq())
+        tokens = request.token_ids
+        common = seq.num_trusted
+        limit = min(len(seq.token_ids), len(tokens) - 1)
+        while common < limit and seq.token_ids[common] == tokens[common]:
+            common += 1
+        common = min(common, limit)
+        del seq.token_ids[common:]
+        seq.num_trusted = common
+        self._truncate_blocks(seq)
+        return seq
+
+    def _truncate_blocks(self, seq: _DraftSeq) -> None:
+        assert self.pool is not None
+        num_kept = -(-len(seq.token_ids) // self.pool.block_size)
+        self.pool.free(seq.block_ids[num_kept:])
+        del seq.block_ids[num_kept:]
+
+    def _reserve(self, seq: _DraftSeq, num_positions: int, keep: Collection[str]) -> bool:
+        """Blocks for positions [0, num_positions); frees idle requests' states when short."""
+        assert self.pool is not None
+        needed = max(0, -(-num_positions // self.pool.block_size) - len(seq.block_ids))
+        if not self.pool.can_allocate(needed):
+            for request_id in [r for r in self.seqs if r not in keep]:
+                self.drop(request_id)
+        if not self.pool.can_allocate(needed):
+            return False
+        seq.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    # ---- drafting
+    def propose(self, requests: Sequence[DraftRequest], generator: torch.Generator | None) -> list[Draft | None]:
+        assert self.runner is not None, "bind() first"
+        jobs = self._plan(requests)
+        drafting = [j for j in jobs if j.is_drafting]
+        if jobs:
+            # Pass 1: catch up (the last token at least) and draft d_1 for the drafting jobs.
+            fwd = [
+                ForwardSeq(j.request.token_ids[len(j.seq.token_ids) : len(j.seq.token_ids) + j.num_new],
+                           len(j.seq.token_ids), j.seq.block_ids, int(j.is_drafting))
+                for j in jobs
+            ]
+            logits = self.runner.forward(fwd)
+            for j in jobs:
+                j.seq.token_ids.extend(j.request.token_ids[len(j.seq.token_ids) : len(j.seq.token_ids) + j.num_new])
+                j.seq.num_trusted = len(j.seq.token_ids)
+            self._sample(drafting, logits, generator)
+        for i in range(1, max((j.request.max_draft_tokens for j in drafting), default=0)):
+            active = [j for j in drafting if j.request.max_draft_tokens > i]
+            fwd = [ForwardSeq([j.token_ids[-1]], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
+            logits = self.runner.forward(fwd)
+            for j in active:
+                j.seq.token_ids.append(j.token_ids[-1])
+            self._sample(active, logits, generator)
+        by_id = {j.request.request_id: j for j in drafting}
+        drafts: list[Draft | None] = []
+        for r in requests:
+            j = by_id.get(r.request_id)
+            if j is None:
+                drafts.append(None)
+            else:
+                is_greedy = r.params.is_greedy
+                drafts.append(Draft(j.token_ids, None if is_greedy else torch.stack(j.probs)))
+        return drafts
+
+    def _plan(self, requests: Sequence[DraftRequest]) -> list[_Job]:
+        """Rolls each request back, then gives blocks and the step's token budget: the requests with
+        the least to catch up first; one that does not fit whole catches up in part, undrafted."""
+        keep = {r.request_id for r in requests}
+        synced = sorted(
+            ((r, self._sync(r)) for r in requests), key=lambda rs: len(rs[0].token_ids) - len(rs[1].token_ids)
+        )
+        budget = self.context.max_num_batched_tokens
+        jobs: list[_Job] = []
+        for r, seq in synced:
+            if budget <= 0:
+                break
+            num_new = len(r.token_ids) - len(seq.token_ids)
+            is_drafting = num_new <= budget
+            num_new = min(num_new, budget)
+            # Drafting feeds num_new tokens, then d_1 .. d_{K-1}.
+            num_positions = len(seq.token_ids) + num_new + (r.max_draft_tokens - 1 if is_drafting else 0)
+            if not self._reserve(seq, num_positions, keep):
+                continue
+            budget -= num_new
+            jobs.append(_Job(r, seq, num_new, is_drafting))
+        return jobs
+
+    def _sample(self, jobs: list[_Job], logits: torch.Tensor, generator: torch.Generator | None) -> None:
+        """Draws each job's next drafted token from its logits row, as the target would process it."""
+        if not jobs:
+            return
+        assert self.context.sampler is not None
+        rows = []
+        for j in jobs:
+            r = j.request
+            output = list(r.token_ids[r.num_prompt_tokens :]) + j.token_ids
+            rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.generator))
+        token_ids, probs = self.context.sampler.sample_with_probs(logits, rows, generator)
+        for j, token, p in zip(jobs, token_ids, probs):
+            j.token_ids.append(token)
+            j.probs.append(p)
+
+    # ---- invariants
+    def check_integrity(self, live_request_ids: Collection[str]) -> None:
+        if self.pool is None:
+            return
+        self.pool.check_integrity()
+        stale = sorted(set(self.seqs) - set(live_request_ids))
+        if stale:
+            raise IntegrityError(f"the draft model holds state for requests no longer running: {stale[:8]}")
+        claimed = sum(len(s.block_ids) for s in self.seqs.values())
+        if claimed != self.pool.num_held_blocks:
+            raise IntegrityError(
+                f"the draft pool holds {self.pool.num_held_blocks} blocks, its requests claim {claimed}"
+            )

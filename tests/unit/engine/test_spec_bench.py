@@ -1,0 +1,39 @@
+"""Smoke test of bench/spec_decode.py: tiny sizes on the CPU, the default model as its own draft
+(every draft accepted), into a temporary folder; the JSON's numbers reconcile with the formula."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import spec_decode
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    num_threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def test_spec_decode_bench_smoke(tmp_path: Path) -> None:
+    args = ["--quick", "--device", "cpu", "--num-threads", "1", "--target", "default", "--draft", "default"]
+    args += ["--ks", "1", "2", "--num-requests", "2", "--max-tokens", "8", "--large-batch", "2", "--out", str(tmp_path)]
+    result = spec_decode.main(args)
+    assert result["json"] == str(tmp_path / "spec_decode_cpu.json") and Path(result["png"]).stat().st_size > 0
+    record = json.loads(Path(result["json"]).read_text())
+    assert record["environment"]["device_name"] and any("smoke run" in n for n in record["notes"])
+    for row in record["acceptance"]:
+        # The target as its own draft: every draft is accepted, a verification yields K + 1 tokens
+        # (7 decode tokens: K + 1 per verification while K + 1 fit, then plain steps).
+        assert row["a_per_tested_draft"] == 1.0
+        assert row["tokens_per_target_step"] == row["predicted_tokens_per_target_step"] == row["k"] + 1
+    assert {(r["batch_size"], r["mode"]) for r in record["speed"]} == {
+        (b, m) for b in (1, 2) for m in ("plain", "speculative")
+    }
+    assert all(r["num_decode_tokens"] == r["batch_size"] * 7 for r in record["speed"])
+    assert set(record["speedup"]) == {"1", "2"}
