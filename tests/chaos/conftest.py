@@ -25,6 +25,7 @@ def ray_cluster() -> Iterator[None]:
     is_ours = not ray.is_initialized()
     if is_ours:
         ray.init(
+            address="local",  # a cluster of our own even when another runs on this machine
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,  # the workers' fault warnings are expected; the figures go to the JSON
