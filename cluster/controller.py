@@ -12,6 +12,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
+from cluster.pools import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class ClusterController:
         self.num_replaced = 0
         self._supervisor: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
+        self._watchers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.deployment.start()
@@ -43,6 +45,9 @@ class ClusterController:
         return self.version, dict(w.prefill), dict(w.decode)
 
     async def _supervise(self) -> None:
+        """Every interval: dead serving workers leave the routers' set at once (version bump),
+        and each replacement joins it once healthy (another bump); starting ones are watched by
+        their own task, so one slow start never delays noticing the next death."""
         while True:
             await asyncio.sleep(self.health_interval_s)
             for pool in self.deployment.pools:
@@ -50,11 +55,21 @@ class ClusterController:
                     new_id = pool.replace(worker_id)
                     self.num_replaced += 1
                     self.version += 1
-                    log.warning("worker %s is dead; replaced by %s", worker_id, new_id)
-                    try:
-                        await pool.wait_ready()
-                    except Exception as err:  # noqa: BLE001 - retried on the next round
-                        log.warning("replacement %s is not ready yet: %s", new_id, err)
+                    log.warning("worker %s is dead; replacing it with %s", worker_id, new_id)
+                    task = asyncio.get_running_loop().create_task(self._publish_when_ready(pool, new_id))
+                    self._watchers.add(task)
+                    task.add_done_callback(self._watchers.discard)
+
+    async def _publish_when_ready(self, pool: WorkerPool, worker_id: str, max_starts: int = 3) -> None:
+        for start in range(max_starts):
+            if await pool.await_replacement(worker_id):
+                self.version += 1
+                log.warning("replacement %s is serving", worker_id)
+                return
+            if start + 1 < max_starts:
+                log.warning("replacement %s did not become healthy; starting another", worker_id)
+                worker_id = pool.replace(worker_id)
+        log.error("no healthy replacement after %d starts; the pool runs one worker short", max_starts)
 
     async def held_blocks(self) -> dict[str, int]:
         return await self.deployment.held_blocks()

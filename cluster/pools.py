@@ -141,7 +141,8 @@ class WorkerPool:
         return [i for i, ok in zip(ids, results) if ok is not True and i in self.handles and i not in self.retiring]
 
     def replace(self, worker_id: str) -> str:
-        """Drops a dead worker and starts a new one in its place (its bundle, a new id)."""
+        """Drops a dead worker and starts a new one in its place (its bundle, a new id). The new
+        one is `starting`, hidden from routers, until `await_replacement` finds it healthy."""
         handle = self.handles.pop(worker_id)
         try:
             ray.kill(handle, no_restart=True)
@@ -149,7 +150,24 @@ class WorkerPool:
             pass
         if worker_id in self._bundle_of:
             self._free_bundles.append(self._bundle_of.pop(worker_id))
-        return self._spawn()
+        new_id = self._spawn()
+        self.starting.add(new_id)
+        return new_id
+
+    async def await_replacement(self, worker_id: str, timeout_s: float = 180.0) -> bool:
+        """Waits until a replacement answers its health check, then shows it to routers; False
+        (it stays hidden, and is replaced again if it died) when it does not in time."""
+        handle = self.handles.get(worker_id)
+        if handle is None:
+            return False
+        try:
+            is_healthy = await asyncio.wait_for(handle.health.remote(), timeout_s)
+        except Exception:  # noqa: BLE001 - a timeout, or a worker that died starting
+            is_healthy = False
+        if is_healthy is True:
+            self.starting.discard(worker_id)
+            return True
+        return False
 
     # ---- resizing while serving
     async def resize(

@@ -301,6 +301,8 @@ class DecodeWorker:
             "num_free_blocks": s.num_free_blocks,
             "num_leases": len(self.leases),
             "num_preemptions": s.num_preemptions,
+            "num_spec_draft_tokens": s.num_spec_draft_tokens,
+            "num_spec_accepted_tokens": s.num_spec_accepted_tokens,
             "is_healthy": self._error is None and self.loop.is_alive,
         }
 

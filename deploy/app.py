@@ -16,6 +16,9 @@ from engine.engine import resolve_model_dir
 from engine.models import load_arch
 from router.ingress import RouterIngress
 
+HEAD_RESOURCE = "node:__internal_head__"
+"""Ray's resource that only the head node has."""
+
 GRPC_SERVICER_FUNCTIONS = ["router.proto.pdserve_pb2_grpc.add_GenerationServicer_to_server"]
 """What Serve's gRPC proxy registers (gRPCOptions.grpc_servicer_functions)."""
 
@@ -33,8 +36,11 @@ def build_app(args: dict[str, Any] | ServeAppConfig) -> Application:
     engine = config.cluster.engine
     model_dir = resolve_model_dir(engine.model.model)
     max_model_len = engine.model.max_model_len or load_arch(model_dir).max_position_embeddings
+    # NOTE: the controller owns the worker actors (they share its fate): pin it to the head node,
+    # so that losing a GPU node loses only that node's workers.
     controller = serve.deployment(ControllerDeployment, name="Controller", num_replicas=1,
-                                  ray_actor_options={"num_cpus": 0}).bind(config.cluster)
+                                  ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}}
+                                  ).bind(config.cluster)
     ingress = serve.deployment(serve.ingress()(RouterIngress), name="Router",
                                num_replicas=config.num_router_replicas, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=max(100, config.router.max_in_flight))

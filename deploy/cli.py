@@ -1,5 +1,6 @@
 """The `pdserve` command: `serve` (a local or joined Ray cluster serving HTTP and gRPC), `status`
-(the workers, their load and KV use), `generate` (the offline engine, no Ray).
+(the workers, their load and KV use), `generate` (the offline engine, no Ray), `bench` (a load
+generator for any OpenAI-compatible server: bench/loadgen/).
 
 It lives in deploy/ (not cluster/, as DESIGN.md first had it) because it runs the Serve
 application that deploy/ builds, and imports point downwards only.
@@ -77,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable); else one per line on stdin")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
+
+    from bench.loadgen.cli import add_arguments as add_bench_arguments  # light: pydantic only, no HTTP
+
+    bench_parser = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency, throughput, goodput")
+    add_bench_arguments(bench_parser)
     return parser
 
 
@@ -194,9 +200,16 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_command(args: argparse.Namespace) -> int:
+    from bench.loadgen.cli import run_command
+
+    return run_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"serve": serve_command, "status": status_command, "generate": generate_command}
+    commands = {"serve": serve_command, "status": status_command, "generate": generate_command,
+                "bench": bench_command}
     return commands[args.command](args)
 
 

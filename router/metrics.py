@@ -65,6 +65,10 @@ class PrometheusMetrics:
         self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions since the worker started.", gauge_labels,
                                  registry=r)
         self.leases = Gauge("pdserve:kv_leases", "Open KV leases of a decode worker.", gauge_labels, registry=r)
+        self.spec_drafts = Gauge("pdserve:spec_decode_num_draft_tokens", "Drafted tokens verified, since start.",
+                                 gauge_labels, registry=r)
+        self.spec_accepted = Gauge("pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted, since start.",
+                                   gauge_labels, registry=r)
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -113,4 +117,7 @@ class PrometheusMetrics:
                 self.kv_usage.labels(**w).set((blocks - row.get("num_free_blocks", blocks)) / blocks)
                 self.preemptions.labels(**w).set(row.get("num_preemptions", 0))
                 self.leases.labels(**w).set(row.get("num_leases", 0))
+                if "num_spec_draft_tokens" in row:
+                    self.spec_drafts.labels(**w).set(row["num_spec_draft_tokens"])
+                    self.spec_accepted.labels(**w).set(row.get("num_spec_accepted_tokens", 0))
         return generate_latest(self.registry)
