@@ -71,6 +71,20 @@ class ClusterController:
                 worker_id = pool.replace(worker_id)
         log.error("no healthy replacement after %d starts; the pool runs one worker short", max_starts)
 
+    async def resize(self, kind: str, num_workers: int, router_refresh_s: float = 1.0) -> list[str]:
+        """Grows or shrinks the `kind` pool ("prefill" or "decode") while serving; returns the ids
+        added or retired. Routers follow the version within `router_refresh_s`; a retiring decode
+        worker is drained first, so a router that has not refreshed yet still leases elsewhere."""
+        pool = {"prefill": self.deployment.prefill, "decode": self.deployment.decode}.get(kind)
+        if pool is None:
+            raise ValueError(f"kind must be 'prefill' or 'decode' (with a prefill pool), got {kind!r}")
+
+        async def publish() -> None:
+            self.version += 1
+            await asyncio.sleep(2 * router_refresh_s)  # every router has polled the new version
+
+        return await pool.resize(num_workers, publish)
+
     async def held_blocks(self) -> dict[str, int]:
         return await self.deployment.held_blocks()
 

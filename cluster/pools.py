@@ -246,6 +246,12 @@ class WorkerPool:
     ) -> list[str]:
         self.retiring.update(victims)
         self.num_workers -= len(victims)
+        for worker_id in victims:  # NOTE: first, so that even a router with a stale set leases elsewhere
+            if hasattr(self.worker_cls, "drain"):
+                try:
+                    await asyncio.wait_for(self.handles[worker_id].drain.remote(), 10.0)
+                except Exception as err:  # noqa: BLE001 - a dead worker needs no draining
+                    log.warning("draining %s failed: %s", worker_id, err)
         await _call(publish)
         drained = await asyncio.gather(
             *(self._wait_idle(i, drain_timeout_s, poll_interval_s) for i in victims)
@@ -285,7 +291,7 @@ class WorkerPool:
                 return False
             is_idle = (
                 stats["num_waiting"] == 0 and stats["num_running"] == 0
-                and stats.get("num_leases", 0) == 0 and num_held == 0
+                and stats.get("num_leases", 0) == 0 and num_held == 0 and stats.get("num_undelivered", 0) == 0
             )
             num_idle = num_idle + 1 if is_idle else 0
             if num_idle < 2:

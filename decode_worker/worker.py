@@ -99,6 +99,7 @@ class DecodeWorker:
             config.transport, self.worker_id, self.layout, engine.device,
             **kv_transport_options(config.transport, host, transport_options),
         )
+        self.is_draining = False  # retiring: no new leases or requests; what runs finishes
         self.leases: dict[str, Lease] = {}
         self.lease_of_request: dict[str, str] = {}
         self.router_of_request: dict[str, str] = {}  # requests in the engine -> who polls their tokens
@@ -153,6 +154,8 @@ class DecodeWorker:
     async def submit(self, request: bytes) -> None:
         """Colocated mode: prefill and decode a whole request here."""
         self._bind()
+        if self.is_draining:
+            raise RuntimeError(f"decode worker {self.worker_id} is draining: send the request to another worker")
         msg = GenerateRequestMsg.decode(request)
         self.router_of_request[msg.request_id] = msg.router_id
         try:
@@ -165,6 +168,8 @@ class DecodeWorker:
     async def reserve(self, request: bytes) -> bytes | None:
         """A lease on enough blocks for the prompt and its first decode step, or None when full."""
         self._bind()
+        if self.is_draining:
+            return None  # the router leases elsewhere
         msg = ReserveMsg.decode(request)
         if msg.request_id in self.lease_of_request or msg.request_id in self.router_of_request:
             raise ValueError(f"request {msg.request_id!r} already has a lease or runs here")
@@ -290,6 +295,11 @@ class DecodeWorker:
                 log.info("lease %s of request %s expired unclaimed", lease.lease_id, lease.request_id)
                 await self._drop_lease(lease)
 
+    async def drain(self) -> None:
+        """Retiring: from now on no new lease or request is taken; running ones finish and their
+        tokens are still polled. Idempotent."""
+        self.is_draining = True
+
     async def stats(self) -> dict[str, Any]:
         s = await self._call(lambda e: e.stats())
         return {
@@ -300,6 +310,8 @@ class DecodeWorker:
             "num_blocks": s.num_blocks,
             "num_free_blocks": s.num_free_blocks,
             "num_leases": len(self.leases),
+            "num_undelivered": sum(len(box.outputs) for box in self.outboxes.values()),  # not yet polled
+            "is_draining": self.is_draining,
             "num_preemptions": s.num_preemptions,
             "num_spec_draft_tokens": s.num_spec_draft_tokens,
             "num_spec_accepted_tokens": s.num_spec_accepted_tokens,
