@@ -43,6 +43,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=_default(CacheConfig, field),
                             help=_help(CacheConfig, field))
     parser.add_argument("--gpu-memory-utilization", type=float, default=_default(CacheConfig, "gpu_memory_utilization"))
+    parser.add_argument("--enforce-eager", action="store_true", help=_help(ModelConfig, "enforce_eager"))
     for field in ("max_num_seqs", "max_num_batched_tokens"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=_default(SchedulerConfig, field),
                             help=_help(SchedulerConfig, field))
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("model", "dtype", "device", "load_format", "max_model_len", "attention_backend", "block_size",
+    names = ("model", "dtype", "device", "load_format", "max_model_len", "attention_backend", "enforce_eager", "block_size",
              "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
     return {n: getattr(args, n) for n in names}
 

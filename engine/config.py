@@ -39,6 +39,13 @@ class ModelConfig(_Frozen):
         description="'torch' (reference, any device), 'triton' (CUDA), or 'auto' (the fastest the device runs). "
         "The default stays 'torch' until the Triton kernels are verified on a GPU.",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Run every step eagerly. Otherwise, when the device is CUDA and the attention backend is "
+        "'triton', decode-only steps (every request computes and samples one token) replay CUDA graphs captured "
+        "at start for batch sizes 1, 2, 4, ... up to max_num_seqs, and max_num_seqs (engine/cuda_graphs.py); "
+        "prefill, mixed and speculative steps, and every step on the CPU or with the 'torch' backend, run eagerly.",
+    )
 
 
 class CacheConfig(_Frozen):

@@ -23,6 +23,7 @@ import torch
 
 from engine.attention import AttentionSpec, create_backend
 from engine.config import EngineConfig, SamplingParams
+from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
 from engine.request import Request, RequestStatus
@@ -138,6 +139,9 @@ class EngineCore:
         self.held: dict[str, list[int]] = {}
         # A request alone must always fit the cache, so it never waits for blocks that cannot come.
         self.max_seq_tokens = min(self.max_model_len, self.capacity_tokens)
+        if cuda_graphs_enabled(config.model, self.device, backend):
+            # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
+            self.runner.capture_decode_graphs(config.scheduler.max_num_seqs, self.max_seq_tokens)
 
     # ---- control
     @property

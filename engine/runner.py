@@ -4,6 +4,11 @@ Owns the model, the KV tensors and the attention backend of one device. Knows no
 queues, budgets or sampling parameters. `execute` serves the engine's scheduled batches; `forward`
 takes plain `ForwardSeq`s, so a second model (the speculative draft) runs through the same code
 over a cache of its own.
+
+A step's integer inputs (token ids, positions, slots, context lengths, block tables, logit rows)
+are written into one host buffer (pinned on CUDA) and reach the device in one non_blocking copy;
+nothing in a forward reads a device value back. Decode-only steps replay CUDA graphs once
+`capture_decode_graphs` has run (engine/cuda_graphs.py); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.models import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
 
@@ -26,6 +33,49 @@ class ForwardSeq:
     start: int  # positions before it already have KV in block_ids
     block_ids: Sequence[int]  # covering positions [0, start + len(token_ids))
     num_logits: int  # logits of the last num_logits positions are returned (0: none)
+
+
+class HostStaging:
+    """One growable host buffer of int64 values, pinned on CUDA, and its copy to the device.
+
+    `host(n)` hands out the first n values to write (numpy view); `upload(n)` copies them to the
+    device (CUDA: non_blocking, from pinned memory, so the host does not wait; CPU: a copy).
+    NOTE: a non_blocking copy may still be reading the buffer when the next step wants to write
+    it, so `host` first waits for the previous copy's event; that copy finished long before in a
+    normal step (its step's sampled tokens were read since), so the wait is a query, not a sync.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._buffer = self._allocate(1 << 12)
+        self._copied = torch.cuda.Event() if self.is_cuda else None
+        self._is_copy_pending = False
+
+    def _allocate(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.long, pin_memory=self.is_cuda)
+
+    def host(self, num_values: int) -> np.ndarray:
+        """Writable view of the first num_values values (int64)."""
+        if self._is_copy_pending:
+            assert self._copied is not None
+            if not self._copied.query():
+                self._copied.synchronize()
+            self._is_copy_pending = False
+        if num_values > self._buffer.numel():
+            # NOTE: the old buffer's pending copy finished above; pinned memory is freed safely.
+            self._buffer = self._allocate(max(num_values, 2 * self._buffer.numel()))
+        return self._buffer[:num_values].numpy()
+
+    def upload(self, num_values: int) -> torch.Tensor:
+        """The first num_values values as an int64 tensor on the device."""
+        if not self.is_cuda:
+            return self._buffer[:num_values].clone()
+        assert self._copied is not None
+        staged = self._buffer[:num_values].to(self.device, non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(self.device))
+        self._is_copy_pending = True
+        return staged
 
 
 class ModelRunner:
@@ -41,8 +91,20 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv_caches.shape[3]
+        self.staging = HostStaging(device)
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
-    def prepare(self, seqs: Sequence[ForwardSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def capture_decode_graphs(self, max_batch_size: int, max_context: int) -> None:
+        """Captures CUDA graphs of decode-only steps of up to max_batch_size sequences whose contexts
+        are at most max_context tokens; call once, after the KV cache exists, before any step."""
+        assert self.graphs is None, "decode graphs are captured once"
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.staging, max_batch_size, max_context)
+        graphs.capture()
+        self.graphs = graphs
+
+    def prepare(
+        self, seqs: Sequence[ForwardSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat input ids, positions, attention metadata, and the rows whose logits are returned."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -61,37 +123,59 @@ class ModelRunner:
             seq_lens.append(stop)
             block_tables.append(list(s.block_ids))
             logit_rows.extend(range(query_start_loc[-1] - s.num_logits, query_start_loc[-1]))
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-        dev = self.device
+        num_seqs, max_blocks = len(seqs), max(len(t) for t in block_tables)
+        # One int64 upload: these parts, each from a 16-value boundary, then the block tables
+        # [num_seqs, max_blocks] padded with block 0.
+        parts: list[list[int]] = [input_ids, positions, slots, logit_rows, seq_lens, query_start_loc]
+        offsets = [0]
+        for part in parts:
+            offsets.append(offsets[-1] + _align16(len(part)))
+        table_offset = offsets[-1]
+        num_values = table_offset + num_seqs * max_blocks
+        host = self.staging.host(num_values)
+        for part, offset in zip(parts, offsets):
+            host[offset : offset + len(part)] = part
+        host_tables = host[table_offset:].reshape(num_seqs, max_blocks)
+        host_tables.fill(0)
+        for i, t in enumerate(block_tables):
+            host_tables[i, : len(t)] = t
+        flat = self.staging.upload(num_values)
+        ids, pos, slot_mapping, rows, lens, starts = (
+            flat[offset : offset + len(part)] for part, offset in zip(parts, offsets)
+        )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=block_tables,
-            block_tables_tensor=torch.tensor(padded, dtype=torch.int32, device=dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            block_tables_tensor=flat[table_offset:].view(num_seqs, max_blocks).to(torch.int32),
+            seq_lens_tensor=lens.to(torch.int32),
+            query_start_loc_tensor=starts.to(torch.int32),
             max_query_len=max(len(s.token_ids) for s in seqs),
             max_seq_len=max(seq_lens),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta, logit_rows
+        return ids, pos, meta, rows
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:
         """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(seqs)  # None: not a decode-only step that a graph serves
+            if hidden is not None:
+                return self.model.compute_logits(hidden)
         ids, pos, meta, logit_rows = self.prepare(seqs)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return self.model.compute_logits(hidden.index_select(0, logit_rows))
 
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Runs one step; returns float32 logits [rows, vocab] in scheduled order: one row per
         sampling request, 1 + num_spec_tokens rows per verifying one (its last computed token's,
         then each drafted token's)."""
         return self.forward([_forward_seq(s) for s in scheduled])
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 def _forward_seq(s: ScheduledRequest) -> ForwardSeq:

@@ -41,6 +41,7 @@ class AttentionBackend(Protocol):
     name: ClassVar[str]
     supports_cpu: ClassVar[bool]
     supports_cuda: ClassVar[bool]
+    supports_cuda_graphs: ClassVar[bool]  # its decode launch can be captured (engine/cuda_graphs.py)
 
     def forward(
         self,

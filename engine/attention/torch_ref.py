@@ -67,6 +67,7 @@ class TorchAttention:
     name: ClassVar[str] = "torch"
     supports_cpu: ClassVar[bool] = True
     supports_cuda: ClassVar[bool] = True
+    supports_cuda_graphs: ClassVar[bool] = False  # host lists and a per-sequence loop
 
     def __init__(self, spec: AttentionSpec, max_scores: int = 1 << 22) -> None:
         self.spec = spec

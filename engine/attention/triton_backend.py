@@ -9,15 +9,25 @@ built (and copied to the device) each step.
 Host work per forward is choosing launch sizes from the host lists of `AttentionMetadata`
 (query counts, the longest context); no device value is read back (no synchronization).
 
-CUDA graphs: the decode launch reads only block_tables_tensor, seq_lens_tensor and
-query_start_loc_tensor (shapes fixed by the batch size once block_tables is padded to a fixed
-width) and its launch sizes (num_splits, tokens_per_split). With
-`TritonAttentionConfig(graph_max_context=...)` those come from that fixed context bound instead of
-the step's longest context, so they depend on the batch size alone. A capture would also need:
-static metadata buffers filled in place before each replay (block tables padded to
-graph_max_context / block_size columns), slot_mapping of padded batch rows set to -1 (store_kv
-skips them), and the split-K workspace allocated once instead of per forward (`decode_attention`
-allocates it with torch.empty, which a capture's private memory pool would also serve).
+CUDA graphs (engine/cuda_graphs.py captures them): `graph_mode(max_context, batch_sizes, device)`
+returns a twin of the backend that serves decode-only batches (one query per sequence) and that a
+graph can replay, because nothing it launches depends on a value known only at run time:
+
+- the decode launch sizes (num_splits, tokens_per_split) come from `max_context` (the twin's
+  `graph_max_context`) and the batch size alone, never from the step's contexts: the host lists
+  of its `AttentionMetadata` are fixed per captured size and are not read for launch sizes;
+- it reads only block_tables_tensor, seq_lens_tensor, query_start_loc_tensor and slot_mapping,
+  which the caller keeps as static buffers filled in place before each replay (block tables
+  max_context / block_size columns wide);
+- the split-K workspace is one static buffer, allocated by `graph_mode` for the largest need
+  over `batch_sizes`, instead of per forward (graphs never run concurrently, so they share it);
+- no prefill launch: a batch with any sequence of more than one query is refused.
+
+Padding rows of a captured batch have slot -1 (store_kv skips them: nothing is written) and
+seq_len 1 with block 0 in their block-table row: they attend one key that exists and write only
+their own output row, which the caller ignores. (seq_len 0 is not allowed: the split-K reduce of a
+row without keys divides 0 by 0.) The eager backend's forward is unchanged by all this; a config
+with graph_max_context set only fixes its decode launch sizes (and checks contexts against it).
 
 Importing this module imports no Triton: the kernels are defined at the first construction of
 `TritonAttention` (NOTE: TRITON_INTERPRET is read then), so registering the backend is free and a
@@ -28,7 +38,9 @@ Knows nothing of scheduling; registered under the name "triton".
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -97,6 +109,7 @@ class TritonAttention:
     name: ClassVar[str] = "triton"
     supports_cpu: ClassVar[bool] = False  # runs on CPU tensors only under TRITON_INTERPRET=1 (tests)
     supports_cuda: ClassVar[bool] = HAS_TRITON
+    supports_cuda_graphs: ClassVar[bool] = True  # decode-only batches, through `graph_mode`
 
     def __init__(self, spec: AttentionSpec, config: TritonAttentionConfig | None = None) -> None:
         if spec.num_heads % spec.num_kv_heads:
@@ -112,6 +125,32 @@ class TritonAttention:
         self.spec = spec
         self.config = config or TritonAttentionConfig()
         self._num_sms: dict[torch.device, int] = {}
+        self.is_graph_mode = False  # set on the twins `graph_mode` returns
+        self._workspace: torch.Tensor | None = None  # graph mode: the static split-K workspace
+
+    def graph_mode(self, max_context: int, batch_sizes: Sequence[int], device: torch.device) -> TritonAttention:
+        """A twin of this backend for CUDA graphs of decode-only batches of the given sizes whose
+        contexts are at most `max_context` tokens (see the module docstring). The caller guarantees
+        the context bound: the twin cannot check it without reading the device."""
+        if max_context < 1 or not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(
+                f"graph mode needs max_context >= 1 and batch sizes >= 1; got {max_context} and {list(batch_sizes)}"
+            )
+        twin = TritonAttention(self.spec, dataclasses.replace(self.config, graph_max_context=max_context))
+        twin.is_graph_mode = True
+        numel = max(twin._graph_workspace_numel(b, device) for b in batch_sizes)
+        twin._workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+        return twin
+
+    def _graph_split_plan(self, num_seqs: int, device: torch.device) -> tuple[int, int]:
+        assert self.config.graph_max_context is not None
+        return decode_split_plan(
+            num_seqs, self.spec.num_kv_heads, self.config.graph_max_context, self._sms(device), self.config
+        )
+
+    def _graph_workspace_numel(self, num_seqs: int, device: torch.device) -> int:
+        num_splits, _ = self._graph_split_plan(num_seqs, device)
+        return self._kernels.decode_workspace_numel(num_seqs, self.spec.num_heads, num_splits, self.spec.head_dim)
 
     def forward(
         self,
@@ -122,6 +161,8 @@ class TritonAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if self.is_graph_mode:
+            return self._forward_graph(q, k, v, k_cache, v_cache, meta)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         self._kernels.check_dtype("q", q)
         self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -155,6 +196,37 @@ class TritonAttention:
                 block_m=cfg.prefill_block_m, block_n=cfg.prefill_block_n,
                 num_warps=cfg.prefill_num_warps, num_stages=cfg.prefill_num_stages,
             )  # fmt: skip
+        return out
+
+    def _forward_graph(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Graph mode: store the new K/V, then one decode launch sized by the batch size alone."""
+        num_seqs = meta.num_seqs
+        if q.shape[0] != num_seqs or meta.max_query_len != 1:
+            raise ValueError(
+                f"graph mode runs decode-only batches (one query per sequence); got {q.shape[0]} queries "
+                f"for {num_seqs} sequences"
+            )
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        self._kernels.check_dtype("q", q)
+        self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device)
+        cfg, spec = self.config, self.spec
+        self._kernels.decode_attention(
+            q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
+            scale=spec.scale, sliding_window=spec.sliding_window,
+            num_splits=num_splits, tokens_per_split=tokens_per_split,
+            block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+            workspace=self._workspace,
+        )  # fmt: skip
         return out
 
     def _sms(self, device: torch.device) -> int:

@@ -201,6 +201,34 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+_WORKSPACE_ALIGN = 32  # elements (128 bytes) between the workspace's parts
+
+
+def decode_workspace_numel(num_seqs: int, num_heads: int, num_splits: int, head_dim: int) -> int:
+    """float32 elements of the split-K partials: acc [seqs, heads, splits, head_dim], then max and
+    sum [seqs, heads, splits], each part starting on a 128-byte boundary; 0 without splits."""
+    if num_splits <= 1:
+        return 0
+    n = num_seqs * num_heads * num_splits
+    return _align(n * head_dim) + 2 * _align(n)
+
+
+def _align(numel: int) -> int:
+    return -(-numel // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+
+
+def _split_workspace(
+    workspace: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (acc, max, sum) of the layout `decode_workspace_numel` counts."""
+    n = num_seqs * num_heads * num_splits
+    acc_end = _align(n * head_dim)
+    part_acc = workspace[: n * head_dim].view(num_seqs, num_heads, num_splits, head_dim)
+    part_m = workspace[acc_end : acc_end + n].view(num_seqs, num_heads, num_splits)
+    part_l = workspace[acc_end + _align(n) : acc_end + _align(n) + n].view(num_seqs, num_heads, num_splits)
+    return part_acc, part_m, part_l
+
+
 def decode_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -217,14 +245,16 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    workspace: torch.Tensor | None = None,
 ) -> None:
     """Attention of every sequence with exactly one new token (others are skipped on the device).
 
     The launch depends on the shapes of the metadata tensors and on (num_splits, tokens_per_split)
     only, not on their values: with those fixed per batch size, a CUDA graph can replay it.
     num_splits * tokens_per_split must cover the longest context; tokens_per_split is a multiple
-    of block_n. With num_splits > 1 a [num_seqs, num_heads, num_splits, head_dim] float32
-    workspace is allocated here (a graph capture would hold it as a static buffer).
+    of block_n. With num_splits > 1 the split-K partials need a float32 workspace of
+    `decode_workspace_numel(...)` elements: `workspace` when given (a CUDA graph's static buffer),
+    else allocated here.
     """
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -239,9 +269,15 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     is_split = num_splits > 1
     if is_split:
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+        numel = decode_workspace_numel(num_seqs, num_heads, num_splits, head_dim)
+        if workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < numel or not workspace.is_contiguous():
+            raise ValueError(
+                f"the decode workspace needs {numel} contiguous float32 elements; got {workspace.numel()} "
+                f"of {workspace.dtype}"
+            )
+        part_acc, part_m, part_l = _split_workspace(workspace, num_seqs, num_heads, num_splits, head_dim)
     else:
         part_acc = part_m = part_l = out  # not read
     window = sliding_window or 0

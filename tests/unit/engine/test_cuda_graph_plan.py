@@ -1,0 +1,221 @@
+"""The CUDA graph plan on the CPU: which steps a graph serves, which captured size, the padded
+staging layout; the runner's one-upload staging; and, through Triton's interpreter, the graph
+path's static buffers and padding rows giving the eager path's logits and KV (everything but the
+capture and replay themselves, which tests/gpu/test_cuda_graphs.py checks on a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import AttentionSpec
+from engine.attention.torch_ref import TorchAttention
+from engine.config import ModelConfig
+from engine.cuda_graphs import (
+    DecodeGraphs,
+    DecodeStepLayout,
+    capture_sizes,
+    cuda_graphs_enabled,
+    fill_decode_step,
+    graph_size_for,
+    plan_decode_step,
+)
+from engine.kv_cache import allocate_kv_tensors
+from engine.models import DEFAULT_MODEL_DIR, build_model
+from engine.runner import ForwardSeq, HostStaging, ModelRunner
+
+
+def decode(token: int, position: int, blocks: list[int]) -> ForwardSeq:
+    return ForwardSeq([token], position, blocks, 1)
+
+
+# ---- sizes
+def test_capture_sizes_are_powers_of_two_and_the_maximum():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert capture_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    with pytest.raises(ValueError, match="max_batch_size=0"):
+        capture_sizes(0)
+
+
+def test_graph_size_is_the_smallest_that_holds_the_batch():
+    sizes = capture_sizes(48)
+    assert [graph_size_for(n, sizes) for n in (1, 2, 3, 5, 17, 32, 33, 48)] == [1, 2, 4, 8, 32, 32, 48, 48]
+    assert graph_size_for(49, sizes) is None
+
+
+# ---- eligibility
+SIZES = capture_sizes(8)
+
+
+def test_decode_only_steps_are_eligible():
+    seqs = [decode(5, 0, [3]), decode(6, 9, [1, 2, 7]), decode(7, 3, [4])]
+    assert plan_decode_step(seqs, SIZES, max_context=64, block_size=4) == DecodeStepLayout(3, 4, 3)
+    # A one-token prompt (start 0) is decode-shaped too.
+    assert plan_decode_step([decode(5, 0, [0])], SIZES, 64, 4) == DecodeStepLayout(1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "odd_one",
+    [
+        ForwardSeq([5, 6], 3, [1, 2], 1),  # a prefill chunk of two tokens
+        ForwardSeq([5, 6, 7], 3, [1, 2], 3),  # speculative verification: 1 + 2 logits rows
+        ForwardSeq([5], 3, [1], 0),  # a one-token chunk that does not sample
+    ],
+)
+def test_other_steps_run_eagerly(odd_one):
+    seqs = [decode(5, 0, [3]), odd_one]
+    assert plan_decode_step(seqs, SIZES, 64, 4) is None
+
+
+def test_too_many_sequences_or_too_long_a_context_run_eagerly():
+    assert plan_decode_step([], SIZES, 64, 4) is None
+    assert plan_decode_step([decode(1, i, [i // 4]) for i in range(9)], SIZES, 64, 4) is None
+    blocks = list(range(16))
+    assert plan_decode_step([decode(1, 63, blocks)], SIZES, 64, 4) == DecodeStepLayout(1, 1, 16)
+    assert plan_decode_step([decode(1, 64, blocks + [16])], SIZES, 64, 4) is None
+
+
+def test_only_cuda_with_a_graph_capable_backend_and_not_eager():
+    torch_backend = TorchAttention(AttentionSpec(4, 2, 16, 0.25))
+
+    class GraphCapable:
+        supports_cuda_graphs = True
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cuda_graphs_enabled(ModelConfig(), cuda, GraphCapable())  # type: ignore[arg-type]
+    assert not cuda_graphs_enabled(ModelConfig(enforce_eager=True), cuda, GraphCapable())  # type: ignore[arg-type]
+    assert not cuda_graphs_enabled(ModelConfig(), cpu, GraphCapable())  # type: ignore[arg-type]
+    assert not cuda_graphs_enabled(ModelConfig(), cuda, torch_backend)
+
+
+# ---- the padded layout
+def test_staging_layout_with_padding_rows():
+    block_size = 4
+    seqs = [decode(11, 0, [3]), decode(12, 9, [1, 2, 7]), decode(13, 4, [4, 5])]
+    layout = plan_decode_step(seqs, SIZES, 64, block_size)
+    assert layout == DecodeStepLayout(num_seqs=3, graph_size=4, num_block_cols=3)
+    buffer = np.full(layout.num_values + 5, 99, dtype=np.int64)  # 99: stale values
+    fill_decode_step(buffer, seqs, layout, block_size)
+    g = 4
+    assert buffer[:g].tolist() == [11, 12, 13, 0]  # input ids
+    assert buffer[g : 2 * g].tolist() == [0, 9, 4, 0]  # positions
+    assert buffer[2 * g : 3 * g].tolist() == [3 * 4 + 0, 7 * 4 + 1, 5 * 4 + 0, -1]  # slots; padding: none
+    assert buffer[3 * g : 4 * g].tolist() == [1, 10, 5, 1]  # seq_lens; padding: one key
+    tables = buffer[4 * g : layout.num_values].reshape(g, 3).tolist()
+    assert tables == [[3, 0, 0], [1, 2, 7], [4, 5, 0], [0, 0, 0]]  # padding row: block 0
+    assert buffer[layout.num_values :].tolist() == [99] * 5  # nothing written past the layout
+
+
+def test_block_columns_cover_only_the_context():
+    # Blocks held past the context (e.g. allocated ahead) are not copied.
+    seqs = [decode(1, 3, [8, 9, 10])]
+    layout = plan_decode_step(seqs, SIZES, 64, 4)
+    assert layout is not None and layout.num_block_cols == 1
+    buffer = np.zeros(layout.num_values, dtype=np.int64)
+    fill_decode_step(buffer, seqs, layout, 4)
+    assert buffer[4:].tolist() == [8]
+
+
+# ---- the runner's staging
+def test_host_staging_grows_and_uploads_a_copy():
+    staging = HostStaging(torch.device("cpu"))
+    host = staging.host(10_000)  # past the initial capacity
+    host[:] = np.arange(10_000)
+    first = staging.upload(10_000)
+    staging.host(3)[:] = [7, 8, 9]
+    assert staging.upload(3).tolist() == [7, 8, 9]
+    assert first[:3].tolist() == [0, 1, 2] and first.dtype == torch.long  # not aliased by later writes
+
+
+def test_eager_prepare_packs_one_upload(make_llm):
+    runner = make_llm().engine.runner
+    seqs = [ForwardSeq([5, 6, 7], 2, [4, 9], 1), decode(8, 20, [1, 2, 3, 6, 0, 5]), ForwardSeq([9], 0, [7], 0)]
+    ids, pos, meta, rows = runner.prepare(seqs)
+    bs = runner.block_size
+    assert bs == 16
+    assert ids.tolist() == [5, 6, 7, 8, 9] and ids.dtype == torch.long
+    assert pos.tolist() == [2, 3, 4, 20, 0] and pos.dtype == torch.long
+    assert meta.slot_mapping.tolist() == [4 * bs + 2, 4 * bs + 3, 4 * bs + 4, 2 * bs + 4, 7 * bs]
+    assert meta.slot_mapping.dtype == torch.long
+    assert rows.tolist() == [2, 3] and rows.dtype == torch.long
+    assert meta.seq_lens == [5, 21, 1] and meta.seq_lens_tensor.tolist() == [5, 21, 1]
+    assert meta.query_start_loc == [0, 3, 4, 5] and meta.query_start_loc_tensor.tolist() == [0, 3, 4, 5]
+    assert meta.block_tables_tensor.tolist() == [[4, 9, 0, 0, 0, 0], [1, 2, 3, 6, 0, 5], [7, 0, 0, 0, 0, 0]]
+    for t in (meta.seq_lens_tensor, meta.query_start_loc_tensor, meta.block_tables_tensor):
+        assert t.dtype == torch.int32 and t.is_contiguous()
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 21)
+
+
+def test_the_engine_captures_nothing_on_the_cpu(make_llm):
+    assert make_llm().engine.runner.graphs is None
+
+
+def test_graphs_need_a_graph_capable_backend():
+    model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, torch.device("cpu"))
+    kv = allocate_kv_tensors(arch, 8, 4, torch.float32, torch.device("cpu"))
+    backend = TorchAttention(AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5))
+    with pytest.raises(ValueError, match="does not support CUDA graphs"):
+        DecodeGraphs(model, kv, backend, HostStaging(torch.device("cpu")), 4, 64)
+
+
+# ---- the graph path against the eager one (Triton interpreter)
+@pytest.fixture
+def interpreted_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernels (and triton.language's own jit functions) defined under TRITON_INTERPRET=1:
+    the variable is read when `triton` is first imported and when the kernels are defined (see
+    test_triton_interpret.py's NOTE), and while they run; restored after the test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_language = pytest.importorskip("triton.language")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from engine.attention import triton_kernels, triton_prefill
+
+    defined = (triton_language.zeros, triton_kernels._decode_kernel, triton_prefill._prefill_kernel)
+    if not all(isinstance(f, InterpretedFunction) for f in defined):
+        pytest.skip("triton or the kernels were imported without TRITON_INTERPRET=1 earlier in this session")
+
+
+def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+
+    torch.manual_seed(0)
+    cpu, block_size = torch.device("cpu"), 4
+    model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    # Small tiles and splits, so that a 64-token bound splits the decode (static workspace, reduce).
+    config = TritonAttentionConfig(
+        decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16, target_programs_per_sm=64
+    )
+    backend = TritonAttention(spec, config)
+    eager = ModelRunner(model, allocate_kv_tensors(arch, 24, block_size, torch.float32, cpu), backend, cpu)
+    graphed = ModelRunner(model, eager.kv_caches.clone(), backend, cpu)
+    graphed.capture_decode_graphs(max_batch_size=4, max_context=64)
+    graphs = graphed.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    assert graphs.backend._graph_split_plan(4, cpu)[0] > 1, "the test should cover split-K"
+
+    # Three sequences on scattered blocks (block 0 among them); prompts of 5, 9 and 12 tokens.
+    tables = [[5, 0, 11, 2, 17, 8], [3, 14, 9, 21, 6, 12], [19, 1, 22, 7, 15, 4]]
+    tokens = [torch.randint(2, arch.vocab_size, (n,)).tolist() for n in (5, 9, 12)]
+    prefill = [ForwardSeq(t, 0, b, 1) for t, b in zip(tokens, tables)]
+    for runner in (eager, graphed):
+        runner.forward(prefill)  # eager in both (not decode-only)
+    assert graphs.num_replays == 0
+    torch.testing.assert_close(graphed.kv_caches, eager.kv_caches, atol=0, rtol=0)
+
+    # Decode steps of 3 (graph of 4: one padding row), 1 and 2 sequences, across block boundaries.
+    for step, active in enumerate([[0, 1, 2], [0, 1, 2], [1], [0, 2], [0, 1, 2], [2]]):
+        seqs = []
+        for i in active:
+            tokens[i].append(int(torch.randint(2, arch.vocab_size, ())))
+            seqs.append(decode(tokens[i][-1], len(tokens[i]) - 1, tables[i]))
+        want, got = eager.forward(seqs), graphed.forward(seqs)
+        assert got.shape == want.shape == (len(active), arch.vocab_size)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=f"step {step}")
+        # The same slots written (padding rows wrote none).
+        torch.testing.assert_close(graphed.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5)
+    assert graphs.num_replays == 6
+    assert graphs.num_padding_rows == 1 + 1 + 0 + 0 + 1 + 0
