@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "context_lens": context_lens,
             "cached": f"one request, {args.context_len}-token prompt, max_tokens={args.num_decode + 1}; "
             "each engine.step() timed; median over the decode steps (prefill step excluded)",
-            "recompute": f"per context length, a fresh request with the whole context as prompt and max_tokens=1; "
+            "recompute": "per context length, a fresh request with the whole context as prompt and max_tokens=1; "
             "add_request to finish timed; median",
             "sampling": {"temperature": 0.0, "ignore_eos": True},
             "prompts": f"uniform random token ids, seed {args.seed}",

@@ -16,7 +16,6 @@ against the floors, in one run:
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time

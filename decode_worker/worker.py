@@ -22,9 +22,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,7 +33,7 @@ from engine.loop import EngineLoop
 from kvtransfer.netaddr import resolve_host
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, TransferError, TransferHandle, create_transport, scatter_blocks
-from kvtransfer.fault import FaultRule, FaultTransport
+from kvtransfer.endpoint import TransferEndpoint
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     KvAcceptMsg,
@@ -45,7 +44,6 @@ from kvtransfer.protocol import (
     TokenOutputMsg,
 )
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +85,7 @@ class Outbox:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class DecodeWorker:
+class DecodeWorker(TransferEndpoint):
     def __init__(self, config: DecodeWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -120,9 +118,6 @@ class DecodeWorker:
         if self._aio is None:
             self._aio = asyncio.get_running_loop()
             self._reaper = self._aio.create_task(self._reap_expired_leases())
-
-    async def _call(self, command: Callable[[EngineCore], T]) -> T:
-        return await asyncio.wrap_future(self.loop.submit(command))
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         assert self._aio is not None
@@ -318,32 +313,6 @@ class DecodeWorker:
             "is_healthy": self._error is None and self.loop.is_alive,
         }
 
-    async def check_integrity(self) -> int:
-        """Raises if the block table is inconsistent; returns the number of held blocks."""
-
-        def check(engine: EngineCore) -> int:
-            engine.check_integrity()
-            return engine.pool.num_held_blocks
-
-        return await self._call(check)
-
-    async def health(self) -> bool:
-        return self._error is None and self.loop.is_alive
-
-    # ---- fault injection (chaos tests)
-    async def arm_fault(self, rule: bytes | None) -> None:
-        """Arms a FaultRule (msgpack) on this worker's transport, or (None) disarms every rule."""
-        fault = _fault_transport(self.transport, self.worker_id)
-        if rule is None:
-            fault.disarm()
-        else:
-            fault.arm(FaultRule.decode(rule))
-
-    async def fault_stats(self) -> dict[str, Any]:
-        """Transfers seen and faults fired (with their time.time()) by this worker's fault transport."""
-        stats = _fault_transport(self.transport, self.worker_id).stats()
-        return {"num_transfers": stats.num_transfers, "num_fired": stats.num_fired, "fired_at": stats.fired_at}
-
     async def shutdown(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
@@ -369,12 +338,6 @@ async def _wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None
     except TransferError as err:
         return f"failed: {err}"
     return None
-
-
-def _fault_transport(transport: Any, worker_id: str) -> FaultTransport:
-    if not isinstance(transport, FaultTransport):
-        raise ValueError(f"worker {worker_id!r} runs the {transport.name!r} transport; faults need transport='fault'")
-    return transport
 
 
 def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:

@@ -17,8 +17,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,10 +27,9 @@ from kvtransfer.netaddr import resolve_host
 from engine.validation import InvalidRequestError
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, PairAddress, TransferError, TransferHandle, create_transport, gather_blocks
-from kvtransfer.fault import FaultRule, FaultTransport
+from kvtransfer.endpoint import TransferEndpoint
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -48,7 +46,7 @@ class PrefillWorkerConfig(BaseModel):
     pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a decode worker to pair.")
 
 
-class PrefillWorker:
+class PrefillWorker(TransferEndpoint):
     def __init__(self, config: PrefillWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -72,9 +70,6 @@ class PrefillWorker:
         self.loop.start()
 
     # ---- plumbing
-    async def _call(self, command: Callable[[EngineCore], T]) -> T:
-        return await asyncio.wrap_future(self.loop.submit(command))
-
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         assert self._aio is not None
         self._aio.call_soon_threadsafe(self._resolve, outputs)
@@ -235,30 +230,6 @@ class PrefillWorker:
 
         return await self._call(lookup)
 
-    async def check_integrity(self) -> int:
-        def check(engine: EngineCore) -> int:
-            engine.check_integrity()
-            return engine.pool.num_held_blocks
-
-        return await self._call(check)
-
-    async def health(self) -> bool:
-        return self._error is None and self.loop.is_alive
-
-    # ---- fault injection (chaos tests)
-    async def arm_fault(self, rule: bytes | None) -> None:
-        """Arms a FaultRule (msgpack) on this worker's transport, or (None) disarms every rule."""
-        fault = _fault_transport(self.transport, self.worker_id)
-        if rule is None:
-            fault.disarm()
-        else:
-            fault.arm(FaultRule.decode(rule))
-
-    async def fault_stats(self) -> dict[str, Any]:
-        """Transfers seen and faults fired (with their time.time()) by this worker's fault transport."""
-        stats = _fault_transport(self.transport, self.worker_id).stats()
-        return {"num_transfers": stats.num_transfers, "num_fired": stats.num_fired, "fired_at": stats.fired_at}
-
     async def shutdown(self) -> None:
         self.loop.stop()
         self.transport.close()
@@ -279,12 +250,6 @@ async def _wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None
     except TransferError as err:
         return f"failed: {err}"
     return None
-
-
-def _fault_transport(transport: Any, worker_id: str) -> FaultTransport:
-    if not isinstance(transport, FaultTransport):
-        raise ValueError(f"worker {worker_id!r} runs the {transport.name!r} transport; faults need transport='fault'")
-    return transport
 
 
 async def _invoke(method: Any, *args: Any) -> Any:

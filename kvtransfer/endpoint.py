@@ -1,0 +1,63 @@
+"""TransferEndpoint: what every worker kind shares — an engine on its own thread (EngineLoop) and a
+KV transport — plus the control methods that only read them: integrity, health, fault injection.
+
+Prefill and decode workers inherit it (neither may import the other). It knows nothing of
+leases, prompts or routers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine import EngineCore
+from engine.loop import EngineLoop
+from kvtransfer.fault import FaultRule, FaultTransport
+from kvtransfer.transport import Transport
+
+T = TypeVar("T")
+
+
+class TransferEndpoint:
+    worker_id: str
+    loop: EngineLoop
+    transport: Transport
+    _error: BaseException | None
+
+    async def _call(self, command: Callable[[EngineCore], T]) -> T:
+        """Runs `command(engine)` on the engine thread, between steps."""
+        return await asyncio.wrap_future(self.loop.submit(command))
+
+    async def check_integrity(self) -> int:
+        """Raises if the block table is inconsistent; returns the number of held blocks."""
+
+        def check(engine: EngineCore) -> int:
+            engine.check_integrity()
+            return engine.pool.num_held_blocks
+
+        return await self._call(check)
+
+    async def health(self) -> bool:
+        return self._error is None and self.loop.is_alive
+
+    # ---- fault injection (chaos tests)
+    async def arm_fault(self, rule: bytes | None) -> None:
+        """Arms a FaultRule (msgpack) on this worker's transport, or (None) disarms every rule."""
+        fault = self._fault_transport()
+        if rule is None:
+            fault.disarm()
+        else:
+            fault.arm(FaultRule.decode(rule))
+
+    async def fault_stats(self) -> dict[str, Any]:
+        """Transfers seen and faults fired (with their time.time()) by this worker's fault transport."""
+        stats = self._fault_transport().stats()
+        return {"num_transfers": stats.num_transfers, "num_fired": stats.num_fired, "fired_at": stats.fired_at}
+
+    def _fault_transport(self) -> FaultTransport:
+        if not isinstance(self.transport, FaultTransport):
+            raise ValueError(
+                f"worker {self.worker_id!r} runs the {self.transport.name!r} transport; faults need transport='fault'"
+            )
+        return self.transport
