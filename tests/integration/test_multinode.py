@@ -168,9 +168,14 @@ def _node_resources() -> dict[str, dict[str, float]]:
     return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
 
 
-def _assert_placed(serving: Serving) -> dict[str, str]:
-    """Every worker runs on a node offering its pool's resource; returns worker id -> node id."""
-    nodes, resources = _actor_nodes(), _node_resources()
+def _assert_placed(serving: Serving, timeout_s: float = 15.0) -> dict[str, str]:
+    """Every worker runs on a node offering its pool's resource; returns worker id -> node id.
+    NOTE: Ray's state API lags the actors themselves: wait (bounded) until it lists every worker."""
+    names = {f"pdserve-{w}" for kind in ("prefill", "decode") for w in serving.pools[kind].handles}
+    deadline = time.monotonic() + timeout_s
+    while not names <= set(nodes := _actor_nodes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    resources = _node_resources()
     placed = {}
     for kind, resource in (("prefill", PREFILL_RESOURCE), ("decode", DECODE_RESOURCE)):
         for worker_id in serving.pools[kind].handles:
