@@ -32,8 +32,8 @@ from engine import EngineConfig, EngineCore, StepOutput
 from engine.loop import EngineLoop
 from kvtransfer.netaddr import resolve_host
 from kvtransfer import transport_options as kv_transport_options
-from kvtransfer import KvLayout, TransferError, TransferHandle, create_transport, scatter_blocks
-from kvtransfer.endpoint import TransferEndpoint
+from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
+from kvtransfer.endpoint import TransferEndpoint, wait_transfer
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     KvAcceptMsg,
@@ -217,7 +217,7 @@ class DecodeWorker(TransferEndpoint):
         self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handle: TransferHandle, epoch: int
     ) -> None:
         """Waits for the KV, then scatters it into the lease's blocks and joins the request."""
-        failure = await _wait_transfer(handle, self.config.transfer_timeout_s)
+        failure = await wait_transfer(handle, self.config.transfer_timeout_s)
         request = msg.request
         if failure is not None or lease.is_aborted:
             await self._drop_lease(lease)
@@ -318,26 +318,6 @@ class DecodeWorker(TransferEndpoint):
             self._reaper.cancel()
         self.loop.stop()
         self.transport.close()
-
-
-async def _wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
-    """None when the transfer finished well, else what went wrong.
-
-    NOTE: polls `done()` (it never blocks) instead of a thread blocked in `wait()`: the event loop's
-    default executor has only a few threads, and transfers that stall until their deadline (a dead
-    peer) would hold them all, starving the pairing calls that also run there."""
-    deadline = time.monotonic() + timeout_s
-    interval_s = 0.0005
-    while not handle.done():
-        if time.monotonic() >= deadline:
-            return f"timed out after {timeout_s} s"
-        await asyncio.sleep(interval_s)
-        interval_s = min(2 * interval_s, 0.005)
-    try:
-        handle.wait(0.0)
-    except TransferError as err:
-        return f"failed: {err}"
-    return None
 
 
 def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:

@@ -8,13 +8,14 @@ leases, prompts or routers.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine import EngineCore
 from engine.loop import EngineLoop
 from kvtransfer.fault import FaultRule, FaultTransport
-from kvtransfer.transport import Transport
+from kvtransfer.transport import TransferError, TransferHandle, Transport
 
 T = TypeVar("T")
 
@@ -61,3 +62,23 @@ class TransferEndpoint:
                 f"worker {self.worker_id!r} runs the {self.transport.name!r} transport; faults need transport='fault'"
             )
         return self.transport
+
+
+async def wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
+    """None when the transfer finished well, else what went wrong.
+
+    NOTE: polls `done()` (it never blocks) instead of a thread blocked in `wait()`: the event loop's
+    default executor has only a few threads, and transfers that stall until their deadline (a dead
+    peer) would hold them all, starving the pairing calls that also run there."""
+    deadline = time.monotonic() + timeout_s
+    interval_s = 0.0005
+    while not handle.done():
+        if time.monotonic() >= deadline:
+            return f"timed out after {timeout_s} s"
+        await asyncio.sleep(interval_s)
+        interval_s = min(2 * interval_s, 0.005)
+    try:
+        handle.wait(0.0)
+    except TransferError as err:
+        return f"failed: {err}"
+    return None

@@ -26,8 +26,8 @@ from engine.loop import EngineLoop
 from kvtransfer.netaddr import resolve_host
 from engine.validation import InvalidRequestError
 from kvtransfer import transport_options as kv_transport_options
-from kvtransfer import KvLayout, PairAddress, TransferError, TransferHandle, create_transport, gather_blocks
-from kvtransfer.endpoint import TransferEndpoint
+from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
+from kvtransfer.endpoint import TransferEndpoint, wait_transfer
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class PrefillWorker(TransferEndpoint):
                 if not accept.accepted:
                     return PrefillResultMsg(**result, error=f"decode worker refused the KV: {accept.reason}")
                 handle = self.transport.send(decode_id, buf)
-            failure = await _wait_transfer(handle, self.config.transfer_timeout_s)
+            failure = await wait_transfer(handle, self.config.transfer_timeout_s)
         except Exception as err:  # noqa: BLE001 - a failed push is this request's error, not the worker's
             failure = f"failed: {type(err).__name__}: {err}"
         if failure is not None:
@@ -233,23 +233,6 @@ class PrefillWorker(TransferEndpoint):
     async def shutdown(self) -> None:
         self.loop.stop()
         self.transport.close()
-
-
-async def _wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
-    """None when the transfer finished well, else what went wrong. Polls `done()` (never blocks)
-    rather than tying up an executor thread until the deadline (decode_worker._wait_transfer says why)."""
-    deadline = time.monotonic() + timeout_s
-    interval_s = 0.0005
-    while not handle.done():
-        if time.monotonic() >= deadline:
-            return f"timed out after {timeout_s} s"
-        await asyncio.sleep(interval_s)
-        interval_s = min(2 * interval_s, 0.005)
-    try:
-        handle.wait(0.0)
-    except TransferError as err:
-        return f"failed: {err}"
-    return None
 
 
 async def _invoke(method: Any, *args: Any) -> Any:
