@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from engine import EngineConfig, EngineCore, StepOutput
+from engine import EngineCore, StepOutput
 from engine.loop import EngineLoop
 from kvtransfer.netaddr import resolve_host
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
-from kvtransfer.endpoint import TransferEndpoint, wait_transfer
+from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     KvAcceptMsg,
@@ -47,18 +47,8 @@ from kvtransfer.protocol import (
 log = logging.getLogger(__name__)
 
 
-class DecodeWorkerConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    worker_id: str = Field(description="Unique within the cluster; names the worker in messages.")
-    engine: EngineConfig = EngineConfig()
-    transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
-    host: str = Field(
-        "127.0.0.1", description="Address peers reach this worker's KV transport at; 'auto': this Ray node's IP."
-    )
+class DecodeWorkerConfig(EndpointConfig):
     lease_ttl_s: float = Field(30.0, gt=0, description="A lease whose KV has not started arriving by then is freed.")
-    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a KV transfer to finish.")
-    pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a prefill worker to pair.")
 
 
 class LeaseState(enum.Enum):

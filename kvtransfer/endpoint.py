@@ -12,12 +12,29 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine import EngineCore
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import EngineConfig, EngineCore
 from engine.loop import EngineLoop
 from kvtransfer.fault import FaultRule, FaultTransport
 from kvtransfer.transport import TransferError, TransferHandle, Transport
 
 T = TypeVar("T")
+
+
+class EndpointConfig(BaseModel):
+    """What every worker kind is configured with; each kind's config adds its own fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    worker_id: str = Field(description="Unique within the cluster; names the worker in messages.")
+    engine: EngineConfig = EngineConfig()
+    transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
+    host: str = Field(
+        "127.0.0.1", description="Address peers reach this worker's KV transport at; 'auto': this Ray node's IP."
+    )
+    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer to finish.")
+    pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a peer to pair.")
 
 
 class TransferEndpoint:

@@ -19,31 +19,21 @@ import os
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
 
-from engine import EngineConfig, EngineCore, StepOutput
+from engine import EngineCore, StepOutput
 from engine.loop import EngineLoop
 from kvtransfer.netaddr import resolve_host
 from engine.validation import InvalidRequestError
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
-from kvtransfer.endpoint import TransferEndpoint, wait_transfer
+from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorkerConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    worker_id: str = Field(description="Unique within the cluster; names the worker in messages.")
-    engine: EngineConfig = EngineConfig()
-    transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
-    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV push to finish.")
-    host: str = Field(
-        "127.0.0.1", description="Address peers reach this worker's KV transport at; 'auto': this Ray node's IP."
-    )
-    pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a decode worker to pair.")
+class PrefillWorkerConfig(EndpointConfig):
+    """The prefill worker needs nothing beyond the common endpoint settings."""
 
 
 class PrefillWorker(TransferEndpoint):

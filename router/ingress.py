@@ -18,6 +18,7 @@ from engine.tokenizer import Tokenizer
 from router import grpc_service
 from router.core import RouterConfig, RouterCore
 from router.dispatch import Dispatcher, Workers, invoke
+from router.follow import WorkerSetFollower
 from router.http_app import build_http_app
 from router.metrics import PrometheusMetrics
 
@@ -28,17 +29,15 @@ class RouterIngress:
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors
         self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int, refresh_s: float = 1.0
     ) -> None:
-        self.controller = controller
-        self.refresh_s = refresh_s
-        self.version, prefill, decode = await controller.workers.remote()
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.dispatcher = Dispatcher(
-            self.router_id, Workers(prefill=prefill, decode=decode),
+            self.router_id, Workers(prefill={}, decode={}),
             on_prefill_result=lambda result: self.core.on_prefill_result(result),
         )
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
-        self._refresher = asyncio.get_running_loop().create_task(self._follow_workers())
+        self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s)
+        await self.follower.start()
 
     async def _worker_stats(self) -> list[dict[str, Any]]:
         workers = self.dispatcher.workers
@@ -48,18 +47,6 @@ class RouterIngress:
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_http_app(self.core)
-
-    async def _follow_workers(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            try:
-                version, prefill, decode = await self.controller.workers.remote()
-            except Exception as err:  # noqa: BLE001 - the controller restarts; keep the last set
-                log.warning("cannot reach the cluster controller: %s", err)
-                continue
-            if version != self.version:
-                self.version = version
-                self.dispatcher.set_workers(Workers(prefill=prefill, decode=decode))
 
     # ---- gRPC (pdserve.v1.Generation); Serve routes methods by name
     async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802

@@ -175,6 +175,8 @@ class CacheAwarePolicy:
     ) -> None:
         self.prefix = PrefixIndex(block_size)
         self.min_free_fraction = min_free_fraction
+        # NOTE: prefill_order and on_assigned see the same prompt one after the other: hash it once.
+        self._hashed: tuple[Sequence[int], list[BlockHash]] | None = None
         self.loads: Mapping[str, WorkerLoad] = loads if loads is not None else {}
         self.assigned: dict[str, int] = {}  # requests this router sent since they last finished
         # NOTE: one rotation per kind: requests that arrive together see the same loads, and
@@ -182,8 +184,13 @@ class CacheAwarePolicy:
         self._prefill_tie = itertools.count()
         self._decode_tie = itertools.count()
 
+    def _hashes(self, prompt: Sequence[int]) -> list[BlockHash]:
+        if self._hashed is None or self._hashed[0] is not prompt:
+            self._hashed = (prompt, self.prefix.hashes(prompt))
+        return self._hashed[1]
+
     def prefill_order(self, prompt: Sequence[int], prefill_ids: Sequence[str]) -> list[str]:
-        hashes = self.prefix.hashes(prompt)
+        hashes = self._hashes(prompt)
         tie = next(self._prefill_tie)
 
         def key(i_id: tuple[int, str]) -> tuple[int, int, int]:
@@ -212,7 +219,7 @@ class CacheAwarePolicy:
     def on_assigned(self, worker_id: str, prompt: Sequence[int] | None) -> None:
         self.assigned[worker_id] = self.assigned.get(worker_id, 0) + 1
         if prompt is not None:
-            self.prefix.add(worker_id, self.prefix.hashes(prompt))
+            self.prefix.add(worker_id, self._hashes(prompt))
 
     def on_finished(self, worker_id: str) -> None:
         if self.assigned.get(worker_id, 0) > 0:

@@ -19,6 +19,7 @@ from cluster.deployment import Deployment
 from decode_worker import DecodeWorkerConfig
 from engine import SamplingParams
 from prefill_worker import PrefillWorkerConfig
+from router.follow import WorkerSetFollower
 from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
 from router.dispatch import DispatcherConfig
 
@@ -58,35 +59,27 @@ class Chaos:
         self.controller = FaultController(config, health_interval_s=0.5)
         self.dispatch_config = dispatch
         self.dispatcher: Dispatcher | None = None
-        self.version = -1
+        self.follower: WorkerSetFollower | None = None
         self._ids = itertools.count()
-        self._follow: asyncio.Task[None] | None = None
 
     # ---- life cycle
     async def start(self, timeout_s: float = 120.0) -> None:
         await asyncio.wait_for(self.controller.start(), timeout_s)
         self.dispatcher = Dispatcher("router-0", Workers({}, {}), poll_timeout_s=0.5, config=self.dispatch_config)
-        await self.refresh()
-        self._follow = asyncio.get_running_loop().create_task(self._follow_versions())
+        # Follows the controller the way a Serve router replica does, only more often.
+        self.follower = WorkerSetFollower(self.dispatcher, self.controller.workers, interval_s=0.1)
+        await self.follower.start()
 
     async def stop(self) -> None:
-        if self._follow is not None:
-            self._follow.cancel()
+        if self.follower is not None:
+            self.follower.stop()
         if self.dispatcher is not None:
             await self.dispatcher.close()
         await self.controller.shutdown()
 
-    async def _follow_versions(self) -> None:
-        while True:
-            await asyncio.sleep(0.1)
-            await self.refresh()
-
     async def refresh(self) -> None:
-        version, prefill, decode = await self.controller.workers()
-        if version != self.version:
-            self.version = version
-            assert self.dispatcher is not None
-            self.dispatcher.set_workers(Workers(prefill, decode))
+        assert self.follower is not None
+        await self.follower.refresh()
 
     @property
     def pools(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from cluster.config import DECODE_RESOURCE, PREFILL_RESOURCE, ClusterConfig
 from cluster.controller import ClusterController
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
+from router.follow import WorkerSetFollower
 from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
 
 ray = pytest.importorskip("ray")
@@ -109,34 +110,27 @@ class Serving:
     def __init__(self, config: ClusterConfig) -> None:
         self.controller = ClusterController(config, health_interval_s=0.5)
         self.dispatcher: Dispatcher | None = None
-        self.version = -1
+        self.follower: WorkerSetFollower | None = None
         self._ids = itertools.count()
-        self._follow: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Serving:
         await asyncio.wait_for(self.controller.start(), 120)
         self.dispatcher = Dispatcher("router-0", Workers({}, {}), poll_timeout_s=0.5)
-        await self.refresh()
-        self._follow = asyncio.get_running_loop().create_task(self._follow_versions())
+        # Follows the controller the way a Serve router replica does, only more often.
+        self.follower = WorkerSetFollower(self.dispatcher, self.controller.workers, interval_s=0.1)
+        await self.follower.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._follow is not None:
-            self._follow.cancel()
+        if self.follower is not None:
+            self.follower.stop()
         if self.dispatcher is not None:
             await self.dispatcher.close()
         await self.controller.shutdown()
 
-    async def _follow_versions(self) -> None:
-        while True:
-            await asyncio.sleep(0.1)
-            await self.refresh()
-
     async def refresh(self) -> None:
-        version, prefill, decode = await self.controller.workers()
-        if version != self.version:
-            self.version = version
-            self.dispatcher.set_workers(Workers(prefill, decode))
+        assert self.follower is not None
+        await self.follower.refresh()
 
     async def publish(self) -> None:
         """WorkerPool.resize's hook: the worker set changed; returns once the router has it."""
