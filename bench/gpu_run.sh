@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 run() { echo "== $*"; timeout "$1" "${@:2}" 2>&1 | tee -a "$out/log.txt" | tail -40; }
 case "$part" in
   single)
-    run 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu
+    run 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/gpu
     run 150 python3 -m bench.attention_gpu --out "$out"
     run 60 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
     run 330 python3 -m bench.offline_throughput --model bench/shapes/qwen3-0.6b --load-format dummy \

@@ -35,9 +35,14 @@ class ModelConfig(_Frozen):
     device: str = Field("auto", description="'auto' (cuda when available), 'cpu', or 'cuda[:N]'.")
     seed: int = Field(0, description="Seed of dummy weights and of requests that bring no seed of their own.")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "torch",
-        description="'torch' (reference, any device), 'triton' (CUDA), or 'auto' (the fastest the device runs). "
-        "The default stays 'torch' until the Triton kernels are verified on a GPU.",
+        "auto",
+        description="'torch' (reference, any device), 'triton' (CUDA), or 'auto' (the fastest the device runs: "
+        "triton on CUDA, torch on the CPU).",
+    )
+    fused_ops: bool = Field(
+        True,
+        description="On CUDA, Triton kernels for RMSNorm (+ residual add), q/k norm + rotary and SwiGLU instead of "
+        "PyTorch's unfused ops (engine/models/fused_ops.py); ignored on the CPU.",
     )
     enforce_eager: bool = Field(
         False,

@@ -105,7 +105,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model.model)
         model, arch = build_model(
-            self.model_dir, self.dtype, self.device, config.model.load_format, config.model.seed
+            self.model_dir, self.dtype, self.device, config.model.load_format, config.model.seed,
+            config.model.fused_ops,
         )
         self.arch: ArchConfig = arch
         self.max_model_len = _max_model_len(arch, config.model.max_model_len)
@@ -277,7 +278,9 @@ class EngineCore:
         """One _Sampled per sampling request, in scheduled order."""
         if not out.scheduled:
             return []
-        logits = self.runner.execute(out.scheduled)
+        return self._sample(out, self.runner.execute(out.scheduled))
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
         sampling = [s for s in out.scheduled if s.will_sample]
         if not sampling:
             return []

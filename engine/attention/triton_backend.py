@@ -63,7 +63,7 @@ class TritonAttentionConfig:
     prefill_block_n: int = 64  # keys per tile of the prefill kernel
     prefill_num_warps: int = 8
     prefill_num_stages: int = 2
-    min_split_tokens: int = 256  # a decode split covers at least this many keys
+    min_split_tokens: int = 64  # splits per sequence <= its longest context / this
     max_splits: int = 64  # most decode splits per (sequence, KV head)
     target_programs_per_sm: int = 2  # split until decode programs >= this x SMs (or splits run out)
     graph_max_context: int | None = None  # fixed context bound for decode launch sizes (CUDA graphs)

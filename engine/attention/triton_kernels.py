@@ -94,7 +94,7 @@ def store_kv(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2, window, tokens_per_split, num_splits, num_heads,
+    scale_log2, window, num_splits, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -102,8 +102,8 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) attends the GROUP
-    query heads of kv_head over keys [split * tokens_per_split, (split + 1) * tokens_per_split) of
-    the sequence's context (clipped to the context and the window). Sequences whose query count is
+    query heads of kv_head over the split-th of num_splits even parts (whole BLOCK_N tiles) of the
+    sequence's keys (its context, clipped to the window). Sequences whose query count is
     not 1 are left to the prefill kernel. IS_SPLIT: write unnormalised partials (acc, max, sum) for
     `_decode_reduce_kernel`; else the one split covers the whole context and writes `out`."""
     seq = tl.program_id(0)
@@ -113,10 +113,14 @@ def _decode_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    lo = seq_len * 0
     if HAS_WINDOW:
-        start = tl.maximum(start, seq_len - window)  # keys <= (seq_len - 1) - window are masked
+        lo = tl.maximum(seq_len - window, 0)  # keys <= (seq_len - 1) - window are masked
+    # NOTE: each sequence's own keys [lo, seq_len) are split evenly (tiles of BLOCK_N), so a short
+    # context in a launch sized for long ones still spreads over every split.
+    tps = ((seq_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = lo + split * tps
+    end = tl.minimum(start + tps, seq_len)
     if start >= end:
         return  # NOTE: the reduce reads only splits that hold keys, so nothing need be written
 
@@ -172,8 +176,9 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, query_start_loc_ptr,
-    window, tokens_per_split, num_splits, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    window, num_splits, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
     splits that held keys, M = max_s m_s."""
@@ -186,10 +191,10 @@ def _decode_reduce_kernel(
     lo = seq_len * 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    first = lo // tokens_per_split  # splits [first, last) were written by the decode kernel
-    last = (seq_len + tokens_per_split - 1) // tokens_per_split
+    tps = ((seq_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # as _decode_kernel
+    last = (seq_len - lo + tps - 1) // tps  # splits [0, last) were written by the decode kernel
     s = tl.arange(0, BLOCK_S)
-    s_ok = (s >= first) & (s < last) & (s < num_splits)
+    s_ok = (s < last) & (s < num_splits)
     idx = (seq * num_heads + head) * num_splits + s  # [BLOCK_S]
     m = tl.load(part_m_ptr + idx, mask=s_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + idx, mask=s_ok, other=0.0)
@@ -251,8 +256,9 @@ def decode_attention(
 
     The launch depends on the shapes of the metadata tensors and on (num_splits, tokens_per_split)
     only, not on their values: with those fixed per batch size, a CUDA graph can replay it.
-    num_splits * tokens_per_split must cover the longest context; tokens_per_split is a multiple
-    of block_n. With num_splits > 1 the split-K partials need a float32 workspace of
+    Each sequence's keys are split evenly over num_splits programs; tokens_per_split (a multiple of
+    block_n, from `decode_split_plan`) is the longest split of the plan, checked, not needed by the
+    kernels. With num_splits > 1 the split-K partials need a float32 workspace of
     `decode_workspace_numel(...)` elements: `workspace` when given (a CUDA graph's static buffer),
     else allocated here.
     """
@@ -284,7 +290,7 @@ def decode_attention(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, window, tokens_per_split, num_splits, num_heads,
+        scale * LOG2E, window, num_splits, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -295,7 +301,7 @@ def decode_attention(
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, seq_lens, query_start_loc,
-            window, tokens_per_split, num_splits, num_heads, out.stride(0), out.stride(1),
+            window, num_splits, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
-            HAS_WINDOW=sliding_window is not None, num_warps=4,
+            BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, num_warps=4,
         )  # fmt: skip

@@ -13,7 +13,8 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.arch import ArchConfig
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.models.fused_ops import DecoderOps, rms_norm_ref
+from engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -24,9 +25,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: normalize in float32, cast back, then scale: transformers' order, for equal outputs.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+
+def fused_linears(owner: nn.Module, name: str, parts: dict[str, int], in_features: int, bias: bool) -> None:
+    """nn.Linear modules `parts` (name -> out_features) whose weights (and biases) are row slices
+    of one tensor, buffer `<name>_weight` (`<name>_bias`): checkpoints load by the parts' names,
+    the forward multiplies once. The parts are views, so nothing is stored twice."""
+    total = sum(parts.values())
+    owner.register_buffer(f"{name}_weight", torch.empty(total, in_features), persistent=False)
+    owner.register_buffer(f"{name}_bias", torch.zeros(total) if bias else None, persistent=False)
+    start = 0
+    for part, rows in parts.items():
+        linear = nn.Linear(in_features, rows, bias=bias, device="meta")
+        linear.weight = nn.Parameter(getattr(owner, f"{name}_weight")[start : start + rows])
+        if bias:
+            linear.bias = nn.Parameter(getattr(owner, f"{name}_bias")[start : start + rows])
+        setattr(owner, part, linear)
+        start += rows
 
 
 class Attention(nn.Module):
@@ -34,11 +50,12 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         hidden = arch.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+        fused_linears(self, "qkv", parts, hidden, arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=arch.o_bias)
         self.qk_norm = arch.qk_norm
+        self.eps = arch.rms_norm_eps
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
@@ -50,29 +67,29 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        ops: DecoderOps,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [tokens, q_size + 2 * kv_size]
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = ops.norm_rope(q, cos, sin, self.q_norm.weight if self.qk_norm else None, self.eps)
+        k = ops.norm_rope(k, cos, sin, self.k_norm.weight if self.qk_norm else None, self.eps)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         hidden, inter = arch.hidden_size, arch.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=arch.mlp_bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=arch.mlp_bias)
+        fused_linears(self, "gate_up", {"gate_proj": inter, "up_proj": inter}, hidden, arch.mlp_bias)
         self.down_proj = nn.Linear(inter, hidden, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
 
 class DecoderLayer(nn.Module):
@@ -83,9 +100,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv_cache, meta, backend) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(  # type: ignore[no-untyped-def]
+        self, x, residual, cos_sin, kv_cache, meta, backend, ops: DecoderOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to residual (None before the first layer).
+        Returns this layer's (output, residual); the sum of the two is transformers' hidden state."""
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn(h, cos_sin, kv_cache, meta, backend, ops)
+        h, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps)
+        return self.mlp(h, ops), residual
 
 
 class LlamaBody(nn.Module):
@@ -107,6 +131,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.ops = DecoderOps(triton=False)  # `use_fused_ops` switches to the Triton kernels
+
+    def use_fused_ops(self, enabled: bool) -> None:
+        """Triton kernels for RMSNorm (+ residual), q/k norm + rotary and SwiGLU: CUDA only."""
+        self.ops = DecoderOps(triton=enabled)
 
     def forward(
         self,
@@ -118,9 +147,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # hidden states [tokens, hidden]
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, kv_caches[i], meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, backend, self.ops)
+        return self.ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return self.lm_head(hidden).float()

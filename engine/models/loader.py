@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.arch import ArchConfig, load_arch
+from engine.models.fused_ops import HAS_TRITON
 from engine.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -78,8 +79,10 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def build_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0,
+    fused_ops: bool = True,
 ) -> tuple[LlamaForCausalLM, ArchConfig]:
+    """fused_ops: the Triton elementwise kernels where they run (CUDA with triton installed)."""
     model_dir = Path(model_dir)
     arch = load_arch(model_dir)
     files = [] if load_format == "dummy" else safetensors_files(model_dir)  # fail before allocating
@@ -95,4 +98,5 @@ def build_model(
     else:
         init_dummy_weights(model, seed)
     model.eval()
+    model.use_fused_ops(fused_ops and device.type == "cuda" and HAS_TRITON)
     return model, arch

@@ -56,7 +56,9 @@ class DraftModelProposer:
         assert cfg.draft_model is not None, "SpeculativeConfig checks this"
         model_dir = DEFAULT_MODEL_DIR if cfg.draft_model == "default" else Path(cfg.draft_model)
         m = context.model
-        self.model, self.arch = build_model(model_dir, context.dtype, context.device, m.load_format, m.seed)
+        self.model, self.arch = build_model(
+            model_dir, context.dtype, context.device, m.load_format, m.seed, m.fused_ops
+        )
         if self.arch.vocab_size != context.target_arch.vocab_size:
             raise ValueError(
                 f"draft_model {cfg.draft_model!r} has vocab_size {self.arch.vocab_size}; the target has "

@@ -1,0 +1,126 @@
+"""Where an engine step's time goes: decode-only steps at a few batch sizes, each split into its
+phases (schedule, runner, sampler, post-process; CUDA synchronised at each boundary, so the phases
+add up to the step), then one cProfile of the whole step (host functions by own time) and one
+torch.profiler table (device kernels by time).
+
+    python -m bench.profile_step --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench.common import base_parser, build_engine, environment, synchronize, write_results
+from engine import EngineCore, SamplingParams
+
+
+def fill(engine: EngineCore, batch: int, context: int, temperature: float, rng: random.Random) -> None:
+    vocab = engine.arch.vocab_size
+    for i in range(batch):
+        prompt = [rng.randrange(vocab) for _ in range(context)]
+        engine.add_request(f"b{batch}-{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True,
+                                                                     temperature=temperature))
+    while engine.stats().num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                            for r in engine.scheduler.running):
+        engine.step()
+
+
+def phases(engine: EngineCore, num_steps: int) -> dict[str, float]:
+    """Median seconds of each phase of a decode-only step."""
+    parts: dict[str, list[float]] = {"schedule": [], "runner": [], "sampler": [], "post": [], "step": []}
+    sync = lambda: synchronize(engine.device)  # noqa: E731
+    for _ in range(num_steps):
+        sync()
+        t0 = time.perf_counter()
+        out = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        logits = engine.runner.execute(out.scheduled)
+        sync()
+        t2 = time.perf_counter()
+        sampled = engine._sample(out, logits)
+        sync()
+        t3 = time.perf_counter()
+        engine._post_process(out, sampled)
+        t4 = time.perf_counter()
+        for name, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+            parts[name].append(value)
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def host_profile(engine: EngineCore, num_steps: int, top: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(num_steps):
+        engine.step()
+    synchronize(engine.device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def device_profile(engine: EngineCore, num_steps: int, top: int) -> str:
+    if engine.device.type != "cuda":
+        return ""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        synchronize(engine.device)
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top)
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--attention-backend", default="triton")
+    parser.add_argument("--top", type=int, default=25, help="rows of each profile table; 0 skips the profiles")
+    parser.add_argument("--no-fused-ops", action="store_true", help="PyTorch's unfused elementwise ops")
+    args = parser.parse_args()
+    engine = build_engine(args, max_num_seqs=256, max_num_batched_tokens=16384,
+                          attention_backend=args.attention_backend, fused_ops=not args.no_fused_ops)
+    rng = random.Random(args.seed)
+    record: dict[str, Any] = {"context": args.context, "temperature": args.temperature, "batches": []}
+    for batch in (int(b) for b in args.batches.split(",")):
+        fill(engine, batch, args.context, args.temperature, rng)
+        for _ in range(3):
+            engine.step()  # warm-up
+        row = {"batch": batch, **phases(engine, args.steps)}
+        print("phases", {k: f"{v * 1e3:.3f} ms" if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        if args.top:
+            print(host_profile(engine, args.steps, args.top), flush=True)
+            print(device_profile(engine, 5, args.top), flush=True)
+        record["batches"].append(row)
+        for r in list(engine.scheduler.running):
+            engine.abort_request(r.request_id)
+        while engine.has_unfinished():
+            engine.step()
+    def plot(fig: Any) -> None:
+        ax = fig.subplots()
+        labels = [str(r["batch"]) for r in record["batches"]]
+        bottom = [0.0] * len(labels)
+        for name in ("schedule", "runner", "sampler", "post"):
+            values = [r[name] * 1e3 for r in record["batches"]]
+            ax.bar(labels, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xlabel("decode batch")
+        ax.set_ylabel("ms per step")
+        ax.legend()
+
+    env = environment(engine, args)
+    write_results(args.out, "profile_step", env, record, plot, f"Decode step phases, context {args.context}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The Triton kernels behind `fused_ops.DecoderOps` (its docstring says what each rounds where);
+imported only when a model on CUDA (or a TRITON_INTERPRET test) asks for them."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program a row: h = residual + x (rounded; stored as the new residual), out = norm(h)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        h = (r.to(tl.float32) + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, h, mask=ok)
+    hf = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
+    y = (hf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_c, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """Grid (tokens, heads): one head of one token, normalized (HAS_NORM) then rotated."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    dtype = out_ptr.dtype.element_ty
+    src = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(src + d)
+    x2 = tl.load(src + HALF + d)
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / HEAD_DIM + eps)
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+        x1 = (w1 * (f1 * inv).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (f2 * inv).to(dtype).to(tl.float32)).to(dtype)
+    c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = (f1 * c1).to(dtype).to(tl.float32) + (-f2 * s1).to(dtype).to(tl.float32)
+    o2 = (f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)
+    dst = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(dst + d, o1.to(dtype))
+    tl.store(dst + HALF + d, o2.to(dtype))
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    """Grid (tokens, cdiv(n, BLOCK)): out = silu(gate) (rounded) * up."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (s * u).to(dtype), mask=ok)
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension; strides {t.stride()}")
+
+
+# ---- the Triton launchers
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [tokens, n]. Returns (rms_norm(residual + x), residual + x); without a
+    residual, (rms_norm(x), x)."""
+    _check_rows("x", x)
+    tokens, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    if tokens:
+        res = residual if residual is not None else x
+        _check_rows("residual", res)
+        _add_rms_norm_kernel[(tokens,)](
+            x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8,
+        )  # fmt: skip
+    return out, res_out
+
+
+def norm_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] (a strided view is fine); returns a contiguous tensor."""
+    _check_rows("x", x)
+    tokens, heads, head_dim = x.shape
+    if head_dim % 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"the fused rotary kernel takes a power-of-two head_dim; got {head_dim}")
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        _norm_rope_kernel[(tokens, heads)](
+            x, cos, sin, weight if weight is not None else x, out,
+            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), eps,
+            HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=weight is not None, num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    _check_rows("gate_up", gate_up)
+    tokens, two_n = gate_up.shape
+    n = two_n // 2
+    out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
+    if tokens:
+        block = 1024
+        _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out
+
+

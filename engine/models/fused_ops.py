@@ -1,0 +1,95 @@
+"""The decoder's elementwise work, each op one Triton kernel on CUDA (one launch where eager PyTorch
+spends 4-8), with the PyTorch reference beside it for the CPU and for tests.
+
+Measured at the Qwen3-0.6B shape on one H100 (bench.profile_step): a batch-1 decode step was
+~1,000 small kernels, ~3.8 ms on the device, of which ~2 ms were these ops unfused.
+
+Every kernel rounds where transformers rounds, so outputs equal the reference's bit for bit in
+float32 and up to the order of float32 sums otherwise:
+
+- RMSNorm: normalize in float32, cast to the activations' dtype, then multiply by the weight
+  (a product in the activations' dtype).
+- add + RMSNorm: the residual sum is rounded to the dtype first (it is the next residual).
+- rotary: x * cos and rotate_half(x) * sin each rounded, then their sum; cos/sin in the dtype.
+- SwiGLU: silu(gate) rounded, times up.
+
+Layouts: rows are tokens; every last dimension is contiguous; q/k may be strided views of a fused
+qkv projection.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.rope import apply_rotary
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+# ---- the PyTorch reference (transformers' order of operations)
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x)."""
+    h = residual + x
+    return rms_norm_ref(h, weight, eps), h
+
+
+def norm_rope_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """Per-head RMSNorm (when weight is given; Qwen3's q/k norm), then rotary."""
+    if weight is not None:
+        x = rms_norm_ref(x, weight, eps)
+    return apply_rotary(x, cos, sin)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [tokens, 2 * inter] (gate, then up) -> [tokens, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class DecoderOps:
+    """The elementwise ops one model uses: Triton's on CUDA (when `triton` is true), else the reference."""
+
+    def __init__(self, triton: bool) -> None:
+        if triton and not HAS_TRITON:
+            raise ValueError("fused Triton ops were asked for but triton is not installed; set fused_ops=False")
+        self.triton = triton
+        if triton:
+            # NOTE: imported only here: importing triton decides, once per process, whether its
+            # kernels are compiled or interpreted (TRITON_INTERPRET), which tests set later.
+            from engine.models import fused_kernels
+
+            self._kernels = fused_kernels
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.triton:
+            return self._kernels.add_rms_norm(x, residual, weight, eps)
+        if residual is None:
+            return rms_norm_ref(x, weight, eps), x
+        return add_rms_norm_ref(x, residual, weight, eps)
+
+    def norm_rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        if self.triton:
+            return self._kernels.norm_rope(x, cos, sin, weight, eps)
+        return norm_rope_ref(x, cos, sin, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return self._kernels.silu_and_mul(gate_up)
+        return silu_and_mul_ref(gate_up)

@@ -1,0 +1,93 @@
+"""The fused Triton ops (engine/models/fused_kernels.py) against their PyTorch references
+(engine/models/fused_ops.py), on the CPU through Triton's interpreter, fp32 and fp16 (bf16 is
+wrong under the CPU interpreter; the GPU tests cover it through the whole model): odd row widths,
+strided q/k views of a fused qkv output, with and without the q/k norm and the residual. fp32
+must agree to float32 rounding of sums; fp16 to a unit in the last place of the output.
+
+NOTE: TRITON_INTERPRET is set before the kernels' module is imported (see
+tests/unit/engine/attention/test_triton_interpret.py for why, and why this skips otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+
+_INTERPRET_WAS_SET = "TRITON_INTERPRET" in os.environ
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from engine.models import fused_kernels  # noqa: E402
+from engine.models.arch import RopeConfig  # noqa: E402
+from engine.models.fused_ops import DecoderOps, add_rms_norm_ref, norm_rope_ref, rms_norm_ref  # noqa: E402
+from engine.models.fused_ops import silu_and_mul_ref  # noqa: E402
+from engine.models.rope import RotaryEmbedding  # noqa: E402
+
+if not _INTERPRET_WAS_SET:
+    del os.environ["TRITON_INTERPRET"]
+if not isinstance(fused_kernels._add_rms_norm_kernel, InterpretedFunction):
+    pytest.skip("the fused kernels were compiled before TRITON_INTERPRET was set; run this module alone",
+                allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [24, 100])
+def test_add_rms_norm_equals_reference(dtype: torch.dtype, width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(5, width, generator=gen).to(dtype)
+    residual = torch.randn(5, width, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    out, res = fused_kernels.add_rms_norm(x, residual, weight, 1e-6)
+    want_out, want_res = add_rms_norm_ref(x, residual, weight, 1e-6)
+    assert torch.equal(res, want_res), "the residual sum is one rounding in both"
+    close(out, want_out, dtype)
+    out, res = fused_kernels.add_rms_norm(x, None, weight, 1e-6)
+    assert res is x
+    close(out, rms_norm_ref(x, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_on_strided_qkv_views_equals_reference(dtype: torch.dtype, with_norm: bool) -> None:
+    tokens, heads, kv_heads, head_dim = 7, 4, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 9, 40, 41, 300])
+    cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim).cos_sin(positions, dtype)
+    weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) if with_norm else None
+    for x in (q, k):
+        got = fused_kernels.norm_rope(x, cos, sin, weight, 1e-6)
+        close(got, norm_rope_ref(x, cos, sin, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (3 * torch.randn(3, 2 * 1500, generator=gen)).to(dtype)  # two column blocks, the second partial
+    close(fused_kernels.silu_and_mul(gate_up), silu_and_mul_ref(gate_up), dtype)
+
+
+def test_decoder_ops_dispatch() -> None:
+    x = torch.randn(2, 8)
+    w = torch.ones(8)
+    assert torch.equal(DecoderOps(triton=False).add_rms_norm(x, None, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6))
+    close(DecoderOps(triton=True).add_rms_norm(x, None, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6), torch.float32)
