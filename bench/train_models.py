@@ -322,13 +322,15 @@ class Corpus:
     eval_windows: torch.Tensor  # [windows, seq_len + 1]
     num_train_files: int
     num_held_out_files: int
+    held_out_text: str  # the held-out files, concatenated: prompts for bench.spec_decode --text
 
 
 def prepare_corpus(plan: SizePlan, vocab_size: int) -> Corpus:
     train_texts, held_texts = split_corpus(plan.max_corpus_bytes, plan.max_eval_tokens * 8)
     tokenizer = train_tokenizer(train_texts, vocab_size, plan.max_tokenizer_bytes)
     eval_windows = held_out_windows(pack(tokenizer, held_texts, plan.max_eval_tokens), plan.seq_len)
-    return Corpus(tokenizer, pack(tokenizer, train_texts), eval_windows, len(train_texts), len(held_texts))
+    return Corpus(tokenizer, pack(tokenizer, train_texts), eval_windows, len(train_texts), len(held_texts),
+                  "\n".join(held_texts))
 
 
 def train_pair(
@@ -415,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "seconds": {"prepare": prepare_s, "total": time.perf_counter() - start},
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    (args.out / "held_out.txt").write_text(corpus.held_out_text)
     t, d = held_out["target"], held_out["draft"]
     log(f"held-out: target loss {t['loss']:.3f} (ppl {t['perplexity']:.1f}), draft {d['loss']:.3f} "
         f"(ppl {d['perplexity']:.1f}), greedy agreement {held_out['draft_greedy_agreement']:.3f}, "
