@@ -221,7 +221,7 @@ class DecodeWorker(TransferEndpoint):
             scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
             engine.add_prefilled(
                 request.request_id, request.prompt_token_ids, msg.first_token, request.params,
-                lease.lease_id, msg.generator_state,
+                lease.lease_id,
             )
 
         self.router_of_request[request.request_id] = lease.router_id

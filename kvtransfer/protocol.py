@@ -70,7 +70,6 @@ class KvReadyMsg(Msg):
     request: GenerateRequestMsg
     first_token: int
     num_blocks: int  # blocks sent: ceil(num_prompt_tokens / block_size)
-    generator_state: bytes | None = None  # seeded requests: the sampler continues from here
 
 
 class KvAcceptMsg(Msg):

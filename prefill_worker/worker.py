@@ -141,7 +141,7 @@ class PrefillWorker(TransferEndpoint):
         buf = await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks[:num_blocks]))
         ready = KvReadyMsg(
             lease_id=task.lease.lease_id, prefill_worker_id=self.worker_id, request=request,
-            first_token=out.new_token_ids[0], num_blocks=num_blocks, generator_state=out.generator_state,
+            first_token=out.new_token_ids[0], num_blocks=num_blocks,
         )
         epoch = -1
         try:
