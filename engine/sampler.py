@@ -43,7 +43,9 @@ Speculative decoding (Leviathan et al., 2023) adds two entry points:
 |          | the first rejection draw from max(0, p - q)          |                                        |
 |          | renormalized, or from p after K acceptances          |                                        |
 
-q of an n-gram draft is a point mass. Seeded rows trade acceptance for reproducibility: a point
+"The tokens of" means: given the same logits; a verification step computes them in another batch
+shape than a plain step, and a rounding difference can flip a near-tie, for seeded as for greedy
+rows. q of an n-gram draft is a point mass. Seeded rows trade acceptance for reproducibility: a point
 mass is accepted with probability p(d_i) either way; a draft model's token, raced with the same
 E(seed, n) as the target's (`sample_with_probs` keys it by the same output position), equals the
 target's with the probability of that coupling: at least (1 - TV) / (1 + TV) for TV the total
@@ -51,7 +53,7 @@ variation between q and p (Daliri et al., 2024), in practice a few points below 
 rejection sampling.
 
 This module does not know sequences, schedulers or tokenizers: the caller owns the token lists
-and the generators, and decides what a sampled EOS or stop token means.
+and the shared generator, and decides what a sampled EOS or stop token means.
 """
 
 from __future__ import annotations
