@@ -11,7 +11,7 @@ draft follows the target's --load-format and --dtype); --method draft (the defau
    accepted / drafted, and tokens per target step per request (emitted / verifications) against
    (1 - a^(K+1)) / (1 - a).
 2. Decode speed at batch 1 and --large-batch: plain vs speculative (K = max(--ks), adaptive K, and
-   --disable-above-batch-size), same prompts and seeds. Timed from the step after every request
+   --disable-above-batch-size), same prompts. Timed from the step after every request
    has its first token (prefill excluded) to the end, device synchronised; decode tokens/s =
    tokens generated in that window / its seconds; the median of --repeats runs.
 
@@ -56,11 +56,11 @@ def make_prompts(args: argparse.Namespace, num: int, vocab_size: int, seed: int)
     return [ids[s : s + args.prompt_len] for s in starts]
 
 
-def _params(args: argparse.Namespace, num: int, seed: int) -> list[SamplingParams]:
-    return [
-        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed + i, ignore_eos=True)
-        for i in range(num)
-    ]
+def _params(args: argparse.Namespace, num: int) -> list[SamplingParams]:
+    """Without seeds: sampled requests then verify by rejection sampling, as unseeded traffic does
+    (seeded ones compare drafts with the target's own draws and accept a little less often;
+    engine/sampler.py). The engine's shared generator is seeded, so a run repeats."""
+    return [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)] * num
 
 
 def _speculative(args: argparse.Namespace, k: int, adaptive: bool) -> SpeculativeConfig:
@@ -117,7 +117,7 @@ def measure_acceptance(args: argparse.Namespace, vocab_size: int, shape: dict[st
     for k in args.ks:
         engine = _engine(args, _speculative(args, k, adaptive=False), max_num_seqs=max(args.num_requests, 1))
         shape.update(draft_shape(engine) or {})
-        _run(engine, prompts, _params(args, len(prompts), args.seed), f"acc{k}")
+        _run(engine, prompts, _params(args, len(prompts)), f"acc{k}")
         s = engine.stats()
         tested = s.num_spec_accepted_tokens + s.num_spec_rejections
         a = s.num_spec_accepted_tokens / tested if tested else 0.0
@@ -148,8 +148,8 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
         for mode in ("plain", "speculative"):
             spec = _speculative(args, k, adaptive=True) if mode == "speculative" else None
             engine = _engine(args, spec, max_num_seqs=batch)
-            _run(engine, prompts, _params(args, batch, args.seed)[:batch], "warmup")
-            runs = [_run(engine, prompts, _params(args, batch, args.seed), f"r{r}") for r in range(args.repeats)]
+            _run(engine, prompts, _params(args, batch), "warmup")
+            runs = [_run(engine, prompts, _params(args, batch), f"r{r}") for r in range(args.repeats)]
             run = sorted(runs, key=lambda r: r["decode_s"])[(len(runs) - 1) // 2]
             s = engine.stats()
             rows.append(

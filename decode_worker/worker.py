@@ -144,7 +144,9 @@ class DecodeWorker(TransferEndpoint):
         msg = GenerateRequestMsg.decode(request)
         self.router_of_request[msg.request_id] = msg.router_id
         try:
-            await self._call(lambda e: e.add_request(msg.request_id, msg.prompt_token_ids, msg.params))
+            await self._call(lambda e: e.add_request(
+                msg.request_id, msg.prompt_token_ids, msg.params, num_prior_output_tokens=msg.num_prior_output_tokens
+            ))
         except Exception:
             self.router_of_request.pop(msg.request_id, None)
             raise
@@ -221,7 +223,7 @@ class DecodeWorker(TransferEndpoint):
             scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
             engine.add_prefilled(
                 request.request_id, request.prompt_token_ids, msg.first_token, request.params,
-                lease.lease_id, msg.generator_state,
+                lease.lease_id, request.num_prior_output_tokens,
             )
 
         self.router_of_request[request.request_id] = lease.router_id

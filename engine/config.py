@@ -82,16 +82,19 @@ class SchedulerConfig(_Frozen):
 class SpeculativeConfig(_Frozen):
     """Speculative decoding: a proposer drafts up to `num_draft_tokens` tokens per running request and
     the target checks them all in one step (engine/spec/). Exact: greedy output is the output without
-    speculation; sampled output follows the target's distribution (rejection sampling).
+    speculation; sampled output follows the target's distribution (rejection sampling; seeded
+    requests: the output without speculation, below).
 
     The draft model runs on the target's device with the target's dtype, load_format and seed, in a
     paged KV cache and block pool of its own.
 
-    Seeds: a seeded request draws its drafts, acceptance tests and corrections from its own
-    generator, so it gives the same tokens for the same seed whenever the same drafts are verified.
-    Whether a step drafts can depend on the batch (disable_above_batch_size, the token budget, free
-    blocks); that changes which random numbers are drawn, so the tokens, never their distribution.
-    The tokens are not those of sampling without speculation for the same seed.
+    Seeds: a seeded request gives the tokens of sampling without speculation for the same seed,
+    whatever was drafted: the target accepts a drafted token only where it equals the token its own
+    draw for that output position gives (engine/sampler.py). A draft model's draws for a seeded
+    request share that noise, so its drafts are often accepted, though less often than rejection
+    sampling would (which unseeded requests get). Unseeded requests draw from the engine's shared
+    generator: whether a step drafts, which can depend on the batch (disable_above_batch_size, the
+    token budget, free blocks), changes their tokens, never their distribution.
     """
 
     method: Literal["none", "ngram", "draft"] = Field(

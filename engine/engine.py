@@ -78,7 +78,6 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_block_ids: list[int] | None = None  # finished with hold_kv: the blocks now held for the caller
-    generator_state: bytes | None = None  # finished with hold_kv and a seed: where the next draw continues
 
 
 def resolve_device(name: str) -> torch.device:
@@ -150,24 +149,29 @@ class EngineCore:
         return self.pool.num_blocks * self.pool.block_size
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, hold_kv: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        hold_kv: bool = False,
+        num_prior_output_tokens: int = 0,
     ) -> None:
         """Queues a request. With `hold_kv` its blocks stay held when it finishes, under its id in
-        `held`, until `release_held(request_id)` (the prefill role's KV push)."""
+        `held`, until `release_held(request_id)` (the prefill role's KV push).
+
+        `num_prior_output_tokens`: the prompt ends with that many tokens generated for this request
+        elsewhere (a moved request's continuation); a seeded request then samples on as if it had
+        generated them here, token for token the output it would have given without the move."""
         if request_id in self.scheduler.requests or request_id in self.held:
             raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
         prompt = self._validate(prompt_token_ids, params)
-        request = Request(request_id, prompt, params, arrival_time=self.clock(), hold_kv=hold_kv)
-        request.generator = self._generator_for(params)
+        _check_prior(num_prior_output_tokens, prompt)
+        request = Request(
+            request_id, prompt, params, arrival_time=self.clock(), hold_kv=hold_kv,
+            num_prior_output_tokens=num_prior_output_tokens,
+        )
         self.scheduler.add(request)
-
-    def _generator_for(self, params: SamplingParams, state: bytes | None = None) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        if state is not None:
-            generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        return generator
 
     def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         return validate_prompt(
@@ -216,11 +220,12 @@ class EngineCore:
         first_token: int,
         params: SamplingParams,
         lease_key: str,
-        generator_state: bytes | None = None,
+        num_prior_output_tokens: int = 0,
     ) -> None:
         """Joins a request whose prompt KV already sits in the blocks held under `lease_key`
-        and whose first token was sampled elsewhere (with `generator_state` after that draw)."""
+        and whose first token was sampled elsewhere. `num_prior_output_tokens`: as in add_request."""
         prompt = self._validate(prompt_token_ids, params)
+        _check_prior(num_prior_output_tokens, prompt)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already running; request ids must be unique")
         blocks = self.held.get(lease_key)
@@ -228,10 +233,12 @@ class EngineCore:
         if blocks is None or len(blocks) < needed:
             raise ValueError(f"lease {lease_key!r} holds {len(blocks or [])} blocks; the prompt needs {needed}")
         del self.held[lease_key]
-        request = Request(request_id, prompt, params, arrival_time=self.clock(), block_ids=blocks)
+        request = Request(
+            request_id, prompt, params, arrival_time=self.clock(), block_ids=blocks,
+            num_prior_output_tokens=num_prior_output_tokens,
+        )
         request.token_ids.append(first_token)
         request.num_computed_tokens = len(prompt)
-        request.generator = self._generator_for(params, generator_state)
         self.scheduler.commit_computed_blocks(request)
         self.scheduler.add_running(request)
 
@@ -269,7 +276,9 @@ class EngineCore:
                 self.max_seq_tokens - r.num_tokens - 1,
             )
             if k >= 1:
-                asks.append(DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.generator, k))
+                asks.append(
+                    DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.num_prior_output_tokens, k)
+                )
         if asks:
             for ask, draft in zip(asks, self.proposer.propose(asks, self.generator)):
                 self.scheduler.requests[ask.request_id].draft = draft
@@ -337,13 +346,12 @@ class EngineCore:
             new_tokens, status = self._append_tokens(request, sample.token_ids)
             if s.num_spec_tokens:
                 self._accept_verified(s, sample, new_tokens)
-            kept, state = None, None
+            kept = None
             if status is not None:
                 blocks = self.scheduler.finish(request, status)
                 self._drop_proposer_state(request.request_id)
                 if request.hold_kv:
                     kept = self.held[request.request_id] = blocks
-                    state = _generator_bytes(request.generator)
             n = len(new_tokens)
             outputs.append(
                 StepOutput(
@@ -355,7 +363,6 @@ class EngineCore:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     kv_block_ids=kept,
-                    generator_state=state,
                 )
             )
         return outputs
@@ -416,7 +423,9 @@ class EngineCore:
 
 
 def _row(request: Request) -> SamplingRow:
-    return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, request.generator)
+    return SamplingRow(
+        request.params, request.prompt_token_ids, request.output_token_ids, request.num_prior_output_tokens
+    )
 
 
 def _one(
@@ -425,8 +434,12 @@ def _one(
     return ([logprob], [top]) if logprob is not None else (None, None)  # type: ignore[list-item]
 
 
-def _generator_bytes(generator: torch.Generator | None) -> bytes | None:
-    return bytes(generator.get_state().numpy().tobytes()) if generator is not None else None
+def _check_prior(num_prior_output_tokens: int, prompt: Sequence[int]) -> None:
+    if not 0 <= num_prior_output_tokens <= len(prompt):
+        raise ValueError(
+            f"num_prior_output_tokens is {num_prior_output_tokens}; it counts tokens at the end of the prompt, "
+            f"so it must be in [0, {len(prompt)}] (the prompt's length)"
+        )
 
 
 def _max_model_len(arch: ArchConfig, asked: int | None) -> int:

@@ -65,7 +65,9 @@ class Request:
     stop_token_id: int | None = None
     num_preemptions: int = 0
     hold_kv: bool = False  # prefill role: on finish, keep the blocks held for the KV push
-    generator: torch.Generator | None = None  # the request's own, on the engine's device, when it has a seed
+    # A moved request's continuation: the last prompt tokens that an earlier worker generated as
+    # output. Seeded sampling counts output positions from the first of them (engine/sampler.py).
+    num_prior_output_tokens: int = 0
     draft: Draft | None = None  # proposed for the next step; valid while num_tokens is unchanged
     # Decayed counts of this request's verified drafted tokens (engine/spec/adaptive.py): accepted,
     # and tested (accepted plus the first rejected of each step).

@@ -13,9 +13,13 @@ truncations and seeds. The order of operations on float32 logits (vLLM's, which 
 Logprobs come from log_softmax of the RAW logits, before all of the above (vLLM v1's default).
 
 Randomness: the draw is the exponential race, argmax(probs / E) with E ~ Exponential(1) i.i.d. per
-token, which samples exactly from probs. A row whose request has a seed brings its own
-torch.Generator and draws its E from it alone, so its token depends neither on the other rows of
-the batch nor on their order. Greedy rows draw nothing.
+token, which samples exactly from probs. Rows without a seed share one generator (the caller's).
+A seeded row's E for the token at output position n (counted over the request's whole output,
+`SamplingRow.output_position`) is drawn from a generator seeded with `draw_seed(seed, n)` alone:
+its token depends on (seed, n) and its distribution, never on the other rows, their order, how
+many draws came before, or which worker drew them. A request moved to another worker, with the
+tokens it had generated recomputed (`num_prior_output_tokens`), so continues the very stream of a
+fault-free run. Greedy rows draw nothing.
 
 Speculative decoding (Leviathan et al., 2023) adds two entry points:
 
@@ -25,16 +29,31 @@ Speculative decoding (Leviathan et al., 2023) adds two entry points:
   last token's, then each drafted token's) and returns the accepted drafts plus one token of the
   target's. Position i is processed exactly as a plain step would process it after the drafts
   d_1..d_i had been sampled (min_tokens, penalties over those tokens, temperature, top-k, top-p,
-  min-p), so target and draft distributions see the same processing. Greedy rows accept the
-  longest prefix equal to the target's argmax, then take the argmax: the tokens of plain greedy
-  decoding. Random rows accept d_i with probability min(1, p(d_i) / q(d_i)) (u ~ U(0, 1) per draft),
-  and at the first rejection draw from max(0, p - q) renormalized, or from p after K acceptances:
-  the output follows p exactly. q of an n-gram draft is a point mass. A seeded row draws its
-  uniforms, then its one race, from its own generator: the same seed and the same drafts give the
-  same tokens, but not the tokens of plain sampling (those draw one race per token).
+  min-p), so target and draft distributions see the same processing.
+
+| rows     | verification                                         | what is exact                          |
+|----------|------------------------------------------------------|----------------------------------------|
+| greedy   | accept the longest prefix of drafts equal to the     | the tokens of plain greedy decoding    |
+|          | target's argmax, then take the argmax                |                                        |
+| seeded   | the same with the target's own race token at each    | the tokens of plain sampling with the  |
+|          | position, argmax(p / E(seed, n)), for the argmax     | same seed, whatever was drafted, K, or |
+|          |                                                      | the worker (so also the distribution)  |
+| unseeded | rejection sampling: accept d_i with probability      | the distribution p (the tokens depend  |
+|          | min(1, p(d_i) / q(d_i)) (u ~ U(0, 1) per draft); at  | on the shared generator's draws)       |
+|          | the first rejection draw from max(0, p - q)          |                                        |
+|          | renormalized, or from p after K acceptances          |                                        |
+
+"The tokens of" means: given the same logits; a verification step computes them in another batch
+shape than a plain step, and a rounding difference can flip a near-tie, for seeded as for greedy
+rows. q of an n-gram draft is a point mass. Seeded rows trade acceptance for reproducibility: a point
+mass is accepted with probability p(d_i) either way; a draft model's token, raced with the same
+E(seed, n) as the target's (`sample_with_probs` keys it by the same output position), equals the
+target's with the probability of that coupling: at least (1 - TV) / (1 + TV) for TV the total
+variation between q and p (Daliri et al., 2024), in practice a few points below the 1 - TV of
+rejection sampling.
 
 This module does not know sequences, schedulers or tokenizers: the caller owns the token lists
-and the generators, and decides what a sampled EOS or stop token means.
+and the shared generator, and decides what a sampled EOS or stop token means.
 """
 
 from __future__ import annotations
@@ -47,9 +66,27 @@ import torch
 
 from engine.config import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "SamplingRow", "VerifyResult", "VerifyRow"]
+__all__ = ["SampleResult", "Sampler", "SamplingRow", "VerifyResult", "VerifyRow", "draw_seed"]
 
 _NEG_INF = float("-inf")
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finalizer (Steele et al., 2014): a bijection of 64-bit ints that scatters every bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, output_position: int) -> int:
+    """The torch seed (64 bits) of a seeded request's draws for the token at `output_position`.
+
+    Neighbouring seeds and positions give unrelated streams. NOTE: torch's CPU generator keeps only
+    the low 32 bits of a seed (CUDA's Philox keeps all 64): the mix spreads every input bit into them.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ output_position)
 
 
 @dataclass(frozen=True)
@@ -59,8 +96,14 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    # The request's own, when params.seed is set; owned and advanced by the caller's sequence.
-    generator: torch.Generator | None
+    # Output tokens the request generated before output_token_ids, on an earlier worker: a moved
+    # request's continuation carries them at the end of its prompt. Seeded draws count them.
+    num_prior_output_tokens: int = 0
+
+    @property
+    def output_position(self) -> int:
+        """Where the token this row samples stands in the request's whole output (0: the first)."""
+        return self.num_prior_output_tokens + len(self.output_token_ids)
 
 
 @dataclass(frozen=True)
@@ -123,7 +166,8 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
     ) -> SampleResult:
-        """logits: [num_rows, vocab] float (any float dtype, any device). generator: used for rows without their own."""
+        """logits: [num_rows, vocab] float (any float dtype, any device). generator: shared by the rows
+        without a seed (torch's default generator when None)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows, vocab] with num_rows == len(rows) == {len(rows)}; "
@@ -145,18 +189,18 @@ class Sampler:
             index = torch.tensor(random_rows, device=logits.device)  # [random]
             params = [rows[i].params for i in random_rows]
             probs = _truncated_probs(penalized.index_select(0, index), params)  # [random, vocab]
-            generators = [rows[i].generator for i in random_rows]
-            token_ids = token_ids.index_copy(0, index, _exponential_race(probs, generators, generator))
+            keys = [_draw_key(rows[i]) for i in random_rows]
+            token_ids = token_ids.index_copy(0, index, _exponential_race(probs, keys, generator))
 
         logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
-
 
     def _processed(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
         """raw [n, vocab] float32, argmax of the penalized logits [n], the random rows, and their
-        normalized probabilities [random, vocab] (None when all rows are greedy)."""
+        probabilities [random, vocab] as `__call__` races over them, not normalized (None when all
+        rows are greedy)."""
         raw = logits.float()
         penalized = _apply_penalties(_apply_min_tokens(raw, rows, self.eos_token_ids), rows)  # [n, vocab]
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -164,7 +208,7 @@ class Sampler:
             return raw, penalized.argmax(dim=-1), random_rows, None
         index = torch.tensor(random_rows, device=logits.device)  # [random]
         probs = _truncated_probs(penalized.index_select(0, index), [rows[i].params for i in random_rows])
-        return raw, penalized.argmax(dim=-1), random_rows, probs / probs.sum(dim=-1, keepdim=True)
+        return raw, penalized.argmax(dim=-1), random_rows, probs
 
     def sample_with_probs(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
@@ -175,41 +219,56 @@ class Sampler:
         dist = torch.nn.functional.one_hot(token_ids, logits.shape[1]).float()  # [rows, vocab]
         if probs is not None:
             index = torch.tensor(random_rows, device=logits.device)
-            generators = [rows[i].generator for i in random_rows]
-            token_ids = token_ids.index_copy(0, index, _exponential_race(probs, generators, generator))
-            dist = dist.index_copy(0, index, probs)
+            keys = [_draw_key(rows[i]) for i in random_rows]
+            token_ids = token_ids.index_copy(0, index, _exponential_race(probs, keys, generator))
+            dist = dist.index_copy(0, index, probs / probs.sum(dim=-1, keepdim=True))
         return token_ids.tolist(), dist
 
     def verify(
         self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None = None
     ) -> VerifyResult:
-        """The target's side: logits [sum of (K_i + 1), vocab], row i's K_i + 1 positions in a run."""
+        """The target's side: logits [sum of (K_i + 1), vocab], row i's K_i + 1 positions in a run.
+        generator: shared by the rows without a seed."""
         expanded: list[SamplingRow] = []  # one per position
         for vr in rows:
             drafts = list(vr.draft_token_ids)
             for i in range(len(drafts) + 1):
                 output = _Extended(vr.row.output_token_ids, drafts[:i])
-                expanded.append(SamplingRow(vr.row.params, vr.row.prompt_token_ids, output, vr.row.generator))
+                expanded.append(
+                    SamplingRow(vr.row.params, vr.row.prompt_token_ids, output, vr.row.num_prior_output_tokens)
+                )
         if logits.dim() != 2 or logits.shape[0] != len(expanded):
             raise ValueError(
                 f"logits must be [positions, vocab] with positions == {len(expanded)} (K + 1 per row); "
                 f"got shape {tuple(logits.shape)}"
             )
         raw, argmax, random_positions, probs = self._processed(logits, expanded)
-        argmax_list = argmax.tolist()
         starts = list(itertools.accumulate((len(vr.draft_token_ids) + 1 for vr in rows), initial=0))
+        local = {pos: j for j, pos in enumerate(random_positions)}  # position -> row of probs
+        # The target's own token at every position: the argmax for greedy rows, the keyed race for
+        # seeded rows (what plain sampling draws there); unseeded rows' entries are unused.
+        chosen = argmax.tolist()
+        seeded_positions = [pos for pos in random_positions if expanded[pos].params.seed is not None]
+        if seeded_positions:
+            assert probs is not None
+            index = torch.tensor([local[pos] for pos in seeded_positions], device=logits.device)
+            keys = [_draw_key(expanded[pos]) for pos in seeded_positions]
+            for pos, token in zip(seeded_positions, _exponential_race(probs[index], keys, None).tolist()):
+                chosen[pos] = token
         num_accepted = [0] * len(rows)
         token_ids: list[list[int]] = [[] for _ in rows]
-        random_rows = [i for i, vr in enumerate(rows) if not vr.row.params.is_greedy]
+        rejection_rows = []  # unseeded random rows
         for i, vr in enumerate(rows):
-            if vr.row.params.is_greedy:
-                m = _first_mismatch(vr.draft_token_ids, argmax_list[starts[i] : starts[i + 1]])
-                num_accepted[i] = m
-                token_ids[i] = [*vr.draft_token_ids[:m], argmax_list[starts[i] + m]]
-        if random_rows:
+            if not vr.row.params.is_greedy and vr.row.params.seed is None:
+                rejection_rows.append(i)
+                continue
+            m = _first_mismatch(vr.draft_token_ids, chosen[starts[i] : starts[i + 1]])
+            num_accepted[i] = m
+            token_ids[i] = [*vr.draft_token_ids[:m], chosen[starts[i] + m]]
+        if rejection_rows:
             assert probs is not None
-            local = {pos: j for j, pos in enumerate(random_positions)}  # position -> row of probs
-            self._verify_random(rows, random_rows, starts, probs, local, generator, num_accepted, token_ids)
+            normalized = probs / probs.sum(dim=-1, keepdim=True)  # [random positions, vocab]
+            self._verify_random(rows, rejection_rows, starts, normalized, local, generator, num_accepted, token_ids)
 
         emitted = [(i, starts[i] + k, t) for i, tokens in enumerate(token_ids) for k, t in enumerate(tokens)]
         logprobs: list[list[float] | None] = [None] * len(rows)
@@ -237,7 +296,8 @@ class Sampler:
         num_accepted: list[int],
         token_ids: list[list[int]],
     ) -> None:
-        """Rejection sampling of the random rows; fills num_accepted and token_ids in place."""
+        """Rejection sampling of unseeded random rows, drawing from `generator`; fills num_accepted
+        and token_ids in place."""
         device, vocab_size = probs.device, probs.shape[1]
         # q of each drafted token under its draft distribution: [K, vocab] per row, point masses one-hot.
         draft_dists = [_draft_dist(rows[i], vocab_size, device) for i in random_rows]
@@ -245,8 +305,7 @@ class Sampler:
         drafted = torch.tensor([t for i in random_rows for t in rows[i].draft_token_ids], device=device)
         p_draft = probs[torch.tensor(draft_pos, device=device), drafted]  # [drafts]
         q_draft = torch.cat(draft_dists).gather(1, drafted.unsqueeze(1)).squeeze(1)  # [drafts]
-        counts = [len(rows[i].draft_token_ids) for i in random_rows]
-        uniforms = _uniforms(counts, [rows[i].row.generator for i in random_rows], generator, device)  # [drafts]
+        uniforms = torch.rand(len(draft_pos), device=device, generator=generator)  # [drafts]
         accept = (uniforms * q_draft <= p_draft).tolist()  # accept with probability min(1, p / q)
 
         final = torch.empty(len(random_rows), vocab_size, device=device)  # [random rows, vocab]
@@ -262,7 +321,7 @@ class Sampler:
                 # p <= q everywhere only by rounding (a rejection then has probability ~0): fall back to p.
                 p = torch.where(residual.sum() > 0, residual, p)
             final[j] = p
-        last = _exponential_race(final, [rows[i].row.generator for i in random_rows], generator).tolist()
+        last = _exponential_race(final, [None] * len(random_rows), generator).tolist()
         for j, i in enumerate(random_rows):
             token_ids[i] = [*rows[i].draft_token_ids[: num_accepted[i]], last[j]]
 
@@ -281,25 +340,6 @@ def _draft_dist(vr: VerifyRow, vocab_size: int, device: torch.device) -> torch.T
         return vr.draft_probs.to(device=device, dtype=torch.float32)
     ids = torch.tensor(list(vr.draft_token_ids), device=device)
     return torch.nn.functional.one_hot(ids, vocab_size).float()
-
-
-def _uniforms(
-    counts: Sequence[int],
-    generators: Sequence[torch.Generator | None],
-    shared: torch.Generator | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """U(0, 1) draws, counts[i] for row i, concatenated; rows with their own generator draw from it alone."""
-    parts: list[torch.Tensor | None] = [None] * len(counts)
-    shared_rows = [i for i, g in enumerate(generators) if g is None]
-    if shared_rows:
-        drawn = torch.rand(sum(counts[i] for i in shared_rows), device=device, generator=shared)
-        for i, part in zip(shared_rows, drawn.split([counts[i] for i in shared_rows])):
-            parts[i] = part
-    for i, g in enumerate(generators):
-        if g is not None:
-            parts[i] = torch.rand(counts[i], device=device, generator=g)
-    return torch.cat(parts)  # type: ignore[arg-type]
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> torch.Tensor:
@@ -411,22 +451,29 @@ def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return probs
 
 
+def _draw_key(row: SamplingRow) -> int | None:
+    """The draw seed of a seeded row's token; None for rows that share the caller's generator."""
+    seed = row.params.seed
+    return None if seed is None else draw_seed(seed, row.output_position)
+
+
 def _exponential_race(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None], shared: torch.Generator | None
+    probs: torch.Tensor, keys: Sequence[int | None], shared: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row of probs [n, vocab] (unnormalized is fine) -> [n] int64.
 
-    Rows with their own generator draw their noise from it alone; the others share `shared`
-    (torch's default generator when None).
+    A row with a key (`draw_seed`) draws its noise from a generator seeded with it alone; the
+    others share `shared` (torch's default generator when None).
     """
     noise = torch.empty_like(probs)  # [n, vocab]
-    shared_rows: list[int] = []
-    for i, row_generator in enumerate(generators):
-        if row_generator is None:
-            shared_rows.append(i)
-        else:
-            noise[i].exponential_(generator=row_generator)  # [vocab]; a view, filled in place
-    if len(shared_rows) == len(generators):
+    shared_rows = [i for i, key in enumerate(keys) if key is None]
+    if len(shared_rows) < len(keys):
+        # NOTE: one generator re-seeded per row: a draw reads its seed when it is issued, also on CUDA.
+        keyed = torch.Generator(device=probs.device)
+        for i, key in enumerate(keys):
+            if key is not None:
+                noise[i].exponential_(generator=keyed.manual_seed(key))  # [vocab]; a view, filled in place
+    if len(shared_rows) == len(keys):
         noise.exponential_(generator=shared)
     elif shared_rows:
         index = torch.tensor(shared_rows, device=probs.device)  # [shared]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 import msgpack
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import SamplingParams
 
@@ -42,6 +42,9 @@ class GenerateRequestMsg(Msg):
     prompt_token_ids: list[int]
     params: SamplingParams
     router_id: str  # whose TokenBatchMsg carries this request's tokens
+    # A continuation of a request moved off a failed worker: the last prompt tokens that earlier
+    # attempts generated. Seeded sampling continues the stream at this output position.
+    num_prior_output_tokens: int = Field(0, ge=0)
 
 
 class ReserveMsg(Msg):
@@ -70,7 +73,6 @@ class KvReadyMsg(Msg):
     request: GenerateRequestMsg
     first_token: int
     num_blocks: int  # blocks sent: ceil(num_prompt_tokens / block_size)
-    generator_state: bytes | None = None  # seeded requests: the sampler continues from here
 
 
 class KvAcceptMsg(Msg):

@@ -103,7 +103,10 @@ class PrefillWorker(TransferEndpoint):
         first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": min(1, params.min_tokens)})
         started = time.perf_counter()
         try:
-            await self._call(lambda e: e.add_request(rid, request.prompt_token_ids, first_params, hold_kv=True))
+            await self._call(lambda e: e.add_request(
+                rid, request.prompt_token_ids, first_params, hold_kv=True,
+                num_prior_output_tokens=request.num_prior_output_tokens,
+            ))
         except InvalidRequestError:
             self._first_tokens.pop(rid, None)
             raise  # the client's mistake: no other worker would take it either
@@ -141,7 +144,7 @@ class PrefillWorker(TransferEndpoint):
         buf = await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks[:num_blocks]))
         ready = KvReadyMsg(
             lease_id=task.lease.lease_id, prefill_worker_id=self.worker_id, request=request,
-            first_token=out.new_token_ids[0], num_blocks=num_blocks, generator_state=out.generator_state,
+            first_token=out.new_token_ids[0], num_blocks=num_blocks,
         )
         epoch = -1
         try:

@@ -25,12 +25,13 @@ again; colocated, the new worker computes it all. Nothing is lost or repeated: t
 only what this Dispatcher yielded, and the continuation starts right after it.
 
 What a continuation preserves: greedy requests give exactly the tokens of a fault-free run (the
-same model over the same tokens); logprobs are those of the new attempt's computation. Not
-preserved: a seeded request's random stream (the new attempt seeds a fresh generator with the
-request's seed at the continuation point, so its output is reproducible for that migration point
-but differs from a fault-free run), and frequency/presence penalties, which the engine counts over
-output tokens only (the yielded tokens become prompt tokens of the continuation; the repetition
-penalty, over prompt and output, is preserved).
+same model over the same tokens), and so do seeded requests: the attempt says how many tokens
+were yielded before it (`num_prior_output_tokens`), and a seeded draw depends only on the seed and
+the output position (engine/sampler.py). Logprobs are those of the new attempt's computation. Not
+preserved: frequency/presence penalties, which the engine counts over output tokens only (the
+yielded tokens become prompt tokens of the continuation; the repetition penalty, over prompt and
+output, is preserved), and the draws of unseeded requests, which come from a worker's shared
+generator anyway.
 
 Every wait has a deadline (DispatcherConfig); after `max_attempts` the client gets a
 RequestFailedError naming the last failure, and NoCapacityError when no worker can take it.
@@ -159,7 +160,7 @@ class _Progress:
             )
         return GenerateRequestMsg(
             request_id=attempt_id, prompt_token_ids=self.prompt + self.token_ids, params=params,
-            router_id=self.router_id,
+            router_id=self.router_id, num_prior_output_tokens=n,
         )
 
     def take(self, out: TokenOutputMsg) -> TokenOutputMsg:

@@ -30,7 +30,7 @@ class DraftRequest:
     token_ids: Sequence[int]  # prompt + output; the target has KV for all but the last
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None  # the request's own when it has a seed
+    num_prior_output_tokens: int  # Request.num_prior_output_tokens: where seeded draws count from
     max_draft_tokens: int  # >= 1
 
 
@@ -60,7 +60,7 @@ class Proposer(Protocol):
 
     def propose(self, requests: Sequence[DraftRequest], generator: torch.Generator | None) -> list[Draft | None]:
         """One draft (or None: nothing to propose) per request, each at most max_draft_tokens long.
-        `generator` serves requests without their own."""
+        `generator` serves requests without a seed."""
         ...
 
     def drop(self, request_id: str) -> None:

@@ -188,7 +188,9 @@ class DraftModelProposer:
         for j in jobs:
             r = j.request
             output = list(r.token_ids[r.num_prompt_tokens :]) + j.token_ids
-            rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.generator))
+            # A seeded draft races with the target's noise for the same output position: the target
+            # then accepts it as often as that coupling allows (engine/sampler.py).
+            rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.num_prior_output_tokens))
         token_ids, probs = self.context.sampler.sample_with_probs(logits, rows, generator)
         for j, token, p in zip(jobs, token_ids, probs):
             j.token_ids.append(token)

@@ -1,9 +1,11 @@
 """Chaos on a local Ray cluster over gloo (2 prefill + 2 decode workers, fault transport): under 32
-concurrent streaming greedy requests, kill a decode worker, kill a prefill worker, and inject each
-transfer fault (drop, delay past the deadline, fail). Each time: every request completes with
-exactly the fault-free tokens (or ends with a clear error), new requests are served within 10 s of
-the fault, the controller replaces dead workers, and no worker holds a block once drained. The
-figures go to bench/results/chaos_cpu.json (merged per scenario) when PDSERVE_WRITE_RESULTS=1."""
+concurrent streaming requests (half greedy, half seeded sampled), kill a decode worker, kill a
+prefill worker, and inject each transfer fault (drop, delay past the deadline, fail). Each time:
+every request completes with exactly the fault-free tokens (a moved seeded request too: its draws
+depend on its seed and output position only), or ends with a clear error; new requests are served
+within 10 s of the fault, the controller replaces dead workers, and no worker holds a block once
+drained. The figures go to bench/results/chaos_cpu.json (merged per scenario) when
+PDSERVE_WRITE_RESULTS=1."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.integration]
 ENGINE = dict(device="cpu", block_size=8, num_blocks=256)
 NUM_REQUESTS = 32
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True)
 PROBE_PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 TRANSFER_TIMEOUT_S = 2.0
 MAX_RECOVERY_S = 10.0
@@ -54,6 +57,8 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 PROMPTS = _prompts(NUM_REQUESTS)
+# NOTE: in pairs, not alternately: requests may be spread over the two decode workers alternately.
+PARAMS = [GREEDY if i % 4 < 2 else SEEDED.model_copy(update={"seed": 1000 + i}) for i in range(NUM_REQUESTS)]
 PROBE = _prompts(1, seed=99)[0]
 
 
@@ -64,7 +69,7 @@ class Runner:
         self.loop = asyncio.new_event_loop()
         self.chaos = Chaos(CLUSTER, DISPATCH)
         llm = LLM(**ENGINE)
-        self.expected = [o.outputs.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        self.expected = [o.outputs.token_ids for o in llm.generate(PROMPTS, PARAMS)]
         self.expected_probe = llm.generate([PROBE], PROBE_PARAMS)[0].outputs.token_ids
         self.results: dict[str, dict[str, Any]] = {}
 
@@ -96,8 +101,9 @@ def _write_results(scenarios: dict[str, dict[str, Any]], startup_s: float) -> No
     merged = {**old.get("scenarios", {}), **scenarios}
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_PATH.write_text(json.dumps({
-        "what": "chaos on a local Ray cluster (CPU, gloo under the fault transport): 32 concurrent streaming greedy "
-                "requests per scenario; recovery_s = from the fault to the first new request served in full",
+        "what": "chaos on a local Ray cluster (CPU, gloo under the fault transport): 32 concurrent streaming "
+                "requests per scenario (half greedy, half seeded sampled); recovery_s = from the fault to the "
+                "first new request served in full",
         "goal_recovery_s": MAX_RECOVERY_S,
         "environment": {
             "device": "cpu", "num_cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
@@ -129,7 +135,7 @@ async def _scenario(
         await prepare()
     outcomes = [Outcome() for _ in PROMPTS]
     started = time.time()
-    tasks = [asyncio.ensure_future(chaos.generate(p, GREEDY, o)) for p, o in zip(PROMPTS, outcomes)]
+    tasks = [asyncio.ensure_future(chaos.generate(p, sp, o)) for p, sp, o in zip(PROMPTS, PARAMS, outcomes)]
     fault_at = await inject(outcomes)
     served_at = await chaos.probe_until_served(PROBE, PROBE_PARAMS)
     await asyncio.wait_for(asyncio.gather(*tasks), 180.0)

@@ -1,6 +1,6 @@
 """Disaggregated serving on a local Ray cluster over gloo: 16 concurrent requests of mixed
-lengths give the same greedy tokens as the colocated mode and as the offline engine, and every
-worker ends with no block held."""
+lengths, greedy and seeded sampled, give the same tokens as the colocated mode and as the offline
+engine, and every worker ends with no block held."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ async def serve_requests(
 
 def test_16_requests_disaggregated_equal_colocated_and_offline(ray_cluster):
     prompts = _prompts(16)
-    params = [SamplingParams(max_tokens=random.Random(i).randrange(4, 24), temperature=0.0, ignore_eos=True)
-              for i in range(16)]
+    # Every third request sampled with a seed: the decode worker continues the prefill's draws.
+    params = [SamplingParams(max_tokens=random.Random(i).randrange(4, 24), temperature=0.0 if i % 3 else 0.8,
+                             seed=i, ignore_eos=True) for i in range(16)]
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
     engine = engine_config(**ENGINE)
 

@@ -1,5 +1,6 @@
 """The engine's alternative paths give the plain path's tokens: KV-cached decoding vs full
-recomputation, a prefix-cache hit, chunked prefill, and preemption with recompute."""
+recomputation, a prefix-cache hit, chunked prefill, preemption with recompute, and a moved
+request's continuation."""
 
 from __future__ import annotations
 
@@ -83,6 +84,35 @@ def test_seeded_sampling_survives_preemption_and_batching(make_llm):
     alone = [make_llm(block_size=4).generate([p], [sp])[0].outputs.token_ids for p, sp in zip(prompts, params)]
     tight = make_llm(block_size=4, num_blocks=20).generate(prompts, params)
     assert [o.outputs.token_ids for o in tight] == alone
+
+
+def continuation(prompt: list[int], params: SamplingParams, prior: list[int]) -> tuple[list[int], SamplingParams]:
+    """What router/dispatch.py sends the next worker when a request moves after yielding `prior`:
+    the prompt grows by those tokens, max_tokens and min_tokens shrink by their count (the engine
+    is told that count: num_prior_output_tokens)."""
+    n = len(prior)
+    update = {"max_tokens": params.max_tokens - n, "min_tokens": max(0, params.min_tokens - n)}
+    return prompt + prior, params.model_copy(update=update)
+
+
+def _run(engine, request_id: str, prompt: list[int], params: SamplingParams, **options) -> list[int]:
+    engine.add_request(request_id, prompt, params, **options)
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() if out.request_id == request_id for t in out.new_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("num_prior", [1, 6])
+def test_seeded_continuation_of_a_moved_request_gives_the_uninterrupted_tokens(make_llm, num_prior):
+    prompt = _prompts(1, 20, seed=8)[0]
+    params = SamplingParams(max_tokens=14, min_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
+    want = make_llm(block_size=4).generate([prompt], params)[0].outputs.token_ids
+    engine = make_llm(block_size=4).engine
+    moved_prompt, moved_params = continuation(prompt, params, want[:num_prior])
+    engine.add_request("other", _prompts(1, 9, seed=9)[0], params.model_copy(update={"seed": 1}))  # a batch
+    got = _run(engine, "moved", moved_prompt, moved_params, num_prior_output_tokens=num_prior)
+    assert want[:num_prior] + got == want
 
 
 def test_abort_mid_generation_frees_blocks(make_llm):

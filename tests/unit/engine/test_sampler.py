@@ -17,10 +17,10 @@ EOS = 0
 def _row(
     prompt: tuple[int, ...] = (),
     output: tuple[int, ...] = (),
-    generator: torch.Generator | None = None,
+    num_prior_output_tokens: int = 0,
     **params: object,
 ) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), prompt, output, generator)
+    return SamplingRow(SamplingParams(**params), prompt, output, num_prior_output_tokens)
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -114,7 +114,7 @@ def test_penalties_change_exactly_the_expected_logits() -> None:
 )
 def test_penalty_flips_the_greedy_choice(logits_row: list[float], row: SamplingRow, expected: int) -> None:
     greedy_params = row.params.model_copy(update={"temperature": 0.0})
-    greedy_row = SamplingRow(greedy_params, row.prompt_token_ids, row.output_token_ids, None)
+    greedy_row = SamplingRow(greedy_params, row.prompt_token_ids, row.output_token_ids)
     assert Sampler([EOS])(torch.tensor([logits_row]), [greedy_row]).token_ids == [expected]
 
 
@@ -135,18 +135,17 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
     logits_row = torch.randn(50, generator=_seeded(9)) * 0.3  # [vocab], flat enough to vary
 
     def run(batch_size: int, position: int, shared_seed: int) -> list[int]:
-        own = _seeded(1234)
-        tokens = []
+        tokens: list[int] = []
         for _ in range(6):
             rows = [_row(temperature=0.9, top_k=40) for _ in range(batch_size)]
-            rows[position] = _row(temperature=0.9, top_k=40, seed=1234, generator=own)
+            rows[position] = _row(output=tuple(tokens), temperature=0.9, top_k=40, seed=1234)
             logits = torch.randn(batch_size, 50, generator=_seeded(shared_seed))
             logits[position] = logits_row
             tokens.append(Sampler([EOS])(logits, rows, _seeded(shared_seed)).token_ids[position])
         return tokens
 
     reference = run(batch_size=1, position=0, shared_seed=0)
-    assert len(set(reference)) > 1  # the generator advances between steps
+    assert len(set(reference)) > 1  # each output position draws anew
     assert run(batch_size=4, position=2, shared_seed=1) == reference
     assert run(batch_size=3, position=0, shared_seed=2) == reference
 
@@ -155,11 +154,33 @@ def test_different_seeds_differ() -> None:
     logits = torch.zeros(1, 50)
 
     def tokens(seed: int) -> list[int]:
-        own = _seeded(seed)
-        return [Sampler([EOS])(logits, [_row(seed=seed, generator=own)]).token_ids[0] for _ in range(10)]
+        return [Sampler([EOS])(logits, [_row(output=(5,) * n, seed=seed)]).token_ids[0] for n in range(10)]
 
     assert tokens(1) == tokens(1)
     assert tokens(1) != tokens(2)
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_the_output_position_alone() -> None:
+    logits = torch.randn(1, 50, generator=_seeded(13)) * 0.3  # [1, vocab]
+
+    def token(output: tuple[int, ...], num_prior_output_tokens: int = 0, prompt: tuple[int, ...] = (1,)) -> int:
+        row = _row(prompt, output, num_prior_output_tokens, temperature=1.0, seed=77)
+        return Sampler([EOS])(logits, [row]).token_ids[0]
+
+    tokens = [token((9,) * n) for n in range(12)]
+    assert len(set(tokens)) > 1
+    # A moved request's continuation: its earlier output ends its prompt, and is counted as prior.
+    assert [token((), n, prompt=(1,) + (9,) * n) for n in range(12)] == tokens
+    assert [token((9,) * (n - 3), 3) for n in range(3, 12)] == tokens[3:]
+
+
+def test_seeded_draws_follow_the_distribution_across_seeds_and_positions() -> None:
+    logits_row = [1.0, 0.5, 0.0, -0.5, -1.0, 2.0]
+    rows = [_row(output=(3,) * (i % 7), seed=i // 7, temperature=1.0) for i in range(2100)]
+    tokens = Sampler([EOS])(torch.tensor([logits_row]).repeat(len(rows), 1), rows).token_ids
+    expected = torch.tensor(logits_row).softmax(dim=-1) * len(rows)
+    chi_square = sum((Counter(tokens)[i] - e) ** 2 / e for i, e in enumerate(expected.tolist()))
+    assert chi_square < 25.0  # 5 degrees of freedom: P(chi2 > 25) is about 1e-4
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])

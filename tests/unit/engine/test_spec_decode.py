@@ -171,14 +171,31 @@ def test_abort_mid_generation_frees_target_and_draft_blocks(make_llm):
     assert draft_pool.num_held_blocks == 0 and llm.engine.pool.num_held_blocks == 0
 
 
-def test_seeded_sampling_is_reproducible_with_speculation(make_llm, method, other_draft):
+SEEDED = [SamplingParams(max_tokens=20, temperature=1.0, seed=200 + i, ignore_eos=True) for i in range(4)]
+
+
+def test_seeded_sampling_with_speculation_gives_the_tokens_without(make_llm, method, other_draft):
     prompts = _prompts(6)
-    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=200 + i, ignore_eos=True) for i in range(4)]
-    spec = _speculative(method, other_draft)
-    alone = [_tokens(make_llm(speculative=spec).generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
-    llm = make_llm(speculative=spec)
-    assert _tokens(llm.generate(prompts, params)) == alone
+    plain = _tokens(make_llm().generate(prompts, SEEDED))
+    llm = make_llm(speculative=_speculative(method, other_draft))
+    assert _tokens(llm.generate(prompts, SEEDED)) == plain
     assert llm.engine.stats().num_spec_verifications > 0
+    # Moved onto a speculating worker after 7 tokens (as router/dispatch.py continues it): the same.
+    params = SEEDED[0].model_copy(update={"max_tokens": SEEDED[0].max_tokens - 7})
+    llm.engine.add_request("moved", prompts[0] + plain[0][:7], params, num_prior_output_tokens=7)
+    moved = list(plain[0][:7])
+    while llm.engine.has_unfinished():
+        moved += [t for out in llm.engine.step() for t in out.new_token_ids]
+    assert moved == plain[0]
+
+
+def test_a_seeded_draft_model_races_with_the_target_s_draws(make_llm):
+    """The target as its own draft: drawing with the same noise for the same output position, its
+    drafts are the target's tokens, so (nearly: logits differ by rounding) all are accepted."""
+    llm = make_llm(speculative=SpeculativeConfig(method="draft", draft_model="default"))
+    llm.generate(_prompts(6), SEEDED)
+    stats = llm.engine.stats()
+    assert stats.num_spec_accepted_tokens >= 0.9 * stats.num_spec_draft_tokens > 0
 
 
 def test_no_speculation_above_the_batch_size_limit(make_llm):

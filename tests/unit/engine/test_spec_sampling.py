@@ -1,9 +1,10 @@
 """Sampled output with speculation follows the target's distribution exactly.
 
 Two levels: the rejection sampler alone (many rows of one verification, against p), and the
-engine end to end on tiny random models with a 16-token vocabulary: many seeded requests with a
-draft model (a perturbed copy of the target: about 70% of its drafts are accepted, so both the
-acceptances and the residual draws are exercised) and with n-gram drafts (point masses). The joint
+engine end to end on tiny random models with a 16-token vocabulary: many requests with a draft
+model (a perturbed copy of the target: about 70% of its drafts are accepted, so both the
+acceptances and the residual draws are exercised) and with n-gram drafts (point masses), unseeded
+(rejection sampling) and seeded (drafts compared with the target's own draws). The joint
 distribution of the 2nd and 3rd generated tokens (the first verified ones) is compared with the
 target's own, computed from its logits, by a chi-square test. Seeds make every run the same, so
 the tests do not flake.
@@ -99,7 +100,7 @@ def test_verify_output_follows_p_and_accepts_sum_of_min(point_mass):
     if point_mass:
         drafts = [1] * num_rows  # an n-gram guess: q is a point mass on token 1
     rows = [
-        VerifyRow(SamplingRow(params, [0], [], None), [d], None if point_mass else q.unsqueeze(0)) for d in drafts
+        VerifyRow(SamplingRow(params, [0], []), [d], None if point_mass else q.unsqueeze(0)) for d in drafts
     ]
     logits = p_logits.repeat(2 * num_rows, 1)  # [rows * (K + 1), vocab]
     result = Sampler(eos_token_ids=[]).verify(logits, rows, generator)
@@ -116,11 +117,39 @@ def test_verify_output_follows_p_and_accepts_sum_of_min(point_mass):
 def test_verify_greedy_accepts_the_argmax_prefix():
     logits = torch.full((4, 5), -1.0)
     logits[0, 2] = logits[1, 3] = logits[2, 4] = logits[3, 0] = 1.0  # argmax per position: 2, 3, 4, 0
-    row = SamplingRow(SamplingParams(temperature=0.0), [1], [], None)
+    row = SamplingRow(SamplingParams(temperature=0.0), [1], [])
     sampler = Sampler(eos_token_ids=[])
     assert sampler.verify(logits, [VerifyRow(row, [2, 3, 4], None)], None).token_ids == [[2, 3, 4, 0]]
     result = sampler.verify(logits, [VerifyRow(row, [2, 1, 4], None)], None)
     assert result.token_ids == [[2, 3]] and result.num_accepted == [1]
+
+
+def test_verify_seeded_gives_the_tokens_of_plain_sampling_whatever_was_drafted():
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.5, seed=11)
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(3)) * 0.5  # one row per position
+    sampler = Sampler(eos_token_ids=[])
+    plain: list[int] = []  # plain sampling, one token a step, after 2 tokens generated on another worker
+    for n in range(5):
+        plain += sampler(logits[n : n + 1], [SamplingRow(params, [4, 5], plain, 2)]).token_ids
+    row = SamplingRow(params, [4, 5], [], 2)
+    wrong = [(t + 1) % VOCAB for t in plain]
+    for drafts, num_accepted in [(plain[:4], 4), (plain[:2] + wrong[2:4], 2), (wrong[:4], 0), (plain[:1], 1)]:
+        result = sampler.verify(logits[: len(drafts) + 1], [VerifyRow(row, drafts, None)], None)
+        assert result.num_accepted == [num_accepted]
+        assert result.token_ids == [plain[: num_accepted + 1]]
+
+
+def test_verify_seeded_follows_p_and_accepts_a_point_mass_with_its_probability():
+    num_rows = 20000
+    p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
+    p = p_logits.softmax(-1)
+    rows = [VerifyRow(SamplingRow(SamplingParams(temperature=1.0, seed=i), [0], []), [1], None) for i in range(num_rows)]
+    result = Sampler(eos_token_ids=[]).verify(p_logits.repeat(2 * num_rows, 1), rows, None)
+    firsts = Counter(tokens[0] for tokens in result.token_ids)
+    assert chi_square_p_value(firsts, dict(enumerate(p.tolist()))) > MIN_P_VALUE
+    assert sum(result.num_accepted) / num_rows == pytest.approx(float(p[1]), abs=0.015)
+    bonus = Counter(tokens[1] for tokens in result.token_ids if len(tokens) == 2)
+    assert chi_square_p_value(bonus, dict(enumerate(p.tolist()))) > MIN_P_VALUE
 
 
 # ---- the engine end to end
@@ -139,7 +168,7 @@ def exact_joint(target: Path, prompt: list[int], params: SamplingParams) -> dict
         logits = engine.runner.forward(seqs)
         for b in blocks:
             engine.pool.free(b)
-        rows = [SamplingRow(params, prompt, out, None) for out in outputs]
+        rows = [SamplingRow(params, prompt, out) for out in outputs]
         return list(sampler.sample_with_probs(logits, rows)[1])
 
     p1 = dists([[]])[0]
@@ -162,18 +191,23 @@ PROCESSED = SamplingParams(
 
 
 @pytest.mark.parametrize(
-    ("method", "params", "num_samples"),
-    [("draft", PLAIN, 4000), ("ngram", PLAIN, 3000), ("draft", PROCESSED, 3000)],
-    ids=["draft", "ngram", "draft-processed"],
+    ("method", "params", "num_samples", "is_seeded"),
+    [
+        ("draft", PLAIN, 4000, False), ("draft", PLAIN, 3000, True), ("ngram", PLAIN, 3000, True),
+        ("draft", PROCESSED, 3000, False),
+    ],
+    ids=["draft", "draft-seeded", "ngram-seeded", "draft-processed"],
 )
-def test_sampled_tokens_follow_the_target_distribution(make_llm, tiny_pair, method, params, num_samples):
+def test_sampled_tokens_follow_the_target_distribution(make_llm, tiny_pair, method, params, num_samples, is_seeded):
+    """Unseeded requests go through rejection sampling (the engine's generator is seeded: the runs
+    repeat); seeded ones through the comparison with the target's own keyed draws."""
     target, draft = tiny_pair
     if method == "draft":
         spec = SpeculativeConfig(method="draft", draft_model=str(draft), num_draft_tokens=2)
     else:
         spec = SpeculativeConfig(method="ngram", num_draft_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
     llm = make_llm(str(target), block_size=4, max_num_seqs=512, speculative=spec)
-    seeded = [params.model_copy(update={"seed": i}) for i in range(num_samples)]
+    seeded = [params.model_copy(update={"seed": i if is_seeded else None}) for i in range(num_samples)]
     outputs = llm.generate([PROMPT] * num_samples, seeded)
     counts = Counter((o.outputs.token_ids[1], o.outputs.token_ids[2]) for o in outputs)
     stats = llm.engine.stats()

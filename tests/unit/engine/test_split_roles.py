@@ -1,6 +1,7 @@
 """The engine's disaggregation hooks without Ray or a transport: a prefill engine computes the
 prompt and keeps its blocks (hold_kv), a decode engine reserves a lease, the KV is copied block by
-block, and the decode engine continues: the tokens equal the colocated engine's."""
+block, and the decode engine continues: the tokens equal the colocated engine's, also for a
+seeded request moved after some tokens (its continuation split the same way)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(4, 2048) for _ in range(rng.randrange(5, 60))] for _ in range(count)]
 
 
-def _disaggregated(prefill, decode, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
+def _disaggregated(
+    prefill, decode, prompt: list[int], params: SamplingParams, rid: str, num_prior_output_tokens: int = 0
+) -> list[int]:
     first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": 0})
-    prefill.add_request(rid, prompt, first_params, hold_kv=True)
+    prefill.add_request(rid, prompt, first_params, hold_kv=True, num_prior_output_tokens=num_prior_output_tokens)
     outs = []
     while prefill.has_unfinished():
         outs += prefill.step()
@@ -32,7 +35,7 @@ def _disaggregated(prefill, decode, prompt: list[int], params: SamplingParams, r
     src = prefill.runner.kv_caches[:, :, src_blocks[:num_prompt_blocks]]  # [layers, 2, n, block, heads, dim]
     decode.runner.kv_caches[:, :, lease[:num_prompt_blocks]] = src
     prefill.release_held(rid)
-    decode.add_prefilled(rid, prompt, out.new_token_ids[0], params, f"lease-{rid}", out.generator_state)
+    decode.add_prefilled(rid, prompt, out.new_token_ids[0], params, f"lease-{rid}", num_prior_output_tokens)
     tokens = list(out.new_token_ids)
     while decode.has_unfinished():
         for o in decode.step():
@@ -56,6 +59,16 @@ def test_split_prefill_and_decode_equal_colocated(make_llm, params):
     got = [_disaggregated(prefill, decode, p, params, str(i)) for i, p in enumerate(prompts)]
     assert got == want
     assert prefill.pool.num_cached_blocks > 0  # the pushed prompts stay in the prefill's prefix cache
+
+
+def test_seeded_continuation_split_across_prefill_and_decode_gives_the_uninterrupted_tokens(make_llm):
+    prompt = _prompts(1, seed=1)[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=3, ignore_eos=True)
+    want = make_llm(block_size=8).generate([prompt], params)[0].outputs.token_ids
+    prefill, decode = make_llm(block_size=8).engine, make_llm(block_size=8).engine
+    # As router/dispatch.py moves it after 5 tokens (test_engine_paths.continuation).
+    moved_params = params.model_copy(update={"max_tokens": params.max_tokens - 5})
+    assert want[:5] + _disaggregated(prefill, decode, prompt + want[:5], moved_params, "r#1", 5) == want
 
 
 def test_held_kv_and_leases_count_in_integrity(make_llm):

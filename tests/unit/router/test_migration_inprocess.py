@@ -1,7 +1,8 @@
 """Faults in one process, without Ray: two prefill and two decode workers over the fault transport
 (wrapping local). A decode worker killed mid-stream, a prefill worker killed mid-prefill, a colocated
 worker killed mid-stream, and each transfer fault (drop, delay past the deadline, fail): every
-greedy stream still gives exactly the offline tokens, and no live worker holds a block afterwards.
+greedy or seeded stream still gives exactly the offline tokens, and no live worker holds a block
+afterwards.
 With no capacity left, or faults on every attempt, requests end with a clear error, not a hang."""
 
 from __future__ import annotations
@@ -252,22 +253,20 @@ def test_a_fault_on_every_attempt_gives_up_after_max_attempts():
     asyncio.run(main())
 
 
-def test_a_seeded_request_migrates_with_its_length_and_prefix_kept():
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_a_seeded_sampled_request_moves_on_with_exactly_the_offline_tokens(colocated):
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
     prompts = _prompts(4, seed=3)
     expected = _offline(prompts, params)
 
     async def main():
-        cluster = Cluster()
+        cluster = Cluster(colocated=colocated)
         streams = Streams(cluster.dispatcher, prompts, params)
         await streams.until(lambda: all(len(t) >= 4 for t in streams.tokens))
-        prefixes = [list(t) for t in streams.tokens]
-        await cluster.decode["d1"].kill()
-        results = await streams.results()
-        for result, prefix, full in zip(results, prefixes, expected):
-            # what was streamed stays; the rest is a seeded continuation (the module docstring of
-            # router.dispatch says why it may differ from a fault-free run)
-            assert len(result) == 16 and result[: len(prefix)] == prefix == full[: len(prefix)]
+        await next(iter(cluster.decode.values())).kill()
+        # the same seed gives the same tokens, also across the move: draws are keyed by output position
+        assert await streams.results() == expected
+        assert cluster.dispatcher.num_migrations >= 1
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
