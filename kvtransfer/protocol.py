@@ -11,6 +11,11 @@ The block-ownership protocol, in order (shared/DESIGN.md, "Life of a request"):
 | 5    | prefill -> router  | PrefillResultMsg (first token)            | prefill: held -> prefix cache          |
 | 6    | decode -> router   | TokenBatchMsg, one per step per router    | decode: freed when the request ends    |
 
+A prompt may also skip the prefill worker (the router's prefill rule: a short prompt, or one the
+decode worker's prefix cache mostly holds): router -> decode LocalPrefillMsg -> LocalPrefillReplyMsg
+replaces steps 1 to 5; the decode worker computes the prompt itself, with no lease and no KV push
+(decode: free or cached -> held by the running request), or declines and nothing changes.
+
 An AbortMsg may come at any step; it is idempotent and frees whatever the request holds.
 """
 
@@ -42,6 +47,21 @@ class GenerateRequestMsg(Msg):
     prompt_token_ids: list[int]
     params: SamplingParams
     router_id: str  # whose TokenBatchMsg carries this request's tokens
+
+
+class LocalPrefillMsg(Msg):
+    """Router -> decode: compute this request's prompt here, then decode it (no prefill worker)."""
+
+    request: GenerateRequestMsg
+    # Decline unless the prefix cache holds at least this many leading prompt tokens (0: no condition):
+    # the router's belief about the decode worker's cache, checked where the cache is.
+    min_cached_tokens: int = 0
+
+
+class LocalPrefillReplyMsg(Msg):
+    accepted: bool
+    reason: str = ""  # why not: draining, no room for the prompt's blocks, too little of it cached
+    num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache
 
 
 class ReserveMsg(Msg):
