@@ -20,12 +20,14 @@ from kvtransfer import LocalHub
 from kvtransfer.fault import FaultRule
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
-from router.dispatch import DispatcherConfig
+from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
 ENGINE = dict(device="cpu", block_size=8, num_blocks=256)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 TRANSFER_TIMEOUT_S = 1.0
-FAST = DispatcherConfig(max_capacity_wait_s=0.5, call_timeout_s=5.0, stall_timeout_s=20.0, prefill_timeout_s=30.0)
+# NOTE: every prompt through a prefill worker (these prompts are short): the faults are the KV push's.
+FAST = DispatcherConfig(max_capacity_wait_s=0.5, call_timeout_s=5.0, stall_timeout_s=20.0, prefill_timeout_s=30.0,
+                        local_prefill=LocalPrefillConfig(rule="remote"))
 
 
 def _prompts(count: int, seed: int = 1) -> list[list[int]]:
