@@ -18,7 +18,7 @@ from kvtransfer.protocol import (
     TokenBatchMsg,
 )
 
-ENGINE = dict(device="cpu", block_size=8, num_blocks=16)
+ENGINE = {"device": "cpu", "block_size": 8, "num_blocks": 16}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 40 tokens: 5 full blocks
 
