@@ -1,9 +1,9 @@
 """Disaggregated serving on a local Ray cluster over gloo: 16 concurrent requests of mixed
 lengths give the same greedy tokens as the colocated mode and as the offline engine, and every
 worker ends with no block held. Disaggregated, they are served twice by one deployment: first
-with the default prefill rule (the short prompts are prefilled on the decode worker, never reaching
-the prefill worker or taking a lease; the long ones go through the prefill worker), then with every
-prompt through the prefill worker (rule 'remote')."""
+with prefill rule 'short_or_cached' (the short prompts are prefilled on the decode worker, never
+reaching the prefill worker or taking a lease; the long ones go through the prefill worker), then
+with every prompt through the prefill worker (rule 'remote')."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ from tests.spy import Spy
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENGINE = dict(device="cpu", block_size=8, num_blocks=512)
-RULES = {"default rule": DispatcherConfig(), "remote": DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"))}
+RULES = {  # NOTE: a threshold of its own, so that these prompts (3 to 119 tokens) take both paths
+    "short_or_cached": DispatcherConfig(local_prefill=LocalPrefillConfig(max_short_prompt_tokens=64)),
+    "remote": DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")),
+}
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -51,7 +54,7 @@ async def serve_requests(
             spied = Workers(prefill={i: Spy(h, calls[rule]) for i, h in workers.prefill.items()},
                             decode={i: Spy(h, calls[rule]) for i, h in workers.decode.items()})
             # NOTE: a router id per run: a closed Dispatcher's last poll may still take its router's tokens.
-            dispatcher = Dispatcher(f"router-{rule.replace(' ', '-')}", spied, poll_timeout_s=0.5, config=RULES[rule])
+            dispatcher = Dispatcher(f"router-{rule}", spied, poll_timeout_s=0.5, config=RULES[rule])
 
             tokens[rule] = await asyncio.wait_for(
                 asyncio.gather(*(_generate(dispatcher, f"req-{i}", p, params[i]) for i, p in enumerate(prompts))), 300
@@ -69,20 +72,20 @@ def test_16_requests_disaggregated_equal_colocated_and_offline(ray_cluster):
               for i in range(16)]
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
     engine = engine_config(**ENGINE)
-    short = RULES["default rule"].local_prefill.max_short_prompt_tokens
+    short = RULES["short_or_cached"].local_prefill.max_short_prompt_tokens
     short_ids = {f"req-{i}" for i, p in enumerate(prompts) if len(p) < short}
     long_ids = {f"req-{i}" for i, p in enumerate(prompts) if len(p) >= short}
     assert short_ids and long_ids
 
     for mode in ("disaggregated", "colocated"):
         config = ClusterConfig(engine=engine, mode=mode, num_prefill=1, num_decode=1, transport="gloo")
-        rules = list(RULES) if mode == "disaggregated" else ["default rule"]
+        rules = list(RULES) if mode == "disaggregated" else ["short_or_cached"]
         tokens, calls, held = asyncio.run(serve_requests(config, prompts, params, rules))
         assert set(held.values()) == {0}, held
         for rule in rules:
             assert tokens[rule] == offline, (mode, rule)
         if mode == "disaggregated":
-            assert set(calls["default rule"]["prefill_locally"]) == short_ids
-            assert set(calls["default rule"]["prefill"]) == set(calls["default rule"]["reserve"]) == long_ids
+            assert set(calls["short_or_cached"]["prefill_locally"]) == short_ids
+            assert set(calls["short_or_cached"]["prefill"]) == set(calls["short_or_cached"]["reserve"]) == long_ids
             assert not calls["remote"]["prefill_locally"]
             assert set(calls["remote"]["prefill"]) == short_ids | long_ids
