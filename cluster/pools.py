@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtransfer import NCCL_WORKER_ENV
+from kvtransfer.protocol import LocalPrefillReplyMsg
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ Publish = Callable[[], Awaitable[None] | None]
 class RetiringHandle:
     """What routers are given for a retiring worker while it drains: its token stream (`poll`),
     `abort` and the KV protocol reach the actor as before, but it takes no new request: `reserve`
-    answers None (no room), so a router leases on another worker."""
+    answers None (no room) and `prefill_locally` declines, so a router goes to another worker."""
 
     def __init__(self, worker_id: str, handle: Any) -> None:
         self.worker_id = worker_id
@@ -47,6 +48,9 @@ class RetiringHandle:
 
     async def reserve(self, request: bytes) -> None:
         return None
+
+    async def prefill_locally(self, local: bytes) -> bytes:
+        return LocalPrefillReplyMsg(accepted=False, reason=f"decode worker {self.worker_id} is retiring").encode()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # NOTE: keeps pickling (and a half-built instance) off the actor handle

@@ -1,5 +1,7 @@
 """DecodeWorker: leases KV blocks to incoming prompts, receives their KV, and decodes them in its
-continuous batch; in colocated mode it also takes whole requests and prefills them itself.
+continuous batch; it also takes whole requests and prefills them itself: every request in colocated
+mode (`submit`), and in disaggregated mode those the router sends past the prefill workers
+(`prefill_locally`: short prompts, or prompts its prefix cache mostly holds).
 
 An async Ray actor body (cluster/ wraps it with ray.remote); in unit tests a plain object.
 Control methods are async and never touch the engine: they hand commands to the EngineLoop
@@ -22,13 +24,15 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from pydantic import Field
 
 from engine import EngineCore, StepOutput
+from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
 from kvtransfer.netaddr import resolve_host
 from kvtransfer import transport_options as kv_transport_options
@@ -39,11 +43,14 @@ from kvtransfer.protocol import (
     KvAcceptMsg,
     KvReadyMsg,
     LeaseMsg,
+    LocalPrefillMsg,
+    LocalPrefillReplyMsg,
     ReserveMsg,
     TokenBatchMsg,
     TokenOutputMsg,
 )
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -135,18 +142,49 @@ class DecodeWorker(TransferEndpoint):
             box.outputs.append(out)
             box.ready.set()
 
-    # ---- control: colocated
+    # ---- control: whole requests (prefilled here)
     async def submit(self, request: bytes) -> None:
         """Colocated mode: prefill and decode a whole request here."""
         self._bind()
         if self.is_draining:
             raise RuntimeError(f"decode worker {self.worker_id} is draining: send the request to another worker")
         msg = GenerateRequestMsg.decode(request)
+        await self._admit(msg, lambda e: e.add_request(
+            msg.request_id, msg.prompt_token_ids, msg.params, num_prior_output_tokens=msg.num_prior_output_tokens
+        ))
+
+    async def prefill_locally(self, local: bytes) -> bytes:
+        """Disaggregated mode, a request that skips the prefill workers: computes its prompt here
+        (prefix-cache hits reused, chunked into the running batch like any prompt) and decodes it,
+        as `submit` does. Answers a LocalPrefillReplyMsg; declined (nothing changed, the router
+        goes through a prefill worker) when draining, when the prompt's blocks cannot be had now,
+        or when the prefix cache holds fewer than `min_cached_tokens` of it."""
+        self._bind()
+        msg = LocalPrefillMsg.decode(local)
+        request = msg.request
+        if self.is_draining:
+            return LocalPrefillReplyMsg(accepted=False, reason=f"decode worker {self.worker_id} is draining").encode()
+        if request.request_id in self.lease_of_request or request.request_id in self.router_of_request:
+            raise ValueError(f"request {request.request_id!r} already has a lease or runs here")
+
+        def admit(engine: EngineCore) -> LocalPrefillReplyMsg:
+            reply = _local_admission(engine, request.prompt_token_ids, msg.min_cached_tokens)
+            if reply.accepted:
+                engine.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                   num_prior_output_tokens=request.num_prior_output_tokens)
+            return reply
+
+        reply = await self._admit(request, admit)
+        if not reply.accepted:
+            self.router_of_request.pop(request.request_id, None)
+        return reply.encode()
+
+    async def _admit(self, msg: GenerateRequestMsg, admit: Callable[[EngineCore], T]) -> T:
+        """Runs `admit` (which queues the request in the engine, or declines) on the engine thread.
+        NOTE: the request's router is known first, so its first tokens find their outbox."""
         self.router_of_request[msg.request_id] = msg.router_id
         try:
-            await self._call(lambda e: e.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.params, num_prior_output_tokens=msg.num_prior_output_tokens
-            ))
+            return await self._call(admit)
         except Exception:
             self.router_of_request.pop(msg.request_id, None)
             raise
@@ -310,6 +348,31 @@ class DecodeWorker(TransferEndpoint):
             self._reaper.cancel()
         self.loop.stop()
         self.transport.close()
+
+
+def _local_admission(engine: EngineCore, prompt: list[int], min_cached_tokens: int) -> LocalPrefillReplyMsg:
+    """Ask, then act: whether a prompt may be prefilled here now. Room means blocks for the whole
+    prompt and its first token (as a lease would take) beyond what the waiting requests will take;
+    cached prefix blocks are not subtracted (an idle one counts as free already)."""
+    pool = engine.pool
+    block_size = pool.block_size
+    max_hit_blocks = (len(prompt) - 1) // block_size  # the last token is always computed
+    hits = pool.find_cached_prefix(hash_full_blocks(prompt, block_size, [])[:max_hit_blocks])
+    num_cached = len(hits) * block_size
+    if num_cached < min_cached_tokens:
+        return LocalPrefillReplyMsg(
+            accepted=False, reason=f"{num_cached} prompt tokens cached here, fewer than {min_cached_tokens}",
+            num_cached_tokens=num_cached,
+        )
+    num_waiting_blocks = sum(-(-(r.num_tokens + 1) // block_size) for r in engine.scheduler.waiting)
+    num_blocks = -(-(len(prompt) + 1) // block_size)
+    if not pool.can_allocate(num_blocks + num_waiting_blocks):
+        return LocalPrefillReplyMsg(
+            accepted=False, num_cached_tokens=num_cached,
+            reason=f"{num_blocks} KV blocks for the prompt cannot be had ({pool.num_free_blocks} free, "
+            f"{num_waiting_blocks} wanted by waiting requests)",
+        )
+    return LocalPrefillReplyMsg(accepted=True, num_cached_tokens=num_cached)
 
 
 def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:

@@ -11,6 +11,11 @@ The block-ownership protocol, in order (shared/DESIGN.md, "Life of a request"):
 | 5    | prefill -> router  | PrefillResultMsg (first token)            | prefill: held -> prefix cache          |
 | 6    | decode -> router   | TokenBatchMsg, one per step per router    | decode: freed when the request ends    |
 
+A prompt may also skip the prefill worker (the router's prefill rule: a short prompt, or one the
+decode worker's prefix cache mostly holds): router -> decode LocalPrefillMsg -> LocalPrefillReplyMsg
+replaces steps 1 to 5; the decode worker computes the prompt itself, with no lease and no KV push
+(decode: free or cached -> held by the running request), or declines and nothing changes.
+
 An AbortMsg may come at any step; it is idempotent and frees whatever the request holds.
 """
 
@@ -45,6 +50,21 @@ class GenerateRequestMsg(Msg):
     # A continuation of a request moved off a failed worker: the last prompt tokens that earlier
     # attempts generated. Seeded sampling continues the stream at this output position.
     num_prior_output_tokens: int = Field(0, ge=0)
+
+
+class LocalPrefillMsg(Msg):
+    """Router -> decode: compute this request's prompt here, then decode it (no prefill worker)."""
+
+    request: GenerateRequestMsg
+    # Decline unless the prefix cache holds at least this many leading prompt tokens (0: no condition):
+    # the router's belief about the decode worker's cache, checked where the cache is.
+    min_cached_tokens: int = 0
+
+
+class LocalPrefillReplyMsg(Msg):
+    accepted: bool
+    reason: str = ""  # why not: draining, no room for the prompt's blocks, too little of it cached
+    num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache
 
 
 class ReserveMsg(Msg):

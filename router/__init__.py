@@ -3,7 +3,14 @@ strings, streaming), and the Dispatcher that drives each request through the pre
 workers. It is handed the workers' handles and never imports cluster/."""
 
 from router.core import ChoiceDelta, RouterConfig, RouterCore, RouterMetrics
-from router.dispatch import Dispatcher, DispatcherConfig, NoCapacityError, RequestFailedError, Workers
+from router.dispatch import (
+    Dispatcher,
+    DispatcherConfig,
+    LocalPrefillConfig,
+    NoCapacityError,
+    RequestFailedError,
+    Workers,
+)
 from router.http_app import build_http_app
 from router.openai_schema import APIError
 
@@ -12,6 +19,7 @@ __all__ = [
     "ChoiceDelta",
     "Dispatcher",
     "DispatcherConfig",
+    "LocalPrefillConfig",
     "NoCapacityError",
     "RequestFailedError",
     "RouterConfig",

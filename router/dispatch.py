@@ -3,6 +3,10 @@ other workers when the ones it is on fail.
 
 Disaggregated: reserve a lease on a decode worker -> prefill (which pushes the KV) -> first token
 -> the decode worker's token batches. Colocated: submit to one worker -> its token batches.
+Disaggregated, a prompt the prefill rule picks (DispatcherConfig.local_prefill: a short one, or one
+a decode worker mostly holds in its prefix cache) skips the prefill workers: its decode worker
+computes it itself (`prefill_locally`) and streams its tokens as a colocated worker would; if no
+such worker takes it (no room, less cached than believed), it goes through a prefill worker.
 One poller task per decode worker fetches that worker's TokenBatchMsg for this router and fans
 the outputs out to the requests' queues. Knows nothing of HTTP, text or Ray pools: it is handed
 the workers' handles (Ray actor handles, or the worker objects themselves in-process).
@@ -21,7 +25,9 @@ can reach the new one. An attempt fails, and the next starts, when:
 The next attempt continues the stream where the client is: its prompt is the original prompt plus
 every token already yielded, with max_tokens and min_tokens lowered by their count. Disaggregated,
 the prefill worker's prefix cache still holds the prompt's blocks, so only the tail is computed
-again; colocated, the new worker computes it all. Nothing is lost or repeated: the client sees
+again; colocated, the new worker computes it all. The continuation meets the prefill rule afresh: a
+request that was prefilled on its (now failed) decode worker may go through a prefill worker next,
+or be computed whole by another decode worker. Nothing is lost or repeated: the client sees
 only what this Dispatcher yielded, and the continuation starts right after it.
 
 What a continuation preserves: greedy requests give exactly the tokens of a fault-free run (the
@@ -47,14 +53,23 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import SamplingParams
 from engine.validation import InvalidRequestError
-from router.policy import CacheAwarePolicy, DispatchPolicy, LoadTracker
+from router.policy import (
+    CacheAwarePolicy,
+    DispatchPolicy,
+    LoadTracker,
+    PrefillRule,
+    create_prefill_rule,
+    prefill_rule_names,
+)
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     LeaseMsg,
+    LocalPrefillMsg,
+    LocalPrefillReplyMsg,
     PrefillResultMsg,
     PrefillTaskMsg,
     ReserveMsg,
@@ -73,8 +88,40 @@ class RequestFailedError(RuntimeError):
     """A worker failed the request; the message says where and why."""
 
 
+class LocalPrefillConfig(BaseModel):
+    """Disaggregated mode: which requests skip the prefill workers, their decode worker computing
+    the prompt itself (router.policy's prefill rules)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rule: str = Field(
+        "short_or_cached",
+        description="The prefill rule: 'short_or_cached' (short prompts, and prompts a decode worker mostly "
+        "holds in its prefix cache), or 'remote' (every prompt through a prefill worker).",
+    )
+    max_short_prompt_tokens: int = Field(
+        192, ge=0, le=1 << 20,
+        description="short_or_cached: prompts of fewer tokens are prefilled on their decode worker (0: none for "
+        "being short). Measured (bench/skip_prefill.py, results/skip_prefill_cpu.json, CPU + gloo, default model): "
+        "the remote path costs a request ~6 ms more TTFT; computing a prompt of up to 192 tokens adds less than "
+        "that to the decode worker's step in every idle sweep. Re-measure on GPUs.",
+    )
+    min_cached_fraction: float = Field(
+        0.75, gt=0.0, lt=1.0,
+        description="short_or_cached: a longer prompt is prefilled on a decode worker whose prefix cache holds at "
+        "least this fraction of its tokens (as the router believes and the worker confirms).",
+    )
+
+    @field_validator("rule")
+    @classmethod
+    def _known_rule(cls, rule: str) -> str:
+        if rule not in prefill_rule_names():
+            raise ValueError(f"local_prefill.rule {rule!r} is unknown; known: {', '.join(prefill_rule_names())}")
+        return rule
+
+
 class DispatcherConfig(BaseModel):
-    """Deadlines and retry limits of the Dispatcher."""
+    """Deadlines, retry limits and the prefill rule of the Dispatcher."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -98,6 +145,10 @@ class DispatcherConfig(BaseModel):
     )
     failed_worker_cooldown_s: float = Field(
         10.0, ge=0.0, description="A worker whose call failed gets no new attempt for this long (or until it leaves)."
+    )
+    local_prefill: LocalPrefillConfig = Field(
+        default_factory=LocalPrefillConfig,
+        description="Disaggregated mode: which requests skip the prefill workers (prefilled on their decode worker).",
     )
 
 
@@ -184,6 +235,7 @@ class Dispatcher:
         config: DispatcherConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         policy: DispatchPolicy | None = None,
+        prefill_rule: PrefillRule | None = None,
     ) -> None:
         self.router_id = router_id
         self.on_prefill_result = on_prefill_result  # metrics: prefill and KV-push timings
@@ -192,6 +244,7 @@ class Dispatcher:
         self.config = config or DispatcherConfig()
         self.clock = clock
         self.num_migrations = 0  # attempts started after a failed one, since start
+        self.num_local_prefills = 0  # disaggregated attempts prefilled on their decode worker, since start
         self._attempts: dict[str, _Attempt] = {}  # attempt id -> the attempt, while it runs
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._failed_until: dict[str, float] = {}  # worker id -> clock() until which it gets no new attempt
@@ -199,6 +252,11 @@ class Dispatcher:
         # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker.
         self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
         self.policy = policy or CacheAwarePolicy(loads=self.loads.loads)
+        local = self.config.local_prefill
+        self.prefill_rule = prefill_rule or create_prefill_rule(
+            local.rule, max_short_prompt_tokens=local.max_short_prompt_tokens,
+            min_cached_fraction=local.min_cached_fraction,
+        )
 
     async def _fetch_stats(self, worker_id: str) -> dict[str, Any]:
         handle = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
@@ -215,6 +273,7 @@ class Dispatcher:
             if task is not None:
                 task.cancel()
             self._lose_requests_of(worker_id, f"decode worker {worker_id} left the cluster")
+            self.prefill_rule.forget(worker_id)
         self.workers = workers
         for worker_id in list(self._failed_until):
             if worker_id not in workers.decode and worker_id not in workers.prefill:
@@ -303,6 +362,7 @@ class Dispatcher:
                         yield progress.take(out)
                         if out.finish_reason is not None:
                             attempt.is_finished = True
+                            self._on_finished(attempt, progress)
                             return
                     out = await self._next(attempt)
             except _AttemptFailed as failure:
@@ -323,12 +383,20 @@ class Dispatcher:
                     await asyncio.shield(self._abort(attempt))
 
     async def _start(self, attempt: _Attempt, progress: _Progress) -> TokenOutputMsg | None:
-        """Places the attempt; disaggregated, returns its first token."""
+        """Places the attempt; through a prefill worker, returns its first token."""
         self._ensure_pollers()
         if self.workers.is_colocated:
             await self._submit_colocated(attempt, progress)
             return None
+        if await self._prefill_locally(attempt, progress):
+            return None
         return await self._prefill(attempt, progress)
+
+    def _on_finished(self, attempt: _Attempt, progress: _Progress) -> None:
+        """The request ended well: its decode worker's prefix cache now holds its prompt and all
+        but its last token (whose KV was never computed)."""
+        if not self.workers.is_colocated and attempt.worker_id is not None:
+            self.prefill_rule.on_cached(attempt.worker_id, (progress.prompt + progress.token_ids)[:-1])
 
     async def _next(self, attempt: _Attempt) -> TokenOutputMsg:
         try:
@@ -370,6 +438,38 @@ class Dispatcher:
             _raise_if_invalid(err)
             self._mark_failed(worker_id, err)
             raise _AttemptFailed(f"colocated worker {worker_id} failed: {type(err).__name__}: {err}") from None
+
+    async def _prefill_locally(self, attempt: _Attempt, progress: _Progress) -> bool:
+        """Places the attempt on a decode worker that computes the prompt itself, when the prefill
+        rule picks some and one of them takes it; False: nothing was placed."""
+        prompt = attempt.request.prompt_token_ids
+        candidates = {i: h for i, h in self.workers.decode.items() if i not in progress.failed_workers}
+        picked, min_cached_tokens = self.prefill_rule.local_workers(prompt, list(candidates))
+        if not picked:
+            return False
+        local = LocalPrefillMsg(request=attempt.request, min_cached_tokens=min_cached_tokens).encode()
+        for worker_id, handle in self._usable("decode", {i: candidates[i] for i in picked}, set(), prompt):
+            # NOTE: set before the call: the first tokens may be polled before it returns.
+            attempt.worker_id = worker_id
+            attempt.touched.append((worker_id, handle))
+            self.policy.on_assigned(worker_id, None)
+            try:
+                raw = await asyncio.wait_for(invoke(handle.prefill_locally, local), self.config.call_timeout_s)
+                reply = LocalPrefillReplyMsg.decode(raw)
+            except Exception as err:  # noqa: BLE001 - bad input is the client's; anything else, the worker's
+                _raise_if_invalid(err)
+                self._mark_failed(worker_id, err)
+                raise _AttemptFailed(f"decode worker {worker_id} failed: {type(err).__name__}: {err}") from None
+            if reply.accepted:
+                self.prefill_rule.on_cached(worker_id, prompt)
+                self.num_local_prefills += 1
+                return True
+            log.debug("decode worker %s declined to prefill %s: %s", worker_id, attempt.request.request_id,
+                      reply.reason)
+            self.policy.on_finished(worker_id)
+            attempt.worker_id = None
+            attempt.touched.pop()
+        return False
 
     async def _reserve(self, attempt: _Attempt, progress: _Progress) -> tuple[str, Any, LeaseMsg]:
         """A lease on the first decode worker with room; waits up to max_capacity_wait_s for one."""
@@ -444,6 +544,8 @@ class Dispatcher:
         if result.finish_reason is not None:
             await self._abort(attempt, [(decode_id, decode)])  # the lease is not needed: free it now
             attempt.is_finished = True
+        else:
+            self.prefill_rule.on_cached(decode_id, request.prompt_token_ids)  # the KV landed there
         return TokenOutputMsg(
             request_id=request.request_id,
             new_token_ids=[result.first_token] if result.first_token is not None else [],

@@ -10,6 +10,13 @@ smallest running batch, then by free KV blocks. The router learns both without a
   the requests this router assigned since the last refresh.
 
 Policies register by name (`register_policy`), so a deployment picks one by config.
+
+Prefill rules (disaggregated mode) decide which prompts skip the prefill workers and are computed
+by their decode worker itself: no lease, no KV push, two fewer hops, but the prompt's compute lands
+in that worker's decode batch. `ShortOrCachedRule` (the default) skips for short prompts and for
+prompts a decode worker is believed to hold mostly in its prefix cache (a second PrefixIndex, of
+what each decode worker computed or received); `RemotePrefillRule` never skips. They register by
+name too (`register_prefill_rule`).
 """
 
 from __future__ import annotations
@@ -17,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from engine.kv_cache import BlockHash, hash_full_blocks
+from engine.kv_cache import BlockHash, hash_block, hash_full_blocks
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +107,21 @@ class PrefixIndex:
 
     def forget(self, worker_id: str) -> None:
         self._blocks.pop(worker_id, None)
+
+    def longest_matches(self, prompt: Sequence[int], worker_ids: Sequence[str]) -> dict[str, int]:
+        """Per worker, leading blocks of `prompt` believed cached there. Hashes only as far as some
+        worker still matches: a prompt no one holds costs one hash, not one per block."""
+        matched = dict.fromkeys(worker_ids, 0)
+        live = [w for w in worker_ids if self._blocks.get(w)]
+        parent: BlockHash | None = None
+        for start in range(0, len(prompt) - self.block_size + 1, self.block_size):
+            if not live:
+                break
+            parent = hash_block(parent, prompt[start : start + self.block_size])
+            live = [w for w in live if parent in self._blocks[w]]
+            for w in live:
+                matched[w] += 1
+        return matched
 
 
 class LoadTracker:
@@ -225,3 +248,93 @@ class CacheAwarePolicy:
         if self.assigned.get(worker_id, 0) > 0:
             self.assigned[worker_id] -= 1
 
+
+
+class PrefillRule(Protocol):
+    """Disaggregated mode: which prompts their decode worker prefills itself (no prefill worker)."""
+
+    name: ClassVar[str]
+
+    def local_workers(self, prompt: Sequence[int], decode_ids: Sequence[str]) -> tuple[list[str], int]:
+        """The decode workers of `decode_ids` that should compute `prompt` themselves (empty: a
+        prefill worker computes it), and the fewest leading prompt tokens one must hold in its
+        prefix cache to take it (0: no condition; the worker checks, and declines if not)."""
+        ...
+
+    def on_cached(self, decode_id: str, token_ids: Sequence[int]) -> None:
+        """The KV of `token_ids` was computed on, or pushed into, `decode_id`."""
+        ...
+
+    def forget(self, decode_id: str) -> None:
+        """`decode_id` left: nothing of it is cached any more."""
+        ...
+
+
+_PREFILL_RULES: dict[str, Callable[..., PrefillRule]] = {}
+
+
+def register_prefill_rule(cls: type) -> type:
+    _PREFILL_RULES[cls.name] = cls
+    return cls
+
+
+def prefill_rule_names() -> list[str]:
+    return sorted(_PREFILL_RULES)
+
+
+def create_prefill_rule(name: str, **kwargs: Any) -> PrefillRule:
+    if name not in _PREFILL_RULES:
+        raise ValueError(f"prefill rule {name!r} is unknown; known: {', '.join(prefill_rule_names())}")
+    return _PREFILL_RULES[name](**kwargs)
+
+
+@register_prefill_rule
+class RemotePrefillRule:
+    """Every prompt goes through a prefill worker (pdserve before prefill rules existed)."""
+
+    name: ClassVar[str] = "remote"
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def local_workers(self, prompt: Sequence[int], decode_ids: Sequence[str]) -> tuple[list[str], int]:
+        return [], 0
+
+    def on_cached(self, decode_id: str, token_ids: Sequence[int]) -> None:
+        pass
+
+    def forget(self, decode_id: str) -> None:
+        pass
+
+
+@register_prefill_rule
+class ShortOrCachedRule:
+    """A prompt of fewer than `max_short_prompt_tokens` tokens goes to any decode worker (the
+    dispatch policy picks which); a longer one to the decode workers believed to hold at least
+    `min_cached_fraction` of it in their prefix cache (the worker checks, and declines if not)."""
+
+    name: ClassVar[str] = "short_or_cached"
+
+    def __init__(
+        self, max_short_prompt_tokens: int = 0, min_cached_fraction: float = 1.0, block_size: int = 16,
+        max_blocks: int = 100_000, **_: Any,
+    ) -> None:
+        self.max_short_prompt_tokens = max_short_prompt_tokens
+        self.min_cached_fraction = min_cached_fraction
+        self.prefix = PrefixIndex(block_size, max_blocks)
+
+    def local_workers(self, prompt: Sequence[int], decode_ids: Sequence[str]) -> tuple[list[str], int]:
+        if len(prompt) < self.max_short_prompt_tokens:
+            return list(decode_ids), 0
+        min_cached_tokens = math.ceil(self.min_cached_fraction * len(prompt))
+        if min_cached_tokens > len(prompt) - 1:  # NOTE: a prompt's last token is always computed
+            return [], 0
+        matches = self.prefix.longest_matches(prompt, decode_ids)
+        block_size = self.prefix.block_size
+        return [w for w in decode_ids if matches[w] * block_size >= min_cached_tokens], min_cached_tokens
+
+    def on_cached(self, decode_id: str, token_ids: Sequence[int]) -> None:
+        self.prefix.add(decode_id, self.prefix.hashes(token_ids))
+
+    def forget(self, decode_id: str) -> None:
+        self.prefix.forget(decode_id)

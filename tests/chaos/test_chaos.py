@@ -28,7 +28,7 @@ from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
 from kvtransfer.fault import FaultRule
-from router.dispatch import DispatcherConfig
+from router.dispatch import DispatcherConfig, LocalPrefillConfig
 from tests.chaos.harness import Chaos, Outcome, wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.integration]
@@ -47,6 +47,7 @@ CLUSTER = ClusterConfig(
 DISPATCH = DispatcherConfig(
     max_capacity_wait_s=5.0, call_timeout_s=10.0, stall_timeout_s=30.0, prefill_timeout_s=60.0,
     failed_worker_cooldown_s=5.0,
+    local_prefill=LocalPrefillConfig(rule="remote"),  # NOTE: these prompts are short; the faults are the KV push's
 )
 RESULTS_PATH = Path(__file__).resolve().parents[2] / "bench" / "results" / "chaos_cpu.json"
 

@@ -36,6 +36,7 @@ from engine import LLM, SamplingParams
 from engine.llm import engine_config
 from router.follow import WorkerSetFollower
 from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
+from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -115,7 +116,9 @@ class Serving:
 
     async def __aenter__(self) -> Serving:
         await asyncio.wait_for(self.controller.start(), 120)
-        self.dispatcher = Dispatcher("router-0", Workers({}, {}), poll_timeout_s=0.5)
+        # NOTE: every prompt through the prefill node (these prompts are short): the KV crosses nodes.
+        remote = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"))
+        self.dispatcher = Dispatcher("router-0", Workers({}, {}), poll_timeout_s=0.5, config=remote)
         # Follows the controller the way a Serve router replica does, only more often.
         self.follower = WorkerSetFollower(self.dispatcher, self.controller.workers, interval_s=0.1)
         await self.follower.start()

@@ -1,7 +1,8 @@
 """The whole disaggregated path in one process, without Ray: Dispatcher -> DecodeWorker lease ->
 PrefillWorker prefill and KV push over the local transport -> decode -> tokens. Greedy tokens
-equal the offline engine's and the colocated mode's; aborts at every stage and expired leases
-leave no block held on either worker."""
+equal the offline engine's and the colocated mode's, with every prompt through the prefill worker
+(prefill rule 'remote') and with the default rule (short prompts prefilled on the decode worker);
+aborts at every stage and expired leases leave no block held on either worker."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from engine.llm import engine_config
 from kvtransfer import LocalHub
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from router import Dispatcher, Workers
+from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
 ENGINE = dict(device="cpu", block_size=8, num_blocks=256)
+REMOTE = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"))  # every prompt through a prefill worker
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -49,8 +52,8 @@ async def _collect(dispatcher: Dispatcher, rid: str, prompt: list[int], params: 
     return tokens
 
 
-async def _run_all(workers: Workers, prompts, params) -> list[list[int]]:
-    dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2)
+async def _run_all(workers: Workers, prompts, params, config: DispatcherConfig = REMOTE) -> list[list[int]]:
+    dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2, config=config)
     try:
         return await asyncio.wait_for(
             asyncio.gather(*(_collect(dispatcher, str(i), p, params) for i, p in enumerate(prompts))), 120
@@ -82,15 +85,17 @@ def test_disaggregated_equals_colocated_and_offline(params):
 
     async def main():
         results = {}
-        for mode in ("disaggregated", "colocated"):
+        for mode in ("disaggregated", "disaggregated-default-rule", "colocated"):
             workers, objs = _build(colocated=(mode == "colocated"))
-            results[mode] = await _run_all(workers, prompts, params)
+            config = DispatcherConfig() if mode == "disaggregated-default-rule" else REMOTE
+            results[mode] = await _run_all(workers, prompts, params, config)
             assert await _held(objs) == [0] * len(objs), mode
             await _shutdown(objs)
         return results
 
     results = asyncio.run(main())
     assert results["disaggregated"] == offline
+    assert results["disaggregated-default-rule"] == offline
     assert results["colocated"] == offline
 
 
@@ -108,7 +113,7 @@ def test_first_token_that_ends_the_request_frees_the_lease():
 def test_abort_before_push_during_decode_and_unclaimed_lease():
     async def main():
         workers, (prefill, decode) = _build(lease_ttl_s=0.5)
-        dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2)
+        dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2, config=REMOTE)
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         # during decode: leave the stream after a few tokens (a client disconnect)
         stream = dispatcher.generate("a", _prompts(1)[0], params)
@@ -147,7 +152,8 @@ def test_layout_mismatch_fails_at_pairing_and_names_the_field(option, values, na
                                                  transport="local", pair_timeout_s=5), transport_options={"hub": hub})
         prefill = PrefillWorker(PrefillWorkerConfig(worker_id="p0", engine=engine_config(**prefill_options),
                                                     transport="local", pair_timeout_s=5), transport_options={"hub": hub})
-        dispatcher = Dispatcher("r0", Workers(prefill={"p0": prefill}, decode={"d0": decode}), poll_timeout_s=0.2)
+        dispatcher = Dispatcher("r0", Workers(prefill={"p0": prefill}, decode={"d0": decode}), poll_timeout_s=0.2,
+                                config=REMOTE)
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         with pytest.raises(RequestFailedError, match=named):
             await asyncio.wait_for(_collect(dispatcher, "x", _prompts(1)[0], params), 60)

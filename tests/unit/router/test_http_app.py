@@ -24,7 +24,7 @@ from engine.llm import engine_config
 from engine.models import DEFAULT_MODEL_DIR
 from kvtransfer import LocalHub
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
-from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
+from router import Dispatcher, DispatcherConfig, LocalPrefillConfig, NoCapacityError, RequestFailedError, Workers
 from router.core import RouterConfig, RouterCore
 from router.http_app import build_http_app
 
@@ -130,7 +130,10 @@ def _serve(tokenizer: Tokenizer, colocated: bool, **config: Any) -> Server:
     workers, objs = _workers(colocated)
     config = {"api_key": API_KEY, "max_body_bytes": MAX_BODY_BYTES, **config}
     max_model_len = objs[-1].loop.engine.max_model_len
-    core = RouterCore(Dispatcher("r0", workers, poll_timeout_s=0.2), tokenizer, RouterConfig(**config), max_model_len)
+    # NOTE: every prompt through the prefill worker (these prompts are short): the KV push is under test too.
+    remote = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"))
+    dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2, config=remote)
+    core = RouterCore(dispatcher, tokenizer, RouterConfig(**config), max_model_len)
     return Server(core, objs)
 
 

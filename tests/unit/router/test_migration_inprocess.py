@@ -1,8 +1,8 @@
 """Faults in one process, without Ray: two prefill and two decode workers over the fault transport
-(wrapping local). A decode worker killed mid-stream, a prefill worker killed mid-prefill, a colocated
-worker killed mid-stream, and each transfer fault (drop, delay past the deadline, fail): every
-greedy or seeded stream still gives exactly the offline tokens, and no live worker holds a block
-afterwards.
+(wrapping local). A decode worker killed mid-stream (with prompts pushed by a prefill worker, or
+prefilled on the decode worker itself), a prefill worker killed mid-prefill, a colocated worker
+killed mid-stream, and each transfer fault (drop, delay past the deadline, fail): every greedy
+or seeded stream still gives exactly the offline tokens, and no live worker holds a block afterwards.
 With no capacity left, or faults on every attempt, requests end with a clear error, not a hang."""
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from kvtransfer import LocalHub
 from kvtransfer.fault import FaultRule
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
-from router.dispatch import DispatcherConfig
+from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
 ENGINE = dict(device="cpu", block_size=8, num_blocks=256)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 TRANSFER_TIMEOUT_S = 1.0
-FAST = DispatcherConfig(max_capacity_wait_s=0.5, call_timeout_s=5.0, stall_timeout_s=20.0, prefill_timeout_s=30.0)
+# NOTE: every prompt through a prefill worker (these prompts are short): the faults are the KV push's.
+FAST = DispatcherConfig(max_capacity_wait_s=0.5, call_timeout_s=5.0, stall_timeout_s=20.0, prefill_timeout_s=30.0,
+                        local_prefill=LocalPrefillConfig(rule="remote"))
 
 
 def _prompts(count: int, seed: int = 1) -> list[list[int]]:
@@ -71,7 +73,9 @@ class Killable:
 
 
 class Cluster:
-    def __init__(self, num_prefill: int = 2, num_decode: int = 2, colocated: bool = False) -> None:
+    def __init__(
+        self, num_prefill: int = 2, num_decode: int = 2, colocated: bool = False, dispatch: DispatcherConfig = FAST
+    ) -> None:
         hub = LocalHub()
         options = {"inner": "local", "inner_options": {"hub": hub}}
         engine = engine_config(**ENGINE)
@@ -90,7 +94,7 @@ class Cluster:
                 transport_options=options,
             )) for i in range(num_prefill)
         }
-        self.dispatcher = Dispatcher("r0", self.workers(), poll_timeout_s=0.2, config=FAST)
+        self.dispatcher = Dispatcher("r0", self.workers(), poll_timeout_s=0.2, config=dispatch)
 
     def workers(self) -> Workers:
         return Workers(prefill=dict(self.prefill), decode=dict(self.decode))
@@ -144,6 +148,26 @@ def test_a_killed_decode_worker_s_requests_move_on_with_exactly_the_offline_toke
         cluster = Cluster()
         streams = Streams(cluster.dispatcher, prompts, GREEDY)
         await streams.until(lambda: all(len(t) >= 3 for t in streams.tokens))
+        await cluster.decode["d0"].kill()
+        results = await streams.results()
+        assert results == expected
+        assert cluster.dispatcher.num_migrations >= 1
+        assert set((await cluster.held()).values()) == {0}
+        await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_a_killed_decode_worker_s_locally_prefilled_requests_move_on_with_exactly_the_offline_tokens():
+    prompts = _prompts(8, seed=4)  # 3 to 39 tokens: all prefilled on their decode worker
+    expected = _offline(prompts, GREEDY)
+    local = FAST.model_copy(update={"local_prefill": LocalPrefillConfig(max_short_prompt_tokens=40)})
+
+    async def main():
+        cluster = Cluster(dispatch=local)
+        streams = Streams(cluster.dispatcher, prompts, GREEDY)
+        await streams.until(lambda: all(len(t) >= 3 for t in streams.tokens))
+        assert cluster.dispatcher.num_local_prefills == len(prompts)
         await cluster.decode["d0"].kill()
         results = await streams.results()
         assert results == expected

@@ -1,4 +1,5 @@
-"""Dispatch policies: cache-aware prefill choice, load-aware decode choice, round robin, registry."""
+"""Dispatch policies: cache-aware prefill choice, load-aware decode choice, round robin, registry;
+prefill rules (which prompts their decode worker computes itself) and their configuration."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from router.policy import CacheAwarePolicy, LoadTracker, PrefixIndex, WorkerLoad, create_policy
+from router.policy import CacheAwarePolicy, LoadTracker, PrefixIndex, WorkerLoad, create_policy, create_prefill_rule
 
 
 def test_prefill_goes_where_the_prefix_was_sent():
@@ -75,3 +76,52 @@ def test_load_tracker_refreshes_and_drops_gone_workers():
         tracker.close()
 
     asyncio.run(main())
+
+
+def test_short_or_cached_rule_picks_short_prompts_and_prompts_a_decode_worker_mostly_holds():
+    rule = create_prefill_rule("short_or_cached", max_short_prompt_tokens=8, min_cached_fraction=0.75, block_size=4)
+    assert rule.local_workers([1, 2, 3], ["d0", "d1"]) == (["d0", "d1"], 0)  # short: any, no condition
+    held = list(range(100, 124))  # 6 blocks
+    assert rule.local_workers(held + [1, 2], ["d0", "d1"]) == ([], 20)  # long, cached nowhere
+    rule.on_cached("d1", held)
+    assert rule.local_workers(held + [1, 2], ["d0", "d1"]) == (["d1"], 20)  # 24 of 26 tokens there
+    assert rule.local_workers(held + list(range(12)), ["d0", "d1"]) == ([], 27)  # 24 of 36: not most
+    rule.forget("d1")
+    assert rule.local_workers(held + [1, 2], ["d0", "d1"]) == ([], 20)
+    remote = create_prefill_rule("remote", max_short_prompt_tokens=8)
+    assert remote.local_workers([1, 2, 3], ["d0"]) == ([], 0)
+    with pytest.raises(ValueError, match="prefill rule 'nearest' is unknown; known: remote, short_or_cached"):
+        create_prefill_rule("nearest")
+
+
+def test_longest_matches_hashes_only_while_some_worker_matches(monkeypatch):
+    from router import policy
+
+    calls = []
+    real = policy.hash_block
+    monkeypatch.setattr(policy, "hash_block", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    index = PrefixIndex(block_size=2)
+    index.add("a", index.hashes([1, 2, 3, 4, 5, 6]))
+    index.add("b", index.hashes([1, 2, 7, 8]))
+    calls.clear()
+    assert index.longest_matches([1, 2, 3, 4, 9, 9, 9, 9, 9, 9], ["a", "b", "c"]) == {"a": 2, "b": 1, "c": 0}
+    assert len(calls) == 3  # [1, 2] [3, 4] [9, 9], then no worker matches
+    calls.clear()
+    assert index.longest_matches(list(range(50, 90)), ["a", "b"]) == {"a": 0, "b": 0}
+    assert len(calls) == 1
+
+
+def test_local_prefill_config_is_validated():
+    from pydantic import ValidationError
+
+    from router import DispatcherConfig, LocalPrefillConfig
+
+    assert DispatcherConfig().local_prefill.rule == "short_or_cached"
+    with pytest.raises(ValidationError, match="local_prefill.rule 'nearest' is unknown; known: remote, short_or_cached"):
+        LocalPrefillConfig(rule="nearest")
+    with pytest.raises(ValidationError, match="min_cached_fraction"):
+        LocalPrefillConfig(min_cached_fraction=1.0)
+    with pytest.raises(ValidationError, match="max_short_prompt_tokens"):
+        LocalPrefillConfig(max_short_prompt_tokens=-1)
+    with pytest.raises(ValidationError, match="max_short_tokens"):
+        DispatcherConfig(local_prefill={"max_short_tokens": 10})
