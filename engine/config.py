@@ -120,7 +120,10 @@ class SpeculativeConfig(_Frozen):
         "measured acceptance per drafted token.",
     )
     disable_above_batch_size: int | None = Field(
-        None, ge=0, description="No drafting while more requests than this are running; None: always draft."
+        32,
+        ge=0,
+        description="No drafting while more requests than this are running (a large batch already keeps the GPU "
+        "busy, and verifying drafts costs more than it saves); None: always draft.",
     )
 
     @model_validator(mode="after")

@@ -203,9 +203,11 @@ def test_sampled_tokens_follow_the_target_distribution(make_llm, tiny_pair, meth
     repeat); seeded ones through the comparison with the target's own keyed draws."""
     target, draft = tiny_pair
     if method == "draft":
-        spec = SpeculativeConfig(method="draft", draft_model=str(draft), num_draft_tokens=2)
+        spec = SpeculativeConfig(method="draft", draft_model=str(draft), num_draft_tokens=2,
+                                 disable_above_batch_size=None)  # NOTE: thousands run at once; draft anyway
     else:
-        spec = SpeculativeConfig(method="ngram", num_draft_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+        spec = SpeculativeConfig(method="ngram", num_draft_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2,
+                                 disable_above_batch_size=None)
     llm = make_llm(str(target), block_size=4, max_num_seqs=512, speculative=spec)
     seeded = [params.model_copy(update={"seed": i if is_seeded else None}) for i in range(num_samples)]
     outputs = llm.generate([PROMPT] * num_samples, seeded)
