@@ -95,41 +95,55 @@ async def _probe(client: Any, clock: Callable[[], float]) -> None:
                          "and are --base-url, --api-key and --model right?")
 
 
-async def run_benchmark(config: BenchConfig, *, clock: Callable[[], float] = time.perf_counter,
-                        echo: Callable[[str], None] = print) -> list[Any]:
-    """Probes the server, then runs the workload at each rate of CONFIG; each run's records checked."""
-    from bench.loadgen.arrivals import arrival_offsets
+def client_for(config: BenchConfig, *, clock: Callable[[], float] = time.perf_counter) -> Any:
+    """The OpenAIStreamClient CONFIG describes (server, model, endpoint, key, ignore_eos, timeout); open it
+    with `async with`."""
     from bench.loadgen.client import OpenAIStreamClient
+
+    return OpenAIStreamClient(config.base_url, model=config.model, endpoint=config.endpoint,
+                              api_key=config.api_key, ignore_eos=config.ignore_eos,
+                              temperature=config.temperature, timeout_s=config.request_timeout, clock=clock)
+
+
+async def run_rate(client: Any, config: BenchConfig, k: int, rate: float, *,
+                   clock: Callable[[], float] = time.perf_counter) -> Any:
+    """The run of CONFIG's workload at RATE, the K-th of a sweep (seed: config.seed + k), its records
+    checked: a report.RateRun. CLIENT is an open OpenAIStreamClient (or anything with its `send`)."""
+    from bench.loadgen.arrivals import arrival_offsets
     from bench.loadgen.metrics import SLO, MetricsError, check_metrics, compute_metrics
     from bench.loadgen.records import RecordError
-    from bench.loadgen.report import RateRun, summary
+    from bench.loadgen.report import RateRun
     from bench.loadgen.runner import Progress, run_requests
     from bench.loadgen.workloads import build_workload
 
+    # NOTE: a fresh seed per rate: the same prompts again would hit the server's prefix cache.
+    seed = config.seed + k
+    requests = build_workload(config, seed)
+    offsets = arrival_offsets(len(requests), rate, burstiness=config.burstiness, seed=seed)
+    progress = Progress(len(requests), label=f"{rate:g} req/s", is_enabled=config.is_progress)
+    result = await run_requests(requests, offsets, client.send, max_concurrency=config.max_concurrency,
+                                duration=config.duration, clock=clock, progress=progress)
+    try:
+        metrics = compute_metrics(result.records, result.duration_s, SLO(config.slo_ttft_ms, config.slo_tpot_ms))
+        check_metrics(metrics, result.records)
+    except (RecordError, MetricsError) as err:
+        raise BenchError(f"the run at {rate:g} req/s failed its own check: {err}") from err
+    if result.num_planned != len(result.records) + result.num_not_sent:
+        raise BenchError(f"planned {result.num_planned} != sent {len(result.records)} + "
+                         f"not sent {result.num_not_sent}")
+    return RateRun(rate, seed, result.num_not_sent, result.is_capped, metrics, result.records)
+
+
+async def run_benchmark(config: BenchConfig, *, clock: Callable[[], float] = time.perf_counter,
+                        echo: Callable[[str], None] = print) -> list[Any]:
+    """Probes the server, then runs the workload at each rate of CONFIG; each run's records checked."""
+    from bench.loadgen.report import summary
+
     runs = []
-    slo = SLO(config.slo_ttft_ms, config.slo_tpot_ms)
-    client = OpenAIStreamClient(config.base_url, model=config.model, endpoint=config.endpoint,
-                                api_key=config.api_key, ignore_eos=config.ignore_eos,
-                                temperature=config.temperature, timeout_s=config.request_timeout, clock=clock)
-    async with client:
+    async with client_for(config, clock=clock) as client:
         await _probe(client, clock)
         for k, rate in enumerate(config.rates):
-            # NOTE: a fresh seed per rate: the same prompts again would hit the server's prefix cache.
-            seed = config.seed + k
-            requests = build_workload(config, seed)
-            offsets = arrival_offsets(len(requests), rate, burstiness=config.burstiness, seed=seed)
-            progress = Progress(len(requests), label=f"{rate:g} req/s", is_enabled=config.is_progress)
-            result = await run_requests(requests, offsets, client.send, max_concurrency=config.max_concurrency,
-                                        duration=config.duration, clock=clock, progress=progress)
-            try:
-                metrics = compute_metrics(result.records, result.duration_s, slo)
-                check_metrics(metrics, result.records)
-            except (RecordError, MetricsError) as err:
-                raise BenchError(f"the run at {rate:g} req/s failed its own check: {err}") from err
-            if result.num_planned != len(result.records) + result.num_not_sent:
-                raise BenchError(f"planned {result.num_planned} != sent {len(result.records)} + "
-                                 f"not sent {result.num_not_sent}")
-            run = RateRun(rate, seed, result.num_not_sent, result.is_capped, metrics, result.records)
+            run = await run_rate(client, config, k, rate, clock=clock)
             runs.append(run)
             echo(summary(run))
     return runs
