@@ -34,7 +34,9 @@ def _help(model: type, field: str) -> str:
     return model.model_fields[field].description or ""
 
 
-def _engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (model, dtype, device, KV cache, batching), defaults and help from its configs;
+    `serve`, `generate` and bench/goodput.py share them."""
     for field, kind in (("model", str), ("dtype", str), ("device", str), ("load_format", str),
                         ("max_model_len", int), ("attention_backend", str)):
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=_default(ModelConfig, field),
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC")
-    _engine_flags(serve)
+    add_engine_flags(serve)
     mode = serve.add_mutually_exclusive_group()
     mode.add_argument("--colocated", action="store_true", help="one pool doing prefill and decode (the default)")
     mode.add_argument("--prefill", type=int, default=None, help="prefill workers: disaggregated mode")
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default="auto")
 
     generate = sub.add_parser("generate", help="complete prompts with the offline engine (no Ray)")
-    _engine_flags(generate)
+    add_engine_flags(generate)
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable); else one per line on stdin")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -87,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of add_engine_flags' flags, by engine option name (engine.llm.engine_config's keywords)."""
     names = ("model", "dtype", "device", "load_format", "max_model_len", "attention_backend", "enforce_eager", "block_size",
              "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
     return {n: getattr(args, n) for n in names}
@@ -99,7 +102,7 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     if args.config:
         with open(args.config) as f:
             return ServeAppConfig.model_validate(json.load(f))
-    options = _engine_options(args)
+    options = engine_options(args)
     cluster = ClusterConfig(
         engine=engine_config(options.pop("model"), **options),
         mode="disaggregated" if args.prefill else "colocated",
@@ -189,7 +192,7 @@ def status_command(args: argparse.Namespace) -> int:
 def generate_command(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    options = _engine_options(args)
+    options = engine_options(args)
     llm = LLM(options.pop("model"), **options)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = args.prompt or (line.rstrip("\n") for line in sys.stdin)

@@ -1,0 +1,690 @@
+"""Goodput of disaggregated serving against colocated replicas on the same two GPUs (project issue 9).
+
+For each mode in turn this starts `pdserve serve` as a subprocess (its own local Ray cluster):
+
+  disagg     1 prefill + 1 decode worker; the prompt's KV goes over NCCL (gloo on the CPU)
+  colocated  2 colocated replicas, each doing chunked prefill and decode on its own GPU
+
+waits for /v1/models, warms it up (a few prompts of the workload's lengths), sweeps Poisson request
+rates with bench/loadgen (random token-id prompts, ignore_eos; per rate SECONDS_PER_RATE seconds of
+arrivals, then the requests drain for at most DRAIN_S, after which those still running count as
+failed), then stops it (SIGINT, SIGTERM, SIGKILL; then whatever of its process group remains, Ray's
+processes, by group id). A mode that fails (start, warm-up, a rate, the server dying) is recorded with
+its phase, error and log tail, and the other mode still runs. A mode's sweep stops after a rate where
+fewer than MIN_ATTAINMENT of the requests met the SLOs: higher rates would only queue more.
+Goodput is vLLM's; bench/goodput_report.py has the definitions and the comparison (best goodput of
+each mode over the sweep, disagg / colocated, against the 2x goal).
+
+Time: everything runs inside --budget-s. Each mode gets an equal share of what is left when it starts
+(a mode that ends early leaves its time to the next); a rate starts only if it fits, with room to
+stop the server; every phase has a timeout. The server gets --exit-after as a last resort.
+
+Writes to --out (5 files): goodput_<device>.json (written after each mode, so a partial run keeps what
+it measured; per-request summaries included), goodput_<device>.png, goodput_driver.log (this
+driver's output with each rate's full summary), server_<mode>.log (the server's output, then the
+tails of Ray's worker and Serve logs).
+
+Models without tokenizer.json (bench/shapes/*: config.json only): the router needs a tokenizer to
+check token ids against the vocabulary and to stream text, so the driver serves a copy of the shape
+with an id-only tokenizer (one word-level token per id, 't<id>'); the prompts are token ids anyway.
+
+GPU run (2x H200; device kind nvidia-h200-x2; one command, 10 minutes in all). Ray comes from the
+bundle; carry [".raybundle", "router/proto/pdserve_pb2.py", "router/proto/pdserve_pb2_grpc.py"] (the
+gRPC code is generated, git-ignored, and the machine has no grpcio-tools to generate it):
+
+    bash -c 'tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0 && nvidia-smi -L && timeout 570 python3 -m bench.goodput --out "$OUT"'
+
+The defaults are that run: bench/shapes/llama-3.1-8b with dummy weights in bfloat16, the Triton
+attention backend (CUDA graphs for decode steps), max_model_len 4,300 (the longest request; decode
+graphs are sized by it), the engine's batching defaults (64 sequences, 2,048 tokens a step); prompts
+of 1,000-4,000 tokens, outputs of 100-300; SLOs TTFT <= 1 s and TPOT <= 40 ms per request; rates
+1,2,4,6,8 req/s with 20 s of arrivals each (+ <= 10 s drain).
+
+Why those rates, from the H200's figures (790 TFLOP/s bf16 dense, 4.3 TB/s): a 2,500-token prefill
+of Llama-3.1-8B is ~40 TFLOP, 0.1-0.2 s at 25-50 % utilisation, so one prefill GPU saturates near
+5-10 req/s (TTFT's p90 rises before that); a decode step at batch ~30 reads 16 GB of weights and
+~0.13 MB of KV per context token (~10 GB at 30 x 2,600), 5-8 ms, so the decode GPU is not the limit.
+The two colocated replicas have twice the prefill capacity but every prefill chunk stalls their
+decode steps (TPOT, p99 ITL). 1-8 req/s spans below and past both knees; 1 req/s is the anchor if
+the serving overheads turn out far above these figures. Time: Ray + Serve ~20 s, model load and CUDA
+graph capture 20-40 s, warm-up (Triton compiles) 10-30 s, stop ~10 s: 60-100 s a mode; 5 rates x
+(20 s + 3-10 s) = 115-150 s a mode; both ~350-500 s. --budget-s 510 (from after imports) keeps the
+whole under `timeout 570`: a mode gets half of the time left when it starts, and a rate that would
+not fit is skipped and recorded as such.
+
+CPU smoke run (the embedded model, gloo transport; about 2.5 minutes on 2 cores):
+
+    python -m bench.goodput --out /tmp/goodput-cpu --model default --load-format auto --dtype float32 \\
+        --device cpu --attention-backend torch --rates 1,2 --seconds-per-rate 20 --drain-s 15 \\
+        --input-len 64:256 --output-len 16:48 --num-warmup 2 --budget-s 400 --label "CPU SMOKE RUN"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from bench.common import device_name, device_slug, title, write_results
+from bench.goodput_report import ModeResult, compare, mode_summary, plot, table
+from bench.loadgen.config import BenchConfig, parse_range
+from deploy.cli import add_engine_flags, engine_options
+from engine.engine import resolve_device, resolve_model_dir
+from engine.models import load_arch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ROOT / "bench" / "shapes"
+ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception)(?:\([\w.]+\))?: .*$", re.MULTILINE)
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours actor names in its logs
+STOP_RESERVE_S = 20.0  # kept free at the end of a mode's share: stopping the server, collecting its logs
+FINAL_RESERVE_S = 10.0  # kept free at the end of the budget: the JSON and the plot
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    serve_flags: tuple[str, ...]  # `pdserve serve` flags that make the mode
+    description: str
+    is_kv_transferred: bool  # prefill and decode on different workers: --transport applies
+
+
+MODES = {m.name: m for m in (
+    ModeSpec("disagg", ("--prefill", "1", "--decode", "1"), "disagg 1 prefill + 1 decode", is_kv_transferred=True),
+    ModeSpec("colocated", ("--colocated", "--decode", "2"), "colocated 2 replicas", is_kv_transferred=False),
+)}
+
+
+# ---- the command line
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.split("\n")[0])
+    add_engine_flags(parser)  # the same engine flags as `pdserve serve`, passed on to it
+    parser.set_defaults(model=str(SHAPES / "llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
+                        attention_backend="triton")
+    a = parser.add_argument
+    a("--out", type=Path, required=True, help="Folder for the results and logs.")
+    a("--modes", default="disagg,colocated", help=f"Comma-separated, run in this order: {', '.join(MODES)}.")
+    a("--transport", default="auto", help="KV transport of the disagg mode: auto (nccl with GPUs, gloo without).")
+    a("--rates", default="1,2,4,6,8", help="Poisson request rates (req/s), comma-separated, in increasing order.")
+    a("--seconds-per-rate", type=float, default=20.0, help="Seconds of arrivals at each rate.")
+    a("--drain-s", type=float, default=10.0, help="Longest wait for requests after the arrivals end.")
+    a("--input-len", default="1000:4000", help="Prompt tokens, N or MIN:MAX (uniform).")
+    a("--output-len", default="100:300", help="Output tokens (max_tokens, ignore_eos), N or MIN:MAX (uniform).")
+    a("--slo-ttft-ms", type=float, default=1000.0, help="Goodput SLO on time to first token.")
+    a("--slo-tpot-ms", type=float, default=40.0, help="Goodput SLO on time per output token.")
+    a("--min-attainment", type=float, default=0.5,
+      help="Stop a mode's sweep after a rate where fewer than this fraction of requests met the SLOs.")
+    a("--num-warmup", type=int, default=4, help="Warm-up requests (prompt lengths across --input-len).")
+    a("--budget-s", type=float, default=510.0, help="Wall time for everything; rates that do not fit are skipped.")
+    a("--start-timeout-s", type=float, default=240.0, help="Longest wait for a server to answer /v1/models.")
+    a("--warmup-timeout-s", type=float, default=150.0, help="Longest warm-up (first Triton compiles).")
+    a("--stop-timeout-s", type=float, default=40.0, help="Longest wait after SIGINT before SIGTERM, then SIGKILL.")
+    a("--seed", type=int, default=0, help="Seed of prompts and arrivals (rate k uses SEED + k, in both modes).")
+    a("--label", default="", help="A note for the title and the JSON (e.g. 'CPU SMOKE RUN').")
+    return parser
+
+
+def serve_flags(options: dict[str, Any]) -> list[str]:
+    """Engine options (deploy.cli.engine_options) back into `pdserve serve` flags; None: the default."""
+    flags: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def mode_share(now: float, end: float, num_modes_left: int) -> float:
+    """The deadline of the next mode: an equal share of the time left for the modes left."""
+    return now + max(0.0, end - now) / max(1, num_modes_left)
+
+
+def num_prompts(rate: float, seconds: float) -> int:
+    return max(1, round(rate * seconds))
+
+
+# ---- the model directory the server reads
+def id_only_tokenizer(vocab_size: int) -> dict[str, Any]:
+    """tokenizer.json of a word-level tokenizer with one token per id ('t0', 't1', ...) and 't0' for
+    unknown words: token ids pass the router's vocabulary check and stream as non-empty text."""
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)}, "unk_token": "t0"},
+    }
+
+
+def servable_model_dir(model_dir: Path, scratch: Path) -> Path:
+    """MODEL_DIR itself when it has tokenizer.json; else a copy of its JSON configs in SCRATCH with an
+    id-only tokenizer (a config-only shape with dummy weights)."""
+    if (model_dir / "tokenizer.json").is_file():
+        return model_dir
+    dest = scratch / f"{model_dir.name}-ids"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, dest / name)
+    vocab_size = load_arch(model_dir).vocab_size
+    (dest / "tokenizer.json").write_text(json.dumps(id_only_tokenizer(vocab_size)))
+    return dest
+
+
+# ---- the server process
+class ServerError(RuntimeError):
+    """The server could not start, died, or did not answer in time."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group PGID, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+class ServerProcess:
+    """`python -m deploy.cli serve ...` in a session of its own, its output into LOG_PATH."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        self.started = time.time()
+        self.proc = subprocess.Popen(list(argv), cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise ServerError(f"the server exited with code {code} (its log: {self.log_path.name})")
+
+    def wait_ready(self, url: str, timeout_s: float) -> None:
+        """Polls URL until it answers 200; raises ServerError if the server exits or TIMEOUT_S passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"no answer from {url} within {timeout_s:.0f} s")
+            time.sleep(1.0)
+
+    def stop(self, timeout_s: float) -> str:
+        """SIGINT (the CLI shuts Serve and Ray down), then SIGTERM, then SIGKILL; then SIGKILL for what is
+        left of its process group (Ray's processes). Returns how it went."""
+        code = self.proc.poll()
+        if code is not None:
+            how = f"had exited with code {code}"
+        else:
+            how = ""
+            for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+                started = time.monotonic()
+                self.proc.send_signal(sig)
+                try:
+                    code = self.proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    continue
+                how = f"stopped by {sig.name} in {time.monotonic() - started:.1f} s (exit code {code})"
+                break
+            how = how or "did not exit even after SIGKILL"
+        deadline = time.monotonic() + 10.0
+        while (left := _group_members(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if left:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            how += f"; {len(left)} leftover process(es) of its group killed"
+        self._log.close()
+        return how
+
+
+def ray_session_dir(server_pid: int) -> Path | None:
+    """The Ray session whose driver was SERVER_PID (its logs/python-core-driver-*_<pid>.log)."""
+    root = Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp") / "ray"
+    sessions = sorted(root.glob("session_2*"), key=lambda p: p.stat().st_mtime, reverse=True)[:8]
+    for session in sessions:
+        if any((session / "logs").glob(f"python-core-driver-*_{server_pid}.log")):
+            return session
+    return None
+
+
+def ray_log_tails(session: Path, num_lines: int = 60, max_files: int = 14) -> str:
+    """The last lines of Ray's logs that say most (workers' stderr/stdout, Serve's), errors first."""
+    logs = session / "logs"
+    files = [p for pattern in ("worker-*.err", "worker-*.out", "serve/*.log", "raylet.err", "gcs_server.err")
+             for p in logs.glob(pattern) if p.stat().st_size > 0]
+
+    def rank(p: Path) -> tuple[int, float]:
+        text = p.read_bytes()[-200_000:]
+        return (0 if b"Traceback" in text or b"Error" in text else 1, -p.stat().st_mtime)
+
+    parts = []
+    for path in sorted(files, key=rank)[:max_files]:
+        lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+        parts.append(f"---- {path.relative_to(logs)} (last {len(lines)} lines)\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def error_lines(text: str, limit: int = 8) -> list[str]:
+    """The distinct 'SomeError: message' lines of TEXT (the last lines of tracebacks), in order, at most LIMIT."""
+    found = dict.fromkeys(m.group(0)[:300] for m in ERROR_LINE.finditer(ANSI_ESCAPE.sub("", text)))
+    return list(found)[:limit]
+
+
+def wait_gpus_free(timeout_s: float) -> str:
+    """Waits until nvidia-smi lists no compute process (the last mode's workers are gone)."""
+    if shutil.which("nvidia-smi") is None:
+        return "no nvidia-smi"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             check=False, capture_output=True, text=True, timeout=20).stdout.strip()
+        if not out or time.monotonic() > deadline:
+            return "GPUs free" if not out else f"GPU processes still listed after {timeout_s:.0f} s: {out}"
+        time.sleep(1.0)
+
+
+# ---- one mode
+@dataclass(frozen=True)
+class Plan:
+    """What every mode runs: the server's engine flags, the workload and the sweep."""
+
+    engine_flags: tuple[str, ...]
+    transport: str
+    model_name: str  # the model directory the server reads; also the `model` of requests
+    vocab_size: int
+    is_cuda: bool
+    rates: tuple[float, ...]
+    seconds_per_rate: float
+    drain_s: float
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    min_attainment: float
+    num_warmup: int
+    seed: int
+    start_timeout_s: float
+    warmup_timeout_s: float
+    stop_timeout_s: float
+
+    def server_argv(self, mode: ModeSpec, port: int, grpc_port: int, exit_after_s: float) -> list[str]:
+        transport = ["--transport", self.transport] if mode.is_kv_transferred else []
+        return [sys.executable, "-m", "deploy.cli", "serve", *mode.serve_flags, *self.engine_flags, *transport,
+                "--port", str(port), "--grpc-port", str(grpc_port), "--exit-after", f"{exit_after_s:.0f}"]
+
+    def server_env(self) -> dict[str, str]:
+        from kvtransfer import NCCL_WORKER_ENV
+
+        env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        if not self.is_cuda:
+            env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")  # 2 workers share a few CPU cores
+        return env
+
+    def bench_config(self, base_url: str, rate: float) -> BenchConfig:
+        window = self.seconds_per_rate + self.drain_s
+        return BenchConfig(
+            base_url=base_url, model=self.model_name, input_len=self.input_len, output_len=self.output_len,
+            vocab_size=self.vocab_size, num_prompts=num_prompts(rate, self.seconds_per_rate), seed=self.seed,
+            duration=window, request_timeout=window + 10, slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms,
+            is_progress=False,
+        )
+
+
+async def warm_up(plan: Plan, base_url: str, timeout_s: float) -> None:
+    """The first request alone, retried until the router has workers, then the rest at once; prompt
+    lengths spread over the workload's (first Triton compiles, NCCL's first transfers)."""
+    from bench.loadgen.cli import client_for
+    from bench.loadgen.workloads import random_workload
+
+    deadline = time.monotonic() + timeout_s
+    requests = random_workload(plan.num_warmup, plan.input_len, (16, 16), seed=plan.seed + 10_000,
+                               vocab_size=plan.vocab_size)
+    async with client_for(plan.bench_config(base_url, 1.0)) as client:
+        while not (record := await client.send(0, requests[0], time.perf_counter())).is_success:
+            if time.monotonic() > deadline:
+                raise ServerError(f"warm-up: no request served within {timeout_s:.0f} s; last error: "
+                                  f"HTTP {record.http_status}: {record.error}")
+            await asyncio.sleep(1.0)
+        records = await asyncio.wait_for(
+            asyncio.gather(*(client.send(i, r, time.perf_counter()) for i, r in enumerate(requests[1:], 1))),
+            max(1.0, deadline - time.monotonic()))
+    failed = [r for r in records if not r.is_success]
+    if failed:
+        raise ServerError(f"warm-up: {len(failed)} of {len(records)} requests failed: HTTP {failed[0].http_status}: "
+                          f"{failed[0].error}")
+
+
+async def sweep(plan: Plan, result: ModeResult, server: ServerProcess, base_url: str, deadline: float,
+                echo: Callable[[str], None], note: Callable[[str], None],
+                checkpoint: Callable[[ModeResult], None]) -> None:
+    """Every rate that fits before DEADLINE, into RESULT.runs; stops after one where the SLOs mostly failed."""
+    from bench.goodput_report import rate_row
+    from bench.loadgen.cli import client_for, run_rate
+    from bench.loadgen.report import summary
+
+    for k, rate in enumerate(plan.rates):
+        window = plan.seconds_per_rate + plan.drain_s
+        if time.monotonic() + window + STOP_RESERVE_S > deadline:
+            result.skipped[f"{rate:g}"] = "out of time"
+            continue
+        result.phase = f"rate {rate:g}"
+        started = time.monotonic()
+        config = plan.bench_config(base_url, rate)
+        async with client_for(config) as client:
+            run = await asyncio.wait_for(run_rate(client, config, k, rate), window + 30)
+        result.phases_s[result.phase] = round(time.monotonic() - started, 1)
+        result.runs.append(run)
+        checkpoint(result)
+        row = rate_row(run)
+        note(summary(run))
+        echo(f"{result.mode} {rate:g} req/s: goodput {row['goodput']:.2f}, SLO attainment {row['slo_attainment']:.0%}, "
+             f"TTFT p90 {row['ttft_p90_ms'] or 0:.0f} ms, TPOT p90 {row['tpot_p90_ms'] or 0:.1f} ms, "
+             f"ITL p99 {row['itl_p99_ms'] or 0:.1f} ms, {row['num_completed']}/{row['num_planned']} done, "
+             f"{row['num_errored']} errors ({time.monotonic() - started:.0f} s)")
+        server.check_alive()
+        if row["slo_attainment"] < plan.min_attainment:
+            for later in plan.rates[k + 1:]:
+                result.skipped[f"{later:g}"] = f"saturated: {row['slo_attainment']:.0%} within SLO at {rate:g} req/s"
+            return
+
+
+def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: Callable[[str], None],
+             note: Callable[[str], None], checkpoint: Callable[[ModeResult], None] = lambda result: None) -> ModeResult:
+    """Start, wait, warm up, sweep, stop: one mode, never raising; a failure is recorded in the result.
+    CHECKPOINT sees the result after each rate and before the server is stopped (to save what was measured)."""
+    port, grpc_port = _free_port(), _free_port()
+    exit_after = max(60.0, deadline - time.monotonic() + 60.0)
+    argv = plan.server_argv(mode, port, grpc_port, exit_after)
+    result = ModeResult(mode.name, mode.description, argv[1:])
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = out_dir / f"server_{mode.name}.log"
+    log_path.write_text(f"$ {' '.join(argv)}\n")
+    echo(f"{mode.name}: starting the server (log: {log_path.name})")
+    server: ServerProcess | None = None
+    phase_started = time.monotonic()
+    try:
+        result.phase = "start"
+        server = ServerProcess(argv, plan.server_env(), log_path)
+        server.wait_ready(base_url + "/v1/models", min(plan.start_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S))
+        result.phases_s["start"] = round(time.monotonic() - phase_started, 1)
+        echo(f"{mode.name}: serving after {result.phases_s['start']:.0f} s; warming up")
+        result.phase, phase_started = "warm-up", time.monotonic()
+        asyncio.run(warm_up(plan, base_url + "/v1", min(plan.warmup_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S)))
+        result.phases_s["warm-up"] = round(time.monotonic() - phase_started, 1)
+        asyncio.run(sweep(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint))
+        result.status, result.phase = "ok", "done"
+    except Exception as err:  # noqa: BLE001 - recorded; the next mode must still run
+        result.fail(err)
+        echo(f"{mode.name}: FAILED in phase {result.phase!r}: {result.error}")
+    finally:
+        checkpoint(result)
+        if server is not None:
+            _stop(server, plan, result, echo)
+    if result.status != "ok" or any(run.metrics.num_errored for run in result.runs):
+        echo(f"---- {log_path.name}: the server's last lines, then the errors in Ray's logs\n"
+             + "\n".join(result.log_tail))
+    return result
+
+
+NOISE = ("GET / 499", "disconnected, cancelling request")  # the proxy's lines for /v1/models polls before it serves
+
+
+def _stop(server: ServerProcess, plan: Plan, result: ModeResult, echo: Callable[[str], None]) -> None:
+    """Stops the server; appends Ray's log tails to its log; keeps its last lines and Ray's errors in RESULT."""
+    started = time.monotonic()
+    result.stopped = server.stop(plan.stop_timeout_s)
+    own = [line for line in server.log_path.read_text(errors="replace").splitlines()
+           if not any(n in line for n in NOISE)]
+    session = ray_session_dir(server.proc.pid)
+    tails = ray_log_tails(session) if session is not None else ""
+    with server.log_path.open("a") as log:
+        log.write(f"\n==== driver: server {result.stopped}\n")
+        if session is not None:
+            log.write(f"==== Ray logs of {session}\n{tails}\n")
+    result.log_tail = own[-25:] + ["---- errors in Ray's logs:"] + error_lines(tails)
+    if plan.is_cuda:
+        result.stopped += "; " + wait_gpus_free(30.0)
+    result.phases_s["stop"] = round(time.monotonic() - started, 1)
+    echo(f"{result.mode}: server {result.stopped}")
+
+
+def run_modes(names: Sequence[str], run_one: Callable[[str, float], ModeResult], end: float,
+              on_result: Callable[[dict[str, ModeResult]], None] = lambda results: None) -> dict[str, ModeResult]:
+    """RUN_ONE(name, deadline) for each mode, in order, each with an equal share of the time left before END;
+    a mode that raises anyway is recorded as failed and the next one runs. ON_RESULT sees the results so far."""
+    results: dict[str, ModeResult] = {}
+    for i, name in enumerate(names):
+        deadline = mode_share(time.monotonic(), end, len(names) - i)
+        try:
+            results[name] = run_one(name, deadline)
+        except Exception as err:  # noqa: BLE001 - the driver's own bug must not cost the other mode
+            spec = MODES.get(name)
+            results[name] = ModeResult(name, spec.description if spec else name, [])
+            results[name].fail(err)
+        on_result(results)
+    return results
+
+
+# ---- the whole run
+def preflight(device: torch.device, echo: Callable[[str], None]) -> list[str]:
+    """What would make every mode fail, found before any server starts: Ray missing, too few GPUs, the
+    gRPC code missing (generated, not committed: carry router/proto/pdserve_pb2*.py to a machine without
+    grpcio-tools). Copied files can look older than pdserve.proto; without grpcio-tools they are
+    then taken as they are (touched, so that the server does not try to regenerate them)."""
+    import importlib.util
+
+    from router.proto import codegen
+
+    problems = []
+    if importlib.util.find_spec("ray") is None:
+        problems.append("Ray is not importable: extract .raybundle/site.tar.xz and put it on PYTHONPATH")
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        problems.append(f"both modes need 2 GPUs; this machine has {torch.cuda.device_count()}")
+    missing = [f.name for f in codegen.OUTPUTS if not f.is_file()]
+    has_protoc = importlib.util.find_spec("grpc_tools") is not None
+    if missing and not has_protoc:
+        problems.append(f"router/proto/{', '.join(missing)} missing and no grpcio-tools to generate them: run "
+                        "`python -m router.proto.codegen` where it is installed and carry the files")
+    elif codegen.is_stale() and not has_protoc:
+        for f in codegen.OUTPUTS:
+            os.utime(f)
+        echo("note: router/proto/pdserve_pb2*.py looked older than pdserve.proto (copied?); used as they are")
+    return problems
+
+
+def environment(args: argparse.Namespace, device: torch.device, model_dir: Path, plan: Plan) -> dict[str, Any]:
+    """Where and on what it ran, with the keys bench.common.title reads."""
+    arch = load_arch(model_dir)
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if device.type == "cuda" else []
+    return {
+        "device": device.type,
+        "device_name": device_name(device) + (f" x{len(gpus)}" if len(gpus) > 1 else ""),
+        "gpus": gpus,
+        "num_cpus": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "torch_version": torch.__version__,
+        "python_version": sys.version.split()[0],
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "label": args.label,
+        "model": {
+            "name": args.model, "dir": str(model_dir), "served_dir": plan.model_name, "load_format": args.load_format,
+            "dtype": args.dtype, "architecture": arch.architecture, "num_layers": arch.num_layers,
+            "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size, "num_heads": arch.num_heads,
+            "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,
+            "num_params": arch.num_params,
+        },
+    }
+
+
+def _compact_records(result: ModeResult) -> list[dict[str, Any]]:
+    """Per request (ms): send, TTFT, TPOT, E2E, the longest gap between tokens; counts; the error if any."""
+    out = []
+    for run in result.runs:
+        rows = []
+        for r in run.records:
+            ok = r.is_success
+            rows.append({
+                "i": r.index, "send_s": round(r.send_time, 3), "ok": ok,
+                "ttft_ms": round(r.ttft * 1e3, 1) if ok else None,
+                "tpot_ms": round(r.tpot * 1e3, 2) if ok and r.tpot is not None else None,
+                "e2e_ms": round(r.e2e * 1e3, 1), "max_itl_ms": round(max(r.itls) * 1e3, 1) if ok and r.itls else None,
+                "in": r.prompt_tokens, "out": r.completion_tokens, "max_tokens": r.max_tokens,
+                **({"error": r.error[:200]} if not ok else {}),
+            })
+        out.append({"rate": run.request_rate, "seed": run.seed, "records": rows})
+    return out
+
+
+def results_record(plan: Plan, args: argparse.Namespace, results: dict[str, ModeResult]) -> dict[str, Any]:
+    summaries = {name: mode_summary(r) for name, r in results.items()}
+    return {
+        "config": {
+            "modes": {name: MODES[name].description for name in results if name in MODES},
+            "engine_flags": list(plan.engine_flags), "transport": plan.transport, "rates": list(plan.rates),
+            "seconds_per_rate": plan.seconds_per_rate, "drain_s": plan.drain_s, "input_len": list(plan.input_len),
+            "output_len": list(plan.output_len), "ignore_eos": True, "arrivals": "Poisson",
+            "prompts": "random token ids", "slo_ttft_ms": plan.slo_ttft_ms, "slo_tpot_ms": plan.slo_tpot_ms,
+            "min_attainment": plan.min_attainment, "num_warmup": plan.num_warmup, "seed": plan.seed,
+            "budget_s": args.budget_s,
+        },
+        "modes": summaries,
+        "comparison": compare(summaries),
+        "requests": {name: _compact_records(r) for name, r in results.items()},
+    }
+
+
+class Tee:
+    """Prints to stdout and appends to the driver log; `note` writes to the log only."""
+
+    def __init__(self, path: Path, t0: float) -> None:
+        self.file: TextIO = path.open("a")
+        self.t0 = t0
+
+    def echo(self, text: str) -> None:
+        line = f"[{time.monotonic() - self.t0:6.1f} s] {text}"
+        print(line, flush=True)
+        self.note(line)
+
+    def note(self, text: str) -> None:
+        self.file.write(text + "\n")
+        self.file.flush()
+
+
+def make_plan(args: argparse.Namespace, device: torch.device, model_dir: Path, scratch: Path) -> Plan:
+    input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
+    served = servable_model_dir(model_dir, scratch)
+    options = engine_options(args)
+    options["model"] = "default" if args.model == "default" else str(served)
+    if options["max_model_len"] is None:  # the longest request, not the model's 128k (decode graphs size by it)
+        options["max_model_len"] = input_len[1] + output_len[1]
+    rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    if not rates or any(r <= 0 for r in rates) or list(rates) != sorted(rates):
+        raise SystemExit(f"--rates: expected increasing rates > 0 like 1,2,4, got {args.rates!r}")
+    return Plan(
+        engine_flags=tuple(serve_flags(options)), transport=args.transport, model_name=options["model"],
+        vocab_size=load_arch(model_dir).vocab_size, is_cuda=device.type == "cuda", rates=rates,
+        seconds_per_rate=args.seconds_per_rate, drain_s=args.drain_s, input_len=input_len, output_len=output_len,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, min_attainment=args.min_attainment,
+        num_warmup=max(1, args.num_warmup), seed=args.seed, start_timeout_s=args.start_timeout_s,
+        warmup_timeout_s=args.warmup_timeout_s, stop_timeout_s=args.stop_timeout_s,
+    )
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # NOTE: unwinds through run_mode's `finally`, which stops the server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    t0 = time.monotonic()
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise SystemExit(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(args.device)
+    model_dir = resolve_model_dir(args.model)
+    tee = Tee(args.out / "goodput_driver.log", t0)
+    problems = preflight(device, tee.echo)
+    if problems:
+        tee.echo("goodput: cannot run:\n  " + "\n  ".join(problems))
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pdserve-goodput-") as scratch:
+        plan = make_plan(args, device, model_dir, Path(scratch))
+        env = environment(args, device, model_dir, plan)
+        stem = f"goodput_{device_slug(device)}"
+        tee.echo(f"goodput: {env['device_name']}, model {args.model} -> {plan.model_name}; modes {names}; rates "
+                 f"{list(plan.rates)} x {plan.seconds_per_rate:g} s (+ drain <= {plan.drain_s:g} s); budget "
+                 f"{args.budget_s:g} s")
+
+        def write_json(results: dict[str, ModeResult]) -> None:
+            doc = {"benchmark": "goodput", "environment": env, **results_record(plan, args, results)}
+            (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+        done: dict[str, ModeResult] = {}
+
+        def save(results: dict[str, ModeResult]) -> None:
+            done.update(results)
+            write_json(done)
+
+        def run_one(name: str, deadline: float) -> ModeResult:
+            return run_mode(plan, MODES[name], args.out, deadline, tee.echo, tee.note,
+                            checkpoint=lambda partial: write_json({**done, name: partial}))
+
+        results = run_modes(names, run_one, t0 + args.budget_s - FINAL_RESERVE_S, on_result=save)
+    record = results_record(plan, args, results)
+    summaries, comparison = record["modes"], record["comparison"]
+    what = (f"goodput: {' vs '.join(MODES[n].description for n in names)}"
+            + (f" ({args.label})" if args.label else ""))
+    workload = (f"random token prompts {plan.input_len[0]}-{plan.input_len[1]} -> {plan.output_len[0]}-"
+                f"{plan.output_len[1]} tokens (ignore_eos), Poisson, {plan.seconds_per_rate:g} s per rate; SLO TTFT <= "
+                f"{plan.slo_ttft_ms:g} ms, TPOT <= {plan.slo_tpot_ms:g} ms (p90 shown); {args.attention_backend} "
+                f"attention, max {args.max_num_batched_tokens} tokens a step")
+    json_path, png_path = write_results(
+        args.out, "goodput", env, record,
+        lambda fig: plot(fig, summaries, comparison, plan.slo_ttft_ms, plan.slo_tpot_ms), title(what, env, workload))
+    tee.echo(f"wrote {json_path.name}, {png_path.name}; {time.monotonic() - t0:.0f} s in all")
+    tee.echo("\n" + table(summaries, comparison))
+    return 0 if all(r.status == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""bench/goodput.py and bench/goodput_report.py without servers: goodput and SLO attainment per rate
+from known request timings, the best-goodput ratio and its goal, a failed mode recorded while the
+other still runs, a server that dies at start, engine flags passed on unchanged, the time shares,
+and the id-only tokenizer of config-only model shapes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.goodput import (
+    MODES,
+    ServerError,
+    ServerProcess,
+    id_only_tokenizer,
+    mode_share,
+    num_prompts,
+    run_modes,
+    servable_model_dir,
+    serve_flags,
+)
+from bench.goodput_report import ModeResult, compare, max_rate_within_slo, mode_summary, rate_row, table
+from bench.loadgen.metrics import SLO, compute_metrics
+from bench.loadgen.records import RequestRecord
+from bench.loadgen.report import RateRun
+
+SLO_MS = SLO(ttft_ms=1000.0, tpot_ms=40.0)
+
+
+def record(i: int, ttft: float, tpot: float, num_tokens: int = 11, send: float = 0.0) -> RequestRecord:
+    """A completed request sent at SEND whose first token came TTFT s later, then one every TPOT s."""
+    chunks = tuple(send + ttft + k * tpot for k in range(num_tokens))
+    return RequestRecord(i, num_tokens, send, chunks[-1], chunks, prompt_tokens=100, completion_tokens=num_tokens,
+                         is_success=True, http_status=200)
+
+
+def failed(i: int, send: float = 0.0) -> RequestRecord:
+    return RequestRecord(i, 11, send, send + 1.0, http_status=503, error="no capacity")
+
+
+def rate_run(rate: float, records: list[RequestRecord], duration_s: float, num_not_sent: int = 0) -> RateRun:
+    return RateRun(rate, 0, num_not_sent, False, compute_metrics(records, duration_s, SLO_MS), records)
+
+
+def mode(name: str, runs: list[RateRun], status: str = "ok") -> ModeResult:
+    result = ModeResult(name, MODES[name].description, ["serve"], runs=runs)
+    result.status = status
+    return result
+
+
+def test_goodput_counts_requests_meeting_both_slos_over_the_duration():
+    records = [
+        record(0, ttft=0.5, tpot=0.030),  # good
+        record(1, ttft=1.2, tpot=0.030),  # TTFT over 1 s
+        record(2, ttft=0.5, tpot=0.050),  # TPOT over 40 ms
+        record(3, ttft=0.9, tpot=0.039),  # good
+        failed(4),
+    ]
+    row = rate_row(rate_run(2.0, records, duration_s=10.0, num_not_sent=1))
+    assert row["num_good"] == 2 and row["num_completed"] == 4 and row["num_errored"] == 1
+    assert row["goodput"] == pytest.approx(2 / 10.0)
+    assert row["num_planned"] == 6  # 5 sent + 1 not sent before the cap
+    assert row["slo_attainment"] == pytest.approx(2 / 6)
+    assert row["ttft_p90_ms"] == pytest.approx(1200 - 0.3 * 300, rel=1e-6)  # 0.5, 0.5, 0.9, 1.2 s: p90 interpolates
+    assert row["itl_p99_ms"] == pytest.approx(50.0, rel=1e-6)
+
+
+def test_best_rate_ratio_and_goal():
+    good = [record(i, 0.2, 0.02) for i in range(8)]
+    disagg = mode("disagg", [rate_run(1.0, good[:4], 4.0), rate_run(2.0, good, 4.0)])  # best 2.0 req/s at 2
+    colocated = mode("colocated", [rate_run(1.0, good[:4], 4.0), rate_run(2.0, good[:2] + [record(9, 2.0, 0.1)] * 6, 4.0)])
+    summaries = {"disagg": mode_summary(disagg), "colocated": mode_summary(colocated)}
+    assert summaries["disagg"]["best"]["rate"] == 2.0 and summaries["colocated"]["best"]["rate"] == 1.0
+    c = compare(summaries)
+    assert c["ratio"] == pytest.approx(2.0 / 1.0) and c["is_goal_met"] and not c["is_partial"]
+    assert [r["ratio"] for r in c["per_rate"]] == [pytest.approx(1.0), pytest.approx(4.0)]
+    assert compare(summaries, goal=2.5)["is_goal_met"] is False
+    assert "disagg / colocated best goodput = 2.00" in table(summaries, c)
+
+
+def test_max_rate_within_slo_stops_at_the_first_rate_below_90_percent():
+    rows = [{"rate": 1.0, "slo_attainment": 1.0}, {"rate": 2.0, "slo_attainment": 0.95},
+            {"rate": 4.0, "slo_attainment": 0.5}, {"rate": 6.0, "slo_attainment": 0.92}]
+    assert max_rate_within_slo(rows) == 2.0
+    assert max_rate_within_slo([{"rate": 1.0, "slo_attainment": 0.2}]) is None
+
+
+def test_a_failed_mode_gives_no_ratio_and_says_why():
+    colocated = mode("colocated", [rate_run(1.0, [record(0, 0.2, 0.02)], 1.0)])
+    disagg = mode("disagg", [], status="failed")
+    disagg.phase, disagg.error = "warm-up", "ServerError: warm-up: 2 of 3 requests failed"
+    c = compare({"disagg": mode_summary(disagg), "colocated": mode_summary(colocated)})
+    assert c["ratio"] is None and c["is_goal_met"] is None
+    assert "disagg" in c["reason"] and "warm-up" in c["reason"] and "2 of 3" in c["reason"]
+    assert "not run" in compare({"disagg": mode_summary(colocated)})["reason"]
+
+
+def test_a_mode_failing_mid_sweep_keeps_its_rates_and_marks_the_ratio_partial():
+    good = [record(i, 0.2, 0.02) for i in range(4)]
+    disagg = mode("disagg", [rate_run(1.0, good, 4.0)], status="failed")
+    c = compare({"disagg": mode_summary(disagg), "colocated": mode_summary(mode("colocated", [rate_run(1.0, good, 4.0)]))})
+    assert c["ratio"] == pytest.approx(1.0) and c["is_partial"]
+
+
+def test_colocated_without_any_good_request_gives_no_ratio():
+    bad = [record(i, 5.0, 0.2) for i in range(3)]
+    summaries = {"disagg": mode_summary(mode("disagg", [rate_run(1.0, bad, 3.0)])),
+                 "colocated": mode_summary(mode("colocated", [rate_run(1.0, bad, 3.0)]))}
+    c = compare(summaries)
+    assert c["ratio"] is None and "colocated" in c["reason"]
+
+
+def test_run_modes_records_a_failure_and_runs_the_next_mode():
+    calls = []
+
+    def run_one(name: str, deadline: float) -> ModeResult:
+        calls.append((name, deadline))
+        if name == "disagg":
+            raise RuntimeError("driver bug")
+        return mode(name, [])
+
+    seen = []
+    end = time.monotonic() + 100.0
+    results = run_modes(["disagg", "colocated"], run_one, end, on_result=lambda r: seen.append(dict(r)))
+    assert [name for name, _ in calls] == ["disagg", "colocated"]
+    assert results["disagg"].status == "failed" and "driver bug" in results["disagg"].error
+    assert results["colocated"].status == "ok"
+    assert len(seen) == 2 and list(seen[0]) == ["disagg"]  # the JSON is written after each mode
+    assert calls[0][1] == pytest.approx(end - 50.0, abs=1.0)  # half the time for the first of two
+
+
+def test_mode_share_and_prompt_counts():
+    assert mode_share(0.0, 300.0, 2) == 150.0
+    assert mode_share(100.0, 300.0, 1) == 300.0
+    assert mode_share(400.0, 300.0, 2) == 400.0  # past the end: no time, never negative
+    assert num_prompts(2.0, 24.0) == 48 and num_prompts(0.01, 10.0) == 1
+
+
+def test_a_server_that_exits_at_start_fails_fast_with_its_log(tmp_path: Path):
+    log = tmp_path / "server.log"
+    server = ServerProcess([sys.executable, "-c", "print('boom: no GPU'); raise SystemExit(3)"], {}, log)
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="exited with code 3"):
+        server.wait_ready("http://127.0.0.1:9/v1/models", timeout_s=30.0)
+    assert time.monotonic() - started < 10.0
+    assert "exited with code 3" in server.stop(5.0)
+    assert "boom: no GPU" in log.read_text()
+
+
+def test_a_server_that_never_answers_is_stopped_by_sigint(tmp_path: Path):
+    code = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('clean exit')"
+    server = ServerProcess([sys.executable, "-c", code], {}, tmp_path / "server.log")
+    with pytest.raises(ServerError, match="no answer"):
+        server.wait_ready("http://127.0.0.1:9/v1/models", timeout_s=1.0)
+    assert "stopped by SIGINT" in server.stop(10.0)
+    assert "clean exit" in (tmp_path / "server.log").read_text()
+
+
+def test_engine_flags_reach_pdserve_serve_unchanged():
+    from deploy.cli import build_parser, engine_options
+
+    options = {"model": "/m", "dtype": "bfloat16", "device": "cuda", "load_format": "dummy", "max_model_len": 4300,
+               "attention_backend": "triton", "enforce_eager": True, "block_size": 16, "num_blocks": None,
+               "gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+    parsed = engine_options(build_parser().parse_args(["serve", *serve_flags(options)]))
+    assert parsed == options
+
+
+def test_config_only_shape_gets_an_id_only_tokenizer(tmp_path: Path):
+    from engine.tokenizer import Tokenizer
+
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 300,
+                                                   "hidden_size": 64, "intermediate_size": 128,
+                                                   "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    served = servable_model_dir(shape, tmp_path / "scratch")
+    assert served != shape and (served / "config.json").read_text() == (shape / "config.json").read_text()
+    tok = Tokenizer.from_dir(served)
+    assert tok.vocab_size == 300
+    assert tok.decode([7, 299]) == "t7 t299"
+    assert tok.encode("t5 anything") == [5, 0]  # text still encodes: unknown words are id 0
+    assert servable_model_dir(served, tmp_path / "again") == served  # it has a tokenizer now
+    assert len(id_only_tokenizer(10)["model"]["vocab"]) == 10
+
+
+def test_error_lines_pick_the_last_lines_of_tracebacks():
+    from bench.goodput import error_lines
+
+    text = ("Traceback (most recent call last):\n  File 'x.py', line 1\n"
+            "ValueError: transport 'nccl' cannot run on cpu tensors\n"
+            "ray.exceptions.ActorDiedError: The actor died\nINFO all fine\n"
+            "ValueError: transport 'nccl' cannot run on cpu tensors\n"
+            "ray.exceptions.RayTaskError(RuntimeError): in the controller\n")
+    assert error_lines(text) == ["ValueError: transport 'nccl' cannot run on cpu tensors",
+                                 "ray.exceptions.ActorDiedError: The actor died",
+                                 "ray.exceptions.RayTaskError(RuntimeError): in the controller"]
+
+
+def test_only_the_disaggregated_mode_gets_the_transport():
+    from bench.goodput import Plan
+
+    plan = Plan(engine_flags=("--model", "m"), transport="nccl", model_name="m", vocab_size=10, is_cuda=True,
+                rates=(1.0,), seconds_per_rate=1.0, drain_s=1.0, input_len=(1, 2), output_len=(1, 2),
+                slo_ttft_ms=1.0, slo_tpot_ms=1.0, min_attainment=0.5, num_warmup=1, seed=0, start_timeout_s=1.0,
+                warmup_timeout_s=1.0, stop_timeout_s=1.0)
+    disagg = plan.server_argv(MODES["disagg"], 1, 2, 60.0)
+    colocated = plan.server_argv(MODES["colocated"], 1, 2, 60.0)
+    assert disagg[disagg.index("--transport") + 1] == "nccl" and "--prefill" in disagg
+    assert "--transport" not in colocated and colocated[colocated.index("--decode") + 1] == "2"
+    assert plan.server_env()["NCCL_NVLS_ENABLE"] == "0" and plan.server_env()["TORCH_NCCL_ENABLE_MONITORING"] == "0"
