@@ -133,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="Stop a mode's sweep after a rate where fewer than this fraction of requests met the SLOs.")
     a("--num-warmup", type=int, default=4, help="Warm-up requests (prompt lengths across --input-len).")
     a("--budget-s", type=float, default=510.0, help="Wall time for everything; rates that do not fit are skipped.")
-    a("--start-timeout-s", type=float, default=240.0, help="Longest wait for a server to answer /v1/models.")
+    a("--start-timeout-s", type=float, default=180.0, help="Longest wait for a server to answer /v1/models.")
     a("--warmup-timeout-s", type=float, default=150.0, help="Longest warm-up (first Triton compiles).")
-    a("--stop-timeout-s", type=float, default=40.0, help="Longest wait after SIGINT before SIGTERM, then SIGKILL.")
+    a("--stop-timeout-s", type=float, default=30.0, help="Longest wait after SIGINT before SIGTERM, then SIGKILL.")
     a("--seed", type=int, default=0, help="Seed of prompts and arrivals (rate k uses SEED + k, in both modes).")
     a("--label", default="", help="A note for the title and the JSON (e.g. 'CPU SMOKE RUN').")
     return parser
@@ -307,16 +307,27 @@ def error_lines(text: str, limit: int = 8) -> list[str]:
     return list(found)[:limit]
 
 
-def wait_gpus_free(timeout_s: float) -> str:
-    """Waits until nvidia-smi lists no compute process (the last mode's workers are gone)."""
+def wait_gpus_free(timeout_s: float, max_used_fraction: float = 0.05) -> str:
+    """Waits until nvidia-smi lists no compute process and every GPU has at most MAX_USED_FRACTION of its
+    memory in use (the last mode's workers are gone; a container may hide their pids, never their memory)."""
     if shutil.which("nvidia-smi") is None:
         return "no nvidia-smi"
     deadline = time.monotonic() + timeout_s
+
+    def query(*args: str) -> str:
+        return subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], check=False,
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+
     while True:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             check=False, capture_output=True, text=True, timeout=20).stdout.strip()
-        if not out or time.monotonic() > deadline:
-            return "GPUs free" if not out else f"GPU processes still listed after {timeout_s:.0f} s: {out}"
+        apps = query("--query-compute-apps=pid")
+        memory = [tuple(float(x) for x in line.split(",")) for line in query("--query-gpu=memory.used,memory.total")
+                  .splitlines() if line.strip()]
+        is_free = not apps and all(used <= max_used_fraction * total for used, total in memory)
+        shown = ", ".join(f"{used / 1024:.1f}/{total / 1024:.0f} GiB" for used, total in memory)
+        if is_free:
+            return f"GPUs free ({shown})"
+        if time.monotonic() > deadline:
+            return f"GPUs still busy after {timeout_s:.0f} s ({shown}; processes: {apps or 'none listed'})"
         time.sleep(1.0)
 
 
@@ -446,7 +457,8 @@ def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: C
         result.phases_s["start"] = round(time.monotonic() - phase_started, 1)
         echo(f"{mode.name}: serving after {result.phases_s['start']:.0f} s; warming up")
         result.phase, phase_started = "warm-up", time.monotonic()
-        asyncio.run(warm_up(plan, base_url + "/v1", min(plan.warmup_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S)))
+        timeout_s = min(plan.warmup_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S)
+        asyncio.run(asyncio.wait_for(warm_up(plan, base_url + "/v1", timeout_s), timeout_s + 5))
         result.phases_s["warm-up"] = round(time.monotonic() - phase_started, 1)
         asyncio.run(sweep(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint))
         result.status, result.phase = "ok", "done"

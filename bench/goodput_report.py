@@ -45,7 +45,10 @@ class ModeResult:
 
     def fail(self, err: BaseException | str) -> None:
         self.status = "failed"
-        self.error = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        if isinstance(err, str):
+            self.error = err
+        else:  # NOTE: asyncio's TimeoutError says nothing by itself
+            self.error = f"{type(err).__name__}: {str(err) or 'the phase ran past its time limit'}"
 
 
 def rate_row(run: RateRun) -> dict[str, Any]:

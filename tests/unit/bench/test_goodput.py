@@ -214,3 +214,28 @@ def test_only_the_disaggregated_mode_gets_the_transport():
     assert disagg[disagg.index("--transport") + 1] == "nccl" and "--prefill" in disagg
     assert "--transport" not in colocated and colocated[colocated.index("--decode") + 1] == "2"
     assert plan.server_env()["NCCL_NVLS_ENABLE"] == "0" and plan.server_env()["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+
+
+def test_wait_gpus_free_reads_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from bench.goodput import wait_gpus_free
+
+    used = tmp_path / "used_mib"
+    used.write_text("120000")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"""#!/bin/sh
+case "$1" in
+  --query-compute-apps=pid) ;;
+  --query-gpu=memory.used,memory.total) echo "$(cat {used}), 143771"; echo "0, 143771" ;;
+esac
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert wait_gpus_free(1.0).startswith("GPUs still busy after 1 s (117.2/140 GiB")
+    used.write_text("600")
+    assert wait_gpus_free(1.0) == "GPUs free (0.6/140 GiB, 0.0/140 GiB)"
+
+
+def test_a_timeout_is_named_as_such():
+    result = ModeResult("disagg", "d", [])
+    result.fail(TimeoutError())
+    assert result.status == "failed" and result.error == "TimeoutError: the phase ran past its time limit"
