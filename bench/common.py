@@ -165,11 +165,17 @@ def write_results(
     stem = f"{bench}_{device_slug(torch.device(env['device']))}"
     json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     json_path.write_text(json.dumps({"benchmark": bench, "environment": env, **record}, indent=2) + "\n")
+    if not save_plot(png_path, plot, plot_title):
+        print(f"matplotlib is not installed: wrote {json_path} without its plot")
+    return json_path, png_path
+
+
+def save_plot(png_path: Path, plot: Callable[[Any], None], plot_title: str) -> bool:
+    """Draws `plot(fig)` under PLOT_TITLE into PNG_PATH; False (nothing written) without matplotlib."""
     try:
         import matplotlib
     except ImportError:
-        print(f"matplotlib is not installed: wrote {json_path} without its plot")
-        return json_path, png_path
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -179,7 +185,7 @@ def write_results(
     fig.tight_layout(rect=(0, 0, 1, 0.87))
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
-    return json_path, png_path
+    return True
 
 
 def label_bars(ax: Any, bars: Any, values: Sequence[float], fmt: str) -> None:

@@ -22,7 +22,8 @@ stop the server; every phase has a timeout. The server gets --exit-after as a la
 Writes to --out (5 files): goodput_<device>.json (written after each mode, so a partial run keeps what
 it measured; per-request summaries included), goodput_<device>.png, goodput_driver.log (this
 driver's output with each rate's full summary), server_<mode>.log (the server's output, then the
-tails of Ray's worker and Serve logs).
+tails of Ray's worker and Serve logs). `--replot FILE.json` draws the PNG of a run again (where the
+machine that ran it had no matplotlib).
 
 Models without tokenizer.json (bench/shapes/*: config.json only): the router needs a tokenizer to
 check token ids against the vocabulary and to stream text, so the driver serves a copy of the shape
@@ -83,7 +84,7 @@ from typing import Any, TextIO
 
 import torch
 
-from bench.common import device_name, device_slug, title, write_results
+from bench.common import device_name, device_slug, save_plot, title, write_results
 from bench.goodput_report import ModeResult, compare, mode_summary, plot, table
 from bench.loadgen.config import BenchConfig, parse_range
 from deploy.cli import add_engine_flags, engine_options
@@ -119,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(model=str(SHAPES / "llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
                         attention_backend="triton")
     a = parser.add_argument
-    a("--out", type=Path, required=True, help="Folder for the results and logs.")
+    a("--out", type=Path, help="Folder for the results and logs (required unless --replot).")
+    a("--replot", type=Path, help="Only draw the PNG of this goodput JSON again, beside it, and exit.")
     a("--modes", default="disagg,colocated", help=f"Comma-separated, run in this order: {', '.join(MODES)}.")
     a("--transport", default="auto", help="KV transport of the disagg mode: auto (nccl with GPUs, gloo without).")
     a("--rates", default="1,2,4,6,8", help="Poisson request rates (req/s), comma-separated, in increasing order.")
@@ -639,13 +641,44 @@ def make_plan(args: argparse.Namespace, device: torch.device, model_dir: Path, s
     )
 
 
+def plot_title(env: dict[str, Any], config: dict[str, Any]) -> str:
+    """bench.common.title's four lines (what, model, device, workload), the workload over two lines."""
+    flags = config["engine_flags"]
+    backend = flags[flags.index("--attention-backend") + 1] if "--attention-backend" in flags else "?"
+    (in_lo, in_hi), (out_lo, out_hi) = config["input_len"], config["output_len"]
+    what = f"goodput: {' vs '.join(config['modes'].values())}" + (f" ({env['label']})" if env.get("label") else "")
+    workload = (f"random token-id prompts of {in_lo}-{in_hi} tokens -> {out_lo}-{out_hi} output tokens (ignore_eos), "
+                f"Poisson arrivals, {config['seconds_per_rate']:g} s a rate\nSLOs per request TTFT <= "
+                f"{config['slo_ttft_ms']:g} ms and TPOT <= {config['slo_tpot_ms']:g} ms (p90s shown); {backend} attention")
+    return title(what, env, workload)
+
+
+def replot(json_path: Path) -> Path:
+    """The PNG of a goodput JSON again, beside it (where the run's machine had no matplotlib)."""
+    doc = json.loads(json_path.read_text())
+    config, png_path = doc["config"], json_path.with_suffix(".png")
+
+    def draw(fig: Any) -> None:
+        plot(fig, doc["modes"], doc["comparison"], config["slo_ttft_ms"], config["slo_tpot_ms"])
+
+    if not save_plot(png_path, draw, plot_title(doc["environment"], config)):
+        raise SystemExit("replot needs matplotlib")
+    return png_path
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # NOTE: unwinds through run_mode's `finally`, which stops the server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.replot:
+        print(f"wrote {replot(args.replot)}")
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODES]
@@ -684,15 +717,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run_modes(names, run_one, t0 + args.budget_s - FINAL_RESERVE_S, on_result=save)
     record = results_record(plan, args, results)
     summaries, comparison = record["modes"], record["comparison"]
-    what = (f"goodput: {' vs '.join(MODES[n].description for n in names)}"
-            + (f" ({args.label})" if args.label else ""))
-    workload = (f"random token prompts {plan.input_len[0]}-{plan.input_len[1]} -> {plan.output_len[0]}-"
-                f"{plan.output_len[1]} tokens (ignore_eos), Poisson, {plan.seconds_per_rate:g} s per rate; SLO TTFT <= "
-                f"{plan.slo_ttft_ms:g} ms, TPOT <= {plan.slo_tpot_ms:g} ms (p90 shown); {args.attention_backend} "
-                f"attention, max {args.max_num_batched_tokens} tokens a step")
     json_path, png_path = write_results(
         args.out, "goodput", env, record,
-        lambda fig: plot(fig, summaries, comparison, plan.slo_ttft_ms, plan.slo_tpot_ms), title(what, env, workload))
+        lambda fig: plot(fig, summaries, comparison, plan.slo_ttft_ms, plan.slo_tpot_ms),
+        plot_title(env, record["config"]))
     tee.echo(f"wrote {json_path.name}, {png_path.name}; {time.monotonic() - t0:.0f} s in all")
     tee.echo("\n" + table(summaries, comparison))
     return 0 if all(r.status == "ok" for r in results.values()) else 1

@@ -239,3 +239,14 @@ def test_a_timeout_is_named_as_such():
     result = ModeResult("disagg", "d", [])
     result.fail(TimeoutError())
     assert result.status == "failed" and result.error == "TimeoutError: the phase ran past its time limit"
+
+
+def test_replot_draws_the_png_of_a_json_again(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    from bench.goodput import main
+
+    results = Path(__file__).resolve().parents[3] / "bench" / "results" / "goodput_cpu.json"
+    copy = tmp_path / "goodput_x.json"
+    copy.write_text(results.read_text())
+    assert main(["--replot", str(copy)]) == 0
+    assert (tmp_path / "goodput_x.png").read_bytes()[:4] == b"\x89PNG"
