@@ -8,7 +8,7 @@ For each mode in turn this starts `pdserve serve` as a subprocess (its own local
 waits for /v1/models, warms it up (a few prompts of the workload's lengths), sweeps Poisson request
 rates with bench/loadgen (random token-id prompts, ignore_eos; per rate SECONDS_PER_RATE seconds of
 arrivals, then the requests drain for at most DRAIN_S, after which those still running count as
-failed), then stops it (SIGINT, SIGTERM, SIGKILL; then whatever of its process group remains, Ray's
+failed; by default DRAIN_S is the longest a request can take and still meet both SLOs, + 1 s), then stops it (SIGINT, SIGTERM, SIGKILL; then whatever of its process group remains, Ray's
 processes, by group id). A mode that fails (start, warm-up, a rate, the server dying) is recorded with
 its phase, error and log tail, and the other mode still runs. A mode's sweep stops after a rate where
 fewer than MIN_ATTAINMENT of the requests met the SLOs: higher rates would only queue more.
@@ -39,7 +39,7 @@ The defaults are that run: bench/shapes/llama-3.1-8b with dummy weights in bfloa
 attention backend (CUDA graphs for decode steps), max_model_len 4,300 (the longest request; decode
 graphs are sized by it), the engine's batching defaults (64 sequences, 2,048 tokens a step); prompts
 of 1,000-4,000 tokens, outputs of 100-300; SLOs TTFT <= 1 s and TPOT <= 40 ms per request; rates
-1,2,4,6,8 req/s with 20 s of arrivals each (+ <= 10 s drain).
+1,2,4,6,8 req/s with 20 s of arrivals each (+ <= 14 s drain: 1 s + 299 x 40 ms + 1 s).
 
 Why those rates, from the H200's figures (790 TFLOP/s bf16 dense, 4.3 TB/s): a 2,500-token prefill
 of Llama-3.1-8B is ~40 TFLOP, 0.1-0.2 s at 25-50 % utilisation, so one prefill GPU saturates near
@@ -49,14 +49,14 @@ The two colocated replicas have twice the prefill capacity but every prefill chu
 decode steps (TPOT, p99 ITL). 1-8 req/s spans below and past both knees; 1 req/s is the anchor if
 the serving overheads turn out far above these figures. Time: Ray + Serve ~20 s, model load and CUDA
 graph capture 20-40 s, warm-up (Triton compiles) 10-30 s, stop ~10 s: 60-100 s a mode; 5 rates x
-(20 s + 3-10 s) = 115-150 s a mode; both ~350-500 s. --budget-s 510 (from after imports) keeps the
+(20 s + 3-14 s) = 115-170 s a mode; both ~350-530 s. --budget-s 510 (from after imports) keeps the
 whole under `timeout 570`: a mode gets half of the time left when it starts, and a rate that would
 not fit is skipped and recorded as such.
 
 CPU smoke run (the embedded model, gloo transport; about 2.5 minutes on 2 cores):
 
     python -m bench.goodput --out /tmp/goodput-cpu --model default --load-format auto --dtype float32 \\
-        --device cpu --attention-backend torch --rates 1,2 --seconds-per-rate 20 --drain-s 15 \\
+        --device cpu --attention-backend torch --rates 1,2 --seconds-per-rate 20 \\
         --input-len 64:256 --output-len 16:48 --num-warmup 2 --budget-s 400 --label "CPU SMOKE RUN"
 """
 
@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
@@ -95,7 +96,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "bench" / "shapes"
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception)(?:\([\w.]+\))?: .*$", re.MULTILINE)
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours actor names in its logs
-STOP_RESERVE_S = 20.0  # kept free at the end of a mode's share: stopping the server, collecting its logs
+STOP_RESERVE_S = 15.0  # kept free at the end of a mode's share: stopping the server, collecting its logs
 FINAL_RESERVE_S = 10.0  # kept free at the end of the budget: the JSON and the plot
 
 
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transport", default="auto", help="KV transport of the disagg mode: auto (nccl with GPUs, gloo without).")
     a("--rates", default="1,2,4,6,8", help="Poisson request rates (req/s), comma-separated, in increasing order.")
     a("--seconds-per-rate", type=float, default=20.0, help="Seconds of arrivals at each rate.")
-    a("--drain-s", type=float, default=10.0, help="Longest wait for requests after the arrivals end.")
+    a("--drain-s", type=float, default=None, help="Longest wait for requests after the arrivals end; default: "
+      "the longest a request can take within both SLOs, TTFT + (max output - 1) x TPOT, + 1 s.")
     a("--input-len", default="1000:4000", help="Prompt tokens, N or MIN:MAX (uniform).")
     a("--output-len", default="100:300", help="Output tokens (max_tokens, ignore_eos), N or MIN:MAX (uniform).")
     a("--slo-ttft-ms", type=float, default=1000.0, help="Goodput SLO on time to first token.")
@@ -158,6 +160,12 @@ def serve_flags(options: dict[str, Any]) -> list[str]:
 def mode_share(now: float, end: float, num_modes_left: int) -> float:
     """The deadline of the next mode: an equal share of the time left for the modes left."""
     return now + max(0.0, end - now) / max(1, num_modes_left)
+
+
+def slo_drain_s(slo_ttft_ms: float, slo_tpot_ms: float, output_len: tuple[int, int]) -> float:
+    """The longest a request can take and still meet both SLOs (TTFT, then max output - 1 tokens at TPOT),
+    + 1 s, rounded up: waiting this long after the last arrival cuts off no request that would be good."""
+    return float(math.ceil((slo_ttft_ms + (output_len[1] - 1) * slo_tpot_ms) / 1e3 + 1.0))
 
 
 def num_prompts(rate: float, seconds: float) -> int:
@@ -634,7 +642,8 @@ def make_plan(args: argparse.Namespace, device: torch.device, model_dir: Path, s
     return Plan(
         engine_flags=tuple(serve_flags(options)), transport=args.transport, model_name=options["model"],
         vocab_size=load_arch(model_dir).vocab_size, is_cuda=device.type == "cuda", rates=rates,
-        seconds_per_rate=args.seconds_per_rate, drain_s=args.drain_s, input_len=input_len, output_len=output_len,
+        seconds_per_rate=args.seconds_per_rate, input_len=input_len, output_len=output_len,
+        drain_s=args.drain_s if args.drain_s is not None else slo_drain_s(args.slo_ttft_ms, args.slo_tpot_ms, output_len),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, min_attainment=args.min_attainment,
         num_warmup=max(1, args.num_warmup), seed=args.seed, start_timeout_s=args.start_timeout_s,
         warmup_timeout_s=args.warmup_timeout_s, stop_timeout_s=args.stop_timeout_s,

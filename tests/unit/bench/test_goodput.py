@@ -250,3 +250,10 @@ def test_replot_draws_the_png_of_a_json_again(tmp_path: Path):
     copy.write_text(results.read_text())
     assert main(["--replot", str(copy)]) == 0
     assert (tmp_path / "goodput_x.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_default_drain_cuts_off_no_request_that_meets_the_slos():
+    from bench.goodput import slo_drain_s
+
+    assert slo_drain_s(1000.0, 40.0, (100, 300)) == 14.0  # 1 s + 299 x 40 ms = 12.96 s, + 1 s, rounded up
+    assert slo_drain_s(1000.0, 40.0, (16, 48)) == 4.0
