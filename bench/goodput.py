@@ -35,28 +35,32 @@ gRPC code is generated, git-ignored, and the machine has no grpcio-tools to gene
 
     bash -c 'tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0 && nvidia-smi -L && timeout 570 python3 -m bench.goodput --out "$OUT"'
 
-The defaults are that run: bench/shapes/llama-3.1-8b with dummy weights in bfloat16, the Triton
-attention backend (CUDA graphs for decode steps), max_model_len 4,300 (the longest request; decode
-graphs are sized by it), the engine's batching defaults (64 sequences, 2,048 tokens a step); prompts
-of 1,000-4,000 tokens, outputs of 100-300; SLOs TTFT <= 1 s and TPOT <= 40 ms per request; rates
-1,2,4,6,8 req/s with 20 s of arrivals each (+ <= 14 s drain: 1 s + 299 x 40 ms + 1 s).
+The defaults are that run: bench/shapes/llama-3.1-8b with dummy weights in bfloat16, the engine's
+attention default ('auto': Triton on CUDA, with CUDA graphs for decode steps), max_model_len 4,300
+(the longest request; decode graphs are sized by it), the engine's batching defaults (64 sequences,
+2,048 tokens a step); prompts of 1,000-4,000 tokens, outputs of 100-300; SLOs TTFT <= 1 s and
+TPOT <= 40 ms per request; rates 2,4,8,12,16 req/s with 20 s of arrivals each (+ <= 14 s drain:
+1 s + 299 x 40 ms + 1 s).
 
-Why those rates, from the H200's figures (790 TFLOP/s bf16 dense, 4.3 TB/s): a 2,500-token prefill
-of Llama-3.1-8B is ~40 TFLOP, 0.1-0.2 s at 25-50 % utilisation, so one prefill GPU saturates near
-5-10 req/s (TTFT's p90 rises before that); a decode step at batch ~30 reads 16 GB of weights and
-~0.13 MB of KV per context token (~10 GB at 30 x 2,600), 5-8 ms, so the decode GPU is not the limit.
-The two colocated replicas have twice the prefill capacity but every prefill chunk stalls their
-decode steps (TPOT, p99 ITL). 1-8 req/s spans below and past both knees; 1 req/s is the anchor if
-the serving overheads turn out far above these figures. Time: Ray + Serve ~20 s, model load and CUDA
-graph capture 20-40 s, warm-up (Triton compiles) 10-30 s, stop ~10 s: 60-100 s a mode; 5 rates x
-(20 s + 3-14 s) = 115-170 s a mode; both ~350-530 s. --budget-s 510 (from after imports) keeps the
-whole under `timeout 570`: a mode gets half of the time left when it starts, and a rate that would
-not fit is skipped and recorded as such.
+Why those rates. pdserve's own H100 figures (bench/results/offline_throughput_nvidia-h100-80gb-hbm3
+.json): a 2,048-token Llama-3.1-8B prefill step takes 54 ms (80 % of the bf16 matmul peak; the
+H200 has the same peak), so a 2,500-token prompt is ~70 ms and one prefill GPU saturates near
+14 req/s, TTFT's p90 rising before that. A decode step at batch ~30 with ~2,600 tokens of context
+reads 16 GB of weights and ~10 GB of KV (0.13 MB a token), ~7-9 ms at the H200's 4.3 TB/s, so the
+decode GPU holds TPOT far under 40 ms up to ~20 req/s (64 sequences at most). The two colocated
+replicas have twice the prefill capacity, but each 2,048-token chunk stalls their decode steps
+by ~55 ms (p99 ITL) and a share of every TPOT. So both knees may lie near 10-16 req/s if the
+serving path (Ray, Serve's proxy, the router) adds little; 2 req/s is the anchor if it adds much.
+A mode stops at the first rate where fewer than half its requests meet the SLOs.
+Time: Ray + Serve ~20 s, model load and CUDA graph capture 20-40 s, warm-up (Triton compiles)
+10-30 s, stop ~10 s: 60-100 s a mode; 5 rates x (20 s + 3-14 s) = 115-170 s a mode; both
+~350-530 s. --budget-s 510 (from after imports) keeps the whole under `timeout 570`: a mode gets
+half of the time left when it starts, and a rate that would not fit is skipped and recorded as such.
 
 CPU smoke run (the embedded model, gloo transport; about 2.5 minutes on 2 cores):
 
     python -m bench.goodput --out /tmp/goodput-cpu --model default --load-format auto --dtype float32 \\
-        --device cpu --attention-backend torch --rates 1,2 --seconds-per-rate 20 \\
+        --device cpu --rates 1,2 --seconds-per-rate 20 \\
         --input-len 64:256 --output-len 16:48 --num-warmup 2 --budget-s 400 --label "CPU SMOKE RUN"
 """
 
@@ -118,14 +122,13 @@ MODES = {m.name: m for m in (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.split("\n")[0])
     add_engine_flags(parser)  # the same engine flags as `pdserve serve`, passed on to it
-    parser.set_defaults(model=str(SHAPES / "llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
-                        attention_backend="triton")
+    parser.set_defaults(model=str(SHAPES / "llama-3.1-8b"), load_format="dummy", dtype="bfloat16")
     a = parser.add_argument
     a("--out", type=Path, help="Folder for the results and logs (required unless --replot).")
     a("--replot", type=Path, help="Only draw the PNG of this goodput JSON again, beside it, and exit.")
     a("--modes", default="disagg,colocated", help=f"Comma-separated, run in this order: {', '.join(MODES)}.")
     a("--transport", default="auto", help="KV transport of the disagg mode: auto (nccl with GPUs, gloo without).")
-    a("--rates", default="1,2,4,6,8", help="Poisson request rates (req/s), comma-separated, in increasing order.")
+    a("--rates", default="2,4,8,12,16", help="Poisson request rates (req/s), comma-separated, in increasing order.")
     a("--seconds-per-rate", type=float, default=20.0, help="Seconds of arrivals at each rate.")
     a("--drain-s", type=float, default=None, help="Longest wait for requests after the arrivals end; default: "
       "the longest a request can take within both SLOs, TTFT + (max output - 1) x TPOT, + 1 s.")
