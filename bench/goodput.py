@@ -42,18 +42,19 @@ attention default ('auto': Triton on CUDA, with CUDA graphs for decode steps), m
 TPOT <= 40 ms per request; rates 2,4,8,12,16 req/s with 20 s of arrivals each (+ <= 14 s drain:
 1 s + 299 x 40 ms + 1 s).
 
-Why those rates. pdserve's own H100 figures (bench/results/offline_throughput_nvidia-h100-80gb-hbm3
-.json): a 2,048-token Llama-3.1-8B prefill step takes 54 ms (80 % of the bf16 matmul peak; the
-H200 has the same peak), so a 2,500-token prompt is ~70 ms and one prefill GPU saturates near
-14 req/s, TTFT's p90 rising before that. A decode step at batch ~30 with ~2,600 tokens of context
+Why those rates. pdserve's own figures: on 2x H200 (bench/results/disagg_2xh200.json) a
+2,048-token Llama-3.1-8B prompt takes 51 ms on the prefill worker plus a 6.4 ms KV push (256 MiB),
+TTFT 65 ms against 56 ms colocated; on an H100 a 2,048-token prefill step runs at 80 % of the bf16
+matmul peak. So a 2,500-token prompt is ~65-70 ms and one prefill GPU saturates near 14 req/s,
+TTFT's p90 rising before that. A decode step at batch ~30 with ~2,600 tokens of context
 reads 16 GB of weights and ~10 GB of KV (0.13 MB a token), ~7-9 ms at the H200's 4.3 TB/s, so the
 decode GPU holds TPOT far under 40 ms up to ~20 req/s (64 sequences at most). The two colocated
 replicas have twice the prefill capacity, but each 2,048-token chunk stalls their decode steps
 by ~55 ms (p99 ITL) and a share of every TPOT. So both knees may lie near 10-16 req/s if the
 serving path (Ray, Serve's proxy, the router) adds little; 2 req/s is the anchor if it adds much.
 A mode stops at the first rate where fewer than half its requests meet the SLOs.
-Time: Ray + Serve ~20 s, model load and CUDA graph capture 20-40 s, warm-up (Triton compiles)
-10-30 s, stop ~10 s: 60-100 s a mode; 5 rates x (20 s + 3-14 s) = 115-170 s a mode; both
+Time: Ray + Serve ~20 s, pools ~15 s (bench/results/nccl_kill_2xh200.json) and CUDA graph
+capture, warm-up (Triton compiles) 10-30 s, stop ~10 s: 60-100 s a mode; 5 rates x (20 s + 3-14 s) = 115-170 s a mode; both
 ~350-530 s. --budget-s 510 (from after imports) keeps the whole under `timeout 570`: a mode gets
 half of the time left when it starts, and a rate that would not fit is skipped and recorded as such.
 
