@@ -69,7 +69,9 @@ def _speculative(args: argparse.Namespace, k: int, adaptive: bool) -> Speculativ
         draft_model=args.draft if args.method == "draft" else None,
         num_draft_tokens=k,
         enable_adaptive_draft_length=adaptive,
-        disable_above_batch_size=args.disable_above_batch_size if adaptive else None,
+        # NOTE: the acceptance runs (not adaptive) draft at every batch size; -1: the speed runs do too
+        disable_above_batch_size=args.disable_above_batch_size if adaptive and args.disable_above_batch_size >= 0
+        else None,
     )
 
 
@@ -180,7 +182,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None, help="Output tokens a request (128; 32 quick).")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--large-batch", type=int, default=None, help="The large batch (128; 8 quick).")
-    parser.add_argument("--disable-above-batch-size", type=int, default=None, help="SpeculativeConfig's.")
+    parser.add_argument(
+        "--disable-above-batch-size", type=int,
+        default=SpeculativeConfig.model_fields["disable_above_batch_size"].default,
+        help="SpeculativeConfig's (default: its default); -1: draft at every batch size.",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="Timed runs per speed point (3; 1 quick).")
     args = parser.parse_args(argv)
     quick = args.quick
