@@ -91,7 +91,7 @@ from typing import Any, TextIO
 import torch
 
 from bench.common import device_name, device_slug, save_plot, title, write_results
-from bench.goodput_report import ModeResult, compare, mode_summary, plot, table
+from bench.goodput_report import ModeResult, compare, mode_summary, plot, scaleout, table
 from bench.loadgen.config import BenchConfig, parse_range
 from deploy.cli import add_engine_flags, engine_options
 from engine.engine import resolve_device, resolve_model_dir
@@ -111,12 +111,34 @@ class ModeSpec:
     serve_flags: tuple[str, ...]  # `pdserve serve` flags that make the mode
     description: str
     is_kv_transferred: bool  # prefill and decode on different workers: --transport applies
+    num_workers: int  # one GPU each on a GPU machine
 
 
-MODES = {m.name: m for m in (
-    ModeSpec("disagg", ("--prefill", "1", "--decode", "1"), "disagg 1 prefill + 1 decode", is_kv_transferred=True),
-    ModeSpec("colocated", ("--colocated", "--decode", "2"), "colocated 2 replicas", is_kv_transferred=False),
-)}
+def disagg_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
+    return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode)),
+                    f"disagg {num_prefill} prefill + {num_decode} decode", True, num_prefill + num_decode)
+
+
+def colocated_mode(name: str, num_replicas: int) -> ModeSpec:
+    return ModeSpec(name, ("--colocated", "--decode", str(num_replicas)), f"colocated {num_replicas} replicas",
+                    False, num_replicas)
+
+
+MODES = {m.name: m for m in (disagg_mode("disagg", 1, 1), colocated_mode("colocated", 2))}
+MODE_NAMES = "disagg (1P1D), colocated (2 replicas), <P>p<D>d (e.g. 1p3d, 2p6d), colocated<N> (e.g. colocated4)"
+
+
+def mode_spec(name: str) -> ModeSpec:
+    """A mode by name: the two of MODES, '<P>p<D>d' (P prefill + D decode workers) or 'colocated<N>'."""
+    if name in MODES:
+        return MODES[name]
+    if m := re.fullmatch(r"(\d+)p(\d+)d", name):
+        num_prefill, num_decode = int(m[1]), int(m[2])
+        if num_prefill >= 1 and num_decode >= 1:
+            return disagg_mode(name, num_prefill, num_decode)
+    if (m := re.fullmatch(r"colocated(\d+)", name)) and int(m[1]) >= 1:
+        return colocated_mode(name, int(m[1]))
+    raise ValueError(f"--modes: unknown mode {name!r}; choose from {MODE_NAMES}")
 
 
 # ---- the command line
@@ -127,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = parser.add_argument
     a("--out", type=Path, help="Folder for the results and logs (required unless --replot).")
     a("--replot", type=Path, help="Only draw the PNG of this goodput JSON again, beside it, and exit.")
-    a("--modes", default="disagg,colocated", help=f"Comma-separated, run in this order: {', '.join(MODES)}.")
+    a("--modes", default="disagg,colocated", help=f"Comma-separated, run in this order: {MODE_NAMES}.")
     a("--transport", default="auto", help="KV transport of the disagg mode: auto (nccl with GPUs, gloo without).")
     a("--rates", default="2,4,8,12,16", help="Poisson request rates (req/s), comma-separated, in increasing order.")
     a("--seconds-per-rate", type=float, default=20.0, help="Seconds of arrivals at each rate.")
@@ -521,15 +543,14 @@ def run_modes(names: Sequence[str], run_one: Callable[[str, float], ModeResult],
         try:
             results[name] = run_one(name, deadline)
         except Exception as err:  # noqa: BLE001 - the driver's own bug must not cost the other mode
-            spec = MODES.get(name)
-            results[name] = ModeResult(name, spec.description if spec else name, [])
+            results[name] = ModeResult(name, mode_spec(name).description, [])
             results[name].fail(err)
         on_result(results)
     return results
 
 
 # ---- the whole run
-def preflight(device: torch.device, echo: Callable[[str], None]) -> list[str]:
+def preflight(device: torch.device, echo: Callable[[str], None], num_gpus_needed: int = 2) -> list[str]:
     """What would make every mode fail, found before any server starts: Ray missing, too few GPUs, the
     gRPC code missing (generated, not committed: carry router/proto/pdserve_pb2*.py to a machine without
     grpcio-tools). Copied files can look older than pdserve.proto; without grpcio-tools they are
@@ -541,8 +562,8 @@ def preflight(device: torch.device, echo: Callable[[str], None]) -> list[str]:
     problems = []
     if importlib.util.find_spec("ray") is None:
         problems.append("Ray is not importable: extract .raybundle/site.tar.xz and put it on PYTHONPATH")
-    if device.type == "cuda" and torch.cuda.device_count() < 2:
-        problems.append(f"both modes need 2 GPUs; this machine has {torch.cuda.device_count()}")
+    if device.type == "cuda" and torch.cuda.device_count() < num_gpus_needed:
+        problems.append(f"the largest mode needs {num_gpus_needed} GPUs; this machine has {torch.cuda.device_count()}")
     missing = [f.name for f in codegen.OUTPUTS if not f.is_file()]
     has_protoc = importlib.util.find_spec("grpc_tools") is not None
     if missing and not has_protoc:
@@ -602,7 +623,7 @@ def results_record(plan: Plan, args: argparse.Namespace, results: dict[str, Mode
     summaries = {name: mode_summary(r) for name, r in results.items()}
     return {
         "config": {
-            "modes": {name: MODES[name].description for name in results if name in MODES},
+            "modes": {name: mode_spec(name).description for name in results},
             "engine_flags": list(plan.engine_flags), "transport": plan.transport, "rates": list(plan.rates),
             "seconds_per_rate": plan.seconds_per_rate, "drain_s": plan.drain_s, "input_len": list(plan.input_len),
             "output_len": list(plan.output_len), "ignore_eos": True, "arrivals": "Poisson",
@@ -612,8 +633,16 @@ def results_record(plan: Plan, args: argparse.Namespace, results: dict[str, Mode
         },
         "modes": summaries,
         "comparison": compare(summaries),
+        "scaleout": scaleout(summaries, {name: _layout(mode_spec(name)) for name in results}),
         "requests": {name: _compact_records(r) for name, r in results.items()},
     }
+
+
+def _layout(spec: ModeSpec) -> tuple[int, int]:
+    """(prefill workers, decode workers); prefill 0 for a colocated mode."""
+    flags = spec.serve_flags
+    decode = int(flags[flags.index("--decode") + 1])
+    return (int(flags[flags.index("--prefill") + 1]), decode) if spec.is_kv_transferred else (0, decode)
 
 
 class Tee:
@@ -694,14 +723,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--out is required")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODES]
-    if unknown or not names:
-        raise SystemExit(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    if not names:
+        raise SystemExit(f"--modes: none given; choose from {MODE_NAMES}")
+    try:
+        specs = [mode_spec(m) for m in names]
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
     args.out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(args.device)
     model_dir = resolve_model_dir(args.model)
     tee = Tee(args.out / "goodput_driver.log", t0)
-    problems = preflight(device, tee.echo)
+    problems = preflight(device, tee.echo, max(spec.num_workers for spec in specs))
     if problems:
         tee.echo("goodput: cannot run:\n  " + "\n  ".join(problems))
         return 2
@@ -724,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_json(done)
 
         def run_one(name: str, deadline: float) -> ModeResult:
-            return run_mode(plan, MODES[name], args.out, deadline, tee.echo, tee.note,
+            return run_mode(plan, mode_spec(name), args.out, deadline, tee.echo, tee.note,
                             checkpoint=lambda partial: write_json({**done, name: partial}))
 
         results = run_modes(names, run_one, t0 + args.budget_s - FINAL_RESERVE_S, on_result=save)

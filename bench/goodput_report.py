@@ -138,6 +138,28 @@ def compare(summaries: Mapping[str, Mapping[str, Any]], goal: float = GOAL_RATIO
     return {**out, "ratio": ratio, "is_goal_met": ratio >= goal}
 
 
+def scaleout(summaries: Mapping[str, Mapping[str, Any]], layout: Mapping[str, tuple[int, int]]) -> dict[str, Any]:
+    """For the scale-out runs: each disaggregated mode's best goodput over that of the colocated mode
+    with as many workers (GPUs), and the scaling efficiency from 1P1D to 2P2D (best 2P2D / 2 x best 1P1D).
+    LAYOUT: mode -> (prefill workers, decode workers), prefill 0 for colocated (decode = replicas)."""
+    best = {n: (s["best"] or {}).get("goodput") for n, s in summaries.items()}
+    colocated = {p + d: n for n, (p, d) in layout.items() if p == 0 and n in summaries}
+    pairs = []
+    for name, (p, d) in layout.items():
+        if p == 0 or name not in summaries:
+            continue
+        other = colocated.get(p + d)
+        ratio = _ratio(best[name], best[other]) if other and best[name] is not None and best[other] is not None else None
+        pairs.append({"mode": name, "num_gpus": p + d, "colocated": other, "goodput": best[name],
+                      "colocated_goodput": best.get(other) if other else None, "ratio": ratio})
+    by_shape = {layout[n]: n for n in summaries if n in layout}
+    one, two = by_shape.get((1, 1)), by_shape.get((2, 2))
+    efficiency = None
+    if one and two and best[one] and best[two] is not None:
+        efficiency = best[two] / (2 * best[one])
+    return {"pairs": pairs, "scaling_1p1d_to_2p2d": efficiency, "scaling_goal": 0.9}
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 

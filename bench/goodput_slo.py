@@ -66,7 +66,7 @@ def main() -> None:
 
     def plot(fig: Any) -> None:
         axes = fig.subplots(1, 2)
-        for ax, kind, key, label in ((axes[0], "tpot", "tpot_ms", "TPOT SLO, ms (TTFT <= %g ms)" % ttft),
+        for ax, kind, key, label in ((axes[0], "tpot", "tpot_ms", f"TPOT SLO, ms (TTFT <= {ttft:g} ms)"),
                                      (axes[1], "max_gap", "max_gap_ms", "worst inter-token gap SLO, ms")):
             sel = [r for r in rows if r["slo"] == kind]
             for m in modes:

@@ -46,7 +46,7 @@ SHAPES = Path(__file__).resolve().parent / "shapes"
 
 async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = args.device != "cpu"
-    options = dict(gpu_memory_utilization=0.85, dtype="bfloat16") if on_gpu else dict(num_blocks=512)
+    options = {"gpu_memory_utilization": 0.85, "dtype": "bfloat16"} if on_gpu else {"num_blocks": 512}
     model = SHAPES / args.shape if on_gpu else "default"
     engine = engine_config(str(model), load_format="dummy" if on_gpu else "auto", device=args.device,
                            max_num_batched_tokens=max(2048, args.prompt_len), **options)
@@ -57,7 +57,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
                                 local_prefill=LocalPrefillConfig(rule="remote"))  # NOTE: the push is the point
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] if on_gpu else 2048
     rng = random.Random(0)
-    prompt = lambda n: [rng.randrange(4, vocab) for _ in range(n)]  # noqa: E731
+    prompt = lambda n: [rng.randrange(4, vocab) for _ in range(n)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     chaos = Chaos(config, dispatch)
     record: dict[str, Any] = {"shape": args.shape, "prompt_len": args.prompt_len, "transport": args.transport,

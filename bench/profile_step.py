@@ -36,7 +36,7 @@ def fill(engine: EngineCore, batch: int, context: int, temperature: float, rng: 
 def phases(engine: EngineCore, num_steps: int) -> dict[str, float]:
     """Median seconds of each phase of a decode-only step."""
     parts: dict[str, list[float]] = {"schedule": [], "runner": [], "sampler": [], "post": [], "step": []}
-    sync = lambda: synchronize(engine.device)  # noqa: E731
+    sync = lambda: synchronize(engine.device)
     for _ in range(num_steps):
         sync()
         t0 = time.perf_counter()

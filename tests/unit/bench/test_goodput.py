@@ -257,3 +257,33 @@ def test_the_default_drain_cuts_off_no_request_that_meets_the_slos():
 
     assert slo_drain_s(1000.0, 40.0, (100, 300)) == 14.0  # 1 s + 299 x 40 ms = 12.96 s, + 1 s, rounded up
     assert slo_drain_s(1000.0, 40.0, (16, 48)) == 4.0
+
+
+def test_mode_names_give_the_pool_sizes_and_bad_names_are_refused() -> None:
+    from bench.goodput import _layout, mode_spec
+
+    assert mode_spec("2p6d").serve_flags == ("--prefill", "2", "--decode", "6") and mode_spec("2p6d").num_workers == 8
+    assert mode_spec("colocated4").serve_flags == ("--colocated", "--decode", "4")
+    assert _layout(mode_spec("1p3d")) == (1, 3) and _layout(mode_spec("colocated")) == (0, 2)
+    assert _layout(mode_spec("disagg")) == (1, 1)
+    for bad in ("0p2d", "2p0d", "colocated0", "3x3", "p2d"):
+        with pytest.raises(ValueError, match="unknown mode"):
+            mode_spec(bad)
+
+
+def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> None:
+    from bench.goodput_report import scaleout
+
+    def summary(goodput: float | None) -> dict:
+        return {"best": {"goodput": goodput} if goodput is not None else None}
+
+    summaries = {"1p1d": summary(4.0), "colocated": summary(5.0), "2p2d": summary(7.2), "colocated4": summary(9.0),
+                 "1p3d": summary(6.0), "2p6d": summary(None)}
+    layout = {"1p1d": (1, 1), "colocated": (0, 2), "2p2d": (2, 2), "colocated4": (0, 4), "1p3d": (1, 3), "2p6d": (2, 6)}
+    out = scaleout(summaries, layout)
+    pairs = {p["mode"]: p for p in out["pairs"]}
+    assert pairs["1p1d"]["colocated"] == "colocated" and pairs["1p1d"]["ratio"] == pytest.approx(0.8)
+    assert pairs["2p2d"]["colocated"] == "colocated4" and pairs["2p2d"]["ratio"] == pytest.approx(0.8)
+    assert pairs["1p3d"]["ratio"] == pytest.approx(6.0 / 9.0)
+    assert pairs["2p6d"]["colocated"] is None and pairs["2p6d"]["ratio"] is None  # no colocated8, no goodput
+    assert out["scaling_1p1d_to_2p2d"] == pytest.approx(7.2 / 8.0)
