@@ -5,32 +5,61 @@
 #
 #   single  (nvidia-h100-x1 or nvidia-h200): GPU tests (HF equality with both attention backends),
 #           Triton kernels vs the reference at real shapes and their timings, static vs continuous
-#           batching at the Qwen3-0.6B shape, offline throughput (nano-vllm workload) vs HF
-#           transformers with decode steps vs the memory floor, prefill utilization at Llama-3.1-8B.
-#   pair    (nvidia-h200-x2): NCCL transport tests, 1P1D over NCCL vs colocated (tokens, TTFT,
-#           KV push bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
+#           batching at the Qwen3-0.6B shape, an engine step's phases by batch size.
+#   throughput (one GPU): offline throughput (nano-vllm workload) vs HF transformers with decode
+#           steps vs the memory floor and prefill utilization at Llama-3.1-8B; then 256 HTTP
+#           streams vs the offline engine and the router's TTFT overhead (carry the proto files).
+#   pair    (nvidia-h200-x2): NCCL transport tests, the decode worker killed mid-transfer over NCCL
+#           (bench.nccl_kill), 1P1D over NCCL vs colocated (tokens, TTFT, KV push bandwidth vs raw NCCL
+#           send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
+#   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
+#   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
+#           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
+#   scale8  (nvidia-h200-x8): 2P6D vs 8 colocated, then bench.kv_pairs.
+#   throughput, goodput, scale4, scale4b and scale8 also carry router/proto/pdserve_pb2*.py (generated here by
+#   `python -m router.proto.codegen`; the GPU machines have no grpcio-tools).
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|pair}
+part=${1:?usage: gpu_run.sh single|throughput|pair|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 run() { echo "== $*"; timeout "$1" "${@:2}" 2>&1 | tee -a "$out/log.txt" | tail -40; }
 case "$part" in
   single)
-    run 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/gpu
+    run 200 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/gpu
     run 150 python3 -m bench.attention_gpu --out "$out"
-    run 60 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
-    run 330 python3 -m bench.offline_throughput --model bench/shapes/qwen3-0.6b --load-format dummy \
-      --dtype bfloat16 --attention-backend triton --prefill-model bench/shapes/llama-3.1-8b --out "$out"
+    run 150 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
+    run 90 python3 -m bench.profile_step --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 \
+      --batches 1,64,256 --top 0 --steps 10 --out "$out"
+    ;;
+  throughput)
+    run 400 python3 -m bench.offline_throughput --model bench/shapes/qwen3-0.6b --load-format dummy \
+      --dtype bfloat16 --prefill-model bench/shapes/llama-3.1-8b --out "$out"
+    run 190 python3 -m bench.http_vs_offline --out "$out"
     ;;
   pair)
-    run 120 env TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0 \
-      python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/unit/kvtransfer -m gpu tests/unit/kvtransfer
-    run 420 python3 -m bench.disagg --out "$out"
+    run 120 python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/unit/kvtransfer -m gpu tests/unit/kvtransfer
+    run 200 python3 -m bench.nccl_kill --out "$out"
+    run 230 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 6 --iters 10 --out "$out"
+    ;;
+  goodput)
+    run 570 python3 -m bench.goodput --out "$out"
+    ;;
+  scale4)
+    run 450 python3 -m bench.goodput --modes 1p1d,2p2d,colocated4 --rates 4,8,16,24,32 --budget-s 420 --out "$out"
+    run 120 python3 -m bench.kv_pairs --out "$out"
+    ;;
+  scale4b)
+    run 570 python3 -m bench.goodput --modes 1p3d,colocated4 --rates 4,8,16,24,32 --out "$out"
+    ;;
+  scale8)
+    run 450 python3 -m bench.goodput --modes 2p6d,colocated8 --rates 8,16,32,48 --budget-s 420 --out "$out"
+    run 120 python3 -m bench.kv_pairs --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
