@@ -94,8 +94,9 @@ class RawPeer:
                 if time.monotonic() > deadline:
                     for i in pending:
                         self.transport.drop(ops[i][0])
-                    busy = [f"{ops[i][1]} with {ops[i][0]}" for i in pending]
-                    raise TimeoutError(f"{self.peer_id}: {busy} not done {timeout_s} s after the start")
+                    busy = ", ".join(f"{ops[i][1]} with {ops[i][0]}" for i in pending)
+                    raise TimeoutError(f"{self.peer_id}: {busy} not done {timeout_s} s after the start "
+                                       f"(its pair dropped); raise timeout_s if the transfers are just slow")
                 if poll_s:
                     time.sleep(poll_s)
             rows.append([start, *ends])
