@@ -26,11 +26,15 @@ host. Reported:
   single-pair baseline of the same run and the same method, and bench.disagg's sender-timed raw
   figure on w0->w1 (bench.raw_peers.pair_bandwidth) as a cross-check with disagg_*.json.
 
+NOTE: times are taken on the host around pdserve's transport calls, so they include its per-op host
+cost (tens of us: issuing the op, the stream wait, the event); that weighs on 16 MiB (about 50 us
+over NVLink at 350 GB/s) and hardly on 256 MiB. The baseline pays the same cost.
+
 GB/s are 1e9 bytes/s. Writes kv_pairs_<device slug>.json (bench.common.write_results; the 4- and
 8-GPU runs of one GPU kind get the same name: give them separate --out folders), and the PNG where
 matplotlib is installed (not on the GPU machines: redraw it later with --plot-from JSON).
 
-GPU machine (4 or 8 GPUs, carry [".raybundle"]; about 1-2 minutes, well inside 5):
+GPU machine (4 or 8 GPUs, carry [".raybundle"]; expected 1-2 minutes, not yet run there):
 
     bash -c 'tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 && timeout 300 python3 -m bench.kv_pairs --out $OUT'
 
