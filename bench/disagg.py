@@ -27,67 +27,16 @@ from typing import Any
 import ray
 import torch
 
+from bench.raw_peers import raw_bandwidth
 from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
 from engine import SamplingParams
 from engine.llm import engine_config
-from kvtransfer import NCCL_WORKER_ENV, KvLayout, PairAddress, create_transport
+from kvtransfer import NCCL_WORKER_ENV
 from kvtransfer.protocol import PrefillResultMsg
 from router import Dispatcher
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
-
-
-@ray.remote(num_cpus=0)
-class RawPeer:
-    """One side of the raw transport baseline: our transport, nothing else."""
-
-    def __init__(self, peer_id: str, transport: str, device: str) -> None:
-        layout = KvLayout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=1, dtype="bfloat16")
-        self.device = device
-        self.transport = create_transport(transport, peer_id, layout, device)
-        self.buf: torch.Tensor | None = None
-
-    def address(self) -> tuple[str, int]:
-        a = self.transport.address()
-        return a.host, a.port
-
-    def pair(self, peer_id: str, host: str, port: int, rank: int) -> None:
-        self.transport.pair(peer_id, PairAddress(host, port), rank, 60.0)
-
-    def alloc(self, num_bytes: int) -> None:
-        self.buf = torch.randn(num_bytes // 2, device=self.device).to(torch.bfloat16)
-        if self.device != "cpu":
-            torch.cuda.synchronize()
-
-    def move(self, peer_id: str, op: str) -> float:
-        assert self.buf is not None
-        start = time.perf_counter()
-        handle = (self.transport.send if op == "send" else self.transport.recv)(peer_id, self.buf)
-        assert handle.wait(60.0)
-        return time.perf_counter() - start
-
-
-def raw_bandwidth(sizes: list[int], iters: int, transport: str, device: str) -> dict[int, float]:
-    """Median GB/s of send->recv between two workers (GPUs) for each message size (bytes)."""
-    gpus = 1 if device != "cpu" else 0
-    a, b = (RawPeer.options(num_gpus=gpus).remote(f"peer-{x}", transport, device) for x in "ab")
-    host, port = ray.get(a.address.remote())
-    ray.get([a.pair.remote("peer-b", host, port, 0), b.pair.remote("peer-a", host, port, 1)])
-    out = {}
-    for size in sizes:
-        ray.get([a.alloc.remote(size), b.alloc.remote(size)])
-        times = []
-        for i in range(iters + 3):
-            recv = b.move.remote("peer-a", "recv")
-            sent = ray.get(a.move.remote("peer-b", "send"))
-            ray.get(recv)
-            if i >= 3:
-                times.append(sent)
-        out[size] = size / statistics.median(times) / 1e9
-    for actor in (a, b):
-        ray.kill(actor)
-    return out
 
 
 async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts: list[list[int]]) -> dict[str, Any]:
