@@ -22,6 +22,7 @@ from cluster.config import ClusterConfig
 from deploy.schema import ServeAppConfig
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from router.core import RouterConfig
+from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
 APP_NAME = "pdserve"
 
@@ -70,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: open)")
     serve.add_argument("--num-router-replicas", type=int, default=_default(ServeAppConfig, "num_router_replicas"))
+    serve.add_argument("--local-prefill-rule", default=_default(LocalPrefillConfig, "rule"),
+                       help=_help(LocalPrefillConfig, "rule"))
+    serve.add_argument("--local-prefill-max-tokens", type=int,
+                       default=_default(LocalPrefillConfig, "max_short_prompt_tokens"),
+                       help="prompts shorter than this skip the prefill workers under 'short_or_cached' (0: none)")
     serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
     serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
 
@@ -111,7 +117,9 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
         transport=args.transport,
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
-    return ServeAppConfig(cluster=cluster, router=router, num_router_replicas=args.num_router_replicas)
+    local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)
+    return ServeAppConfig(cluster=cluster, router=router, dispatch=DispatcherConfig(local_prefill=local),
+                          num_router_replicas=args.num_router_replicas)
 
 
 def _token_auth_for(address: str | None) -> None:

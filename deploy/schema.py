@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import ClusterConfig
 from router.core import RouterConfig
+from router.dispatch import DispatcherConfig
 
 
 class ServeAppConfig(BaseModel):
@@ -14,4 +15,9 @@ class ServeAppConfig(BaseModel):
 
     cluster: ClusterConfig = ClusterConfig()
     router: RouterConfig = RouterConfig()
+    dispatch: DispatcherConfig = Field(
+        DispatcherConfig(),
+        description="How each router replica places requests: retries, timeouts, and which prompts skip the "
+        "prefill workers (local_prefill).",
+    )
     num_router_replicas: int = Field(1, ge=1, le=64, description="Serve replicas of the router (HTTP and gRPC).")

@@ -17,7 +17,7 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from router import grpc_service
 from router.core import RouterConfig, RouterCore
-from router.dispatch import Dispatcher, Workers, invoke
+from router.dispatch import Dispatcher, DispatcherConfig, Workers, invoke
 from router.follow import WorkerSetFollower
 from router.http_app import build_http_app
 from router.metrics import PrometheusMetrics
@@ -27,11 +27,12 @@ log = logging.getLogger(__name__)
 
 class RouterIngress:
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors
-        self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int, refresh_s: float = 1.0
+        self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int,
+        dispatch: DispatcherConfig | None = None, refresh_s: float = 1.0,
     ) -> None:
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.dispatcher = Dispatcher(
-            self.router_id, Workers(prefill={}, decode={}),
+            self.router_id, Workers(prefill={}, decode={}), config=dispatch,
             on_prefill_result=lambda result: self.core.on_prefill_result(result),
         )
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)

@@ -1,0 +1,29 @@
+"""ServeAppConfig's dispatch block: `pdserve serve` flags and the Serve config's args reach the
+routers' DispatcherConfig, and a bad value is refused naming the field."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from deploy.cli import app_config, build_parser
+from deploy.schema import ServeAppConfig
+
+
+def test_serve_flags_set_the_local_prefill_rule_and_threshold() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--prefill", "1", "--decode", "1", "--local-prefill-rule", "remote", "--local-prefill-max-tokens", "64"]
+    )
+    local = app_config(args).dispatch.local_prefill
+    assert (local.rule, local.max_short_prompt_tokens) == ("remote", 64)
+    defaults = app_config(build_parser().parse_args(["serve"])).dispatch.local_prefill
+    assert (defaults.rule, defaults.max_short_prompt_tokens) == ("short_or_cached", 192)
+
+
+def test_a_bad_dispatch_block_names_the_field() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"local_prefill\.rule 'bogus' is unknown"):
+        ServeAppConfig.model_validate({"dispatch": {"local_prefill": {"rule": "bogus"}}})
+    with pytest.raises(pydantic.ValidationError, match="max_short_prompt_tokens"):
+        ServeAppConfig.model_validate({"dispatch": {"local_prefill": {"max_short_prompt_tokens": -1}}})
+    with pytest.raises(pydantic.ValidationError, match="unknown_field"):
+        ServeAppConfig.model_validate({"dispatch": {"unknown_field": 1}})
