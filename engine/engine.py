@@ -423,9 +423,7 @@ class EngineCore:
 
 
 def _row(request: Request) -> SamplingRow:
-    return SamplingRow(
-        request.params, request.prompt_token_ids, request.output_token_ids, request.num_prior_output_tokens
-    )
+    return SamplingRow(request.params, request.prompt_token_ids, request.output_view(), request.num_prior_output_tokens)
 
 
 def _one(

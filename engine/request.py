@@ -16,6 +16,8 @@ the KV of those it accepts (engine/spec/).
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,32 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+class TokenTail(Sequence[int]):
+    """tokens[start:] as a read-only sequence, without copying: valid until tokens changes (a
+    step's sampling rows are read before the step appends its tokens)."""
+
+    __slots__ = ("_start", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens, self._start = tokens, start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        if isinstance(index, slice):
+            return self._tokens[self._start :][index]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"token index {index} out of range for {n} tokens")
+        return self._tokens[self._start + index]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, None)
 
 
 class RequestStatus(enum.Enum):
@@ -89,6 +117,10 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def output_view(self) -> TokenTail:
+        """output_token_ids without the copy (sampling rows: O(1) a request a step)."""
+        return TokenTail(self.token_ids, self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:
