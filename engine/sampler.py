@@ -182,15 +182,19 @@ class Sampler:
         raw = logits.float()  # [rows, vocab]
         penalized = _apply_min_tokens(raw, rows, self.eos_token_ids)  # [rows, vocab]
         penalized = _apply_penalties(penalized, rows)  # [rows, vocab]
-        token_ids = penalized.argmax(dim=-1)  # [rows]; final for greedy rows
-
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)  # [random]
-            params = [rows[i].params for i in random_rows]
-            probs = _truncated_probs(penalized.index_select(0, index), params)  # [random, vocab]
-            keys = [_draw_key(rows[i]) for i in random_rows]
-            token_ids = token_ids.index_copy(0, index, _exponential_race(probs, keys, generator))
+        if len(random_rows) == len(rows):  # NOTE: no greedy row: no argmax, no row gather (two vocab-wide passes)
+            params = [row.params for row in rows]
+            keys = [_draw_key(row) for row in rows]
+            token_ids = _exponential_race(_truncated_probs(penalized, params), keys, generator)
+        else:
+            token_ids = penalized.argmax(dim=-1)  # [rows]; final for greedy rows
+            if random_rows:
+                index = torch.tensor(random_rows, device=logits.device)  # [random]
+                params = [rows[i].params for i in random_rows]
+                probs = _truncated_probs(penalized.index_select(0, index), params)  # [random, vocab]
+                keys = [_draw_key(rows[i]) for i in random_rows]
+                token_ids = token_ids.index_copy(0, index, _exponential_race(probs, keys, generator))
 
         logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
