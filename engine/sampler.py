@@ -178,24 +178,9 @@ class Sampler:
         if not rows:
             return SampleResult(token_ids=[], logprobs=[], top_logprobs=[])
 
-        # NOTE: every step below is out of place, so the caller's logits are never changed.
-        raw = logits.float()  # [rows, vocab]
-        penalized = _apply_min_tokens(raw, rows, self.eos_token_ids)  # [rows, vocab]
-        penalized = _apply_penalties(penalized, rows)  # [rows, vocab]
-        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if len(random_rows) == len(rows):  # NOTE: no greedy row: no argmax, no row gather (two vocab-wide passes)
-            params = [row.params for row in rows]
-            keys = [_draw_key(row) for row in rows]
-            token_ids = _exponential_race(_truncated_probs(penalized, params), keys, generator)
-        else:
-            token_ids = penalized.argmax(dim=-1)  # [rows]; final for greedy rows
-            if random_rows:
-                index = torch.tensor(random_rows, device=logits.device)  # [random]
-                params = [rows[i].params for i in random_rows]
-                probs = _truncated_probs(penalized.index_select(0, index), params)  # [random, vocab]
-                keys = [_draw_key(rows[i]) for i in random_rows]
-                token_ids = token_ids.index_copy(0, index, _exponential_race(probs, keys, generator))
-
+        raw, token_ids, random_rows, probs = self._processed(logits, rows)
+        if probs is not None:
+            token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
         logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
 
@@ -204,15 +189,29 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
         """raw [n, vocab] float32, argmax of the penalized logits [n], the random rows, and their
         probabilities [random, vocab] as `__call__` races over them, not normalized (None when all
-        rows are greedy)."""
+        rows are greedy). Every step is out of place: the caller's logits are never changed."""
         raw = logits.float()
         penalized = _apply_penalties(_apply_min_tokens(raw, rows, self.eos_token_ids), rows)  # [n, vocab]
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:
             return raw, penalized.argmax(dim=-1), random_rows, None
-        index = torch.tensor(random_rows, device=logits.device)  # [random]
-        probs = _truncated_probs(penalized.index_select(0, index), [rows[i].params for i in random_rows])
+        if len(random_rows) < len(rows):  # NOTE: all random (the common case): no row gather
+            penalized_random = penalized.index_select(0, torch.tensor(random_rows, device=logits.device))
+        else:
+            penalized_random = penalized
+        probs = _truncated_probs(penalized_random, [rows[i].params for i in random_rows])
         return raw, penalized.argmax(dim=-1), random_rows, probs
+
+    @staticmethod
+    def _race_into(
+        token_ids: torch.Tensor, random_rows: list[int], probs: torch.Tensor, rows: Sequence[SamplingRow],
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        """token_ids [n] with the random rows' entries replaced by their race over probs [random, vocab]."""
+        raced = _exponential_race(probs, [_draw_key(rows[i]) for i in random_rows], generator)
+        if len(random_rows) == len(rows):
+            return raced
+        return token_ids.index_copy(0, torch.tensor(random_rows, device=token_ids.device), raced)
 
     def sample_with_probs(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
@@ -222,9 +221,8 @@ class Sampler:
         _, token_ids, random_rows, probs = self._processed(logits, rows)
         dist = torch.nn.functional.one_hot(token_ids, logits.shape[1]).float()  # [rows, vocab]
         if probs is not None:
+            token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
             index = torch.tensor(random_rows, device=logits.device)
-            keys = [_draw_key(rows[i]) for i in random_rows]
-            token_ids = token_ids.index_copy(0, index, _exponential_race(probs, keys, generator))
             dist = dist.index_copy(0, index, probs / probs.sum(dim=-1, keepdim=True))
         return token_ids.tolist(), dist
 
