@@ -91,6 +91,19 @@ def store_kv(
 
 # ---- decode: one query token per sequence
 @triton.jit
+def _split_keys(seq_len, window, num_splits, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(lo, keys per split) of a decode sequence: its keys are [lo, seq_len) (keys <= seq_len - 1 -
+    window are masked), split evenly over num_splits programs in whole BLOCK_N tiles, so a short
+    context in a launch sized for long ones still spreads over every split. The decode kernel and
+    its reduce both split by this."""
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    tps = ((seq_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return lo, tps
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -113,12 +126,7 @@ def _decode_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo = seq_len * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)  # keys <= (seq_len - 1) - window are masked
-    # NOTE: each sequence's own keys [lo, seq_len) are split evenly (tiles of BLOCK_N), so a short
-    # context in a launch sized for long ones still spreads over every split.
-    tps = ((seq_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo, tps = _split_keys(seq_len, window, num_splits, BLOCK_N, HAS_WINDOW)
     start = lo + split * tps
     end = tl.minimum(start + tps, seq_len)
     if start >= end:
@@ -188,10 +196,7 @@ def _decode_reduce_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo = seq_len * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    tps = ((seq_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # as _decode_kernel
+    lo, tps = _split_keys(seq_len, window, num_splits, BLOCK_N, HAS_WINDOW)
     last = (seq_len - lo + tps - 1) // tps  # splits [0, last) were written by the decode kernel
     s = tl.arange(0, BLOCK_S)
     s_ok = (s < last) & (s < num_splits)

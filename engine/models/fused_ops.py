@@ -37,10 +37,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x)."""
-    h = residual + x
+    """(rms_norm(residual + x), residual + x); without a residual (the first layer), (rms_norm(x), x)."""
+    h = x if residual is None else residual + x
     return rms_norm_ref(h, weight, eps), h
 
 
@@ -78,8 +78,6 @@ class DecoderOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.triton:
             return self._kernels.add_rms_norm(x, residual, weight, eps)
-        if residual is None:
-            return rms_norm_ref(x, weight, eps), x
         return add_rms_norm_ref(x, residual, weight, eps)
 
     def norm_rope(
