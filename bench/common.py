@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engine import EngineCore, engine_config
+from bench.loadgen.report import cpu_name
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -60,13 +61,7 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model name from /proc/cpuinfo."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return cpu_name()
 
 
 def device_slug(device: torch.device) -> str:

@@ -75,7 +75,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -96,6 +95,7 @@ from bench.loadgen.config import BenchConfig, parse_range
 from deploy.cli import add_engine_flags, engine_options
 from engine.engine import resolve_device, resolve_model_dir
 from engine.models import load_arch
+from kvtransfer.netaddr import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "bench" / "shapes"
@@ -227,12 +227,6 @@ def servable_model_dir(model_dir: Path, scratch: Path) -> Path:
 # ---- the server process
 class ServerError(RuntimeError):
     """The server could not start, died, or did not answer in time."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -476,7 +470,7 @@ def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: C
              note: Callable[[str], None], checkpoint: Callable[[ModeResult], None] = lambda result: None) -> ModeResult:
     """Start, wait, warm up, sweep, stop: one mode, never raising; a failure is recorded in the result.
     CHECKPOINT sees the result after each rate and before the server is stopped (to save what was measured)."""
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     exit_after = max(60.0, deadline - time.monotonic() + 60.0)
     argv = plan.server_argv(mode, port, grpc_port, exit_after)
     result = ModeResult(mode.name, mode.description, argv[1:])

@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from bench.common import build_engine, environment, synchronize, write_results
-from bench.goodput import SHAPES, ServerProcess, _free_port, servable_model_dir, serve_flags, wait_gpus_free
+from bench.goodput import SHAPES, ServerProcess, servable_model_dir, serve_flags, wait_gpus_free
 from bench.offline_throughput import nano_vllm_workload, run_engine
 from engine import EngineCore, SamplingParams
 from kvtransfer import NCCL_WORKER_ENV
+from kvtransfer.netaddr import free_port
 
 
 def offline_ttfts(engine: EngineCore, prompts: list[list[int]]) -> list[float]:
@@ -117,11 +118,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as scratch:
         served = servable_model_dir(Path(args.model), Path(scratch)) if dummy else Path("default")
-        port = _free_port()
+        port = free_port()
         flags = serve_flags({"model": str(served), "load_format": opts.load_format, "dtype": opts.dtype,
                              "device": args.device, "max_num_seqs": 256, "max_num_batched_tokens": 16384})
         argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, "--port", str(port),
-                "--grpc-port", str(_free_port()), "--exit-after", "900"]
+                "--grpc-port", str(free_port()), "--exit-after", "900"]
         server = ServerProcess(argv, {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1"},
                                args.out / "server_http_vs_offline.log")
         try:

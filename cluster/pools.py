@@ -147,13 +147,7 @@ class WorkerPool:
     def replace(self, worker_id: str) -> str:
         """Drops a dead worker and starts a new one in its place (its bundle, a new id). The new
         one is `starting`, hidden from routers, until `await_replacement` finds it healthy."""
-        handle = self.handles.pop(worker_id)
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        if worker_id in self._bundle_of:
-            self._free_bundles.append(self._bundle_of.pop(worker_id))
+        self._retire(worker_id, self.handles.pop(worker_id))
         new_id = self._spawn()
         self.starting.add(new_id)
         return new_id

@@ -330,10 +330,7 @@ class DecodeWorker(TransferEndpoint):
         return {
             "worker_id": self.worker_id,
             "pid": os.getpid(),  # where its memory can be watched (bench/soak.py)
-            "num_waiting": s.num_waiting,
-            "num_running": s.num_running,
-            "num_blocks": s.num_blocks,
-            "num_free_blocks": s.num_free_blocks,
+            **s.load(),
             "num_leases": len(self.leases),
             "num_undelivered": sum(len(box.outputs) for box in self.outboxes.values()),  # not yet polled
             "is_draining": self.is_draining,

@@ -50,6 +50,11 @@ class EngineStats:
     num_spec_rejections: int = 0  # verifications that rejected a drafted token
     num_spec_emitted_tokens: int = 0  # tokens the verifications produced
 
+    def load(self) -> dict[str, int]:
+        """The figures every worker reports of its engine (its stats, `pdserve status`)."""
+        return {"num_waiting": self.num_waiting, "num_running": self.num_running, "num_blocks": self.num_blocks,
+                "num_free_blocks": self.num_free_blocks}
+
     @property
     def spec_acceptance_rate(self) -> float | None:
         """Accepted per verified drafted token (None before any)."""

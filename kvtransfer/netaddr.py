@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import socket
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -16,3 +18,10 @@ def resolve_host(host: str) -> str:
     except ImportError:
         return LOOPBACK
     return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on `host` right now (the OS picks it; another process may take it before use)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -204,10 +204,7 @@ class PrefillWorker(TransferEndpoint):
         return {
             "worker_id": self.worker_id,
             "pid": os.getpid(),  # where its memory can be watched (bench/soak.py)
-            "num_waiting": s.num_waiting,
-            "num_running": s.num_running,
-            "num_blocks": s.num_blocks,
-            "num_free_blocks": s.num_free_blocks,
+            **s.load(),
             "num_cached_blocks": s.num_cached_blocks,
             "is_healthy": self._error is None and self.loop.is_alive,
         }

@@ -52,3 +52,14 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from more threads, and stall on a busy machine."""
+    import torch
+
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

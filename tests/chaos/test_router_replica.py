@@ -6,23 +6,18 @@ the replica, new requests are served within 10 s, and no worker holds a block on
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
-import socket
 import time
 
-import http.client
 import pytest
+
+from kvtransfer.netaddr import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.integration]
 
 NUM_STREAMS = 32
 MAX_TOKENS = 48
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stream(url: str, prompt: str) -> tuple[str, str | None]:
@@ -72,7 +67,7 @@ def test_kill_a_router_replica_under_load(ray_cluster):
     llm = LLM(**engine)
     expected = [o.outputs.text for o in llm.generate(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
-    port = _free_port()
+    port = free_port()
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
     cluster = ClusterConfig(engine=engine_config(**engine), mode="disaggregated", transport="gloo")
     serve.run(build_app(ServeAppConfig(cluster=cluster, num_router_replicas=2)), name="pdserve", route_prefix="/")

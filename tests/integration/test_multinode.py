@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import os
 import random
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,13 +33,15 @@ from cluster.config import DECODE_RESOURCE, PREFILL_RESOURCE, ClusterConfig
 from cluster.controller import ClusterController
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
-from router.follow import WorkerSetFollower
 from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
+from router.follow import WorkerSetFollower
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
+
+from kvtransfer.netaddr import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,12 +54,6 @@ LONG = 600  # max_tokens of the requests decoding when their node is lost
 PROMPTS = [[random.Random(i).randrange(4, 2048) for _ in range(random.Random(-i).randrange(3, 60))] for i in range(12)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sim_cluster() -> Iterator[Cluster]:
     was_up = ray.is_initialized()
@@ -69,7 +64,7 @@ def sim_cluster() -> Iterator[Cluster]:
     cluster = Cluster(
         initialize_head=True,
         # The dashboard serves ray.util.state (where each actor runs); on a free port, never 8265.
-        head_node_args=dict(num_cpus=1, dashboard_port=_free_port(), _system_config=FAST_NODE_DEATH),
+        head_node_args=dict(num_cpus=1, dashboard_port=free_port(), _system_config=FAST_NODE_DEATH),
     )
     try:
         cluster.add_node(num_cpus=1, resources={PREFILL_RESOURCE: 1})

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,21 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from kvtransfer.netaddr import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self) -> None:
-        self.port, self.grpc_port = _free_port(), _free_port()
+        self.port, self.grpc_port = free_port(), free_port()
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PDSERVE_API_KEY": KEY}
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--prefill", "1", "--decode", "1", "--transport", "gloo",
                "--device", "cpu", "--num-blocks", "512", "--block-size", "8",

@@ -6,11 +6,9 @@ speculate, through preemption, stops and aborts; the draft's own KV blocks are a
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams, SpeculativeConfig
 from engine.kv_cache import IntegrityError
@@ -21,13 +19,7 @@ from engine.spec.ngram import lookup
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from more threads, and stall on a busy machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:

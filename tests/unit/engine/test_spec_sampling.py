@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,12 +30,7 @@ VOCAB = 16
 MIN_P_VALUE = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_tiny_checkpoint(out: Path, seed: int, std: float = 0.5, like: Path | None = None) -> Path:
