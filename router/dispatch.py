@@ -429,15 +429,25 @@ class Dispatcher:
         prompt = attempt.request.prompt_token_ids
         usable = await self._wait_for_workers("colocated", lambda: self.workers.decode, progress.failed_workers, prompt)
         worker_id, handle = usable[0]
-        self.policy.on_assigned(worker_id, None)
+        self._place(attempt, worker_id, handle)
+        await self._call_placed(worker_id, handle.submit, attempt.request.encode(), "colocated worker")
+
+    def _place(self, attempt: _Attempt, worker_id: str, handle: Any) -> None:
+        """The attempt now runs on the worker. NOTE: before the call: its first tokens may be polled
+        before the call returns."""
         attempt.worker_id = worker_id
         attempt.touched.append((worker_id, handle))
+        self.policy.on_assigned(worker_id, None)
+
+    async def _call_placed(self, worker_id: str, method: Any, payload: bytes, what: str) -> Any:
+        """The placing call, under call_timeout_s: bad input is the client's error; any other failure
+        marks the worker failed and fails the attempt."""
         try:
-            await asyncio.wait_for(invoke(handle.submit, attempt.request.encode()), self.config.call_timeout_s)
+            return await asyncio.wait_for(invoke(method, payload), self.config.call_timeout_s)
         except Exception as err:  # noqa: BLE001 - bad input is the client's; anything else, the worker's
             _raise_if_invalid(err)
             self._mark_failed(worker_id, err)
-            raise _AttemptFailed(f"colocated worker {worker_id} failed: {type(err).__name__}: {err}") from None
+            raise _AttemptFailed(f"{what} {worker_id} failed: {type(err).__name__}: {err}") from None
 
     async def _prefill_locally(self, attempt: _Attempt, progress: _Progress) -> bool:
         """Places the attempt on a decode worker that computes the prompt itself, when the prefill
@@ -449,17 +459,10 @@ class Dispatcher:
             return False
         local = LocalPrefillMsg(request=attempt.request, min_cached_tokens=min_cached_tokens).encode()
         for worker_id, handle in self._usable("decode", {i: candidates[i] for i in picked}, set(), prompt):
-            # NOTE: set before the call: the first tokens may be polled before it returns.
-            attempt.worker_id = worker_id
-            attempt.touched.append((worker_id, handle))
-            self.policy.on_assigned(worker_id, None)
-            try:
-                raw = await asyncio.wait_for(invoke(handle.prefill_locally, local), self.config.call_timeout_s)
-                reply = LocalPrefillReplyMsg.decode(raw)
-            except Exception as err:  # noqa: BLE001 - bad input is the client's; anything else, the worker's
-                _raise_if_invalid(err)
-                self._mark_failed(worker_id, err)
-                raise _AttemptFailed(f"decode worker {worker_id} failed: {type(err).__name__}: {err}") from None
+            self._place(attempt, worker_id, handle)
+            reply = LocalPrefillReplyMsg.decode(
+                await self._call_placed(worker_id, handle.prefill_locally, local, "decode worker")
+            )
             if reply.accepted:
                 self.prefill_rule.on_cached(worker_id, prompt)
                 self.num_local_prefills += 1
