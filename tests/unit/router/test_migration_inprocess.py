@@ -140,34 +140,19 @@ def _offline(prompts: list[list[int]], params: SamplingParams) -> list[list[int]
     return [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
 
 
-def test_a_killed_decode_worker_s_requests_move_on_with_exactly_the_offline_tokens():
-    prompts = _prompts(8)
+@pytest.mark.parametrize("prefilled_locally", [False, True], ids=["pushed", "prefilled-locally"])
+def test_a_killed_decode_worker_s_requests_move_on_with_exactly_the_offline_tokens(prefilled_locally):
+    """Prompts pushed by a prefill worker, or (3 to 39 tokens, seed 4) all prefilled on their decode worker."""
+    prompts = _prompts(8, seed=4 if prefilled_locally else 1)
     expected = _offline(prompts, GREEDY)
+    dispatch = FAST.model_copy(update={"local_prefill": LocalPrefillConfig(max_short_prompt_tokens=40)})
 
     async def main():
-        cluster = Cluster()
+        cluster = Cluster(dispatch=dispatch) if prefilled_locally else Cluster()
         streams = Streams(cluster.dispatcher, prompts, GREEDY)
         await streams.until(lambda: all(len(t) >= 3 for t in streams.tokens))
-        await cluster.decode["d0"].kill()
-        results = await streams.results()
-        assert results == expected
-        assert cluster.dispatcher.num_migrations >= 1
-        assert set((await cluster.held()).values()) == {0}
-        await cluster.close()
-
-    asyncio.run(main())
-
-
-def test_a_killed_decode_worker_s_locally_prefilled_requests_move_on_with_exactly_the_offline_tokens():
-    prompts = _prompts(8, seed=4)  # 3 to 39 tokens: all prefilled on their decode worker
-    expected = _offline(prompts, GREEDY)
-    local = FAST.model_copy(update={"local_prefill": LocalPrefillConfig(max_short_prompt_tokens=40)})
-
-    async def main():
-        cluster = Cluster(dispatch=local)
-        streams = Streams(cluster.dispatcher, prompts, GREEDY)
-        await streams.until(lambda: all(len(t) >= 3 for t in streams.tokens))
-        assert cluster.dispatcher.num_local_prefills == len(prompts)
+        if prefilled_locally:
+            assert cluster.dispatcher.num_local_prefills == len(prompts)
         await cluster.decode["d0"].kill()
         results = await streams.results()
         assert results == expected
