@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from bench.train_llama import INIT_STD, ModelShape
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -32,7 +35,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-INIT_STD = 0.02
 
 
 def stdlib_texts(max_bytes: int) -> list[str]:
@@ -60,6 +62,11 @@ def stdlib_texts(max_bytes: int) -> list[str]:
 
 def train_tokenizer(vocab_size: int, max_text_bytes: int) -> Tokenizer:
     """A GPT-2 style byte-level BPE; encode() prepends <|begin_of_text|> like Llama 3."""
+    return train_bpe(stdlib_texts(max_text_bytes), vocab_size)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE trained on `texts`: special tokens at ids 0-3, encode() prepends BOS."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -69,7 +76,7 @@ def train_tokenizer(vocab_size: int, max_text_bytes: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(stdlib_texts(max_text_bytes), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.Sequence(
         [
@@ -83,28 +90,9 @@ def train_tokenizer(vocab_size: int, max_text_bytes: int) -> Tokenizer:
 
 
 def llama_config(args: argparse.Namespace, vocab_size: int, bos_id: int, eos_id: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_dim,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "initializer_range": INIT_STD,
-    }
+    shape = ModelShape(args.hidden_size, args.intermediate_size, args.num_layers, args.num_heads, args.num_kv_heads,
+                       args.head_dim)
+    return shape.hf_config(vocab_size, bos_id, eos_id, max_positions=2048)
 
 
 def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:

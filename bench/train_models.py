@@ -54,9 +54,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
-from bench.make_default_model import BOS, CHAT_TEMPLATE, EOS, IM_END, SPECIAL_TOKENS, write_json
+from bench.make_default_model import BOS, CHAT_TEMPLATE, EOS, IM_END, SPECIAL_TOKENS, train_bpe, write_json
 from bench.train_llama import (
     ModelShape,
     TrainConfig,
@@ -151,31 +151,13 @@ def split_corpus(max_train_bytes: int, max_held_out_bytes: int) -> tuple[list[st
 
 def train_tokenizer(texts: list[str], vocab_size: int, max_bytes: int) -> Tokenizer:
     """Byte-level BPE as bench/make_default_model.py builds it: special tokens at ids 0-3, BOS prepended."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     chosen, num_bytes = [], 0
     for text in texts:
         num_bytes += len(text.encode("utf-8"))
         if num_bytes > max_bytes and chosen:
             break
         chosen.append(text)
-    tokenizer.train_from_iterator(chosen, trainer=trainer)
-    bos_id = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
-            ),
-        ]
-    )
+    tokenizer = train_bpe(chosen, vocab_size)
     ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
     assert ids == list(range(len(SPECIAL_TOKENS))), ids
     return tokenizer
