@@ -163,7 +163,7 @@ class TritonAttention:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if self.is_graph_mode:
             return self._forward_graph(q, k, v, k_cache, v_cache, meta)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # NOTE: k and v may be strided views of a fused qkv projection: the kernels take row strides.
         self._kernels.check_dtype("q", q)
         self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -214,7 +214,7 @@ class TritonAttention:
                 f"graph mode runs decode-only batches (one query per sequence); got {q.shape[0]} queries "
                 f"for {num_seqs} sequences"
             )
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # NOTE: k and v may be strided views of a fused qkv projection: the kernels take row strides.
         self._kernels.check_dtype("q", q)
         self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

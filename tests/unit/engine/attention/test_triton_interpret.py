@@ -23,6 +23,7 @@ import os
 _INTERPRET_WAS_SET = "TRITON_INTERPRET" in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
@@ -155,6 +156,19 @@ MIXED = [(1, 1), (1, 16), (1, 17), (1, 31), (5, 21), (2, 9), (13, 13), (8, 8), (
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_mixed_batch_matches_reference(dtype, group):
     check_against_reference(make_batch(MIXED, num_heads=2 * group, num_kv_heads=2, dtype=dtype, seed=group))
+
+
+def test_k_and_v_as_strided_views_of_a_fused_qkv_projection():
+    """The model passes q, k, v as column slices of one [tokens, (heads + 2 kv_heads) * head_dim]
+    projection; the kernels read them through their row strides, with no copy."""
+    b = make_batch(MIXED, num_heads=4, num_kv_heads=2, dtype=torch.float32, seed=7)
+    tokens = b.q.shape[0]
+    qkv = torch.cat([b.q.flatten(1), b.k.flatten(1), b.v.flatten(1)], dim=1)
+    nq, nk = b.q[0].numel(), b.k[0].numel()
+    k = qkv[:, nq : nq + nk].view(tokens, *b.k.shape[1:])
+    v = qkv[:, nq + nk :].view(tokens, *b.v.shape[1:])
+    assert not k.is_contiguous() and not v.is_contiguous()
+    check_against_reference(dataclasses.replace(b, k=k, v=v))
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
