@@ -42,7 +42,8 @@ class ModelConfig(_Frozen):
     fused_ops: bool = Field(
         True,
         description="On CUDA, Triton kernels for RMSNorm (+ residual add), q/k norm + rotary and SwiGLU instead of "
-        "PyTorch's unfused ops (engine/models/fused_ops.py); ignored on the CPU.",
+        "PyTorch's unfused ops (engine/models/fused_ops.py), and one kernel for the sampler's draw of rows with "
+        "only a temperature (engine/sampling_kernels.py); ignored on the CPU.",
     )
     enforce_eager: bool = Field(
         False,

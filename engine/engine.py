@@ -117,7 +117,7 @@ class EngineCore:
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, arch.sliding_window)
         backend = create_backend(config.model.attention_backend, spec, self.device)
         block_size = config.cache.block_size
-        self.sampler = Sampler(arch.eos_token_ids)
+        self.sampler = Sampler(arch.eos_token_ids, fused=config.model.fused_ops and self.device.type == "cuda")
         # NOTE: the proposer (a draft model's weights) is built before the cache is sized, so the
         # KV budget is what both leave.
         self.proposer = build_proposer(

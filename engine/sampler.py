@@ -158,10 +158,18 @@ class _Extended(Sequence[int]):
 
 
 class Sampler:
-    """Samples one token per row of a batch of logits, each row with its own SamplingParams."""
+    """Samples one token per row of a batch of logits, each row with its own SamplingParams.
 
-    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+    `fused`: `__call__` draws the rows with a temperature and nothing else random (no seed, top-k,
+    top-p or min-p) in one Triton kernel (engine/sampling_kernels.py): the same exponential race,
+    its noise counted by (one seed a row from the shared generator, token id) rather than drawn in
+    sequence. Other rows, `sample_with_probs` and `verify` take the torch path either way.
+    """
+
+    def __init__(self, eos_token_ids: Sequence[int], fused: bool = False) -> None:
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in eos_token_ids)
+        self.fused = fused
+        self._kernels = None  # engine.sampling_kernels, imported on the first fused draw
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
@@ -178,11 +186,46 @@ class Sampler:
         if not rows:
             return SampleResult(token_ids=[], logprobs=[], top_logprobs=[])
 
-        raw, token_ids, random_rows, probs = self._processed(logits, rows)
-        if probs is not None:
-            token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
+        fused_rows = [i for i, row in enumerate(rows) if _fusable(row.params)] if self.fused else []
+        if not fused_rows:
+            raw, token_ids, random_rows, probs = self._processed(logits, rows)
+            if probs is not None:
+                token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
+        else:
+            raw, token_ids = self._fused_draw(logits, rows, fused_rows, generator)
         logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def _fused_draw(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], fused_rows: list[int],
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """raw float32 logits and one token per row: `fused_rows` raced by the kernel over their
+        penalized logits, the others as `_processed` and `_race_into` give them."""
+        if self._kernels is None:
+            from engine import sampling_kernels  # NOTE: imports triton; only a fused draw needs it
+
+            self._kernels = sampling_kernels
+        device = logits.device
+        rest = [i for i in range(len(rows)) if i not in set(fused_rows)]
+        raw = logits.float()
+        if len(fused_rows) == len(rows):
+            penalized = _apply_penalties(_apply_min_tokens(raw, rows, self.eos_token_ids), rows)
+            temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+            seeds = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
+            return raw, self._kernels.race(penalized, temperature, seeds)
+        index = torch.tensor(fused_rows, device=device)
+        fused_token_ids = self._fused_draw(logits.index_select(0, index), [rows[i] for i in fused_rows],
+                                           list(range(len(fused_rows))), generator)[1]
+        rest_index = torch.tensor(rest, device=device)
+        rest_rows = [rows[i] for i in rest]
+        _, rest_token_ids, random_rows, probs = self._processed(logits.index_select(0, rest_index), rest_rows)
+        if probs is not None:
+            rest_token_ids = self._race_into(rest_token_ids, random_rows, probs, rest_rows, generator)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+        token_ids.index_copy_(0, index, fused_token_ids)
+        token_ids.index_copy_(0, rest_index, rest_token_ids)
+        return raw, token_ids
 
     def _processed(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
@@ -326,6 +369,14 @@ class Sampler:
         last = _exponential_race(final, [None] * len(random_rows), generator).tolist()
         for j, i in enumerate(random_rows):
             token_ids[i] = [*rows[i].draft_token_ids[: num_accepted[i]], last[j]]
+
+
+def _fusable(params: SamplingParams) -> bool:
+    """A row the fused kernel draws: random, unseeded, no truncation (top-k, top-p, min-p)."""
+    return (
+        not params.is_greedy and params.seed is None and params.top_k <= 0 and params.top_p >= 1.0
+        and params.min_p == 0.0
+    )
 
 
 def _first_mismatch(drafts: Sequence[object], wanted: Sequence[object]) -> int:
