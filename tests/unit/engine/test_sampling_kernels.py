@@ -14,16 +14,16 @@ import os
 _INTERPRET_WAS_SET = "TRITON_INTERPRET" in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction
 
-from engine import sampling_kernels  # noqa: E402
-from engine.config import SamplingParams  # noqa: E402
-from engine.sampler import Sampler, SamplingRow  # noqa: E402
-from tests.unit.engine.test_spec_sampling import MIN_P_VALUE, chi_square_p_value  # noqa: E402
+from engine import sampling_kernels
+from engine.config import SamplingParams
+from engine.sampler import Sampler, SamplingRow
+from tests.unit.engine.test_spec_sampling import MIN_P_VALUE, chi_square_p_value
 
 if not _INTERPRET_WAS_SET:
     del os.environ["TRITON_INTERPRET"]
@@ -112,7 +112,7 @@ def test_fused_sampler_draws_from_the_penalized_logits() -> None:
     logits = torch.zeros(3, vocab)
     logits[:, 5], logits[:, 6] = 3.0, 2.5
     logits[2, EOS] = 30.0
-    cold = dict(temperature=1e-3)
+    cold = {"temperature": 1e-3}
     rows = [_row(**cold), _row(**cold, output=(5,), presence_penalty=1.0), _row(**cold, min_tokens=3)]
     tokens = Sampler([EOS], fused=True)(logits, rows, torch.Generator().manual_seed(0)).token_ids
     assert tokens == [5, 6, 5], "presence lowers 5 below 6; min_tokens masks EOS"
