@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -71,8 +72,7 @@ class _Sampled:
     num_accepted: int = 0  # drafted tokens accepted (verifying requests)
 
 
-@dataclass(frozen=True)
-class StepOutput:
+class StepOutput(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclass: one is built per request a step
     """One request's news from one step."""
 
     request_id: str
@@ -113,6 +113,7 @@ class EngineCore:
             config.model.fused_ops,
         )
         self.arch: ArchConfig = arch
+        self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.max_model_len = _max_model_len(arch, config.model.max_model_len)
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, arch.sliding_window)
         backend = create_backend(config.model.attention_backend, spec, self.device)
@@ -348,9 +349,13 @@ class EngineCore:
         for s, sample in zip([s for s in out.scheduled if s.will_sample], sampled):
             request = s.request
             request.draft = None  # drafted for the tokens before this step's
-            new_tokens, status = self._append_tokens(request, sample.token_ids)
             if s.num_spec_tokens:
+                new_tokens, status = self._append_tokens(request, sample.token_ids)
                 self._accept_verified(s, sample, new_tokens)
+            else:  # NOTE: one token: the common step, without _append_tokens' loop
+                new_tokens = sample.token_ids
+                request.token_ids.append(new_tokens[0])
+                status = self._stop_status(request, new_tokens[0])
             kept = None
             if status is not None:
                 blocks = self.scheduler.finish(request, status)
@@ -391,11 +396,14 @@ class EngineCore:
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and token in self.arch.eos_token_ids) or token in params.stop_token_ids:
-                request.stop_token_id = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_seq_tokens:
+        num_tokens = len(request.token_ids)
+        num_output = num_tokens - len(request.prompt_token_ids)
+        if num_output >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
+        ):
+            request.stop_token_id = token
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or num_tokens >= self.max_seq_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 

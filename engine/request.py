@@ -131,5 +131,7 @@ class Request:
         return self.status.is_finished
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
-        self.block_hashes = hash_full_blocks(self.token_ids, block_size, self.block_hashes)
+        """block_hashes, extended in place to every full block of token_ids."""
+        if len(self.token_ids) >= (len(self.block_hashes) + 1) * block_size:
+            self.block_hashes = hash_full_blocks(self.token_ids, block_size, self.block_hashes)
         return self.block_hashes

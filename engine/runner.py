@@ -14,7 +14,7 @@ nothing in a forward reads a device value back. Decode-only steps replay CUDA gr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,8 +25,7 @@ from engine.models import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
 
 
-@dataclass(frozen=True)
-class ForwardSeq:
+class ForwardSeq(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclass: one is built per request a step
     """One sequence's part of a forward pass."""
 
     token_ids: Sequence[int]  # the inputs at positions [start, start + len(token_ids))

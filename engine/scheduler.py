@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.config import SchedulerConfig
 from engine.kv_cache import BlockPool
 from engine.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclass: one is built per request a step
     request: Request
     num_new_tokens: int  # computes positions [num_computed_tokens, num_computed_tokens + num_new_tokens)
     will_sample: bool  # this step computes the request's last token, so its logits are sampled
@@ -88,9 +88,18 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        running, scheduled, block_size = self.running, out.scheduled, self.block_size
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_tokens, num_computed = len(request.token_ids), request.num_computed_tokens
+            num_new = min(num_tokens - num_computed, budget)
+            if request.draft is None and num_computed + num_new <= len(request.block_ids) * block_size:
+                # NOTE: the common decode step: no draft, and its blocks hold the new positions
+                will_sample = num_computed + num_new == num_tokens
+                scheduled.append(ScheduledRequest(request, num_new, will_sample))
+                budget -= num_new
+                index += 1
+                continue
             num_spec = self._num_spec_tokens(request, budget - num_new)
             if num_spec and not self.pool.can_allocate(self._blocks_needed(request, num_new + num_spec)):
                 num_spec = 0  # NOTE: drafts go before any request is preempted for their blocks
@@ -178,12 +187,14 @@ class Scheduler:
     def advance(self, out: SchedulerOutput) -> None:
         """Records that the step's tokens now have KV; registers newly full blocks for reuse.
         Speculating requests are left to `accept_verified`, once their accepted tokens are known."""
+        block_size = self.block_size
         for s in out.scheduled:
             if s.num_spec_tokens:
                 continue
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
-            self.commit_computed_blocks(request)
+            if request.num_computed_tokens // block_size > request.num_committed_blocks:
+                self.commit_computed_blocks(request)  # NOTE: a block filled up; otherwise nothing to commit
 
     def accept_verified(self, request: Request, num_computed: int) -> None:
         """After a verification step: the first `num_computed` positions the step computed keep their
