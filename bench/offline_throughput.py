@@ -125,6 +125,8 @@ def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int
                                                     for r in engine.scheduler.running):
                 engine.step()  # prefill all
             running = len(engine.scheduler.running)  # fewer than batch: the cache could not hold them all
+            graphs = engine.runner.graphs
+            replays_before = graphs.num_replays if graphs is not None else 0
             times = []
             for _ in range(num_steps):
                 synchronize(engine.device)
@@ -137,9 +139,12 @@ def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int
             kv_bytes = engine.block_bytes / engine.pool.block_size * batch * context
             floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
             step = statistics.median(times)
-            out.append({"batch": batch, "context": context, "num_running": running, "step_s": step,
+            graph_steps = (graphs.num_replays - replays_before) if graphs is not None else 0
+            out.append({"batch": batch, "context": context, "num_running": running, "graph_steps": graph_steps,
+                        "step_s": step,
                         "floor_s": floor, "floor_fraction": floor / step if floor else None})
-            print(f"decode batch {batch:4d} (running {running:4d}) ctx {context:5d}: {step * 1e3:8.2f} ms"
+            print(f"decode batch {batch:4d} (running {running:4d}, {graph_steps} graphed) ctx {context:5d}: "
+                  f"{step * 1e3:8.2f} ms"
                   + (f"  floor {floor * 1e3:.2f} ms ({floor / step:.0%})" if floor else ""), flush=True)
     return out
 
