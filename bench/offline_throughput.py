@@ -119,7 +119,9 @@ def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int
                 continue
             for i in range(batch):
                 prompt = [rng.randrange(arch.vocab_size) for _ in range(context)]
-                engine.add_request(f"d{i}", prompt, SamplingParams(max_tokens=num_steps + 2, ignore_eos=True,
+                # NOTE: max_tokens outlasts the prefill steps (the first requests decode while later ones
+                # prefill); the requests are aborted after the timed steps.
+                engine.add_request(f"d{i}", prompt, SamplingParams(max_tokens=100_000, ignore_eos=True,
                                                                     temperature=0))
             while engine.stats().num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                                     for r in engine.scheduler.running):
@@ -134,8 +136,8 @@ def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int
                 engine.step()
                 synchronize(engine.device)
                 times.append(time.perf_counter() - start)
-            while engine.has_unfinished():
-                engine.step()
+            for i in range(batch):
+                engine.abort_request(f"d{i}")
             kv_bytes = engine.block_bytes / engine.pool.block_size * batch * context
             floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
             step = statistics.median(times)

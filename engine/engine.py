@@ -62,8 +62,7 @@ class EngineStats:
         return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else None
 
 
-@dataclass(frozen=True)
-class _Sampled:
+class _Sampled(NamedTuple):  # NOTE: NamedTuples, not frozen dataclasses, for what is built per request a step
     """One sampling request's tokens from one step, before stop conditions."""
 
     token_ids: list[int]
@@ -72,7 +71,7 @@ class _Sampled:
     num_accepted: int = 0  # drafted tokens accepted (verifying requests)
 
 
-class StepOutput(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclass: one is built per request a step
+class StepOutput(NamedTuple):
     """One request's news from one step."""
 
     request_id: str

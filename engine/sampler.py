@@ -61,6 +61,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -89,8 +90,7 @@ def draw_seed(seed: int, output_position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ output_position)
 
 
-@dataclass(frozen=True)
-class SamplingRow:
+class SamplingRow(NamedTuple):  # NOTE: a NamedTuple (cheap to build): one a request a step
     """One sequence's view at one sampling step."""
 
     params: SamplingParams
@@ -207,11 +207,12 @@ class Sampler:
 
             self._kernels = sampling_kernels
         device = logits.device
-        rest = [i for i in range(len(rows)) if i not in set(fused_rows)]
+        fused_set = set(fused_rows)
+        rest = [i for i in range(len(rows)) if i not in fused_set]
         raw = logits.float()
         if len(fused_rows) == len(rows):
             penalized = _apply_penalties(_apply_min_tokens(raw, rows, self.eos_token_ids), rows)
-            temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+            temperature = _upload([row.params.temperature for row in rows], device)
             seeds = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
             return raw, self._kernels.race(penalized, temperature, seeds)
         index = torch.tensor(fused_rows, device=device)
@@ -369,6 +370,15 @@ class Sampler:
         last = _exponential_race(final, [None] * len(random_rows), generator).tolist()
         for j, i in enumerate(random_rows):
             token_ids[i] = [*rows[i].draft_token_ids[: num_accepted[i]], last[j]]
+
+
+def _upload(values: list[float], device: torch.device) -> torch.Tensor:
+    """values as a float32 tensor on device. NOTE: on CUDA through pinned memory, non_blocking: the
+    host does not wait for the device's queued work (a pageable copy would wait for the whole
+    forward pass), so the fused draw is queued behind the forward while the host goes on."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    return torch.tensor(values, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
 
 
 def _fusable(params: SamplingParams) -> bool:

@@ -54,7 +54,10 @@ def test_fused_draw_tends_to_the_argmax_at_a_real_vocabulary() -> None:
     logits = torch.randn(64, 151_936, device="cuda", generator=gen).to(torch.bfloat16)
     seeds = torch.randint(0, 1 << 62, (64,), device="cuda", generator=gen)
     tokens = sampling_kernels.race(logits, torch.full((64,), 1e-4, device="cuda"), seeds)
-    assert torch.equal(tokens, logits.float().argmax(dim=1))
+    # NOTE: bf16 rounds 151,936 normal draws onto few values near the top: a row's maximum is often
+    # held by several tokens, any of which the race may pick. Each pick must hold its row's maximum.
+    top = logits.float().max(dim=1).values
+    assert torch.equal(logits.float().gather(1, tokens.unsqueeze(1)).squeeze(1), top)
 
 
 def test_fused_and_unfused_samplers_agree_in_distribution() -> None:
