@@ -172,7 +172,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    engine = build_engine(args, max_num_seqs=args.num_slots, enable_prefix_caching=False)
+    # NOTE: synchronous steps: this bench counts steps, and asynchronous scheduling reports a step's
+    # tokens one call later (one more call to drain).
+    engine = build_engine(args, max_num_seqs=args.num_slots, enable_prefix_caching=False, async_scheduling=False)
     work = make_workload(args, engine.arch.vocab_size)
     warmup = Workload(work.prompts[: args.num_slots], [min(8, n) for n in work.max_tokens[: args.num_slots]])
     run_static(engine, warmup, args.num_slots, "warmup")

@@ -85,7 +85,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    engine = build_engine(args, enable_prefix_caching=False)
+    # NOTE: synchronous steps: this bench counts steps, and asynchronous scheduling reports a step's
+    # tokens one call later (one more call to drain).
+    engine = build_engine(args, enable_prefix_caching=False, async_scheduling=False)
     longest = args.context_len + args.num_decode + 1
     if longest > engine.max_seq_tokens:
         raise ValueError(

@@ -78,6 +78,13 @@ class SchedulerConfig(_Frozen):
     enable_chunked_prefill: bool = Field(
         True, description="Split prompts longer than the step's remaining budget across steps."
     )
+    async_scheduling: bool | None = Field(
+        None,
+        description="Queue step N+1 on the device before reading step N's sampled tokens, so the host's "
+        "scheduling and post-processing overlap the device's work (engine/engine.py says how). None: on "
+        "CUDA. Off with speculative decoding; steps with penalized or KV-holding requests wait for the "
+        "tokens as before.",
+    )
 
 
 class SpeculativeConfig(_Frozen):

@@ -48,7 +48,7 @@ from engine.config import ModelConfig
 from engine.models import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from engine.runner import ForwardSeq, HostStaging
+    from engine.runner import ForwardSeq, HostStaging, TokenPatch
 
 __all__ = [
     "DecodeGraphs",
@@ -232,7 +232,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor | None:
+    def run(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor | None:
         """Runs a graph-eligible step; returns the hidden states of its real rows [num_seqs, hidden]
         (a view of the static output: read it before the next step), or None if the step is not
         eligible (nothing was done)."""
@@ -245,6 +245,8 @@ class DecodeGraphs:
         self.tokens[:, :g].copy_(staged[: 3 * g].view(3, g))
         self.seq_lens[:g].copy_(staged[3 * g : 4 * g])
         self.block_tables[:g, :cols].copy_(staged[4 * g :].view(g, cols))
+        if patch is not None:
+            patch.apply(self.tokens[0, :g])  # NOTE: a view: patched in the static buffer, before the replay
         if self.is_cuda:
             self._graphs[g].replay()
         else:

@@ -10,6 +10,25 @@ accepts a prefix of the draft and adds one token of the target's; post-processin
 tokens one by one, checking the stop conditions after each (a stop truncates the run), and rolls
 the rejected positions' KV back (`Scheduler.accept_verified`). Requests without drafts decode or
 prefill in the same step as before. A StepOutput may then carry several new tokens.
+
+Asynchronous scheduling (SchedulerConfig.async_scheduling; on by default on CUDA): `step()` queues
+step N+1 on the device before it reads step N's sampled tokens, so the host's work (scheduling,
+staging, post-processing) overlaps the device's instead of leaving it idle. One call:
+
+1. schedule N+1 from counts alone: each request sampled at N already carries a PLACEHOLDER token
+   and its KV counts as computed; requests that N's token ends by length are left out;
+2. launch N+1: the forward reads each placeholder input from N's sampled-token tensor on the
+   device (runner.TokenPatch), then the sampler's kernels; nothing waits for the device;
+3. resolve N: read its tokens (the host waits for N only; N+1 is queued behind it), put them in
+   place of the placeholders, check stop conditions, finish requests, build N's StepOutputs;
+4. book N+1: its KV counts and block commits (every token in them is real by now), and its own
+   placeholders. step() returns N's outputs: each token reaches the caller one call later.
+
+A request that N's token stops (EOS, a stop token) was already queued in N+1: that step computes
+one position it did not need (the KV of its real last token) and its draw is dropped. Freed blocks
+are safe to hand out at once: any later write to them is queued after N+1's. A step waits for
+N's tokens first (the synchronous order) when a running request applies penalties (they read the
+output's token values) or holds its KV for a push (the prefill role), and always with a proposer.
 """
 
 from __future__ import annotations
@@ -28,8 +47,8 @@ from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
-from engine.sampler import Sampler, SamplingRow, VerifyRow
+from engine.runner import ModelRunner, TokenPatch
+from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sizing import num_kv_blocks
 from engine.spec import DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
@@ -82,6 +101,19 @@ class StepOutput(NamedTuple):
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_block_ids: list[int] | None = None  # finished with hold_kv: the blocks now held for the caller
+
+
+PLACEHOLDER = -1  # an in-flight step's sampled token, in token_ids until the host reads it
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    """A step queued on the device whose sampled tokens the host has not read."""
+
+    out: SchedulerOutput
+    sampling: list[ScheduledRequest]  # the requests it samples, in the draw's row order
+    pending: PendingSample | None
+    ending: frozenset[str]  # ids of requests whose token from this step ends them by length
 
 
 def resolve_device(name: str) -> torch.device:
@@ -144,6 +176,9 @@ class EngineCore:
         self.held: dict[str, list[int]] = {}
         # A request alone must always fit the cache, so it never waits for blocks that cannot come.
         self.max_seq_tokens = min(self.max_model_len, self.capacity_tokens)
+        asked = config.scheduler.async_scheduling
+        self.async_scheduling = (self.device.type == "cuda" if asked is None else asked) and self.proposer is None
+        self._inflight: _Inflight | None = None
         if cuda_graphs_enabled(config.model, self.device, backend):
             # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
             self.runner.capture_decode_graphs(config.scheduler.max_num_seqs, self.max_seq_tokens)
@@ -249,16 +284,113 @@ class EngineCore:
 
 
     def has_unfinished(self) -> bool:
+        """Requests live. NOTE: an in-flight step's live requests are live here, so a caller that
+        steps until this is False reads every token; an in-flight step with none (all aborted) is
+        left unread: the next step drops it."""
         return self.scheduler.num_unfinished > 0
 
     # ---- the step
     def step(self) -> list[StepOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         self._draft()
         out = self.scheduler.schedule()
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         sampled = self._execute(out)
         return self._post_process(out, sampled)
+
+    def _step_async(self) -> list[StepOutput]:
+        """The module docstring's four stages; returns the previous step's outputs."""
+        prev, self._inflight = self._inflight, None
+        outputs: list[StepOutput] = []
+        if prev is not None and self._needs_tokens_first():
+            outputs, prev = self._resolve(prev), None
+        out = self.scheduler.schedule(prev.ending if prev is not None else frozenset())
+        if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
+            raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
+        launched = self._launch(out, prev) if out.scheduled else None
+        if prev is not None:
+            outputs = self._resolve(prev)
+        if launched is not None:
+            self._inflight = self._book(*launched)
+        return outputs
+
+    def _needs_tokens_first(self) -> bool:
+        return any(has_penalty(r.params) or r.hold_kv for r in self.scheduler.running)
+
+    def _launch(
+        self, out: SchedulerOutput, prev: _Inflight | None
+    ) -> tuple[SchedulerOutput, list[ScheduledRequest], PendingSample | None]:
+        """Queues the step's forward and draw; reads nothing back."""
+        patch = None
+        if prev is not None:
+            rows = {s.request.request_id: i for i, s in enumerate(prev.sampling)}
+            dst: list[int] = []
+            src: list[int] = []
+            position = 0
+            for s in out.scheduled:
+                request = s.request
+                if request.token_ids[-1] == PLACEHOLDER and request.status is RequestStatus.RUNNING:
+                    # NOTE: only a request sampled in the last step carries one, and it computes
+                    # exactly that token now.
+                    assert s.num_new_tokens == 1, "a placeholder is always a decode step's only input"
+                    dst.append(position)
+                    src.append(rows[request.request_id])
+                position += s.num_new_tokens
+            if dst:
+                assert prev.pending is not None
+                patch = TokenPatch(prev.pending.token_ids, dst, src)
+        logits = self.runner.execute(out.scheduled, patch)
+        sampling = [s for s in out.scheduled if s.will_sample]
+        pending = self.sampler.launch(logits, [_row(s.request) for s in sampling], self.generator) if sampling else None
+        return out, sampling, pending
+
+    def _book(self, out: SchedulerOutput, sampling: list[ScheduledRequest], pending: PendingSample | None) -> _Inflight:
+        """A launched step's KV counts and commits, and its placeholders; after the previous step's
+        tokens are in place. Requests finished meanwhile are skipped."""
+        for victim in out.preempted:
+            self._drop_proposer_state(victim.request_id)
+        self.scheduler.advance(out)
+        ending = set()
+        for s in sampling:
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.token_ids.append(PLACEHOLDER)
+            if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_seq_tokens:
+                ending.add(request.request_id)
+        return _Inflight(out, sampling, pending, frozenset(ending))
+
+    def _resolve(self, step: _Inflight) -> list[StepOutput]:
+        """Reads a launched step's tokens into place of its placeholders; its StepOutputs."""
+        if step.pending is None:
+            return []
+        result = self.sampler.finish(step.pending)
+        outputs: list[StepOutput] = []
+        for i, s in enumerate(step.sampling):
+            request = s.request
+            if request.is_finished:
+                continue  # aborted, or stopped by its previous token: this draw is dropped
+            token = result.token_ids[i]
+            assert request.token_ids[-1] == PLACEHOLDER, "a sampled request carries its placeholder"
+            request.token_ids[-1] = token
+            status = self._stop_status(request, token)
+            kept = None
+            if status is not None:
+                blocks = self.scheduler.finish(request, status)
+                if request.hold_kv:
+                    kept = self.held[request.request_id] = blocks
+            logprob = result.logprobs[i]
+            outputs.append(
+                StepOutput(
+                    request.request_id, [token], [logprob] if logprob is not None else None,
+                    [result.top_logprobs[i]] if logprob is not None else None,  # type: ignore[list-item]
+                    status.value if status is not None else None, request.num_prompt_tokens,
+                    request.num_cached_tokens, kept,
+                )
+            )
+        return outputs
 
     def _draft(self) -> None:
         """Drafts for the decoding requests without a draft, unless the batch is too large to gain."""

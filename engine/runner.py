@@ -34,6 +34,23 @@ class ForwardSeq(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclass: one
     num_logits: int  # logits of the last num_logits positions are returned (0: none)
 
 
+class TokenPatch:
+    """Input tokens that are still on the device (asynchronous scheduling): flat input positions
+    `dst` of a step take `tokens[src]`, a tensor the previous step's sampler wrote and the host has
+    not read. The host writes a placeholder there; `apply` overwrites it on the device, queued
+    after the sampler and before the forward, so nothing waits."""
+
+    def __init__(self, tokens: torch.Tensor, dst: list[int], src: list[int]) -> None:
+        self.tokens, self.dst, self.src = tokens, dst, src
+
+    def apply(self, ids: torch.Tensor) -> None:
+        """ids: [num_tokens] int64 on the device, in place."""
+        n = len(self.dst)
+        index = torch.tensor(self.dst + self.src, dtype=torch.long, pin_memory=ids.is_cuda)
+        index = index.to(ids.device, non_blocking=True)
+        ids.index_copy_(0, index[:n], self.tokens.index_select(0, index[n:]))
+
+
 class HostStaging:
     """One growable host buffer of int64 values, pinned on CUDA, and its copy to the device.
 
@@ -156,21 +173,24 @@ class ModelRunner:
         return ids, pos, meta, rows
 
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:
-        """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order."""
+    def forward(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor:
+        """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order.
+        `patch`: input tokens to take from the device (see TokenPatch)."""
         if self.graphs is not None:
-            hidden = self.graphs.run(seqs)  # None: not a decode-only step that a graph serves
+            hidden = self.graphs.run(seqs, patch)  # None: not a decode-only step that a graph serves
             if hidden is not None:
                 return self.model.compute_logits(hidden)
         ids, pos, meta, logit_rows = self.prepare(seqs)
+        if patch is not None:
+            patch.apply(ids)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         return self.model.compute_logits(hidden.index_select(0, logit_rows))
 
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def execute(self, scheduled: Sequence[ScheduledRequest], patch: TokenPatch | None = None) -> torch.Tensor:
         """Runs one step; returns float32 logits [rows, vocab] in scheduled order: one row per
         sampling request, 1 + num_spec_tokens rows per verifying one (its last computed token's,
         then each drafted token's)."""
-        return self.forward([_forward_seq(s) for s in scheduled])
+        return self.forward([_forward_seq(s) for s in scheduled], patch)
 
 
 def _align16(n: int) -> int:

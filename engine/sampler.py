@@ -67,7 +67,7 @@ import torch
 
 from engine.config import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "SamplingRow", "VerifyResult", "VerifyRow", "draw_seed"]
+__all__ = ["PendingSample", "SampleResult", "Sampler", "has_penalty", "SamplingRow", "VerifyResult", "VerifyRow", "draw_seed"]
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
@@ -114,6 +114,15 @@ class SampleResult:
     logprobs: list[float | None]  # sampled token's logprob per row; None where params.logprobs is None
     # params.logprobs alternatives (token id, logprob), most likely first; None where not asked.
     top_logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass(frozen=True)
+class PendingSample:
+    """A draw queued on the device and not yet read: `Sampler.launch`'s, for `Sampler.finish`."""
+
+    raw: torch.Tensor  # [rows, vocab] float32: the logits, for logprobs
+    token_ids: torch.Tensor  # [rows] int64 on the device
+    rows: Sequence[SamplingRow]
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,18 @@ class Sampler:
     ) -> SampleResult:
         """logits: [num_rows, vocab] float (any float dtype, any device). generator: shared by the rows
         without a seed (torch's default generator when None)."""
+        return self.finish(self.launch(logits, rows, generator))
+
+    def finish(self, pending: PendingSample) -> SampleResult:
+        """Reads a launched draw's tokens (the host waits for the device here) and its logprobs."""
+        logprobs, top_logprobs = _gather_logprobs(pending.raw, pending.token_ids, pending.rows)
+        return SampleResult(token_ids=pending.token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def launch(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
+    ) -> PendingSample:
+        """`__call__` up to the tokens on the device, without reading them: with the fused draw and
+        no rows that mix other kinds in, nothing here waits for the device."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows, vocab] with num_rows == len(rows) == {len(rows)}; "
@@ -184,7 +205,8 @@ class Sampler:
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor; got dtype {logits.dtype}")
         if not rows:
-            return SampleResult(token_ids=[], logprobs=[], top_logprobs=[])
+            empty = torch.empty(0, dtype=torch.long, device=logits.device)
+            return PendingSample(logits.float(), empty, rows)
 
         fused_rows = [i for i, row in enumerate(rows) if _fusable(row.params)] if self.fused else []
         if not fused_rows:
@@ -193,8 +215,7 @@ class Sampler:
                 token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
         else:
             raw, token_ids = self._fused_draw(logits, rows, fused_rows, generator)
-        logprobs, top_logprobs = _gather_logprobs(raw, token_ids, rows)
-        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+        return PendingSample(raw, token_ids, rows)
 
     def _fused_draw(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], fused_rows: list[int],
@@ -424,7 +445,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_tok
     return logits.index_put(indices, torch.tensor(_NEG_INF, device=device))
 
 
-def _has_penalty(params: SamplingParams) -> bool:
+def has_penalty(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
@@ -447,7 +468,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     else logit * r. Then, over tokens of the output: logit -= frequency_penalty * count
     + presence_penalty * (count > 0). Rows without penalties are returned unchanged.
     """
-    penalized_rows = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    penalized_rows = [i for i, row in enumerate(rows) if has_penalty(row.params)]
     if not penalized_rows:
         return logits
     device, vocab_size = logits.device, logits.shape[1]

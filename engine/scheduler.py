@@ -78,19 +78,24 @@ class Scheduler:
         return request
 
     # ---- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, skip: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+        """The step's batch. `skip`: ids of running requests left out of this step (asynchronous
+        scheduling: those whose in-flight token ends them by length)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, budget, skip)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, skip: frozenset[str] | set[str]) -> int:
         index = 0
         running, scheduled, block_size = self.running, out.scheduled, self.block_size
         while index < len(running) and budget > 0:
             request = running[index]
+            if skip and request.request_id in skip:
+                index += 1
+                continue
             num_tokens, num_computed = len(request.token_ids), request.num_computed_tokens
             num_new = min(num_tokens - num_computed, budget)
             if request.draft is None and num_computed + num_new <= len(request.block_ids) * block_size:
@@ -186,12 +191,15 @@ class Scheduler:
     # ---- post-process
     def advance(self, out: SchedulerOutput) -> None:
         """Records that the step's tokens now have KV; registers newly full blocks for reuse.
-        Speculating requests are left to `accept_verified`, once their accepted tokens are known."""
+        Speculating requests are left to `accept_verified`, once their accepted tokens are known;
+        requests finished since the step was scheduled (asynchronous scheduling) are skipped."""
         block_size = self.block_size
         for s in out.scheduled:
             if s.num_spec_tokens:
                 continue
             request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
             request.num_computed_tokens += s.num_new_tokens
             if request.num_computed_tokens // block_size > request.num_committed_blocks:
                 self.commit_computed_blocks(request)  # NOTE: a block filled up; otherwise nothing to commit
@@ -209,9 +217,13 @@ class Scheduler:
         del request.block_ids[num_kept:]
 
     def finish(self, request: Request, status: RequestStatus) -> list[int]:
-        """Retires a running request. Its blocks are freed, or, with `hold_kv`, handed to the
+        """Retires a running request (or one preempted since its last token was scheduled:
+        asynchronous scheduling). Its blocks are freed, or, with `hold_kv`, handed to the
         caller still held (the caller frees them)."""
-        self.running.remove(request)
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
         del self.requests[request.request_id]
         kept = request.block_ids if request.hold_kv else []
         if request.hold_kv:
