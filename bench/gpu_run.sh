@@ -6,7 +6,7 @@
 #   single  (nvidia-h100-x1 or nvidia-h200): GPU tests (HF equality with both attention backends),
 #           Triton kernels vs the reference at real shapes and their timings, static vs continuous
 #           batching at the Qwen3-0.6B shape, an engine step's phases by batch size.
-#   engine  (one GPU): the sampler and CUDA graph GPU tests, step phases with host and device profiles,
+#   engine  (one GPU): the GPU tests, step phases by batch size,
 #           offline throughput without the transformers baseline (a quick look while tuning).
 #   throughput (one GPU): offline throughput (nano-vllm workload) vs HF transformers with decode
 #           steps vs the memory floor and prefill utilization at Llama-3.1-8B; then 256 HTTP
@@ -40,10 +40,9 @@ case "$part" in
       --batches 1,64,256 --top 0 --steps 10 --out "$out"
     ;;
   engine)
-    run 240 python3 -m pytest -q -s -p no:cacheprovider --durations=8 tests/gpu/test_sampling_gpu.py \
-      tests/gpu/test_cuda_graphs.py
-    run 120 python3 -m bench.profile_step --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 \
-      --batches 64,256 --top 30 --steps 10 --out "$out"
+    run 240 python3 -m pytest -q -s -p no:cacheprovider --durations=8 tests/gpu
+    run 90 python3 -m bench.profile_step --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 \
+      --batches 1,64,256 --top 0 --steps 10 --out "$out"
     run 200 python3 -m bench.offline_throughput --model bench/shapes/qwen3-0.6b --load-format dummy \
       --dtype bfloat16 --hf-batch 0 --decode-batches 64,128,256 --decode-contexts 512,2048 --out "$out"
     ;;

@@ -194,7 +194,15 @@ def main() -> None:
     record: dict[str, Any] = {"workload": {"num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                                            "output_tokens": sum(max_tokens), "temperature": 0.6, "ignore_eos": True}}
     record["pdserve"] = run_engine(engine, prompts, max_tokens)
+    record["pdserve"]["async_scheduling"] = engine.async_scheduling
     print("pdserve", record["pdserve"], flush=True)
+    if engine.async_scheduling:
+        # The same engine with synchronous steps, side by side (the step reads each step's tokens
+        # before it schedules the next). NOTE: switched between runs, with no request live.
+        engine.async_scheduling = False
+        record["pdserve_sync"] = run_engine(engine, prompts, max_tokens)
+        engine.async_scheduling = True
+        print("pdserve, synchronous steps", record["pdserve_sync"], flush=True)
     bandwidth, peak = copy_bandwidth(engine.device), matmul_peak(engine.device)
     record["measured"] = {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops_per_s": peak}
     batches = [int(b) for b in args.decode_batches.split(",")]
@@ -222,9 +230,13 @@ def main() -> None:
 
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.subplots(1, 2)
-        names = ["pdserve"] + (["HF transformers"] if "hf_transformers" in record else [])
-        values = [record["pdserve"]["output_tok_per_s"]] + (
-            [record["hf_transformers"]["output_tok_per_s"]] if "hf_transformers" in record else [])
+        names, values = ["pdserve"], [record["pdserve"]["output_tok_per_s"]]
+        if "pdserve_sync" in record:
+            names.append("pdserve sync")
+            values.append(record["pdserve_sync"]["output_tok_per_s"])
+        if "hf_transformers" in record:
+            names.append("HF transformers")
+            values.append(record["hf_transformers"]["output_tok_per_s"])
         ax1.bar(names, values)
         ax1.set_ylabel("output tokens / s")
         for context in contexts:
