@@ -88,8 +88,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="rows of each profile table; 0 skips the profiles")
     parser.add_argument("--no-fused-ops", action="store_true", help="PyTorch's unfused elementwise ops")
     args = parser.parse_args()
+    # NOTE: synchronous steps: the phases are the synchronous step's, run one by one (with
+    # asynchronous scheduling they overlap, and a step's inputs may still be on the device).
     engine = build_engine(args, max_num_seqs=256, max_num_batched_tokens=16384,
-                          attention_backend=args.attention_backend, fused_ops=not args.no_fused_ops)
+                          attention_backend=args.attention_backend, fused_ops=not args.no_fused_ops,
+                          async_scheduling=False)
     rng = random.Random(args.seed)
     record: dict[str, Any] = {"context": args.context, "temperature": args.temperature, "batches": []}
     for batch in (int(b) for b in args.batches.split(",")):

@@ -123,6 +123,17 @@ class PendingSample:
     raw: torch.Tensor  # [rows, vocab] float32: the logits, for logprobs
     token_ids: torch.Tensor  # [rows] int64 on the device
     rows: Sequence[SamplingRow]
+    # CUDA: the tokens' copy into pinned host memory, queued right behind the draw, and an event
+    # after it. NOTE: reading token_ids itself (.tolist()) would wait for everything queued on the
+    # stream since, the next step's forward included; the event waits for the draw alone.
+    host_token_ids: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    def read_token_ids(self) -> list[int]:
+        if self.copied is None or self.host_token_ids is None:
+            return self.token_ids.tolist()
+        self.copied.synchronize()
+        return self.host_token_ids.tolist()
 
 
 @dataclass(frozen=True)
@@ -189,8 +200,9 @@ class Sampler:
 
     def finish(self, pending: PendingSample) -> SampleResult:
         """Reads a launched draw's tokens (the host waits for the device here) and its logprobs."""
+        token_ids = pending.read_token_ids()
         logprobs, top_logprobs = _gather_logprobs(pending.raw, pending.token_ids, pending.rows)
-        return SampleResult(token_ids=pending.token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+        return SampleResult(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
     def launch(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
@@ -215,7 +227,13 @@ class Sampler:
                 token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
         else:
             raw, token_ids = self._fused_draw(logits, rows, fused_rows, generator)
-        return PendingSample(raw, token_ids, rows)
+        if not token_ids.is_cuda:
+            return PendingSample(raw, token_ids, rows)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(token_ids.device))
+        return PendingSample(raw, token_ids, rows, host, copied)
 
     def _fused_draw(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], fused_rows: list[int],

@@ -105,14 +105,14 @@ def test_graph_decode_step_synchronizes_only_for_the_sampled_tokens(hf_checkpoin
     execute = runner.execute
     guarded: list[int] = []
 
-    def execute_guarded(scheduled):
+    def execute_guarded(scheduled, patch=None):
         if not all(s.num_new_tokens == 1 and s.will_sample and not s.num_spec_tokens for s in scheduled):
-            return execute(scheduled)  # prefill or mixed: eager
+            return execute(scheduled, patch)  # prefill or mixed: eager
         torch.cuda.synchronize()
         before = graphs.num_replays
         torch.cuda.set_sync_debug_mode("error")
         try:
-            logits = execute(scheduled)
+            logits = execute(scheduled, patch)  # NOTE: asynchronous scheduling's device-side inputs included
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert graphs.num_replays == before + 1, "a decode-only step should replay a graph"
@@ -120,9 +120,25 @@ def test_graph_decode_step_synchronizes_only_for_the_sampled_tokens(hf_checkpoin
         return logits
 
     runner.execute = execute_guarded  # type: ignore[method-assign]
+    # Asynchronous scheduling (on by default on CUDA): queuing the draw waits for nothing either.
+    assert llm.engine.async_scheduling
+    sampler = llm.engine.sampler
+    launch = sampler.launch
+    num_launches: list[int] = []
+
+    def launch_guarded(logits, rows, generator=None):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(logits, rows, generator)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            num_launches.append(len(rows))
+
+    sampler.launch = launch_guarded  # type: ignore[method-assign]
     prompts = [[0, 17, 400, 33, 1021], list(range(40, 75)), [0, 5, 6]]
     generate(llm, prompts, [12, 7, 3])
     assert sorted(set(guarded)) == [1, 2, 3], f"decode batch sizes seen: {guarded}"
+    assert num_launches, "every step's draw should be queued through Sampler.launch"
 
 
 def test_long_context_graph_step_reads_every_key(make_llm):
@@ -132,8 +148,10 @@ def test_long_context_graph_step_reads_every_key(make_llm):
     from engine.runner import _forward_seq
 
     rng = random.Random(5)
+    # NOTE: synchronous steps: the test runs one step's parts by hand, so every input token is on the host
     llm = make_llm(str(QWEN3_SHAPE), device="cuda", dtype="bfloat16", load_format="dummy", attention_backend="triton",
-                   num_blocks=128 * 170, max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=16384)
+                   num_blocks=128 * 170, max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=16384,
+                   async_scheduling=False)
     engine = llm.engine
     for i in range(128):
         prompt = [rng.randrange(2, 151936) for _ in range(rng.randint(1500, 2600))]
