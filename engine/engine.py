@@ -26,9 +26,9 @@ staging, post-processing) overlaps the device's instead of leaving it idle. One 
 
 A request that N's token stops (EOS, a stop token) was already queued in N+1: that step computes
 one position it did not need (the KV of its real last token) and its draw is dropped. Freed blocks
-are safe to hand out at once: any later write to them is queued after N+1's. A step waits for
-N's tokens first (the synchronous order) when a running request applies penalties (they read the
-output's token values) or holds its KV for a push (the prefill role), and always with a proposer.
+are safe to hand out at once: any later write to them is queued after N+1's. A step reads N's
+tokens first (the synchronous order) when a request sampled at N applies penalties (they read the
+output's token values) or holds its KV for a push (the prefill role); a proposer turns it all off.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -110,10 +110,12 @@ PLACEHOLDER = -1  # an in-flight step's sampled token, in token_ids until the ho
 class _Inflight:
     """A step queued on the device whose sampled tokens the host has not read."""
 
-    out: SchedulerOutput
     sampling: list[ScheduledRequest]  # the requests it samples, in the draw's row order
     pending: PendingSample | None
     ending: frozenset[str]  # ids of requests whose token from this step ends them by length
+    # A request sampled here applies penalties (they read its tokens' values) or holds its KV for
+    # a push: the next step reads these tokens before it is scheduled (the synchronous order).
+    needs_tokens_first: bool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -304,7 +306,7 @@ class EngineCore:
         """The module docstring's four stages; returns the previous step's outputs."""
         prev, self._inflight = self._inflight, None
         outputs: list[StepOutput] = []
-        if prev is not None and self._needs_tokens_first():
+        if prev is not None and prev.needs_tokens_first:
             outputs, prev = self._resolve(prev), None
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset())
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
@@ -315,9 +317,6 @@ class EngineCore:
         if launched is not None:
             self._inflight = self._book(*launched)
         return outputs
-
-    def _needs_tokens_first(self) -> bool:
-        return any(has_penalty(r.params) or r.hold_kv for r in self.scheduler.running)
 
     def _launch(
         self, out: SchedulerOutput, prev: _Inflight | None
@@ -331,7 +330,7 @@ class EngineCore:
             position = 0
             for s in out.scheduled:
                 request = s.request
-                if request.token_ids[-1] == PLACEHOLDER and request.status is RequestStatus.RUNNING:
+                if request.token_ids[-1] == PLACEHOLDER:
                     # NOTE: only a request sampled in the last step carries one, and it computes
                     # exactly that token now.
                     assert s.num_new_tokens == 1, "a placeholder is always a decode step's only input"
@@ -353,14 +352,16 @@ class EngineCore:
             self._drop_proposer_state(victim.request_id)
         self.scheduler.advance(out)
         ending = set()
+        needs_tokens_first = False
         for s in sampling:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.token_ids.append(PLACEHOLDER)
-            if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_seq_tokens:
+            if self._ends_by_length(request, len(request.token_ids)):
                 ending.add(request.request_id)
-        return _Inflight(out, sampling, pending, frozenset(ending))
+            needs_tokens_first = needs_tokens_first or request.hold_kv or has_penalty(request.params)
+        return _Inflight(sampling, pending, frozenset(ending), needs_tokens_first)
 
     def _resolve(self, step: _Inflight) -> list[StepOutput]:
         """Reads a launched step's tokens into place of its placeholders; its StepOutputs."""
@@ -376,20 +377,8 @@ class EngineCore:
             assert request.token_ids[-1] == PLACEHOLDER, "a sampled request carries its placeholder"
             request.token_ids[-1] = token
             status = self._stop_status(request, token)
-            kept = None
-            if status is not None:
-                blocks = self.scheduler.finish(request, status)
-                if request.hold_kv:
-                    kept = self.held[request.request_id] = blocks
-            logprob = result.logprobs[i]
-            outputs.append(
-                StepOutput(
-                    request.request_id, [token], [logprob] if logprob is not None else None,
-                    [result.top_logprobs[i]] if logprob is not None else None,  # type: ignore[list-item]
-                    status.value if status is not None else None, request.num_prompt_tokens,
-                    request.num_cached_tokens, kept,
-                )
-            )
+            logprobs, top_logprobs = _one(result.logprobs[i], result.top_logprobs[i])
+            outputs.append(self._report(request, [token], status, logprobs, top_logprobs))
         return outputs
 
     def _draft(self) -> None:
@@ -487,26 +476,42 @@ class EngineCore:
                 new_tokens = sample.token_ids
                 request.token_ids.append(new_tokens[0])
                 status = self._stop_status(request, new_tokens[0])
-            kept = None
-            if status is not None:
-                blocks = self.scheduler.finish(request, status)
-                self._drop_proposer_state(request.request_id)
-                if request.hold_kv:
-                    kept = self.held[request.request_id] = blocks
             n = len(new_tokens)
             outputs.append(
-                StepOutput(
-                    request_id=request.request_id,
-                    new_token_ids=new_tokens,
-                    logprobs=sample.logprobs[:n] if sample.logprobs is not None else None,
-                    top_logprobs=sample.top_logprobs[:n] if sample.top_logprobs is not None else None,
-                    finish_reason=status.value if status is not None else None,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
-                    kv_block_ids=kept,
+                self._report(
+                    request, new_tokens, status,
+                    sample.logprobs[:n] if sample.logprobs is not None else None,
+                    sample.top_logprobs[:n] if sample.top_logprobs is not None else None,
                 )
             )
         return outputs
+
+    def _report(
+        self,
+        request: Request,
+        new_tokens: list[int],
+        status: RequestStatus | None,
+        logprobs: list[float] | None,
+        top_logprobs: list[list[tuple[int, float]]] | None,
+    ) -> StepOutput:
+        """A request's StepOutput for the step's new tokens; a stop retires it first (its blocks
+        freed, or, with hold_kv, held under its id for the caller)."""
+        kept = None
+        if status is not None:
+            blocks = self.scheduler.finish(request, status)
+            self._drop_proposer_state(request.request_id)
+            if request.hold_kv:
+                kept = self.held[request.request_id] = blocks
+        return StepOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            finish_reason=status.value if status is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_block_ids=kept,
+        )
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Appends tokens one by one until a stop condition holds; returns those appended and the stop."""
@@ -534,9 +539,13 @@ class EngineCore:
         ):
             request.stop_token_id = token
             return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or num_tokens >= self.max_seq_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return RequestStatus.FINISHED_LENGTH if self._ends_by_length(request, num_tokens) else None
+
+    def _ends_by_length(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request of num_tokens tokens (prompt and output) has reached max_tokens or
+        the longest sequence."""
+        num_output = num_tokens - len(request.prompt_token_ids)
+        return num_output >= request.params.max_tokens or num_tokens >= self.max_seq_tokens
 
     def stats(self) -> EngineStats:
         return EngineStats(

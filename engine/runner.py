@@ -22,6 +22,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import LlamaForCausalLM
+from engine.pinned import upload
 from engine.scheduler import ScheduledRequest
 
 
@@ -46,8 +47,7 @@ class TokenPatch:
     def apply(self, ids: torch.Tensor) -> None:
         """ids: [num_tokens] int64 on the device, in place."""
         n = len(self.dst)
-        index = torch.tensor(self.dst + self.src, dtype=torch.long, pin_memory=ids.is_cuda)
-        index = index.to(ids.device, non_blocking=True)
+        index = upload(self.dst + self.src, torch.long, ids.device)
         ids.index_copy_(0, index[:n], self.tokens.index_select(0, index[n:]))
 
 
@@ -57,8 +57,9 @@ class HostStaging:
     `host(n)` hands out the first n values to write (numpy view); `upload(n)` copies them to the
     device (CUDA: non_blocking, from pinned memory, so the host does not wait; CPU: a copy).
     NOTE: a non_blocking copy may still be reading the buffer when the next step wants to write
-    it, so `host` first waits for the previous copy's event; that copy finished long before in a
-    normal step (its step's sampled tokens were read since), so the wait is a query, not a sync.
+    it, so `host` first waits for the previous copy's event. That copy is queued right behind the
+    step before it, whose tokens the host has read by then (with asynchronous scheduling too), so
+    the wait is short when it is not a mere query.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -66,6 +66,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import SamplingParams
+from engine.pinned import Download, upload
 
 __all__ = ["PendingSample", "SampleResult", "Sampler", "has_penalty", "SamplingRow", "VerifyResult", "VerifyRow", "draw_seed"]
 
@@ -123,17 +124,9 @@ class PendingSample:
     raw: torch.Tensor  # [rows, vocab] float32: the logits, for logprobs
     token_ids: torch.Tensor  # [rows] int64 on the device
     rows: Sequence[SamplingRow]
-    # CUDA: the tokens' copy into pinned host memory, queued right behind the draw, and an event
-    # after it. NOTE: reading token_ids itself (.tolist()) would wait for everything queued on the
-    # stream since, the next step's forward included; the event waits for the draw alone.
-    host_token_ids: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
-
-    def read_token_ids(self) -> list[int]:
-        if self.copied is None or self.host_token_ids is None:
-            return self.token_ids.tolist()
-        self.copied.synchronize()
-        return self.host_token_ids.tolist()
+    # NOTE: queued right behind the draw, so reading it waits for the draw alone, not for the next
+    # step's forward queued since (a .tolist() of token_ids would wait for both).
+    download: Download
 
 
 @dataclass(frozen=True)
@@ -200,7 +193,7 @@ class Sampler:
 
     def finish(self, pending: PendingSample) -> SampleResult:
         """Reads a launched draw's tokens (the host waits for the device here) and its logprobs."""
-        token_ids = pending.read_token_ids()
+        token_ids = pending.download.read()
         logprobs, top_logprobs = _gather_logprobs(pending.raw, pending.token_ids, pending.rows)
         return SampleResult(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
@@ -216,56 +209,47 @@ class Sampler:
             )
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor; got dtype {logits.dtype}")
-        if not rows:
-            empty = torch.empty(0, dtype=torch.long, device=logits.device)
-            return PendingSample(logits.float(), empty, rows)
+        raw = logits.float()
+        fused = [i for i, row in enumerate(rows) if _fusable(row.params)] if self.fused else []
+        if fused and len(fused) == len(rows):
+            token_ids = self._draw_fused(raw, rows, generator)
+        elif not fused:
+            token_ids = self._draw(raw, rows, generator)
+        else:  # NOTE: each kind on its own rows, then one token tensor in row order
+            fused_set = set(fused)
+            rest = [i for i in range(len(rows)) if i not in fused_set]
+            device = logits.device
+            fused_index, rest_index = upload(fused, torch.long, device), upload(rest, torch.long, device)
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+            token_ids.index_copy_(
+                0, fused_index, self._draw_fused(raw.index_select(0, fused_index), [rows[i] for i in fused], generator)
+            )
+            token_ids.index_copy_(
+                0, rest_index, self._draw(raw.index_select(0, rest_index), [rows[i] for i in rest], generator)
+            )
+        return PendingSample(raw, token_ids, rows, Download(token_ids))
 
-        fused_rows = [i for i, row in enumerate(rows) if _fusable(row.params)] if self.fused else []
-        if not fused_rows:
-            raw, token_ids, random_rows, probs = self._processed(logits, rows)
-            if probs is not None:
-                token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
-        else:
-            raw, token_ids = self._fused_draw(logits, rows, fused_rows, generator)
-        if not token_ids.is_cuda:
-            return PendingSample(raw, token_ids, rows)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(token_ids.device))
-        return PendingSample(raw, token_ids, rows, host, copied)
+    def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+        """One token per row [rows] int64, on the torch path (any kind of row)."""
+        _, token_ids, random_rows, probs = self._processed(logits, rows)
+        if probs is None:
+            return token_ids
+        return self._race_into(token_ids, random_rows, probs, rows, generator)
 
-    def _fused_draw(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], fused_rows: list[int],
-        generator: torch.Generator | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """raw float32 logits and one token per row: `fused_rows` raced by the kernel over their
-        penalized logits, the others as `_processed` and `_race_into` give them."""
+    def _draw_fused(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """One token per row [rows] int64 from the fused kernel; every row `_fusable`. Penalties and
+        min_tokens masks apply first, as on the torch path."""
         if self._kernels is None:
             from engine import sampling_kernels  # NOTE: imports triton; only a fused draw needs it
 
             self._kernels = sampling_kernels
         device = logits.device
-        fused_set = set(fused_rows)
-        rest = [i for i in range(len(rows)) if i not in fused_set]
-        raw = logits.float()
-        if len(fused_rows) == len(rows):
-            penalized = _apply_penalties(_apply_min_tokens(raw, rows, self.eos_token_ids), rows)
-            temperature = _upload([row.params.temperature for row in rows], device)
-            seeds = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
-            return raw, self._kernels.race(penalized, temperature, seeds)
-        index = torch.tensor(fused_rows, device=device)
-        fused_token_ids = self._fused_draw(logits.index_select(0, index), [rows[i] for i in fused_rows],
-                                           list(range(len(fused_rows))), generator)[1]
-        rest_index = torch.tensor(rest, device=device)
-        rest_rows = [rows[i] for i in rest]
-        _, rest_token_ids, random_rows, probs = self._processed(logits.index_select(0, rest_index), rest_rows)
-        if probs is not None:
-            rest_token_ids = self._race_into(rest_token_ids, random_rows, probs, rest_rows, generator)
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
-        token_ids.index_copy_(0, index, fused_token_ids)
-        token_ids.index_copy_(0, rest_index, rest_token_ids)
-        return raw, token_ids
+        penalized = _apply_penalties(_apply_min_tokens(logits, rows, self.eos_token_ids), rows)
+        temperature = upload([row.params.temperature for row in rows], torch.float32, device)
+        seeds = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
+        return self._kernels.race(penalized, temperature, seeds)
 
     def _processed(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
@@ -409,15 +393,6 @@ class Sampler:
         last = _exponential_race(final, [None] * len(random_rows), generator).tolist()
         for j, i in enumerate(random_rows):
             token_ids[i] = [*rows[i].draft_token_ids[: num_accepted[i]], last[j]]
-
-
-def _upload(values: list[float], device: torch.device) -> torch.Tensor:
-    """values as a float32 tensor on device. NOTE: on CUDA through pinned memory, non_blocking: the
-    host does not wait for the device's queued work (a pageable copy would wait for the whole
-    forward pass), so the fused draw is queued behind the forward while the host goes on."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.float32, device=device)
-    return torch.tensor(values, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
 
 
 def _fusable(params: SamplingParams) -> bool:

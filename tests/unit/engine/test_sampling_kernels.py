@@ -3,40 +3,24 @@ follow softmax(logits / T) (chi-square), do not depend on the chunking of the vo
 other rows, and tend to the argmax as T -> 0; and `Sampler(fused=True)` keeps every other kind of
 row (greedy, seeded, truncated, penalized) as the unfused sampler gives it.
 
-NOTE: TRITON_INTERPRET is set before the kernel's module is imported (see
-tests/unit/engine/attention/test_triton_interpret.py for why, and why this skips otherwise).
+NOTE: the kernel's module is imported under TRITON_INTERPRET (tests/interpreted.py says how, and
+why this skips otherwise).
 """
 
 from __future__ import annotations
 
-import os
-
-_INTERPRET_WAS_SET = "TRITON_INTERPRET" in os.environ
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction
-
-from engine import sampling_kernels
 from engine.config import SamplingParams
 from engine.sampler import Sampler, SamplingRow
+from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 from tests.unit.engine.test_spec_sampling import MIN_P_VALUE, chi_square_p_value
 
-if not _INTERPRET_WAS_SET:
-    del os.environ["TRITON_INTERPRET"]
-if not isinstance(sampling_kernels._race_kernel, InterpretedFunction):
-    pytest.skip("the sampling kernel was compiled before TRITON_INTERPRET was set; run this module alone",
-                allow_module_level=True)
+sampling_kernels = import_interpreted("engine.sampling_kernels", "_race_kernel")
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 EOS = 0
-
-
-@pytest.fixture(autouse=True)
-def interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _seeds(n: int, seed: int) -> torch.Tensor:

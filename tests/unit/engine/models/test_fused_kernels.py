@@ -4,41 +4,24 @@ wrong under the CPU interpreter; the GPU tests cover it through the whole model)
 strided q/k views of a fused qkv output, with and without the q/k norm and the residual. fp32
 must agree to float32 rounding of sums; fp16 to a unit in the last place of the output.
 
-NOTE: TRITON_INTERPRET is set before the kernels' module is imported (see
-tests/unit/engine/attention/test_triton_interpret.py for why, and why this skips otherwise).
+NOTE: the kernels' module is imported under TRITON_INTERPRET (tests/interpreted.py says how, and
+why this skips otherwise).
 """
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-_INTERPRET_WAS_SET = "TRITON_INTERPRET" in os.environ
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from engine.models.arch import RopeConfig
+from engine.models.fused_ops import DecoderOps, add_rms_norm_ref, norm_rope_ref, rms_norm_ref, silu_and_mul_ref
+from engine.models.rope import RotaryEmbedding
+from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from engine.models import fused_kernels  # noqa: E402
-from engine.models.arch import RopeConfig  # noqa: E402
-from engine.models.fused_ops import DecoderOps, add_rms_norm_ref, norm_rope_ref, rms_norm_ref  # noqa: E402
-from engine.models.fused_ops import silu_and_mul_ref  # noqa: E402
-from engine.models.rope import RotaryEmbedding  # noqa: E402
-
-if not _INTERPRET_WAS_SET:
-    del os.environ["TRITON_INTERPRET"]
-if not isinstance(fused_kernels._add_rms_norm_kernel, InterpretedFunction):
-    pytest.skip("the fused kernels were compiled before TRITON_INTERPRET was set; run this module alone",
-                allow_module_level=True)
+fused_kernels = import_interpreted("engine.models.fused_kernels", "_add_rms_norm_kernel")
 
 DTYPES = [torch.float32, torch.float16]
-
-
-@pytest.fixture(autouse=True)
-def interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
