@@ -337,7 +337,7 @@ class DecodeWorker(TransferEndpoint):
             "num_preemptions": s.num_preemptions,
             "num_spec_draft_tokens": s.num_spec_draft_tokens,
             "num_spec_accepted_tokens": s.num_spec_accepted_tokens,
-            "is_healthy": self._error is None and self.loop.is_alive,
+            "is_healthy": await self.health(),
         }
 
     async def shutdown(self) -> None:

@@ -206,7 +206,7 @@ class PrefillWorker(TransferEndpoint):
             "pid": os.getpid(),  # where its memory can be watched (bench/soak.py)
             **s.load(),
             "num_cached_blocks": s.num_cached_blocks,
-            "is_healthy": self._error is None and self.loop.is_alive,
+            "is_healthy": await self.health(),
         }
 
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
