@@ -258,6 +258,14 @@ class Dispatcher:
             min_cached_fraction=local.min_cached_fraction,
         )
 
+    def num_streaming(self) -> dict[str, int]:
+        """Per worker, the attempts whose tokens it streams now (this router's requests)."""
+        counts: dict[str, int] = {}
+        for attempt in self._attempts.values():
+            if attempt.worker_id is not None and not attempt.is_finished:
+                counts[attempt.worker_id] = counts.get(attempt.worker_id, 0) + 1
+        return counts
+
     async def _fetch_stats(self, worker_id: str) -> dict[str, Any]:
         handle = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
         if handle is None:

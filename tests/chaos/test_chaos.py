@@ -171,8 +171,15 @@ def _kill_when(kind: str, r: Runner, condition: Callable[[list[Outcome]], bool]
                ) -> Callable[[list[Outcome]], Awaitable[float]]:
     async def inject(outcomes: list[Outcome]) -> float:
         await wait_until(lambda: condition(outcomes), 120.0, f"streams ready for the {kind} kill")
-        victim_id, victim = next(iter(r.chaos.handles(kind).items()))
-        ray.kill(victim, no_restart=True)
+        handles = r.chaos.handles(kind)
+        victim_id = next(iter(handles))
+        if kind == "decode":
+            # NOTE: the decode worker streaming the most requests now, so the kill lands mid-stream
+            # (the first one listed may have finished all of its own by then: nothing to migrate).
+            assert r.chaos.dispatcher is not None
+            streaming = r.chaos.dispatcher.num_streaming()
+            victim_id = max(handles, key=lambda worker_id: streaming.get(worker_id, 0))
+        ray.kill(handles[victim_id], no_restart=True)
         return time.time()
 
     return inject
