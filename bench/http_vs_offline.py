@@ -10,7 +10,18 @@ workload, and what the router adds to time to first token. One GPU, one run:
    tokens/s = the server's usage tokens / the run's duration; then the same lone-prompt TTFTs over
    HTTP (client send -> first streamed token).
 
-Reported: HTTP / offline throughput (goal >= 90%) and median TTFT HTTP - offline (goal <= 5 ms).
+Reported: HTTP / offline throughput (goal >= 90%) and median TTFT HTTP - offline (goal <= 5 ms),
+for each server variant asked for (--variants), one after another on the same GPU:
+
+- `proxy`: clients -> Serve's HTTP proxy actor -> the router replica (Serve's default);
+- `proxy-r4`: the same with 4 router replicas;
+- `direct`: Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1): the router replica runs the
+  HTTP server itself and clients connect to it, without the proxy hop.
+
+Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
+the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
+TTFT over the lone prompts (its Prometheus histogram: request admitted -> first token at the
+router), which splits the TTFT added into HTTP/proxy and router/worker parts.
 Writes http_vs_offline_<device>.json and a PNG.
 
     python -m bench.http_vs_offline --out DIR
@@ -54,6 +65,45 @@ def offline_ttfts(engine: EngineCore, prompts: list[list[int]]) -> list[float]:
     return out
 
 
+VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serve flags, extra environment)
+    "proxy": ([], {}),
+    "proxy-r4": (["--num-router-replicas", "4"], {}),
+    "direct": ([], {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
+}
+
+
+def ray_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of every Ray actor/worker process, by its title, plus this one."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if not (title.startswith("ray::") or int(pid) == os.getpid()):
+            continue
+        name = "bench client" if int(pid) == os.getpid() else f"{title.split()[0]} ({pid})"
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def router_ttft_sum_count(base_url: str) -> tuple[float, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("pdserve:time_to_first_token_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("pdserve:time_to_first_token_seconds_count"):
+            count += float(line.split()[-1])
+    return total, count
+
+
 async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
                     ttft_prompts: list[list[int]], jsonl: Path) -> dict[str, Any]:
     from bench.loadgen.cli import client_for, run_rate
@@ -66,19 +116,27 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
         warm = [await client.send(i, _request(p[:64], 8), time.perf_counter()) for i, p in enumerate(prompts[:4])]
         if not all(r.is_success for r in warm):
             raise RuntimeError(f"warm-up failed: {[r.error for r in warm]}")
+        cpu_before, wall_before = ray_cpu_seconds(), time.perf_counter()
         run = await run_rate(client, config, 0, float("inf"))
+        cpu_after, wall = ray_cpu_seconds(), time.perf_counter() - wall_before
+        busy = {k: round((cpu_after[k] - cpu_before.get(k, 0.0)) / wall, 3) for k in cpu_after}
+        busy = dict(sorted(((k, v) for k, v in busy.items() if v >= 0.02), key=lambda kv: -kv[1]))
+        sum0, count0 = await asyncio.to_thread(router_ttft_sum_count, base_url)
         ttfts = []
         for i, p in enumerate(ttft_prompts):
             record = await client.send(10_000 + i, _request(p, 2), time.perf_counter())
             if not record.is_success:
                 raise RuntimeError(f"TTFT probe failed: {record.error}")
             ttfts.append(record.ttft)
+        sum1, count1 = await asyncio.to_thread(router_ttft_sum_count, base_url)
     m = run.metrics
     return {"output_tokens": m.total_completion_tokens, "duration_s": m.duration_s,
             "output_tok_per_s": m.output_token_throughput, "num_completed": m.num_completed,
             "num_errored": m.num_errored, "num_off_length": m.num_off_length,
             "ttft_median_ms_at_256_streams": m.ttft_ms.median, "tpot_median_ms_at_256_streams": m.tpot_ms.median,
-            "ttft_s": ttfts}
+            "ttft_s": ttfts, "cpu_cores_busy_at_256_streams": busy,
+            "router_ttft_mean_ms": (sum1 - sum0) / max(1.0, count1 - count0) * 1e3,
+            "client_ttft_mean_ms": statistics.mean(ttfts) * 1e3}
 
 
 def _request(prompt: list[int], max_tokens: int) -> Any:
@@ -95,6 +153,7 @@ def main() -> None:
     parser.add_argument("--ttft-len", type=int, default=512)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--clip", type=int, default=None, help="cut prompts and outputs to this many tokens (smoke)")
+    parser.add_argument("--variants", default="proxy,direct", help=f"comma-separated, of {sorted(VARIANTS)}")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     dummy = args.model != "default"  # the shapes have no weights; the embedded default model has
@@ -116,36 +175,47 @@ def main() -> None:
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    record["variants"] = {}
     with tempfile.TemporaryDirectory() as scratch:
         served = servable_model_dir(Path(args.model), Path(scratch)) if dummy else Path("default")
-        port = free_port()
         flags = serve_flags({"model": str(served), "load_format": opts.load_format, "dtype": opts.dtype,
                              "device": args.device, "max_num_seqs": 256, "max_num_batched_tokens": 16384})
-        argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, "--port", str(port),
-                "--grpc-port", str(free_port()), "--exit-after", "900"]
-        server = ServerProcess(argv, {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1"},
-                               args.out / "server_http_vs_offline.log")
-        try:
-            server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
-            record["http"] = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
-                                                   max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
-        finally:
-            record["server_stop"] = server.stop(30)
-            wait_gpus_free(30)
-    record["http"]["ttft_s"] = record["http"]["ttft_s"][2:]
-    off, http = record["offline"], record["http"]
-    record["http_over_offline_throughput"] = http["output_tok_per_s"] / off["output_tok_per_s"]
+        for name in args.variants.split(","):
+            extra_flags, extra_env = VARIANTS[name]
+            port, direct_port = free_port(), free_port()
+            argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, *extra_flags,
+                    "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
+            env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}
+            if "RAY_SERVE_ENABLE_DIRECT_INGRESS" in extra_env:  # the replica's own port: the first of its range
+                env.update(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port),
+                           RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_port + 1))
+                port = direct_port
+            server = ServerProcess(argv, env, args.out / f"server_http_vs_offline_{name}.log")
+            try:
+                server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
+                http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
+                                             max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
+            finally:
+                stop = server.stop(30)
+                wait_gpus_free(30)
+            http["server_stop"] = stop
+            http["ttft_s"] = http["ttft_s"][2:]
+            http["http_over_offline_throughput"] = http["output_tok_per_s"] / record["offline"]["output_tok_per_s"]
+            http["ttft_median_ms"] = statistics.median(http["ttft_s"]) * 1e3
+            http["router_ttft_added_ms"] = http["ttft_median_ms"] - statistics.median(record["offline"]["ttft_s"]) * 1e3
+            record["variants"][name] = http
+            print(name, {k: v for k, v in http.items() if k != "ttft_s"}, flush=True)
+    off = record["offline"]
     record["ttft_median_offline_ms"] = statistics.median(off["ttft_s"]) * 1e3
-    record["ttft_median_http_ms"] = statistics.median(http["ttft_s"]) * 1e3
-    record["router_ttft_added_ms"] = record["ttft_median_http_ms"] - record["ttft_median_offline_ms"]
-    print({k: v for k, v in record.items() if k not in ("offline", "http")}, flush=True)
-    print("http", {k: v for k, v in http.items() if k != "ttft_s"}, flush=True)
+    names = list(record["variants"])
+    print({k: v for k, v in record.items() if k not in ("offline", "variants")}, flush=True)
 
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.subplots(1, 2)
-        ax1.bar(["offline engine", "HTTP, 256 streams"], [off["output_tok_per_s"], http["output_tok_per_s"]])
-        ax1.set_ylabel("output tokens / s")
-        ax2.bar(["offline", "HTTP"], [record["ttft_median_offline_ms"], record["ttft_median_http_ms"]])
+        variants = record["variants"]
+        ax1.bar(["offline", *names], [off["output_tok_per_s"], *(variants[n]["output_tok_per_s"] for n in names)])
+        ax1.set_ylabel("output tokens / s (256 streams)")
+        ax2.bar(["offline", *names], [record["ttft_median_offline_ms"], *(variants[n]["ttft_median_ms"] for n in names)])
         ax2.set_ylabel(f"median TTFT, ms ({args.ttft_len}-token prompt, alone)")
 
     write_results(args.out, "http_vs_offline", env, record, plot, "HTTP (Ray Serve router) vs offline engine")

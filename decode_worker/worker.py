@@ -388,13 +388,8 @@ def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:
 
 def _token_msg(out: StepOutput) -> TokenOutputMsg:
     return TokenOutputMsg(
-        request_id=out.request_id,
-        new_token_ids=out.new_token_ids,
-        logprobs=out.logprobs,
-        top_logprobs=out.top_logprobs,
-        finish_reason=out.finish_reason,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
+        out.request_id, out.new_token_ids, out.logprobs, out.top_logprobs, out.finish_reason,
+        out.num_prompt_tokens, out.num_cached_tokens,
     )
 
 

@@ -21,7 +21,8 @@ An AbortMsg may come at any step; it is idempotent and frees whatever the reques
 
 from __future__ import annotations
 
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
@@ -114,7 +115,11 @@ class PrefillResultMsg(Msg):
     push_bytes: int = 0
 
 
-class TokenOutputMsg(Msg):
+class TokenOutputMsg(NamedTuple):
+    """One request's news from one decode step. A NamedTuple, not a Msg: a decode worker sends one
+    per running request per step (thousands a second), so neither end pays for validation; both
+    ends are pdserve's own, and TokenBatchMsg checks each row's arity on arrival."""
+
     request_id: str
     new_token_ids: list[int]
     logprobs: list[float] | None = None
@@ -125,11 +130,32 @@ class TokenOutputMsg(Msg):
     error: str | None = None
 
 
-class TokenBatchMsg(Msg):
-    """Decode (or colocated) worker -> router: every update of that router's requests since the last batch."""
+_TOKEN_OUTPUT_ARITY = len(TokenOutputMsg._fields)
+
+
+@dataclass(frozen=True)
+class TokenBatchMsg:
+    """Decode (or colocated) worker -> router: every update of that router's requests since the
+    last batch, encoded as one msgpack array of rows (a TokenOutputMsg packs as an array)."""
 
     worker_id: str
     outputs: list[TokenOutputMsg]
+
+    def encode(self) -> bytes:
+        return msgpack.packb((self.worker_id, self.outputs), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> TokenBatchMsg:
+        worker_id, rows = msgpack.unpackb(data, raw=False)
+        outputs = []
+        for row in rows:
+            if len(row) != _TOKEN_OUTPUT_ARITY:
+                raise ValueError(
+                    f"TokenBatchMsg from {worker_id}: a row has {len(row)} fields, a TokenOutputMsg "
+                    f"{_TOKEN_OUTPUT_ARITY}: the worker runs another pdserve version"
+                )
+            outputs.append(TokenOutputMsg._make(row))
+        return cls(worker_id, outputs)
 
 
 class AbortMsg(Msg):

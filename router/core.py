@@ -227,6 +227,16 @@ class RouterCore:
                 type="rate_limit_error", code="rate_limit_exceeded", headers=self._retry_after(),
             )
         self.num_in_flight += num_choices
+        if num_choices == 1:  # the common case, without a task and a queue per token
+            try:
+                async with aclosing(self.dispatcher.generate(f"{request_id}-0", prompts[0], params)) as stream:
+                    async for delta in self._deltas(f"{request_id}-0", 0, prompts[0], params, stream):
+                        yield delta
+            except Exception as err:  # noqa: BLE001 - mapped as the queued path maps it
+                raise self._to_api_error(err) from None
+            finally:
+                self.num_in_flight -= num_choices
+            return
         queue: asyncio.Queue[ChoiceDelta | _ChoiceEnd] = asyncio.Queue()
         tasks: list[asyncio.Task[None]] = []
         try:

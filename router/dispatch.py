@@ -8,7 +8,7 @@ a decode worker mostly holds in its prefix cache) skips the prefill workers: its
 computes it itself (`prefill_locally`) and streams its tokens as a colocated worker would; if no
 such worker takes it (no room, less cached than believed), it goes through a prefill worker.
 One poller task per decode worker fetches that worker's TokenBatchMsg for this router and fans
-the outputs out to the requests' queues. Knows nothing of HTTP, text or Ray pools: it is handed
+the outputs out to the requests' inboxes. Knows nothing of HTTP, text or Ray pools: it is handed
 the workers' handles (Ray actor handles, or the worker objects themselves in-process).
 
 Faults. A request runs as a series of attempts, each placed on workers under its own id
@@ -49,6 +49,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,11 +181,17 @@ class _WorkerLost:
 @dataclass
 class _Attempt:
     request: GenerateRequestMsg  # as the workers see it: the attempt's id and the continuation prompt
-    queue: asyncio.Queue[TokenOutputMsg | _WorkerLost] = field(default_factory=asyncio.Queue)
+    # What its worker sent and _next has not taken, oldest first; `arrived` is set by every put.
+    inbox: deque[TokenOutputMsg | _WorkerLost] = field(default_factory=deque)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
     worker_id: str | None = None  # the decode (or colocated) worker streaming its tokens
-    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set with a _WorkerLost in the queue
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set with a _WorkerLost in the inbox
     touched: list[tuple[str, Any]] = field(default_factory=list)  # (worker id, handle) that may hold some of it
     is_finished: bool = False  # nothing is left on any worker: no abort needed
+
+    def put(self, item: TokenOutputMsg | _WorkerLost) -> None:
+        self.inbox.append(item)
+        self.arrived.set()
 
 
 @dataclass
@@ -219,10 +226,9 @@ class _Progress:
         if self.num_attempts == 0:
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.token_ids += out.new_token_ids
-        return out.model_copy(update={
-            "request_id": self.request_id, "num_prompt_tokens": len(self.prompt),
-            "num_cached_tokens": self.num_cached_tokens,
-        })
+        return out._replace(
+            request_id=self.request_id, num_prompt_tokens=len(self.prompt), num_cached_tokens=self.num_cached_tokens
+        )
 
 
 class Dispatcher:
@@ -334,12 +340,12 @@ class Dispatcher:
             for out in batch.outputs:
                 attempt = self._attempts.get(out.request_id)
                 if attempt is not None and attempt.worker_id == worker_id:
-                    attempt.queue.put_nowait(out)
+                    attempt.put(out)
 
     def _lose_requests_of(self, worker_id: str, reason: str) -> None:
         for attempt in self._attempts.values():
             if attempt.worker_id == worker_id:
-                attempt.queue.put_nowait(_WorkerLost(reason))
+                attempt.put(_WorkerLost(reason))
                 attempt.lost.set()
 
     async def close(self) -> None:
@@ -407,12 +413,25 @@ class Dispatcher:
             self.prefill_rule.on_cached(attempt.worker_id, (progress.prompt + progress.token_ids)[:-1])
 
     async def _next(self, attempt: _Attempt) -> TokenOutputMsg:
-        try:
-            item = await asyncio.wait_for(attempt.queue.get(), self.config.stall_timeout_s)
-        except asyncio.TimeoutError:
-            raise _AttemptFailed(
-                f"worker {attempt.worker_id} sent nothing for {self.config.stall_timeout_s} s (stall_timeout_s)"
-            ) from None
+        """The attempt's next output. Outputs of several steps waiting in its inbox (the router
+        was busy) leave as one: fewer deltas, SSE chunks and messages downstream, under load."""
+        inbox = attempt.inbox
+        if not inbox:
+            attempt.arrived.clear()
+            try:
+                async with asyncio.timeout(self.config.stall_timeout_s):
+                    await attempt.arrived.wait()
+            except TimeoutError:
+                raise _AttemptFailed(
+                    f"worker {attempt.worker_id} sent nothing for {self.config.stall_timeout_s} s (stall_timeout_s)"
+                ) from None
+        item = self._checked(attempt, inbox.popleft())
+        while item.finish_reason is None and inbox and _is_tokens(inbox[0]):
+            item = _merge(item, inbox.popleft())  # type: ignore[arg-type]
+        return item
+
+    @staticmethod
+    def _checked(attempt: _Attempt, item: TokenOutputMsg | _WorkerLost) -> TokenOutputMsg:
         if isinstance(item, _WorkerLost):
             raise _AttemptFailed(item.reason)
         if item.error is not None:
@@ -578,6 +597,17 @@ class Dispatcher:
                 log.info("abort of %s on %s failed: %s", attempt.request.request_id, worker_id, err)
 
         await asyncio.gather(*(one(i, h) for i, h in (attempt.touched if touched is None else touched)))
+
+
+def _is_tokens(item: TokenOutputMsg | _WorkerLost) -> bool:
+    return not isinstance(item, _WorkerLost) and item.error is None
+
+
+def _merge(first: TokenOutputMsg, then: TokenOutputMsg) -> TokenOutputMsg:
+    """Two consecutive outputs of one request as one (the later one's finish and counts)."""
+    logprobs = first.logprobs if then.logprobs is None else (first.logprobs or []) + then.logprobs
+    top = first.top_logprobs if then.top_logprobs is None else (first.top_logprobs or []) + then.top_logprobs
+    return then._replace(new_token_ids=first.new_token_ids + then.new_token_ids, logprobs=logprobs, top_logprobs=top)
 
 
 def _raise_if_invalid(err: BaseException) -> None:
