@@ -11,6 +11,9 @@
 #   throughput (one GPU): offline throughput (nano-vllm workload) vs HF transformers with decode
 #           steps vs the memory floor and prefill utilization at Llama-3.1-8B; then 256 HTTP
 #           streams vs the offline engine and the router's TTFT overhead (carry the proto files).
+#   http    (one GPU): 256 HTTP streams vs the offline engine and the router's TTFT overhead, for each
+#           Serve variant (proxy, 4 router replicas, direct ingress, throughput-optimized), with the
+#           CPU each process spent (carry the proto files).
 #   pair    (nvidia-h200-x2): NCCL transport tests, the decode worker killed mid-transfer over NCCL
 #           (bench.nccl_kill), 1P1D over NCCL vs colocated (tokens, TTFT, KV push bandwidth vs raw NCCL
 #           send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
@@ -18,12 +21,12 @@
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
 #   scale8  (nvidia-h200-x8): 2P6D vs 8 colocated, then bench.kv_pairs.
-#   throughput, goodput, scale4, scale4b and scale8 also carry router/proto/pdserve_pb2*.py (generated here by
+#   throughput, http, goodput, scale4, scale4b and scale8 also carry router/proto/pdserve_pb2*.py (generated here by
 #   `python -m router.proto.codegen`; the GPU machines have no grpcio-tools).
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|pair|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|pair|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -50,6 +53,9 @@ case "$part" in
     run 400 python3 -m bench.offline_throughput --model bench/shapes/qwen3-0.6b --load-format dummy \
       --dtype bfloat16 --prefill-model bench/shapes/llama-3.1-8b --out "$out"
     run 190 python3 -m bench.http_vs_offline --out "$out"
+    ;;
+  http)
+    run 590 python3 -m bench.http_vs_offline --variants proxy,direct,tput,proxy-r4 --out "$out"
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/unit/kvtransfer -m gpu tests/unit/kvtransfer

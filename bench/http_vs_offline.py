@@ -16,7 +16,9 @@ for each server variant asked for (--variants), one after another on the same GP
 - `proxy`: clients -> Serve's HTTP proxy actor -> the router replica (Serve's default);
 - `proxy-r4`: the same with 4 router replicas;
 - `direct`: Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1): the router replica runs the
-  HTTP server itself and clients connect to it, without the proxy hop.
+  HTTP server itself and clients connect to it, without the proxy hop;
+- `tput`: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress, and the router's code on the replica's
+  own event loop instead of a thread of its own).
 
 Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
 the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
@@ -69,13 +71,17 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serv
     "proxy": ([], {}),
     "proxy-r4": (["--num-router-replicas", "4"], {}),
     "direct": ([], {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
+    # Serve's throughput-optimized settings: direct ingress, user code on the replica's own event
+    # loop (not a thread of its own), gRPC between Serve's actors, the GC frozen after start.
+    "tput": ([], {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
 }
 
 
-def ray_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) so far of every Ray actor/worker process, by its title, plus this one."""
+def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (name, CPU seconds (user + system) so far) of every Ray actor/worker process and this one.
+    The name is the process title's first word up to a dot (Ray retitles an actor by its running method)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
+    out: dict[int, tuple[str, float]] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -86,8 +92,8 @@ def ray_cpu_seconds() -> dict[str, float]:
             continue
         if not (title.startswith("ray::") or int(pid) == os.getpid()):
             continue
-        name = "bench client" if int(pid) == os.getpid() else f"{title.split()[0]} ({pid})"
-        out[name] = (int(fields[11]) + int(fields[12])) / tick
+        name = "bench client" if int(pid) == os.getpid() else title.split()[0].split(".")[0]
+        out[int(pid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
 
 
@@ -119,7 +125,8 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
         cpu_before, wall_before = ray_cpu_seconds(), time.perf_counter()
         run = await run_rate(client, config, 0, float("inf"))
         cpu_after, wall = ray_cpu_seconds(), time.perf_counter() - wall_before
-        busy = {k: round((cpu_after[k] - cpu_before.get(k, 0.0)) / wall, 3) for k in cpu_after}
+        busy = {f"{name} ({pid})": round((cpu - cpu_before[pid][1]) / wall, 3)
+                for pid, (name, cpu) in cpu_after.items() if pid in cpu_before}
         busy = dict(sorted(((k, v) for k, v in busy.items() if v >= 0.02), key=lambda kv: -kv[1]))
         sum0, count0 = await asyncio.to_thread(router_ttft_sum_count, base_url)
         ttfts = []
@@ -185,12 +192,13 @@ def main() -> None:
             port, direct_port = free_port(), free_port()
             argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, *extra_flags,
                     "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
-            env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}
-            if "RAY_SERVE_ENABLE_DIRECT_INGRESS" in extra_env:  # the replica's own port: the first of its range
-                env.update(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port),
+            server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}
+            if extra_env.keys() & {"RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_THROUGHPUT_OPTIMIZED"}:
+                # clients go to the router replica's own port: the first of the range it is given
+                server_env.update(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port),
                            RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_port + 1))
                 port = direct_port
-            server = ServerProcess(argv, env, args.out / f"server_http_vs_offline_{name}.log")
+            server = ServerProcess(argv, server_env, args.out / f"server_http_vs_offline_{name}.log")
             try:
                 server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
                 http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
