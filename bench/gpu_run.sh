@@ -12,7 +12,7 @@
 #           steps vs the memory floor and prefill utilization at Llama-3.1-8B; then 256 HTTP
 #           streams vs the offline engine and the router's TTFT overhead (carry the proto files).
 #   http    (one GPU): 256 HTTP streams vs the offline engine and the router's TTFT overhead, for each
-#           Serve variant (proxy, 4 router replicas, direct ingress, throughput-optimized), with the
+#           Serve variant (proxy, throughput-optimized, direct ingress), with the
 #           CPU each process spent (carry the proto files).
 #   pair    (nvidia-h200-x2): NCCL transport tests, the decode worker killed mid-transfer over NCCL
 #           (bench.nccl_kill), 1P1D over NCCL vs colocated (tokens, TTFT, KV push bandwidth vs raw NCCL
@@ -55,7 +55,7 @@ case "$part" in
     run 190 python3 -m bench.http_vs_offline --out "$out"
     ;;
   http)
-    run 590 python3 -m bench.http_vs_offline --variants proxy,direct,tput,proxy-r4 --out "$out"
+    run 590 python3 -m bench.http_vs_offline --variants proxy,tput,direct --out "$out"
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/unit/kvtransfer -m gpu tests/unit/kvtransfer

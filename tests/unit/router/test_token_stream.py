@@ -54,7 +54,7 @@ class _ScriptedWorker:
     async def poll(self, router_id: str, timeout_s: float = 1.0) -> bytes:
         try:
             await asyncio.wait_for(self.event.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self.event.clear()
         outputs, self.ready = self.ready, []
