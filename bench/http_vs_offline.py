@@ -111,7 +111,7 @@ def ray_path_ttfts(server_log: Path, prompts: list[list[int]], scratch: Path) ->
     path.write_text(json.dumps(prompts))
     done = subprocess.run([sys.executable, "-m", "bench.ray_path_ttft", "--address", address, "--prompts", str(path)],
                           capture_output=True, text=True, timeout=180, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["ttft_s"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def router_ttft_sum_count(base_url: str) -> tuple[float, float]:
@@ -227,13 +227,13 @@ def main() -> None:
                 http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
                                              max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
                 if name == names[0] or "gil" in name:
-                    http["ray_path_ttft_s"] = ray_path_ttfts(server.log_path, ray_path_prompts, Path(scratch))
+                    http["ray_path"] = ray_path_ttfts(server.log_path, ray_path_prompts, Path(scratch))
             finally:
                 stop = server.stop(30)
                 wait_gpus_free(30)
             http["server_stop"] = stop
-            if "ray_path_ttft_s" in http:
-                http["ray_path_ttft_s"] = http["ray_path_ttft_s"][2:]
+            if "ray_path" in http:
+                http["ray_path"] = {k: v[2:] if k != "health_rtt_s" else v for k, v in http["ray_path"].items()}
             http["ttft_s"] = http["ttft_s"][2:]
             http["http_over_offline_throughput"] = http["output_tok_per_s"] / record["offline"]["output_tok_per_s"]
             http["ttft_median_ms"] = statistics.median(http["ttft_s"]) * 1e3

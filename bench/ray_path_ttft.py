@@ -1,9 +1,11 @@
 """Time to first token through Ray alone: a Dispatcher in this process (no HTTP, no Serve router
 replica) drives a running `pdserve serve`'s workers by their actor handles. Beside the offline
 engine's TTFT and the router's own, it splits what serving adds into Ray + the workers' threads,
-the router replica, and HTTP. Prints one JSON object: {"ttft_s": [...]}.
+the router replica, and HTTP. Prints one JSON object: per prompt, TTFT, when the placing call and the poll carrying the first
+token came back; and a no-op control call's round trip.
 
     python -m bench.ray_path_ttft --address HOST:PORT --prompts FILE.json
+    python -m bench.ray_path_ttft --serve SHAPE_DIR --num 14 --len 512   # starts its own server (dummy weights)
 """
 
 from __future__ import annotations
@@ -14,14 +16,43 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
-async def measure(workers: object, prompts: list[list[int]]) -> list[float]:
+class _Timed:
+    """A worker handle whose `submit` and `poll` calls note when their answers came back."""
+
+    def __init__(self, handle: Any, marks: dict[str, list[float]]) -> None:
+        self._handle, self._marks = handle, marks
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._handle, name)
+        if name not in ("submit", "poll"):
+            return method
+        marks = self._marks.setdefault(name, [])
+
+        class _Method:
+            @staticmethod
+            async def remote(*args: Any) -> Any:
+                result = await method.remote(*args)
+                marks.append(time.perf_counter())
+                return result
+
+        return _Method
+
+
+async def measure(workers: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Per prompt: TTFT, when the placing call (submit) came back and when the poll carrying the
+    first token came back (both from the start); and the round trip of a control call that does
+    not touch the engine (health)."""
     from engine import SamplingParams
-    from router import Dispatcher
+    from router import Dispatcher, Workers
 
-    dispatcher = Dispatcher("bench-ray-path", workers)  # type: ignore[arg-type]
-    out = []
+    marks: dict[str, list[float]] = {}
+    timed = Workers(prefill={k: _Timed(h, marks) for k, h in workers.prefill.items()},
+                    decode={k: _Timed(h, marks) for k, h in workers.decode.items()})
+    dispatcher = Dispatcher("bench-ray-path", timed)
+    rows: dict[str, list[float]] = {"ttft_s": [], "submit_back_s": [], "token_poll_back_s": [], "health_rtt_s": []}
     try:
         for i, prompt in enumerate(prompts):
             started = time.perf_counter()
@@ -29,19 +60,77 @@ async def measure(workers: object, prompts: list[list[int]]) -> list[float]:
                                                                                  ignore_eos=True))
             async for output in stream:
                 if output.new_token_ids:
-                    out.append(time.perf_counter() - started)
+                    rows["ttft_s"].append(time.perf_counter() - started)
                     break
             await stream.aclose()
+            submits = [t - started for t in marks.get("submit", []) if t > started]
+            rows["submit_back_s"].append(submits[0] if submits else float("nan"))
+            polls = [t - started for t in marks.get("poll", []) if t > started]
+            rows["token_poll_back_s"].append(polls[0] if polls else float("nan"))
+        for handle in workers.decode.values():
+            for _ in range(10):
+                t = time.perf_counter()
+                await handle.health.remote()
+                rows["health_rtt_s"].append(time.perf_counter() - t)
     finally:
         await dispatcher.close()
-    return out
+    return rows
+
+
+def serve_and_measure(args: argparse.Namespace) -> int:
+    """Starts `pdserve serve --colocated` on the shape (dummy weights) and measures it from a child process."""
+    import os
+    import random
+    import re
+    import subprocess
+    import tempfile
+
+    from bench.goodput import ServerProcess, servable_model_dir, serve_flags, wait_gpus_free
+    from kvtransfer import NCCL_WORKER_ENV
+    from kvtransfer.netaddr import free_port
+
+    vocab = json.loads((Path(args.serve) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(vocab) for _ in range(args.len)] for _ in range(args.num)]
+    with tempfile.TemporaryDirectory() as scratch:
+        served = servable_model_dir(Path(args.serve), Path(scratch))
+        port = free_port()
+        flags = serve_flags({"model": str(served), "load_format": "dummy", "dtype": "bfloat16", "device": "auto",
+                             "max_num_seqs": 256, "max_num_batched_tokens": 16384})
+        argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, "--port", str(port),
+                "--grpc-port", str(free_port()), "--exit-after", "600"]
+        log = Path(scratch) / "server.log"
+        server = ServerProcess(argv, {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1"}, log)
+        try:
+            server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
+            found = None
+            for _ in range(60):  # the CLI prints the address just after the HTTP server answers
+                if found := re.search(r"Ray\s+(\S+:\d+)", log.read_text()):
+                    break
+                time.sleep(0.5)
+            address = found.group(1)  # type: ignore[union-attr]
+            (Path(scratch) / "p.json").write_text(json.dumps(prompts))
+            done = subprocess.run([sys.executable, "-m", "bench.ray_path_ttft", "--address", address, "--prompts",
+                                   str(Path(scratch) / "p.json")], capture_output=True, text=True, timeout=180, check=False)
+            print(done.stdout.strip().splitlines()[-1] if done.returncode == 0 else done.stderr[-3000:])
+        finally:
+            server.stop(30)
+            wait_gpus_free(30)
+    return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", required=True, help="the Ray address `pdserve serve` printed")
-    parser.add_argument("--prompts", type=Path, required=True, help="a JSON list of token-id prompts")
+    parser.add_argument("--address", help="the Ray address `pdserve serve` printed")
+    parser.add_argument("--prompts", type=Path, help="a JSON list of token-id prompts")
+    parser.add_argument("--serve", help="a model shape directory: start a server on it first")
+    parser.add_argument("--num", type=int, default=14)
+    parser.add_argument("--len", type=int, default=512)
     args = parser.parse_args()
+    if args.serve:
+        return serve_and_measure(args)
+    if not (args.address and args.prompts):
+        parser.error("--address and --prompts, or --serve")
     from deploy.cli import APP_NAME, _token_auth_for
 
     _token_auth_for(args.address)  # NOTE: before importing ray
@@ -54,10 +143,10 @@ def main() -> int:
     try:
         controller = serve.get_deployment_handle("Controller", app_name=APP_NAME)
         _, prefill, decode = controller.workers.remote().result(timeout_s=60)
-        ttfts = asyncio.run(measure(Workers(prefill=prefill, decode=decode), json.loads(args.prompts.read_text())))
+        rows = asyncio.run(measure(Workers(prefill=prefill, decode=decode), json.loads(args.prompts.read_text())))
     finally:
         ray.shutdown()
-    json.dump({"ttft_s": ttfts}, sys.stdout)
+    json.dump(rows, sys.stdout)
     return 0
 
 
