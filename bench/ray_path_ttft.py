@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from router.dispatch import invoke
+
 
 class _Timed:
     """A worker handle whose `submit` and `poll` calls note when their answers came back."""
@@ -34,7 +36,7 @@ class _Timed:
         class _Method:
             @staticmethod
             async def remote(*args: Any) -> Any:
-                result = await method.remote(*args)
+                result = await invoke(method, *args)
                 marks.append(time.perf_counter())
                 return result
 
@@ -70,7 +72,7 @@ async def measure(workers: Any, prompts: list[list[int]]) -> dict[str, Any]:
         for handle in workers.decode.values():
             for _ in range(10):
                 t = time.perf_counter()
-                await handle.health.remote()
+                await invoke(handle.health)
                 rows["health_rtt_s"].append(time.perf_counter() - t)
     finally:
         await dispatcher.close()
@@ -119,16 +121,73 @@ def serve_and_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def in_process(args: argparse.Namespace) -> int:
+    """The same probes with the worker in this process (no Ray: its engine thread and this event
+    loop), after the offline engine's TTFT on other prompts of the same length: what the worker's
+    threads add, apart from Ray."""
+    import random
+
+    from decode_worker import DecodeWorker, DecodeWorkerConfig
+    from engine import EngineCore, SamplingParams, engine_config
+    from kvtransfer import LocalHub
+    from router import Workers
+
+    config = engine_config(args.in_process, load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+                           max_num_batched_tokens=16384)
+    vocab = json.loads((Path(args.in_process) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(12)
+    num_runs = 1 + args.switch_intervals_ms.count(",")
+    prompts = [[rng.randrange(vocab) for _ in range(args.len)] for _ in range((1 + num_runs) * args.num)]
+    engine = EngineCore(config)
+    offline = []
+    for i, prompt in enumerate(prompts[: args.num]):
+        started = time.perf_counter()
+        engine.add_request(f"offline-{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while not any(o.new_token_ids for o in engine.step()):
+            pass
+        offline.append(time.perf_counter() - started)
+        while engine.has_unfinished():
+            engine.step()
+    del engine
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    fresh = iter([prompts[i : i + args.num] for i in range(args.num, len(prompts), args.num)])
+
+    async def run() -> dict[str, Any]:
+        worker = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=config, transport="local"),
+                              transport_options={"hub": LocalHub()})
+        try:
+            return await measure(Workers(prefill={}, decode={"d0": worker}), next(fresh))
+        finally:
+            await worker.shutdown()
+
+    out: dict[str, Any] = {"offline_ttft_s": offline}
+    for interval_ms in [float(x) for x in args.switch_intervals_ms.split(",")]:
+        sys.setswitchinterval(interval_ms / 1e3)
+        out[f"switch_{interval_ms}ms"] = asyncio.run(run())
+    json.dump(out, sys.stdout)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="the Ray address `pdserve serve` printed")
     parser.add_argument("--prompts", type=Path, help="a JSON list of token-id prompts")
     parser.add_argument("--serve", help="a model shape directory: start a server on it first")
+    parser.add_argument("--in-process", help="a model shape directory: the worker in this process, no Ray")
+    parser.add_argument("--switch-intervals-ms", default="5", help="--in-process: GIL switch intervals to try")
     parser.add_argument("--num", type=int, default=14)
     parser.add_argument("--len", type=int, default=512)
     args = parser.parse_args()
     if args.serve:
         return serve_and_measure(args)
+    if args.in_process:
+        return in_process(args)
     if not (args.address and args.prompts):
         parser.error("--address and --prompts, or --serve")
     from deploy.cli import APP_NAME, _token_auth_for
