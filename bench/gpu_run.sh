@@ -55,7 +55,7 @@ case "$part" in
     run 190 python3 -m bench.http_vs_offline --out "$out"
     ;;
   http)
-    run 590 python3 -m bench.http_vs_offline --variants proxy,proxy-gil,direct-gil --out "$out"
+    run 590 python3 -m bench.http_vs_offline --variants proxy,direct,tput --out "$out"
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/unit/kvtransfer -m gpu tests/unit/kvtransfer

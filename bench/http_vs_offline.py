@@ -71,10 +71,6 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serv
     "proxy": ([], {}),
     "proxy-r4": (["--num-router-replicas", "4"], {}),
     "direct": ([], {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
-    # workers' GIL switch interval 0.5 ms instead of 5: a worker's event loop (polls, submits) waits
-    # less for its engine thread
-    "proxy-gil": (["--gil-switch-interval-ms", "0.5"], {}),
-    "direct-gil": (["--gil-switch-interval-ms", "0.5"], {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
     # Serve's throughput-optimized settings: direct ingress, user code on the replica's own event
     # loop (not a thread of its own), gRPC between Serve's actors, the GC frozen after start.
     "tput": ([], {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
@@ -226,7 +222,7 @@ def main() -> None:
                 server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
                 http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
                                              max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
-                if name == names[0] or "gil" in name:
+                if name == names[0]:
                     http["ray_path"] = ray_path_ttfts(server.log_path, ray_path_prompts, Path(scratch))
             finally:
                 stop = server.stop(30)

@@ -132,8 +132,9 @@ def in_process(args: argparse.Namespace) -> int:
     from kvtransfer import LocalHub
     from router import Workers
 
+    # a fixed KV size: the offline engine's memory is not all back (allocated) when the worker sizes its own
     config = engine_config(args.in_process, load_format="dummy", dtype="bfloat16", max_num_seqs=256,
-                           max_num_batched_tokens=16384)
+                           max_num_batched_tokens=4096, num_blocks=4096)
     vocab = json.loads((Path(args.in_process) / "config.json").read_text())["vocab_size"]
     rng = random.Random(12)
     num_runs = 1 + args.switch_intervals_ms.count(",")

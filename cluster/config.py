@@ -46,9 +46,6 @@ class ClusterConfig(BaseModel):
     )
     lease_ttl_s: float = Field(30.0, gt=0, description="Unclaimed decode leases are freed after this.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer.")
-    gil_switch_interval_s: float | None = Field(
-        None, gt=0, le=0.1, description="Each worker process's sys.setswitchinterval (EndpointConfig); None: 5 ms."
-    )
     prefill_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources each prefill worker asks for (and each of its placement-group "

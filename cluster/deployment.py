@@ -36,7 +36,7 @@ class Deployment:
         c = self.config
         return PrefillWorkerConfig(
             worker_id=worker_id, engine=c.engine, transport=self.transport, transfer_timeout_s=c.transfer_timeout_s,
-            host=c.host, gil_switch_interval_s=c.gil_switch_interval_s,
+            host=c.host,
         )
 
     def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:
@@ -44,7 +44,6 @@ class Deployment:
         return DecodeWorkerConfig(
             worker_id=worker_id, engine=c.engine, transport=self.transport, host=c.host,
             lease_ttl_s=c.lease_ttl_s, transfer_timeout_s=c.transfer_timeout_s,
-            gil_switch_interval_s=c.gil_switch_interval_s,
         )
 
     @property

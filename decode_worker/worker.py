@@ -37,7 +37,7 @@ from engine.loop import EngineLoop
 from kvtransfer.netaddr import resolve_host
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
-from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, apply_process_settings, wait_transfer
+from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     KvAcceptMsg,
@@ -84,7 +84,6 @@ class Outbox:
 
 class DecodeWorker(TransferEndpoint):
     def __init__(self, config: DecodeWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
-        apply_process_settings(config)
         self.config = config
         self.worker_id = config.worker_id
         engine = EngineCore(config.engine)

@@ -70,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: open)")
-    serve.add_argument("--gil-switch-interval-ms", type=float, default=None,
-                       help="each worker process's sys.setswitchinterval, in ms (default: Python's 5 ms)")
     serve.add_argument("--num-router-replicas", type=int, default=_default(ServeAppConfig, "num_router_replicas"))
     serve.add_argument("--local-prefill-rule", default=_default(LocalPrefillConfig, "rule"),
                        help=_help(LocalPrefillConfig, "rule"))
@@ -117,7 +115,6 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
         num_prefill=args.prefill or 1,
         num_decode=args.decode,
         transport=args.transport,
-        gil_switch_interval_s=None if args.gil_switch_interval_ms is None else args.gil_switch_interval_ms / 1e3,
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
     local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)

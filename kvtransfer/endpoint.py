@@ -8,7 +8,6 @@ leases, prompts or routers.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -36,18 +35,6 @@ class EndpointConfig(BaseModel):
     )
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer to finish.")
     pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a peer to pair.")
-    gil_switch_interval_s: float | None = Field(
-        None, gt=0, le=0.1,
-        description="sys.setswitchinterval for the worker's process (its engine thread and its event loop share "
-        "one GIL: a thread waiting for it waits up to this long); None: Python's default, 5 ms.",
-    )
-
-
-def apply_process_settings(config: EndpointConfig) -> None:
-    """Process-wide settings a worker asks for. NOTE: global to the process: a worker runs alone in its
-    Ray actor's process; in-process tests leave them unset."""
-    if config.gil_switch_interval_s is not None:
-        sys.setswitchinterval(config.gil_switch_interval_s)
 
 
 class TransferEndpoint:

@@ -26,7 +26,7 @@ from kvtransfer.netaddr import resolve_host
 from engine.validation import InvalidRequestError
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
-from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, apply_process_settings, wait_transfer
+from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,6 @@ class PrefillWorkerConfig(EndpointConfig):
 
 class PrefillWorker(TransferEndpoint):
     def __init__(self, config: PrefillWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
-        apply_process_settings(config)
         self.config = config
         self.worker_id = config.worker_id
         engine = EngineCore(config.engine)
