@@ -212,17 +212,29 @@ class IncrementalDetokenizer:
         return "".join(self._pieces)
 
     def add(self, new_token_ids: list[int]) -> str:
-        """Append output ids; return the newly completed text ('' while a character is incomplete)."""
+        """Append output ids; return the newly completed text ('' while a character is incomplete).
+        Several ids at once (a speculative step, or a router catching up) give the text they would
+        give one by one: when the last of them leaves a character incomplete, the text the ones
+        before it complete is still returned."""
         new_ids = self._kept(new_token_ids)
         if not new_ids:
             return ""
         self._ids.extend(new_ids)
+        text = self._read_to(len(self._ids))
+        if text is not None or len(new_ids) == 1:
+            return text or ""
+        pieces = [self._read_to(end) for end in range(self._read_offset + 1, len(self._ids))]
+        return "".join(p for p in pieces if p)
+
+    def _read_to(self, end: int) -> str | None:
+        """The text ids[read_offset:end] add, and reads up to `end`; None (nothing read) while the
+        decoding ends inside a character or adds nothing."""
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=False)
-        full_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=False)
+        full_text = decode(self._ids[self._prefix_offset:end], skip_special_tokens=False)
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return ""
+            return None
         new_text = full_text[len(prefix_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, end
         self._pieces.append(new_text)
         return new_text
