@@ -21,7 +21,7 @@ from typing import Any
 from cluster.config import ClusterConfig
 from deploy.schema import ServeAppConfig
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from router.core import RouterConfig
+from router.core import GrpcServerConfig, RouterConfig
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
 APP_NAME = "pdserve"
@@ -119,7 +119,8 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
     local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)
     return ServeAppConfig(cluster=cluster, router=router, dispatch=DispatcherConfig(local_prefill=local),
-                          num_router_replicas=args.num_router_replicas)
+                          num_router_replicas=args.num_router_replicas,
+                          grpc=GrpcServerConfig(host=args.host, port=args.grpc_port))
 
 
 def _token_auth_for(address: str | None) -> None:
@@ -134,9 +135,9 @@ def serve_command(args: argparse.Namespace) -> int:
     _token_auth_for(args.address)  # NOTE: before importing ray, which reads RAY_AUTH_MODE at import
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
+    from ray.serve.config import HTTPOptions
 
-    from deploy.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from deploy.app import build_app
     from router.proto.codegen import ensure_generated
 
     config = app_config(args)
@@ -145,11 +146,8 @@ def serve_command(args: argparse.Namespace) -> int:
     # NOTE: "local" starts a new cluster even when another one runs on this machine.
     context = ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(
-            http_options=HTTPOptions(host=args.host, port=args.port),
-            grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
-                                     enable_reflection=True),
-        )
+        # NOTE: no Serve gRPC proxy (it binds every interface): the router replicas serve gRPC on host:grpc_port.
+        serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         c = config.cluster
         pools = f"{c.num_prefill} prefill + {c.num_decode} decode" if c.mode == "disaggregated" else f"{c.num_decode} colocated"

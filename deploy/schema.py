@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import ClusterConfig
-from router.core import RouterConfig
+from router.core import GrpcServerConfig, RouterConfig
 from router.dispatch import DispatcherConfig
 
 
@@ -21,3 +21,7 @@ class ServeAppConfig(BaseModel):
         "prefill workers (local_prefill).",
     )
     num_router_replicas: int = Field(1, ge=1, le=64, description="Serve replicas of the router (HTTP and gRPC).")
+    grpc: GrpcServerConfig | None = Field(
+        None, description="Each router replica serves gRPC itself on this address (`pdserve serve` sets it: Serve's "
+        "gRPC proxy binds every interface); None: only through Serve's gRPC proxy, if grpc_options configure it.",
+    )

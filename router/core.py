@@ -59,6 +59,15 @@ class RouterConfig(BaseModel):
     )
 
 
+class GrpcServerConfig(BaseModel):
+    """Where a router replica serves gRPC itself (router/grpc_server.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", min_length=1, description="Address the gRPC server binds ('0.0.0.0': every one).")
+    port: int = Field(9000, ge=1, le=65535, description="Its port, shared by the router replicas of a node.")
+
+
 @dataclass(frozen=True)
 class ChoiceDelta:
     """What one step added to one choice. The choice's last delta has a finish_reason; the counts

@@ -16,9 +16,10 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from router import grpc_service
-from router.core import RouterConfig, RouterCore
+from router.core import GrpcServerConfig, RouterConfig, RouterCore
 from router.dispatch import Dispatcher, DispatcherConfig, Workers, invoke
 from router.follow import WorkerSetFollower
+from router.grpc_server import start_grpc_server
 from router.http_app import build_http_app
 from router.metrics import PrometheusMetrics
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 class RouterIngress:
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors
         self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int,
-        dispatch: DispatcherConfig | None = None, refresh_s: float = 1.0,
+        dispatch: DispatcherConfig | None = None, refresh_s: float = 1.0, grpc: GrpcServerConfig | None = None,
     ) -> None:
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.dispatcher = Dispatcher(
@@ -39,6 +40,8 @@ class RouterIngress:
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
         self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s)
         await self.follower.start()
+        # its own gRPC server where asked (`pdserve serve`); else Serve's gRPC proxy calls the methods below
+        self.grpc_server = None if grpc is None else await start_grpc_server(self.core, grpc)
 
     async def _worker_stats(self) -> list[dict[str, Any]]:
         workers = self.dispatcher.workers
@@ -49,7 +52,11 @@ class RouterIngress:
     def __serve_build_asgi_app__(self) -> Any:
         return build_http_app(self.core)
 
-    # ---- gRPC (pdserve.v1.Generation); Serve routes methods by name
+    async def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=1.0)
+
+    # ---- gRPC (pdserve.v1.Generation) through Serve's gRPC proxy; Serve routes methods by name
     async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
         async for response in grpc_service.generate(self.core, request, grpc_context):
             yield response

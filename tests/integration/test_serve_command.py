@@ -90,6 +90,18 @@ def test_openai_client_completions_and_chat(server):
     assert client.completions.create(model="default", prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_http_and_grpc_listen_on_loopback_only(server):
+    """The default --host 127.0.0.1 holds for both ports (Serve's own gRPC proxy would bind every
+    interface, '[::]:port'; router/grpc_server.py binds the host)."""
+    import psutil
+
+    listening: dict[int, set[str]] = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port in (server.port, server.grpc_port):
+            listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip.removeprefix("::ffff:"))  # v4-mapped
+    assert listening == {server.port: {"127.0.0.1"}, server.grpc_port: {"127.0.0.1"}}
+
+
 def test_grpc_streaming_client_with_reflection(server):
     import grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
