@@ -216,12 +216,14 @@ class DecodeWorker(TransferEndpoint):
 
     async def accept_pair(self, prefill_worker_id: str) -> None:
         """The decode side (rank 0, hosting the store) of forming a pair; the prefill side calls
-        `pair` at the same time. A stale pair with the same peer is dropped first."""
+        `pair` at the same time. A stale pair with the same peer is dropped first.
+        NOTE: the epoch moves on before the drop: a transfer of the stale pair that fails while the
+        new one forms (the drop fails it) must not drop the new pair."""
+        self._pair_epochs[prefill_worker_id] = self._pair_epochs.get(prefill_worker_id, 0) + 1
         if self.transport.is_paired(prefill_worker_id):
             self.transport.drop(prefill_worker_id)
         address = await asyncio.to_thread(self.transport.address)
         await asyncio.to_thread(self.transport.pair, prefill_worker_id, address, 0, self.config.pair_timeout_s)
-        self._pair_epochs[prefill_worker_id] = self._pair_epochs.get(prefill_worker_id, 0) + 1
 
     async def kv_incoming(self, ready: bytes) -> bytes:
         """Posts the receive for a lease's KV and returns at once; the KV lands in the background."""
@@ -238,7 +240,7 @@ class DecodeWorker(TransferEndpoint):
         try:
             handle = self.transport.recv(msg.prefill_worker_id, buf)
         except ValueError as err:  # not paired any more (a failed transfer dropped the pair)
-            return KvAcceptMsg(accepted=False, reason=str(err)).encode()
+            return KvAcceptMsg(accepted=False, reason=str(err), is_unpaired=True).encode()
         lease.state = LeaseState.RECEIVING
         self._aio.create_task(self._land(msg, lease, buf, handle, epoch))  # type: ignore[union-attr]
         return KvAcceptMsg(accepted=True).encode()

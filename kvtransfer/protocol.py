@@ -99,6 +99,9 @@ class KvReadyMsg(Msg):
 class KvAcceptMsg(Msg):
     accepted: bool
     reason: str = ""  # why not: the lease expired or was aborted
+    # Refused because the decode side has no pair with the sender (a failed transfer dropped it):
+    # the sender drops its own, so its next push forms the pair again.
+    is_unpaired: bool = False
 
 
 class PrefillResultMsg(Msg):

@@ -156,6 +156,8 @@ class PrefillWorker(TransferEndpoint):
                     _invoke(decode_worker.kv_incoming, ready.encode()), self.config.pair_timeout_s
                 ))
                 if not accept.accepted:
+                    if accept.is_unpaired and self._pair_epochs.get(decode_id) == epoch:
+                        self.transport.drop(decode_id)  # the decode side lost the pair: form it again next time
                     return PrefillResultMsg(**result, error=f"decode worker refused the KV: {accept.reason}")
                 handle = self.transport.send(decode_id, buf)
             failure = await wait_transfer(handle, self.config.transfer_timeout_s)

@@ -280,3 +280,27 @@ def test_a_seeded_sampled_request_moves_on_with_exactly_the_offline_tokens(coloc
         await cluster.close()
 
     asyncio.run(main())
+
+
+def test_a_pair_the_decode_side_lost_forms_again_from_the_prefill_side():
+    """The decode worker dropped its pair with a prefill worker that still holds its own (a failed
+    transfer's drop landed after the prefill side had moved on): the refusal says so
+    (KvAcceptMsg.is_unpaired), the prefill side drops its half, and the retry forms the pair again.
+    Before, every retry met the same refusal and the request failed after max_attempts."""
+    prompts = _prompts(3, seed=5)
+    expected = _offline(prompts, GREEDY)
+
+    async def main():
+        cluster = Cluster(num_prefill=1, num_decode=1)
+        assert await Streams(cluster.dispatcher, prompts[:1], GREEDY).results() == expected[:1]  # the pair forms
+        decode, prefill = cluster.decode["d0"].worker, cluster.prefill["p0"].worker
+        assert decode.transport.is_paired("p0") and prefill.transport.is_paired("d0")
+        decode.transport.drop("p0")  # the decode side alone loses it
+        migrations = cluster.dispatcher.num_migrations
+        assert await Streams(cluster.dispatcher, prompts[1:], GREEDY).results() == expected[1:]
+        assert cluster.dispatcher.num_migrations - migrations <= 2  # a refused attempt or two, not max_attempts
+        assert decode.transport.is_paired("p0") and prefill.transport.is_paired("d0")
+        assert set((await cluster.held()).values()) == {0}
+        await cluster.close()
+
+    asyncio.run(main())
