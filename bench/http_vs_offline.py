@@ -48,6 +48,7 @@ import torch
 from bench.common import build_engine, environment, synchronize, write_results
 from bench.goodput import SHAPES, ServerProcess, servable_model_dir, serve_flags, wait_gpus_free
 from bench.offline_throughput import nano_vllm_workload, run_engine
+from bench.ray_path_ttft import measure_server
 from engine import EngineCore, SamplingParams
 from kvtransfer import NCCL_WORKER_ENV
 from kvtransfer.netaddr import free_port
@@ -95,19 +96,6 @@ def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
         name = "bench client" if int(pid) == os.getpid() else title.split()[0].split(".")[0]
         out[int(pid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
-
-
-def ray_path_ttfts(server_log: Path, prompts: list[list[int]], scratch: Path) -> list[float]:
-    """bench.ray_path_ttft against the running server (whose log names its Ray address)."""
-    import re
-    import subprocess
-
-    address = re.search(r"Ray\s+(\S+:\d+)", server_log.read_text()).group(1)  # type: ignore[union-attr]
-    path = scratch / "ttft_prompts.json"
-    path.write_text(json.dumps(prompts))
-    done = subprocess.run([sys.executable, "-m", "bench.ray_path_ttft", "--address", address, "--prompts", str(path)],
-                          capture_output=True, text=True, timeout=180, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def router_ttft_sum_count(base_url: str) -> tuple[float, float]:
@@ -223,15 +211,12 @@ def main() -> None:
                 http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
                                              max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
                 if name == names[0]:
-                    http["ray_path"] = ray_path_ttfts(server.log_path, ray_path_prompts, Path(scratch))
+                    http["ray_path"] = measure_server(server.log_path, ray_path_prompts, Path(scratch))
             finally:
                 stop = server.stop(30)
                 wait_gpus_free(30)
             http["server_stop"] = stop
-            if "ray_path" in http:
-                http["ray_path"] = {k: v[2:] if k != "health_rtt_s" else v for k, v in http["ray_path"].items()}
             http["ttft_s"] = http["ttft_s"][2:]
-            http["http_over_offline_throughput"] = http["output_tok_per_s"] / record["offline"]["output_tok_per_s"]
             http["ttft_median_ms"] = statistics.median(http["ttft_s"]) * 1e3
             http["router_ttft_added_ms"] = http["ttft_median_ms"] - statistics.median(record["offline"]["ttft_s"]) * 1e3
             record["variants"][name] = http

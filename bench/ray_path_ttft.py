@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from router.dispatch import invoke
@@ -33,20 +36,18 @@ class _Timed:
             return method
         marks = self._marks.setdefault(name, [])
 
-        class _Method:
-            @staticmethod
-            async def remote(*args: Any) -> Any:
-                result = await invoke(method, *args)
-                marks.append(time.perf_counter())
-                return result
+        async def remote(*args: Any) -> Any:
+            result = await invoke(method, *args)
+            marks.append(time.perf_counter())
+            return result
 
-        return _Method
+        return SimpleNamespace(remote=remote)
 
 
-async def measure(workers: Any, prompts: list[list[int]]) -> dict[str, Any]:
-    """Per prompt: TTFT, when the placing call (submit) came back and when the poll carrying the
-    first token came back (both from the start); and the round trip of a control call that does
-    not touch the engine (health)."""
+async def measure(workers: Any, prompts: list[list[int]], num_warmup: int = 2) -> dict[str, Any]:
+    """Per prompt after the first `num_warmup`: TTFT, when the placing call (submit) came back and
+    when the poll carrying the first token came back (both from the start); and the round trip of a
+    control call that does not touch the engine (health)."""
     from engine import SamplingParams
     from router import Dispatcher, Workers
 
@@ -60,11 +61,15 @@ async def measure(workers: Any, prompts: list[list[int]]) -> dict[str, Any]:
             started = time.perf_counter()
             stream = dispatcher.generate(f"ray-path-{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0,
                                                                                  ignore_eos=True))
+            ttft = float("nan")
             async for output in stream:
                 if output.new_token_ids:
-                    rows["ttft_s"].append(time.perf_counter() - started)
+                    ttft = time.perf_counter() - started
                     break
             await stream.aclose()
+            if i < num_warmup:
+                continue
+            rows["ttft_s"].append(ttft)
             submits = [t - started for t in marks.get("submit", []) if t > started]
             rows["submit_back_s"].append(submits[0] if submits else float("nan"))
             polls = [t - started for t in marks.get("poll", []) if t > started]
@@ -79,12 +84,27 @@ async def measure(workers: Any, prompts: list[list[int]]) -> dict[str, Any]:
     return rows
 
 
+def measure_server(log: Path, prompts: list[list[int]], scratch: Path) -> dict[str, Any]:
+    """This module in a child process against the running `pdserve serve` whose log is `log` (it
+    names the server's Ray address): the child joins that Ray cluster."""
+    found = None
+    for _ in range(60):  # the CLI prints the address just after its HTTP server answers
+        if found := re.search(r"Ray\s+(\S+:\d+)", log.read_text()):
+            break
+        time.sleep(0.5)
+    if found is None:
+        raise RuntimeError(f"no Ray address in {log}")
+    path = scratch / "ray_path_prompts.json"
+    path.write_text(json.dumps(prompts))
+    done = subprocess.run([sys.executable, "-m", "bench.ray_path_ttft", "--address", found.group(1), "--prompts",
+                           str(path)], capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def serve_and_measure(args: argparse.Namespace) -> int:
     """Starts `pdserve serve --colocated` on the shape (dummy weights) and measures it from a child process."""
     import os
     import random
-    import re
-    import subprocess
     import tempfile
 
     from bench.goodput import ServerProcess, servable_model_dir, serve_flags, wait_gpus_free
@@ -105,16 +125,7 @@ def serve_and_measure(args: argparse.Namespace) -> int:
         server = ServerProcess(argv, {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1"}, log)
         try:
             server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
-            found = None
-            for _ in range(60):  # the CLI prints the address just after the HTTP server answers
-                if found := re.search(r"Ray\s+(\S+:\d+)", log.read_text()):
-                    break
-                time.sleep(0.5)
-            address = found.group(1)  # type: ignore[union-attr]
-            (Path(scratch) / "p.json").write_text(json.dumps(prompts))
-            done = subprocess.run([sys.executable, "-m", "bench.ray_path_ttft", "--address", address, "--prompts",
-                                   str(Path(scratch) / "p.json")], capture_output=True, text=True, timeout=180, check=False)
-            print(done.stdout.strip().splitlines()[-1] if done.returncode == 0 else done.stderr[-3000:])
+            print(json.dumps(measure_server(log, prompts, Path(scratch))))
         finally:
             server.stop(30)
             wait_gpus_free(30)
@@ -127,8 +138,9 @@ def in_process(args: argparse.Namespace) -> int:
     threads add, apart from Ray."""
     import random
 
+    from bench.http_vs_offline import offline_ttfts
     from decode_worker import DecodeWorker, DecodeWorkerConfig
-    from engine import EngineCore, SamplingParams, engine_config
+    from engine import EngineCore, engine_config
     from kvtransfer import LocalHub
     from router import Workers
 
@@ -140,15 +152,7 @@ def in_process(args: argparse.Namespace) -> int:
     num_runs = 1 + args.switch_intervals_ms.count(",")
     prompts = [[rng.randrange(vocab) for _ in range(args.len)] for _ in range((1 + num_runs) * args.num)]
     engine = EngineCore(config)
-    offline = []
-    for i, prompt in enumerate(prompts[: args.num]):
-        started = time.perf_counter()
-        engine.add_request(f"offline-{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        while not any(o.new_token_ids for o in engine.step()):
-            pass
-        offline.append(time.perf_counter() - started)
-        while engine.has_unfinished():
-            engine.step()
+    offline = offline_ttfts(engine, prompts[: args.num])[2:]
     del engine
     import gc
 

@@ -24,7 +24,7 @@ from engine.config import DEFAULT_MODEL, SamplingParams
 from engine.output_processor import TextState
 from engine.tokenizer import Tokenizer
 from engine.validation import InvalidRequestError
-from kvtransfer.protocol import PrefillResultMsg, TokenOutputMsg
+from kvtransfer.protocol import PrefillResultMsg
 from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError
 from router.spans import SpanRecorder
 from router.openai_schema import (
@@ -236,19 +236,14 @@ class RouterCore:
                 type="rate_limit_error", code="rate_limit_exceeded", headers=self._retry_after(),
             )
         self.num_in_flight += num_choices
-        if num_choices == 1:  # the common case, without a task and a queue per token
-            try:
-                async with aclosing(self.dispatcher.generate(f"{request_id}-0", prompts[0], params)) as stream:
-                    async for delta in self._deltas(f"{request_id}-0", 0, prompts[0], params, stream):
-                        yield delta
-            except Exception as err:  # noqa: BLE001 - mapped as the queued path maps it
-                raise self._to_api_error(err) from None
-            finally:
-                self.num_in_flight -= num_choices
-            return
-        queue: asyncio.Queue[ChoiceDelta | _ChoiceEnd] = asyncio.Queue()
         tasks: list[asyncio.Task[None]] = []
         try:
+            if num_choices == 1:  # the common case, without a task and a queue per token
+                async with aclosing(self._deltas(f"{request_id}-0", 0, prompts[0], params)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            queue: asyncio.Queue[ChoiceDelta | _ChoiceEnd] = asyncio.Queue()
             for p, prompt in enumerate(prompts):
                 for i in range(n):
                     index = p * n + i
@@ -263,7 +258,9 @@ class RouterCore:
                     continue
                 num_running -= 1
                 if item.error is not None:
-                    raise self._to_api_error(item.error)
+                    raise item.error
+        except Exception as err:  # noqa: BLE001 - every failure leaves as an APIError
+            raise self._to_api_error(err) from None
         finally:
             self.num_in_flight -= num_choices
             for task in tasks:
@@ -277,9 +274,8 @@ class RouterCore:
     ) -> None:
         error: BaseException | None = None
         try:
-            # Leaving this block early (stop string, cancellation) closes the stream: the Dispatcher aborts.
-            async with aclosing(self.dispatcher.generate(request_id, prompt, params)) as stream:
-                async for delta in self._deltas(request_id, index, prompt, params, stream):
+            async with aclosing(self._deltas(request_id, index, prompt, params)) as deltas:
+                async for delta in deltas:
                     queue.put_nowait(delta)
         except asyncio.CancelledError:
             raise
@@ -288,51 +284,53 @@ class RouterCore:
         queue.put_nowait(_ChoiceEnd(error))
 
     async def _deltas(
-        self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
-        stream: AsyncIterator[TokenOutputMsg],
+        self, request_id: str, index: int, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[ChoiceDelta]:
-        text_state = TextState(self.tokenizer, prompt, params)
-        started, first_token_at, last_token_at = self.clock(), None, None
-        self.spans.start(request_id)
-        num_tokens = num_cached = 0
-        async for out in stream:
-            if out.new_token_ids:
-                now = self.clock()
-                if first_token_at is None:
-                    first_token_at = now
-                    self.spans.event(request_id, "first_token")
-                elif last_token_at == first_token_at:
-                    self.spans.event(request_id, "first_decode_token")
-                if last_token_at is not None and self.metrics is not None:
-                    self.metrics.on_inter_token(gap_s=now - last_token_at, num_tokens=len(out.new_token_ids))
-                last_token_at = now
-            num_tokens += len(out.new_token_ids)
-            num_cached = max(num_cached, out.num_cached_tokens)
-            text, stop = text_state.add(out.new_token_ids)
-            finish: str | None = None
-            reason: str | int | None = None
-            if stop is not None:
-                finish, reason = "stop", stop
-            elif out.finish_reason is not None:
-                text += text_state.flush()
-                finish = out.finish_reason
-                if finish == "stop" and out.new_token_ids:
-                    reason = out.new_token_ids[-1]
-            yield ChoiceDelta(
-                index=index, text=text, token_ids=list(out.new_token_ids), logprobs=out.logprobs,
-                top_logprobs=out.top_logprobs, finish_reason=finish, stop_reason=reason,
-                num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens, num_cached_tokens=num_cached,
-            )
-            if finish is not None:
-                self.spans.event(request_id, "finished", finish_reason=finish, num_completion_tokens=num_tokens)
-                if self.metrics is not None:
-                    self.metrics.on_choice_finished(
-                        finish_reason=finish, num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens,
-                        num_cached_tokens=num_cached, elapsed_s=self.clock() - started,
-                        time_to_first_token_s=None if first_token_at is None else first_token_at - started,
-                    )
-                return  # a stop string: the caller closes the stream, which aborts the request on the workers
-        raise RequestFailedError(f"the token stream of choice {index} ended without a finish reason")
+        """One choice's deltas. Leaving early (a stop string, the client gone) closes the Dispatcher's
+        stream, which aborts the request on the workers."""
+        async with aclosing(self.dispatcher.generate(request_id, prompt, params)) as stream:
+            text_state = TextState(self.tokenizer, prompt, params)
+            started, first_token_at, last_token_at = self.clock(), None, None
+            self.spans.start(request_id)
+            num_tokens = num_cached = 0
+            async for out in stream:
+                if out.new_token_ids:
+                    now = self.clock()
+                    if first_token_at is None:
+                        first_token_at = now
+                        self.spans.event(request_id, "first_token")
+                    elif last_token_at == first_token_at:
+                        self.spans.event(request_id, "first_decode_token")
+                    if last_token_at is not None and self.metrics is not None:
+                        self.metrics.on_inter_token(gap_s=now - last_token_at, num_tokens=len(out.new_token_ids))
+                    last_token_at = now
+                num_tokens += len(out.new_token_ids)
+                num_cached = max(num_cached, out.num_cached_tokens)
+                text, stop = text_state.add(out.new_token_ids)
+                finish: str | None = None
+                reason: str | int | None = None
+                if stop is not None:
+                    finish, reason = "stop", stop
+                elif out.finish_reason is not None:
+                    text += text_state.flush()
+                    finish = out.finish_reason
+                    if finish == "stop" and out.new_token_ids:
+                        reason = out.new_token_ids[-1]
+                yield ChoiceDelta(
+                    index=index, text=text, token_ids=list(out.new_token_ids), logprobs=out.logprobs,
+                    top_logprobs=out.top_logprobs, finish_reason=finish, stop_reason=reason,
+                    num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens, num_cached_tokens=num_cached,
+                )
+                if finish is not None:
+                    self.spans.event(request_id, "finished", finish_reason=finish, num_completion_tokens=num_tokens)
+                    if self.metrics is not None:
+                        self.metrics.on_choice_finished(
+                            finish_reason=finish, num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens,
+                            num_cached_tokens=num_cached, elapsed_s=self.clock() - started,
+                            time_to_first_token_s=None if first_token_at is None else first_token_at - started,
+                        )
+                    return  # a stop string: leaving the block closes the stream, which aborts the request
+            raise RequestFailedError(f"the token stream of choice {index} ended without a finish reason")
 
     # ---- errors
     def _retry_after(self) -> dict[str, str]:

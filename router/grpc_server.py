@@ -11,35 +11,23 @@ grpc_options.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from router import grpc_service  # NOTE: first: it generates router/proto's modules when missing
-from router.core import GrpcServerConfig, RouterCore
+from router import grpc_service  # noqa: F401 - NOTE: first: it generates router/proto's modules when missing
+from router.core import GrpcServerConfig
 from router.proto import pdserve_pb2 as pb
 from router.proto import pdserve_pb2_grpc as pbg
 
 
-class _Generation(pbg.GenerationServicer):
-    def __init__(self, core: RouterCore) -> None:
-        self.core = core
-
-    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in grpc_service.generate(self.core, request, context):
-            yield response
-
-    async def Complete(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
-        return await grpc_service.complete(self.core, request, context)
-
-
-async def start_grpc_server(core: RouterCore, config: GrpcServerConfig) -> grpc.aio.Server:
-    """Serves pdserve.v1.Generation (and reflection) on config.host:port; raises OSError naming the
-    address when it cannot be bound."""
+async def start_grpc_server(servicer: Any, config: GrpcServerConfig) -> grpc.aio.Server:
+    """Serves pdserve.v1.Generation (and reflection) on config.host:port with `servicer`'s async
+    `Generate` and `Complete` (RouterIngress's, the methods Serve's proxy calls too); raises OSError
+    naming the address when it cannot be bound."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    pbg.add_GenerationServicer_to_server(_Generation(core), server)
+    pbg.add_GenerationServicer_to_server(servicer, server)
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     reflection.enable_server_reflection((service, reflection.SERVICE_NAME), server)
     address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"

@@ -40,8 +40,8 @@ class RouterIngress:
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
         self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s)
         await self.follower.start()
-        # its own gRPC server where asked (`pdserve serve`); else Serve's gRPC proxy calls the methods below
-        self.grpc_server = None if grpc is None else await start_grpc_server(self.core, grpc)
+        # its own gRPC server where asked (`pdserve serve`), else Serve's gRPC proxy: both call Generate/Complete
+        self.grpc_server = None if grpc is None else await start_grpc_server(self, grpc)
 
     async def _worker_stats(self) -> list[dict[str, Any]]:
         workers = self.dispatcher.workers
@@ -56,7 +56,7 @@ class RouterIngress:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
 
-    # ---- gRPC (pdserve.v1.Generation) through Serve's gRPC proxy; Serve routes methods by name
+    # ---- gRPC (pdserve.v1.Generation): the replica's own server and Serve's gRPC proxy both call these
     async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
         async for response in grpc_service.generate(self.core, request, grpc_context):
             yield response
