@@ -17,6 +17,9 @@
 #   pair    (nvidia-h200-x2): NCCL transport tests, the decode worker killed mid-transfer over NCCL
 #           (bench.nccl_kill), 1P1D over NCCL vs colocated (tokens, TTFT, KV push bandwidth vs raw NCCL
 #           send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
+#   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
+#           static vs continuous batching at the Qwen3-0.6B shape.
+#   spec    (one GPU): trains the target/draft pair (~1 minute), then bench.spec_decode on it.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
@@ -26,7 +29,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|pair|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|pair|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -75,6 +78,20 @@ case "$part" in
   scale8)
     run 450 python3 -m bench.goodput --modes 2p6d,colocated8 --rates 8,16,32,48 --budget-s 420 --out "$out"
     run 120 python3 -m bench.kv_pairs --out "$out"
+    ;;
+  graphs)
+    run 240 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/gpu
+    run 150 python3 -m bench.graph_rows --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
+    run 150 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
+    ;;
+  spec)
+    run 150 python3 -m bench.train_models --out /tmp/pair --size gpu --set max_target_steps=250 \
+      --set max_draft_steps=600 --quiet
+    run 300 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
+      --text /tmp/pair/held_out.txt --ks 4 --dtype bfloat16 --out "$out"
+    if [ -f scratch/prof_spec.py ]; then
+      run 120 python3 scratch/prof_spec.py /tmp/pair/target /tmp/pair/draft /tmp/pair/held_out.txt
+    fi
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

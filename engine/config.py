@@ -48,9 +48,16 @@ class ModelConfig(_Frozen):
     enforce_eager: bool = Field(
         False,
         description="Run every step eagerly. Otherwise, when the device is CUDA and the attention backend is "
-        "'triton', decode-only steps (every request computes and samples one token) replay CUDA graphs captured "
-        "at start for batch sizes 1, 2, 4, ... up to max_num_seqs, and max_num_seqs (engine/cuda_graphs.py); "
-        "prefill, mixed and speculative steps, and every step on the CPU or with the 'torch' backend, run eagerly.",
+        "'triton', steps of at most cuda_graph_max_rows tokens replay CUDA graphs captured at start for 1, 2, 4, "
+        "... rows up to that (engine/cuda_graphs.py): decode steps, speculative verifications, and steps whose "
+        "prompts or chunks are short; longer prefills, and every step on the CPU or with the 'torch' backend, "
+        "run eagerly.",
+    )
+    cuda_graph_max_rows: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens in the largest captured CUDA graph. None: max_num_seqs x (1 + num_draft_tokens with "
+        "speculation), at least 256, at most max_num_batched_tokens.",
     )
 
 

@@ -43,7 +43,7 @@ import torch
 
 from engine.attention import AttentionSpec, create_backend
 from engine.config import EngineConfig, SamplingParams
-from engine.cuda_graphs import cuda_graphs_enabled
+from engine.cuda_graphs import cuda_graphs_enabled, graph_max_rows
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
 from engine.request import Request, RequestStatus
@@ -158,6 +158,7 @@ class EngineCore:
             ProposerContext(
                 config.speculative, config.model, arch, self.device, self.dtype, block_size,
                 config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, self.sampler,
+                None if config.model.enforce_eager else graph_max_rows(config),
             )
         )
         extra_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
@@ -165,7 +166,7 @@ class EngineCore:
             model, arch, backend, config, self.dtype, self.device, self.max_model_len, extra_bytes
         )
         if self.proposer is not None:
-            self.proposer.bind(num_blocks)
+            self.proposer.bind(num_blocks, min(self.max_model_len, num_blocks * block_size))
         self.spec_counters = SpecCounters()
         self.block_bytes = bytes_per_block(arch, block_size, self.dtype)
         kv = allocate_kv_tensors(arch, num_blocks, block_size, self.dtype, self.device)
@@ -183,7 +184,7 @@ class EngineCore:
         self._inflight: _Inflight | None = None
         if cuda_graphs_enabled(config.model, self.device, backend):
             # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
-            self.runner.capture_decode_graphs(config.scheduler.max_num_seqs, self.max_seq_tokens)
+            self.runner.capture_decode_graphs(graph_max_rows(config), self.max_seq_tokens)
 
     # ---- control
     @property

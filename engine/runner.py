@@ -7,8 +7,9 @@ over a cache of its own.
 
 A step's integer inputs (token ids, positions, slots, context lengths, block tables, logit rows)
 are written into one host buffer (pinned on CUDA) and reach the device in one non_blocking copy;
-nothing in a forward reads a device value back. Decode-only steps replay CUDA graphs once
-`capture_decode_graphs` has run (engine/cuda_graphs.py); every other step runs eagerly.
+nothing in a forward reads a device value back. Steps that fit the captured graphs (decode steps,
+verifications, short prompts: engine/cuda_graphs.py) replay CUDA graphs once
+`capture_decode_graphs` has run; every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -111,11 +112,12 @@ class ModelRunner:
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
-    def capture_decode_graphs(self, max_batch_size: int, max_context: int) -> None:
-        """Captures CUDA graphs of decode-only steps of up to max_batch_size sequences whose contexts
-        are at most max_context tokens; call once, after the KV cache exists, before any step."""
-        assert self.graphs is None, "decode graphs are captured once"
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.staging, max_batch_size, max_context)
+    def capture_decode_graphs(self, max_rows: int, max_context: int) -> None:
+        """Captures CUDA graphs of steps of up to max_rows one-query rows (engine/cuda_graphs.py)
+        whose contexts are at most max_context tokens; call once, after the KV cache exists, before
+        any step."""
+        assert self.graphs is None, "graphs are captured once"
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.staging, max_rows, max_context)
         graphs.capture()
         self.graphs = graphs
 
@@ -178,7 +180,7 @@ class ModelRunner:
         """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order.
         `patch`: input tokens to take from the device (see TokenPatch)."""
         if self.graphs is not None:
-            hidden = self.graphs.run(seqs, patch)  # None: not a decode-only step that a graph serves
+            hidden = self.graphs.run(seqs, patch)  # None: not a step a graph serves
             if hidden is not None:
                 return self.model.compute_logits(hidden)
         ids, pos, meta, logit_rows = self.prepare(seqs)

@@ -47,6 +47,7 @@ class ProposerContext:
     max_num_seqs: int
     max_num_batched_tokens: int
     sampler: Sampler  # the target's (its EOS ids), so drafts are processed as the target's logits are
+    cuda_graph_max_rows: int | None = None  # a model proposer's CUDA graphs (engine/cuda_graphs.py); None: eager
 
 
 class Proposer(Protocol):
@@ -54,8 +55,9 @@ class Proposer(Protocol):
     # Bytes of the proposer's own KV per target KV block; the engine sizes its cache with them.
     kv_bytes_per_block: int
 
-    def bind(self, num_target_blocks: int) -> None:
-        """Called once, after the target's cache is sized: allocate what depends on its size."""
+    def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
+        """Called once, after the target's cache is sized: allocate what depends on its size.
+        max_seq_tokens: the longest sequence (prompt + output) the target runs."""
         ...
 
     def propose(self, requests: Sequence[DraftRequest], generator: torch.Generator | None) -> list[Draft | None]:

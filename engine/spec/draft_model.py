@@ -8,6 +8,9 @@ tokens the target accepted since (the whole prompt for a newcomer, within the st
 and drafts d_1; the others feed d_{i-1} and draft d_i. Drafts are sampled from the draft's logits
 processed as the target's are (the engine's Sampler), so verification can use their probabilities.
 
+On CUDA its passes replay CUDA graphs of its own (engine/cuda_graphs.py) as the target's do: the
+drafting passes (one token a request), and the catch-up pass when it is short.
+
 Does not know the target's blocks or scheduler: a request it cannot give blocks to gets no draft.
 """
 
@@ -21,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from engine.attention import AttentionSpec, create_backend
+from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.request import Draft
@@ -72,7 +76,7 @@ class DraftModelProposer:
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
 
-    def bind(self, num_target_blocks: int) -> None:
+    def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
         ctx = self.context
         bs, k = ctx.block_size, ctx.config.num_draft_tokens
         # The draft holds at most what the target holds, plus its lookahead of up to K tokens a request.
@@ -81,6 +85,9 @@ class DraftModelProposer:
         kv = allocate_kv_tensors(self.arch, num_blocks, bs, ctx.dtype, ctx.device)
         self.pool = BlockPool(num_blocks, bs, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, kv, self.backend, ctx.device)
+        if ctx.cuda_graph_max_rows is not None and cuda_graphs_enabled(ctx.model, ctx.device, self.backend):
+            # Drafted positions run up to K - 1 past the target's longest sequence.
+            self.runner.capture_decode_graphs(ctx.cuda_graph_max_rows, max_seq_tokens + k)
 
     # ---- per-request state
     def drop(self, request_id: str) -> None:

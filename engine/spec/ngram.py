@@ -41,7 +41,7 @@ class NgramProposer:
         self.min_n = context.config.prompt_lookup_min
         self.max_n = context.config.prompt_lookup_max
 
-    def bind(self, num_target_blocks: int) -> None:
+    def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
         pass
 
     def propose(self, requests: Sequence[DraftRequest], generator: torch.Generator | None) -> list[Draft | None]:

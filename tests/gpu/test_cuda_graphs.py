@@ -1,11 +1,11 @@
-"""On a CUDA GPU (marked `gpu`, skipped elsewhere): decode-only steps replaying CUDA graphs give the
-tokens of eager steps, and a graph step synchronizes with the host only when the sampled tokens
-are read.
+"""On a CUDA GPU (marked `gpu`, skipped elsewhere): steps replaying CUDA graphs give the tokens of
+eager steps, and a graph step synchronizes with the host only when the sampled tokens are read.
 
 The workloads mix everything a run meets: prompts of different lengths in chunks that share steps
-with decoding requests (those steps run eagerly), more requests than max_num_seqs (later ones
-wait), and different max_tokens (requests finish at different times), so decode-only batches of
-many sizes replay graphs of the next captured size up, with padding rows.
+with decoding requests (short ones replay graphs, one row per position; long ones run eagerly),
+more requests than max_num_seqs (later ones wait), and different max_tokens (requests finish at
+different times), so batches of many sizes replay graphs of the next captured size up, with
+padding rows.
 
 float32 on the small random checkpoints: exactly the same tokens. bfloat16 at the Qwen3-0.6B
 shape (dummy weights): a graph of the padded size multiplies matrices of another height than the
@@ -61,7 +61,7 @@ def test_float32_tokens_equal_with_and_without_graphs(arch, hf_checkpoints, make
     graphed = make_llm(path, **options)
     assert eager.engine.runner.graphs is None
     graphs = graphed.engine.runner.graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4, 6]
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 32, 64]  # the token budget
     want, got = generate(eager, prompts, max_tokens), generate(graphed, prompts, max_tokens)
     for i, (w, g) in enumerate(zip(want, got)):
         assert g.token_ids == w.token_ids, f"{arch}: request {i} parts at {first_difference(g.token_ids, w.token_ids)}"
@@ -75,7 +75,7 @@ def test_bfloat16_qwen3_shape_tokens_equal_up_to_near_ties(make_llm):
     eager = make_llm(str(QWEN3_SHAPE), enforce_eager=True, **options)
     graphed = make_llm(str(QWEN3_SHAPE), **options)
     graphs = graphed.engine.runner.graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 10]
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     want = generate(eager, prompts, max_tokens, logprobs=5)
     got = generate(graphed, prompts, max_tokens, logprobs=5)
     num_parted = 0

@@ -1,5 +1,5 @@
-"""The CUDA graph plan on the CPU: which steps a graph serves, which captured size, the padded
-staging layout; the runner's one-upload staging; and, through Triton's interpreter, the graph
+"""The CUDA graph plan on the CPU: which steps a graph serves (decode rows, and sequences of several
+tokens as one row per position), which captured size, the padded staging layout; the runner's one-upload staging; and, through Triton's interpreter, the graph
 path's static buffers and padding rows giving the eager path's logits and KV (everything but the
 capture and replay themselves, which tests/gpu/test_cuda_graphs.py checks on a GPU)."""
 
@@ -11,15 +11,17 @@ import torch
 
 from engine.attention import AttentionSpec
 from engine.attention.torch_ref import TorchAttention
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.cuda_graphs import (
+    DEFAULT_MIXED_ROWS,
     DecodeGraphs,
-    DecodeStepLayout,
+    GraphStepLayout,
     capture_sizes,
     cuda_graphs_enabled,
-    fill_decode_step,
+    fill_graph_step,
+    graph_max_rows,
     graph_size_for,
-    plan_decode_step,
+    plan_graph_step,
 )
 from engine.kv_cache import allocate_kv_tensors
 from engine.models import DEFAULT_MODEL_DIR, build_model
@@ -52,30 +54,50 @@ SIZES = capture_sizes(8)
 
 def test_decode_only_steps_are_eligible():
     seqs = [decode(5, 0, [3]), decode(6, 9, [1, 2, 7]), decode(7, 3, [4])]
-    assert plan_decode_step(seqs, SIZES, max_context=64, block_size=4) == DecodeStepLayout(3, 4, 3)
+    assert plan_graph_step(seqs, SIZES, max_context=64, block_size=4) == GraphStepLayout(3, 4, 3)
     # A one-token prompt (start 0) is decode-shaped too.
-    assert plan_decode_step([decode(5, 0, [0])], SIZES, 64, 4) == DecodeStepLayout(1, 1, 1)
+    assert plan_graph_step([decode(5, 0, [0])], SIZES, 64, 4) == GraphStepLayout(1, 1, 1)
 
 
-@pytest.mark.parametrize(
-    "odd_one",
-    [
-        ForwardSeq([5, 6], 3, [1, 2], 1),  # a prefill chunk of two tokens
-        ForwardSeq([5, 6, 7], 3, [1, 2], 3),  # speculative verification: 1 + 2 logits rows
-        ForwardSeq([5], 3, [1], 0),  # a one-token chunk that does not sample
-    ],
-)
-def test_other_steps_run_eagerly(odd_one):
-    seqs = [decode(5, 0, [3]), odd_one]
-    assert plan_decode_step(seqs, SIZES, 64, 4) is None
+def test_sequences_of_several_tokens_are_one_row_per_position():
+    # A verification (1 + 2 logits rows), a two-token chunk sampling its last, a one-token chunk not sampling.
+    verify = ForwardSeq([5, 6, 7], 3, [1, 2], 3)
+    assert plan_graph_step([decode(5, 0, [3]), verify], SIZES, 64, 4) == GraphStepLayout(4, 4, 2)
+    chunk, silent = ForwardSeq([5, 6], 3, [1, 2], 1), ForwardSeq([5], 3, [1], 0)
+    layout = plan_graph_step([decode(5, 0, [3]), chunk, silent], SIZES, 64, 4)
+    # Rows: the decode (0), the chunk's positions 3 and 4 (1, 2: only 2 samples), the silent row (3).
+    assert layout == GraphStepLayout(4, 4, 2, logit_rows=(0, 2))
 
 
-def test_too_many_sequences_or_too_long_a_context_run_eagerly():
-    assert plan_decode_step([], SIZES, 64, 4) is None
-    assert plan_decode_step([decode(1, i, [i // 4]) for i in range(9)], SIZES, 64, 4) is None
+def test_too_many_rows_too_long_a_context_or_too_much_multi_row_attention_run_eagerly():
+    assert plan_graph_step([], SIZES, 64, 4) is None
+    assert plan_graph_step([decode(1, i, [i // 4]) for i in range(9)], SIZES, 64, 4) is None
+    assert plan_graph_step([ForwardSeq(list(range(9)), 0, [0, 1, 2], 1)], SIZES, 64, 4) is None  # 9 rows
     blocks = list(range(16))
-    assert plan_decode_step([decode(1, 63, blocks)], SIZES, 64, 4) == DecodeStepLayout(1, 1, 16)
-    assert plan_decode_step([decode(1, 64, blocks + [16])], SIZES, 64, 4) is None
+    assert plan_graph_step([decode(1, 63, blocks)], SIZES, 64, 4) == GraphStepLayout(1, 1, 16)
+    assert plan_graph_step([decode(1, 64, blocks + [16])], SIZES, 64, 4) is None
+    assert plan_graph_step([ForwardSeq([1, 2], 62, blocks, 2)], SIZES, 64, 4) is not None  # positions 62, 63
+    assert plan_graph_step([ForwardSeq([1, 2], 63, blocks + [16], 2)], SIZES, 64, 4) is None  # position 64
+    # Multi-row keys: n * (start + n) summed over sequences of more than one token (decode rows are free).
+    seqs = [ForwardSeq([1, 2, 3, 4], 6, [0, 1, 2], 4), decode(1, 40, blocks)]  # 4 * 10 = 40 keys
+    assert plan_graph_step(seqs, SIZES, 64, 4, max_multi_row_keys=40) is not None
+    assert plan_graph_step(seqs, SIZES, 64, 4, max_multi_row_keys=39) is None
+
+
+def test_default_graph_rows_cover_a_batch_of_verifications_and_short_prompts():
+    plain = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048))
+    assert graph_max_rows(plain) == DEFAULT_MIXED_ROWS == 256
+    wide = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=8192))
+    assert graph_max_rows(wide) == 512
+    spec = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=2048),
+        speculative=SpeculativeConfig(method="ngram", num_draft_tokens=4),
+    )
+    assert graph_max_rows(spec) == 640  # 128 x (1 + 4)
+    small_budget = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    assert graph_max_rows(small_budget) == 64  # never more rows than a step's tokens
+    told = EngineConfig(model=ModelConfig(cuda_graph_max_rows=12), scheduler=SchedulerConfig(max_num_seqs=8))
+    assert graph_max_rows(told) == 12
 
 
 def test_only_cuda_with_a_graph_capable_backend_and_not_eager():
@@ -95,10 +117,10 @@ def test_only_cuda_with_a_graph_capable_backend_and_not_eager():
 def test_staging_layout_with_padding_rows():
     block_size = 4
     seqs = [decode(11, 0, [3]), decode(12, 9, [1, 2, 7]), decode(13, 4, [4, 5])]
-    layout = plan_decode_step(seqs, SIZES, 64, block_size)
-    assert layout == DecodeStepLayout(num_seqs=3, graph_size=4, num_block_cols=3)
+    layout = plan_graph_step(seqs, SIZES, 64, block_size)
+    assert layout == GraphStepLayout(num_rows=3, graph_size=4, num_block_cols=3)
     buffer = np.full(layout.num_values + 5, 99, dtype=np.int64)  # 99: stale values
-    fill_decode_step(buffer, seqs, layout, block_size)
+    fill_graph_step(buffer, seqs, layout, block_size)
     g = 4
     assert buffer[:g].tolist() == [11, 12, 13, 0]  # input ids
     assert buffer[g : 2 * g].tolist() == [0, 9, 4, 0]  # positions
@@ -109,13 +131,32 @@ def test_staging_layout_with_padding_rows():
     assert buffer[layout.num_values :].tolist() == [99] * 5  # nothing written past the layout
 
 
+def test_staging_layout_of_a_multi_token_sequence_and_its_logit_rows():
+    block_size = 4
+    # A chunk at positions 3..5 (across a block boundary) sampling its last token, then a decode row.
+    seqs = [ForwardSeq([21, 22, 23], 3, [6, 2], 1), decode(30, 1, [9])]
+    layout = plan_graph_step(seqs, SIZES, 64, block_size)
+    assert layout == GraphStepLayout(num_rows=4, graph_size=4, num_block_cols=2, logit_rows=(2, 3))
+    buffer = np.full(layout.num_values + 3, 99, dtype=np.int64)
+    fill_graph_step(buffer, seqs, layout, block_size)
+    g = 4
+    assert buffer[:g].tolist() == [21, 22, 23, 30]
+    assert buffer[g : 2 * g].tolist() == [3, 4, 5, 1]
+    assert buffer[2 * g : 3 * g].tolist() == [6 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 9 * 4 + 1]
+    assert buffer[3 * g : 4 * g].tolist() == [4, 5, 6, 2]  # each row attends its own positions [0, p]
+    tables = buffer[4 * g : layout.num_table_end].reshape(g, 2).tolist()
+    assert tables == [[6, 2], [6, 2], [6, 2], [9, 0]]
+    assert buffer[layout.num_table_end : layout.num_values].tolist() == [2, 3]  # the logit rows
+    assert buffer[layout.num_values :].tolist() == [99] * 3
+
+
 def test_block_columns_cover_only_the_context():
     # Blocks held past the context (e.g. allocated ahead) are not copied.
     seqs = [decode(1, 3, [8, 9, 10])]
-    layout = plan_decode_step(seqs, SIZES, 64, 4)
+    layout = plan_graph_step(seqs, SIZES, 64, 4)
     assert layout is not None and layout.num_block_cols == 1
     buffer = np.zeros(layout.num_values, dtype=np.int64)
-    fill_decode_step(buffer, seqs, layout, 4)
+    fill_graph_step(buffer, seqs, layout, 4)
     assert buffer[4:].tolist() == [8]
 
 
@@ -192,7 +233,7 @@ def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
     backend = TritonAttention(spec, config)
     eager = ModelRunner(model, allocate_kv_tensors(arch, 24, block_size, torch.float32, cpu), backend, cpu)
     graphed = ModelRunner(model, eager.kv_caches.clone(), backend, cpu)
-    graphed.capture_decode_graphs(max_batch_size=4, max_context=64)
+    graphed.capture_decode_graphs(max_rows=4, max_context=64)
     graphs = graphed.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
     assert graphs.backend._graph_split_plan(4, cpu)[0] > 1, "the test should cover split-K"
@@ -219,3 +260,46 @@ def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
         torch.testing.assert_close(graphed.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5)
     assert graphs.num_replays == 6
     assert graphs.num_padding_rows == 1 + 1 + 0 + 0 + 1 + 0
+
+
+def test_graph_rows_of_prompts_and_verifications_equal_the_eager_prefill_kernel(interpreted_kernels):
+    """Sequences of several tokens through the graph path (one decode row per position) give the
+    logits and KV of the eager path, whose prefill kernel attends them causally in one go."""
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+
+    torch.manual_seed(1)
+    cpu, block_size = torch.device("cpu"), 4
+    model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    config = TritonAttentionConfig(
+        decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16, target_programs_per_sm=64
+    )
+    backend = TritonAttention(spec, config)
+    eager = ModelRunner(model, allocate_kv_tensors(arch, 24, block_size, torch.float32, cpu), backend, cpu)
+    graphed = ModelRunner(model, eager.kv_caches.clone(), backend, cpu)
+    graphed.capture_decode_graphs(max_rows=16, max_context=64)
+    graphs = graphed.graphs
+    assert graphs is not None
+
+    def vocab_tokens(n: int) -> list[int]:
+        return torch.randint(2, arch.vocab_size, (n,)).tolist()
+
+    tables = [[5, 0, 11, 2, 17, 8], [3, 14, 9, 21, 6, 12], [19, 1, 22, 7, 15, 4]]
+    tokens = [vocab_tokens(n) for n in (6, 3, 9)]
+    steps = [
+        # Whole prompts of 6 and 3 tokens (last logits), a chunk of 5 of the third (no logits).
+        [ForwardSeq(tokens[0], 0, tables[0], 1), ForwardSeq(tokens[1], 0, tables[1], 1),
+         ForwardSeq(tokens[2][:5], 0, tables[2], 0)],
+        # The rest of the third prompt (4 tokens, across a block boundary), beside a decode row.
+        [ForwardSeq(tokens[2][5:], 5, tables[2], 1), decode(7, 6, tables[0])],
+        # Verifications: 1 + 3 positions (every logit), 1 + 1, and a plain decode row.
+        [ForwardSeq(vocab_tokens(4), 7, tables[0], 4), ForwardSeq(vocab_tokens(2), 3, tables[1], 2),
+         decode(9, 9, tables[2])],
+    ]  # fmt: skip
+    for step, seqs in enumerate(steps):
+        want, got = eager.forward(seqs), graphed.forward(seqs)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=f"step {step}")
+        torch.testing.assert_close(graphed.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5, msg=f"KV, step {step}")
+    assert graphs.num_replays == 3, "every step fits the 16-row graph"
+    assert graphs.num_padding_rows == (16 - 14) + (8 - 5) + (8 - 7)
