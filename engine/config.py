@@ -57,7 +57,7 @@ class ModelConfig(_Frozen):
         None,
         ge=1,
         description="Tokens in the largest captured CUDA graph. None: max_num_seqs x (1 + num_draft_tokens with "
-        "speculation), at least 256, at most max_num_batched_tokens.",
+        "speculation), at least 512, at most max_num_batched_tokens.",
     )
 
 
@@ -89,8 +89,8 @@ class SchedulerConfig(_Frozen):
         None,
         description="Queue step N+1 on the device before reading step N's sampled tokens, so the host's "
         "scheduling and post-processing overlap the device's work (engine/engine.py says how). None: on "
-        "CUDA. Off with speculative decoding; steps with penalized or KV-holding requests wait for the "
-        "tokens as before.",
+        "CUDA. With speculative decoding, only for steps that do not draft (batches past "
+        "disable_above_batch_size); steps with penalized or KV-holding requests wait for the tokens as before.",
     )
 
 

@@ -81,8 +81,9 @@ __all__ = [
 # 1.3M. 262,144 keeps that margin for slower-launching models and faster devices.
 DEFAULT_MAX_MULTI_ROW_KEYS = 262144
 
-# Graph rows captured by default beyond the decode batch: short prompts and chunks joining a batch.
-DEFAULT_MIXED_ROWS = 256
+# Graph rows captured by default beyond the decode batch: short prompts and chunks joining a batch
+# (bench.graph_rows: a 512-token prompt runs 2.8x faster as a 512-row graph than eagerly).
+DEFAULT_MIXED_ROWS = 512
 
 
 def cuda_graphs_enabled(config: ModelConfig, device: torch.device, backend: AttentionBackend) -> bool:
@@ -94,7 +95,7 @@ def cuda_graphs_enabled(config: ModelConfig, device: torch.device, backend: Atte
 def graph_max_rows(config: EngineConfig) -> int:
     """The largest captured graph: ModelConfig.cuda_graph_max_rows, or by default enough rows for a
     full batch of verifications (max_num_seqs x (K + 1) with speculation) and at least
-    DEFAULT_MIXED_ROWS; never more than a step's token budget."""
+    DEFAULT_MIXED_ROWS (512); never more than a step's token budget."""
     if config.model.cuda_graph_max_rows is not None:
         return config.model.cuda_graph_max_rows
     per_seq = 1 + (config.speculative.num_draft_tokens if config.speculative.is_enabled else 0)

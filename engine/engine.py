@@ -28,7 +28,9 @@ A request that N's token stops (EOS, a stop token) was already queued in N+1: th
 one position it did not need (the KV of its real last token) and its draw is dropped. Freed blocks
 are safe to hand out at once: any later write to them is queued after N+1's. A step reads N's
 tokens first (the synchronous order) when a request sampled at N applies penalties (they read the
-output's token values) or holds its KV for a push (the prefill role); a proposer turns it all off.
+output's token values) or holds its KV for a push (the prefill role). With a proposer, a step that
+drafts (a batch of at most disable_above_batch_size requests) runs synchronously: the call that
+meets one after asynchronous steps only reads the step in flight.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.cuda_graphs import cuda_graphs_enabled, graph_max_rows
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
+from engine.pinned import upload
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, TokenPatch
 from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
@@ -180,7 +183,9 @@ class EngineCore:
         # A request alone must always fit the cache, so it never waits for blocks that cannot come.
         self.max_seq_tokens = min(self.max_model_len, self.capacity_tokens)
         asked = config.scheduler.async_scheduling
-        self.async_scheduling = (self.device.type == "cuda" if asked is None else asked) and self.proposer is None
+        # NOTE: with a proposer, steps that draft run synchronously (drafting reads the tokens); the
+        # others (a batch past disable_above_batch_size) run asynchronously when this is on.
+        self.async_scheduling = self.device.type == "cuda" if asked is None else asked
         self._inflight: _Inflight | None = None
         if cuda_graphs_enabled(config.model, self.device, backend):
             # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
@@ -294,8 +299,13 @@ class EngineCore:
 
     # ---- the step
     def step(self) -> list[StepOutput]:
-        if self.async_scheduling:
+        if self.async_scheduling and not self._drafts_now():
             return self._step_async()
+        if self._inflight is not None:
+            # From asynchronous steps to a drafting one: this call only reads the step in flight
+            # (its outputs), so drafting starts from every token in place.
+            prev, self._inflight = self._inflight, None
+            return self._resolve(prev)
         self._draft()
         out = self.scheduler.schedule()
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
@@ -382,13 +392,21 @@ class EngineCore:
             outputs.append(self._report(request, [token], status, logprobs, top_logprobs))
         return outputs
 
+    def _drafts_now(self) -> bool:
+        """Whether this step drafts: a proposer, and a running batch no larger than
+        disable_above_batch_size."""
+        if self.proposer is None:
+            return False
+        limit = self.config.speculative.disable_above_batch_size
+        return limit is None or len(self.scheduler.running) <= limit
+
     def _draft(self) -> None:
         """Drafts for the decoding requests without a draft, unless the batch is too large to gain."""
         if self.proposer is None:
             return
         spec = self.config.speculative
         running = self.scheduler.running
-        if spec.disable_above_batch_size is not None and len(running) > spec.disable_above_batch_size:
+        if not self._drafts_now():
             for request in running:
                 request.draft = None
             return
@@ -445,7 +463,8 @@ class EngineCore:
         results: list[_Sampled | None] = [None] * len(sampling)
         if plain:
             rows = [_row(sampling[i].request) for i in plain]
-            result = self.sampler(logits[torch.tensor(plain_rows, device=logits.device)], rows, self.generator)
+            result = self.sampler(logits.index_select(0, upload(plain_rows, torch.long, logits.device)), rows,
+                                  self.generator)
             for j, i in enumerate(plain):
                 results[i] = _Sampled([result.token_ids[j]], *_one(result.logprobs[j], result.top_logprobs[j]))
         vrows = []
@@ -455,7 +474,9 @@ class EngineCore:
             assert draft is not None
             probs = draft.probs[:k] if draft.probs is not None else None
             vrows.append(VerifyRow(_row(s.request), draft.token_ids[:k], probs))
-        verified = self.sampler.verify(logits[torch.tensor(verify_rows, device=logits.device)], vrows, self.generator)
+        # NOTE: no gather when every row verifies (the common case); uploads never wait for the device.
+        verifying_logits = logits if not plain else logits.index_select(0, upload(verify_rows, torch.long, logits.device))
+        verified = self.sampler.verify(verifying_logits, vrows, self.generator)
         for j, i in enumerate(verifying):
             results[i] = _Sampled(
                 verified.token_ids[j], verified.logprobs[j], verified.top_logprobs[j], verified.num_accepted[j]

@@ -263,7 +263,7 @@ class Sampler:
         if not random_rows:
             return raw, penalized.argmax(dim=-1), random_rows, None
         if len(random_rows) < len(rows):  # NOTE: all random (the common case): no row gather
-            penalized_random = penalized.index_select(0, torch.tensor(random_rows, device=logits.device))
+            penalized_random = penalized.index_select(0, upload(random_rows, torch.long, logits.device))
         else:
             penalized_random = penalized
         probs = _truncated_probs(penalized_random, [rows[i].params for i in random_rows])
@@ -278,20 +278,31 @@ class Sampler:
         raced = _exponential_race(probs, [_draw_key(rows[i]) for i in random_rows], generator)
         if len(random_rows) == len(rows):
             return raced
-        return token_ids.index_copy(0, torch.tensor(random_rows, device=token_ids.device), raced)
+        return token_ids.index_copy(0, upload(random_rows, torch.long, token_ids.device), raced)
 
     def sample_with_probs(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
     ) -> tuple[list[int], torch.Tensor]:
         """The draft's side: one token per row, and the distribution [rows, vocab] float32 it was
         drawn from (normalized; one-hot at the argmax for greedy rows)."""
+        token_ids, dist = self.launch_with_probs(logits, rows, generator)
+        return token_ids.tolist(), dist
+
+    def launch_with_probs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_with_probs` without reading the tokens: [rows] int64 on the device; the host does
+        not wait for the device (without penalties, whose counts are built on the host)."""
         _, token_ids, random_rows, probs = self._processed(logits, rows)
         dist = torch.nn.functional.one_hot(token_ids, logits.shape[1]).float()  # [rows, vocab]
         if probs is not None:
             token_ids = self._race_into(token_ids, random_rows, probs, rows, generator)
-            index = torch.tensor(random_rows, device=logits.device)
-            dist = dist.index_copy(0, index, probs / probs.sum(dim=-1, keepdim=True))
-        return token_ids.tolist(), dist
+            normalized = probs / probs.sum(dim=-1, keepdim=True)
+            if len(random_rows) == len(rows):
+                dist = normalized
+            else:
+                dist = dist.index_copy(0, upload(random_rows, torch.long, logits.device), normalized)
+        return token_ids, dist
 
     def verify(
         self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None = None
@@ -316,11 +327,12 @@ class Sampler:
         local = {pos: j for j, pos in enumerate(random_positions)}  # position -> row of probs
         # The target's own token at every position: the argmax for greedy rows, the keyed race for
         # seeded rows (what plain sampling draws there); unseeded rows' entries are unused.
-        chosen = argmax.tolist()
+        needs_chosen = any(vr.row.params.is_greedy or vr.row.params.seed is not None for vr in rows)
+        chosen = argmax.tolist() if needs_chosen else []  # NOTE: a read (waits for the device) only when used
         seeded_positions = [pos for pos in random_positions if expanded[pos].params.seed is not None]
         if seeded_positions:
             assert probs is not None
-            index = torch.tensor([local[pos] for pos in seeded_positions], device=logits.device)
+            index = upload([local[pos] for pos in seeded_positions], torch.long, logits.device)
             keys = [_draw_key(expanded[pos]) for pos in seeded_positions]
             for pos, token in zip(seeded_positions, _exponential_race(probs[index], keys, None).tolist()):
                 chosen[pos] = token
@@ -344,8 +356,8 @@ class Sampler:
         top_logprobs: list[list[list[tuple[int, float]]] | None] = [None] * len(rows)
         asking = [e for e in emitted if rows[e[0]].row.params.logprobs is not None]
         if asking:
-            index = torch.tensor([pos for _, pos, _ in asking], device=logits.device)
-            tokens = torch.tensor([t for _, _, t in asking], device=logits.device)
+            index = upload([pos for _, pos, _ in asking], torch.long, logits.device)
+            tokens = upload([t for _, _, t in asking], torch.long, logits.device)
             lps, tops = _gather_logprobs(raw.index_select(0, index), tokens, [expanded[pos] for _, pos, _ in asking])
             for i in {i for i, _, _ in asking}:
                 logprobs[i], top_logprobs[i] = [], []
@@ -366,33 +378,45 @@ class Sampler:
         token_ids: list[list[int]],
     ) -> None:
         """Rejection sampling of unseeded random rows, drawing from `generator`; fills num_accepted
-        and token_ids in place."""
+        and token_ids in place. All rows at once on the device (drafts padded to the longest K with
+        rows that can never be accepted), and one read of the results."""
         device, vocab_size = probs.device, probs.shape[1]
-        # q of each drafted token under its draft distribution: [K, vocab] per row, point masses one-hot.
-        draft_dists = [_draft_dist(rows[i], vocab_size, device) for i in random_rows]
-        draft_pos = [local[starts[i] + k] for i in random_rows for k in range(len(rows[i].draft_token_ids))]
-        drafted = torch.tensor([t for i in random_rows for t in rows[i].draft_token_ids], device=device)
-        p_draft = probs[torch.tensor(draft_pos, device=device), drafted]  # [drafts]
-        q_draft = torch.cat(draft_dists).gather(1, drafted.unsqueeze(1)).squeeze(1)  # [drafts]
-        uniforms = torch.rand(len(draft_pos), device=device, generator=generator)  # [drafts]
-        accept = (uniforms * q_draft <= p_draft).tolist()  # accept with probability min(1, p / q)
-
-        final = torch.empty(len(random_rows), vocab_size, device=device)  # [random rows, vocab]
-        offset = 0
+        n, k_max = len(random_rows), max(len(rows[i].draft_token_ids) for i in random_rows)
+        # q: the draft distributions [n, K + 1, vocab], zero past each row's K (a row's "draft" at its
+        # own K is zero, so the residual there is p itself: the bonus token).
+        q = torch.zeros(n, k_max + 1, vocab_size, device=device)
         for j, i in enumerate(random_rows):
             k = len(rows[i].draft_token_ids)
-            m = _first_mismatch([True] * k, accept[offset : offset + k])
-            offset += k
-            num_accepted[i] = m
-            p = probs[local[starts[i] + m]]  # [vocab]
-            if m < k:
-                residual = (p - draft_dists[j][m]).clamp_min(0.0)
-                # p <= q everywhere only by rounding (a rejection then has probability ~0): fall back to p.
-                p = torch.where(residual.sum() > 0, residual, p)
-            final[j] = p
-        last = _exponential_race(final, [None] * len(random_rows), generator).tolist()
+            q[j, :k] = _draft_dist(rows[i], vocab_size, device)
+        # p at every position [n, K + 1, vocab]: row j's position k < K_j + 1 from probs, past it
+        # (never read) its last position again.
+        positions, drafted, valid = [], [], []
+        for i in random_rows:
+            drafts = list(rows[i].draft_token_ids)
+            k = len(drafts)
+            positions.extend(local[starts[i] + min(m, k)] for m in range(k_max + 1))
+            drafted.extend(drafts + [0] * (k_max - k))
+            valid.extend([1] * k + [0] * (k_max - k))
+        host = upload(positions + drafted + valid, torch.long, device)
+        num_p = n * (k_max + 1)
+        p = probs.index_select(0, host[:num_p]).view(n, k_max + 1, vocab_size)
+        drafted_t = host[num_p : num_p + n * k_max].view(n, k_max, 1)
+        valid_t = host[num_p + n * k_max :].view(n, k_max).bool()
+        p_draft = p[:, :k_max].gather(2, drafted_t).squeeze(2)  # [n, K]
+        q_draft = q[:, :k_max].gather(2, drafted_t).squeeze(2)  # [n, K]
+        uniforms = torch.rand(n, k_max, device=device, generator=generator)  # [n, K]
+        accept = (uniforms * q_draft <= p_draft) & valid_t  # accept with probability min(1, p / q)
+        m = accept.long().cumprod(dim=1).sum(dim=1)  # [n]: drafts accepted before the first rejection
+        at = torch.arange(n, device=device)
+        p_m, q_m = p[at, m], q[at, m]  # [n, vocab]
+        residual = (p_m - q_m).clamp_min(0.0)
+        # p <= q everywhere only by rounding (a rejection then has probability ~0): fall back to p.
+        final = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_m)
+        last = _exponential_race(final, [None] * n, generator)
+        read = torch.cat([m, last]).tolist()
         for j, i in enumerate(random_rows):
-            token_ids[i] = [*rows[i].draft_token_ids[: num_accepted[i]], last[j]]
+            num_accepted[i] = read[j]
+            token_ids[i] = [*rows[i].draft_token_ids[: read[j]], read[n + j]]
 
 
 def _fusable(params: SamplingParams) -> bool:
@@ -415,7 +439,7 @@ def _draft_dist(vr: VerifyRow, vocab_size: int, device: torch.device) -> torch.T
     """[K, vocab] float32 the drafts were drawn from; one-hot rows for point masses."""
     if vr.draft_probs is not None:
         return vr.draft_probs.to(device=device, dtype=torch.float32)
-    ids = torch.tensor(list(vr.draft_token_ids), device=device)
+    ids = upload(list(vr.draft_token_ids), torch.long, device)
     return torch.nn.functional.one_hot(ids, vocab_size).float()
 
 
@@ -434,8 +458,8 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_tok
     if not row_index:
         return logits
     device = logits.device
-    indices = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
-    return logits.index_put(indices, torch.tensor(_NEG_INF, device=device))
+    indices = (upload(row_index, torch.long, device), upload(token_index, torch.long, device))
+    return logits.index_put(indices, torch.full((), _NEG_INF, dtype=logits.dtype, device=device))
 
 
 def has_penalty(params: SamplingParams) -> bool:
@@ -466,7 +490,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         return logits
     device, vocab_size = logits.device, logits.shape[1]
     params = [rows[i].params for i in penalized_rows]
-    index = torch.tensor(penalized_rows, device=device)  # [pen]
+    index = upload(penalized_rows, torch.long, device)  # [pen]
     sub = logits.index_select(0, index)  # [pen, vocab]
     outputs = [rows[i].output_token_ids for i in penalized_rows]
     output_counts = _token_counts(outputs, vocab_size, device)  # [pen, vocab]
@@ -475,11 +499,11 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     if any(p.repetition_penalty != 1.0 for p in params):
         prompt_counts = _token_counts([rows[i].prompt_token_ids for i in penalized_rows], vocab_size, device)
         seen = in_output | (prompt_counts > 0)  # [pen, vocab]
-        repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)  # [pen, 1]
+        repetition = upload([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)  # [pen, 1]
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
 
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)  # [pen, 1]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)  # [pen, 1]
+    frequency = upload([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)  # [pen, 1]
+    presence = upload([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)  # [pen, 1]
     sub = sub - frequency * output_counts - presence * in_output.float()
     return logits.index_copy(0, index, sub)
 
@@ -510,18 +534,18 @@ def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     per-row factor.
     """
     device, vocab_size = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)  # [n, 1]
+    temperature = upload([p.temperature for p in params], torch.float32, device).unsqueeze(1)  # [n, 1]
     logits = logits / temperature
 
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     if any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in params):
-        top_k_t = torch.tensor(top_k, device=device)  # [n]
-        top_p_t = torch.tensor([p.top_p for p in params], device=device)  # [n]
+        top_k_t = upload(top_k, torch.long, device)  # [n]
+        top_p_t = upload([p.top_p for p in params], torch.float32, device)  # [n]
         logits = _apply_top_k_top_p(logits, top_k_t, top_p_t)
 
     probs = logits.softmax(dim=-1)  # [n, vocab]
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)  # [n, 1]
+        min_p = upload([p.min_p for p in params], torch.float32, device).unsqueeze(1)  # [n, 1]
         # The ratio to the top probability does not change with renormalization, so min-p after
         # top-k/top-p keeps the same tokens as min-p on the temperature-scaled distribution.
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -553,7 +577,7 @@ def _exponential_race(
     if len(shared_rows) == len(keys):
         noise.exponential_(generator=shared)
     elif shared_rows:
-        index = torch.tensor(shared_rows, device=probs.device)  # [shared]
+        index = upload(shared_rows, torch.long, probs.device)  # [shared]
         shared_noise = torch.empty(len(shared_rows), probs.shape[1], device=probs.device).exponential_(generator=shared)
         noise.index_copy_(0, index, shared_noise)
     # A zero draw would turn probs 0 into 0/0; the smallest normal float keeps the race well defined.
@@ -571,7 +595,7 @@ def _gather_logprobs(
     if not asking:
         return logprobs, top_logprobs
 
-    index = torch.tensor(asking, device=raw_logits.device)  # [asking]
+    index = upload(asking, torch.long, raw_logits.device)  # [asking]
     all_logprobs = torch.log_softmax(raw_logits.index_select(0, index), dim=-1)  # [asking, vocab]
     sampled = all_logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)  # [asking]
     num_top = min(max(rows[i].params.logprobs or 0 for i in asking), raw_logits.shape[1])

@@ -28,9 +28,12 @@ from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.request import Draft
-from engine.runner import ForwardSeq, ModelRunner
-from engine.sampler import SamplingRow
+from engine.runner import ForwardSeq, ModelRunner, TokenPatch
+from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
+
+
+PLACEHOLDER = -1  # a drafted token still on the device (propose reads them all at its end)
 
 
 @dataclass
@@ -130,9 +133,15 @@ class DraftModelProposer:
 
     # ---- drafting
     def propose(self, requests: Sequence[DraftRequest], generator: torch.Generator | None) -> list[Draft | None]:
+        """K passes queued back to back: each drafting pass takes its input tokens from the previous
+        pass's draw on the device (runner.TokenPatch), and the host reads every drafted token once,
+        at the end. Requests with penalties need each drafted token's value for the next draw: with
+        one among them, every pass is read before the next (the same tokens, more waiting)."""
         assert self.runner is not None, "bind() first"
         jobs = self._plan(requests)
         drafting = [j for j in jobs if j.is_drafting]
+        on_device = not any(has_penalty(j.request.params) for j in drafting)
+        passes: list[torch.Tensor] = []  # each pass's drawn tokens [active jobs], on the device
         if jobs:
             # Pass 1: catch up (the last token at least) and draft d_1 for the drafting jobs.
             fwd = [
@@ -144,14 +153,26 @@ class DraftModelProposer:
             for j in jobs:
                 j.seq.token_ids.extend(j.request.token_ids[len(j.seq.token_ids) : len(j.seq.token_ids) + j.num_new])
                 j.seq.num_trusted = len(j.seq.token_ids)
-            self._sample(drafting, logits, generator)
+            if drafting:
+                passes.append(self._sample(drafting, logits, generator, on_device))
+        previous = drafting
         for i in range(1, max((j.request.max_draft_tokens for j in drafting), default=0)):
-            active = [j for j in drafting if j.request.max_draft_tokens > i]
-            fwd = [ForwardSeq([j.token_ids[-1]], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
-            logits = self.runner.forward(fwd)
+            active = [j for j in previous if j.request.max_draft_tokens > i]
+            if on_device:
+                # NOTE: `previous` keeps `active`'s order, so its row of job j is j's index there.
+                where = {id(j): row for row, j in enumerate(previous)}
+                patch = TokenPatch(passes[-1], list(range(len(active))), [where[id(j)] for j in active])
+                fwd = [ForwardSeq([0], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
+            else:
+                patch = None
+                fwd = [ForwardSeq([j.token_ids[-1]], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
+            logits = self.runner.forward(fwd, patch)
             for j in active:
-                j.seq.token_ids.append(j.token_ids[-1])
-            self._sample(active, logits, generator)
+                j.seq.token_ids.append(j.token_ids[-1])  # a PLACEHOLDER on the device path, set below
+            passes.append(self._sample(active, logits, generator, on_device))
+            previous = active
+        if on_device and passes:
+            self._read(drafting, passes)
         by_id = {j.request.request_id: j for j in drafting}
         drafts: list[Draft | None] = []
         for r in requests:
@@ -162,6 +183,23 @@ class DraftModelProposer:
                 is_greedy = r.params.is_greedy
                 drafts.append(Draft(j.token_ids, None if is_greedy else torch.stack(j.probs)))
         return drafts
+
+    @staticmethod
+    def _read(drafting: list[_Job], passes: list[torch.Tensor]) -> None:
+        """The device path's one read: every pass's tokens, in place of the jobs' placeholders (in
+        their drafts, and in the draft cache's inputs of d_1 .. d_{K-1})."""
+        values = torch.cat(passes).tolist()
+        offset = 0
+        active = drafting
+        for i in range(len(passes)):
+            for row, j in enumerate(active):
+                j.token_ids[i] = values[offset + row]
+            offset += len(active)
+            active = [j for j in active if j.request.max_draft_tokens > i + 1]
+        for j in drafting:
+            num_fed = len(j.token_ids) - 1  # d_1 .. d_{K-1} were fed to the draft model
+            if num_fed:
+                j.seq.token_ids[-num_fed:] = j.token_ids[:num_fed]
 
     def _plan(self, requests: Sequence[DraftRequest]) -> list[_Job]:
         """Rolls each request back, then gives blocks and the step's token budget: the requests with
@@ -186,10 +224,12 @@ class DraftModelProposer:
             jobs.append(_Job(r, seq, num_new, is_drafting))
         return jobs
 
-    def _sample(self, jobs: list[_Job], logits: torch.Tensor, generator: torch.Generator | None) -> None:
-        """Draws each job's next drafted token from its logits row, as the target would process it."""
-        if not jobs:
-            return
+    def _sample(
+        self, jobs: list[_Job], logits: torch.Tensor, generator: torch.Generator | None, on_device: bool
+    ) -> torch.Tensor:
+        """Draws each job's next drafted token from its logits row, as the target would process it;
+        returns them [jobs] on the device. on_device: the jobs' drafts get a PLACEHOLDER each (no
+        job applies penalties, so no draw reads their values); else the values, read now."""
         assert self.context.sampler is not None
         rows = []
         for j in jobs:
@@ -198,10 +238,12 @@ class DraftModelProposer:
             # A seeded draft races with the target's noise for the same output position: the target
             # then accepts it as often as that coupling allows (engine/sampler.py).
             rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.num_prior_output_tokens))
-        token_ids, probs = self.context.sampler.sample_with_probs(logits, rows, generator)
-        for j, token, p in zip(jobs, token_ids, probs):
+        token_ids, probs = self.context.sampler.launch_with_probs(logits, rows, generator)
+        values = [PLACEHOLDER] * len(jobs) if on_device else token_ids.tolist()
+        for j, token, p in zip(jobs, values, probs):
             j.token_ids.append(token)
             j.probs.append(p)
+        return token_ids
 
     # ---- invariants
     def check_integrity(self, live_request_ids: Collection[str]) -> None:
@@ -211,6 +253,9 @@ class DraftModelProposer:
         stale = sorted(set(self.seqs) - set(live_request_ids))
         if stale:
             raise IntegrityError(f"the draft model holds state for requests no longer running: {stale[:8]}")
+        unread = sorted(r for r, s in self.seqs.items() if PLACEHOLDER in s.token_ids)
+        if unread:
+            raise IntegrityError(f"the draft cache's inputs of {unread[:8]} hold drafted tokens never read back")
         claimed = sum(len(s.block_ids) for s in self.seqs.values())
         if claimed != self.pool.num_held_blocks:
             raise IntegrityError(

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from engine import SamplingParams
+from engine import SamplingParams, SpeculativeConfig
 from engine.runner import TokenPatch
 
 ENGINE = {"num_blocks": 24, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 24}
@@ -101,3 +101,27 @@ def test_async_with_penalties_reads_the_tokens_first(make_llm, one_torch_thread)
                              frequency_penalty=0.5 * (i % 2)) for i in range(len(prompts))]
     want = _run(make_llm(async_scheduling=False, **ENGINE), prompts, params)
     assert _run(make_llm(async_scheduling=True, **ENGINE), prompts, params) == want
+
+
+def test_speculation_drafts_in_small_batches_and_steps_asynchronously_in_large_ones(make_llm, one_torch_thread):
+    """With a proposer and disable_above_batch_size=2: while more than two requests run, steps are
+    queued asynchronously (no drafting); as the batch shrinks, the step in flight is read and the
+    rest draft and verify. Greedy and seeded tokens stay those of the synchronous engine without
+    speculation."""
+    prompts, params = _workload(3)
+    want = _run(make_llm(async_scheduling=False, **ENGINE), prompts, params)
+    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3, disable_above_batch_size=2)
+    llm = make_llm(async_scheduling=True, speculative=spec, **ENGINE)
+    engine = llm.engine
+    assert engine.async_scheduling
+    step_async, batches = engine._step_async, []
+
+    def spying():  # type: ignore[no-untyped-def]
+        batches.append(len(engine.scheduler.running))
+        return step_async()
+
+    engine._step_async = spying  # type: ignore[method-assign]
+    assert _run(llm, prompts, params) == want
+    assert batches and max(batches) > 2, "steps with more than two requests running should be queued asynchronously"
+    stats = llm.engine.stats()
+    assert stats.num_spec_verifications > 0 and stats.num_spec_accepted_tokens > 0

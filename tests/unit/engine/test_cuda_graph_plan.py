@@ -86,14 +86,15 @@ def test_too_many_rows_too_long_a_context_or_too_much_multi_row_attention_run_ea
 
 def test_default_graph_rows_cover_a_batch_of_verifications_and_short_prompts():
     plain = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048))
-    assert graph_max_rows(plain) == DEFAULT_MIXED_ROWS == 256
-    wide = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=8192))
-    assert graph_max_rows(wide) == 512
+    assert graph_max_rows(plain) == DEFAULT_MIXED_ROWS == 512
+    wide = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=768, max_num_batched_tokens=8192))
+    assert graph_max_rows(wide) == 768
     spec = EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=2048),
         speculative=SpeculativeConfig(method="ngram", num_draft_tokens=4),
     )
     assert graph_max_rows(spec) == 640  # 128 x (1 + 4)
+    assert graph_max_rows(spec.model_copy(update={"scheduler": SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=600)})) == 600
     small_budget = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
     assert graph_max_rows(small_budget) == 64  # never more rows than a step's tokens
     told = EngineConfig(model=ModelConfig(cuda_graph_max_rows=12), scheduler=SchedulerConfig(max_num_seqs=8))

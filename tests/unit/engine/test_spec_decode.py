@@ -98,6 +98,21 @@ def test_target_as_its_own_draft_accepts_every_greedy_draft(make_llm):
     assert stats.num_spec_verifications < 4 * 23 / 2
 
 
+def test_own_draft_accepts_every_greedy_draft_with_penalties_too(make_llm):
+    """The draft model reads its drafted tokens once per propose (the device path) unless a request
+    applies penalties (each pass read before the next): either way the target, as its own draft,
+    accepts every greedy draft, so the draft cache holds exactly the tokens drafted."""
+    prompts = _prompts(2)
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    params = [penalized, GREEDY, GREEDY, penalized]
+    plain = _tokens(make_llm(block_size=4).generate(prompts, params))
+    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=4)
+    llm = make_llm(block_size=4, speculative=spec)
+    assert _tokens(llm.generate(prompts, params)) == plain
+    stats = llm.engine.stats()
+    assert stats.num_spec_draft_tokens > 0
+    assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens and stats.num_spec_rejections == 0
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_with_speculation_gives_same_tokens(make_llm, method, other_draft, prefix_caching):
     prompts = _prompts(2)
