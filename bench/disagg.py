@@ -7,7 +7,10 @@ Measures, per model shape (dummy weights), in one run:
     (reserve -> prefill -> KV push -> first token);
   - the KV push as the prefill worker times it (gather + handshake + send until acknowledged),
     and its bandwidth against raw NCCL send/recv of a buffer of the same size between two Ray
-    actors on the same two GPUs (our NcclTransport, no gather, no handshake), median of many.
+    actors on the same two GPUs (our NcclTransport, no gather, no handshake), median of many;
+  - the transfer itself on the GPU (CUDA events): the gather into one buffer, and the send from
+    the moment the pair's stream reaches it (the receiver has posted its recv by then), and their
+    bandwidth against the same raw figure.
 Writes JSON and a PNG with the device name. Needs Ray and 2 GPUs.
 
     python -m bench.disagg --shapes qwen3-0.6b,llama-3.1-8b --out bench/results
@@ -27,7 +30,7 @@ from typing import Any
 import ray
 import torch
 
-from bench.raw_peers import raw_bandwidth
+from bench.raw_peers import raw_bandwidth, raw_bandwidths
 from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
 from engine import SamplingParams
@@ -72,6 +75,12 @@ async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts
         "prefill_median_s": statistics.median([r.prefill_s for r in results[warm:]]) if results else None,
         "push_median_s": statistics.median([r.push_s for r in pushes]) if pushes else None,
         "push_bytes": pushes[0].push_bytes if pushes else None,
+        # The transfer alone, on the GPU (CUDA events): gather into one buffer, then the NCCL send.
+        "gather_device_median_s": statistics.median([r.gather_device_s for r in pushes]) if pushes else None,
+        "send_device_median_s": statistics.median([r.send_device_s for r in pushes]) if pushes else None,
+        "transfer_device_median_s": (
+            statistics.median([r.gather_device_s + r.send_device_s for r in pushes]) if pushes else None
+        ),
         "held_blocks_after": held,
     }
 
@@ -108,8 +117,10 @@ def main() -> None:
             modes[mode] = asyncio.run(run_mode(config, prompts, ttft_prompts))
             print(shape, mode, {k: v for k, v in modes[mode].items() if k not in ("tokens", "ttft_s")}, flush=True)
         d, c = modes["disaggregated"], modes["colocated"]
-        raw = raw_bandwidth([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
+        raw, raw_device = raw_bandwidths([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
         push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
+        transfer_gbps = d["push_bytes"] / d["transfer_device_median_s"] / 1e9 if d["transfer_device_median_s"] else None
+        send_gbps = d["push_bytes"] / d["send_device_median_s"] / 1e9 if d["send_device_median_s"] else None
         report["shapes"][shape] = {
             "modes": modes,
             "same_tokens": d["tokens"] == c["tokens"],
@@ -117,6 +128,14 @@ def main() -> None:
             "push_gbps": push_gbps,
             "raw_gbps_same_size": raw,
             "push_fraction_of_raw": push_gbps / raw,
+            # gather + send on the GPU, and the send alone, against raw send/recv of the same size
+            "transfer_gbps": transfer_gbps,
+            "transfer_fraction_of_raw": transfer_gbps / raw if transfer_gbps else None,
+            "send_gbps": send_gbps,
+            "send_fraction_of_raw": send_gbps / raw if send_gbps else None,
+            # the raw send's own time on the device: the like-for-like figure for the two above
+            "raw_device_gbps_same_size": raw_device,
+            "transfer_fraction_of_raw_device": transfer_gbps / raw_device if transfer_gbps and raw_device else None,
         }
         print(shape, {k: v for k, v in report["shapes"][shape].items() if k != "modes"}, flush=True)
     if on_gpu:
@@ -143,8 +162,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax1.set_xticks(list(x), shapes)
     ax1.set_ylabel(f"TTFT ms (median, {report['prompt_len']}-token prompts)")
     ax1.legend()
-    ax2.bar([i - 0.2 for i in x], [report["shapes"][s]["push_gbps"] for s in shapes], width=0.4, label="KV push")
-    ax2.bar([i + 0.2 for i in x], [report["shapes"][s]["raw_gbps_same_size"] for s in shapes], width=0.4,
+    ax2.bar([i - 0.3 for i in x], [report["shapes"][s]["push_gbps"] for s in shapes], width=0.2,
+            label="KV push, end to end")
+    ax2.bar([i - 0.1 for i in x], [report["shapes"][s].get("transfer_gbps") or 0 for s in shapes], width=0.2,
+            label="gather + send on the GPU")
+    ax2.bar([i + 0.1 for i in x], [report["shapes"][s].get("send_gbps") or 0 for s in shapes], width=0.2,
+            label="send on the GPU")
+    ax2.bar([i + 0.3 for i in x], [report["shapes"][s]["raw_gbps_same_size"] for s in shapes], width=0.2,
             label=f"raw {report['transport']} send/recv, same size")
     ax2.set_xticks(list(x), shapes)
     ax2.set_ylabel("GB/s")

@@ -21,7 +21,7 @@ import torch
 
 from kvtransfer import KvLayout, PairAddress, create_transport
 
-__all__ = ["RawPeer", "form_pair", "pair_bandwidth", "raw_bandwidth"]
+__all__ = ["RawPeer", "form_pair", "pair_bandwidth", "pair_bandwidths", "raw_bandwidth", "raw_bandwidths"]
 
 _START_TIMEOUT_S = 180.0  # an actor's start: Ray worker, torch import, CUDA context
 _SPIN_S = 0.002  # sleep until this close to an agreed start instant, then spin: sleep() overshoots ~0.1 ms
@@ -59,11 +59,15 @@ class RawPeer:
 
     def move(self, peer_id: str, op: str, timeout_s: float = 60.0) -> float:
         """Seconds one send ("send") or recv ("recv") of the peer's buffer takes, from its start."""
+        return self.move_timed(peer_id, op, timeout_s)[0]
+
+    def move_timed(self, peer_id: str, op: str, timeout_s: float = 60.0) -> tuple[float, float | None]:
+        """`move`'s seconds, and the transfer's own time on the device (None where not timed)."""
         start = time.perf_counter()
         handle = self._start(peer_id, op)
         if not handle.wait(timeout_s):
             raise TimeoutError(f"{self.peer_id}: {op} with {peer_id!r} not done within {timeout_s} s")
-        return time.perf_counter() - start
+        return time.perf_counter() - start, handle.device_seconds()
 
     def run(self, ops: list[tuple[str, str]], num_iters: int, start_at: float, timeout_s: float,
             poll_s: float) -> list[list[float]]:
@@ -132,28 +136,44 @@ def pair_bandwidth(sender: Any, sender_id: str, receiver: Any, receiver_id: str,
                    timeout_s: float = 60.0) -> dict[int, float]:
     """Median GB/s of send->recv on a formed pair for each message size (bytes), timed on the sender
     (its time includes any wait for the receiver to post its recv), after 3 warm-up transfers."""
+    return {size: host for size, (host, _) in pair_bandwidths(sender, sender_id, receiver, receiver_id, sizes, iters,
+                                                             timeout_s).items()}
+
+
+def pair_bandwidths(sender: Any, sender_id: str, receiver: Any, receiver_id: str, sizes: list[int], iters: int,
+                    timeout_s: float = 60.0) -> dict[int, tuple[float, float | None]]:
+    """`pair_bandwidth`, and beside it the median GB/s by the send's own time on the device (CUDA
+    events on the pair's stream; None where the transport does not time it)."""
     out = {}
     for size in sizes:
         ray.get([sender.alloc.remote(size, [receiver_id]), receiver.alloc.remote(size, [sender_id])], timeout=timeout_s)
-        times = []
+        times, device_times = [], []
         for i in range(iters + 3):
             recv = receiver.move.remote(sender_id, "recv", timeout_s)
-            sent = ray.get(sender.move.remote(receiver_id, "send", timeout_s), timeout=timeout_s + 10)
+            sent, on_device = ray.get(sender.move_timed.remote(receiver_id, "send", timeout_s), timeout=timeout_s + 10)
             ray.get(recv, timeout=timeout_s + 10)
             if i >= 3:
                 times.append(sent)
-        out[size] = size / statistics.median(times) / 1e9
+                if on_device is not None:
+                    device_times.append(on_device)
+        device_gbps = size / statistics.median(device_times) / 1e9 if device_times else None
+        out[size] = (size / statistics.median(times) / 1e9, device_gbps)
     return out
 
 
 def raw_bandwidth(sizes: list[int], iters: int, transport: str, device: str) -> dict[int, float]:
     """Median GB/s of send->recv between two fresh workers (one GPU each) for each message size (bytes)."""
+    return {size: host for size, (host, _) in raw_bandwidths(sizes, iters, transport, device).items()}
+
+
+def raw_bandwidths(sizes: list[int], iters: int, transport: str, device: str) -> dict[int, tuple[float, float | None]]:
+    """`raw_bandwidth`, and the same by the send's time on the device (`pair_bandwidths`)."""
     gpus = 1 if device != "cpu" else 0
     a, b = (RawPeer.options(num_gpus=gpus).remote(f"peer-{x}", transport, device) for x in "ab")
     try:
         ray.get([a.gpu_ids.remote(), b.gpu_ids.remote()], timeout=_START_TIMEOUT_S)  # both started
         form_pair(a, "peer-a", b, "peer-b")
-        return pair_bandwidth(a, "peer-a", b, "peer-b", sizes, iters)
+        return pair_bandwidths(a, "peer-a", b, "peer-b", sizes, iters)
     finally:
         for actor in (a, b):
             ray.kill(actor)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from engine.pinned import upload
+
 __all__ = ["KvLayout", "LayoutMismatchError", "gather_blocks", "scatter_blocks", "DTYPES"]
 
 # NOTE: append only. A dtype is exchanged as its index in this table, so reordering it would make
@@ -120,7 +122,7 @@ def _block_index(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int]) -> t
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"block ids {bad[:8]} are out of range for a cache of {num_blocks} blocks")
-    return torch.tensor(list(block_ids), dtype=torch.int64, device=kv.device)
+    return upload(list(block_ids), torch.int64, kv.device)  # NOTE: waits for no queued work
 
 
 def gather_blocks(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:

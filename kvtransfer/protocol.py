@@ -116,6 +116,10 @@ class PrefillResultMsg(Msg):
     prefill_s: float = 0.0  # from arrival at the prefill worker to its first token
     push_s: float = 0.0  # from the first token to the KV's arrival acknowledged (gather + handshake + send)
     push_bytes: int = 0
+    # The transfer's own time on the device (CUDA events on its streams; 0 where not timed): the
+    # gather into one buffer, and the send from the moment the pair's stream reached it.
+    gather_device_s: float = 0.0
+    send_device_s: float = 0.0
 
 
 class TokenOutputMsg(NamedTuple):

@@ -89,11 +89,17 @@ class GlooTransport(PairGroupTransport):
 class _CudaEventHandle(TransferHandle):
     """An NCCL transfer: done once an event recorded after it on the pair's stream has completed."""
 
-    def __init__(self, what: str, event: torch.cuda.Event, pair: Pair, self_id: str) -> None:
+    def __init__(self, what: str, started: torch.cuda.Event, event: torch.cuda.Event, pair: Pair, self_id: str) -> None:
         self._what = what
+        self._started = started  # recorded on the pair's stream just before the transfer
         self._event = event
         self._pair = pair
         self._self_id = self_id
+
+    def device_seconds(self) -> float | None:
+        if not self._event.query():
+            return None
+        return self._started.elapsed_time(self._event) / 1e3
 
     def done(self) -> bool:
         return self._event.query() or self._pair.is_dropped  # query() never blocks the host
@@ -165,6 +171,8 @@ class NcclTransport(PairGroupTransport):
             with torch.cuda.device(self.device):
                 pair.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer of tensor
                 with torch.cuda.stream(pair.stream):
+                    started = torch.cuda.Event(enable_timing=True)
+                    started.record(pair.stream)
                     try:
                         if op == "send":
                             work = pair.group.send([tensor], pair.peer_rank, tag)
@@ -175,11 +183,11 @@ class NcclTransport(PairGroupTransport):
                         failed = EventHandle(what)
                         failed.finish(self._explain(pair, e))
                         return failed
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=True)
                     event.record(pair.stream)
                 # The caching allocator must not hand this memory out while the transfer may touch it.
                 tensor.record_stream(pair.stream)
-        return _CudaEventHandle(what, event, pair, self.self_id)
+        return _CudaEventHandle(what, started, event, pair, self.self_id)
 
     def _abort(self, pair: Pair) -> None:
         try:

@@ -62,6 +62,11 @@ class TransferHandle(abc.ABC):
     def error(self) -> BaseException | None:
         """Why the transfer failed, once done; None while running or after success."""
 
+    def device_seconds(self) -> float | None:
+        """Once done: how long the transfer ran on the device (CUDA events around it on its stream),
+        from the moment its stream reached it; None where the transport does not time it."""
+        return None
+
 
 class EventHandle(TransferHandle):
     """A handle finished by another thread (a waiter thread, or the matching side in-process)."""

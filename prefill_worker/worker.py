@@ -17,8 +17,9 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 
 from engine import EngineCore, StepOutput
 from engine.loop import EngineLoop
@@ -48,6 +49,7 @@ class PrefillWorker(TransferEndpoint):
             **kv_transport_options(config.transport, resolve_host(config.host), transport_options),
         )
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
+        self._gathered: dict[str, _Gathered] = {}  # request -> its KV gathered when its prefill ended
         self._live: set[str] = set()  # requests inside `prefill`
         self._aborted: set[str] = set()  # those of them aborted (their push must not start)
         self._pair_locks: dict[str, asyncio.Lock] = {}
@@ -62,17 +64,37 @@ class PrefillWorker(TransferEndpoint):
     # ---- plumbing
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         assert self._aio is not None
-        self._aio.call_soon_threadsafe(self._resolve, outputs)
+        gathered: dict[str, _Gathered] = {}
+        for out in outputs:
+            # The prompt's KV into one buffer now, queued right behind the step that computed it,
+            # rather than in a command the engine thread runs later.
+            if out.kv_block_ids and out.finish_reason != "abort" and out.request_id in self._live:
+                gathered[out.request_id] = self._gather(out)
+        self._aio.call_soon_threadsafe(self._resolve, outputs, gathered)
+
+    def _gather(self, out: StepOutput) -> _Gathered:  # engine thread
+        assert out.kv_block_ids is not None
+        kv = self.loop.engine.runner.kv_caches
+        blocks = out.kv_block_ids[: -(-out.num_prompt_tokens // self.block_size)]
+        if not kv.is_cuda:
+            return _Gathered(gather_blocks(kv, blocks), None, None)
+        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started.record()
+        buf = gather_blocks(kv, blocks)
+        ended.record()
+        return _Gathered(buf, started, ended)
 
     def _on_engine_error(self, err: BaseException) -> None:  # engine thread
         self._error = err
         if self._aio is not None:
             self._aio.call_soon_threadsafe(self._fail_all, err)
 
-    def _resolve(self, outputs: list[StepOutput]) -> None:
+    def _resolve(self, outputs: list[StepOutput], gathered: dict[str, _Gathered]) -> None:
         for out in outputs:
             future = self._first_tokens.pop(out.request_id, None)
             if future is not None and not future.done():
+                if out.request_id in gathered:
+                    self._gathered[out.request_id] = gathered[out.request_id]
                 future.set_result(out)
 
     def _fail_all(self, err: BaseException) -> None:
@@ -95,6 +117,7 @@ class PrefillWorker(TransferEndpoint):
         finally:
             self._live.discard(rid)
             self._aborted.discard(rid)
+            self._gathered.pop(rid, None)
 
     async def _prefill(self, msg: PrefillTaskMsg, future: asyncio.Future[StepOutput], decode_worker: Any) -> bytes:
         request = msg.request
@@ -141,7 +164,11 @@ class PrefillWorker(TransferEndpoint):
         decode_id = task.lease.decode_worker_id
         num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         blocks = out.kv_block_ids or []
-        buf = await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks[:num_blocks]))
+        gathered = self._gathered.pop(rid, None)
+        if gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
+            gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks[:num_blocks])),
+                                 None, None)
+        buf = gathered.buffer
         ready = KvReadyMsg(
             lease_id=task.lease.lease_id, prefill_worker_id=self.worker_id, request=request,
             first_token=out.new_token_ids[0], num_blocks=num_blocks,
@@ -167,7 +194,11 @@ class PrefillWorker(TransferEndpoint):
             if self._pair_epochs.get(decode_id) == epoch or epoch < 0:
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
             return PrefillResultMsg(**result, error=f"KV push to {decode_id} {failure}")
-        return PrefillResultMsg(**result, push_bytes=buf.numel() * buf.element_size())
+        send_s = handle.device_seconds()
+        return PrefillResultMsg(
+            **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gathered.device_seconds(),
+            send_device_s=send_s or 0.0,
+        )
 
     def _finish_reason(self, out: StepOutput, num_prompt_tokens: int, max_tokens: int) -> str | None:
         if out.finish_reason == "stop":
@@ -236,3 +267,18 @@ async def _invoke(method: Any, *args: Any) -> Any:
 
 
 __all__ = ["PrefillWorker", "PrefillWorkerConfig"]
+
+
+class _Gathered(NamedTuple):
+    """A prompt's KV in one contiguous buffer, and CUDA events around the gather (None on the CPU)."""
+
+    buffer: torch.Tensor
+    started: torch.cuda.Event | None
+    ended: torch.cuda.Event | None
+
+    def device_seconds(self) -> float:
+        """The gather's time on the device once it has run (0.0 where not timed)."""
+        if self.started is None or self.ended is None:
+            return 0.0
+        self.ended.synchronize()  # NOTE: long done: the send that read the buffer has finished
+        return self.started.elapsed_time(self.ended) / 1e3

@@ -190,6 +190,10 @@ class _FakeEvent:
     def query(self) -> bool:
         return self.is_complete
 
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        """Milliseconds from this event to `end`, as torch.cuda.Event says it."""
+        return 2.0
+
 
 def test_nccl_handle_polls_its_event_against_the_deadline_and_fails_once_dropped() -> None:
     # The NCCL handle's logic runs on the CPU with a fake event; the transport itself needs 2 GPUs.
@@ -198,14 +202,16 @@ def test_nccl_handle_polls_its_event_against_the_deadline_and_fails_once_dropped
 
     pair = Pair("decode-0", rank=0, group=None)
     event = _FakeEvent()
-    handle = _CudaEventHandle("recv from 'decode-0'", event, pair, "prefill-0")  # type: ignore[arg-type]
+    handle = _CudaEventHandle("recv from 'decode-0'", _FakeEvent(), event, pair, "prefill-0")  # type: ignore[arg-type]
     start = time.monotonic()
     assert handle.wait(0.1) is False and not handle.done()
     assert 0.1 <= time.monotonic() - start < 0.3
+    assert handle.device_seconds() is None  # not done: not timed yet
     event.is_complete = True
     assert handle.done() and handle.wait(0.0) and handle.error is None
+    assert handle.device_seconds() == 0.002  # the events' elapsed time, in seconds
 
-    stuck = _CudaEventHandle("recv from 'decode-0'", _FakeEvent(), pair, "prefill-0")  # type: ignore[arg-type]
+    stuck = _CudaEventHandle("recv from 'decode-0'", _FakeEvent(), _FakeEvent(), pair, "prefill-0")  # type: ignore[arg-type]
     pair.is_dropped = True
     assert stuck.done() and isinstance(stuck.error, TransferError)
     with pytest.raises(TransferError, match="dropped its pair"):
