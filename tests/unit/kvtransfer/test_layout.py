@@ -71,6 +71,30 @@ def test_gather_scatter_round_trip_moves_exactly_the_named_blocks() -> None:
     assert not dst[:, :, untouched].any()
 
 
+@pytest.mark.parametrize(
+    "dtype, block_shape",
+    [
+        (torch.bfloat16, (4, 2, 8)),  # 128-byte blocks: moved as int64 words
+        (torch.float32, (1, 1, 3)),  # 12 bytes: int32 words
+        (torch.float16, (1, 1, 3)),  # 6 bytes: int16 words
+        (torch.float16, (1, 1, 1)),  # 2 bytes: the values themselves
+    ],
+)
+def test_gather_scatter_as_words_equal_moving_the_values(dtype: torch.dtype, block_shape: tuple[int, ...]) -> None:
+    """Blocks move as the widest integer words their bytes divide into; the bytes are the values'."""
+    torch.manual_seed(0)
+    src = torch.randn(3, 2, 10, *block_shape).to(dtype)
+    ids = [7, 2, 9, 0]
+    buf = gather_blocks(src, ids)
+    assert buf.dtype == dtype and buf.is_contiguous()
+    assert torch.equal(buf, src.index_select(2, torch.tensor(ids)))
+    dst = torch.zeros(3, 2, 12, *block_shape, dtype=dtype)
+    scatter_blocks(dst, [11, 4, 5, 1], buf)
+    want = torch.zeros_like(dst)
+    want.index_copy_(2, torch.tensor([11, 4, 5, 1]), buf)
+    assert torch.equal(dst, want)
+
+
 def test_gather_and_scatter_check_ids_and_shapes() -> None:
     kv = _kv(8)
     with pytest.raises(ValueError, match=r"out of range for a cache of 8 blocks"):
