@@ -15,8 +15,9 @@ for each server variant asked for (--variants), one after another on the same GP
 
 - `proxy`: clients -> Serve's HTTP proxy actor -> the router replica (Serve's default);
 - `proxy-r4`: the same with 4 router replicas;
-- `direct`: Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1): the router replica runs the
-  HTTP server itself and clients connect to it, without the proxy hop;
+- `direct`: Serve's direct ingress (`pdserve serve --ingress direct`, its default with one router
+  replica): the router replica runs the HTTP server itself and clients connect to it, without the
+  proxy hop;
 - `tput`: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress, and the router's code on the replica's
   own event loop instead of a thread of its own).
 
@@ -69,12 +70,12 @@ def offline_ttfts(engine: EngineCore, prompts: list[list[int]]) -> list[float]:
 
 
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serve flags, extra environment)
-    "proxy": ([], {}),
-    "proxy-r4": (["--num-router-replicas", "4"], {}),
-    "direct": ([], {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
+    "proxy": (["--ingress", "proxy"], {}),
+    "proxy-r4": (["--ingress", "proxy", "--num-router-replicas", "4"], {}),
+    "direct": (["--ingress", "direct"], {}),  # pdserve serve's default with one router replica
     # Serve's throughput-optimized settings: direct ingress, user code on the replica's own event
     # loop (not a thread of its own), gRPC between Serve's actors, the GC frozen after start.
-    "tput": ([], {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
+    "tput": (["--ingress", "direct"], {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
 }
 
 
@@ -196,15 +197,10 @@ def main() -> None:
                              "device": args.device, "max_num_seqs": 256, "max_num_batched_tokens": 16384})
         for name in names:
             extra_flags, extra_env = VARIANTS[name]
-            port, direct_port = free_port(), free_port()
+            port = free_port()  # with --ingress direct, the router replica's own port
             argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, *extra_flags,
                     "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
             server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}
-            if extra_env.keys() & {"RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_THROUGHPUT_OPTIMIZED"}:
-                # clients go to the router replica's own port: the first of the range it is given
-                server_env.update(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port),
-                           RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_port + 1))
-                port = direct_port
             server = ServerProcess(argv, server_env, args.out / f"server_http_vs_offline_{name}.log")
             try:
                 server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)

@@ -91,15 +91,24 @@ def test_openai_client_completions_and_chat(server):
 
 
 def test_http_and_grpc_listen_on_loopback_only(server):
-    """The default --host 127.0.0.1 holds for both ports (Serve's own gRPC proxy would bind every
-    interface, '[::]:port'; router/grpc_server.py binds the host)."""
+    """The default --host 127.0.0.1 holds for every port (Serve's own gRPC proxy would bind every
+    interface, '[::]:port'; router/grpc_server.py binds the host), and by default (one router
+    replica) --port is served by the router replica itself, Serve's proxy on a port of its own."""
     import psutil
 
+    http_line = next(line for line in server.output if line.strip().startswith("HTTP "))
+    assert "to the router replica" in http_line, http_line  # direct ingress: one router replica, a local cluster
+    proxy_port = int(http_line.split("Serve's proxy also on :")[1].split(")")[0])
+    ports = (server.port, server.grpc_port, proxy_port)
     listening: dict[int, set[str]] = {}
+    owners: dict[int, set[str]] = {}
     for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port in (server.port, server.grpc_port):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports:
             listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip.removeprefix("::ffff:"))  # v4-mapped
-    assert listening == {server.port: {"127.0.0.1"}, server.grpc_port: {"127.0.0.1"}}
+            owners.setdefault(conn.laddr.port, set()).add(psutil.Process(conn.pid).name() if conn.pid else "?")
+    assert listening == {port: {"127.0.0.1"} for port in ports}
+    # --port is the router replica's own server (no proxy hop); the proxy listens elsewhere.
+    assert any("Router" in name for name in owners[server.port]), owners
 
 
 def test_grpc_streaming_client_with_reflection(server):
