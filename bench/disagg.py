@@ -42,17 +42,43 @@ from router import Dispatcher
 SHAPES = Path(__file__).resolve().parent / "shapes"
 
 
+def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
+    """Wraps the Dispatcher's lease and prefill legs with timers (the router's view of each)."""
+    legs: dict[str, list[float]] = {"reserve_s": [], "prefill_leg_s": []}
+    reserve, prefill = dispatcher._reserve, dispatcher._prefill
+
+    async def timed_reserve(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await reserve(*args)
+        finally:
+            legs["reserve_s"].append(time.perf_counter() - start)
+
+    async def timed_prefill(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await prefill(*args)
+        finally:
+            legs["prefill_leg_s"].append(time.perf_counter() - start)
+
+    dispatcher._reserve, dispatcher._prefill = timed_reserve, timed_prefill  # type: ignore[method-assign]
+    return legs
+
+
 async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts: list[list[int]]) -> dict[str, Any]:
     deployment = Deployment(config)
     await deployment.start(timeout_s=600)
     results: list[PrefillResultMsg] = []
     dispatcher = Dispatcher("bench", deployment.workers(), poll_timeout_s=0.5, on_prefill_result=results.append)
+    legs = _timed_legs(dispatcher)
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     try:
         tokens = []
         for i, prompt in enumerate(prompts):
             tokens.append([t async for out in dispatcher.generate(f"eq-{i}", prompt, greedy) for t in out.new_token_ids])
         results.clear()
+        for leg in legs.values():
+            leg.clear()
         ttfts = []
         two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         for i, prompt in enumerate(ttft_prompts):
@@ -80,6 +106,13 @@ async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts
         "send_device_median_s": statistics.median([r.send_device_s for r in pushes]) if pushes else None,
         "transfer_device_median_s": (
             statistics.median([r.gather_device_s + r.send_device_s for r in pushes]) if pushes else None
+        ),
+        # The router's legs (disaggregated): the lease call, and from choosing the prefill worker to
+        # its answer (lease included); the rest of TTFT is the stream's own path to the first token.
+        "reserve_median_s": statistics.median(legs["reserve_s"][warm:]) if legs["reserve_s"][warm:] else None,
+        "worker_median_s": statistics.median([r.worker_s for r in results[warm:]]) if results else None,
+        "prefill_leg_median_s": (
+            statistics.median(legs["prefill_leg_s"][warm:]) if legs["prefill_leg_s"][warm:] else None
         ),
         "held_blocks_after": held,
     }

@@ -237,19 +237,36 @@ class DecodeWorker(TransferEndpoint):
         layout = self.layout
         buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=self.loop.engine.device)
         epoch = self._pair_epochs.get(msg.prefill_worker_id, 0)
+        token: torch.Tensor | None = None
         try:
             handle = self.transport.recv(msg.prefill_worker_id, buf)
+            if msg.first_token is None:  # an early handshake: the first token follows the KV
+                token = torch.empty(1, dtype=torch.int64, device=self.loop.engine.device)
+                token_handle: TransferHandle | None = self.transport.recv(msg.prefill_worker_id, token)
+            else:
+                token_handle = None
         except ValueError as err:  # not paired any more (a failed transfer dropped the pair)
             return KvAcceptMsg(accepted=False, reason=str(err), is_unpaired=True).encode()
         lease.state = LeaseState.RECEIVING
-        self._aio.create_task(self._land(msg, lease, buf, handle, epoch))  # type: ignore[union-attr]
+        self._aio.create_task(self._land(msg, lease, buf, handle, epoch, token, token_handle))  # type: ignore[union-attr]
         return KvAcceptMsg(accepted=True).encode()
 
     async def _land(
-        self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handle: TransferHandle, epoch: int
+        self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handle: TransferHandle, epoch: int,
+        token: torch.Tensor | None = None, token_handle: TransferHandle | None = None,
     ) -> None:
-        """Waits for the KV, then scatters it into the lease's blocks and joins the request."""
+        """Waits for the KV (and, after an early handshake, the first token), then scatters it into
+        the lease's blocks and joins the request. A first token of -1: nothing to decode (the prefill
+        was aborted or its first token ended it), so the lease is freed."""
         failure = await wait_transfer(handle, self.config.transfer_timeout_s)
+        if failure is None and token_handle is not None:
+            failure = await wait_transfer(token_handle, self.config.transfer_timeout_s)
+        first_token = msg.first_token
+        if failure is None and token is not None:
+            first_token = int(token.item())  # NOTE: the recv has finished: no wait for other work
+            if first_token < 0:
+                await self._drop_lease(lease)  # the prefill side tells the router why
+                return
         request = msg.request
         if failure is not None or lease.is_aborted:
             await self._drop_lease(lease)
@@ -262,7 +279,7 @@ class DecodeWorker(TransferEndpoint):
         def join(engine: EngineCore) -> None:
             scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
             engine.add_prefilled(
-                request.request_id, request.prompt_token_ids, msg.first_token, request.params,
+                request.request_id, request.prompt_token_ids, first_token, request.params,
                 lease.lease_id, request.num_prior_output_tokens,
             )
 

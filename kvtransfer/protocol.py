@@ -92,7 +92,9 @@ class KvReadyMsg(Msg):
     lease_id: str
     prefill_worker_id: str
     request: GenerateRequestMsg
-    first_token: int
+    # None: sent before the prompt was computed (an early handshake); the first token follows the
+    # KV over the pair as one int64, -1 meaning there is nothing to decode (free the lease).
+    first_token: int | None
     num_blocks: int  # blocks sent: ceil(num_prompt_tokens / block_size)
 
 
@@ -120,6 +122,7 @@ class PrefillResultMsg(Msg):
     # gather into one buffer, and the send from the moment the pair's stream reached it.
     gather_device_s: float = 0.0
     send_device_s: float = 0.0
+    worker_s: float = 0.0  # from the call's arrival at the prefill worker to its answer (all of the above and more)
 
 
 class TokenOutputMsg(NamedTuple):

@@ -20,6 +20,7 @@ import time
 from typing import Any, NamedTuple
 
 import torch
+from pydantic import Field
 
 from engine import EngineCore, StepOutput
 from engine.loop import EngineLoop
@@ -28,13 +29,20 @@ from engine.validation import InvalidRequestError
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
+from engine.pinned import upload
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
 
 log = logging.getLogger(__name__)
 
 
 class PrefillWorkerConfig(EndpointConfig):
-    """The prefill worker needs nothing beyond the common endpoint settings."""
+    early_handshake: bool = Field(
+        True,
+        description="Ask the decode worker to post its receive while the prompt is computed (when the prompt "
+        "fits one engine step, nothing waits in the engine and no other push to that decode worker is under "
+        "way), so the first token does not wait for that round trip after the prefill; the first token then "
+        "follows the KV over the pair.",
+    )
 
 
 class PrefillWorker(TransferEndpoint):
@@ -107,24 +115,29 @@ class PrefillWorker(TransferEndpoint):
         """Computes the prompt, pushes its KV to `decode_worker` (an actor handle, or the worker
         itself in-process) and answers with the first token."""
         self._aio = asyncio.get_running_loop()
+        arrived = time.perf_counter()
         msg = PrefillTaskMsg.decode(task)
         rid = msg.request.request_id
         future: asyncio.Future[StepOutput] = self._aio.create_future()
         self._first_tokens[rid] = future
         self._live.add(rid)
         try:
-            return await self._prefill(msg, future, decode_worker)
+            result = await self._prefill(msg, future, decode_worker)
+            return result.model_copy(update={"worker_s": time.perf_counter() - arrived}).encode()
         finally:
             self._live.discard(rid)
             self._aborted.discard(rid)
             self._gathered.pop(rid, None)
 
-    async def _prefill(self, msg: PrefillTaskMsg, future: asyncio.Future[StepOutput], decode_worker: Any) -> bytes:
+    async def _prefill(
+        self, msg: PrefillTaskMsg, future: asyncio.Future[StepOutput], decode_worker: Any
+    ) -> PrefillResultMsg:
         request = msg.request
         rid = request.request_id
         params = request.params
         first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": min(1, params.min_tokens)})
         started = time.perf_counter()
+        early = self._early_handshake(msg, decode_worker) if self._wants_early_handshake(msg) else None
         try:
             await self._call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, first_params, hold_kv=True,
@@ -132,20 +145,119 @@ class PrefillWorker(TransferEndpoint):
             ))
         except InvalidRequestError:
             self._first_tokens.pop(rid, None)
+            self._settle(early, msg)
             raise  # the client's mistake: no other worker would take it either
         except Exception as err:
             self._first_tokens.pop(rid, None)
-            return PrefillResultMsg(request_id=rid, error=str(err)).encode()
-        out = await future
+            self._settle(early, msg)
+            return PrefillResultMsg(request_id=rid, error=str(err))
+        try:
+            out = await future
+        except BaseException:
+            self._settle(early, msg)
+            raise
         prefilled = time.perf_counter()
         try:
-            result = await self._push(msg, out, decode_worker)
+            result = await self._push(msg, out, decode_worker, early)
             timing = {"prefill_s": prefilled - started, "push_s": time.perf_counter() - prefilled}
-            return result.model_copy(update=timing).encode()
+            return result.model_copy(update=timing)
         finally:
             await self._call(lambda e: e.release_held(rid))  # into the prefix cache
 
-    async def _push(self, task: PrefillTaskMsg, out: StepOutput, decode_worker: Any) -> PrefillResultMsg:
+    # ---- the early handshake (PrefillWorkerConfig.early_handshake)
+    def _wants_early_handshake(self, msg: PrefillTaskMsg) -> bool:
+        """Only where it cannot hold up other pushes for long: the prompt is one engine step, nothing
+        waits in the engine (a racy read, a heuristic), and no push to that decode worker holds its pair."""
+        if not self.config.early_handshake:
+            return False
+        engine = self.loop.engine
+        lock = self._pair_locks.get(msg.lease.decode_worker_id)
+        return (
+            len(msg.request.prompt_token_ids) <= engine.config.scheduler.max_num_batched_tokens
+            and not engine.scheduler.waiting
+            and (lock is None or not lock.locked())
+        )
+
+    def _early_handshake(self, msg: PrefillTaskMsg, decode_worker: Any) -> asyncio.Task[_Early]:
+        """Starts the handshake now, beside the prompt's computation: KvReady without the first token."""
+        ready = KvReadyMsg(
+            lease_id=msg.lease.lease_id, prefill_worker_id=self.worker_id, request=msg.request, first_token=None,
+            num_blocks=-(-len(msg.request.prompt_token_ids) // self.block_size),
+        )
+        return asyncio.ensure_future(self._handshake(msg.lease.decode_worker_id, decode_worker, ready))
+
+    async def _handshake(self, decode_id: str, decode_worker: Any, ready: KvReadyMsg) -> _Early:
+        """Takes the pair's lock, forms the pair if needed and has the decode worker post its
+        receives. Accepted: returns with the lock HELD (the sends must follow in this order; whoever
+        consumes the result releases it). Otherwise the lock is released."""
+        lock = self._pair_locks.setdefault(decode_id, asyncio.Lock())
+        await lock.acquire()
+        epoch = -1
+        try:
+            await self._ensure_pair(decode_id, decode_worker)
+            epoch = self._pair_epochs[decode_id]
+            accept = KvAcceptMsg.decode(await asyncio.wait_for(
+                _invoke(decode_worker.kv_incoming, ready.encode()), self.config.pair_timeout_s
+            ))
+        except BaseException as err:
+            lock.release()
+            if self._pair_epochs.get(decode_id) == epoch or epoch < 0:
+                self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
+            if isinstance(err, asyncio.CancelledError):
+                raise
+            return _Early(None, f"failed: {type(err).__name__}: {err}", epoch, lock)
+        if not accept.accepted:
+            lock.release()
+            if accept.is_unpaired and self._pair_epochs.get(decode_id) == epoch:
+                self.transport.drop(decode_id)  # the decode side lost the pair: form it again next time
+            return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock)
+        return _Early(decode_id, None, epoch, lock)
+
+    def _settle(self, early: asyncio.Task[_Early] | None, msg: PrefillTaskMsg) -> None:
+        """An early handshake whose push will not come (the prefill failed or was cancelled): in the
+        background, complete what the decode side waits for with a stand-in and token -1 (it then
+        frees the lease), so the pair and its order stay intact."""
+        if early is not None:
+            num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
+            asyncio.ensure_future(self._send_early(early, None, -1, num_blocks))
+
+    async def _send_early(
+        self, early: asyncio.Task[_Early], buf: torch.Tensor | None, token: int, num_blocks: int
+    ) -> tuple[_Early, str | None, float]:
+        """Awaits the handshake; if accepted, sends the KV (`buf`, or a stand-in of its size) and
+        `token` in that order, releases the pair, and waits for both. Returns the handshake, what
+        went wrong (None: nothing), and the KV send's device seconds."""
+        handshake = await early
+        if handshake.decode_id is None:
+            return handshake, handshake.failure, 0.0
+        decode_id = handshake.decode_id
+        device = self.loop.engine.device
+        try:
+            if buf is None:
+                buf = torch.empty(self.transport.layout.buffer_shape(num_blocks), dtype=self.transport.layout.torch_dtype,
+                                  device=device)
+            kv_handle = self.transport.send(decode_id, buf)
+            token_handle = self.transport.send(decode_id, upload([token], torch.int64, device))
+        except Exception as err:  # noqa: BLE001 - this request's failure
+            failure: str | None = f"failed: {type(err).__name__}: {err}"
+            kv_handle = None
+        else:
+            failure = None
+        finally:
+            handshake.lock.release()
+        if failure is None:
+            failure = await wait_transfer(kv_handle, self.config.transfer_timeout_s)
+        if failure is None:
+            failure = await wait_transfer(token_handle, self.config.transfer_timeout_s)
+        if failure is not None:
+            if self._pair_epochs.get(decode_id) == handshake.epoch:
+                self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
+            return handshake, failure, 0.0
+        return handshake, None, kv_handle.device_seconds() or 0.0
+
+    async def _push(
+        self, task: PrefillTaskMsg, out: StepOutput, decode_worker: Any, early: asyncio.Task[_Early] | None = None
+    ) -> PrefillResultMsg:
         request = task.request
         rid = request.request_id
         result = dict(
@@ -156,13 +268,16 @@ class PrefillWorker(TransferEndpoint):
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
         )
-        if out.finish_reason == "abort" or rid in self._aborted:
+        aborted = out.finish_reason == "abort" or rid in self._aborted
+        finish = None if aborted else self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
+        num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        if early is not None:
+            return await self._push_early(out, early, result, aborted, finish, num_blocks)
+        if aborted:
             return PrefillResultMsg(**result, finish_reason="abort", error="aborted")
-        finish = self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
         if finish is not None:
             return PrefillResultMsg(**result, finish_reason=finish)  # nothing to decode: no push
         decode_id = task.lease.decode_worker_id
-        num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         blocks = out.kv_block_ids or []
         gathered = self._gathered.pop(rid, None)
         if gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
@@ -198,6 +313,37 @@ class PrefillWorker(TransferEndpoint):
         return PrefillResultMsg(
             **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gathered.device_seconds(),
             send_device_s=send_s or 0.0,
+        )
+
+    async def _push_early(
+        self, out: StepOutput, early: asyncio.Task[_Early], result: dict[str, Any], aborted: bool, finish: str | None,
+        num_blocks: int,
+    ) -> PrefillResultMsg:
+        """The push after an early handshake: the decode side waits for the KV and then the first
+        token; it gets them even when there is nothing to decode (aborted, or finished by the first
+        token: a stand-in or the real KV, and token -1, on which it frees the lease)."""
+        decode = not aborted and finish is None
+        gathered = self._gathered.pop(out.request_id, None) if decode else None
+        if decode and gathered is None:  # NOTE: not gathered when the prefill ended (it failed there)
+            blocks = (out.kv_block_ids or [])[:num_blocks]
+            gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
+        token = out.new_token_ids[0] if decode else -1
+        buf = gathered.buffer if gathered is not None else None
+        # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
+        handshake, failure, send_s = await asyncio.shield(
+            asyncio.ensure_future(self._send_early(early, buf, token, num_blocks))
+        )
+        if aborted:
+            return PrefillResultMsg(**result, finish_reason="abort", error="aborted")
+        if finish is not None:
+            return PrefillResultMsg(**result, finish_reason=finish)
+        if failure is not None:
+            where = f"KV push to {handshake.decode_id}" if handshake.decode_id is not None else "KV push"
+            return PrefillResultMsg(**result, error=f"{where} {failure}" if handshake.decode_id else failure)
+        assert gathered is not None and buf is not None
+        return PrefillResultMsg(
+            **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gathered.device_seconds(),
+            send_device_s=send_s,
         )
 
     def _finish_reason(self, out: StepOutput, num_prompt_tokens: int, max_tokens: int) -> str | None:
@@ -282,3 +428,13 @@ class _Gathered(NamedTuple):
             return 0.0
         self.ended.synchronize()  # NOTE: long done: the send that read the buffer has finished
         return self.started.elapsed_time(self.ended) / 1e3
+
+
+class _Early(NamedTuple):
+    """An early handshake's outcome. decode_id set: accepted, and the pair's lock is held for the
+    sends; None: refused or failed (`failure` says how), the lock released."""
+
+    decode_id: str | None
+    failure: str | None
+    epoch: int
+    lock: asyncio.Lock

@@ -2,7 +2,9 @@
 PrefillWorker prefill and KV push over the local transport -> decode -> tokens. Greedy tokens
 equal the offline engine's and the colocated mode's, with every prompt through the prefill worker
 (prefill rule 'remote') and with the default rule (short prompts prefilled on the decode worker);
-aborts at every stage and expired leases leave no block held on either worker."""
+aborts at every stage and expired leases leave no block held on either worker. With and without the
+early handshake (the decode worker posts its receives while the prompt is computed; the first
+token follows the KV over the pair)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(4, 2048) for _ in range(rng.randrange(3, 70))] for _ in range(count)]
 
 
-def _build(colocated: bool = False, lease_ttl_s: float = 30.0, **engine_options):
+def _build(colocated: bool = False, lease_ttl_s: float = 30.0, early_handshake: bool = True, **engine_options):
     options = {**ENGINE, **engine_options}
     hub = LocalHub()
     local = {"hub": hub}
@@ -39,10 +41,26 @@ def _build(colocated: bool = False, lease_ttl_s: float = 30.0, **engine_options)
     if colocated:
         return Workers(prefill={}, decode={"d0": decode}), [decode]
     prefill = PrefillWorker(
-        PrefillWorkerConfig(worker_id="p0", engine=engine_config(**options), transport="local"),
+        PrefillWorkerConfig(worker_id="p0", engine=engine_config(**options), transport="local",
+                            early_handshake=early_handshake),
         transport_options=local,
     )
     return Workers(prefill={"p0": prefill}, decode={"d0": decode}), [prefill, decode]
+
+
+def _count_handshakes(decode: DecodeWorker) -> dict[str, int]:
+    """Counts the decode worker's KvReady messages by kind: 'early' (no first token yet) or 'after'."""
+    from kvtransfer.protocol import KvReadyMsg
+
+    counts = {"early": 0, "after": 0}
+    kv_incoming = decode.kv_incoming
+
+    async def counting(ready: bytes) -> bytes:
+        counts["early" if KvReadyMsg.decode(ready).first_token is None else "after"] += 1
+        return await kv_incoming(ready)
+
+    decode.kv_incoming = counting  # type: ignore[method-assign]
+    return counts
 
 
 async def _collect(dispatcher: Dispatcher, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -82,11 +100,14 @@ async def _shutdown(workers_list) -> None:
 def test_disaggregated_equals_colocated_and_offline(params):
     prompts = _prompts(16)
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    handshakes = {}
 
     async def main():
         results = {}
-        for mode in ("disaggregated", "disaggregated-default-rule", "colocated"):
-            workers, objs = _build(colocated=(mode == "colocated"))
+        for mode in ("disaggregated", "disaggregated-late-handshake", "disaggregated-default-rule", "colocated"):
+            workers, objs = _build(colocated=(mode == "colocated"), early_handshake=mode != "disaggregated-late-handshake")
+            if mode != "colocated":
+                handshakes[mode] = _count_handshakes(workers.decode["d0"])
             config = DispatcherConfig() if mode == "disaggregated-default-rule" else REMOTE
             results[mode] = await _run_all(workers, prompts, params, config)
             assert await _held(objs) == [0] * len(objs), mode
@@ -94,25 +115,39 @@ def test_disaggregated_equals_colocated_and_offline(params):
         return results
 
     results = asyncio.run(main())
-    assert results["disaggregated"] == offline
-    assert results["disaggregated-default-rule"] == offline
-    assert results["colocated"] == offline
+    for mode, tokens in results.items():
+        assert tokens == offline, mode
+    # Both handshakes ran: early ones while the engine was idle, late ones when prompts queued.
+    assert handshakes["disaggregated"]["early"] > 0, handshakes
+    assert handshakes["disaggregated-late-handshake"] == {"early": 0, "after": 16}
 
 
-def test_first_token_that_ends_the_request_frees_the_lease():
+@pytest.mark.parametrize("early_handshake", [True, False], ids=["early", "late"])
+def test_first_token_that_ends_the_request_frees_the_lease(early_handshake):
     async def main():
-        workers, objs = _build()
-        tokens = await _run_all(workers, _prompts(3), SamplingParams(max_tokens=1, temperature=0.0))
-        assert all(len(t) == 1 for t in tokens)
+        workers, objs = _build(early_handshake=early_handshake)
+        counts = _count_handshakes(workers.decode["d0"])
+        for i, prompt in enumerate(_prompts(3)):  # one at a time: the early handshake's conditions hold
+            tokens = await _run_all(workers, [prompt], SamplingParams(max_tokens=1, temperature=0.0))
+            assert [len(t) for t in tokens] == [1], i
+        assert counts["early"] == (3 if early_handshake else 0)
+        assert await _held(objs) == [0, 0]
+        # The pair is still in order: a request that decodes gets its tokens.
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        prompt = _prompts(1, seed=5)[0]
+        want = LLM(**ENGINE).generate([prompt], params)[0].outputs.token_ids
+        assert await _run_all(workers, [prompt], params) == [want]
         assert await _held(objs) == [0, 0]
         await _shutdown(objs)
 
     asyncio.run(main())
 
 
-def test_abort_before_push_during_decode_and_unclaimed_lease():
+@pytest.mark.parametrize("early_handshake", [True, False], ids=["early", "late"])
+def test_abort_before_push_during_decode_and_unclaimed_lease(early_handshake):
     async def main():
-        workers, (prefill, decode) = _build(lease_ttl_s=0.5)
+        workers, (prefill, decode) = _build(lease_ttl_s=0.5, early_handshake=early_handshake)
+        counts = _count_handshakes(decode)
         dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2, config=REMOTE)
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         # during decode: leave the stream after a few tokens (a client disconnect)
@@ -132,6 +167,14 @@ def test_abort_before_push_during_decode_and_unclaimed_lease():
         lease = await decode.reserve(ReserveMsg(request_id="c", num_prompt_tokens=40, router_id="r0").encode())
         assert lease is not None and await decode.check_integrity() > 0
         await asyncio.sleep(1.0)
+        assert await _held([prefill, decode]) == [0, 0]
+        # (whether the aborted prompt's push started depends on timing; its handshake's kind does not)
+        assert (counts["early"] >= 2) if early_handshake else (counts["early"] == 0 and counts["after"] >= 1), counts
+        # The pair is still in order after the aborted push: the next request gets its tokens.
+        prompt = _prompts(1, seed=6)[0]
+        short = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        want = LLM(**ENGINE).generate([prompt], short)[0].outputs.token_ids
+        assert await _collect(dispatcher, "d", prompt, short) == want
         await dispatcher.close()
         assert await _held([prefill, decode]) == [0, 0]
         await _shutdown([prefill, decode])
