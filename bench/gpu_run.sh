@@ -19,7 +19,8 @@
 #           send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
-#   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it.
+#   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it;
+#           static vs continuous batching with 128 requests.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
@@ -90,8 +91,10 @@ case "$part" in
       --set max_draft_steps=600 --quiet
     run 300 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
       --text /tmp/pair/held_out.txt --ks 4 --dtype bfloat16 --out "$out"
+    run 120 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 \
+      --num-requests 128 --repeats 3 --out "$out/batching128"
     if [ -f scratch/prof_spec.py ]; then  # a local profile, not committed
-      for mb in "plain 1" "spec 1" "plain 128"; do
+      for mb in "spec 128"; do
         run 60 python3 scratch/prof_spec.py /tmp/pair/target /tmp/pair/draft /tmp/pair/held_out.txt $mb
       done
     fi
