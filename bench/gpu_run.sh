@@ -93,11 +93,6 @@ case "$part" in
       --text /tmp/pair/held_out.txt --ks 4 --dtype bfloat16 --out "$out"
     run 120 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 \
       --num-requests 128 --repeats 3 --out "$out/batching128"
-    if [ -f scratch/prof_spec.py ]; then  # a local profile, not committed
-      for mb in "spec 128"; do
-        run 60 python3 scratch/prof_spec.py /tmp/pair/target /tmp/pair/draft /tmp/pair/held_out.txt $mb
-      done
-    fi
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
