@@ -47,17 +47,17 @@ def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
     legs: dict[str, list[float]] = {"reserve_s": [], "prefill_leg_s": []}
     reserve, prefill = dispatcher._reserve, dispatcher._prefill
 
-    async def timed_reserve(*args: Any) -> Any:
+    async def timed_reserve(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return await reserve(*args)
+            return await reserve(*args, **kwargs)
         finally:
             legs["reserve_s"].append(time.perf_counter() - start)
 
-    async def timed_prefill(*args: Any) -> Any:
+    async def timed_prefill(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return await prefill(*args)
+            return await prefill(*args, **kwargs)
         finally:
             legs["prefill_leg_s"].append(time.perf_counter() - start)
 

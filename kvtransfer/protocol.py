@@ -83,7 +83,7 @@ class LeaseMsg(Msg):
 
 class PrefillTaskMsg(Msg):
     request: GenerateRequestMsg
-    lease: LeaseMsg
+    lease: LeaseMsg | None = None  # None: the router attaches it later (PrefillWorker.attach_lease)
 
 
 class KvReadyMsg(Msg):

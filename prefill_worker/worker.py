@@ -30,7 +30,7 @@ from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from engine.pinned import upload
-from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, PrefillResultMsg, PrefillTaskMsg
+from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, LeaseMsg, PrefillResultMsg, PrefillTaskMsg
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class PrefillWorker(TransferEndpoint):
         )
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
         self._gathered: dict[str, _Gathered] = {}  # request -> its KV gathered when its prefill ended
+        # request -> (its lease, the decode worker's handle): given with the task, or attached later
+        self._leases: dict[str, asyncio.Future[tuple[LeaseMsg, Any]]] = {}
         self._live: set[str] = set()  # requests inside `prefill`
         self._aborted: set[str] = set()  # those of them aborted (their push must not start)
         self._pair_locks: dict[str, asyncio.Lock] = {}
@@ -111,9 +113,10 @@ class PrefillWorker(TransferEndpoint):
                 future.set_exception(RuntimeError(f"prefill worker {self.worker_id} failed: {err}"))
 
     # ---- the protocol
-    async def prefill(self, task: bytes, decode_worker: Any) -> bytes:
+    async def prefill(self, task: bytes, decode_worker: Any = None) -> bytes:
         """Computes the prompt, pushes its KV to `decode_worker` (an actor handle, or the worker
-        itself in-process) and answers with the first token."""
+        itself in-process) and answers with the first token. A task without a lease (and no
+        decode_worker) computes at once and pushes once `attach_lease` has said where."""
         self._aio = asyncio.get_running_loop()
         arrived = time.perf_counter()
         msg = PrefillTaskMsg.decode(task)
@@ -121,23 +124,44 @@ class PrefillWorker(TransferEndpoint):
         future: asyncio.Future[StepOutput] = self._aio.create_future()
         self._first_tokens[rid] = future
         self._live.add(rid)
+        lease = self._leases.setdefault(rid, self._aio.create_future())
+        if msg.lease is not None and not lease.done():
+            lease.set_result((msg.lease, decode_worker))
         try:
-            result = await self._prefill(msg, future, decode_worker)
+            result = await self._prefill(msg, future)
             return result.model_copy(update={"worker_s": time.perf_counter() - arrived}).encode()
         finally:
             self._live.discard(rid)
             self._aborted.discard(rid)
             self._gathered.pop(rid, None)
+            self._leases.pop(rid, None)
 
-    async def _prefill(
-        self, msg: PrefillTaskMsg, future: asyncio.Future[StepOutput], decode_worker: Any
-    ) -> PrefillResultMsg:
+    async def attach_lease(self, request_id: str, lease: bytes, decode_worker: Any) -> bool:
+        """The lease of a prefill that started without one (the router reserves it meanwhile):
+        where to push. False when that prefill is not running here (it ended: its answer says how)."""
+        if request_id not in self._live:
+            return False
+        future = self._leases.get(request_id)
+        if future is None or future.done():
+            return False
+        future.set_result((LeaseMsg.decode(lease), decode_worker))
+        return True
+
+    async def _lease(self, request_id: str) -> tuple[LeaseMsg, Any]:
+        """The request's lease and decode worker, once the router has attached them."""
+        future = self._leases[request_id]
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.config.pair_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no lease came for {request_id!r} within {self.config.pair_timeout_s} s") from None
+
+    async def _prefill(self, msg: PrefillTaskMsg, future: asyncio.Future[StepOutput]) -> PrefillResultMsg:
         request = msg.request
         rid = request.request_id
         params = request.params
         first_params = params.model_copy(update={"max_tokens": 1, "min_tokens": min(1, params.min_tokens)})
         started = time.perf_counter()
-        early = self._early_handshake(msg, decode_worker) if self._wants_early_handshake(msg) else None
+        early = self._early_handshake(msg) if self._wants_early_handshake(msg) else None
         try:
             await self._call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, first_params, hold_kv=True,
@@ -158,33 +182,46 @@ class PrefillWorker(TransferEndpoint):
             raise
         prefilled = time.perf_counter()
         try:
-            result = await self._push(msg, out, decode_worker, early)
+            result = await self._push(msg, out, early)
             timing = {"prefill_s": prefilled - started, "push_s": time.perf_counter() - prefilled}
             return result.model_copy(update=timing)
         finally:
-            await self._call(lambda e: e.release_held(rid))  # into the prefix cache
+            # NOTE: not awaited (the answer does not wait for the engine thread): later engine
+            # commands (an integrity check, the next prompt's prefix lookup) queue behind it.
+            self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
 
     # ---- the early handshake (PrefillWorkerConfig.early_handshake)
     def _wants_early_handshake(self, msg: PrefillTaskMsg) -> bool:
-        """Only where it cannot hold up other pushes for long: the prompt is one engine step, nothing
-        waits in the engine (a racy read, a heuristic), and no push to that decode worker holds its pair."""
-        if not self.config.early_handshake:
-            return False
+        """Only where it cannot hold up other pushes for long: the prompt is one engine step and
+        nothing waits in the engine (a racy read, a heuristic); the pair must be free as well, which
+        `_early_handshake` checks once the lease is known."""
         engine = self.loop.engine
-        lock = self._pair_locks.get(msg.lease.decode_worker_id)
         return (
-            len(msg.request.prompt_token_ids) <= engine.config.scheduler.max_num_batched_tokens
+            self.config.early_handshake
+            and len(msg.request.prompt_token_ids) <= engine.config.scheduler.max_num_batched_tokens
             and not engine.scheduler.waiting
-            and (lock is None or not lock.locked())
         )
 
-    def _early_handshake(self, msg: PrefillTaskMsg, decode_worker: Any) -> asyncio.Task[_Early]:
-        """Starts the handshake now, beside the prompt's computation: KvReady without the first token."""
-        ready = KvReadyMsg(
-            lease_id=msg.lease.lease_id, prefill_worker_id=self.worker_id, request=msg.request, first_token=None,
-            num_blocks=-(-len(msg.request.prompt_token_ids) // self.block_size),
-        )
-        return asyncio.ensure_future(self._handshake(msg.lease.decode_worker_id, decode_worker, ready))
+    def _early_handshake(self, msg: PrefillTaskMsg) -> asyncio.Task[_Early | None]:
+        """Starts the handshake now, beside the prompt's computation: KvReady without the first token,
+        as soon as the lease is known. None: no early handshake (a push to that decode worker holds
+        the pair, or no lease came)."""
+
+        async def run() -> _Early | None:
+            try:
+                lease, decode_worker = await self._lease(msg.request.request_id)
+            except TimeoutError:
+                return None  # the push reports it
+            lock = self._pair_locks.get(lease.decode_worker_id)
+            if lock is not None and lock.locked():
+                return None
+            ready = KvReadyMsg(
+                lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=msg.request, first_token=None,
+                num_blocks=-(-len(msg.request.prompt_token_ids) // self.block_size),
+            )
+            return await self._handshake(lease.decode_worker_id, decode_worker, ready)
+
+        return asyncio.ensure_future(run())
 
     async def _handshake(self, decode_id: str, decode_worker: Any, ready: KvReadyMsg) -> _Early:
         """Takes the pair's lock, forms the pair if needed and has the decode worker post its
@@ -213,7 +250,7 @@ class PrefillWorker(TransferEndpoint):
             return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock)
         return _Early(decode_id, None, epoch, lock)
 
-    def _settle(self, early: asyncio.Task[_Early] | None, msg: PrefillTaskMsg) -> None:
+    def _settle(self, early: asyncio.Task[_Early | None] | None, msg: PrefillTaskMsg) -> None:
         """An early handshake whose push will not come (the prefill failed or was cancelled): in the
         background, complete what the decode side waits for with a stand-in and token -1 (it then
         frees the lease), so the pair and its order stay intact."""
@@ -222,12 +259,14 @@ class PrefillWorker(TransferEndpoint):
             asyncio.ensure_future(self._send_early(early, None, -1, num_blocks))
 
     async def _send_early(
-        self, early: asyncio.Task[_Early], buf: torch.Tensor | None, token: int, num_blocks: int
-    ) -> tuple[_Early, str | None, float]:
+        self, early: asyncio.Task[_Early | None], buf: torch.Tensor | None, token: int, num_blocks: int
+    ) -> tuple[_Early | None, str | None, float]:
         """Awaits the handshake; if accepted, sends the KV (`buf`, or a stand-in of its size) and
         `token` in that order, releases the pair, and waits for both. Returns the handshake, what
         went wrong (None: nothing), and the KV send's device seconds."""
         handshake = await early
+        if handshake is None:
+            return None, None, 0.0
         if handshake.decode_id is None:
             return handshake, handshake.failure, 0.0
         decode_id = handshake.decode_id
@@ -256,7 +295,7 @@ class PrefillWorker(TransferEndpoint):
         return handshake, None, kv_handle.device_seconds() or 0.0
 
     async def _push(
-        self, task: PrefillTaskMsg, out: StepOutput, decode_worker: Any, early: asyncio.Task[_Early] | None = None
+        self, task: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None = None
     ) -> PrefillResultMsg:
         request = task.request
         rid = request.request_id
@@ -271,13 +310,17 @@ class PrefillWorker(TransferEndpoint):
         aborted = out.finish_reason == "abort" or rid in self._aborted
         finish = None if aborted else self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
         num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
-        if early is not None:
+        if early is not None and await asyncio.shield(early) is not None:
             return await self._push_early(out, early, result, aborted, finish, num_blocks)
         if aborted:
             return PrefillResultMsg(**result, finish_reason="abort", error="aborted")
         if finish is not None:
             return PrefillResultMsg(**result, finish_reason=finish)  # nothing to decode: no push
-        decode_id = task.lease.decode_worker_id
+        try:
+            lease, decode_worker = await self._lease(rid)
+        except TimeoutError as err:
+            return PrefillResultMsg(**result, error=str(err))
+        decode_id = lease.decode_worker_id
         blocks = out.kv_block_ids or []
         gathered = self._gathered.pop(rid, None)
         if gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
@@ -285,7 +328,7 @@ class PrefillWorker(TransferEndpoint):
                                  None, None)
         buf = gathered.buffer
         ready = KvReadyMsg(
-            lease_id=task.lease.lease_id, prefill_worker_id=self.worker_id, request=request,
+            lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=request,
             first_token=out.new_token_ids[0], num_blocks=num_blocks,
         )
         epoch = -1
@@ -316,8 +359,8 @@ class PrefillWorker(TransferEndpoint):
         )
 
     async def _push_early(
-        self, out: StepOutput, early: asyncio.Task[_Early], result: dict[str, Any], aborted: bool, finish: str | None,
-        num_blocks: int,
+        self, out: StepOutput, early: asyncio.Task[_Early | None], result: dict[str, Any], aborted: bool,
+        finish: str | None, num_blocks: int,
     ) -> PrefillResultMsg:
         """The push after an early handshake: the decode side waits for the KV and then the first
         token; it gets them even when there is nothing to decode (aborted, or finished by the first
@@ -338,8 +381,9 @@ class PrefillWorker(TransferEndpoint):
         if finish is not None:
             return PrefillResultMsg(**result, finish_reason=finish)
         if failure is not None:
-            where = f"KV push to {handshake.decode_id}" if handshake.decode_id is not None else "KV push"
-            return PrefillResultMsg(**result, error=f"{where} {failure}" if handshake.decode_id else failure)
+            assert handshake is not None
+            return PrefillResultMsg(**result, error=f"KV push to {handshake.decode_id} {failure}"
+                                    if handshake.decode_id else failure)
         assert gathered is not None and buf is not None
         return PrefillResultMsg(
             **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gathered.device_seconds(),
@@ -371,6 +415,10 @@ class PrefillWorker(TransferEndpoint):
         """Idempotent: stops the prompt's computation; a push under way ends as aborted."""
         if request_id in self._live:
             self._aborted.add(request_id)
+        lease = self._leases.get(request_id)
+        if lease is not None and not lease.done():  # nothing waits for a lease that will not come
+            lease.set_exception(TimeoutError(f"request {request_id!r} was aborted before its lease came"))
+            lease.exception()  # NOTE: marks it read: no "never retrieved" warning if nothing awaits it
         was_live = await self._call(lambda e: e.abort_request(request_id))
         future = self._first_tokens.pop(request_id, None)
         if future is not None and not future.done():
@@ -438,3 +486,9 @@ class _Early(NamedTuple):
     failure: str | None
     epoch: int
     lock: asyncio.Lock
+
+
+def _log_failure(done: Any) -> None:
+    """Done-callback of an engine command nobody awaits: its failure goes to the log."""
+    if not done.cancelled() and done.exception() is not None:
+        log.error("engine command failed: %s", done.exception())

@@ -1,7 +1,8 @@
 """Dispatcher: drives one request through the workers, streams its tokens back, and moves it to
 other workers when the ones it is on fail.
 
-Disaggregated: reserve a lease on a decode worker -> prefill (which pushes the KV) -> first token
+Disaggregated: prefill, and meanwhile reserve a lease on a decode worker and attach it (the prefill
+worker pushes the KV once it has both) -> first token
 -> the decode worker's token batches. Colocated: submit to one worker -> its token batches.
 Disaggregated, a prompt the prefill rule picks (DispatcherConfig.local_prefill: a short one, or one
 a decode worker mostly holds in its prefix cache) skips the prefill workers: its decode worker
@@ -150,6 +151,12 @@ class DispatcherConfig(BaseModel):
     local_prefill: LocalPrefillConfig = Field(
         default_factory=LocalPrefillConfig,
         description="Disaggregated mode: which requests skip the prefill workers (prefilled on their decode worker).",
+    )
+    lease_beside_prefill: bool = Field(
+        True,
+        description="Disaggregated mode: start the prefill at once and lease the decode worker's blocks meanwhile "
+        "(the lease's round trip leaves the time to first token); when no decode worker has room at the first "
+        "try, the prefill is stopped and the request waits for a lease before prefilling, as with False.",
     )
 
 
@@ -501,13 +508,16 @@ class Dispatcher:
             attempt.touched.pop()
         return False
 
-    async def _reserve(self, attempt: _Attempt, progress: _Progress) -> tuple[str, Any, LeaseMsg]:
-        """A lease on the first decode worker with room; waits up to max_capacity_wait_s for one."""
+    async def _reserve(
+        self, attempt: _Attempt, progress: _Progress, max_wait_s: float | None = None
+    ) -> tuple[str, Any, LeaseMsg]:
+        """A lease on the first decode worker with room; waits up to max_wait_s (default:
+        max_capacity_wait_s) for one; 0: one pass over the workers."""
         request = attempt.request
         reserve = ReserveMsg(
             request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), router_id=self.router_id
         ).encode()
-        deadline = self.clock() + self.config.max_capacity_wait_s
+        deadline = self.clock() + (self.config.max_capacity_wait_s if max_wait_s is None else max_wait_s)
         delay_s = 0.02
         while True:
             usable = await self._wait_for_workers(
@@ -540,12 +550,21 @@ class Dispatcher:
         prefill_id, prefill = (preferred or usable)[0]
         progress.prefill_id = prefill_id
         self.policy.on_assigned(prefill_id, attempt.request.prompt_token_ids)
-        decode_id, decode, lease = await self._reserve(attempt, progress)
-        attempt.worker_id = decode_id
-        attempt.touched += [(decode_id, decode), (prefill_id, prefill)]
         request = attempt.request
-        task = PrefillTaskMsg(request=request, lease=lease).encode()
-        call = asyncio.ensure_future(invoke(prefill.prefill, task, decode))
+        started = await self._prefill_beside_lease(attempt, progress, prefill_id, prefill) if (
+            self.config.lease_beside_prefill) else None
+        if started is None:  # the lease first, then the prefill with it
+            try:
+                decode_id, decode, lease = await self._reserve(attempt, progress)
+            except BaseException:
+                self.policy.on_finished(prefill_id)
+                raise
+            attempt.worker_id = decode_id
+            attempt.touched += [(decode_id, decode), (prefill_id, prefill)]
+            task = PrefillTaskMsg(request=request, lease=lease).encode()
+            call = asyncio.ensure_future(invoke(prefill.prefill, task, decode))
+        else:
+            call, decode_id, decode = started
         lost = asyncio.ensure_future(attempt.lost.wait())  # the decode worker may die meanwhile
         try:
             done, _ = await asyncio.wait({call, lost}, timeout=self.config.prefill_timeout_s,
@@ -585,6 +604,43 @@ class Dispatcher:
             num_prompt_tokens=result.num_prompt_tokens,
             num_cached_tokens=result.num_cached_tokens,
         )
+
+    async def _prefill_beside_lease(
+        self, attempt: _Attempt, progress: _Progress, prefill_id: str, prefill: Any
+    ) -> tuple[asyncio.Future[Any], str, Any] | None:
+        """Starts the prefill without a lease, leases meanwhile (one pass over the decode workers)
+        and attaches the lease: the prefill's call and the decode worker (id, handle), the attempt's
+        worker and touched set. None
+        when no decode worker had room at once: the prefill is stopped (the caller waits for a lease
+        first, and a request that finds none holds nothing on the prefill worker meanwhile)."""
+        request = attempt.request
+        call = asyncio.ensure_future(invoke(prefill.prefill, PrefillTaskMsg(request=request).encode(), None))
+        try:
+            decode_id, decode, lease = await self._reserve(attempt, progress, max_wait_s=0.0)
+        except NoCapacityError:
+            await self._stop_prefill(attempt, prefill_id, prefill, call)
+            return None
+        except BaseException:
+            await self._stop_prefill(attempt, prefill_id, prefill, call)
+            self.policy.on_finished(prefill_id)
+            raise
+        attempt.worker_id = decode_id
+        attempt.touched += [(decode_id, decode), (prefill_id, prefill)]
+        try:
+            # NOTE: False (the prefill has already answered: its answer says how) needs nothing here.
+            await asyncio.wait_for(invoke(prefill.attach_lease, request.request_id, lease.encode(), decode),
+                                   self.config.call_timeout_s)
+        except Exception as err:  # noqa: BLE001 - the prefill's own call reports the worker's failure
+            log.info("attaching the lease of %s on %s failed: %s", request.request_id, prefill_id, err)
+        return call, decode_id, decode
+
+    async def _stop_prefill(self, attempt: _Attempt, prefill_id: str, prefill: Any, call: asyncio.Future[Any]) -> None:
+        """Aborts a prefill that has no lease and waits (boundedly) for its answer, so its blocks are free."""
+        await self._abort(attempt, [(prefill_id, prefill)])
+        try:
+            await asyncio.wait_for(call, self.config.call_timeout_s)
+        except Exception as err:  # noqa: BLE001 - aborted, failed or gone: it holds nothing now
+            log.debug("stopped prefill of %s on %s: %s", attempt.request.request_id, prefill_id, err)
 
     async def _abort(self, attempt: _Attempt, touched: list[tuple[str, Any]] | None = None) -> None:
         """Frees what the attempt holds on every worker it touched (or those given); a dead worker

@@ -30,12 +30,15 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(4, 2048) for _ in range(rng.randrange(3, 70))] for _ in range(count)]
 
 
-def _build(colocated: bool = False, lease_ttl_s: float = 30.0, early_handshake: bool = True, **engine_options):
+def _build(colocated: bool = False, lease_ttl_s: float = 30.0, early_handshake: bool = True,
+           decode_blocks: int | None = None, **engine_options):
     options = {**ENGINE, **engine_options}
     hub = LocalHub()
     local = {"hub": hub}
+    decode_options = {**options, "num_blocks": decode_blocks or options["num_blocks"]}
     decode = DecodeWorker(
-        DecodeWorkerConfig(worker_id="d0", engine=engine_config(**options), transport="local", lease_ttl_s=lease_ttl_s),
+        DecodeWorkerConfig(worker_id="d0", engine=engine_config(**decode_options), transport="local",
+                           lease_ttl_s=lease_ttl_s),
         transport_options=local,
     )
     if colocated:
@@ -104,11 +107,14 @@ def test_disaggregated_equals_colocated_and_offline(params):
 
     async def main():
         results = {}
-        for mode in ("disaggregated", "disaggregated-late-handshake", "disaggregated-default-rule", "colocated"):
+        for mode in ("disaggregated", "disaggregated-late-handshake", "disaggregated-lease-first",
+                     "disaggregated-default-rule", "colocated"):
             workers, objs = _build(colocated=(mode == "colocated"), early_handshake=mode != "disaggregated-late-handshake")
             if mode != "colocated":
                 handshakes[mode] = _count_handshakes(workers.decode["d0"])
-            config = DispatcherConfig() if mode == "disaggregated-default-rule" else REMOTE
+            config = {"disaggregated-default-rule": DispatcherConfig(),
+                      "disaggregated-lease-first": REMOTE.model_copy(update={"lease_beside_prefill": False})}.get(
+                mode, REMOTE)
             results[mode] = await _run_all(workers, prompts, params, config)
             assert await _held(objs) == [0] * len(objs), mode
             await _shutdown(objs)
@@ -120,6 +126,36 @@ def test_disaggregated_equals_colocated_and_offline(params):
     # Both handshakes ran: early ones while the engine was idle, late ones when prompts queued.
     assert handshakes["disaggregated"]["early"] > 0, handshakes
     assert handshakes["disaggregated-late-handshake"] == {"early": 0, "after": 16}
+
+
+def test_no_room_at_first_stops_the_prefill_and_waits_for_a_lease():
+    """The prefill starts beside the lease (DispatcherConfig.lease_beside_prefill); when the decode
+    worker has no room at the first try, that prefill is stopped, and the request leases first and
+    then prefills once room comes. Two requests, room for one lease: both get the offline tokens."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [_prompts(1, seed=s)[0][:3] + list(range(100, 157)) for s in (7, 8)]  # 60 tokens: 8 blocks of 8
+    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+
+    async def main():
+        workers, (prefill, decode) = _build(decode_blocks=12)
+        calls: list[bool] = []  # per prefill call: whether it came with a lease
+        prefill_call = prefill.prefill
+
+        async def counting(task: bytes, decode_worker=None) -> bytes:
+            from kvtransfer.protocol import PrefillTaskMsg
+
+            calls.append(PrefillTaskMsg.decode(task).lease is not None)
+            return await prefill_call(task, decode_worker)
+
+        prefill.prefill = counting  # type: ignore[method-assign]
+        tokens = await _run_all(workers, prompts, params)
+        assert tokens == offline
+        # Both started beside their lease; one found no room and went again with its lease.
+        assert sorted(calls) == [False, False, True], calls
+        assert await _held([prefill, decode]) == [0, 0]
+        await _shutdown([prefill, decode])
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("early_handshake", [True, False], ids=["early", "late"])
