@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import AttentionSpec, create_backend
 from engine.cuda_graphs import cuda_graphs_enabled
+from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.request import Draft
@@ -78,6 +79,7 @@ class DraftModelProposer:
         self.seqs: dict[str, _DraftSeq] = {}
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
+        self.loop: DraftLoopGraphs | None = None  # passes 2..K in one graph (CUDA), set by bind
 
     def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
         ctx = self.context
@@ -91,6 +93,11 @@ class DraftModelProposer:
         if ctx.cuda_graph_max_rows is not None and cuda_graphs_enabled(ctx.model, ctx.device, self.backend):
             # Drafted positions run up to K - 1 past the target's longest sequence.
             self.runner.capture_decode_graphs(ctx.cuda_graph_max_rows, max_seq_tokens + k)
+            if k >= 2:
+                limit = ctx.config.disable_above_batch_size
+                max_batch = max(1, min(ctx.max_num_seqs, limit if limit is not None else ctx.max_num_seqs))
+                self.loop = DraftLoopGraphs(self.model, kv, self.backend, k - 1, max_batch, max_seq_tokens + k)
+                self.loop.capture()
 
     # ---- per-request state
     def drop(self, request_id: str) -> None:
@@ -156,7 +163,10 @@ class DraftModelProposer:
             if drafting:
                 passes.append(self._sample(drafting, logits, generator, on_device))
         previous = drafting
-        for i in range(1, max((j.request.max_draft_tokens for j in drafting), default=0)):
+        num_passes = max((j.request.max_draft_tokens for j in drafting), default=0)
+        if on_device and passes and num_passes > 1 and self._loop(drafting, passes, generator):
+            num_passes = 0  # the loop graph drafted d_2 .. d_K
+        for i in range(1, num_passes):
             active = [j for j in previous if j.request.max_draft_tokens > i]
             if on_device:
                 # NOTE: `previous` keeps `active`'s order, so its row of job j is j's index there.
@@ -183,6 +193,31 @@ class DraftModelProposer:
                 is_greedy = r.params.is_greedy
                 drafts.append(Draft(j.token_ids, None if is_greedy else torch.stack(j.probs)))
         return drafts
+
+    def _loop(self, drafting: list[_Job], passes: list[torch.Tensor], generator: torch.Generator | None) -> bool:
+        """Passes 2..K through the loop graph, when it serves these jobs: their drafts get
+        placeholders (read in `_read`) and the distributions they were drawn from."""
+        if self.loop is None:
+            return False
+        requests = [j.request for j in drafting]
+        if any(r.max_draft_tokens != self.loop.num_passes + 1 for r in requests):
+            return False  # NOTE: the graph drafts exactly K; the blocks cover each request's own K
+        num_outputs = [len(r.token_ids) - r.num_prompt_tokens for r in requests]
+        if not self.loop.serves([r.params for r in requests], num_outputs, [r.max_draft_tokens for r in requests]):
+            return False
+        rows = [LoopRow(len(j.seq.token_ids), j.seq.block_ids, 0.0 if j.request.params.is_greedy
+                        else j.request.params.temperature) for j in drafting]
+        out = self.loop.run(passes[0], rows, generator)
+        if out is None:
+            return False
+        tokens, dists = out
+        for i in range(self.loop.num_passes):
+            passes.append(tokens[i])
+            for row, j in enumerate(drafting):
+                j.seq.token_ids.append(PLACEHOLDER)  # d_{i+1} was fed; set by _read
+                j.token_ids.append(PLACEHOLDER)
+                j.probs.append(dists[i, row])  # NOTE: a view of the graph's output: stacked before the next run
+        return True
 
     @staticmethod
     def _read(drafting: list[_Job], passes: list[torch.Tensor]) -> None:

@@ -1,0 +1,92 @@
+"""The draft model's loop graph (engine/spec/draft_loop.py) on the CPU, through the Triton
+interpreter: its passes give the tokens, distributions and KV of drafting pass by pass through
+the eager runner with the same noise (everything but the capture and replay, which the GPU run
+of bench.spec_decode exercises); and which rows it serves."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionSpec
+from engine.config import SamplingParams
+from engine.kv_cache import allocate_kv_tensors
+from engine.models import DEFAULT_MODEL_DIR, build_model
+from engine.runner import ForwardSeq, ModelRunner
+from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
+
+
+def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+
+    torch.manual_seed(0)
+    cpu, block_size, passes = torch.device("cpu"), 4, 3
+    model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    config = TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16)
+    backend = TritonAttention(spec, config)
+    eager = ModelRunner(model, allocate_kv_tensors(arch, 24, block_size, torch.float32, cpu), backend, cpu)
+    tables = [[5, 0, 11, 2], [3, 14, 9, 21], [19, 1, 22, 7]]
+    prompts = [torch.randint(2, arch.vocab_size, (n,)).tolist() for n in (5, 9, 7)]
+    eager.forward([ForwardSeq(t, 0, b, 1) for t, b in zip(prompts, tables)])
+    loop = DraftLoopGraphs(model, eager.kv_caches.clone(), backend, passes, max_batch=4, max_context=16)
+    assert loop.sizes == [1, 2, 4]
+
+    temperatures = [0.0, 0.7, 1.3]  # greedy, then two random rows
+    first = [int(torch.randint(2, arch.vocab_size, ())) for _ in prompts]
+    rows = [LoopRow(len(p), t, temp) for p, t, temp in zip(prompts, tables, temperatures)]
+    out = loop.run(torch.tensor(first), rows, torch.Generator().manual_seed(1))
+    assert out is not None and loop.num_runs == 1
+    tokens, dists = out
+    assert tokens.shape == (passes, 3) and dists.shape == (passes, 3, arch.vocab_size)
+
+    # Pass by pass through the eager runner, with the noise the loop drew.
+    fed = list(first)
+    for i in range(passes):
+        logits = eager.forward([ForwardSeq([fed[j]], len(prompts[j]) + i, tables[j], 1) for j in range(3)])
+        for j, temp in enumerate(temperatures):
+            if temp == 0.0:
+                want = int(logits[j].argmax())
+                want_dist = torch.nn.functional.one_hot(torch.tensor(want), arch.vocab_size).float()
+            else:
+                want_dist = torch.softmax(logits[j] / temp, dim=-1)
+                want = int((want_dist / loop.noise[i, j]).argmax())
+            assert int(tokens[i, j]) == want, (i, j)
+            torch.testing.assert_close(dists[i, j], want_dist, atol=1e-5, rtol=1e-4)
+            fed[j] = want
+    # The loop stored the fed drafts' KV where the eager passes did (padding row 3 stored nothing).
+    torch.testing.assert_close(loop.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5)
+
+
+def test_loop_serves_temperature_and_greedy_rows_of_one_draft_length():
+    plain, greedy = SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)
+    assert DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 4])
+    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 3])  # draft lengths differ
+    for odd in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_k=5),
+                SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, min_p=0.1),
+                SamplingParams(temperature=0.0, repetition_penalty=1.2)):
+        assert not DraftLoopGraphs.serves([plain, odd], [0, 0], [4, 4]), odd
+    assert not DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [2], [4])  # EOS still masked
+    assert DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [5], [4])
+
+
+def test_the_proposer_drafts_through_the_loop_with_every_greedy_draft_accepted(interpreted_kernels, make_llm):
+    """The draft model's proposer with a loop graph (run eagerly here, through the interpreter):
+    the target as its own draft gets every greedy draft accepted, and the tokens of plain decoding."""
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+    from engine import SpeculativeConfig
+
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 300, 17], list(range(40, 61)), [7] * 9]
+    plain = [o.outputs.token_ids for o in make_llm(block_size=4).generate(prompts, greedy)]
+    llm = make_llm(block_size=4, speculative=SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3,
+                                                               enable_adaptive_draft_length=False))
+    proposer = llm.engine.proposer
+    arch = proposer.arch
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
+    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, 2, max_batch=4,
+                                    max_context=llm.engine.max_seq_tokens + 3)
+    assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert proposer.loop.num_runs > 0
+    stats = llm.engine.stats()
+    assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
