@@ -175,6 +175,10 @@ class PrefillWorker(TransferEndpoint):
             self._first_tokens.pop(rid, None)
             self._settle(early, msg)
             return PrefillResultMsg(request_id=rid, error=str(err))
+        except BaseException:  # cancelled: the early handshake must still be settled
+            self._first_tokens.pop(rid, None)
+            self._settle(early, msg)
+            raise
         try:
             out = await future
         except BaseException:
