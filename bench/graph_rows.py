@@ -19,7 +19,6 @@ the results (`keys` = the sum of n * (start + n), against graph_ms / eager_ms).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any

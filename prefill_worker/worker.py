@@ -24,12 +24,12 @@ from pydantic import Field
 
 from engine import EngineCore, StepOutput
 from engine.loop import EngineLoop
-from kvtransfer.netaddr import resolve_host
-from engine.validation import InvalidRequestError
-from kvtransfer import transport_options as kv_transport_options
-from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
-from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from engine.pinned import upload
+from engine.validation import InvalidRequestError
+from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
+from kvtransfer import transport_options as kv_transport_options
+from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
+from kvtransfer.netaddr import resolve_host
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, LeaseMsg, PrefillResultMsg, PrefillTaskMsg
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,9 @@ class PrefillWorker(TransferEndpoint):
         future = self._leases[request_id]
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.config.pair_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
+            if future.done():
+                raise  # the abort's own TimeoutError, which says so
             raise TimeoutError(f"no lease came for {request_id!r} within {self.config.pair_timeout_s} s") from None
 
     async def _prefill(self, msg: PrefillTaskMsg, future: asyncio.Future[StepOutput]) -> PrefillResultMsg:

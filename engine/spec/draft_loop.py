@@ -39,7 +39,7 @@ __all__ = ["DraftLoopGraphs", "LoopRow"]
 class LoopRow:
     """One drafting row: where its first fed draft goes and its sampling temperature."""
 
-    __slots__ = ("start", "block_ids", "temperature")
+    __slots__ = ("block_ids", "start", "temperature")
 
     def __init__(self, start: int, block_ids: Sequence[int], temperature: float) -> None:
         self.start = start  # position of d_1 (fed in the first captured pass)

@@ -25,14 +25,13 @@ import torch
 
 from engine.attention import AttentionSpec, create_backend
 from engine.cuda_graphs import cuda_graphs_enabled
-from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.request import Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
-
+from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 
 PLACEHOLDER = -1  # a drafted token still on the device (propose reads them all at its end)
 
