@@ -45,23 +45,19 @@ SHAPES = Path(__file__).resolve().parent / "shapes"
 def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
     """Wraps the Dispatcher's lease and prefill legs with timers (the router's view of each)."""
     legs: dict[str, list[float]] = {"reserve_s": [], "prefill_leg_s": []}
-    reserve, prefill = dispatcher._reserve, dispatcher._prefill
 
-    async def timed_reserve(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return await reserve(*args, **kwargs)
-        finally:
-            legs["reserve_s"].append(time.perf_counter() - start)
+    def timed(method: Any, leg: list[float]) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await method(*args, **kwargs)
+            finally:
+                leg.append(time.perf_counter() - start)
 
-    async def timed_prefill(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return await prefill(*args, **kwargs)
-        finally:
-            legs["prefill_leg_s"].append(time.perf_counter() - start)
+        return call
 
-    dispatcher._reserve, dispatcher._prefill = timed_reserve, timed_prefill  # type: ignore[method-assign]
+    dispatcher._reserve = timed(dispatcher._reserve, legs["reserve_s"])  # type: ignore[method-assign]
+    dispatcher._prefill = timed(dispatcher._prefill, legs["prefill_leg_s"])  # type: ignore[method-assign]
     return legs
 
 

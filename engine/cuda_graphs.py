@@ -46,7 +46,7 @@ Knows nothing of scheduling or sampling; asks the attention backend for its grap
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_MAX_MULTI_ROW_KEYS",
     "DecodeGraphs",
     "GraphStepLayout",
+    "capture_graphs",
     "capture_sizes",
     "cuda_graphs_enabled",
     "fill_graph_step",
@@ -219,6 +220,33 @@ def fill_graph_step(buffer: np.ndarray, seqs: Sequence[ForwardSeq], layout: Grap
         buffer[layout.num_table_end : layout.num_values] = layout.logit_rows
 
 
+@torch.inference_mode()
+def capture_graphs(sizes: Sequence[int], body: Callable[[int], None], device: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
+    """One CUDA graph of `body(size)` per size, largest first, all in one memory pool. Sharing the
+    pool is safe in any replay order when replays never overlap and everything a replay reads or
+    writes after it ends lives outside the pool (the callers' static buffers)."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device=device)
+    current = torch.cuda.current_stream(device)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    for size in sorted(sizes, reverse=True):
+        # NOTE: warm up on the stream that captures, outside the capture: kernels compile and
+        # load, and per-stream library state (cuBLAS workspace) is allocated, before capture.
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            body(size)
+        current.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # NOTE: thread_local (as torch.compile's CUDA graph trees): CUDA calls of other threads
+        # of the process (a transport's, Ray's) do not break the capture; this thread's unsafe
+        # calls still fail it.
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            body(size)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs
+
+
 class DecodeGraphs:
     """Static device buffers, one CUDA graph per captured row count, and the step that fills and
     replays them. Owned by a ModelRunner; shares its staging buffer."""
@@ -260,7 +288,6 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_size, weight.shape[1], dtype=weight.dtype, device=device)  # [rows, hidden]
         self._metadata = {size: self._metadata_for(size) for size in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture_stream: torch.cuda.Stream | None = None
         self.num_replays = 0  # graph steps run (CPU: eager runs of the same code)
         self.num_padding_rows = 0  # padding rows computed by those steps
 
@@ -286,29 +313,10 @@ class DecodeGraphs:
         )
         self.hidden[:size].copy_(hidden)
 
-    @torch.inference_mode()
     def capture(self) -> None:
         """One graph per size, largest first, in one shared pool (CUDA); nothing elsewhere."""
-        if not self.is_cuda:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        self._capture_stream = stream = torch.cuda.Stream(device=self.device)
-        current = torch.cuda.current_stream(self.device)
-        for size in reversed(self.sizes):
-            # NOTE: warm up on the stream that captures, outside the capture: kernels compile and
-            # load, and per-stream library state (cuBLAS workspace) is allocated, before capture.
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                self._body(size)
-            current.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # NOTE: thread_local (as torch.compile's CUDA graph trees): CUDA calls of other threads
-            # of the process (a transport's, Ray's) do not break the capture; this thread's unsafe
-            # calls still fail it.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self._body(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+        if self.is_cuda:
+            self._graphs = capture_graphs(self.sizes, self._body, self.device)
 
     @torch.inference_mode()
     def run(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor | None:

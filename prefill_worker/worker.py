@@ -26,7 +26,7 @@ from engine import EngineCore, StepOutput
 from engine.loop import EngineLoop
 from engine.pinned import upload
 from engine.validation import InvalidRequestError
-from kvtransfer import KvLayout, PairAddress, create_transport, gather_blocks
+from kvtransfer import KvLayout, PairAddress, TransferHandle, create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.netaddr import resolve_host
@@ -231,8 +231,8 @@ class PrefillWorker(TransferEndpoint):
 
     async def _handshake(self, decode_id: str, decode_worker: Any, ready: KvReadyMsg) -> _Early:
         """Takes the pair's lock, forms the pair if needed and has the decode worker post its
-        receives. Accepted: returns with the lock HELD (the sends must follow in this order; whoever
-        consumes the result releases it). Otherwise the lock is released."""
+        receives. Accepted: returns with the lock HELD (the sends must follow in this order; `_send`
+        releases it). Otherwise the lock is released and `failure` says why."""
         lock = self._pair_locks.setdefault(decode_id, asyncio.Lock())
         await lock.acquire()
         epoch = -1
@@ -248,7 +248,7 @@ class PrefillWorker(TransferEndpoint):
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
             if isinstance(err, asyncio.CancelledError):
                 raise
-            return _Early(None, f"failed: {type(err).__name__}: {err}", epoch, lock)
+            return _Early(None, f"KV push to {decode_id} failed: {type(err).__name__}: {err}", epoch, lock)
         if not accept.accepted:
             lock.release()
             if accept.is_unpaired and self._pair_epochs.get(decode_id) == epoch:
@@ -260,49 +260,56 @@ class PrefillWorker(TransferEndpoint):
         """An early handshake whose push will not come (the prefill failed or was cancelled): in the
         background, complete what the decode side waits for with a stand-in and token -1 (it then
         frees the lease), so the pair and its order stay intact."""
-        if early is not None:
-            num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
-            asyncio.ensure_future(self._send_early(early, None, -1, num_blocks))
+        if early is None:
+            return
+        num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
 
-    async def _send_early(
-        self, early: asyncio.Task[_Early | None], buf: torch.Tensor | None, token: int, num_blocks: int
-    ) -> tuple[_Early | None, str | None, float]:
-        """Awaits the handshake; if accepted, sends the KV (`buf`, or a stand-in of its size) and
-        `token` in that order, releases the pair, and waits for both. Returns the handshake, what
-        went wrong (None: nothing), and the KV send's device seconds."""
-        handshake = await early
-        if handshake is None:
-            return None, None, 0.0
-        if handshake.decode_id is None:
-            return handshake, handshake.failure, 0.0
+        async def settle() -> None:
+            handshake = await early
+            if handshake is not None:
+                await self._send(handshake, None, -1, num_blocks)
+
+        asyncio.ensure_future(settle())
+
+    async def _send(
+        self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int
+    ) -> tuple[str | None, float]:
+        """After an accepted handshake: sends the KV (`buf`, or a stand-in of its size) and then
+        `token` (None: it went with KvReady), releases the pair, and waits for both. Returns what went
+        wrong (None: nothing; a refused handshake's failure as is) and the KV send's device seconds."""
         decode_id = handshake.decode_id
+        if decode_id is None:
+            return handshake.failure, 0.0
         device = self.loop.engine.device
+        handles: list[TransferHandle] = []
+        failure: str | None = None
         try:
             if buf is None:
-                buf = torch.empty(self.transport.layout.buffer_shape(num_blocks), dtype=self.transport.layout.torch_dtype,
-                                  device=device)
-            kv_handle = self.transport.send(decode_id, buf)
-            token_handle = self.transport.send(decode_id, upload([token], torch.int64, device))
+                layout = self.transport.layout
+                buf = torch.empty(layout.buffer_shape(num_blocks), dtype=layout.torch_dtype, device=device)
+            handles.append(self.transport.send(decode_id, buf))
+            if token is not None:
+                handles.append(self.transport.send(decode_id, upload([token], torch.int64, device)))
         except Exception as err:  # noqa: BLE001 - this request's failure
-            failure: str | None = f"failed: {type(err).__name__}: {err}"
-            kv_handle = None
-        else:
-            failure = None
+            failure = f"failed: {type(err).__name__}: {err}"
         finally:
             handshake.lock.release()
-        if failure is None:
-            failure = await wait_transfer(kv_handle, self.config.transfer_timeout_s)
-        if failure is None:
-            failure = await wait_transfer(token_handle, self.config.transfer_timeout_s)
+        for handle in handles:
+            if failure is None:
+                failure = await wait_transfer(handle, self.config.transfer_timeout_s)
         if failure is not None:
             if self._pair_epochs.get(decode_id) == handshake.epoch:
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
-            return handshake, failure, 0.0
-        return handshake, None, kv_handle.device_seconds() or 0.0
+            return f"KV push to {decode_id} {failure}", 0.0
+        return None, handles[0].device_seconds() or 0.0
 
     async def _push(
         self, task: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None = None
     ) -> PrefillResultMsg:
+        """Sends the prompt's KV (and, after an early handshake, the first token) to the leased
+        blocks. After an early handshake the decode side waits for both even when there is nothing to
+        decode (aborted, or finished by the first token): it gets a stand-in or the real KV, and token
+        -1, on which it frees the lease. Without one, the handshake happens now, first token included."""
         request = task.request
         rid = request.request_id
         result = dict(
@@ -315,86 +322,45 @@ class PrefillWorker(TransferEndpoint):
         )
         aborted = out.finish_reason == "abort" or rid in self._aborted
         finish = None if aborted else self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
-        num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
-        if early is not None and await asyncio.shield(early) is not None:
-            return await self._push_early(out, early, result, aborted, finish, num_blocks)
-        if aborted:
-            return PrefillResultMsg(**result, finish_reason="abort", error="aborted")
-        if finish is not None:
-            return PrefillResultMsg(**result, finish_reason=finish)  # nothing to decode: no push
-        try:
-            lease, decode_worker = await self._lease(rid)
-        except TimeoutError as err:
-            return PrefillResultMsg(**result, error=str(err))
-        decode_id = lease.decode_worker_id
-        blocks = out.kv_block_ids or []
-        gathered = self._gathered.pop(rid, None)
-        if gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
-            gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks[:num_blocks])),
-                                 None, None)
-        buf = gathered.buffer
-        ready = KvReadyMsg(
-            lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=request,
-            first_token=out.new_token_ids[0], num_blocks=num_blocks,
-        )
-        epoch = -1
-        try:
-            lock = self._pair_locks.setdefault(decode_id, asyncio.Lock())
-            async with lock:  # NOTE: recv and send are posted in the same order on both sides
-                await self._ensure_pair(decode_id, decode_worker)
-                epoch = self._pair_epochs[decode_id]
-                accept = KvAcceptMsg.decode(await asyncio.wait_for(
-                    _invoke(decode_worker.kv_incoming, ready.encode()), self.config.pair_timeout_s
-                ))
-                if not accept.accepted:
-                    if accept.is_unpaired and self._pair_epochs.get(decode_id) == epoch:
-                        self.transport.drop(decode_id)  # the decode side lost the pair: form it again next time
-                    return PrefillResultMsg(**result, error=f"decode worker refused the KV: {accept.reason}")
-                handle = self.transport.send(decode_id, buf)
-            failure = await wait_transfer(handle, self.config.transfer_timeout_s)
-        except Exception as err:  # noqa: BLE001 - a failed push is this request's error, not the worker's
-            failure = f"failed: {type(err).__name__}: {err}"
-        if failure is not None:
-            if self._pair_epochs.get(decode_id) == epoch or epoch < 0:
-                self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
-            return PrefillResultMsg(**result, error=f"KV push to {decode_id} {failure}")
-        send_s = handle.device_seconds()
-        return PrefillResultMsg(
-            **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gathered.device_seconds(),
-            send_device_s=send_s or 0.0,
-        )
-
-    async def _push_early(
-        self, out: StepOutput, early: asyncio.Task[_Early | None], result: dict[str, Any], aborted: bool,
-        finish: str | None, num_blocks: int,
-    ) -> PrefillResultMsg:
-        """The push after an early handshake: the decode side waits for the KV and then the first
-        token; it gets them even when there is nothing to decode (aborted, or finished by the first
-        token: a stand-in or the real KV, and token -1, on which it frees the lease)."""
         decode = not aborted and finish is None
-        gathered = self._gathered.pop(out.request_id, None) if decode else None
-        if decode and gathered is None:  # NOTE: not gathered when the prefill ended (it failed there)
+        num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        handshake = await asyncio.shield(early) if early is not None else None
+        token: int | None = out.new_token_ids[0] if decode else -1
+        if handshake is None:  # the handshake after the prefill, the first token in KvReady
+            if not decode:
+                return self._undecoded(result, aborted, finish)
+            try:
+                lease, decode_worker = await self._lease(rid)
+            except TimeoutError as err:
+                return PrefillResultMsg(**result, error=str(err))
+            ready = KvReadyMsg(
+                lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=request,
+                first_token=token, num_blocks=num_blocks,
+            )
+            handshake, token = await self._handshake(lease.decode_worker_id, decode_worker, ready), None
+        gathered = self._gathered.pop(rid, None) if decode else None
+        if decode and gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
             blocks = (out.kv_block_ids or [])[:num_blocks]
             gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
-        token = out.new_token_ids[0] if decode else -1
         buf = gathered.buffer if gathered is not None else None
         # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
-        handshake, failure, send_s = await asyncio.shield(
-            asyncio.ensure_future(self._send_early(early, buf, token, num_blocks))
-        )
-        if aborted:
-            return PrefillResultMsg(**result, finish_reason="abort", error="aborted")
-        if finish is not None:
-            return PrefillResultMsg(**result, finish_reason=finish)
+        failure, send_s = await asyncio.shield(asyncio.ensure_future(self._send(handshake, buf, token, num_blocks)))
+        if not decode:
+            return self._undecoded(result, aborted, finish)
         if failure is not None:
-            assert handshake is not None
-            return PrefillResultMsg(**result, error=f"KV push to {handshake.decode_id} {failure}"
-                                    if handshake.decode_id else failure)
+            return PrefillResultMsg(**result, error=failure)
         assert gathered is not None and buf is not None
         return PrefillResultMsg(
             **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gathered.device_seconds(),
             send_device_s=send_s,
         )
+
+    @staticmethod
+    def _undecoded(result: dict[str, Any], aborted: bool, finish: str | None) -> PrefillResultMsg:
+        """The answer for a prompt with nothing to decode: aborted, or ended by its first token."""
+        if aborted:
+            return PrefillResultMsg(**result, finish_reason="abort", error="aborted")
+        return PrefillResultMsg(**result, finish_reason=finish)
 
     def _finish_reason(self, out: StepOutput, num_prompt_tokens: int, max_tokens: int) -> str | None:
         if out.finish_reason == "stop":

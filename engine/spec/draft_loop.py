@@ -22,29 +22,30 @@ the same code eagerly (CPU tests check it that way, through the Triton interpret
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import SamplingParams
-from engine.cuda_graphs import capture_sizes, graph_size_for
+from engine.cuda_graphs import capture_graphs, capture_sizes, graph_size_for
 from engine.models import LlamaForCausalLM
 from engine.pinned import upload
 from engine.sampler import has_penalty
 
+if TYPE_CHECKING:
+    from engine.runner import HostStaging
+
 __all__ = ["DraftLoopGraphs", "LoopRow"]
 
 
-class LoopRow:
+class LoopRow(NamedTuple):  # NOTE: a NamedTuple: one per drafting request a step
     """One drafting row: where its first fed draft goes and its sampling temperature."""
 
-    __slots__ = ("block_ids", "start", "temperature")
-
-    def __init__(self, start: int, block_ids: Sequence[int], temperature: float) -> None:
-        self.start = start  # position of d_1 (fed in the first captured pass)
-        self.block_ids = block_ids  # covering positions [0, start + num_passes)
-        self.temperature = temperature  # 0.0: greedy
+    start: int  # position of d_1 (fed in the first captured pass)
+    block_ids: Sequence[int]  # covering positions [0, start + num_passes)
+    temperature: float  # 0.0: greedy
 
 
 class DraftLoopGraphs:
@@ -53,6 +54,7 @@ class DraftLoopGraphs:
         model: LlamaForCausalLM,
         kv_caches: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         backend: AttentionBackend,
+        staging: HostStaging,  # the draft runner's: its uploads and this one's never overlap
         num_passes: int,  # K - 1
         max_batch: int,
         max_context: int,
@@ -62,7 +64,7 @@ class DraftLoopGraphs:
             raise ValueError(f"attention backend {backend.name!r} does not support CUDA graphs; use 'triton'")
         if num_passes < 1:
             raise ValueError(f"num_passes={num_passes} must be at least 1 (K >= 2)")
-        self.model, self.kv_caches, self.num_passes = model, kv_caches, num_passes
+        self.model, self.kv_caches, self.staging, self.num_passes = model, kv_caches, staging, num_passes
         self.device = device = kv_caches.device
         self.is_cuda = device.type == "cuda"
         self.sizes = capture_sizes(max_batch)
@@ -87,7 +89,6 @@ class DraftLoopGraphs:
         self.dists = torch.zeros(p, b, vocab, dtype=torch.float32, device=device)
         self._metadata = {size: [self._metadata_for(size, i) for i in range(p)] for size in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._staging = torch.zeros(0, dtype=torch.long, pin_memory=self.is_cuda)
         self.num_runs = 0
 
     def _metadata_for(self, size: int, i: int) -> AttentionMetadata:
@@ -104,10 +105,11 @@ class DraftLoopGraphs:
         )
 
     @staticmethod
-    def serves(params: Sequence[SamplingParams], num_outputs: Sequence[int], num_drafts: Sequence[int]) -> bool:
-        """Whether one run can draft for these rows (see the module docstring): per row its
-        params, its output tokens so far, and how many tokens it drafts (all the same)."""
-        if len(set(num_drafts)) > 1:
+    def serves(params: Sequence[SamplingParams], num_outputs: Sequence[int], num_drafts: Sequence[int], k: int) -> bool:
+        """Whether one run of a loop drafting `k` tokens (num_passes + 1) can draft for these rows
+        (see the module docstring): per row its params, its output tokens so far, and how many tokens
+        it drafts, which must be k (its draft blocks cover no more)."""
+        if any(n != k for n in num_drafts):
             return False
         for sp, n in zip(params, num_outputs):
             if has_penalty(sp) or n < sp.min_tokens:
@@ -130,24 +132,10 @@ class DraftLoopGraphs:
             one_hot = torch.nn.functional.one_hot(argmax, self.vocab_size).to(probs.dtype)
             self.dists[i, :size].copy_(torch.where(greedy.unsqueeze(1), one_hot, probs))
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per batch size, largest first, in one shared pool (CUDA); nothing elsewhere."""
-        if not self.is_cuda:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
-        current = torch.cuda.current_stream(self.device)
-        for size in reversed(self.sizes):
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                self._body(size)  # NOTE: warm-up outside the capture (kernels compile, workspaces allocate)
-            current.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self._body(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+        """One graph per batch size (CUDA; engine/cuda_graphs.capture_graphs); nothing elsewhere."""
+        if self.is_cuda:
+            self._graphs = capture_graphs(self.sizes, self._body, self.device)
 
     @torch.inference_mode()
     def run(
@@ -161,35 +149,31 @@ class DraftLoopGraphs:
         if size is None or any(r.start + p > self.max_context for r in rows):
             return None
         cols = max(-(-(r.start + p) // bs) for r in rows)
-        # One int64 upload: positions [p, n], slots [p, n], block tables [n, cols].
-        values = np.zeros(2 * p * n + n * cols, dtype=np.int64)
-        pos = values[: p * n].reshape(p, n)
-        slots = values[p * n : 2 * p * n].reshape(p, n)
-        tables = values[2 * p * n :].reshape(n, cols)
+        # One int64 upload, padding rows of this size included (position 0, slot -1: nothing stored,
+        # one key of block 0, greedy off): positions, slots and seq_lens [p, size], then the
+        # greedy flags [size] and the block tables [size, cols].
+        values = self.staging.host(3 * p * size + size + size * cols)
+        values.fill(0)
+        pos, slots, lens = (values[i * p * size : (i + 1) * p * size].reshape(p, size) for i in range(3))
+        slots[:] = -1
+        lens[:] = 1
+        greedy = values[3 * p * size : 3 * p * size + size]
+        tables = values[3 * p * size + size :].reshape(size, cols)
         for j, r in enumerate(rows):
             span = np.arange(r.start, r.start + p)
-            pos[:, j] = span
             blocks = np.asarray(r.block_ids[: -(-(r.start + p) // bs)], dtype=np.int64)
-            slots[:, j] = blocks[span // bs] * bs + span % bs
+            pos[:, j], slots[:, j], lens[:, j] = span, blocks[span // bs] * bs + span % bs, span + 1
             tables[j, : len(blocks)] = blocks
-        staged = torch.from_numpy(values)
-        if self.is_cuda:
-            staged = staged.pin_memory().to(self.device, non_blocking=True)
-        self.positions[:, :n].copy_(staged[: p * n].view(p, n))
-        self.slots[:, :n].copy_(staged[p * n : 2 * p * n].view(p, n))
-        self.seq_lens[:, :n].copy_(self.positions[:, :n] + 1)
-        self.block_tables[:n, :cols].copy_(staged[2 * p * n :].view(n, cols))
-        temperatures = [r.temperature if r.temperature > 0 else 1.0 for r in rows]
-        self.temperature[:n].copy_(upload(temperatures, torch.float32, self.device))
-        self.greedy[:n].copy_(upload([r.temperature <= 0 for r in rows], torch.bool, self.device))
+            greedy[j] = r.temperature <= 0
+        staged = self.staging.upload(values.size)
+        self.positions[:, :size].copy_(staged[: p * size].view(p, size))
+        self.slots[:, :size].copy_(staged[p * size : 2 * p * size].view(p, size))
+        self.seq_lens[:, :size].copy_(staged[2 * p * size : 3 * p * size].view(p, size))
+        self.greedy[:size].copy_(staged[3 * p * size : 3 * p * size + size])
+        self.block_tables[:size, :cols].copy_(staged[3 * p * size + size :].view(size, cols))
+        temperatures = [r.temperature if r.temperature > 0 else 1.0 for r in rows] + [1.0] * (size - n)
+        self.temperature[:size].copy_(upload(temperatures, torch.float32, self.device))
         self.first_tokens[:n].copy_(first_tokens)
-        # Padding rows of this size: nothing stored, one key, temperature 1.
-        self.slots[:, n:size].fill_(-1)
-        self.seq_lens[:, n:size].fill_(1)
-        self.block_tables[n:size].zero_()
-        self.temperature[n:size].fill_(1.0)
-        self.greedy[n:size].fill_(False)
-        self.first_tokens[n:size].zero_()
         noise = self.noise[:, :size]
         noise.exponential_(generator=generator)
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # NOTE: as the Sampler's race: no 0/0

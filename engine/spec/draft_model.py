@@ -95,7 +95,9 @@ class DraftModelProposer:
             if k >= 2:
                 limit = ctx.config.disable_above_batch_size
                 max_batch = max(1, min(ctx.max_num_seqs, limit if limit is not None else ctx.max_num_seqs))
-                self.loop = DraftLoopGraphs(self.model, kv, self.backend, k - 1, max_batch, max_seq_tokens + k)
+                self.loop = DraftLoopGraphs(
+                    self.model, kv, self.backend, self.runner.staging, k - 1, max_batch, max_seq_tokens + k
+                )
                 self.loop.capture()
 
     # ---- per-request state
@@ -199,10 +201,9 @@ class DraftModelProposer:
         if self.loop is None:
             return False
         requests = [j.request for j in drafting]
-        if any(r.max_draft_tokens != self.loop.num_passes + 1 for r in requests):
-            return False  # NOTE: the graph drafts exactly K; the blocks cover each request's own K
         num_outputs = [len(r.token_ids) - r.num_prompt_tokens for r in requests]
-        if not self.loop.serves([r.params for r in requests], num_outputs, [r.max_draft_tokens for r in requests]):
+        k = self.loop.num_passes + 1
+        if not self.loop.serves([r.params for r in requests], num_outputs, [r.max_draft_tokens for r in requests], k):
             return False
         rows = [LoopRow(len(j.seq.token_ids), j.seq.block_ids, 0.0 if j.request.params.is_greedy
                         else j.request.params.temperature) for j in drafting]

@@ -24,7 +24,7 @@ from engine.cuda_graphs import (
     plan_graph_step,
 )
 from engine.kv_cache import allocate_kv_tensors
-from engine.models import DEFAULT_MODEL_DIR, build_model
+from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
 from engine.runner import ForwardSeq, HostStaging, ModelRunner
 
 
@@ -204,11 +204,13 @@ def test_graphs_need_a_graph_capable_backend():
 
 
 # ---- the graph path against the eager one (Triton interpreter)
-def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
+def _eager_and_graphed(max_rows: int, seed: int) -> tuple[ModelRunner, ModelRunner, ArchConfig]:
+    """Two runners of the default model on one interpreted Triton backend, over equal KV caches of
+    24 blocks of 4: one eager, one through the graph path (rows up to max_rows, contexts up to 64)."""
     from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
 
-    torch.manual_seed(0)
-    cpu, block_size = torch.device("cpu"), 4
+    torch.manual_seed(seed)
+    cpu = torch.device("cpu")
     model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
     spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
     # Small tiles and splits, so that a 64-token bound splits the decode (static workspace, reduce).
@@ -216,9 +218,15 @@ def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
         decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16, target_programs_per_sm=64
     )
     backend = TritonAttention(spec, config)
-    eager = ModelRunner(model, allocate_kv_tensors(arch, 24, block_size, torch.float32, cpu), backend, cpu)
+    eager = ModelRunner(model, allocate_kv_tensors(arch, 24, 4, torch.float32, cpu), backend, cpu)
     graphed = ModelRunner(model, eager.kv_caches.clone(), backend, cpu)
-    graphed.capture_decode_graphs(max_rows=4, max_context=64)
+    graphed.capture_decode_graphs(max_rows=max_rows, max_context=64)
+    return eager, graphed, arch
+
+
+def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
+    cpu = torch.device("cpu")
+    eager, graphed, arch = _eager_and_graphed(max_rows=4, seed=0)
     graphs = graphed.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
     assert graphs.backend._graph_split_plan(4, cpu)[0] > 1, "the test should cover split-K"
@@ -250,19 +258,7 @@ def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
 def test_graph_rows_of_prompts_and_verifications_equal_the_eager_prefill_kernel(interpreted_kernels):
     """Sequences of several tokens through the graph path (one decode row per position) give the
     logits and KV of the eager path, whose prefill kernel attends them causally in one go."""
-    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
-
-    torch.manual_seed(1)
-    cpu, block_size = torch.device("cpu"), 4
-    model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
-    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
-    config = TritonAttentionConfig(
-        decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16, target_programs_per_sm=64
-    )
-    backend = TritonAttention(spec, config)
-    eager = ModelRunner(model, allocate_kv_tensors(arch, 24, block_size, torch.float32, cpu), backend, cpu)
-    graphed = ModelRunner(model, eager.kv_caches.clone(), backend, cpu)
-    graphed.capture_decode_graphs(max_rows=16, max_context=64)
+    eager, graphed, arch = _eager_and_graphed(max_rows=16, seed=1)
     graphs = graphed.graphs
     assert graphs is not None
 

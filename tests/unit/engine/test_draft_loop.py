@@ -11,7 +11,7 @@ from engine.attention import AttentionSpec
 from engine.config import SamplingParams
 from engine.kv_cache import allocate_kv_tensors
 from engine.models import DEFAULT_MODEL_DIR, build_model
-from engine.runner import ForwardSeq, ModelRunner
+from engine.runner import ForwardSeq, HostStaging, ModelRunner
 from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 
 
@@ -28,7 +28,8 @@ def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
     tables = [[5, 0, 11, 2], [3, 14, 9, 21], [19, 1, 22, 7]]
     prompts = [torch.randint(2, arch.vocab_size, (n,)).tolist() for n in (5, 9, 7)]
     eager.forward([ForwardSeq(t, 0, b, 1) for t, b in zip(prompts, tables)])
-    loop = DraftLoopGraphs(model, eager.kv_caches.clone(), backend, passes, max_batch=4, max_context=16)
+    loop = DraftLoopGraphs(model, eager.kv_caches.clone(), backend, HostStaging(cpu), passes, max_batch=4,
+                           max_context=16)
     assert loop.sizes == [1, 2, 4]
 
     temperatures = [0.0, 0.7, 1.3]  # greedy, then two random rows
@@ -59,14 +60,15 @@ def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
 
 def test_loop_serves_temperature_and_greedy_rows_of_one_draft_length():
     plain, greedy = SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)
-    assert DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 4])
-    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 3])  # draft lengths differ
+    assert DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 4], k=4)
+    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 3], k=4)  # draft lengths differ
+    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [3, 3], k=4)  # fewer than the loop drafts
     for odd in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_k=5),
                 SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, min_p=0.1),
                 SamplingParams(temperature=0.0, repetition_penalty=1.2)):
-        assert not DraftLoopGraphs.serves([plain, odd], [0, 0], [4, 4]), odd
-    assert not DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [2], [4])  # EOS still masked
-    assert DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [5], [4])
+        assert not DraftLoopGraphs.serves([plain, odd], [0, 0], [4, 4], k=4), odd
+    assert not DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [2], [4], k=4)  # EOS masked
+    assert DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [5], [4], k=4)
 
 
 def test_the_proposer_drafts_through_the_loop_with_every_greedy_draft_accepted(interpreted_kernels, make_llm):
@@ -84,8 +86,8 @@ def test_the_proposer_drafts_through_the_loop_with_every_greedy_draft_accepted(i
     arch = proposer.arch
     spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
     backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
-    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, 2, max_batch=4,
-                                    max_context=llm.engine.max_seq_tokens + 3)
+    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, 2,
+                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
     assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
     assert proposer.loop.num_runs > 0
     stats = llm.engine.stats()

@@ -83,15 +83,20 @@ def test_greedy_output_is_unchanged_batched_with_plain_requests(make_llm, method
         assert stats.num_spec_accepted_tokens > 0  # the repeated motifs are found and continued
 
 
-def test_target_as_its_own_draft_accepts_every_greedy_draft(make_llm):
-    prompts = _prompts(1)
-    plain = _tokens(make_llm(block_size=4).generate(prompts, GREEDY))
-    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=5)
+def _own_draft_accepts_every_draft(make_llm, prompts, params, num_draft_tokens: int) -> Any:
+    """The target as its own draft: the tokens of plain decoding, every greedy draft accepted; its stats."""
+    plain = _tokens(make_llm(block_size=4).generate(prompts, params))
+    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=num_draft_tokens)
     llm = make_llm(block_size=4, speculative=spec)
-    assert _tokens(llm.generate(prompts, GREEDY)) == plain
+    assert _tokens(llm.generate(prompts, params)) == plain
     stats = llm.engine.stats()
     assert stats.num_spec_draft_tokens > 0
     assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens and stats.num_spec_rejections == 0
+    return stats
+
+
+def test_target_as_its_own_draft_accepts_every_greedy_draft(make_llm):
+    stats = _own_draft_accepts_every_draft(make_llm, _prompts(1), GREEDY, num_draft_tokens=5)
     assert stats.spec_acceptance_rate == 1.0
     # Each verification yields its drafts plus one: 24 tokens, the first from the prefill.
     assert stats.num_spec_emitted_tokens == 4 * 23
@@ -104,14 +109,8 @@ def test_own_draft_accepts_every_greedy_draft_with_penalties_too(make_llm):
     accepts every greedy draft, so the draft cache holds exactly the tokens drafted."""
     prompts = _prompts(2)
     penalized = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
-    params = [penalized, GREEDY, GREEDY, penalized]
-    plain = _tokens(make_llm(block_size=4).generate(prompts, params))
-    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=4)
-    llm = make_llm(block_size=4, speculative=spec)
-    assert _tokens(llm.generate(prompts, params)) == plain
-    stats = llm.engine.stats()
-    assert stats.num_spec_draft_tokens > 0
-    assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens and stats.num_spec_rejections == 0
+    _own_draft_accepts_every_draft(make_llm, prompts, [penalized, GREEDY, GREEDY, penalized], num_draft_tokens=4)
+
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_with_speculation_gives_same_tokens(make_llm, method, other_draft, prefix_caching):
