@@ -46,6 +46,10 @@ class ClusterConfig(BaseModel):
     )
     lease_ttl_s: float = Field(30.0, gt=0, description="Unclaimed decode leases are freed after this.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer.")
+    kv_messages: int = Field(
+        8, ge=1, description="A prompt's KV goes in up to this many layer groups, each sent while the prefill "
+        "step computes the next (PrefillWorkerConfig.kv_messages); 1: one message after the step.",
+    )
     prefill_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources each prefill worker asks for (and each of its placement-group "

@@ -34,10 +34,11 @@ from pydantic import Field
 from engine import EngineCore, StepOutput
 from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
-from kvtransfer.netaddr import resolve_host
-from kvtransfer import transport_options as kv_transport_options
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
+from kvtransfer import transport_options as kv_transport_options
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
+from kvtransfer.layout import layer_groups
+from kvtransfer.netaddr import resolve_host
 from kvtransfer.protocol import (
     GenerateRequestMsg,
     KvAcceptMsg,
@@ -230,7 +231,7 @@ class DecodeWorker(TransferEndpoint):
         self._bind()
         msg = KvReadyMsg.decode(ready)
         lease = self.leases.get(msg.lease_id)
-        reason = _refusal(lease, msg)
+        reason = _refusal(lease, msg, self.layout.num_layers)
         if reason:
             return KvAcceptMsg(accepted=False, reason=reason).encode()
         assert lease is not None
@@ -239,7 +240,9 @@ class DecodeWorker(TransferEndpoint):
         epoch = self._pair_epochs.get(msg.prefill_worker_id, 0)
         token: torch.Tensor | None = None
         try:
-            handle = self.transport.recv(msg.prefill_worker_id, buf)
+            # One receive a layer group, in the order they are sent (into views of one buffer).
+            handles = [self.transport.recv(msg.prefill_worker_id, buf[first:stop])
+                       for first, stop in layer_groups(layout.num_layers, msg.num_messages)]
             if msg.first_token is None:  # an early handshake: the first token follows the KV
                 token = torch.empty(1, dtype=torch.int64, device=self.loop.engine.device)
                 token_handle: TransferHandle | None = self.transport.recv(msg.prefill_worker_id, token)
@@ -248,17 +251,20 @@ class DecodeWorker(TransferEndpoint):
         except ValueError as err:  # not paired any more (a failed transfer dropped the pair)
             return KvAcceptMsg(accepted=False, reason=str(err), is_unpaired=True).encode()
         lease.state = LeaseState.RECEIVING
-        self._aio.create_task(self._land(msg, lease, buf, handle, epoch, token, token_handle))  # type: ignore[union-attr]
+        self._aio.create_task(self._land(msg, lease, buf, handles, epoch, token, token_handle))  # type: ignore[union-attr]
         return KvAcceptMsg(accepted=True).encode()
 
     async def _land(
-        self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handle: TransferHandle, epoch: int,
+        self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handles: list[TransferHandle], epoch: int,
         token: torch.Tensor | None = None, token_handle: TransferHandle | None = None,
     ) -> None:
         """Waits for the KV (and, after an early handshake, the first token), then scatters it into
         the lease's blocks and joins the request. A first token of -1: nothing to decode (the prefill
         was aborted or its first token ended it), so the lease is freed."""
-        failure = await wait_transfer(handle, self.config.transfer_timeout_s)
+        failure = None
+        for handle in handles:
+            if failure is None:
+                failure = await wait_transfer(handle, self.config.transfer_timeout_s)
         if failure is None and token_handle is not None:
             failure = await wait_transfer(token_handle, self.config.transfer_timeout_s)
         first_token = msg.first_token
@@ -391,7 +397,7 @@ def _local_admission(engine: EngineCore, prompt: list[int], min_cached_tokens: i
     return LocalPrefillReplyMsg(accepted=True, num_cached_tokens=num_cached)
 
 
-def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:
+def _refusal(lease: Lease | None, msg: KvReadyMsg, num_layers: int) -> str:
     if lease is None:
         return f"lease {msg.lease_id!r} is unknown here: it expired or was aborted"
     if lease.is_aborted:
@@ -402,6 +408,8 @@ def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:
         return f"lease {msg.lease_id!r} belongs to request {lease.request_id!r}"
     if msg.num_blocks > len(lease.block_ids):
         return f"{msg.num_blocks} blocks do not fit a lease of {len(lease.block_ids)}"
+    if msg.num_messages > num_layers:
+        return f"num_messages {msg.num_messages} exceeds the {num_layers} layers the KV can split into"
     return ""
 
 

@@ -96,6 +96,9 @@ class KvReadyMsg(Msg):
     # KV over the pair as one int64, -1 meaning there is nothing to decode (free the lease).
     first_token: int | None
     num_blocks: int  # blocks sent: ceil(num_prompt_tokens / block_size)
+    # The KV comes as this many messages, layers split by kvtransfer.layout.layer_groups (the
+    # prefill side sends each group as soon as its step has computed those layers).
+    num_messages: int = Field(1, ge=1)
 
 
 class KvAcceptMsg(Msg):
@@ -122,6 +125,9 @@ class PrefillResultMsg(Msg):
     # gather into one buffer, and the send from the moment the pair's stream reached it.
     gather_device_s: float = 0.0
     send_device_s: float = 0.0
+    # Layer groups the prefill step sent while it computed them (kvtransfer.layout.layer_groups); the
+    # rest went after the step.
+    num_streamed_messages: int = 0
     worker_s: float = 0.0  # from the call's arrival at the prefill worker to its answer (all of the above and more)
 
 

@@ -29,8 +29,10 @@ from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, PairAddress, TransferHandle, create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
+from kvtransfer.layout import layer_groups
 from kvtransfer.netaddr import resolve_host
 from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, LeaseMsg, PrefillResultMsg, PrefillTaskMsg
+from prefill_worker.layer_push import LayerPush, Streamed
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,13 @@ class PrefillWorkerConfig(EndpointConfig):
         "fits one engine step, nothing waits in the engine and no other push to that decode worker is under "
         "way), so the first token does not wait for that round trip after the prefill; the first token then "
         "follows the KV over the pair.",
+    )
+    kv_messages: int = Field(
+        8,
+        ge=1,
+        description="After an early handshake, the prompt's KV goes in this many messages (groups of consecutive "
+        "layers, at most one a layer), each sent as soon as the prefill step has queued its layers, so on a GPU "
+        "the transfer overlaps the rest of the prefill; 1: one message, sent right after the forward.",
     )
 
 
@@ -68,6 +77,8 @@ class PrefillWorker(TransferEndpoint):
         self._pair_epochs: dict[str, int] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
+        self.layer_push = LayerPush(self.transport, engine.runner.kv_caches)
+        engine.layer_hook = self.layer_push.hook
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
         self.loop.start()
 
@@ -78,7 +89,8 @@ class PrefillWorker(TransferEndpoint):
         for out in outputs:
             # The prompt's KV into one buffer now, queued right behind the step that computed it,
             # rather than in a command the engine thread runs later.
-            if out.kv_block_ids and out.finish_reason != "abort" and out.request_id in self._live:
+            if (out.kv_block_ids and out.finish_reason != "abort" and out.request_id in self._live
+                    and not self.layer_push.is_claimed(out.request_id)):  # NOTE: a claimed one's KV went already
                 gathered[out.request_id] = self._gather(out)
         self._aio.call_soon_threadsafe(self._resolve, outputs, gathered)
 
@@ -135,6 +147,7 @@ class PrefillWorker(TransferEndpoint):
             self._aborted.discard(rid)
             self._gathered.pop(rid, None)
             self._leases.pop(rid, None)
+            # NOTE: its layer push (if offered) is closed by whichever of _push and _settle sends the rest
 
     async def attach_lease(self, request_id: str, lease: bytes, decode_worker: Any) -> bool:
         """The lease of a prefill that started without one (the router reserves it meanwhile):
@@ -221,11 +234,15 @@ class PrefillWorker(TransferEndpoint):
             lock = self._pair_locks.get(lease.decode_worker_id)
             if lock is not None and lock.locked():
                 return None
+            num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
             ready = KvReadyMsg(
                 lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=msg.request, first_token=None,
-                num_blocks=-(-len(msg.request.prompt_token_ids) // self.block_size),
+                num_blocks=num_blocks, num_messages=min(self.config.kv_messages, self.layer_push.num_layers),
             )
-            return await self._handshake(lease.decode_worker_id, decode_worker, ready)
+            handshake = await self._handshake(lease.decode_worker_id, decode_worker, ready)
+            if handshake.decode_id is not None:
+                self.layer_push.offer(msg.request.request_id, handshake.decode_id, num_blocks, ready.num_messages)
+            return handshake
 
         return asyncio.ensure_future(run())
 
@@ -248,13 +265,13 @@ class PrefillWorker(TransferEndpoint):
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
             if isinstance(err, asyncio.CancelledError):
                 raise
-            return _Early(None, f"KV push to {decode_id} failed: {type(err).__name__}: {err}", epoch, lock)
+            return _Early(None, f"KV push to {decode_id} failed: {type(err).__name__}: {err}", epoch, lock, 1)
         if not accept.accepted:
             lock.release()
             if accept.is_unpaired and self._pair_epochs.get(decode_id) == epoch:
                 self.transport.drop(decode_id)  # the decode side lost the pair: form it again next time
-            return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock)
-        return _Early(decode_id, None, epoch, lock)
+            return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock, 1)
+        return _Early(decode_id, None, epoch, lock, ready.num_messages)
 
     def _settle(self, early: asyncio.Task[_Early | None] | None, msg: PrefillTaskMsg) -> None:
         """An early handshake whose push will not come (the prefill failed or was cancelled): in the
@@ -267,27 +284,35 @@ class PrefillWorker(TransferEndpoint):
         async def settle() -> None:
             handshake = await early
             if handshake is not None:
-                await self._send(handshake, None, -1, num_blocks)
+                streamed = self.layer_push.close(msg.request.request_id)
+                await self._send(handshake, None, -1, num_blocks, streamed)
 
         asyncio.ensure_future(settle())
 
     async def _send(
-        self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int
+        self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int,
+        streamed: Streamed | None = None,
     ) -> tuple[str | None, float]:
-        """After an accepted handshake: sends the KV (`buf`, or a stand-in of its size) and then
-        `token` (None: it went with KvReady), releases the pair, and waits for both. Returns what went
-        wrong (None: nothing; a refused handshake's failure as is) and the KV send's device seconds."""
+        """After an accepted handshake: sends the KV's layer groups that the engine thread did not
+        (`streamed`: what it did; `buf`, else the streamed buffer, else a stand-in of the KV's size)
+        and then `token` (None: it went with KvReady), releases the pair, and waits for all. Returns
+        what went wrong (None: nothing; a refused handshake's failure as is) and the KV sends' device
+        seconds."""
         decode_id = handshake.decode_id
         if decode_id is None:
             return handshake.failure, 0.0
         device = self.loop.engine.device
-        handles: list[TransferHandle] = []
+        handles: list[TransferHandle] = list(streamed.handles) if streamed is not None else []
         failure: str | None = None
         try:
-            if buf is None:
-                layout = self.transport.layout
-                buf = torch.empty(layout.buffer_shape(num_blocks), dtype=layout.torch_dtype, device=device)
-            handles.append(self.transport.send(decode_id, buf))
+            groups = layer_groups(self.layer_push.num_layers, handshake.num_messages)
+            if len(handles) < len(groups):
+                if buf is None and streamed is not None:
+                    buf = streamed.buffer
+                if buf is None:
+                    layout = self.transport.layout
+                    buf = torch.empty(layout.buffer_shape(num_blocks), dtype=layout.torch_dtype, device=device)
+                handles.extend(self.transport.send(decode_id, buf[first:stop]) for first, stop in groups[len(handles):])
             if token is not None:
                 handles.append(self.transport.send(decode_id, upload([token], torch.int64, device)))
         except Exception as err:  # noqa: BLE001 - this request's failure
@@ -301,7 +326,8 @@ class PrefillWorker(TransferEndpoint):
             if self._pair_epochs.get(decode_id) == handshake.epoch:
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
             return f"KV push to {decode_id} {failure}", 0.0
-        return None, handles[0].device_seconds() or 0.0
+        kv_handles = handles[: len(groups)]
+        return None, sum(h.device_seconds() or 0.0 for h in kv_handles)
 
     async def _push(
         self, task: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None = None
@@ -338,21 +364,33 @@ class PrefillWorker(TransferEndpoint):
                 first_token=token, num_blocks=num_blocks,
             )
             handshake, token = await self._handshake(lease.decode_worker_id, decode_worker, ready), None
-        gathered = self._gathered.pop(rid, None) if decode else None
-        if decode and gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
-            blocks = (out.kv_block_ids or [])[:num_blocks]
-            gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
-        buf = gathered.buffer if gathered is not None else None
+        # NOTE: closed before anything else goes on the pair: the engine thread sends nothing more for it.
+        streamed = self.layer_push.close(rid) if early is not None else None
+        gathered = self._gathered.pop(rid, None)
+        buf: torch.Tensor | None = None
+        if streamed is not None and streamed.was_claimed:
+            buf = streamed.buffer  # the step gathered (and sent) its layer groups as it computed them
+        elif decode:
+            if gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
+                blocks = (out.kv_block_ids or [])[:num_blocks]
+                gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
+            buf = gathered.buffer
         # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
-        failure, send_s = await asyncio.shield(asyncio.ensure_future(self._send(handshake, buf, token, num_blocks)))
+        failure, send_s = await asyncio.shield(
+            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed))
+        )
         if not decode:
             return self._undecoded(result, aborted, finish)
         if failure is not None:
             return PrefillResultMsg(**result, error=failure)
-        assert gathered is not None and buf is not None
+        assert buf is not None
+        if streamed is not None and streamed.was_claimed:
+            gather_s = streamed.gather_device_seconds()
+        else:
+            gather_s = gathered.device_seconds() if gathered is not None else 0.0
         return PrefillResultMsg(
-            **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gathered.device_seconds(),
-            send_device_s=send_s,
+            **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gather_s, send_device_s=send_s,
+            num_streamed_messages=len(streamed.handles) if streamed is not None else 0,
         )
 
     @staticmethod
@@ -458,6 +496,7 @@ class _Early(NamedTuple):
     failure: str | None
     epoch: int
     lock: asyncio.Lock
+    num_messages: int  # the KV's layer groups the decode side posted receives for
 
 
 def _log_failure(done: Any) -> None:

@@ -49,10 +49,10 @@ def _record_steps(llm: LLM) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     execute = llm.engine.runner.execute
 
-    def recording(scheduled):  # type: ignore[no-untyped-def]
+    def recording(scheduled, *args):  # type: ignore[no-untyped-def]
         spec = sum(1 for s in scheduled if s.num_spec_tokens)
         seen.append((spec, len(scheduled) - spec))
-        return execute(scheduled)
+        return execute(scheduled, *args)
 
     llm.engine.runner.execute = recording  # type: ignore[method-assign]
     return seen

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -152,6 +153,62 @@ def test_no_room_at_first_stops_the_prefill_and_waits_for_a_lease():
         assert tokens == offline
         # Both started beside their lease; one found no room and went again with its lease.
         assert sorted(calls) == [False, False, True], calls
+        assert await _held([prefill, decode]) == [0, 0]
+        await _shutdown([prefill, decode])
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kv_messages", [1, 2])
+def test_kv_goes_layer_group_by_group_during_the_prefill_step(kv_messages):
+    """After an early handshake the prefill step itself sends the KV, a layer group as soon as its
+    layers are computed (PrefillWorkerConfig.kv_messages; the default model has 2 layers), and the
+    tokens are the offline engine's. The race between the handshake and the step is settled here by
+    holding the step until the offer is there (a real step that starts first sends after it)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(4, seed=11)
+    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+
+    async def main():
+        workers, (prefill, decode) = _build()
+        prefill.config = prefill.config.model_copy(update={"kv_messages": kv_messages})
+        push = prefill.layer_push
+        sent_at: list[tuple[int, int]] = []  # (layers computed, groups sent so far) at each hook call
+
+        def hook(scheduled):
+            for s in scheduled:
+                deadline = time.monotonic() + 5.0
+                while s.will_sample and s.request.request_id not in push._streams and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            on_layers = push.hook(scheduled)
+            if on_layers is None:
+                return None
+            rid = next(s.request.request_id for s in scheduled if push.is_claimed(s.request.request_id))
+
+            def spy(num_done):
+                on_layers(num_done)
+                sent_at.append((num_done, len(push._streams[rid].handles)))
+
+            return spy
+
+        prefill.loop.engine.layer_hook = hook
+        results = []
+        prefill_call = prefill.prefill
+
+        async def recording(task: bytes, decode_worker=None) -> bytes:
+            from kvtransfer.protocol import PrefillResultMsg
+
+            answer = await prefill_call(task, decode_worker)
+            results.append(PrefillResultMsg.decode(answer))
+            return answer
+
+        prefill.prefill = recording  # type: ignore[method-assign]
+        tokens = [(await _run_all(workers, [p], params))[0] for p in prompts]  # one at a time: early handshakes
+        assert tokens == offline
+        assert [r.num_streamed_messages for r in results] == [kv_messages] * len(prompts)
+        # With two groups, the first went after layer 1 of 2, before the step ended.
+        want = [(1, 1), (2, 2)] if kv_messages == 2 else [(1, 0), (2, 1)]
+        assert sent_at == want * len(prompts)
         assert await _held([prefill, decode]) == [0, 0]
         await _shutdown([prefill, decode])
 
