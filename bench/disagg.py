@@ -11,6 +11,9 @@ Measures, per model shape (dummy weights), in one run:
   - the transfer itself on the GPU (CUDA events): the gather into one buffer, and the send from
     the moment the pair's stream reaches it (the receiver has posted its recv by then), and their
     bandwidth against the same raw figure.
+Disaggregated runs twice: the KV in one message after the prefill step (`kv_messages` 1: the
+bandwidth figures above come from it) and in `--kv-messages` layer groups sent while the step
+computes (the default; its TTFT is the disaggregated figure, "ttft_overhead").
 Writes JSON and a PNG with the device name. Needs Ray and 2 GPUs.
 
     python -m bench.disagg --shapes qwen3-0.6b,llama-3.1-8b --out bench/results
@@ -111,6 +114,7 @@ async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts
             statistics.median(legs["prefill_leg_s"][warm:]) if legs["prefill_leg_s"][warm:] else None
         ),
         "held_blocks_after": held,
+        "num_streamed_messages": [r.num_streamed_messages for r in results[warm:]],
     }
 
 
@@ -125,6 +129,8 @@ def main() -> None:
     parser.add_argument("--transport", default="nccl")
     parser.add_argument("--shapes-dir", type=Path, default=SHAPES)
     parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
+    parser.add_argument("--kv-messages", type=int, default=ClusterConfig.model_fields["kv_messages"].default,
+                        help="layer groups of the streamed disaggregated run")
     args = parser.parse_args()
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     on_gpu = args.device != "cpu"
@@ -141,19 +147,25 @@ def main() -> None:
         prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
         ttft_prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_ttft + 2)]
         modes = {}
-        for mode in ("colocated", "disaggregated"):
-            config = ClusterConfig(engine=engine, mode=mode, num_prefill=1, num_decode=1, transport=args.transport)
-            modes[mode] = asyncio.run(run_mode(config, prompts, ttft_prompts))
-            print(shape, mode, {k: v for k, v in modes[mode].items() if k not in ("tokens", "ttft_s")}, flush=True)
-        d, c = modes["disaggregated"], modes["colocated"]
+        runs = {"colocated": ("colocated", 1), "disaggregated_one_message": ("disaggregated", 1),
+                "disaggregated": ("disaggregated", args.kv_messages)}
+        for name, (mode, kv_messages) in runs.items():
+            config = ClusterConfig(engine=engine, mode=mode, num_prefill=1, num_decode=1, transport=args.transport,
+                                   kv_messages=kv_messages)
+            modes[name] = asyncio.run(run_mode(config, prompts, ttft_prompts))
+            print(shape, name, {k: v for k, v in modes[name].items() if k not in ("tokens", "ttft_s")}, flush=True)
+        # NOTE: bandwidth from the one-message run (a streamed push's sends are spread over the step)
+        d, c, streamed = modes["disaggregated_one_message"], modes["colocated"], modes["disaggregated"]
         raw, raw_device = raw_bandwidths([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
         push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
         transfer_gbps = d["push_bytes"] / d["transfer_device_median_s"] / 1e9 if d["transfer_device_median_s"] else None
         send_gbps = d["push_bytes"] / d["send_device_median_s"] / 1e9 if d["send_device_median_s"] else None
         report["shapes"][shape] = {
             "modes": modes,
-            "same_tokens": d["tokens"] == c["tokens"],
-            "ttft_overhead": d["ttft_median_s"] / c["ttft_median_s"] - 1,
+            "same_tokens": d["tokens"] == c["tokens"] == streamed["tokens"],
+            "kv_messages": args.kv_messages,
+            "ttft_overhead": streamed["ttft_median_s"] / c["ttft_median_s"] - 1,
+            "ttft_overhead_one_message": d["ttft_median_s"] / c["ttft_median_s"] - 1,
             "push_gbps": push_gbps,
             "raw_gbps_same_size": raw,
             "push_fraction_of_raw": push_gbps / raw,
@@ -185,9 +197,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     shapes = list(report["shapes"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(shapes))
-    for offset, mode in ((-0.2, "colocated"), (0.2, "disaggregated")):
+    for offset, mode in ((-0.27, "colocated"), (0.0, "disaggregated_one_message"), (0.27, "disaggregated")):
+        label = {"disaggregated": "disaggregated, KV sent during the prefill"}.get(mode, mode)
         ax1.bar([i + offset for i in x], [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes],
-                width=0.4, label=mode)
+                width=0.27, label=label)
     ax1.set_xticks(list(x), shapes)
     ax1.set_ylabel(f"TTFT ms (median, {report['prompt_len']}-token prompts)")
     ax1.legend()

@@ -14,13 +14,14 @@
 #   http    (one GPU): 256 HTTP streams vs the offline engine and the router's TTFT overhead, for each
 #           Serve variant (proxy, throughput-optimized, direct ingress), with the
 #           CPU each process spent (carry the proto files).
-#   pair    (nvidia-h200-x2): NCCL transport tests, the decode worker killed mid-transfer over NCCL
-#           (bench.nccl_kill), 1P1D over NCCL vs colocated (tokens, TTFT, KV push bandwidth vs raw NCCL
-#           send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
+#   pair    (nvidia-h200-x2): NCCL transport and layer-push tests, 1P1D over NCCL vs colocated (tokens,
+#           TTFT with the KV in one message and in layer groups sent during the prefill, KV push
+#           bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
+#   nccl_kill (nvidia-h200-x2): the decode worker killed mid-transfer over NCCL (bench.nccl_kill).
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
-#   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it;
-#           static vs continuous batching with 128 requests.
+#   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it
+#           with a profile of a batch-1 step, plain and speculative.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
@@ -30,7 +31,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|pair|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|pair|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -62,9 +63,11 @@ case "$part" in
     run 590 python3 -m bench.http_vs_offline --variants proxy,direct,tput --out "$out"
     ;;
   pair)
-    run 120 python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/unit/kvtransfer -m gpu tests/unit/kvtransfer
+    run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
+    run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 8 --iters 10 --out "$out"
+    ;;
+  nccl_kill)
     run 200 python3 -m bench.nccl_kill --out "$out"
-    run 230 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 6 --iters 10 --out "$out"
     ;;
   goodput)
     run 570 python3 -m bench.goodput --out "$out"
@@ -90,9 +93,7 @@ case "$part" in
     run 150 python3 -m bench.train_models --out /tmp/pair --size gpu --set max_target_steps=250 \
       --set max_draft_steps=600 --quiet
     run 300 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
-      --text /tmp/pair/held_out.txt --ks 4 --dtype bfloat16 --out "$out"
-    run 120 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 \
-      --num-requests 128 --repeats 3 --out "$out/batching128"
+      --text /tmp/pair/held_out.txt --ks 4 --dtype bfloat16 --profile --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -1,23 +1,25 @@
 """LayerPush: sends a prompt's KV layer group by layer group while the step that computes the prompt
 is still running, so on a GPU the transfer overlaps the rest of the prefill instead of following it.
 
-The prefill worker offers a request once its early handshake was accepted (the decode worker has
-posted one receive per layer group, then one for the first token). The engine thread, about to run
-the step that completes that prompt, claims the offer (`hooks`) and, each time the forward has
-queued the layers of a group, gathers them into the group's slice of one buffer (on a side stream,
-after an event on the compute stream) and sends that slice. The worker's asyncio side then `close`s
-the request: from then on the engine thread sends nothing more for it, and what it sent (and how
-many groups) is returned, so the asyncio side sends whatever groups are missing (a stand-in after a
-failed step) and then the first token, in the order the decode worker receives them.
+A request's life here, for a prompt whose handshake starts early (before its computation):
+  expect   (asyncio thread, before the prompt is queued) the prompt's KV will go in these groups;
+  claim    (engine thread, `hook`, as the step that completes the prompt starts) a buffer for it;
+           then, as the forward queues each layer, an event (CUDA) marks layers [0, n) as written;
+  offer    (asyncio thread, once the decode worker has posted one receive per group) where to;
+  close    (asyncio thread, before anything else goes on the pair for it) the engine thread's part
+           ends; what was sent is returned, so the caller sends the rest and then the first token.
+Each group is gathered (on a side stream, after the event of its last layer) and sent as soon as it
+is both written and offered, by whichever thread learns of the second: the engine thread in the
+forward, or the asyncio thread when the handshake completes after the forward has queued layers.
+The handshake usually completes a few milliseconds into the step, so the groups of the layers
+queued by then go at once and the rest as they are queued.
 
-Threads: `offer` and `close` run on the asyncio thread, the hook on the engine thread; one lock
-guards every stream's state and is held across each send (sends never block), so a close never
-interleaves its sends with the engine thread's on a pair.
+Threads: one lock guards every request's state and is held across each send (sends never block),
+so a close never interleaves its own sends with another thread's on a pair.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,25 +35,20 @@ from kvtransfer.layout import gather_layers, layer_groups
 __all__ = ["LayerPush", "Streamed"]
 
 
-class _State(enum.Enum):
-    OFFERED = "offered"  # the decode side waits for the groups; no step has claimed the request yet
-    CLAIMED = "claimed"  # the engine thread sends groups as its step computes them
-    CLOSED = "closed"  # the asyncio side owns whatever is left to send
-
-
 @dataclass
 class Streamed:
-    """What the engine thread did for one request: the buffer its groups were gathered into (None if
-    never claimed) and the handles of the groups it sent, in order."""
+    """One request's layer push."""
 
-    decode_id: str
     num_blocks: int
-    groups: list[tuple[int, int]]
-    state: _State = _State.OFFERED
-    buffer: torch.Tensor | None = None
+    groups: list[tuple[int, int]]  # layer ranges, in the order they are sent
+    decode_id: str | None = None  # set by offer: the decode worker has posted its receives
+    buffer: torch.Tensor | None = None  # set by the claim (the step completing the prompt)
     index: torch.Tensor | None = None  # the prompt's block ids on the device
-    handles: list[TransferHandle] = field(default_factory=list)
+    # (n, event): layers [0, n) written once the event has completed (None on the CPU: written)
+    written: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)
+    handles: list[TransferHandle] = field(default_factory=list)  # the groups sent, in order
     gather_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    is_closed: bool = False
 
     @property
     def was_claimed(self) -> bool:
@@ -76,11 +73,20 @@ class LayerPush:
         self._side = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
     # ---- the asyncio side
-    def offer(self, request_id: str, decode_id: str, num_blocks: int, num_messages: int) -> None:
-        """The decode worker has posted receives for `num_messages` layer groups of `num_blocks`
-        blocks; the step that completes the prompt may send them."""
+    def expect(self, request_id: str, num_blocks: int, num_messages: int) -> None:
+        """The prompt's KV will go in `num_messages` layer groups of `num_blocks` blocks: the step that
+        completes it keeps track of its layers. Before the prompt is queued."""
         with self._lock:
-            self._streams[request_id] = Streamed(decode_id, num_blocks, layer_groups(self.num_layers, num_messages))
+            self._streams[request_id] = Streamed(num_blocks, layer_groups(self.num_layers, num_messages))
+
+    def offer(self, request_id: str, decode_id: str) -> None:
+        """The decode worker `decode_id` has posted the receives: the groups written go now, the rest
+        as they are written."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and not stream.is_closed:
+                stream.decode_id = decode_id
+                self._pump(stream)
 
     def is_claimed(self, request_id: str) -> bool:
         with self._lock:
@@ -88,54 +94,69 @@ class LayerPush:
             return stream is not None and stream.was_claimed
 
     def close(self, request_id: str) -> Streamed | None:
-        """Ends the engine thread's part for the request (idempotent): its stream, or None if it was
-        never offered. Call it before sending anything else on the pair for this request."""
+        """Ends the engine thread's part for the request (idempotent). Returns its push if it was
+        offered (its `handles` are the groups sent so far), else None (nothing was sent)."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.state = _State.CLOSED
-            return stream
+            if stream is None:
+                return None
+            stream.is_closed = True
+            return stream if stream.decode_id is not None else None
 
     # ---- the engine thread
     def hook(self, scheduled: Sequence[ScheduledRequest]) -> OnLayers | None:
-        """EngineCore.layer_hook: claims the offered requests whose prompt this step completes."""
+        """EngineCore.layer_hook: claims the expected requests whose prompt this step completes."""
         if not self._streams:  # NOTE: a racy read, only to skip the lock on most steps
             return None
         claimed: list[tuple[Streamed, list[int]]] = []
         with self._lock:
             for s in scheduled:
                 stream = self._streams.get(s.request.request_id)
-                if stream is None or stream.state is not _State.OFFERED or not s.will_sample:
+                if stream is None or stream.was_claimed or not s.will_sample:
                     continue
-                stream.state = _State.CLAIMED
                 claimed.append((stream, list(s.request.block_ids[: stream.num_blocks])))
         if not claimed:
             return None
         for stream, block_ids in claimed:
             with self._on_side():  # NOTE: the buffer's first use is on the side stream (the allocator's rule)
                 shape = (*self.kv.shape[:2], len(block_ids), *self.kv.shape[3:])
-                stream.buffer = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
-                stream.index = upload(block_ids, torch.long, self.kv.device)
+                index = upload(block_ids, torch.long, self.kv.device)
+                buffer = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
+            with self._lock:
+                stream.index, stream.buffer = index, buffer
         streams = [stream for stream, _ in claimed]
 
-        def on_layers(num_done: int) -> None:
+        def on_layers(num_written: int) -> None:
+            written = None
+            if self._side is not None:
+                written = torch.cuda.Event()
+                written.record()  # the compute stream, past layers [0, num_written)
             with self._lock:
                 for stream in streams:
-                    while (stream.state is _State.CLAIMED and len(stream.handles) < len(stream.groups)
-                           and stream.groups[len(stream.handles)][1] <= num_done):
-                        self._send_group(stream, *stream.groups[len(stream.handles)])
+                    stream.written.append((num_written, written))
+                    self._pump(stream)
 
         return on_layers
 
-    def _send_group(self, stream: Streamed, first: int, stop: int) -> None:  # engine thread, lock held
-        assert stream.buffer is not None and stream.index is not None
+    # ---- either thread, the lock held
+    def _pump(self, stream: Streamed) -> None:
+        """Sends the groups that are written, in order, once offered and claimed."""
+        while (stream.decode_id is not None and stream.buffer is not None and not stream.is_closed
+               and len(stream.handles) < len(stream.groups)):
+            first, stop = stream.groups[len(stream.handles)]
+            written = next((w for w in stream.written if w[0] >= stop), None)
+            if written is None:
+                return
+            self._send_group(stream, first, stop, written[1])
+
+    def _send_group(self, stream: Streamed, first: int, stop: int, written: torch.cuda.Event | None) -> None:
+        assert stream.buffer is not None and stream.index is not None and stream.decode_id is not None
         if self._side is None:
             gather_layers(self.kv, stream.index, stream.buffer, first, stop)
             stream.handles.append(self.transport.send(stream.decode_id, stream.buffer[first:stop]))
             return
-        computed = torch.cuda.Event()
-        computed.record()  # the compute stream, past layers [0, stop)
-        self._side.wait_event(computed)
+        assert written is not None
+        self._side.wait_event(written)
         with torch.cuda.stream(self._side):
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()

@@ -223,25 +223,32 @@ class PrefillWorker(TransferEndpoint):
 
     def _early_handshake(self, msg: PrefillTaskMsg) -> asyncio.Task[_Early | None]:
         """Starts the handshake now, beside the prompt's computation: KvReady without the first token,
-        as soon as the lease is known. None: no early handshake (a push to that decode worker holds
-        the pair, or no lease came)."""
+        as soon as the lease is known; once accepted, the KV's layer groups go as the step writes them
+        (LayerPush). None: no early handshake (a push to that decode worker holds the pair, or no
+        lease came)."""
+        rid = msg.request.request_id
+        num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
+        num_messages = min(self.config.kv_messages, self.layer_push.num_layers)
+        self.layer_push.expect(rid, num_blocks, num_messages)  # NOTE: before the prompt is queued
 
         async def run() -> _Early | None:
+            handshake = None
             try:
-                lease, decode_worker = await self._lease(msg.request.request_id)
+                lease, decode_worker = await self._lease(rid)
+                lock = self._pair_locks.get(lease.decode_worker_id)
+                if lock is None or not lock.locked():
+                    ready = KvReadyMsg(
+                        lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=msg.request,
+                        first_token=None, num_blocks=num_blocks, num_messages=num_messages,
+                    )
+                    handshake = await self._handshake(lease.decode_worker_id, decode_worker, ready)
             except TimeoutError:
-                return None  # the push reports it
-            lock = self._pair_locks.get(lease.decode_worker_id)
-            if lock is not None and lock.locked():
-                return None
-            num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
-            ready = KvReadyMsg(
-                lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=msg.request, first_token=None,
-                num_blocks=num_blocks, num_messages=min(self.config.kv_messages, self.layer_push.num_layers),
-            )
-            handshake = await self._handshake(lease.decode_worker_id, decode_worker, ready)
-            if handshake.decode_id is not None:
-                self.layer_push.offer(msg.request.request_id, handshake.decode_id, num_blocks, ready.num_messages)
+                pass  # no lease: the push reports it
+            finally:
+                if handshake is not None and handshake.decode_id is not None:
+                    self.layer_push.offer(rid, handshake.decode_id)
+                else:
+                    self.layer_push.close(rid)  # nothing goes early: the push gathers and sends itself
             return handshake
 
         return asyncio.ensure_future(run())

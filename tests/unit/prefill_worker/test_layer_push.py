@@ -1,7 +1,7 @@
 """LayerPush (prefill_worker/layer_push.py) over real transports (local, gloo; nccl on two GPUs): a
-claimed request's layer groups are gathered and sent while the step's forward runs, each as soon as
-its layers are computed; `close` stops the engine thread's sends; only offered requests whose prompt
-the step completes are claimed."""
+claimed request's layer groups are gathered and sent while the step's forward runs, each once its
+layers are written and the decode side has posted its receives (whichever comes second); `close`
+stops the sends; only expected requests whose prompt the step completes are claimed."""
 
 from __future__ import annotations
 
@@ -40,22 +40,29 @@ def _wait(handles) -> None:
         assert handle.wait(WAIT_S)
 
 
-def test_each_group_goes_when_its_layers_are_computed(pair) -> None:
+def _post_recvs(builder: Builder, b, num_blocks: int, num_messages: int):
+    landing = torch.zeros(LAYOUT.buffer_shape(num_blocks), device=builder.device(1))
+    groups = layer_groups(LAYOUT.num_layers, num_messages)
+    return landing, [b.recv("prefill-0", landing[first:stop]) for first, stop in groups]
+
+
+@pytest.mark.parametrize("offered_after_layers", [0, 3], ids=["offered-first", "offered-mid-forward"])
+def test_each_group_goes_once_written_and_offered(pair, offered_after_layers: int) -> None:
     builder, a, b = pair
     kv = builder.kv(0, LAYOUT)
     blocks = [7, 2, 11]
     groups = layer_groups(LAYOUT.num_layers, 3)  # [0, 1), [1, 3), [3, 5)
-    landing = torch.zeros(LAYOUT.buffer_shape(len(blocks)), device=builder.device(1))
-    recvs = [b.recv("prefill-0", landing[first:stop]) for first, stop in groups]
+    landing, recvs = _post_recvs(builder, b, len(blocks), 3)
     push = LayerPush(a, kv)
-    push.offer("r", "decode-0", len(blocks), 3)
+    push.expect("r", len(blocks), 3)
     on_layers = push.hook([_scheduled("other", [1]), _scheduled("r", [*blocks, 30])])
     assert on_layers is not None and push.is_claimed("r")
     expected = gather_blocks(kv, blocks).cpu()
     sent_after: list[int] = []
     for layer in range(LAYOUT.num_layers):
-        # The step "computes" layer `layer` (its KV is in place), then hears of it.
-        on_layers(layer + 1)
+        if layer == offered_after_layers:
+            push.offer("r", "decode-0")  # the handshake completes (on the asyncio thread)
+        on_layers(layer + 1)  # the step has written layer `layer`
         num_sent = len(push._streams["r"].handles)
         sent_after.append(num_sent)
         # Overwrite the layers already sent: what arrives must be what was there when their group
@@ -64,7 +71,9 @@ def test_each_group_goes_when_its_layers_are_computed(pair) -> None:
             if kv.is_cuda:  # NOTE: the gathers run on a side stream; a real step never writes sent layers
                 torch.cuda.synchronize(kv.device)
             kv[: groups[num_sent - 1][1], :, blocks] = -1.0
-    assert sent_after == [1, 1, 2, 2, 3]
+    # Offered first: each group as its last layer is written. Offered after 3 layers: the two
+    # groups written by then go at the offer, the last when written.
+    assert sent_after == ([1, 1, 2, 2, 3] if offered_after_layers == 0 else [0, 0, 0, 2, 3])
     streamed = push.close("r")
     assert streamed is not None and streamed.was_claimed and len(streamed.handles) == 3
     _wait(streamed.handles)
@@ -73,21 +82,38 @@ def test_each_group_goes_when_its_layers_are_computed(pair) -> None:
     assert push.close("r") is None  # idempotent
 
 
-def test_close_stops_the_engine_threads_sends(pair) -> None:
+def test_an_offer_after_the_forward_sends_every_group_at_once(pair) -> None:
     builder, a, b = pair
     kv = builder.kv(0, LAYOUT)
-    landing = torch.zeros(LAYOUT.buffer_shape(2), device=builder.device(1))
-    groups = layer_groups(LAYOUT.num_layers, LAYOUT.num_layers)
-    recvs = [b.recv("prefill-0", landing[first:stop]) for first, stop in groups]
+    landing, recvs = _post_recvs(builder, b, 2, 2)
     push = LayerPush(a, kv)
-    push.offer("r", "decode-0", 2, LAYOUT.num_layers)
+    push.expect("r", 2, 2)
+    on_layers = push.hook([_scheduled("r", [3, 4])])
+    assert on_layers is not None
+    for n in range(1, LAYOUT.num_layers + 1):
+        on_layers(n)
+    push.offer("r", "decode-0")
+    streamed = push.close("r")
+    assert streamed is not None and len(streamed.handles) == 2
+    _wait(streamed.handles)
+    _wait(recvs)
+    assert torch.equal(landing.cpu(), gather_blocks(kv, [3, 4]).cpu())
+
+
+def test_close_stops_the_sends_and_the_caller_sends_the_rest(pair) -> None:
+    builder, a, b = pair
+    kv = builder.kv(0, LAYOUT)
+    groups = layer_groups(LAYOUT.num_layers, LAYOUT.num_layers)
+    landing, recvs = _post_recvs(builder, b, 2, LAYOUT.num_layers)
+    push = LayerPush(a, kv)
+    push.expect("r", 2, LAYOUT.num_layers)
+    push.offer("r", "decode-0")
     on_layers = push.hook([_scheduled("r", [3, 4])])
     assert on_layers is not None
     on_layers(2)
     streamed = push.close("r")  # e.g. the step failed after two layers: the asyncio side takes over
     on_layers(LAYOUT.num_layers)
     assert streamed is not None and len(streamed.handles) == 2
-    # The asyncio side sends the remaining groups (here from the same buffer) in order.
     assert streamed.buffer is not None
     rest = [a.send("decode-0", streamed.buffer[first:stop]) for first, stop in groups[2:]]
     _wait([*streamed.handles, *rest])
@@ -95,14 +121,17 @@ def test_close_stops_the_engine_threads_sends(pair) -> None:
     assert torch.equal(landing[:2].cpu(), gather_blocks(kv, [3, 4])[:2].cpu())
 
 
-def test_only_offered_requests_whose_prompt_completes_are_claimed(pair) -> None:
+def test_only_expected_requests_whose_prompt_completes_are_claimed(pair) -> None:
     builder, a, _ = pair
     push = LayerPush(a, builder.kv(0, LAYOUT))
-    assert push.hook([_scheduled("r", [1])]) is None  # nothing offered
-    push.offer("r", "decode-0", 1, 1)
+    assert push.hook([_scheduled("r", [1])]) is None  # nothing expected
+    push.expect("r", 1, 1)
     assert push.hook([_scheduled("r", [1], will_sample=False)]) is None  # a chunk short of the prompt's end
     assert push.hook([_scheduled("s", [1])]) is None  # another request
     assert not push.is_claimed("r")
-    streamed = push.close("r")  # offered, never claimed: the asyncio side sends everything
+    push.offer("r", "decode-0")
+    streamed = push.close("r")  # offered, never claimed: the caller sends everything
     assert streamed is not None and not streamed.was_claimed and streamed.handles == []
     assert push.hook([_scheduled("r", [1])]) is None  # closed: a later step cannot claim it
+    push.expect("t", 1, 1)
+    assert push.close("t") is None  # never offered (the handshake failed): nothing was sent

@@ -164,7 +164,8 @@ def test_kv_goes_layer_group_by_group_during_the_prefill_step(kv_messages):
     """After an early handshake the prefill step itself sends the KV, a layer group as soon as its
     layers are computed (PrefillWorkerConfig.kv_messages; the default model has 2 layers), and the
     tokens are the offline engine's. The race between the handshake and the step is settled here by
-    holding the step until the offer is there (a real step that starts first sends after it)."""
+    holding the step until the handshake is accepted (in a real step that starts first, the groups
+    written by the time it is accepted go then; tests/unit/prefill_worker/test_layer_push.py)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = _prompts(4, seed=11)
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
@@ -176,9 +177,11 @@ def test_kv_goes_layer_group_by_group_during_the_prefill_step(kv_messages):
         sent_at: list[tuple[int, int]] = []  # (layers computed, groups sent so far) at each hook call
 
         def hook(scheduled):
+            # NOTE: held until the handshake is accepted (the offer), so each group goes as written
             for s in scheduled:
                 deadline = time.monotonic() + 5.0
-                while s.will_sample and s.request.request_id not in push._streams and time.monotonic() < deadline:
+                while (s.will_sample and getattr(push._streams.get(s.request.request_id), "decode_id", None) is None
+                       and time.monotonic() < deadline):
                     time.sleep(0.001)
             on_layers = push.hook(scheduled)
             if on_layers is None:
