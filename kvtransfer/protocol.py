@@ -128,6 +128,10 @@ class PrefillResultMsg(Msg):
     # Layer groups the prefill step sent while it computed them (kvtransfer.layout.layer_groups); the
     # rest went after the step.
     num_streamed_messages: int = 0
+    # Device seconds from the prefill step's last layer written to the last layer group sent (a
+    # streamed push; 0 otherwise): the part of the transfer the forward did not hide.
+    push_tail_device_s: float = 0.0
+    layers_written_at_offer: int = -1  # layers the step had queued when the early handshake completed
     worker_s: float = 0.0  # from the call's arrival at the prefill worker to its answer (all of the above and more)
 
 

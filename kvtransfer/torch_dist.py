@@ -101,6 +101,11 @@ class _CudaEventHandle(TransferHandle):
             return None
         return self._started.elapsed_time(self._event) / 1e3
 
+    def seconds_since(self, event: torch.cuda.Event) -> float | None:
+        if not self._event.query() or not event.query():
+            return None
+        return event.elapsed_time(self._event) / 1e3
+
     def done(self) -> bool:
         return self._event.query() or self._pair.is_dropped  # query() never blocks the host
 
@@ -156,6 +161,9 @@ class NcclTransport(PairGroupTransport):
     def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore) -> Pair:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=self.max_transfer_s)
+        # NOTE: a high-priority stream: a KV push sent during a prefill runs beside the step's kernels
+        # instead of waiting for SMs they hold (prefill_worker/layer_push.py)
+        options.is_high_priority_stream = True
         with torch.cuda.device(self.device):
             group = dist.ProcessGroupNCCL(prefix_store, rank, 2, options)
             stream = torch.cuda.Stream(device=self.device)

@@ -49,6 +49,7 @@ class Streamed:
     handles: list[TransferHandle] = field(default_factory=list)  # the groups sent, in order
     gather_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     is_closed: bool = False
+    layers_written_at_offer: int = -1  # how far the step had got when the offer came (-1: before the claim)
 
     @property
     def was_claimed(self) -> bool:
@@ -57,6 +58,14 @@ class Streamed:
     def gather_device_seconds(self) -> float:
         """The gathers' time on the device (0.0 on the CPU); once the sends that read them are done."""
         return sum(a.elapsed_time(b) for a, b in self.gather_events) / 1e3
+
+    def tail_device_seconds(self) -> float:
+        """Device seconds from the step's last layer written to the last group sent: what the push
+        adds after the forward (0.0 where not timed). Once the sends are done."""
+        last = next((event for n, event in self.written if n >= self.groups[-1][1]), None)
+        if last is None or len(self.handles) < len(self.groups):
+            return 0.0
+        return self.handles[-1].seconds_since(last) or 0.0
 
     def send_device_seconds(self) -> float:
         """The sends' time on the device, summed over the groups (each from when its stream reached it)."""
@@ -70,7 +79,9 @@ class LayerPush:
         self.num_layers = kv.shape[0]
         self._lock = threading.Lock()
         self._streams: dict[str, Streamed] = {}
-        self._side = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        # The gathers' stream; high priority, as the pairs' NCCL streams: a group's gather and send run
+        # beside the step's next layers, not after them.
+        self._side = torch.cuda.Stream(kv.device, priority=-1) if kv.is_cuda else None
 
     # ---- the asyncio side
     def expect(self, request_id: str, num_blocks: int, num_messages: int) -> None:
@@ -86,6 +97,8 @@ class LayerPush:
             stream = self._streams.get(request_id)
             if stream is not None and not stream.is_closed:
                 stream.decode_id = decode_id
+                if stream.was_claimed:
+                    stream.layers_written_at_offer = stream.written[-1][0] if stream.written else 0
                 self._pump(stream)
 
     def is_claimed(self, request_id: str) -> bool:
@@ -129,7 +142,7 @@ class LayerPush:
         def on_layers(num_written: int) -> None:
             written = None
             if self._side is not None:
-                written = torch.cuda.Event()
+                written = torch.cuda.Event(enable_timing=True)  # NOTE: timed: tail_device_seconds
                 written.record()  # the compute stream, past layers [0, num_written)
             with self._lock:
                 for stream in streams:

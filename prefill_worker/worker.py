@@ -398,6 +398,8 @@ class PrefillWorker(TransferEndpoint):
         return PrefillResultMsg(
             **result, push_bytes=buf.numel() * buf.element_size(), gather_device_s=gather_s, send_device_s=send_s,
             num_streamed_messages=len(streamed.handles) if streamed is not None else 0,
+            push_tail_device_s=streamed.tail_device_seconds() if streamed is not None else 0.0,
+            layers_written_at_offer=streamed.layers_written_at_offer if streamed is not None else -1,
         )
 
     @staticmethod
