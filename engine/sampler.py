@@ -43,6 +43,10 @@ Speculative decoding (Leviathan et al., 2023) adds two entry points:
 |          | the first rejection draw from max(0, p - q)          |                                        |
 |          | renormalized, or from p after K acceptances          |                                        |
 
+With `Sampler(fused=True)` (CUDA), a verification whose rows are all unseeded, untruncated, without
+penalties or logprobs and past min_tokens runs their rejection sampling in one Triton
+kernel (engine/sampling_kernels.py, `verify`) and one read.
+
 "The tokens of" means: given the same logits; a verification step computes them in another batch
 shape than a plain step, and a rounding difference can flip a near-tie, for seeded as for greedy
 rows. q of an n-gram draft is a point mass. Seeded rows trade acceptance for reproducibility: a point
@@ -61,6 +65,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -68,7 +73,16 @@ import torch
 from engine.config import SamplingParams
 from engine.pinned import Download, upload
 
-__all__ = ["PendingSample", "SampleResult", "Sampler", "has_penalty", "SamplingRow", "VerifyResult", "VerifyRow", "draw_seed"]
+__all__ = [
+    "PendingSample",
+    "SampleResult",
+    "Sampler",
+    "SamplingRow",
+    "VerifyResult",
+    "VerifyRow",
+    "draw_seed",
+    "has_penalty",
+]
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
@@ -176,13 +190,16 @@ class Sampler:
     `fused`: `__call__` draws the rows with a temperature and nothing else random (no seed, top-k,
     top-p or min-p) in one Triton kernel (engine/sampling_kernels.py): the same exponential race,
     its noise counted by (one seed a row from the shared generator, token id) rather than drawn in
-    sequence. Other rows, `sample_with_probs` and `verify` take the torch path either way.
+    sequence. `verify` verifies in one kernel and one read when every row is such a row without
+    penalties, logprobs or a min_tokens still to reach (`_verifies_fused`): the same rejection
+    sampling, its uniforms and noise counted the same way. Other rows and `sample_with_probs` take
+    the torch path either way.
     """
 
     def __init__(self, eos_token_ids: Sequence[int], fused: bool = False) -> None:
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in eos_token_ids)
         self.fused = fused
-        self._kernels = None  # engine.sampling_kernels, imported on the first fused draw
+        self._kernels: ModuleType | None = None  # engine.sampling_kernels, imported on the first fused draw
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
@@ -229,7 +246,9 @@ class Sampler:
             )
         return PendingSample(raw, token_ids, rows, Download(token_ids))
 
-    def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+    def _draw(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None
+    ) -> torch.Tensor:
         """One token per row [rows] int64, on the torch path (any kind of row)."""
         _, token_ids, random_rows, probs = self._processed(logits, rows)
         if probs is None:
@@ -241,15 +260,19 @@ class Sampler:
     ) -> torch.Tensor:
         """One token per row [rows] int64 from the fused kernel; every row `_fusable`. Penalties and
         min_tokens masks apply first, as on the torch path."""
-        if self._kernels is None:
-            from engine import sampling_kernels  # NOTE: imports triton; only a fused draw needs it
-
-            self._kernels = sampling_kernels
         device = logits.device
         penalized = _apply_penalties(_apply_min_tokens(logits, rows, self.eos_token_ids), rows)
         temperature = upload([row.params.temperature for row in rows], torch.float32, device)
         seeds = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
-        return self._kernels.race(penalized, temperature, seeds)
+        return self._kernel_module().race(penalized, temperature, seeds)
+
+    def _kernel_module(self) -> ModuleType:
+        """engine.sampling_kernels, imported on first use."""
+        if self._kernels is None:
+            from engine import sampling_kernels  # NOTE: imports triton; only a fused draw needs it
+
+            self._kernels = sampling_kernels
+        return self._kernels
 
     def _processed(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
@@ -271,7 +294,10 @@ class Sampler:
 
     @staticmethod
     def _race_into(
-        token_ids: torch.Tensor, random_rows: list[int], probs: torch.Tensor, rows: Sequence[SamplingRow],
+        token_ids: torch.Tensor,
+        random_rows: list[int],
+        probs: torch.Tensor,
+        rows: Sequence[SamplingRow],
         generator: torch.Generator | None,
     ) -> torch.Tensor:
         """token_ids [n] with the random rows' entries replaced by their race over probs [random, vocab]."""
@@ -309,6 +335,8 @@ class Sampler:
     ) -> VerifyResult:
         """The target's side: logits [sum of (K_i + 1), vocab], row i's K_i + 1 positions in a run.
         generator: shared by the rows without a seed."""
+        if self.fused and rows and all(_verifies_fused(vr) for vr in rows):
+            return self._verify_fused(logits, rows, generator)
         expanded: list[SamplingRow] = []  # one per position
         for vr in rows:
             drafts = list(vr.draft_token_ids)
@@ -366,6 +394,21 @@ class Sampler:
                 top_logprobs[i].append(top)  # type: ignore[union-attr, arg-type]
         return VerifyResult(token_ids, num_accepted, logprobs, top_logprobs)
 
+    def _verify_fused(
+        self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None
+    ) -> VerifyResult:
+        """`verify` of rows that all pass `_verifies_fused`: one kernel, one read."""
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be a float tensor; got dtype {logits.dtype}")
+        n = len(rows)
+        seeds = torch.randint(0, 1 << 62, (n,), device=logits.device, generator=generator)
+        temperatures = [vr.row.params.temperature for vr in rows]
+        drafts, draft_probs = [vr.draft_token_ids for vr in rows], [vr.draft_probs for vr in rows]
+        out = self._kernel_module().verify(logits, drafts, draft_probs, temperatures, seeds)
+        read = out.tolist()  # NOTE: the one read: the accepted drafts per row, then the last token per row
+        token_ids = [[*vr.draft_token_ids[: read[i]], read[n + i]] for i, vr in enumerate(rows)]
+        return VerifyResult(token_ids, read[:n], [None] * n, [None] * n)
+
     @staticmethod
     def _verify_random(
         rows: Sequence[VerifyRow],
@@ -422,8 +465,23 @@ class Sampler:
 def _fusable(params: SamplingParams) -> bool:
     """A row the fused kernel draws: random, unseeded, no truncation (top-k, top-p, min-p)."""
     return (
-        not params.is_greedy and params.seed is None and params.top_k <= 0 and params.top_p >= 1.0
+        not params.is_greedy
+        and params.seed is None
+        and params.top_k <= 0
+        and params.top_p >= 1.0
         and params.min_p == 0.0
+    )
+
+
+def _verifies_fused(vr: VerifyRow) -> bool:
+    """A row the fused verification takes: `_fusable`, no penalty, no logprobs, and min_tokens met
+    at its first position (so at every one: no EOS mask applies)."""
+    params = vr.row.params
+    return (
+        _fusable(params)
+        and not has_penalty(params)
+        and params.logprobs is None
+        and len(vr.row.output_token_ids) >= params.min_tokens
     )
 
 
@@ -558,9 +616,7 @@ def _draw_key(row: SamplingRow) -> int | None:
     return None if seed is None else draw_seed(seed, row.output_position)
 
 
-def _exponential_race(
-    probs: torch.Tensor, keys: Sequence[int | None], shared: torch.Generator | None
-) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, keys: Sequence[int | None], shared: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs [n, vocab] (unnormalized is fine) -> [n] int64.
 
     A row with a key (`draw_seed`) draws its noise from a generator seeded with it alone; the

@@ -1,7 +1,8 @@
-"""The Triton kernel behind the sampler's fused draw (engine/sampler.py, `Sampler(fused=True)`):
-the exponential race over temperature-scaled logits in one pass over the logits, for rows with
-no top-k, top-p, min-p or seed. Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET
-test asks for it).
+"""The Triton kernels behind the sampler's fused paths (engine/sampler.py, `Sampler(fused=True)`),
+for rows with no top-k, top-p, min-p or seed: `race`, the exponential race over temperature-scaled
+logits in one pass over the logits, and `verify`, speculative decoding's rejection sampling of
+such rows in one launch. Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET test
+asks for it).
 
 The unfused draw reads and writes [rows, vocab] float32 about seven times (scale, softmax, noise,
 clamp, divide, argmax); this one reads the logits once and writes [rows, chunks] pairs. Per token
@@ -13,16 +14,41 @@ i of a row with temperature T and Philox stream s (one int64 seed a row):
 which is the sampler's exponential race (exact sampling from softmax(x / T)) with the noise drawn
 by counter (s, i) rather than by a generator's sequence: a row's token does not depend on how the
 vocabulary is split into chunks or on the other rows.
+
+`verify`, per row of drafts d_0..d_{K-1} (q_k their draft distributions, point masses for n-gram
+drafts) and target distributions p_0..p_K (softmax(x / T) at the K + 1 positions), one program a
+row and one Philox stream s a row (Leviathan et al., 2023):
+
+    accept d_k iff u_k q_k(d_k) < p_k(d_k), u_k = uniform(s, vocab + k)   (probability min(1, p / q))
+    m = the first rejected k, or K
+    last token ~ max(0, p_m - q_m) (m < K; p_m where that is all zero), or ~ p_K (m = K: the bonus),
+                 by the race above with u_i = uniform(s, i)
+
+which emits d_0..d_{m-1} and the last token, distributed exactly as the target's own tokens. The
+softmax statistics of all K + 1 positions come from one pass over [positions, vocabulary] tiles, the
+last token from a second pass at position m: two passes a row, whatever K.
 """
 
 from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.pinned import upload
+
 _CHUNK = 8192  # vocabulary entries per program
 _BLOCK = 1024  # entries per loop iteration
+# `verify`: entries per iteration of its first pass (a [K + 1 padded, vocab] tile) and of its second
+# (vocab). Batch 1, K = 4 on an H100: 17 us at vocab 8192, 230 us at 151,936 (8 warps, 4096-entry
+# tiles: 18 and 270; 4 warps, 2048: 23 and 380).
+_VERIFY_TILE = 8192
+_VERIFY_BLOCK = 2048
+_VERIFY_WARPS = 16
 
 
 @triton.jit
@@ -72,3 +98,164 @@ def race(
     # NOTE: only a row of NaN or -inf logits has no winner (index 2**31 - 1): it gets the last id,
     # a valid token, as torch's argmax gives some index for such a row.
     return index.gather(1, winner).squeeze(1).clamp_max(vocab - 1).to(torch.long)
+
+
+# ---- speculative verification: rejection sampling (Leviathan et al., 2023) in one launch
+
+
+@triton.jit
+def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_ptr, out_ptr, rows, max_drafts, vocab,
+                   K_BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Grid (rows,): row r's accepted drafts m into out[r], its last token into out[rows + r].
+
+    host_ptr (int32), blocks of `rows` entries but the last: | first logits row | K | first q row
+    (-1: point masses) | temperature (float32 bits) | drafts, max_drafts a row, zero-padded |.
+    NOTE: masks bound a block by a scalar (cols < limit) rather than `& flag`: the interpreter
+    mistypes a block & a scalar.
+    """
+    row = tl.program_id(0)
+    start = tl.load(host_ptr + row).to(tl.int64)
+    num_drafts = tl.load(host_ptr + rows + row)
+    q_start = tl.load(host_ptr + 2 * rows + row)
+    temperature = tl.load(host_ptr + 3 * rows + row).to(tl.float32, bitcast=True)
+    seed = tl.load(seed_ptr + row)
+    q_row = q_ptr + tl.maximum(q_start, 0).to(tl.int64) * q_stride  # the row's first draft distribution
+    num_q = tl.where(q_start >= 0, num_drafts, 0)  # draft distributions to read: K, or 0 for point masses
+
+    # Pass 1, the K + 1 positions at once: the max and the sum of exp(x / T - max), online.
+    ks = tl.arange(0, K_BLOCK)  # positions; those past K are padding
+    position_ptr = logits_ptr + (start + ks)[:, None] * logits_stride  # [K_BLOCK, 1]
+    top = tl.full([K_BLOCK, STATS_BLOCK], float("-inf"), tl.float32)
+    total = tl.zeros([K_BLOCK, STATS_BLOCK], tl.float32)
+    for col in range(0, vocab, STATS_BLOCK):
+        cols = col + tl.arange(0, STATS_BLOCK)
+        tile_ok = (ks <= num_drafts)[:, None] & (cols < vocab)[None, :]
+        tile = tl.load(position_ptr + cols[None, :], mask=tile_ok, other=float("-inf")).to(tl.float32) / temperature
+        new_top = tl.maximum(top, tile)
+        tile_shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # NOTE: -inf - -inf would be NaN
+        total = total * tl.exp(top - tile_shift) + tl.exp(tile - tile_shift)
+        top = new_top
+    row_top = tl.max(top, 1)
+    shift = tl.where(row_top == float("-inf"), 0.0, row_top)  # [K_BLOCK]
+    total = tl.sum(total * tl.exp(top - shift[:, None]), 1)
+    total = tl.where(total > 0, total, 1.0)  # padding: p = 0 rather than 0 / 0
+
+    # The drafts: accept d_k with probability min(1, p_k(d_k) / q_k(d_k)); m: the first rejection, or K.
+    drafted = ks < num_drafts
+    drafts = tl.load(host_ptr + 4 * rows + row * max_drafts + ks, mask=drafted, other=0)
+    in_vocab = (drafts >= 0) & (drafts < vocab)
+    x_draft = tl.load(logits_ptr + (start + ks) * logits_stride + drafts, mask=drafted & in_vocab,
+                      other=float("-inf")).to(tl.float32)  # fmt: skip
+    p_draft = tl.exp(x_draft / temperature - shift) / total
+    q_draft = tl.load(q_row + ks * q_stride + drafts, mask=(ks < num_q) & in_vocab, other=1.0).to(tl.float32)
+    u_accept = tl.rand(seed, vocab + ks)  # NOTE: counters past the race's 0..vocab - 1: independent of its noise
+    # NOTE: u < p / q (u in [0, 1)) rather than <=: a token of p = 0 is never accepted, even at u = 0
+    rejected = drafted & (u_accept * q_draft >= p_draft)
+    m = tl.min(tl.where(rejected, ks, K_BLOCK), 0)
+    m = tl.minimum(m, num_drafts)
+    shift_m = tl.sum(tl.where(ks == m, shift, 0.0), 0)
+    total_m = tl.sum(tl.where(ks == m, total, 0.0), 0)
+
+    # Pass 2, position m: at a rejection (m < K) race over max(0, p_m - q_m), after K acceptances
+    # (q = 0 there) over p_K, the bonus token. p_m's own race runs beside it with the same noise: its
+    # winner is kept when the residual is all zero (p <= q everywhere, only by rounding).
+    x_ptr = logits_ptr + (start + m) * logits_stride
+    q_m = q_row + m * q_stride
+    q_limit = tl.where(m < num_q, vocab, 0)  # entries of q_m to read
+    point = tl.sum(tl.where(ks == m, drafts, 0), 0)  # a point mass's token ...
+    point = tl.where((m < num_drafts) & (num_q == 0), point, -1)  # ... or -1: none
+    best_r = tl.full([BLOCK], -1.0, tl.float32)
+    best_p = tl.full([BLOCK], -1.0, tl.float32)
+    index_r = tl.full([BLOCK], 2147483647, tl.int32)
+    index_p = tl.full([BLOCK], 2147483647, tl.int32)
+    residual_mass = tl.zeros([BLOCK], tl.float32)
+    for col in range(0, vocab, BLOCK):
+        cols = col + tl.arange(0, BLOCK)
+        ok = cols < vocab
+        x = tl.load(x_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x / temperature - shift_m) / total_m
+        q = tl.load(q_m + cols, mask=cols < q_limit, other=0.0).to(tl.float32)
+        q = tl.where(cols == point, 1.0, q)
+        r = tl.maximum(p - q, 0.0)
+        residual_mass += r
+        u = tl.maximum(tl.rand(seed, cols), 1.0e-30)  # NOTE: u = 0 would give E = inf: a lost race either way
+        noise = -tl.log(u)  # E ~ Exponential(1), > 0 as u < 1
+        score_r, score_p = r / noise, p / noise
+        better_r = ok & (score_r > best_r)  # NaN scores never win
+        better_p = ok & (score_p > best_p)
+        best_r, index_r = tl.where(better_r, score_r, best_r), tl.where(better_r, cols, index_r)
+        best_p, index_p = tl.where(better_p, score_p, best_p), tl.where(better_p, cols, index_p)
+    token_r = tl.min(tl.where(best_r == tl.max(best_r, 0), index_r, 2147483647), 0)
+    token_p = tl.min(tl.where(best_p == tl.max(best_p, 0), index_p, 2147483647), 0)
+    token = tl.where(tl.sum(residual_mass, 0) > 0, token_r, token_p)
+    tl.store(out_ptr + row, m)
+    tl.store(out_ptr + rows + row, tl.minimum(token, vocab - 1))
+
+
+def verify(
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    temperatures: Sequence[float],
+    seeds: torch.Tensor,
+    block: int = _VERIFY_BLOCK,
+    stats_block: int | None = None,
+) -> torch.Tensor:
+    """Rejection sampling of rows of drafts against the target, one program a row -> [2 * rows] int32
+    on the device: each row's accepted drafts m, then each row's last token.
+
+    logits [sum of (K_i + 1), vocab] (any float dtype): row i's K_i + 1 positions in a run, divided
+    by temperatures[i] (> 0). draft_token_ids[i]: K_i >= 1 drafts; draft_probs[i]: [K_i, vocab] (any
+    float dtype), the distributions they were drawn from, or None for point masses. seeds [rows]
+    int64: each row's Philox stream. block and stats_block (the second pass's and the first's
+    vocabulary entries per iteration; by default the first's tile holds _VERIFY_TILE entries): powers
+    of two; only the speed depends on them (tests make them small).
+    """
+    rows, vocab = len(draft_token_ids), logits.shape[1]
+    device = logits.device
+    counts = [len(drafts) for drafts in draft_token_ids]
+    if logits.shape[0] != sum(counts) + rows:
+        raise ValueError(
+            f"logits must be [positions, vocab] with positions == {sum(counts) + rows} (K + 1 per row); "
+            f"got shape {tuple(logits.shape)}"
+        )
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    max_drafts = max(counts)
+    starts = list(itertools.accumulate((k + 1 for k in counts[:-1]), initial=0))
+    q_starts, q_parts, num_q = [-1] * rows, [], 0
+    for i, probs in enumerate(draft_probs):
+        if probs is not None:
+            if probs.shape != (counts[i], vocab):
+                raise ValueError(
+                    f"draft_probs[{i}] must be [K, vocab] = [{counts[i]}, {vocab}]; got {tuple(probs.shape)}"
+                )
+            q_starts[i], num_q = num_q, num_q + counts[i]
+            q_parts.append(probs)
+    # NOTE: one row's draft_probs is used as it is (the batch-1 case): no copy. Without any, q is a
+    # placeholder the kernel never reads.
+    q = logits if not q_parts else (q_parts[0] if len(q_parts) == 1 else torch.cat(q_parts)).to(device)
+    if q.stride(1) != 1:
+        q = q.contiguous()
+    temperature_bits = array("i", array("f", temperatures).tobytes())  # NOTE: the float32 bits, as int32
+    drafts = itertools.chain.from_iterable([*d, *[0] * (max_drafts - len(d))] for d in draft_token_ids)
+    host = upload([*starts, *counts, *q_starts, *temperature_bits, *drafts], torch.int32, device)
+    out = torch.empty(2 * rows, dtype=torch.int32, device=device)
+    k_block = triton.next_power_of_2(max_drafts + 1)
+    _verify_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        q,
+        q.stride(0),
+        host,
+        seeds,
+        out,
+        rows,
+        max_drafts,
+        vocab,
+        K_BLOCK=k_block,
+        STATS_BLOCK=stats_block or max(_VERIFY_TILE // k_block, 16),
+        BLOCK=block,
+        num_warps=_VERIFY_WARPS,
+    )
+    return out

@@ -1,7 +1,8 @@
 """On a CUDA GPU (marked `gpu`): the fused draw (engine/sampling_kernels.py) compiled, at a real
 vocabulary (151,936, the Qwen3 one: 19 chunks a row) and on a small one: its tokens follow
 softmax(logits / T) (chi-square), tend to the argmax as T -> 0, and an engine that samples with it
-matches one that does not in distribution on the same prompt."""
+matches one that does not in distribution on the same prompt. The fused verification of drafts
+(`Sampler(fused=True).verify`) emits the target's distribution (chi-square)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, VerifyRow
 from tests.unit.engine.test_spec_sampling import MIN_P_VALUE, chi_square_p_value
 
 pytestmark = [
@@ -40,8 +41,9 @@ def test_fused_draw_follows_softmax_over_temperature(vocab: int, temperature: fl
         top = torch.randperm(vocab, device="cuda", generator=gen)[:10]
         logits[top] = torch.randn(10, device="cuda", generator=gen) * 2
     seeds = torch.randint(0, 1 << 62, (num_draws,), device="cuda", generator=gen)
-    tokens = sampling_kernels.race(logits.expand(num_draws, vocab), torch.full((num_draws,), temperature, device="cuda"),
-                                   seeds)
+    tokens = sampling_kernels.race(
+        logits.expand(num_draws, vocab), torch.full((num_draws,), temperature, device="cuda"), seeds
+    )
     expected = torch.softmax(logits / temperature, dim=0)
     support = {i: p for i, p in enumerate(expected.tolist()) if p > 0}
     assert chi_square_p_value(_counts(tokens.tolist()), support) > MIN_P_VALUE
@@ -72,3 +74,58 @@ def test_fused_and_unfused_samplers_agree_in_distribution() -> None:
     for fused in (True, False):
         tokens = Sampler([EOS], fused=fused)(logits, rows, torch.Generator(device="cuda").manual_seed(1)).token_ids
         assert chi_square_p_value(_counts(tokens), expected) > MIN_P_VALUE, f"fused={fused}"
+
+
+@pytest.mark.parametrize(("vocab", "point_mass"), [(11, False), (11, True), (5_000, False)])
+def test_fused_verify_emits_the_target_distribution(
+    vocab: int, point_mass: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampler(fused=True).verify on CUDA, K = 3 drafts a row against fixed target logits at the 4
+    positions: the first emitted token follows p_0, and after an accepted first draft the second
+    follows p_1 whatever the first (their joint is min(p_0, q_0) / its sum times p_1). At the
+    larger vocabulary the tokens outside the 8 likely ones are counted as one."""
+    from engine import sampling_kernels
+
+    num_rows, k, temperature = 20_000, 3, 0.8
+    gen = torch.Generator(device="cuda").manual_seed(vocab + point_mass)
+    x = torch.randn(k + 1, vocab, device="cuda", generator=gen) * 1.5
+    if vocab > 1000:  # the mass on 8 tokens a position, the rest far below (still drawable), over several blocks
+        likely = torch.randperm(vocab, device="cuda", generator=gen)[:8]
+        x = torch.full((k + 1, vocab), -30.0, device="cuda").index_copy(1, likely, x[:, :8])
+    p = torch.softmax(x / temperature, dim=-1)  # [K + 1, vocab]
+    q = torch.softmax(x[:k] / temperature + torch.randn(k, vocab, device="cuda", generator=gen), dim=-1)
+    if point_mass:  # an n-gram draft: always the first position's likeliest token
+        guess = torch.full((k,), int(p[0].argmax()), dtype=torch.long, device="cuda")
+        q = torch.nn.functional.one_hot(guess, vocab).float()
+    drafts = torch.multinomial(q, num_rows, replacement=True, generator=gen).t().tolist()  # [rows, K]
+    params = SamplingParams(max_tokens=8, temperature=temperature)
+    rows = [VerifyRow(SamplingRow(params, [1], []), d, None if point_mass else q) for d in drafts]
+    calls: list[int] = []
+    real_verify = sampling_kernels.verify
+
+    def counting_verify(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real_verify(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling_kernels, "verify", counting_verify)
+    result = Sampler([EOS], fused=True).verify(x.repeat(num_rows, 1), rows, gen)
+    assert calls == [1], "one launch of the fused kernel"
+    assert all(t[:-1] == d[: len(t) - 1] for t, d in zip(result.token_ids, drafts, strict=True))
+
+    keys = set(range(vocab)) if vocab < 1000 else set(likely.tolist())
+
+    def binned(dist: torch.Tensor) -> dict[object, float]:  # the tokens outside keys as one, -1
+        values = dist.tolist()
+        out: dict[object, float] = {t: values[t] for t in keys}
+        out[-1] = max(0.0, 1.0 - sum(out.values()))
+        return out
+
+    def key(t: int) -> int:
+        return t if t in keys else -1
+
+    p0, p1 = binned(p[0]), binned(p[1])
+    accepted = binned(torch.minimum(p[0], q[0]) / torch.minimum(p[0], q[0]).sum())
+    assert chi_square_p_value(_counts([key(t[0]) for t in result.token_ids]), p0) > MIN_P_VALUE
+    joint: dict[object, float] = {(a, b): pa * pb for a, pa in accepted.items() for b, pb in p1.items()}
+    pairs = _counts([(key(t[0]), key(t[1])) for t in result.token_ids if len(t) >= 2])  # type: ignore[misc]
+    assert sum(pairs.values()) > num_rows / 10 and chi_square_p_value(pairs, joint) > MIN_P_VALUE

@@ -1,7 +1,10 @@
 """The fused draw (engine/sampling_kernels.py) on the CPU through Triton's interpreter: its tokens
 follow softmax(logits / T) (chi-square), do not depend on the chunking of the vocabulary or on the
 other rows, and tend to the argmax as T -> 0; and `Sampler(fused=True)` keeps every other kind of
-row (greedy, seeded, truncated, penalized) as the unfused sampler gives it.
+row (greedy, seeded, truncated, penalized) as the unfused sampler gives it. The fused verification
+(`verify`, rejection sampling of drafts) emits the target's distribution (chi-square), handles the
+edge cases (q = p, drafts of probability 0, point masses, rows of different K, temperature), and
+`Sampler(fused=True).verify` takes it only when every row qualifies.
 
 NOTE: the kernel's module is imported under TRITON_INTERPRET (tests/interpreted.py says how, and
 why this skips otherwise).
@@ -9,11 +12,13 @@ why this skips otherwise).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
 from engine.config import SamplingParams
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, VerifyRow
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 from tests.unit.engine.test_spec_sampling import MIN_P_VALUE, chi_square_p_value
 
@@ -49,8 +54,10 @@ def test_race_does_not_depend_on_chunks_or_other_rows() -> None:
     coarse = sampling_kernels.race(logits, temperature, seeds, 64, 16)
     fine = sampling_kernels.race(logits, temperature, seeds, 8, 8)  # 7 chunks, the last one short
     assert torch.equal(coarse, fine)
-    alone = [sampling_kernels.race(logits[i : i + 1], temperature[i : i + 1], seeds[i : i + 1], 8, 8).item()
-             for i in range(rows)]
+    alone = [
+        sampling_kernels.race(logits[i : i + 1], temperature[i : i + 1], seeds[i : i + 1], 8, 8).item()
+        for i in range(rows)
+    ]
     assert alone == fine.tolist()
     # Other seeds draw other tokens: the noise is keyed by the row's seed.
     others = [sampling_kernels.race(logits, temperature, _seeds(rows, s), 8, 8).tolist() for s in range(3, 8)]
@@ -100,3 +107,176 @@ def test_fused_sampler_draws_from_the_penalized_logits() -> None:
     rows = [_row(**cold), _row(**cold, output=(5,), presence_penalty=1.0), _row(**cold, min_tokens=3)]
     tokens = Sampler([EOS], fused=True)(logits, rows, torch.Generator().manual_seed(0)).token_ids
     assert tokens == [5, 6, 5], "presence lowers 5 below 6; min_tokens masks EOS"
+
+
+# ---- the fused verification (rejection sampling of drafts, sampling_kernels.verify)
+def _verify(logits: torch.Tensor, drafts: list[list[int]], probs: list[torch.Tensor | None],
+            temperatures: list[float], seed: int) -> tuple[list[int], list[int]]:  # fmt: skip
+    """(accepted drafts, last token) per row, through the kernel at a block of 8 (several blocks a row)."""
+    seeds = _seeds(len(drafts), seed)
+    out = sampling_kernels.verify(logits, drafts, probs, temperatures, seeds, block=8, stats_block=4).tolist()
+    return out[: len(drafts)], out[len(drafts) :]
+
+
+def test_verify_emits_the_target_distribution() -> None:
+    """K = 2 drafts from q against fixed target logits at the 3 positions: the first emitted token
+    follows p_0, and after an accepted first draft the second follows p_1 whatever the first (the
+    joint of the two is min(p_0, q_0) / its sum times p_1); after both, the bonus follows p_2."""
+    num_rows = 800  # one interpreted program a row: about 20 ms each
+    x = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -20.0],
+                      [-0.5, 1.5, 0.0, 1.0, 0.2, 0.0],
+                      [0.0, -1.0, 1.0, 2.0, 0.0, 0.5]])  # fmt: skip
+    q = torch.tensor([[0.05, 0.40, 0.30, 0.10, 0.10, 0.05], [0.30, 0.10, 0.20, 0.10, 0.20, 0.10]])
+    x, temperature = x * 2, 1.6  # NOTE: far from 1, so that a missed temperature shows
+    p = torch.softmax(x / temperature, dim=-1)
+    generator = torch.Generator().manual_seed(0)
+    drafts = torch.stack([torch.multinomial(q[k], num_rows, replacement=True, generator=generator) for k in (0, 1)])
+    drafts_list = drafts.t().tolist()
+    accepted, last = _verify(x.repeat(num_rows, 1), drafts_list, [q] * num_rows, [temperature] * num_rows, 1)
+    emitted = [[*d[:m], t] for d, m, t in zip(drafts_list, accepted, last, strict=True)]
+    assert all(0 <= m <= 2 for m in accepted)
+
+    assert chi_square_p_value(Counter(e[0] for e in emitted), dict(enumerate(p[0].tolist()))) > MIN_P_VALUE
+    kept = torch.minimum(p[0], q[0])
+    acceptance = sum(m >= 1 for m in accepted) / num_rows
+    assert acceptance == pytest.approx(float(kept.sum()), abs=0.06)  # about 3.5 standard deviations
+    joint = {(a, b): float(kept[a] / kept.sum() * p[1, b]) for a in range(6) for b in range(6)}
+    pairs = Counter((e[0], e[1]) for e in emitted if len(e) >= 2)
+    assert chi_square_p_value(pairs, joint) > MIN_P_VALUE
+    bonus = Counter(e[2] for e in emitted if len(e) == 3)
+    assert sum(bonus.values()) > 100 and chi_square_p_value(bonus, dict(enumerate(p[2].tolist()))) > MIN_P_VALUE
+
+
+def test_verify_accepts_every_draft_where_q_is_p_and_draws_the_bonus_from_p() -> None:
+    vocab, k, num_rows = 10, 3, 12
+    x = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(7))
+    x[k] = float("-inf")
+    x[k, 4], x[k, 7] = 1.0, 0.5  # the bonus position: only 4 or 7
+    q = torch.softmax(x[:k], dim=-1)  # exactly the target's distributions, as float32 computes them
+    drafts = torch.multinomial(q, num_rows, replacement=True, generator=torch.Generator().manual_seed(8)).t().tolist()
+    accepted, last = _verify(x.repeat(num_rows, 1), drafts, [q] * num_rows, [1.0] * num_rows, 9)
+    assert accepted == [k] * num_rows
+    assert set(last) <= {4, 7}
+
+
+def test_verify_rejects_a_draft_of_probability_zero_and_never_emits_it() -> None:
+    vocab, num_rows = 8, 24
+    x = torch.randn(3, vocab, generator=torch.Generator().manual_seed(10))
+    x[0, 5] = float("-inf")  # the target never takes 5 first
+    q = torch.full((2, vocab), 1.0 / vocab)
+    rows = [[5, 1]] * num_rows
+    for probs in (q, None):  # a draft model's q, and a point mass
+        accepted, last = _verify(x.repeat(num_rows, 1), rows, [probs] * num_rows, [1.0] * num_rows, 11)
+        assert accepted == [0] * num_rows
+        assert 5 not in last
+
+
+def test_verify_point_masses_never_draw_a_rejected_draft_again() -> None:
+    """An n-gram draft (q = one-hot): accepted with probability p(d); a rejection draws from p with d
+    removed, and a draft of probability ~1 is always accepted."""
+    vocab, num_rows = 6, 60
+    x = torch.zeros(2, vocab)
+    x[0, 2] = 1.0  # p(2) ~ 0.35 at the first position
+    x[1, 0] = 30.0  # the bonus: 0
+    accepted, last = _verify(x.repeat(num_rows, 1), [[2]] * num_rows, [None] * num_rows, [1.0] * num_rows, 12)
+    assert 0 < sum(accepted) < num_rows
+    assert all(t != 2 for m, t in zip(accepted, last, strict=True) if m == 0)
+    assert all(t == 0 for m, t in zip(accepted, last, strict=True) if m == 1)
+    x[0, 2] = 40.0  # p(2) ~ 1
+    accepted, last = _verify(x.repeat(8, 1), [[2]] * 8, [None] * 8, [1.0] * 8, 13)
+    assert accepted == [1] * 8 and last == [0] * 8
+
+
+def test_verify_rows_of_different_k_in_one_launch_match_each_alone() -> None:
+    """Rows of K = 1, 3 and 2, draft-model and point-mass rows mixed, two temperatures: each row's
+    result is the one it gets alone with the same seed (the padding to K = 3 changes nothing)."""
+    vocab = 12
+    counts, temperatures = [1, 3, 2, 3], [1.0, 0.7, 1.3, 2.0]
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(sum(counts) + len(counts), vocab, generator=gen).to(torch.float16)
+    probs = [torch.softmax(torch.randn(k, vocab, generator=gen), dim=-1) for k in counts]
+    probs[2] = None
+    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in counts]
+    seeds = _seeds(len(counts), 15)
+    together = sampling_kernels.verify(x, drafts, probs, temperatures, seeds, block=8, stats_block=4).tolist()
+    starts = [0, 2, 6, 9, 13]
+    for i in range(len(counts)):
+        one = slice(i, i + 1)
+        logits = x[starts[i] : starts[i + 1]]
+        alone = sampling_kernels.verify(
+            logits, drafts[one], probs[one], temperatures[one], seeds[one], block=8, stats_block=4
+        ).tolist()
+        assert alone == [together[i], together[len(counts) + i]]
+        assert 0 <= alone[0] <= counts[i] and 0 <= alone[1] < vocab
+
+
+def test_verify_divides_the_logits_by_the_temperature() -> None:
+    """Near zero temperature p is the argmax: drafts equal to it are accepted, the first other one
+    is rejected, and the last token is the argmax there. At T = 1 (p nearly uniform, as q) the other
+    one is mostly accepted."""
+    vocab, num_rows = 9, 16
+    x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(16)) * 0.1  # nearly flat at T = 1
+    best = x.argmax(dim=1).tolist()
+    x[range(4), best] += 0.1  # a margin of 0.1 / T = 100 at T = 1e-3: p is one-hot
+    wrong = (best[2] + 1) % vocab
+    q = torch.full((3, vocab), 1.0 / vocab)
+    rows = [[best[0], best[1], wrong]] * num_rows
+    accepted, last = _verify(x.repeat(num_rows, 1), rows, [q] * num_rows, [1e-3] * num_rows, 17)
+    assert accepted == [2] * num_rows and last == [best[2]] * num_rows
+    accepted, _ = _verify(x.repeat(num_rows, 1), rows, [q] * num_rows, [1.0] * num_rows, 17)
+    assert accepted.count(3) > num_rows / 2
+
+
+def _verify_row(drafts: list[int], probs: torch.Tensor | None = None, **params: object) -> VerifyRow:
+    output = params.pop("output", ())
+    return VerifyRow(_row(output=output, **params), drafts, probs)
+
+
+def test_fused_sampler_verifies_in_one_kernel_only_rows_that_qualify(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def counting_verify(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real_verify(*args, block=8, stats_block=8)  # type: ignore[arg-type]
+
+    real_verify = sampling_kernels.verify
+    monkeypatch.setattr(sampling_kernels, "verify", counting_verify)
+    vocab = 10
+    q = torch.softmax(torch.randn(2, vocab, generator=torch.Generator().manual_seed(18)), dim=-1)
+    plain = [
+        _verify_row([3, 4], q, temperature=0.9),
+        _verify_row([1], None, temperature=1.2, min_tokens=2, output=(5, 6)),  # min_tokens met
+        _verify_row([2, 2], None, temperature=0.7),
+    ]
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(19))  # 3 + 2 + 3 positions
+    result = Sampler([EOS], fused=True).verify(logits, plain, torch.Generator().manual_seed(20))
+    assert calls == [1]
+    assert result.logprobs == [None] * 3 and result.top_logprobs == [None] * 3
+    for vr, tokens, m in zip(plain, result.token_ids, result.num_accepted, strict=True):
+        assert 0 <= m <= len(vr.draft_token_ids)
+        assert tokens[:-1] == list(vr.draft_token_ids[:m]) and 0 <= tokens[-1] < vocab
+    # The seeds come from the generator: the same generator state gives the same tokens.
+    seeds = torch.randint(0, 1 << 62, (3,), generator=torch.Generator().manual_seed(20))
+    drafts, probs = [list(vr.draft_token_ids) for vr in plain], [vr.draft_probs for vr in plain]
+    out = real_verify(logits, drafts, probs, [0.9, 1.2, 0.7], seeds, block=8, stats_block=8).tolist()
+    assert result.num_accepted == out[:3] and [t[-1] for t in result.token_ids] == out[3:]
+
+    others = [
+        {"seed": 3}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"top_p": 0.9}, {"top_k": 3},
+        {"min_p": 0.1}, {"logprobs": 2}, {"min_tokens": 5}, {"temperature": 0.0},
+    ]  # fmt: skip
+    for params in others:
+        rows = [*plain[:2], _verify_row([2, 2], None, **{"temperature": 0.7, **params})]
+        result = Sampler([EOS], fused=True).verify(logits, rows, torch.Generator().manual_seed(20))
+        assert calls == [1], f"{params} takes the torch path"
+        assert [len(t) for t in result.token_ids] == [m + 1 for m in result.num_accepted]
+    Sampler([EOS], fused=False).verify(logits, plain, torch.Generator().manual_seed(20))
+    assert calls == [1], "an unfused sampler never takes the kernel"
+
+
+def test_fused_sampler_verification_rejects_bad_logits() -> None:
+    rows = [_verify_row([3, 4], None, temperature=0.9)]
+    with pytest.raises(ValueError, match="positions == 3"):
+        Sampler([EOS], fused=True).verify(torch.zeros(4, 10), rows)
+    with pytest.raises(ValueError, match=r"draft_probs\[0\] must be \[K, vocab\] = \[2, 10\]"):
+        Sampler([EOS], fused=True).verify(torch.zeros(3, 10), [_verify_row([3, 4], torch.ones(2, 9) / 9)])
