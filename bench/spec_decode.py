@@ -187,6 +187,88 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
     return rows
 
 
+def _phases(engine: EngineCore, num_steps: int) -> dict[str, float]:
+    """Median seconds of each phase of a synchronous step (device synchronised at each boundary, so
+    the phases add up to the step): draft, schedule, runner, sample (verification), post."""
+    sync = lambda: synchronize(engine.device)
+    parts: dict[str, list[float]] = {k: [] for k in ("draft", "schedule", "runner", "sample", "post", "step")}
+    for _ in range(num_steps):
+        if not engine.has_unfinished():
+            break
+        sync()
+        t0 = time.perf_counter()
+        engine._draft()
+        sync()
+        t1 = time.perf_counter()
+        out = engine.scheduler.schedule()
+        t2 = time.perf_counter()
+        logits = engine.runner.execute(out.scheduled)
+        sync()
+        t3 = time.perf_counter()
+        sampled = engine._sample(out, logits)
+        sync()
+        t4 = time.perf_counter()
+        engine._post_process(out, sampled)
+        t5 = time.perf_counter()
+        for name, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+            parts[name].append(value)
+    return {name: sorted(v)[len(v) // 2] for name, v in parts.items() if v}
+
+
+def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
+    """Where a batch-1 step's time goes, plain and speculative: the phases (synchronous steps), a
+    host profile (cProfile, own time) and the device launches a step makes (torch.profiler)."""
+    import cProfile
+    import io
+    import pstats
+
+    k = max(args.ks)
+    prompts = make_prompts(args, 1, vocab_size, args.seed + 2)
+    record: dict[str, Any] = {}
+    for mode in ("plain", "speculative"):
+        spec = _speculative(args, k, adaptive=True) if mode == "speculative" else None
+        engine = _engine(args, spec, max_num_seqs=1, num_blocks=64)
+        engine.async_scheduling = False
+        engine.add_request("p", prompts[0], SamplingParams(max_tokens=10_000, temperature=args.temperature,
+                                                            ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        row: dict[str, Any] = {"phases_s": _phases(engine, 40)}
+        profiler = cProfile.Profile()
+        profiler.enable()
+        steps0 = engine.stats().num_spec_verifications
+        for _ in range(40):
+            engine.step()
+        synchronize(engine.device)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        print(f"== {mode}: phases", {n: f"{v * 1e3:.3f} ms" for n, v in row["phases_s"].items()})
+        print(text.getvalue())
+        if engine.device.type == "cuda":
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(10):
+                    engine.step()
+                synchronize(engine.device)
+            counts: dict[str, int] = {}
+            for e in prof.events():
+                if e.name in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize",
+                              "cudaEventSynchronize", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaStreamWaitEvent",
+                              "cudaEventRecord", "cudaMemsetAsync"):
+                    counts[e.name] = counts.get(e.name, 0) + 1
+            row["runtime_calls_per_step"] = {n: c / 10 for n, c in counts.items()}
+            print(f"== {mode}: runtime calls per step", row["runtime_calls_per_step"])
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        row["verifications_in_profile"] = engine.stats().num_spec_verifications - steps0
+        record[mode] = row
+        engine.abort_request("p")
+        while engine.has_unfinished():
+            engine.step()
+        del engine
+    return record
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--target", dest="model", help="Target checkpoint directory (same as --model).")
@@ -205,6 +287,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="SpeculativeConfig's (default: its default); -1: draft at every batch size.",
     )
     parser.add_argument("--repeats", type=int, default=None, help="Timed runs per speed point (5; 1 quick).")
+    parser.add_argument("--profile", action="store_true", help="Also profile a batch-1 step, plain and speculative.")
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {"ks": [1, 2, 4] if quick else [1, 2, 4, 8], "num_requests": 8 if quick else 32,
@@ -247,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     shape: dict[str, Any] = {}
     acceptance = measure_acceptance(args, vocab_size, shape)
     speed = measure_speed(args, vocab_size)
+    profile = profile_batch1(args, vocab_size) if args.profile else None
     speedups = {}
     for batch in (1, args.large_batch):
         by_mode = {r["mode"]: r["decode_tokens_per_s"] for r in speed if r["batch_size"] == batch}
@@ -261,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     caveats = notes(args, torch.device(env["device"]))
     record = {"workload": workload, "notes": list(caveats.values()), "acceptance": acceptance,
-              "speed": speed, "speedup": speedups}
+              "speed": speed, "speedup": speedups, "profile_batch1": profile}
 
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.subplots(1, 2)
