@@ -86,21 +86,17 @@ async def wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
 
     NOTE: polls `done()` (it never blocks) instead of a thread blocked in `wait()`: the event loop's
     default executor has only a few threads, and transfers that stall until their deadline (a dead
-    peer) would hold them all, starving the pairing calls that also run there. For its first
-    SPIN_S it checks at every turn of the event loop (`sleep(0)`): a timed sleep there waits whole
-    milliseconds (epoll's resolution: `sleep(0.0001)` took ~1 ms, the whole of a KV push's tail);
-    then every millisecond, backing off to 5 ms."""
+    peer) would hold them all, starving the pairing calls that also run there."""
     start = time.monotonic()
     deadline = start + timeout_s
-    interval_s = 0.001
+    interval_s = 0.0001
     while not handle.done():
         now = time.monotonic()
         if now >= deadline:
             return f"timed out after {timeout_s} s"
-        if now - start < _SPIN_S:
-            await asyncio.sleep(0)  # NOTE: other tasks run; each check costs ~1 us
-            continue
         await asyncio.sleep(interval_s)
+        # NOTE: every 0.1 ms while a transfer could still be a healthy one (a 2k-token prompt's KV
+        # takes ~1 ms over NVLink, and each check costs ~1 us), then backing off to 5 ms.
         if now - start > 0.02:
             interval_s = min(2 * interval_s, 0.005)
     try:
@@ -108,6 +104,3 @@ async def wait_transfer(handle: TransferHandle, timeout_s: float) -> str | None:
     except TransferError as err:
         return f"failed: {err}"
     return None
-
-
-_SPIN_S = 0.005  # a 2k-token prompt's KV takes ~1 ms over NVLink; its tail after a layer push, ~0.4 ms
