@@ -116,6 +116,7 @@ async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts
         "held_blocks_after": held,
         "num_streamed_messages": [r.num_streamed_messages for r in results[warm:]],
         "layers_written_at_offer": [r.layers_written_at_offer for r in results[warm:]],
+        "push_marks_s": [r.push_marks_s for r in pushes],
         # on the GPU: from the forward's last layer written to the last KV group sent
         "push_tail_device_median_s": statistics.median([r.push_tail_device_s for r in pushes]) if pushes else None,
     }

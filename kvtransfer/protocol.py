@@ -132,6 +132,9 @@ class PrefillResultMsg(Msg):
     # streamed push; 0 otherwise): the part of the transfer the forward did not hide.
     push_tail_device_s: float = 0.0
     layers_written_at_offer: int = -1  # layers the step had queued when the early handshake completed
+    # Seconds after the first token (once answered; absolute perf_counter values inside the worker):
+    # the push started, its sends were issued, they were done.
+    push_marks_s: list[float] = Field(default_factory=list)
     worker_s: float = 0.0  # from the call's arrival at the prefill worker to its answer (all of the above and more)
 
 

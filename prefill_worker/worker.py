@@ -202,7 +202,8 @@ class PrefillWorker(TransferEndpoint):
         prefilled = time.perf_counter()
         try:
             result = await self._push(msg, out, early)
-            timing = {"prefill_s": prefilled - started, "push_s": time.perf_counter() - prefilled}
+            timing = {"prefill_s": prefilled - started, "push_s": time.perf_counter() - prefilled,
+                      "push_marks_s": [t - prefilled for t in result.push_marks_s]}
             return result.model_copy(update=timing)
         finally:
             # NOTE: not awaited (the answer does not wait for the engine thread): later engine
@@ -298,7 +299,7 @@ class PrefillWorker(TransferEndpoint):
 
     async def _send(
         self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int,
-        streamed: Streamed | None = None,
+        streamed: Streamed | None = None, marks: list[float] | None = None,
     ) -> tuple[str | None, float]:
         """After an accepted handshake: sends the KV's layer groups that the engine thread did not
         (`streamed`: what it did; `buf`, else the streamed buffer, else a stand-in of the KV's size)
@@ -322,6 +323,8 @@ class PrefillWorker(TransferEndpoint):
                 handles.extend(self.transport.send(decode_id, buf[first:stop]) for first, stop in groups[len(handles):])
             if token is not None:
                 handles.append(self.transport.send(decode_id, upload([token], torch.int64, device)))
+            if marks is not None:
+                marks.append(time.perf_counter())  # every send issued
         except Exception as err:  # noqa: BLE001 - this request's failure
             failure = f"failed: {type(err).__name__}: {err}"
         finally:
@@ -329,6 +332,8 @@ class PrefillWorker(TransferEndpoint):
         for handle in handles:
             if failure is None:
                 failure = await wait_transfer(handle, self.config.transfer_timeout_s)
+        if marks is not None:
+            marks.append(time.perf_counter())  # every send done
         if failure is not None:
             if self._pair_epochs.get(decode_id) == handshake.epoch:
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
@@ -371,6 +376,7 @@ class PrefillWorker(TransferEndpoint):
                 first_token=token, num_blocks=num_blocks,
             )
             handshake, token = await self._handshake(lease.decode_worker_id, decode_worker, ready), None
+        marks = [time.perf_counter()]  # the push starts; then its sends issued, then done (push_marks_s)
         # NOTE: closed before anything else goes on the pair: the engine thread sends nothing more for it.
         streamed = self.layer_push.close(rid) if early is not None else None
         gathered = self._gathered.pop(rid, None)
@@ -384,7 +390,7 @@ class PrefillWorker(TransferEndpoint):
             buf = gathered.buffer
         # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
         failure, send_s = await asyncio.shield(
-            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed))
+            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed, marks))
         )
         if not decode:
             return self._undecoded(result, aborted, finish)
@@ -400,6 +406,7 @@ class PrefillWorker(TransferEndpoint):
             num_streamed_messages=len(streamed.handles) if streamed is not None else 0,
             push_tail_device_s=streamed.tail_device_seconds() if streamed is not None else 0.0,
             layers_written_at_offer=streamed.layers_written_at_offer if streamed is not None else -1,
+            push_marks_s=marks,
         )
 
     @staticmethod
