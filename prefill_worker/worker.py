@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -77,12 +78,18 @@ class PrefillWorker(TransferEndpoint):
         self._pair_epochs: dict[str, int] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
-        self.layer_push = LayerPush(self.transport, engine.runner.kv_caches)
+        self.layer_push = LayerPush(self.transport, engine.runner.kv_caches, self._defer)
         engine.layer_hook = self.layer_push.hook
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
         self.loop.start()
 
     # ---- plumbing
+    def _defer(self, fn: Callable[[], None]) -> None:  # engine thread
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(fn)
+        else:
+            fn()
+
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         assert self._aio is not None
         gathered: dict[str, _Gathered] = {}

@@ -135,3 +135,31 @@ def test_only_expected_requests_whose_prompt_completes_are_claimed(pair) -> None
     assert push.hook([_scheduled("r", [1])]) is None  # closed: a later step cannot claim it
     push.expect("t", 1, 1)
     assert push.close("t") is None  # never offered (the handshake failed): nothing was sent
+
+
+def test_with_defer_the_engine_thread_only_marks_layers_and_the_loop_sends(pair) -> None:
+    """The worker's configuration: on_layers (the engine thread) marks layers written and hands the
+    sends to another thread (`defer`); they go when that runs, each group once written."""
+    builder, a, b = pair
+    kv = builder.kv(0, LAYOUT)
+    landing, recvs = _post_recvs(builder, b, 2, 5)
+    deferred: list = []
+    push = LayerPush(a, kv, deferred.append)
+    push.expect("r", 2, 5)
+    push.offer("r", "decode-0")
+    on_layers = push.hook([_scheduled("r", [6, 8])])
+    assert on_layers is not None
+    on_layers(1)
+    on_layers(2)
+    assert push._streams["r"].handles == [] and len(deferred) == 2  # nothing sent on the engine thread
+    deferred.pop(0)()
+    assert len(push._streams["r"].handles) == 2  # both groups written by then
+    for n in range(3, LAYOUT.num_layers + 1):
+        on_layers(n)
+    for run in deferred:
+        run()
+    streamed = push.close("r")
+    assert streamed is not None and len(streamed.handles) == 5
+    _wait(streamed.handles)
+    _wait(recvs)
+    assert torch.equal(landing.cpu(), gather_blocks(kv, [6, 8]).cpu())
