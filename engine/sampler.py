@@ -536,12 +536,22 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device:
     return counts.index_put_((row_ids, token_ids), ones, accumulate=True)
 
 
+def _whole_output(row: SamplingRow) -> Sequence[int]:
+    """The request's whole output so far: a moved request's continuation carries the outputs of its
+    earlier attempts at the end of its prompt (num_prior_output_tokens of them), then its own."""
+    n = row.num_prior_output_tokens
+    if n <= 0:
+        return row.output_token_ids
+    return [*row.prompt_token_ids[len(row.prompt_token_ids) - n :], *row.output_token_ids]
+
+
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition, frequency and presence penalties, out of place. logits: [rows, vocab] float32.
 
     repetition_penalty r, over tokens seen in the prompt or the output: logit / r if logit > 0,
-    else logit * r. Then, over tokens of the output: logit -= frequency_penalty * count
-    + presence_penalty * (count > 0). Rows without penalties are returned unchanged.
+    else logit * r. Then, over tokens of the output (the request's whole output, earlier attempts'
+    included: `_whole_output`): logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    Rows without penalties are returned unchanged.
     """
     penalized_rows = [i for i, row in enumerate(rows) if has_penalty(row.params)]
     if not penalized_rows:
@@ -550,7 +560,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     params = [rows[i].params for i in penalized_rows]
     index = upload(penalized_rows, torch.long, device)  # [pen]
     sub = logits.index_select(0, index)  # [pen, vocab]
-    outputs = [rows[i].output_token_ids for i in penalized_rows]
+    outputs = [_whole_output(rows[i]) for i in penalized_rows]
     output_counts = _token_counts(outputs, vocab_size, device)  # [pen, vocab]
     in_output = output_counts > 0  # [pen, vocab]
 

@@ -34,11 +34,11 @@ only what this Dispatcher yielded, and the continuation starts right after it.
 What a continuation preserves: greedy requests give exactly the tokens of a fault-free run (the
 same model over the same tokens), and so do seeded requests: the attempt says how many tokens
 were yielded before it (`num_prior_output_tokens`), and a seeded draw depends only on the seed and
-the output position (engine/sampler.py). Logprobs are those of the new attempt's computation. Not
-preserved: frequency/presence penalties, which the engine counts over output tokens only (the
-yielded tokens become prompt tokens of the continuation; the repetition penalty, over prompt and
-output, is preserved), and the draws of unseeded requests, which come from a worker's shared
-generator anyway.
+the output position (engine/sampler.py). Penalties are preserved too: frequency and presence
+penalties count the request's whole output, the yielded tokens at the end of the continuation's
+prompt included (the count tells the engine where they start), and the repetition penalty counts
+prompt and output alike. Logprobs are those of the new attempt's computation. Not preserved: the
+draws of unseeded requests, which come from a worker's shared generator anyway.
 
 Every wait has a deadline (DispatcherConfig); after `max_attempts` the client gets a
 RequestFailedError naming the last failure, and NoCapacityError when no worker can take it.

@@ -103,6 +103,24 @@ def _run(engine, request_id: str, prompt: list[int], params: SamplingParams, **o
     return tokens
 
 
+@pytest.mark.parametrize("num_prior", [3, 8])
+@pytest.mark.parametrize("temperature", [0.0, 0.1], ids=["greedy", "seeded"])
+def test_continuation_keeps_frequency_and_presence_penalties(make_llm, num_prior, temperature):
+    """Frequency and presence penalties count the request's whole output: a continuation carries the
+    earlier attempt's outputs at the end of its prompt, and still gives the uninterrupted tokens."""
+    prompt = [7] * 6 + _prompts(1, 10, seed=3)[0]
+    params = SamplingParams(max_tokens=16, temperature=temperature, seed=5, ignore_eos=True,
+                            frequency_penalty=2.0, presence_penalty=1.5)
+    want = make_llm(block_size=4).generate([prompt], params)[0].outputs.token_ids
+    unpenalized = make_llm(block_size=4).generate(
+        [prompt], params.model_copy(update={"frequency_penalty": 0.0, "presence_penalty": 0.0}))[0].outputs.token_ids
+    assert unpenalized != want  # NOTE: the penalties matter on this prompt (the test would be moot else)
+    engine = make_llm(block_size=4).engine
+    moved_prompt, moved_params = continuation(prompt, params, want[:num_prior])
+    got = _run(engine, "moved", moved_prompt, moved_params, num_prior_output_tokens=num_prior)
+    assert want[:num_prior] + got == want
+
+
 @pytest.mark.parametrize("num_prior", [1, 6])
 def test_seeded_continuation_of_a_moved_request_gives_the_uninterrupted_tokens(make_llm, num_prior):
     prompt = _prompts(1, 20, seed=8)[0]
