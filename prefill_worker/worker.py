@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +37,10 @@ from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, LeaseMsg, PrefillResult
 from prefill_worker.layer_push import LayerPush, Streamed
 
 log = logging.getLogger(__name__)
+
+# Ended prefills remembered (a lease attached after its prefill's answer is refused; one attached
+# before its prefill call waits for it).
+_NUM_ENDED_KEPT = 4096
 
 
 class PrefillWorkerConfig(EndpointConfig):
@@ -70,6 +75,7 @@ class PrefillWorker(TransferEndpoint):
         self._gathered: dict[str, _Gathered] = {}  # request -> its KV gathered when its prefill ended
         # request -> (its lease, the decode worker's handle): given with the task, or attached later
         self._leases: dict[str, asyncio.Future[tuple[LeaseMsg, Any]]] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the latest requests whose prefill ended here
         self._live: set[str] = set()  # requests inside `prefill`
         self._aborted: set[str] = set()  # those of them aborted (their push must not start)
         self._pair_locks: dict[str, asyncio.Lock] = {}
@@ -143,6 +149,7 @@ class PrefillWorker(TransferEndpoint):
         future: asyncio.Future[StepOutput] = self._aio.create_future()
         self._first_tokens[rid] = future
         self._live.add(rid)
+        self._ended.pop(rid, None)  # NOTE: a prefill stopped for want of room comes again with its lease
         lease = self._leases.setdefault(rid, self._aio.create_future())
         if msg.lease is not None and not lease.done():
             lease.set_result((msg.lease, decode_worker))
@@ -154,15 +161,22 @@ class PrefillWorker(TransferEndpoint):
             self._aborted.discard(rid)
             self._gathered.pop(rid, None)
             self._leases.pop(rid, None)
+            self._ended[rid] = None
+            while len(self._ended) > _NUM_ENDED_KEPT:
+                self._ended.popitem(last=False)
             # NOTE: its layer push (if offered) is closed by whichever of _push and _settle sends the rest
 
     async def attach_lease(self, request_id: str, lease: bytes, decode_worker: Any) -> bool:
         """The lease of a prefill that started without one (the router reserves it meanwhile):
-        where to push. False when that prefill is not running here (it ended: its answer says how)."""
+        where to push. False when that prefill has ended here (its answer says how).
+        NOTE: an async actor runs calls in any order: this one may come before its `prefill` call,
+        which then finds the lease waiting."""
         if request_id not in self._live:
-            return False
-        future = self._leases.get(request_id)
-        if future is None or future.done():
+            if request_id in self._ended:
+                return False
+            self._leases.setdefault(request_id, asyncio.get_running_loop().create_future())
+        future = self._leases[request_id]
+        if future.done():
             return False
         future.set_result((LeaseMsg.decode(lease), decode_worker))
         return True

@@ -159,6 +159,38 @@ def test_no_room_at_first_stops_the_prefill_and_waits_for_a_lease():
     asyncio.run(main())
 
 
+def test_a_lease_attached_before_its_prefill_call_runs_waits_for_it():
+    """An async Ray actor runs calls in any order: the router's attach_lease may run before the
+    prefill call it follows. The lease then waits for that call (else the prefill would wait for a
+    lease that never comes, until pair_timeout_s); the request gets the offline tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(3, seed=21)
+    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+
+    async def main():
+        workers, (prefill, decode) = _build()
+        prefill.config = prefill.config.model_copy(update={"pair_timeout_s": 3.0})
+        prefill_call, attached = prefill.prefill, []
+        attach_call = prefill.attach_lease
+
+        async def late(task: bytes, decode_worker=None) -> bytes:
+            await asyncio.sleep(0.2)  # NOTE: the router's attach_lease runs first
+            return await prefill_call(task, decode_worker)
+
+        async def attach(*args):
+            attached.append(await attach_call(*args))
+            return attached[-1]
+
+        prefill.prefill, prefill.attach_lease = late, attach  # type: ignore[method-assign]
+        tokens = await _run_all(workers, prompts, params)
+        assert tokens == offline
+        assert attached == [True] * len(prompts)
+        assert await _held([prefill, decode]) == [0, 0]
+        await _shutdown([prefill, decode])
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("kv_messages", [1, 2])
 def test_kv_goes_layer_group_by_group_during_the_prefill_step(kv_messages):
     """After an early handshake the KV goes from the prefill step, a layer group as soon as its
