@@ -195,6 +195,7 @@ class _Attempt:
     lost: asyncio.Event = field(default_factory=asyncio.Event)  # set with a _WorkerLost in the inbox
     touched: list[tuple[str, Any]] = field(default_factory=list)  # (worker id, handle) that may hold some of it
     is_finished: bool = False  # nothing is left on any worker: no abort needed
+    waiting_since: float | None = None  # loop time _next began waiting for its worker (None: not waiting)
 
     def put(self, item: TokenOutputMsg | _WorkerLost) -> None:
         self.inbox.append(item)
@@ -260,6 +261,7 @@ class Dispatcher:
         self.num_local_prefills = 0  # disaggregated attempts prefilled on their decode worker, since start
         self._attempts: dict[str, _Attempt] = {}  # attempt id -> the attempt, while it runs
         self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._stall_watch: asyncio.Task[None] | None = None  # fails attempts whose worker went quiet
         self._failed_until: dict[str, float] = {}  # worker id -> clock() until which it gets no new attempt
         self._round_robin: dict[str, itertools.count[int]] = {}  # per kind of worker
         # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker.
@@ -357,9 +359,11 @@ class Dispatcher:
 
     async def close(self) -> None:
         self.loads.close()
-        for task in self._pollers.values():
+        tasks = [*self._pollers.values(), *([self._stall_watch] if self._stall_watch is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._pollers.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._stall_watch = None
         self._pollers.clear()
 
     # ---- one request
@@ -425,17 +429,34 @@ class Dispatcher:
         inbox = attempt.inbox
         if not inbox:
             attempt.arrived.clear()
+            # NOTE: no timeout context a wait (~15 us of a streamed token's ~65 us of router CPU):
+            # _watch_stalls fails an attempt whose wait outlasts stall_timeout_s.
+            attempt.waiting_since = asyncio.get_running_loop().time()
+            if self._stall_watch is None or self._stall_watch.done():
+                self._stall_watch = asyncio.get_running_loop().create_task(self._watch_stalls())
             try:
-                async with asyncio.timeout(self.config.stall_timeout_s):
-                    await attempt.arrived.wait()
-            except TimeoutError:
-                raise _AttemptFailed(
-                    f"worker {attempt.worker_id} sent nothing for {self.config.stall_timeout_s} s (stall_timeout_s)"
-                ) from None
+                await attempt.arrived.wait()
+            finally:
+                attempt.waiting_since = None
         item = self._checked(attempt, inbox.popleft())
         while item.finish_reason is None and inbox and _is_tokens(inbox[0]):
             item = _merge(item, inbox.popleft())  # type: ignore[arg-type]
         return item
+
+    async def _watch_stalls(self) -> None:
+        """Every stall_timeout_s / 4 (at most 1 s): an attempt waiting for its worker longer than
+        stall_timeout_s gets a failure in its inbox (the request then moves to another worker)."""
+        stall_s = self.config.stall_timeout_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, stall_s / 4))
+            now = loop.time()
+            for attempt in list(self._attempts.values()):
+                since = attempt.waiting_since
+                if since is not None and now - since >= stall_s:
+                    attempt.waiting_since = None
+                    reason = f"worker {attempt.worker_id} sent nothing for {stall_s} s (stall_timeout_s)"
+                    attempt.put(_WorkerLost(reason))
 
     @staticmethod
     def _checked(attempt: _Attempt, item: TokenOutputMsg | _WorkerLost) -> TokenOutputMsg:

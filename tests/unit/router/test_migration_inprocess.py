@@ -304,3 +304,42 @@ def test_a_pair_the_decode_side_lost_forms_again_from_the_prefill_side():
         await cluster.close()
 
     asyncio.run(main())
+
+
+class _Mute:
+    """A worker that takes requests and computes them, but whose polls never carry their tokens."""
+
+    def __init__(self, worker: Killable) -> None:
+        self.inner, self.worker_id = worker, worker.worker_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def poll(self, router_id: str, timeout_s: float = 1.0) -> bytes:
+        from kvtransfer.protocol import TokenBatchMsg
+
+        await asyncio.sleep(timeout_s)
+        return TokenBatchMsg(worker_id=self.worker_id, outputs=[]).encode()
+
+
+def test_a_worker_that_goes_quiet_has_its_requests_moved_after_stall_timeout():
+    """stall_timeout_s: an attempt whose worker sends nothing for that long moves to another worker
+    and the request still gives the offline tokens."""
+    prompts = _prompts(2, seed=4)
+    want = _offline(prompts, GREEDY)
+
+    async def main() -> None:
+        quick = FAST.model_copy(update={"stall_timeout_s": 0.6, "failed_worker_cooldown_s": 0.0})
+        cluster = Cluster(num_decode=2, colocated=True, dispatch=quick)
+        mute_id = "c0"
+        mute = _Mute(cluster.decode[mute_id])
+        cluster.dispatcher.set_workers(Workers(prefill={}, decode={**cluster.decode, mute_id: mute}))
+        streams = Streams(cluster.dispatcher, prompts, GREEDY)
+        results = await streams.results(timeout_s=60.0)
+        assert results == want
+        assert cluster.dispatcher.num_migrations >= 1  # at least one request started on the mute worker
+        await cluster.dispatcher.close()
+        assert all(n == 0 for n in (await cluster.held()).values())
+        await cluster.close()
+
+    asyncio.run(main())
