@@ -34,10 +34,16 @@ def fill(engine: EngineCore, batch: int, context: int, temperature: float, rng: 
 
 
 def phases(engine: EngineCore, num_steps: int) -> dict[str, float]:
-    """Median seconds of each phase of a decode-only step."""
-    parts: dict[str, list[float]] = {"schedule": [], "runner": [], "sampler": [], "post": [], "step": []}
+    """Median seconds of each phase of a synchronous step: drafting (speculative decoding; nothing
+    without a proposer), schedule, runner, sampler (or verification), post-process."""
+    parts: dict[str, list[float]] = {"draft": [], "schedule": [], "runner": [], "sampler": [], "post": [], "step": []}
     sync = lambda: synchronize(engine.device)
     for _ in range(num_steps):
+        if not engine.has_unfinished():
+            break
+        sync()
+        start = time.perf_counter()
+        engine._draft()
         sync()
         t0 = time.perf_counter()
         out = engine.scheduler.schedule()
@@ -50,9 +56,9 @@ def phases(engine: EngineCore, num_steps: int) -> dict[str, float]:
         t3 = time.perf_counter()
         engine._post_process(out, sampled)
         t4 = time.perf_counter()
-        for name, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+        for name, value in zip(parts, (t0 - start, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - start)):
             parts[name].append(value)
-    return {name: statistics.median(values) for name, values in parts.items()}
+    return {name: statistics.median(values) for name, values in parts.items() if values}
 
 
 def host_profile(engine: EngineCore, num_steps: int, top: int) -> str:

@@ -34,8 +34,18 @@ from typing import Any
 
 import torch
 
-from bench.common import base_parser, build_engine, check_no_leak, environment, label_bars, random_prompts
-from bench.common import synchronize, title, write_results
+from bench.common import (
+    base_parser,
+    build_engine,
+    check_no_leak,
+    environment,
+    label_bars,
+    random_prompts,
+    synchronize,
+    title,
+    write_results,
+)
+from bench.profile_step import phases
 from engine import EngineCore, SamplingParams, SpeculativeConfig, Tokenizer
 from engine.engine import resolve_model_dir
 
@@ -187,34 +197,6 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
     return rows
 
 
-def _phases(engine: EngineCore, num_steps: int) -> dict[str, float]:
-    """Median seconds of each phase of a synchronous step (device synchronised at each boundary, so
-    the phases add up to the step): draft, schedule, runner, sample (verification), post."""
-    sync = lambda: synchronize(engine.device)
-    parts: dict[str, list[float]] = {k: [] for k in ("draft", "schedule", "runner", "sample", "post", "step")}
-    for _ in range(num_steps):
-        if not engine.has_unfinished():
-            break
-        sync()
-        t0 = time.perf_counter()
-        engine._draft()
-        sync()
-        t1 = time.perf_counter()
-        out = engine.scheduler.schedule()
-        t2 = time.perf_counter()
-        logits = engine.runner.execute(out.scheduled)
-        sync()
-        t3 = time.perf_counter()
-        sampled = engine._sample(out, logits)
-        sync()
-        t4 = time.perf_counter()
-        engine._post_process(out, sampled)
-        t5 = time.perf_counter()
-        for name, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
-            parts[name].append(value)
-    return {name: sorted(v)[len(v) // 2] for name, v in parts.items() if v}
-
-
 def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
     """Where a batch-1 step's time goes, plain and speculative: the phases (synchronous steps), a
     host profile (cProfile, own time) and the device launches a step makes (torch.profiler)."""
@@ -233,7 +215,7 @@ def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
                                                             ignore_eos=True))
         for _ in range(5):
             engine.step()
-        row: dict[str, Any] = {"phases_s": _phases(engine, 40)}
+        row: dict[str, Any] = {"phases_s": phases(engine, 40)}
         profiler = cProfile.Profile()
         profiler.enable()
         steps0 = engine.stats().num_spec_verifications
