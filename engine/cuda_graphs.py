@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -91,6 +91,14 @@ def cuda_graphs_enabled(config: ModelConfig, device: torch.device, backend: Atte
     """Whether an engine captures graphs: not enforce_eager, a CUDA device, and a backend that
     declares `supports_cuda_graphs`."""
     return not config.enforce_eager and device.type == "cuda" and bool(getattr(backend, "supports_cuda_graphs", False))
+
+
+def graph_attention(backend: AttentionBackend, max_context: int, sizes: Sequence[int], device: torch.device) -> Any:
+    """The backend's graph mode for captured steps of these sizes; raises if it has none."""
+    graph_mode = getattr(backend, "graph_mode", None)
+    if not getattr(backend, "supports_cuda_graphs", False) or graph_mode is None:
+        raise ValueError(f"attention backend {backend.name!r} does not support CUDA graphs; use 'triton'")
+    return graph_mode(max_context, sizes, device)
 
 
 def graph_max_rows(config: EngineConfig) -> int:
@@ -221,7 +229,9 @@ def fill_graph_step(buffer: np.ndarray, seqs: Sequence[ForwardSeq], layout: Grap
 
 
 @torch.inference_mode()
-def capture_graphs(sizes: Sequence[int], body: Callable[[int], None], device: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
+def capture_graphs(
+    sizes: Sequence[int], body: Callable[[int], None], device: torch.device
+) -> dict[int, torch.cuda.CUDAGraph]:
     """One CUDA graph of `body(size)` per size, largest first, all in one memory pool. Sharing the
     pool is safe in any replay order when replays never overlap and everything a replay reads or
     writes after it ends lives outside the pool (the callers' static buffers)."""
@@ -261,9 +271,6 @@ class DecodeGraphs:
         max_context: int,
         max_multi_row_keys: int = DEFAULT_MAX_MULTI_ROW_KEYS,
     ) -> None:
-        graph_mode = getattr(backend, "graph_mode", None)
-        if not getattr(backend, "supports_cuda_graphs", False) or graph_mode is None:
-            raise ValueError(f"attention backend {backend.name!r} does not support CUDA graphs; use 'triton'")
         if max_context < 1:
             raise ValueError(f"max_context={max_context} must be at least 1")
         self.model = model
@@ -275,7 +282,7 @@ class DecodeGraphs:
         self.max_multi_row_keys = max_multi_row_keys
         self.block_size = block_size = kv_caches.shape[3]
         self.max_context = max_context
-        self.backend = graph_mode(max_context, self.sizes, device)
+        self.backend = graph_attention(backend, max_context, self.sizes, device)
         max_size, max_block_cols = self.sizes[-1], -(-max_context // block_size)
         # Static buffers, all rows padding until a step fills them (capture runs on padding only,
         # so it stores no K/V).

@@ -148,8 +148,9 @@ def gather_blocks(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int]) -> 
     returns: [layers, 2, n,          block_size, kv_heads, head_dim]   (n = len(block_ids), in order)
     """
     index = _block_index(kv, block_ids)
-    words = _as_block_rows(kv).index_select(1, index)  # one kernel; the result is contiguous
-    return words.view(kv.dtype).view(*kv.shape[:2], index.numel(), *kv.shape[3:])
+    buf = torch.empty((*kv.shape[:2], index.numel(), *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
+    gather_layers(kv, index, buf, 0, kv.shape[0])  # one kernel
+    return buf
 
 
 def gather_layers(kv: torch.Tensor, index: torch.Tensor, buf: torch.Tensor, first: int, stop: int) -> None:

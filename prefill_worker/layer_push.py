@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -67,10 +68,6 @@ class Streamed:
         if last is None or len(self.handles) < len(self.groups):
             return 0.0
         return self.handles[-1].seconds_since(last) or 0.0
-
-    def send_device_seconds(self) -> float:
-        """The sends' time on the device, summed over the groups (each from when its stream reached it)."""
-        return sum(h.device_seconds() or 0.0 for h in self.handles)
 
 
 class LayerPush:
@@ -195,13 +192,6 @@ class LayerPush:
             # NOTE: the send's stream waits for this (the current) stream: the gather above
             stream.handles.append(self.transport.send(stream.decode_id, stream.buffer[first:stop]))
 
-    def _on_side(self) -> torch.cuda.StreamContext | _NoStream:
-        return torch.cuda.stream(self._side) if self._side is not None else _NoStream()
+    def _on_side(self) -> AbstractContextManager[object]:
+        return torch.cuda.stream(self._side) if self._side is not None else nullcontext()
 
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

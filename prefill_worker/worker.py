@@ -96,6 +96,10 @@ class PrefillWorker(TransferEndpoint):
         else:
             fn()
 
+    def _num_blocks(self, num_prompt_tokens: int) -> int:
+        """Blocks a prompt's KV fills, the ones its push moves."""
+        return -(-num_prompt_tokens // self.block_size)
+
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         assert self._aio is not None
         gathered: dict[str, _Gathered] = {}
@@ -110,7 +114,7 @@ class PrefillWorker(TransferEndpoint):
     def _gather(self, out: StepOutput) -> _Gathered:  # engine thread
         assert out.kv_block_ids is not None
         kv = self.loop.engine.runner.kv_caches
-        blocks = out.kv_block_ids[: -(-out.num_prompt_tokens // self.block_size)]
+        blocks = out.kv_block_ids[: self._num_blocks(out.num_prompt_tokens)]
         if not kv.is_cuda:
             return _Gathered(gather_blocks(kv, blocks), None, None)
         started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -249,7 +253,7 @@ class PrefillWorker(TransferEndpoint):
         (LayerPush). None: no early handshake (a push to that decode worker holds the pair, or no
         lease came)."""
         rid = msg.request.request_id
-        num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
+        num_blocks = self._num_blocks(len(msg.request.prompt_token_ids))
         num_messages = min(self.config.kv_messages, self.layer_push.num_layers)
         self.layer_push.expect(rid, num_blocks, num_messages)  # NOTE: before the prompt is queued
 
@@ -308,7 +312,7 @@ class PrefillWorker(TransferEndpoint):
         frees the lease), so the pair and its order stay intact."""
         if early is None:
             return
-        num_blocks = -(-len(msg.request.prompt_token_ids) // self.block_size)
+        num_blocks = self._num_blocks(len(msg.request.prompt_token_ids))
 
         async def settle() -> None:
             handshake = await early
@@ -382,7 +386,7 @@ class PrefillWorker(TransferEndpoint):
         aborted = out.finish_reason == "abort" or rid in self._aborted
         finish = None if aborted else self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
         decode = not aborted and finish is None
-        num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        num_blocks = self._num_blocks(len(request.prompt_token_ids))
         handshake = await asyncio.shield(early) if early is not None else None
         token: int | None = out.new_token_ids[0] if decode else -1
         if handshake is None:  # the handshake after the prefill, the first token in KvReady

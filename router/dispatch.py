@@ -327,6 +327,9 @@ class Dispatcher:
 
     # ---- the token stream
     def _ensure_pollers(self) -> None:
+        """The token pollers of the decode workers, and the stall watchdog (every attempt starts here)."""
+        if self._stall_watch is None or self._stall_watch.done():
+            self._stall_watch = asyncio.get_running_loop().create_task(self._watch_stalls())
         self.loads.track([*self.workers.prefill, *self.workers.decode])
         now = self.clock()
         for worker_id, handle in self.workers.decode.items():
@@ -432,8 +435,6 @@ class Dispatcher:
             # NOTE: no timeout context a wait (~15 us of a streamed token's ~65 us of router CPU):
             # _watch_stalls fails an attempt whose wait outlasts stall_timeout_s.
             attempt.waiting_since = asyncio.get_running_loop().time()
-            if self._stall_watch is None or self._stall_watch.done():
-                self._stall_watch = asyncio.get_running_loop().create_task(self._watch_stalls())
             try:
                 await attempt.arrived.wait()
             finally:

@@ -29,7 +29,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import SamplingParams
-from engine.cuda_graphs import capture_graphs, capture_sizes, graph_size_for
+from engine.cuda_graphs import capture_graphs, capture_sizes, graph_attention, graph_size_for
 from engine.models import LlamaForCausalLM
 from engine.pinned import upload
 from engine.sampler import has_penalty
@@ -59,9 +59,6 @@ class DraftLoopGraphs:
         max_batch: int,
         max_context: int,
     ) -> None:
-        graph_mode = getattr(backend, "graph_mode", None)
-        if not getattr(backend, "supports_cuda_graphs", False) or graph_mode is None:
-            raise ValueError(f"attention backend {backend.name!r} does not support CUDA graphs; use 'triton'")
         if num_passes < 1:
             raise ValueError(f"num_passes={num_passes} must be at least 1 (K >= 2)")
         self.model, self.kv_caches, self.staging, self.num_passes = model, kv_caches, staging, num_passes
@@ -70,7 +67,7 @@ class DraftLoopGraphs:
         self.sizes = capture_sizes(max_batch)
         self.block_size = kv_caches.shape[3]
         self.max_context = max_context
-        self.backend = graph_mode(max_context, self.sizes, device)
+        self.backend = graph_attention(backend, max_context, self.sizes, device)
         b, p = self.sizes[-1], num_passes
         self.vocab_size = vocab = model.lm_head.weight.shape[0]
         self.max_block_cols = -(-max_context // self.block_size)
