@@ -479,7 +479,8 @@ class EngineCore:
             draft, k = s.request.draft, s.num_spec_tokens
             assert draft is not None
             probs = draft.probs[:k] if draft.probs is not None else None
-            vrows.append(VerifyRow(_row(s.request), draft.token_ids[:k], probs))
+            head = draft.head(k)  # NOTE: read only if this verification needs the values on the host
+            vrows.append(VerifyRow(_row(s.request), head, probs, head.on_device))
         # NOTE: no gather when every row verifies (the common case); uploads never wait for the device.
         verifying_logits = logits if not plain else logits.index_select(0, upload(verify_rows, torch.long, logits.device))
         verified = self.sampler.verify(verifying_logits, vrows, self.generator)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -26,17 +27,81 @@ from engine.config import SamplingParams
 from engine.kv_cache import BlockHash, hash_full_blocks
 
 
-@dataclass(frozen=True)
-class Draft:
-    """Tokens proposed to follow a request's current tokens, and what they were drawn from."""
+class DeviceTokens(NamedTuple):
+    """Drafted tokens the host has not read yet: a draft's i-th token is tokens[index[i]]."""
 
-    token_ids: list[int]  # K >= 1
-    # [K, vocab] float32: the distribution each drafted token was drawn from (rows sum to 1);
-    # None: point masses (n-gram lookup, greedy drafting).
-    probs: torch.Tensor | None = None
+    tokens: torch.Tensor  # [n] int64, on the device
+    index: Sequence[int]
+
+
+class Draft:
+    """Tokens proposed to follow a request's current tokens, and what they were drawn from.
+
+    A draft model's tokens may still be on the device when it proposes them (`on_device`, with
+    `read` the proposal's one read of all of them): `token_ids` reads them on first use. A step
+    that needs only the device copies (its forward's inputs, the fused verification) then waits
+    for the draft model only at its end, so the host plans the target's step while the device
+    drafts. NOTE: until read, `token_ids`' storage holds placeholders; use `head` or `token_ids`.
+    """
+
+    __slots__ = ("_read", "_token_ids", "on_device", "probs")
+
+    def __init__(
+        self,
+        token_ids: list[int],  # K >= 1
+        # [K, vocab] float32: the distribution each drafted token was drawn from (rows sum to 1);
+        # None: point masses (n-gram lookup, greedy drafting).
+        probs: torch.Tensor | None = None,
+        on_device: DeviceTokens | None = None,
+        read: Callable[[], None] | None = None,  # fills token_ids in place (idempotent)
+    ) -> None:
+        if (on_device is None) != (read is None):
+            raise ValueError("a draft on the device needs its read, and only such a draft has one")
+        self._token_ids, self.probs, self.on_device, self._read = token_ids, probs, on_device, read
+
+    @property
+    def is_read(self) -> bool:
+        return self._read is None
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._read is not None:
+            read, self._read = self._read, None
+            read()
+        return self._token_ids
+
+    def head(self, k: int) -> DraftHead:
+        """The first k tokens, read only when an element is asked for."""
+        return DraftHead(self, k)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self._token_ids)
+
+
+class DraftHead(Sequence[int]):
+    """A draft's first k tokens as a sequence: its length without a read, its tokens after one."""
+
+    __slots__ = ("_draft", "_k")
+
+    def __init__(self, draft: Draft, k: int) -> None:
+        self._draft, self._k = draft, min(k, len(draft))
+
+    @property
+    def on_device(self) -> DeviceTokens | None:
+        """The first k tokens on the device, while the draft is unread."""
+        d = self._draft
+        if d.is_read or d.on_device is None:
+            return None
+        return DeviceTokens(d.on_device.tokens, d.on_device.index[: self._k])
+
+    def __len__(self) -> int:
+        return self._k
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        return self._draft.token_ids[: self._k][index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._draft.token_ids[: self._k])
 
 
 class TokenTail(Sequence[int]):

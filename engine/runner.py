@@ -204,20 +204,50 @@ class ModelRunner:
         """Runs one step; returns float32 logits [rows, vocab] in scheduled order: one row per
         sampling request, 1 + num_spec_tokens rows per verifying one (its last computed token's,
         then each drafted token's)."""
-        return self.forward([_forward_seq(s) for s in scheduled], patch, on_layers)
+        # Drafts still on the device are patched in (one patch a step: with another patch, read).
+        patched = patch is None
+        if patched:
+            patch = _draft_patch(scheduled)  # NOTE: first: it reads the drafts it cannot patch
+        return self.forward([_forward_seq(s, patched) for s in scheduled], patch, on_layers)
 
 
 def _align16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def _forward_seq(s: ScheduledRequest) -> ForwardSeq:
+def _forward_seq(s: ScheduledRequest, drafts_patched: bool = False) -> ForwardSeq:
     r = s.request
     start, stop = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
     if s.num_spec_tokens:
         assert r.draft is not None and stop - s.num_spec_tokens == r.num_tokens, "drafts follow the last token"
-        token_ids = r.token_ids[start:] + r.draft.token_ids[: s.num_spec_tokens]
+        # NOTE: a draft still on the device feeds placeholders that _draft_patch's patch overwrites.
+        unread = drafts_patched and not r.draft.is_read
+        drafted = [0] * s.num_spec_tokens if unread else r.draft.token_ids[: s.num_spec_tokens]
+        token_ids = r.token_ids[start:] + drafted
     else:
         token_ids = r.token_ids[start:stop]
     num_logits = 1 + s.num_spec_tokens if s.will_sample else 0
     return ForwardSeq(token_ids, start, r.block_ids, num_logits)
+
+
+def _draft_patch(scheduled: Sequence[ScheduledRequest]) -> TokenPatch | None:
+    """The drafted input tokens still on the device, as a patch of the step's flat inputs. One
+    patch takes one tensor: drafts proposed in another step than the first such draft's are read
+    here (a draft outlives its step only when its request was not scheduled)."""
+    tokens: torch.Tensor | None = None
+    dst: list[int] = []
+    src: list[int] = []
+    position = 0
+    for s in scheduled:
+        draft, k = s.request.draft, s.num_spec_tokens
+        position += s.num_new_tokens
+        if not k or draft is None or draft.is_read or draft.on_device is None:
+            continue
+        if tokens is None:
+            tokens = draft.on_device.tokens
+        if draft.on_device.tokens is not tokens:
+            draft.token_ids  # noqa: B018  (reads it: _forward_seq then feeds its values)
+            continue
+        dst.extend(range(position - k, position))
+        src.extend(draft.on_device.index[:k])
+    return TokenPatch(tokens, dst, src) if tokens is not None else None

@@ -66,12 +66,15 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engine.config import SamplingParams
 from engine.pinned import Download, upload
+
+if TYPE_CHECKING:
+    from engine.request import DeviceTokens
 
 __all__ = [
     "PendingSample",
@@ -151,6 +154,9 @@ class VerifyRow:
     draft_token_ids: Sequence[int]  # K >= 1
     # [K, vocab]: the distribution each drafted token was drawn from; None: point masses.
     draft_probs: torch.Tensor | None
+    # The drafts still on the device (engine/request.py Draft): the fused verification takes them
+    # from there; every other path reads draft_token_ids.
+    draft_on_device: DeviceTokens | None = None
 
 
 @dataclass(frozen=True)
@@ -403,8 +409,11 @@ class Sampler:
         n = len(rows)
         seeds = torch.randint(0, 1 << 62, (n,), device=logits.device, generator=generator)
         temperatures = [vr.row.params.temperature for vr in rows]
-        drafts, draft_probs = [vr.draft_token_ids for vr in rows], [vr.draft_probs for vr in rows]
-        out = self._kernel_module().verify(logits, drafts, draft_probs, temperatures, seeds)
+        draft_probs = [vr.draft_probs for vr in rows]
+        # NOTE: a draft on the device is passed as placeholders of its length, patched there.
+        drafts = [vr.draft_token_ids if vr.draft_on_device is None else [0] * len(vr.draft_token_ids) for vr in rows]
+        on_device = [vr.draft_on_device for vr in rows]
+        out = self._kernel_module().verify(logits, drafts, draft_probs, temperatures, seeds, on_device)
         read = out.tolist()  # NOTE: the one read: the accepted drafts per row, then the last token per row
         token_ids = [[*vr.draft_token_ids[: read[i]], read[n + i]] for i, vr in enumerate(rows)]
         return VerifyResult(token_ids, read[:n], [None] * n, [None] * n)

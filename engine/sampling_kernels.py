@@ -34,12 +34,16 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.pinned import upload
+
+if TYPE_CHECKING:
+    from engine.request import DeviceTokens
 
 _CHUNK = 8192  # vocabulary entries per program
 _BLOCK = 1024  # entries per loop iteration
@@ -198,6 +202,7 @@ def verify(
     draft_probs: Sequence[torch.Tensor | None],
     temperatures: Sequence[float],
     seeds: torch.Tensor,
+    draft_on_device: Sequence[DeviceTokens | None] | None = None,
     block: int = _VERIFY_BLOCK,
     stats_block: int | None = None,
 ) -> torch.Tensor:
@@ -207,9 +212,11 @@ def verify(
     logits [sum of (K_i + 1), vocab] (any float dtype): row i's K_i + 1 positions in a run, divided
     by temperatures[i] (> 0). draft_token_ids[i]: K_i >= 1 drafts; draft_probs[i]: [K_i, vocab] (any
     float dtype), the distributions they were drawn from, or None for point masses. seeds [rows]
-    int64: each row's Philox stream. block and stats_block (the second pass's and the first's
-    vocabulary entries per iteration; by default the first's tile holds _VERIFY_TILE entries): powers
-    of two; only the speed depends on them (tests make them small).
+    int64: each row's Philox stream. draft_on_device[i], when given: row i's drafts are on the device
+    there (its draft_token_ids are placeholders of the same length), copied in on the device. block
+    and stats_block (the second pass's and the first's vocabulary entries per iteration; by default
+    the first's tile holds _VERIFY_TILE entries): powers of two; only the speed depends on them
+    (tests make them small).
     """
     rows, vocab = len(draft_token_ids), logits.shape[1]
     device = logits.device
@@ -240,6 +247,8 @@ def verify(
     temperature_bits = array("i", array("f", temperatures).tobytes())  # NOTE: the float32 bits, as int32
     drafts = itertools.chain.from_iterable([*d, *[0] * (max_drafts - len(d))] for d in draft_token_ids)
     host = upload([*starts, *counts, *q_starts, *temperature_bits, *drafts], torch.int32, device)
+    if draft_on_device is not None and any(d is not None for d in draft_on_device):
+        _patch_drafts(host, 4 * rows, max_drafts, draft_on_device)
     out = torch.empty(2 * rows, dtype=torch.int32, device=device)
     k_block = triton.next_power_of_2(max_drafts + 1)
     _verify_kernel[(rows,)](
@@ -259,3 +268,18 @@ def verify(
         num_warps=_VERIFY_WARPS,
     )
     return out
+
+
+def _patch_drafts(host: torch.Tensor, offset: int, max_drafts: int, on_device: Sequence[DeviceTokens | None]) -> None:
+    """Copies the drafts on the device into the kernel's int32 inputs, whose [rows, max_drafts] draft
+    table starts at `offset`: one gather and one scatter a source tensor (one in practice)."""
+    by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for i, d in enumerate(on_device):
+        if d is None:
+            continue
+        _, dst, src = by_tensor.setdefault(id(d.tokens), (d.tokens, [], []))
+        dst.extend(range(offset + i * max_drafts, offset + i * max_drafts + len(d.index)))
+        src.extend(d.index)
+    for tokens, dst, src in by_tensor.values():
+        index = upload(dst + src, torch.long, host.device)
+        host.index_copy_(0, index[: len(dst)], tokens.index_select(0, index[len(dst) :]).to(torch.int32))

@@ -27,7 +27,7 @@ from engine.attention import AttentionSpec, create_backend
 from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, build_model
-from engine.request import Draft
+from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
@@ -79,6 +79,7 @@ class DraftModelProposer:
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
         self.loop: DraftLoopGraphs | None = None  # passes 2..K in one graph (CUDA), set by bind
+        self._pending: _DraftRead | None = None  # the last proposal's tokens, while on the device
 
     def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
         ctx = self.context
@@ -146,6 +147,7 @@ class DraftModelProposer:
         at the end. Requests with penalties need each drafted token's value for the next draw: with
         one among them, every pass is read before the next (the same tokens, more waiting)."""
         assert self.runner is not None, "bind() first"
+        self._read_pending()  # NOTE: before _plan: rolling back compares the cache's inputs
         jobs = self._plan(requests)
         drafting = [j for j in jobs if j.is_drafting]
         on_device = not any(has_penalty(j.request.params) for j in drafting)
@@ -182,18 +184,29 @@ class DraftModelProposer:
                 j.seq.token_ids.append(j.token_ids[-1])  # a PLACEHOLDER on the device path, set below
             passes.append(self._sample(active, logits, generator, on_device))
             previous = active
-        if on_device and passes:
-            self._read(drafting, passes)
+        pending = _DraftRead(drafting, passes) if on_device and passes else None
+        self._pending = pending
         by_id = {j.request.request_id: j for j in drafting}
         drafts: list[Draft | None] = []
         for r in requests:
             j = by_id.get(r.request_id)
             if j is None:
                 drafts.append(None)
-            else:
-                is_greedy = r.params.is_greedy
-                drafts.append(Draft(j.token_ids, None if is_greedy else torch.stack(j.probs)))
+                continue
+            probs = None if r.params.is_greedy else torch.stack(j.probs)
+            if pending is None:
+                drafts.append(Draft(j.token_ids, probs))
+            else:  # NOTE: j.token_ids holds placeholders until pending.read fills it in place
+                on_device = DeviceTokens(pending.tokens, pending.index[id(j)])
+                drafts.append(Draft(j.token_ids, probs, on_device, pending.read))
         return drafts
+
+    def _read_pending(self) -> None:
+        """The last proposal's drafted tokens, read now if no one asked for them (the draft cache's
+        inputs hold placeholders until then)."""
+        if self._pending is not None:
+            self._pending.read()
+            self._pending = None
 
     def _loop(self, drafting: list[_Job], passes: list[torch.Tensor], generator: torch.Generator | None) -> bool:
         """Passes 2..K through the loop graph, when it serves these jobs: their drafts get
@@ -218,23 +231,6 @@ class DraftModelProposer:
                 j.token_ids.append(PLACEHOLDER)
                 j.probs.append(dists[i, row])  # NOTE: a view of the graph's output: stacked before the next run
         return True
-
-    @staticmethod
-    def _read(drafting: list[_Job], passes: list[torch.Tensor]) -> None:
-        """The device path's one read: every pass's tokens, in place of the jobs' placeholders (in
-        their drafts, and in the draft cache's inputs of d_1 .. d_{K-1})."""
-        values = torch.cat(passes).tolist()
-        offset = 0
-        active = drafting
-        for i in range(len(passes)):
-            for row, j in enumerate(active):
-                j.token_ids[i] = values[offset + row]
-            offset += len(active)
-            active = [j for j in active if j.request.max_draft_tokens > i + 1]
-        for j in drafting:
-            num_fed = len(j.token_ids) - 1  # d_1 .. d_{K-1} were fed to the draft model
-            if num_fed:
-                j.seq.token_ids[-num_fed:] = j.token_ids[:num_fed]
 
     def _plan(self, requests: Sequence[DraftRequest]) -> list[_Job]:
         """Rolls each request back, then gives blocks and the step's token budget: the requests with
@@ -284,6 +280,7 @@ class DraftModelProposer:
     def check_integrity(self, live_request_ids: Collection[str]) -> None:
         if self.pool is None:
             return
+        self._read_pending()
         self.pool.check_integrity()
         stale = sorted(set(self.seqs) - set(live_request_ids))
         if stale:
@@ -296,3 +293,34 @@ class DraftModelProposer:
             raise IntegrityError(
                 f"the draft pool holds {self.pool.num_held_blocks} blocks, its requests claim {claimed}"
             )
+
+
+class _DraftRead:
+    """A proposal's drafted tokens on the device (one flat tensor) and their one read back into
+    place of the jobs' placeholders: in their drafts, and in the draft cache's inputs of
+    d_1 .. d_{K-1}. Pass i drafted for the jobs drafting more than i tokens, in order."""
+
+    def __init__(self, drafting: list[_Job], passes: list[torch.Tensor]) -> None:
+        self.tokens = torch.cat(passes) if len(passes) > 1 else passes[0]  # [sum of pass sizes] int64
+        self.jobs = drafting
+        self.index: dict[int, list[int]] = {id(j): [] for j in drafting}  # a job's tokens in self.tokens
+        offset = 0
+        for i, size in enumerate(len(p) for p in passes):
+            active = [j for j in drafting if j.request.max_draft_tokens > i]
+            assert len(active) == size, "pass i drafts for the jobs drafting more than i tokens"
+            for row, j in enumerate(active):
+                self.index[id(j)].append(offset + row)
+            offset += size
+        self.is_done = False
+
+    def read(self) -> None:
+        if self.is_done:
+            return
+        self.is_done = True
+        values = self.tokens.tolist()
+        for j in self.jobs:
+            index = self.index[id(j)]
+            j.token_ids[: len(index)] = [values[x] for x in index]
+            num_fed = len(j.token_ids) - 1  # d_1 .. d_{K-1} were fed to the draft model
+            if num_fed:
+                j.seq.token_ids[-num_fed:] = j.token_ids[:num_fed]

@@ -280,3 +280,87 @@ def test_fused_sampler_verification_rejects_bad_logits() -> None:
         Sampler([EOS], fused=True).verify(torch.zeros(4, 10), rows)
     with pytest.raises(ValueError, match=r"draft_probs\[0\] must be \[K, vocab\] = \[2, 10\]"):
         Sampler([EOS], fused=True).verify(torch.zeros(3, 10), [_verify_row([3, 4], torch.ones(2, 9) / 9)])
+
+
+def test_verify_takes_drafts_on_the_device_as_it_takes_them_from_the_host() -> None:
+    """Drafts passed as placeholders plus their place in a device tensor (draft_on_device) give
+    the kernel the same inputs as the drafts themselves: the same results, seed for seed."""
+    from engine.request import DeviceTokens
+
+    vocab = 12
+    counts, temperatures = [3, 1, 2], [1.0, 0.8, 1.2]
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(sum(counts) + len(counts), vocab, generator=gen)
+    probs = [torch.softmax(torch.randn(k, vocab, generator=gen), dim=-1) for k in counts]
+    drafts = [torch.randint(1, vocab, (k,), generator=gen).tolist() for k in counts]
+    starts = [0, 4, 6]
+    for start, d in zip(starts, drafts):  # the target all but certain of each draft: accepted (not 0)
+        for j, token in enumerate(d):
+            x[start + j, token] += 12.0
+    # The flat device tensor holds them in another order, with other tokens between.
+    flat = torch.randint(0, vocab, (16,), generator=gen)
+    places = [[9, 2, 14], [0], [7, 3]]
+    for d, where in zip(drafts, places):
+        flat[where] = torch.tensor(d)
+    seeds = _seeds(len(counts), 22)
+    want = sampling_kernels.verify(x, drafts, probs, temperatures, seeds, block=8, stats_block=4).tolist()
+    on_device = [DeviceTokens(flat, where) for where in places]
+    on_device[1] = None  # a row whose drafts come from the host, beside them
+    placeholders = [[0] * k if d is not None else drafts[i] for i, (k, d) in enumerate(zip(counts, on_device))]
+    got = sampling_kernels.verify(
+        x, placeholders, probs, temperatures, seeds, on_device, block=8, stats_block=4
+    ).tolist()
+    assert got == want
+    wrong = sampling_kernels.verify(x, placeholders, probs, temperatures, seeds, block=8, stats_block=4).tolist()
+    assert wrong != want, "the placeholders alone give other results (the check above can fail)"
+
+
+def test_fused_speculative_steps_wait_for_the_drafts_only_after_verifying(make_llm, monkeypatch) -> None:
+    """With the fused verification, a draft model's tokens stay on the device through the target's
+    forward (patched into its inputs) and the verification kernel: the host reads them after
+    queueing both. The tokens are those of the same run with every draft read as soon as drafted."""
+    from engine import SpeculativeConfig
+    from engine.spec import draft_model
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    prompt = [5, 9, 14, 9, 5, 21, 30, 7]
+    events: list[str] = []
+    verify, read = sampling_kernels.verify, draft_model._DraftRead.read
+
+    def recording_verify(*args, **kwargs):  # type: ignore[no-untyped-def]
+        events.append("verify" if any(d is not None for d in (args[5] if len(args) > 5 else [])) else "verify-host")
+        return verify(*args, **kwargs)
+
+    def recording_read(self):  # type: ignore[no-untyped-def]
+        if not self.is_done:
+            events.append("read")
+        return read(self)
+
+    monkeypatch.setattr(sampling_kernels, "verify", recording_verify)
+    monkeypatch.setattr(draft_model._DraftRead, "read", recording_read)
+
+    def run(read_at_once: bool) -> list[int]:
+        llm = make_llm(speculative=SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3))
+        engine = llm.engine
+        engine.sampler.fused = True  # NOTE: CUDA's sampler; its kernels run interpreted here
+        engine.sampler._kernels = sampling_kernels
+        if read_at_once:
+            propose = engine.proposer.propose  # type: ignore[union-attr]
+
+            def propose_and_read(*args):  # type: ignore[no-untyped-def]
+                drafts = propose(*args)
+                for d in drafts:
+                    if d is not None:
+                        d.token_ids  # noqa: B018 (the read)
+                return drafts
+
+            engine.proposer.propose = propose_and_read  # type: ignore[union-attr, method-assign]
+        return llm.generate([prompt], params)[0].outputs.token_ids
+
+    deferred = run(read_at_once=False)
+    deferred_events, events[:] = list(events), []
+    at_once = run(read_at_once=True)
+    assert deferred == at_once and len(deferred) == params.max_tokens
+    # Every verification found its drafts unread (a read one is passed from the host: "verify-host").
+    assert deferred_events.count("verify") >= 2 and "verify-host" not in deferred_events, deferred_events
+    assert events.count("verify-host") >= 2 and "verify" not in events, events
