@@ -1,18 +1,25 @@
-"""The draft model's drafting passes 2..K in one CUDA graph, sampling included.
+"""The draft model's whole drafting step in one CUDA graph, sampling included.
 
-After the first pass (the catch-up, which drafts d_1), each further pass feeds the previous draft
-and draws the next from the draft's logits. Run one by one, every pass costs a graph replay and
-a dozen small sampling launches on the host, and at batch 1 the host is the bottleneck. Here the
-K - 1 passes and their draws are captured as one graph per batch size (1, 2, 4, ... up to
-max_batch): one replay drafts d_2 .. d_K for every row.
+A drafting step feeds the draft model the tokens it has not seen and draws d_1 from the logits of
+the last, then feeds d_{i-1} and draws d_i, K passes in all. Run one by one, every pass costs a
+forward's planning and upload, a graph replay and a dozen small sampling launches on the host, and
+at batch 1 the host is the bottleneck. Here the K passes and their draws are captured as one graph
+per batch size (1, 2, 4, ... up to max_batch): one replay drafts d_1 .. d_K for every row.
 
-Rows it serves (`DraftLoopGraphs.serves`), everything else drafts pass by pass as before:
-greedy rows, and random rows with a temperature only (no seed, top-k, top-p, min-p, penalties,
-pending min_tokens), all drafting the same K. A random row's draw is the exponential race over
-softmax(logits / temperature), the Sampler's own draw for such a row; its noise comes from the
-engine's generator, drawn eagerly into a static buffer just before the replay (the graph itself
-draws nothing). The distribution each draft was drawn from (softmax, or one-hot for greedy rows)
-is returned for verification, so rejection sampling stays exact.
+The first pass has two query rows a request, its last two tokens (positions start - 1 and start),
+so that it covers both steady states of a request the target has just verified: one token to catch
+up (a draft was rejected: the bonus token) or two (all accepted: d_K, never fed, and the bonus).
+With one to catch up, the row at start - 1 writes that position's KV again, from the same inputs.
+Each row attends as a decode row of its own context (causal within the pair: both rows' KV is
+written before either attends, as for the graph rows of engine/cuda_graphs.py).
+
+Rows it serves (`DraftLoopGraphs.serves`), everything else drafts pass by pass: greedy rows, and
+random rows with a temperature only (no seed, top-k, top-p, min-p, penalties, pending min_tokens),
+all drafting the same K, each with at most two tokens to catch up. A random row's draw is the
+exponential race over softmax(logits / temperature), the Sampler's own draw for such a row; its
+noise comes from the engine's generator, drawn eagerly into a static buffer just before the replay
+(the graph itself draws nothing). The distribution each draft was drawn from (softmax, or one-hot
+for greedy rows) is returned for verification, so rejection sampling stays exact.
 
 Static rows past the batch are padding (slot -1: nothing stored; one key of block 0; temperature
 1), as in engine/cuda_graphs.py. On a device other than CUDA nothing is captured and `run` calls
@@ -39,11 +46,14 @@ if TYPE_CHECKING:
 
 __all__ = ["DraftLoopGraphs", "LoopRow"]
 
+MAX_CATCH_UP = 2  # tokens a row may have to feed before drafting (the first pass's query rows)
+
 
 class LoopRow(NamedTuple):  # NOTE: a NamedTuple: one per drafting request a step
-    """One drafting row: where its first fed draft goes and its sampling temperature."""
+    """One drafting row: its last two tokens, the position of the last, its blocks and temperature."""
 
-    start: int  # position of d_1 (fed in the first captured pass)
+    start: int  # position of the last token (>= 1): its logits draw d_1
+    tokens: tuple[int, int]  # the tokens at positions start - 1 and start
     block_ids: Sequence[int]  # covering positions [0, start + num_passes)
     temperature: float  # 0.0: greedy
 
@@ -55,38 +65,60 @@ class DraftLoopGraphs:
         kv_caches: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         backend: AttentionBackend,
         staging: HostStaging,  # the draft runner's: its uploads and this one's never overlap
-        num_passes: int,  # K - 1
+        num_passes: int,  # K
         max_batch: int,
         max_context: int,
     ) -> None:
         if num_passes < 1:
-            raise ValueError(f"num_passes={num_passes} must be at least 1 (K >= 2)")
+            raise ValueError(f"num_passes={num_passes} must be at least 1 (K >= 1)")
         self.model, self.kv_caches, self.staging, self.num_passes = model, kv_caches, staging, num_passes
         self.device = device = kv_caches.device
         self.is_cuda = device.type == "cuda"
         self.sizes = capture_sizes(max_batch)
         self.block_size = kv_caches.shape[3]
         self.max_context = max_context
-        self.backend = graph_attention(backend, max_context, self.sizes, device)
+        first_sizes = [2 * size for size in self.sizes]  # the first pass runs twice as many rows
+        self.backend = graph_attention(backend, max_context, sorted({*self.sizes, *first_sizes}), device)
         b, p = self.sizes[-1], num_passes
         self.vocab_size = vocab = model.lm_head.weight.shape[0]
         self.max_block_cols = -(-max_context // self.block_size)
-        # Inputs (padding until a run fills them), written in place before each replay.
-        self.first_tokens = torch.zeros(b, dtype=torch.long, device=device)
-        self.positions = torch.zeros(p, b, dtype=torch.long, device=device)
-        self.slots = torch.full((p, b), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(p, b, dtype=torch.int32, device=device)
+        # Inputs (padding until a run fills them), written in place before each replay. The first
+        # pass's rows: 2j and 2j + 1 are request j's positions start - 1 and start.
+        self.first_tokens = torch.zeros(2 * b, dtype=torch.long, device=device)
+        self.first_positions = torch.zeros(2 * b, dtype=torch.long, device=device)
+        self.first_slots = torch.full((2 * b,), -1, dtype=torch.long, device=device)
+        self.first_seq_lens = torch.ones(2 * b, dtype=torch.int32, device=device)
+        self.first_block_tables = torch.zeros(2 * b, self.max_block_cols, dtype=torch.int32, device=device)
+        # Passes 1 .. K - 1 (row i - 1 of these), one row a request.
+        self.positions = torch.zeros(max(p - 1, 1), b, dtype=torch.long, device=device)
+        self.slots = torch.full((max(p - 1, 1), b), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(max(p - 1, 1), b, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(b, self.max_block_cols, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(2 * b + 1, dtype=torch.int32, device=device)
         self.temperature = torch.ones(b, dtype=torch.float32, device=device)
         self.greedy = torch.zeros(b, dtype=torch.bool, device=device)
         self.noise = torch.ones(p, b, vocab, dtype=torch.float32, device=device)
         # Outputs: each pass's draws and the distributions they were drawn from.
         self.tokens = torch.zeros(p, b, dtype=torch.long, device=device)
         self.dists = torch.zeros(p, b, vocab, dtype=torch.float32, device=device)
-        self._metadata = {size: [self._metadata_for(size, i) for i in range(p)] for size in self.sizes}
+        self._first_metadata = {size: self._first_metadata_for(size) for size in self.sizes}
+        self._metadata = {size: [self._metadata_for(size, i) for i in range(p - 1)] for size in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_runs = 0
+
+    def _first_metadata_for(self, size: int) -> AttentionMetadata:
+        n = 2 * size
+        return AttentionMetadata(
+            slot_mapping=self.first_slots[:n],
+            query_start_loc=list(range(n + 1)),
+            seq_lens=[self.max_context] * n,
+            block_tables=[[] for _ in range(n)],
+            block_tables_tensor=self.first_block_tables[:n],
+            seq_lens_tensor=self.first_seq_lens[:n],
+            query_start_loc_tensor=self.query_start_loc[: n + 1],
+            max_query_len=1,
+            max_seq_len=self.max_context,
+        )
 
     def _metadata_for(self, size: int, i: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -103,9 +135,9 @@ class DraftLoopGraphs:
 
     @staticmethod
     def serves(params: Sequence[SamplingParams], num_outputs: Sequence[int], num_drafts: Sequence[int], k: int) -> bool:
-        """Whether one run of a loop drafting `k` tokens (num_passes + 1) can draft for these rows
-        (see the module docstring): per row its params, its output tokens so far, and how many tokens
-        it drafts, which must be k (its draft blocks cover no more)."""
+        """Whether one run of a loop drafting `k` tokens (num_passes) can draft for these rows (see
+        the module docstring): per row its params, its output tokens so far, and how many tokens it
+        drafts, which must be k (its draft blocks cover no more). The caller checks the catch-up."""
         if any(n != k for n in num_drafts):
             return False
         for sp, n in zip(params, num_outputs):
@@ -115,19 +147,29 @@ class DraftLoopGraphs:
                 return False
         return True
 
-    def _body(self, size: int) -> None:
-        """The captured work: num_passes forward passes of `size` rows, each feeding the last draws."""
-        tokens = self.first_tokens[:size]
+    def _draw(self, logits: torch.Tensor, i: int, size: int) -> torch.Tensor:
+        """Pass i's draws from logits [size, vocab] float32 into tokens[i] and dists[i]; returns them."""
         temperature, greedy = self.temperature[:size].unsqueeze(1), self.greedy[:size]
-        for i in range(self.num_passes):
-            hidden = self.model(tokens, self.positions[i, :size], self.kv_caches, self._metadata[size][i], self.backend)
-            logits = self.model.compute_logits(hidden)  # [size, vocab] float32
-            probs = torch.softmax(logits / temperature, dim=-1)
-            argmax = logits.argmax(dim=-1)
-            tokens = torch.where(greedy, argmax, (probs / self.noise[i, :size]).argmax(dim=-1))
-            self.tokens[i, :size].copy_(tokens)
-            one_hot = torch.nn.functional.one_hot(argmax, self.vocab_size).to(probs.dtype)
-            self.dists[i, :size].copy_(torch.where(greedy.unsqueeze(1), one_hot, probs))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        argmax = logits.argmax(dim=-1)
+        tokens = torch.where(greedy, argmax, (probs / self.noise[i, :size]).argmax(dim=-1))
+        self.tokens[i, :size].copy_(tokens)
+        one_hot = torch.nn.functional.one_hot(argmax, self.vocab_size).to(probs.dtype)
+        self.dists[i, :size].copy_(torch.where(greedy.unsqueeze(1), one_hot, probs))
+        return tokens
+
+    def _body(self, size: int) -> None:
+        """The captured work: the two-row first pass, then num_passes - 1 passes feeding the last draws."""
+        n = 2 * size
+        self.first_block_tables[:n].copy_(self.block_tables[:size].repeat_interleave(2, dim=0))
+        hidden = self.model(
+            self.first_tokens[:n], self.first_positions[:n], self.kv_caches, self._first_metadata[size], self.backend
+        )
+        tokens = self._draw(self.model.compute_logits(hidden[1::2]), 0, size)
+        for i in range(1, self.num_passes):
+            hidden = self.model(tokens, self.positions[i - 1, :size], self.kv_caches, self._metadata[size][i - 1],
+                                self.backend)
+            tokens = self._draw(self.model.compute_logits(hidden), i, size)
 
     def capture(self) -> None:
         """One graph per batch size (CUDA; engine/cuda_graphs.capture_graphs); nothing elsewhere."""
@@ -136,41 +178,57 @@ class DraftLoopGraphs:
 
     @torch.inference_mode()
     def run(
-        self, first_tokens: torch.Tensor, rows: Sequence[LoopRow], generator: torch.Generator | None
+        self, rows: Sequence[LoopRow], generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Drafts num_passes tokens for each row, d_1 (first_tokens [rows], on the device) fed first.
-        Returns views of the static outputs, read before the next run: tokens [passes, rows] and
-        dists [passes, rows, vocab]; None when no captured size holds the rows."""
+        """Drafts num_passes tokens for each row. Returns views of the static outputs, read before
+        the next run: tokens [passes, rows] and dists [passes, rows, vocab]; None when no captured
+        size holds the rows or a row's drafts would pass max_context."""
         n, p, bs = len(rows), self.num_passes, self.block_size
         size = graph_size_for(n, self.sizes)
-        if size is None or any(r.start + p > self.max_context for r in rows):
+        if size is None or any(r.start + p > self.max_context or r.start < 1 for r in rows):
             return None
         cols = max(-(-(r.start + p) // bs) for r in rows)
+        q = p - 1
         # One int64 upload, padding rows of this size included (position 0, slot -1: nothing stored,
-        # one key of block 0, greedy off): positions, slots and seq_lens [p, size], then the
-        # greedy flags [size] and the block tables [size, cols].
-        values = self.staging.host(3 * p * size + size + size * cols)
+        # one key of block 0, greedy off): the first pass's tokens, positions, slots and seq_lens
+        # [2 * size] each; then the other passes' positions, slots and seq_lens [q, size] each; then
+        # the greedy flags [size] and the block tables [size, cols].
+        first, rest = 8 * size, 3 * q * size
+        values = self.staging.host(first + rest + size + size * cols)
         values.fill(0)
-        pos, slots, lens = (values[i * p * size : (i + 1) * p * size].reshape(p, size) for i in range(3))
+        f_tokens, f_pos, f_slots, f_lens = (values[i * 2 * size : (i + 1) * 2 * size] for i in range(4))
+        pos, slots, lens = (values[first + i * q * size : first + (i + 1) * q * size].reshape(q, size)
+                            for i in range(3))
+        greedy = values[first + rest : first + rest + size]
+        tables = values[first + rest + size :].reshape(size, cols)
+        f_slots[:] = -1
+        f_lens[:] = 1
         slots[:] = -1
         lens[:] = 1
-        greedy = values[3 * p * size : 3 * p * size + size]
-        tables = values[3 * p * size + size :].reshape(size, cols)
         for j, r in enumerate(rows):
-            span = np.arange(r.start, r.start + p)
             blocks = np.asarray(r.block_ids[: -(-(r.start + p) // bs)], dtype=np.int64)
+            both = np.array([r.start - 1, r.start])
+            f_tokens[2 * j : 2 * j + 2] = r.tokens
+            f_pos[2 * j : 2 * j + 2] = both
+            f_slots[2 * j : 2 * j + 2] = blocks[both // bs] * bs + both % bs
+            f_lens[2 * j : 2 * j + 2] = both + 1
+            span = np.arange(r.start + 1, r.start + p)
             pos[:, j], slots[:, j], lens[:, j] = span, blocks[span // bs] * bs + span % bs, span + 1
             tables[j, : len(blocks)] = blocks
             greedy[j] = r.temperature <= 0
         staged = self.staging.upload(values.size)
-        self.positions[:, :size].copy_(staged[: p * size].view(p, size))
-        self.slots[:, :size].copy_(staged[p * size : 2 * p * size].view(p, size))
-        self.seq_lens[:, :size].copy_(staged[2 * p * size : 3 * p * size].view(p, size))
-        self.greedy[:size].copy_(staged[3 * p * size : 3 * p * size + size])
-        self.block_tables[:size, :cols].copy_(staged[3 * p * size + size :].view(size, cols))
+        self.first_tokens[: 2 * size].copy_(staged[: 2 * size])
+        self.first_positions[: 2 * size].copy_(staged[2 * size : 4 * size])
+        self.first_slots[: 2 * size].copy_(staged[4 * size : 6 * size])
+        self.first_seq_lens[: 2 * size].copy_(staged[6 * size : first])
+        if q:
+            self.positions[:, :size].copy_(staged[first : first + q * size].view(q, size))
+            self.slots[:, :size].copy_(staged[first + q * size : first + 2 * q * size].view(q, size))
+            self.seq_lens[:, :size].copy_(staged[first + 2 * q * size : first + rest].view(q, size))
+        self.greedy[:size].copy_(staged[first + rest : first + rest + size])
+        self.block_tables[:size, :cols].copy_(staged[first + rest + size :].view(size, cols))
         temperatures = [r.temperature if r.temperature > 0 else 1.0 for r in rows] + [1.0] * (size - n)
         self.temperature[:size].copy_(upload(temperatures, torch.float32, self.device))
-        self.first_tokens[:n].copy_(first_tokens)
         noise = self.noise[:, :size]
         noise.exponential_(generator=generator)
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # NOTE: as the Sampler's race: no 0/0

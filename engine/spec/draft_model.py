@@ -8,8 +8,10 @@ tokens the target accepted since (the whole prompt for a newcomer, within the st
 and drafts d_1; the others feed d_{i-1} and draft d_i. Drafts are sampled from the draft's logits
 processed as the target's are (the engine's Sampler), so verification can use their probabilities.
 
-On CUDA its passes replay CUDA graphs of its own (engine/cuda_graphs.py) as the target's do: the
-drafting passes (one token a request), and the catch-up pass when it is short.
+On CUDA a step whose requests have at most two tokens each to catch up (the steady state after a
+verification) replays one graph for all K passes and their draws (engine/spec/draft_loop.py);
+other steps run pass by pass, replaying the draft runner's decode graphs (engine/cuda_graphs.py)
+as the target's do when the pass is short.
 
 Does not know the target's blocks or scheduler: a request it cannot give blocks to gets no draft.
 """
@@ -31,7 +33,7 @@ from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
-from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
+from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 
 PLACEHOLDER = -1  # a drafted token still on the device (propose reads them all at its end)
 
@@ -78,7 +80,7 @@ class DraftModelProposer:
         self.seqs: dict[str, _DraftSeq] = {}
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
-        self.loop: DraftLoopGraphs | None = None  # passes 2..K in one graph (CUDA), set by bind
+        self.loop: DraftLoopGraphs | None = None  # all K passes in one graph (CUDA), set by bind
         self._pending: _DraftRead | None = None  # the last proposal's tokens, while on the device
 
     def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
@@ -93,13 +95,11 @@ class DraftModelProposer:
         if ctx.cuda_graph_max_rows is not None and cuda_graphs_enabled(ctx.model, ctx.device, self.backend):
             # Drafted positions run up to K - 1 past the target's longest sequence.
             self.runner.capture_decode_graphs(ctx.cuda_graph_max_rows, max_seq_tokens + k)
-            if k >= 2:
-                limit = ctx.config.disable_above_batch_size
-                max_batch = max(1, min(ctx.max_num_seqs, limit if limit is not None else ctx.max_num_seqs))
-                self.loop = DraftLoopGraphs(
-                    self.model, kv, self.backend, self.runner.staging, k - 1, max_batch, max_seq_tokens + k
-                )
-                self.loop.capture()
+            limit = ctx.config.disable_above_batch_size
+            max_batch = max(1, min(ctx.max_num_seqs, limit if limit is not None else ctx.max_num_seqs))
+            staging = self.runner.staging
+            self.loop = DraftLoopGraphs(self.model, kv, self.backend, staging, k, max_batch, max_seq_tokens + k)
+            self.loop.capture()
 
     # ---- per-request state
     def drop(self, request_id: str) -> None:
@@ -142,48 +142,19 @@ class DraftModelProposer:
 
     # ---- drafting
     def propose(self, requests: Sequence[DraftRequest], generator: torch.Generator | None) -> list[Draft | None]:
-        """K passes queued back to back: each drafting pass takes its input tokens from the previous
-        pass's draw on the device (runner.TokenPatch), and the host reads every drafted token once,
-        at the end. Requests with penalties need each drafted token's value for the next draw: with
-        one among them, every pass is read before the next (the same tokens, more waiting)."""
+        """K passes queued back to back, in one graph replay when the loop graph serves the batch
+        (`_loop`), else pass by pass (`_pass_by_pass`). The drafted tokens stay on the device: each
+        pass takes its inputs from the previous pass's draws there, and the drafts are read once,
+        when first used (engine/request.py Draft). Requests with penalties need each drafted token's
+        value for the next draw: with one among them, every pass is read before the next."""
         assert self.runner is not None, "bind() first"
         self._read_pending()  # NOTE: before _plan: rolling back compares the cache's inputs
         jobs = self._plan(requests)
         drafting = [j for j in jobs if j.is_drafting]
         on_device = not any(has_penalty(j.request.params) for j in drafting)
         passes: list[torch.Tensor] = []  # each pass's drawn tokens [active jobs], on the device
-        if jobs:
-            # Pass 1: catch up (the last token at least) and draft d_1 for the drafting jobs.
-            fwd = [
-                ForwardSeq(j.request.token_ids[len(j.seq.token_ids) : len(j.seq.token_ids) + j.num_new],
-                           len(j.seq.token_ids), j.seq.block_ids, int(j.is_drafting))
-                for j in jobs
-            ]
-            logits = self.runner.forward(fwd)
-            for j in jobs:
-                j.seq.token_ids.extend(j.request.token_ids[len(j.seq.token_ids) : len(j.seq.token_ids) + j.num_new])
-                j.seq.num_trusted = len(j.seq.token_ids)
-            if drafting:
-                passes.append(self._sample(drafting, logits, generator, on_device))
-        previous = drafting
-        num_passes = max((j.request.max_draft_tokens for j in drafting), default=0)
-        if on_device and passes and num_passes > 1 and self._loop(drafting, passes, generator):
-            num_passes = 0  # the loop graph drafted d_2 .. d_K
-        for i in range(1, num_passes):
-            active = [j for j in previous if j.request.max_draft_tokens > i]
-            if on_device:
-                # NOTE: `previous` keeps `active`'s order, so its row of job j is j's index there.
-                where = {id(j): row for row, j in enumerate(previous)}
-                patch = TokenPatch(passes[-1], list(range(len(active))), [where[id(j)] for j in active])
-                fwd = [ForwardSeq([0], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
-            else:
-                patch = None
-                fwd = [ForwardSeq([j.token_ids[-1]], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
-            logits = self.runner.forward(fwd, patch)
-            for j in active:
-                j.seq.token_ids.append(j.token_ids[-1])  # a PLACEHOLDER on the device path, set below
-            passes.append(self._sample(active, logits, generator, on_device))
-            previous = active
+        if not (on_device and drafting and len(drafting) == len(jobs) and self._loop(drafting, passes, generator)):
+            self._pass_by_pass(jobs, drafting, passes, generator, on_device)
         pending = _DraftRead(drafting, passes) if on_device and passes else None
         self._pending = pending
         by_id = {j.request.request_id: j for j in drafting}
@@ -201,6 +172,44 @@ class DraftModelProposer:
                 drafts.append(Draft(j.token_ids, probs, on_device, pending.read))
         return drafts
 
+    def _pass_by_pass(
+        self, jobs: list[_Job], drafting: list[_Job], passes: list[torch.Tensor], generator: torch.Generator | None,
+        on_device: bool,
+    ) -> None:
+        """Pass 1 catches up (the last token at least; the whole prompt for a newcomer, within the
+        step's token budget) and drafts d_1 for the drafting jobs; pass i feeds d_{i-1}, drafts d_i."""
+        assert self.runner is not None
+        if not jobs:
+            return
+        fwd = [
+            ForwardSeq(j.request.token_ids[len(j.seq.token_ids) : len(j.seq.token_ids) + j.num_new],
+                       len(j.seq.token_ids), j.seq.block_ids, int(j.is_drafting))
+            for j in jobs
+        ]
+        logits = self.runner.forward(fwd)
+        for j in jobs:
+            j.seq.token_ids.extend(j.request.token_ids[len(j.seq.token_ids) : len(j.seq.token_ids) + j.num_new])
+            j.seq.num_trusted = len(j.seq.token_ids)
+        if not drafting:
+            return
+        passes.append(self._sample(drafting, logits, generator, on_device))
+        previous = drafting
+        for i in range(1, max(j.request.max_draft_tokens for j in drafting)):
+            active = [j for j in previous if j.request.max_draft_tokens > i]
+            if on_device:
+                # NOTE: `previous` keeps `active`'s order, so its row of job j is j's index there.
+                where = {id(j): row for row, j in enumerate(previous)}
+                patch = TokenPatch(passes[-1], list(range(len(active))), [where[id(j)] for j in active])
+                fwd = [ForwardSeq([0], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
+            else:
+                patch = None
+                fwd = [ForwardSeq([j.token_ids[-1]], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
+            logits = self.runner.forward(fwd, patch)
+            for j in active:
+                j.seq.token_ids.append(j.token_ids[-1])  # a PLACEHOLDER on the device path, read later
+            passes.append(self._sample(active, logits, generator, on_device))
+            previous = active
+
     def _read_pending(self) -> None:
         """The last proposal's drafted tokens, read now if no one asked for them (the draft cache's
         inputs hold placeholders until then)."""
@@ -209,25 +218,32 @@ class DraftModelProposer:
             self._pending = None
 
     def _loop(self, drafting: list[_Job], passes: list[torch.Tensor], generator: torch.Generator | None) -> bool:
-        """Passes 2..K through the loop graph, when it serves these jobs: their drafts get
-        placeholders (read in `_read`) and the distributions they were drawn from."""
-        if self.loop is None:
+        """All K passes through the loop graph, when it serves these jobs (engine/spec/draft_loop.py):
+        their drafts get placeholders (read later) and the distributions they were drawn from."""
+        if self.loop is None or any(j.num_new > MAX_CATCH_UP for j in drafting):
             return False
         requests = [j.request for j in drafting]
         num_outputs = [len(r.token_ids) - r.num_prompt_tokens for r in requests]
-        k = self.loop.num_passes + 1
+        k = self.loop.num_passes
         if not self.loop.serves([r.params for r in requests], num_outputs, [r.max_draft_tokens for r in requests], k):
             return False
-        rows = [LoopRow(len(j.seq.token_ids), j.seq.block_ids, 0.0 if j.request.params.is_greedy
-                        else j.request.params.temperature) for j in drafting]
-        out = self.loop.run(passes[0], rows, generator)
+        rows = []
+        for r, j in zip(requests, drafting):
+            start = len(r.token_ids) - 1
+            temperature = 0.0 if r.params.is_greedy else r.params.temperature
+            rows.append(LoopRow(start, (r.token_ids[start - 1], r.token_ids[start]), j.seq.block_ids, temperature))
+        out = self.loop.run(rows, generator)
         if out is None:
             return False
         tokens, dists = out
-        for i in range(self.loop.num_passes):
+        for r, j in zip(requests, drafting):
+            j.seq.token_ids.extend(r.token_ids[len(j.seq.token_ids) :])  # caught up
+            j.seq.num_trusted = len(j.seq.token_ids)
+        for i in range(k):
             passes.append(tokens[i])
             for row, j in enumerate(drafting):
-                j.seq.token_ids.append(PLACEHOLDER)  # d_{i+1} was fed; set by _read
+                if i < k - 1:
+                    j.seq.token_ids.append(PLACEHOLDER)  # d_{i+1} was fed
                 j.token_ids.append(PLACEHOLDER)
                 j.probs.append(dists[i, row])  # NOTE: a view of the graph's output: stacked before the next run
         return True

@@ -1,7 +1,8 @@
 """On a CUDA GPU (marked `gpu`): speculative decoding with the draft model's CUDA graphs (its
-passes, and its loop graph drafting d_2 .. d_K in one replay) keeps greedy output exact, and the
-target as its own draft has every greedy draft accepted; sampled requests run through the loop
-graph too and leave no block held (make_llm's leak check)."""
+passes, and its loop graph drafting d_1 .. d_K in one replay) keeps greedy output exact, both when
+the target as its own draft has every greedy draft accepted (two tokens to catch up a step) and
+when a random draft has most rejected (one); sampled requests run through the loop graph too and
+leave no block held (make_llm's leak check)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def test_sampled_requests_draft_through_the_loop_graph(make_llm):
     assert llm.engine.proposer.loop.num_runs > 0
     # The target as its own draft, sampling at the same temperature: nearly every draft accepted.
     assert llm.engine.stats().spec_acceptance_rate > 0.9
+
+
+def test_a_poor_draft_through_the_loop_graph_keeps_greedy_output(make_llm, hf_checkpoints):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(2)
+    plain = [o.outputs.token_ids for o in make_llm(**OPTIONS).generate(prompts, greedy)]
+    spec = SpeculativeConfig(method="draft", draft_model=str(hf_checkpoints("llama")), num_draft_tokens=4,
+                             enable_adaptive_draft_length=False)
+    llm = make_llm(speculative=spec, **OPTIONS)
+    assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert llm.engine.proposer.loop.num_runs > 10
+    assert llm.engine.stats().num_spec_rejections > 0

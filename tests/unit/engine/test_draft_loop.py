@@ -1,10 +1,11 @@
 """The draft model's loop graph (engine/spec/draft_loop.py) on the CPU, through the Triton
-interpreter: its passes give the tokens, distributions and KV of drafting pass by pass through
-the eager runner with the same noise (everything but the capture and replay, which the GPU run
+interpreter: its passes give the tokens, distributions and KV of catching up and drafting pass by
+pass through the eager runner with the same noise (everything but the capture and replay, which the GPU run
 of bench.spec_decode exercises); and which rows it serves."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention import AttentionSpec
@@ -16,6 +17,9 @@ from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 
 
 def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
+    """Requests with one and two tokens to catch up: the loop's first pass (their last two tokens
+    as two rows each) and the passes after it give the tokens, distributions and KV of catching up
+    and drafting pass by pass through the eager runner, with the noise the loop drew."""
     from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
 
     torch.manual_seed(0)
@@ -27,23 +31,25 @@ def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
     eager = ModelRunner(model, allocate_kv_tensors(arch, 24, block_size, torch.float32, cpu), backend, cpu)
     tables = [[5, 0, 11, 2], [3, 14, 9, 21], [19, 1, 22, 7]]
     prompts = [torch.randint(2, arch.vocab_size, (n,)).tolist() for n in (5, 9, 7)]
-    eager.forward([ForwardSeq(t, 0, b, 1) for t, b in zip(prompts, tables)])
+    cached = [len(prompts[0]) - 1, len(prompts[1]) - 2, len(prompts[2]) - 1]  # KV held: 1, 2 and 1 to catch up
+    eager.forward([ForwardSeq(t[:c], 0, b, 0) for t, c, b in zip(prompts, cached, tables)])
     loop = DraftLoopGraphs(model, eager.kv_caches.clone(), backend, HostStaging(cpu), passes, max_batch=4,
                            max_context=16)
     assert loop.sizes == [1, 2, 4]
 
     temperatures = [0.0, 0.7, 1.3]  # greedy, then two random rows
-    first = [int(torch.randint(2, arch.vocab_size, ())) for _ in prompts]
-    rows = [LoopRow(len(p), t, temp) for p, t, temp in zip(prompts, tables, temperatures)]
-    out = loop.run(torch.tensor(first), rows, torch.Generator().manual_seed(1))
+    rows = [LoopRow(len(p) - 1, (p[-2], p[-1]), t, temp) for p, t, temp in zip(prompts, tables, temperatures)]
+    out = loop.run(rows, torch.Generator().manual_seed(1))
     assert out is not None and loop.num_runs == 1
     tokens, dists = out
     assert tokens.shape == (passes, 3) and dists.shape == (passes, 3, arch.vocab_size)
 
     # Pass by pass through the eager runner, with the noise the loop drew.
-    fed = list(first)
+    logits = eager.forward([ForwardSeq(t[c:], c, b, 1) for t, c, b in zip(prompts, cached, tables)])
     for i in range(passes):
-        logits = eager.forward([ForwardSeq([fed[j]], len(prompts[j]) + i, tables[j], 1) for j in range(3)])
+        if i:
+            logits = eager.forward([ForwardSeq([fed[j]], len(prompts[j]) + i - 1, tables[j], 1) for j in range(3)])
+        fed = []
         for j, temp in enumerate(temperatures):
             if temp == 0.0:
                 want = int(logits[j].argmax())
@@ -53,9 +59,12 @@ def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
                 want = int((want_dist / loop.noise[i, j]).argmax())
             assert int(tokens[i, j]) == want, (i, j)
             torch.testing.assert_close(dists[i, j], want_dist, atol=1e-5, rtol=1e-4)
-            fed[j] = want
-    # The loop stored the fed drafts' KV where the eager passes did (padding row 3 stored nothing).
+            fed.append(want)
+    # The loop stored the caught-up tokens' and fed drafts' KV where the eager passes did (padding
+    # row 3 stored nothing; the KV it wrote again at start - 1 is the same).
     torch.testing.assert_close(loop.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5)
+    # A row at position 0 has no token before it: the loop does not serve it.
+    assert loop.run([LoopRow(0, (0, prompts[0][0]), tables[0], 0.0)], None) is None
 
 
 def test_loop_serves_temperature_and_greedy_rows_of_one_draft_length():
@@ -71,24 +80,33 @@ def test_loop_serves_temperature_and_greedy_rows_of_one_draft_length():
     assert DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [5], [4], k=4)
 
 
-def test_the_proposer_drafts_through_the_loop_with_every_greedy_draft_accepted(interpreted_kernels, make_llm):
-    """The draft model's proposer with a loop graph (run eagerly here, through the interpreter):
-    the target as its own draft gets every greedy draft accepted, and the tokens of plain decoding."""
-    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+@pytest.mark.parametrize("draft", ["own", "poor"])
+def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_checkpoints, draft):
+    """The draft model's proposer with a loop graph (run eagerly here, through the interpreter)
+    gives the tokens of plain decoding: the target as its own draft gets every greedy draft
+    accepted (two tokens to catch up a step), a random model of the same vocabulary gets most
+    rejected (one token to catch up)."""
     from engine import SpeculativeConfig
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
 
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 300, 17], list(range(40, 61)), [7] * 9]
     plain = [o.outputs.token_ids for o in make_llm(block_size=4).generate(prompts, greedy)]
-    llm = make_llm(block_size=4, speculative=SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3,
-                                                               enable_adaptive_draft_length=False))
+    draft_model = "default" if draft == "own" else str(hf_checkpoints("llama"))
+    llm = make_llm(block_size=4, speculative=SpeculativeConfig(method="draft", draft_model=draft_model,
+                                                               num_draft_tokens=3, enable_adaptive_draft_length=False))
     proposer = llm.engine.proposer
     arch = proposer.arch
     spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
     backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
-    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, 2,
+    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
                                     max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
     assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
-    assert proposer.loop.num_runs > 0
     stats = llm.engine.stats()
-    assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
+    # The loop drafts every step but a request's first (its whole prompt to catch up) and those
+    # near max_tokens (fewer than K drafts): at least 3 of the own draft's 6 steps.
+    assert proposer.loop.num_runs >= 3
+    if draft == "own":
+        assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
+    else:
+        assert stats.num_spec_rejections > 0
