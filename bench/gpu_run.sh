@@ -21,7 +21,8 @@
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it
-#           with a profile of a batch-1 step, plain and speculative.
+#           (batch 1 at K = 4..7 side by side) with a profile of a batch-1 step, plain and speculative.
+#           spec_bench: the same without the GPU tests.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
@@ -31,7 +32,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|pair|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -88,12 +89,12 @@ case "$part" in
     run 150 python3 -m bench.graph_rows --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
     run 150 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
     ;;
-  spec)
-    run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu
+  spec|spec_bench)
+    [ "$part" = spec ] && run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu
     run 150 python3 -m bench.train_models --out /tmp/pair --size gpu --set max_target_steps=250 \
       --set max_draft_steps=600 --quiet
-    run 300 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
-      --text /tmp/pair/held_out.txt --ks 4 --dtype bfloat16 --profile --out "$out"
+    run 360 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
+      --text /tmp/pair/held_out.txt --ks 4 6 --batch1-ks 4 5 6 7 --dtype bfloat16 --profile --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

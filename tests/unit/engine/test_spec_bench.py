@@ -23,6 +23,7 @@ def _restore_torch_threads() -> Iterator[None]:
 def test_spec_decode_bench_smoke(tmp_path: Path) -> None:
     args = ["--quick", "--device", "cpu", "--num-threads", "1", "--target", "default", "--draft", "default"]
     args += ["--ks", "1", "2", "--num-requests", "2", "--max-tokens", "8", "--large-batch", "2", "--out", str(tmp_path)]
+    args += ["--batch1-ks", "1", "2"]
     result = spec_decode.main(args)
     assert result["json"] == str(tmp_path / "spec_decode_cpu.json") and Path(result["png"]).stat().st_size > 0
     record = json.loads(Path(result["json"]).read_text())
@@ -32,8 +33,10 @@ def test_spec_decode_bench_smoke(tmp_path: Path) -> None:
         # (7 decode tokens: K + 1 per verification while K + 1 fit, then plain steps).
         assert row["a_per_tested_draft"] == 1.0
         assert row["tokens_per_target_step"] == row["predicted_tokens_per_target_step"] == row["k"] + 1
-    assert {(r["batch_size"], r["mode"]) for r in record["speed"]} == {
-        (b, m) for b in (1, 2) for m in ("plain", "speculative")
-    }
+    # Batch 1 at each of --batch1-ks beside plain decoding; the large batch at the largest K.
+    assert sorted((r["batch_size"], r["mode"], r["k"] or 0) for r in record["speed"]) == [
+        (1, "plain", 0), (1, "speculative", 1), (1, "speculative", 2), (2, "plain", 0), (2, "speculative", 2)
+    ]
     assert all(r["num_decode_tokens"] == r["batch_size"] * 7 for r in record["speed"])
-    assert set(record["speedup"]) == {"1", "2"}
+    assert set(record["speedup"]) == {"1", "2", "1_by_k", "2_by_k"} and set(record["speedup"]["1_by_k"]) == {"1", "2"}
+    assert record["speedup"]["1"] == max(record["speedup"]["1_by_k"].values())
