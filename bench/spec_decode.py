@@ -101,6 +101,28 @@ def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingPara
     """All requests at once; times the decode phase (after every request has its first token)."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"{tag}-{i}", p, sp)
+    gc_s = [0.0]  # the collector's pauses during the run (it runs on this thread, inside the timing)
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_start[0]
+
+    gc.callbacks.append(on_gc)
+    try:
+        start, num_tokens, num_steps = _run_steps(engine, len(prompts))
+    finally:
+        gc.callbacks.remove(on_gc)
+    synchronize(engine.device)
+    wall_s = time.perf_counter() - start if start is not None else 0.0
+    check_no_leak(engine)
+    return {"decode_s": wall_s, "num_decode_tokens": num_tokens, "num_decode_steps": num_steps, "gc_s": gc_s[0]}
+
+
+def _run_steps(engine: EngineCore, num_requests: int) -> tuple[float | None, int, int]:
+    """Steps until done; (decode start time, decode tokens, decode steps)."""
     started: set[str] = set()
     num_tokens = num_steps = 0
     start = None
@@ -108,16 +130,13 @@ def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingPara
         outputs = engine.step()
         if start is None:
             started.update(o.request_id for o in outputs)
-            if len(started) == len(prompts):
+            if len(started) == num_requests:
                 synchronize(engine.device)
                 start = time.perf_counter()
             continue
         num_tokens += sum(len(o.new_token_ids) for o in outputs)
         num_steps += 1
-    synchronize(engine.device)
-    wall_s = time.perf_counter() - start if start is not None else 0.0
-    check_no_leak(engine)
-    return {"decode_s": wall_s, "num_decode_tokens": num_tokens, "num_decode_steps": num_steps}
+    return start, num_tokens, num_steps
 
 
 def draft_shape(engine: EngineCore) -> dict[str, Any] | None:
@@ -173,9 +192,16 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
             _run(engines[mode, k], prompts, _params(args, batch), f"warmup-{mode}{k or ''}")
         runs: dict[tuple[str, int | None], list[dict[str, Any]]] = {key: [] for key in engines}
         order = list(engines)
-        for r in range(args.repeats):
-            for key in (order if r % 2 == 0 else order[::-1]):
-                runs[key].append(_run(engines[key], prompts, _params(args, batch), f"r{r}"))
+        # NOTE: the engines' objects are frozen out of the collector's reach, as a serving worker's are
+        # (DecodeWorkerConfig.freeze_gc): a full collection over them took tens of ms inside a timed run.
+        gc.collect()
+        gc.freeze()
+        try:
+            for r in range(args.repeats):
+                for key in (order if r % 2 == 0 else order[::-1]):
+                    runs[key].append(_run(engines[key], prompts, _params(args, batch), f"r{r}"))
+        finally:
+            gc.unfreeze()
         for (mode, k), engine in engines.items():
             mine = runs[mode, k]
             run = sorted(mine, key=lambda x: x["decode_s"])[(len(mine) - 1) // 2]
@@ -188,6 +214,7 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
                     "decode_tokens_per_s": run["num_decode_tokens"] / run["decode_s"],
                     "best_decode_tokens_per_s": max(x["num_decode_tokens"] / x["decode_s"] for x in mine),
                     "decode_s_all": [x["decode_s"] for x in mine],
+                    "gc_s_all": [x["gc_s"] for x in mine],
                     **run,
                     "spec_acceptance_rate": s.spec_acceptance_rate,
                     "num_spec_verifications": s.num_spec_verifications,
