@@ -23,8 +23,9 @@ no Ray call, so each step's outputs are polled at once (one poll a step, as a bu
 Run to run the figures move by a few tenths of a microsecond (and a full collection lands on any
 thread): compare medians of several repeats.
 --profile prints the event loop thread's cProfile (thread CPU), top 25 by own time.
+--freeze-gc builds the worker with DecodeWorkerConfig.freeze_gc, as a Ray actor has it.
 
-    python -m bench.worker_cpu --streams 256 --max-tokens 200 --repeats 5 [--profile]
+    python -m bench.worker_cpu --streams 256 --max-tokens 200 --repeats 5 [--freeze-gc] [--profile]
 """
 
 from __future__ import annotations
@@ -86,13 +87,13 @@ class _GcTimer:
 
 
 async def run(
-    streams: int, max_tokens: int, prompt_len: int, seed: int, profile: bool
+    streams: int, max_tokens: int, prompt_len: int, seed: int, freeze_gc: bool, profile: bool
 ) -> dict[str, Any]:
     block_size = 16
     num_blocks = streams * (-(-(prompt_len + max_tokens + 1) // block_size)) + 16
     worker = DecodeWorker(
         DecodeWorkerConfig(
-            worker_id="d0", transport="local",
+            worker_id="d0", transport="local", freeze_gc=freeze_gc,
             engine=engine_config(device="cpu", block_size=block_size, num_blocks=num_blocks, max_num_seqs=streams,
                                  max_num_batched_tokens=max(2048, streams * prompt_len), seed=seed),
         ),
@@ -176,11 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--freeze-gc", action="store_true", help="DecodeWorkerConfig.freeze_gc, as a Ray actor has it")
     parser.add_argument("--profile", action="store_true", help="cProfile the last repeat's event loop thread")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # NOTE: the step's CPU stays on the engine thread, where it is timed
     runs = [
-        asyncio.run(run(args.streams, args.max_tokens, args.prompt_len, args.seed + i,
+        asyncio.run(run(args.streams, args.max_tokens, args.prompt_len, args.seed + i, args.freeze_gc,
                         args.profile and i == args.repeats - 1))
         for i in range(args.repeats)
     ]

@@ -44,6 +44,7 @@ class Deployment:
         return DecodeWorkerConfig(
             worker_id=worker_id, engine=c.engine, transport=self.transport, host=c.host,
             lease_ttl_s=c.lease_ttl_s, transfer_timeout_s=c.transfer_timeout_s,
+            freeze_gc=True,  # NOTE: a Ray actor: the process is the worker's alone
         )
 
     @property

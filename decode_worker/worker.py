@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import itertools
 import logging
 import os
@@ -57,6 +58,14 @@ log = logging.getLogger(__name__)
 
 class DecodeWorkerConfig(EndpointConfig):
     lease_ttl_s: float = Field(30.0, gt=0, description="A lease whose KV has not started arriving by then is freed.")
+    freeze_gc: bool = Field(
+        False,
+        description="Once the engine is built, move every object of the process out of the garbage collector's "
+        "reach (gc.freeze): its full passes hold the GIL, stalling the engine's step, for as long as they take to "
+        "scan the process (the model, the engine, the libraries: tens of milliseconds to far more). For a process "
+        "that is the worker's alone (a Ray actor); where one process builds many workers (tests), cyclic garbage "
+        "frozen with it would never be freed.",
+    )
 
 
 class LeaseState(enum.Enum):
@@ -108,6 +117,9 @@ class DecodeWorker(TransferEndpoint):
         self._reaper: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
+        if config.freeze_gc:
+            gc.collect()  # NOTE: first: garbage frozen would never be freed
+            gc.freeze()
         self.loop.start()
 
     # ---- plumbing

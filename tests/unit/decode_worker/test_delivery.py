@@ -1,11 +1,12 @@
 """A decode worker's step outputs on their way to the routers: one TokenOutputMsg a request, field
 for field the engine's StepOutput, in the step's order, in its own router's outbox; a request
 aborted meanwhile gets nothing, a finished one is forgotten; each router's poller woken once a
-step."""
+step. With freeze_gc the worker's startup objects leave the collector's reach."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import StepOutput
@@ -63,3 +64,19 @@ def test_a_step_reaches_each_router_once_field_for_field() -> None:
         await worker.shutdown()
 
     asyncio.run(main())
+
+
+def test_freeze_gc_freezes_the_startup_objects() -> None:
+    async def built(**options) -> int:
+        worker = _worker(**options)
+        num_frozen = gc.get_freeze_count()
+        assert await worker.check_integrity() == 0
+        await worker.shutdown()
+        return num_frozen
+
+    gc.unfreeze()
+    try:
+        assert asyncio.run(built()) == 0
+        assert asyncio.run(built(freeze_gc=True)) > 0
+    finally:
+        gc.unfreeze()  # NOTE: what the test process froze is the collector's again
