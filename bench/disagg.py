@@ -3,8 +3,9 @@
 Measures, per model shape (dummy weights), in one run:
   - tokens: greedy outputs of a few requests, one at a time, colocated vs disaggregated (equal?);
   - TTFT of `--prompt-len`-token prompts (fresh random prompts, no prefix-cache hits, one at a
-    time, median), as the router sees it: colocated (submit -> first token) vs disaggregated
-    (reserve -> prefill -> KV push -> first token);
+    time), as the router sees it: colocated (submit -> first token) vs disaggregated
+    (reserve -> prefill -> KV push -> first token); per mode the median, and per disaggregated
+    mode the paired overhead over colocated (below);
   - the KV push as the prefill worker times it (gather + handshake + send until acknowledged),
     and its bandwidth against raw NCCL send/recv of a buffer of the same size between two Ray
     actors on the same two GPUs (our NcclTransport, no gather, no handshake), median of many;
@@ -14,7 +15,21 @@ Measures, per model shape (dummy weights), in one run:
 Disaggregated runs twice: the KV in one message after the prefill step (`kv_messages` 1: the
 bandwidth figures above come from it) and in `--kv-messages` layer groups sent while the step
 computes (the default; its TTFT is the disaggregated figure, "ttft_overhead").
-Writes JSON and a PNG with the device name. Needs Ray and 2 GPUs.
+
+Side by side, in turns: the three modes' workers are alive at once (bench.side_by_side: colocated
+and prefill workers share GPU 0, decode workers GPU 1, each with its own share of the GPU's memory;
+a pair's prefill and decode workers are on different GPUs, so the KV crosses NVLink as before).
+Round i sends prompt i to every mode, one request at a time, in the order bench.paired.rotation
+gives (ABC, BCA, CAB ...), so drift hits every mode alike: when the modes ran one after another,
+colocated TTFT moved between 54.2 and 56.4 ms across runs on one 2xH200 machine, more than the
+effect. The paired overhead of a mode is ttft_mode[i] / ttft_colocated[i] - 1 per round; its
+median and a seeded bootstrap 95% interval are reported ("paired_overhead"), beside the ratio of
+medians ("ttft_overhead", as in older results). Why not one cluster.Deployment per mode: see
+bench.side_by_side. The other modes' routers stay open meanwhile (each polls its idle decode
+worker and refreshes its load every 0.25 s): the router's normal idle work, the same for every mode.
+
+Writes JSON and a PNG with the device name. Needs Ray and 2 GPUs, or runs on the CPU for a smoke
+test (`--device cpu --transport gloo`, e.g. `--shapes default --shapes-dir engine/models`).
 
     python -m bench.disagg --shapes qwen3-0.6b,llama-3.1-8b --out bench/results
 """
@@ -27,15 +42,17 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
+from bench.paired import overhead_summary, rotation
 from bench.raw_peers import raw_bandwidth, raw_bandwidths
+from bench.side_by_side import ModeSpec, SideBySide
 from cluster.config import ClusterConfig
-from cluster.deployment import Deployment
 from engine import SamplingParams
 from engine.llm import engine_config
 from kvtransfer import NCCL_WORKER_ENV
@@ -43,6 +60,7 @@ from kvtransfer.protocol import PrefillResultMsg
 from router import Dispatcher
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
+WARM_ROUNDS = 2  # the first rounds pay for allocator growth and kernel selection: not reported
 
 
 def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
@@ -64,37 +82,68 @@ def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
     return legs
 
 
-async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts: list[list[int]]) -> dict[str, Any]:
-    deployment = Deployment(config)
-    await deployment.start(timeout_s=600)
-    results: list[PrefillResultMsg] = []
-    dispatcher = Dispatcher("bench", deployment.workers(), poll_timeout_s=0.5, on_prefill_result=results.append)
-    legs = _timed_legs(dispatcher)
+@dataclass
+class _ModeRun:
+    """One mode's router and what it recorded, request by request (round i is request i)."""
+
+    dispatcher: Dispatcher
+    results: list[PrefillResultMsg]  # the Dispatcher's on_prefill_result
+    legs: dict[str, list[float]]  # _timed_legs of the Dispatcher
+    tokens: list[list[int]] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+
+
+async def _ttft(dispatcher: Dispatcher, request_id: str, prompt: list[int]) -> float:
+    """Seconds from the request to its first token (then its second token ends it)."""
+    two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    stream = dispatcher.generate(request_id, prompt, two)
+    await stream.__anext__()
+    ttft = time.perf_counter() - start
+    async for _ in stream:
+        pass
+    return ttft
+
+
+async def run_modes(
+    side_by_side: SideBySide, prompts: list[list[int]], ttft_prompts: list[list[int]]
+) -> dict[str, dict[str, Any]]:
+    """Every mode's tokens (one mode after another), then the TTFT rounds: round i sends
+    ttft_prompts[i] to every mode in rotation(modes, i); the first WARM_ROUNDS are not reported."""
+    runs: dict[str, _ModeRun] = {}
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     try:
-        tokens = []
-        for i, prompt in enumerate(prompts):
-            tokens.append([t async for out in dispatcher.generate(f"eq-{i}", prompt, greedy) for t in out.new_token_ids])
-        results.clear()
-        for leg in legs.values():
-            leg.clear()
-        ttfts = []
-        two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        await side_by_side.start(timeout_s=600)
+        for name in side_by_side.modes:
+            results: list[PrefillResultMsg] = []
+            dispatcher = Dispatcher(
+                f"bench-{name}", side_by_side.workers(name), poll_timeout_s=0.5, on_prefill_result=results.append
+            )
+            runs[name] = _ModeRun(dispatcher, results, _timed_legs(dispatcher))
+        for name, run in runs.items():
+            for i, prompt in enumerate(prompts):
+                stream = run.dispatcher.generate(f"eq-{i}", prompt, greedy)
+                run.tokens.append([t async for out in stream for t in out.new_token_ids])
+            run.results.clear()
+            for leg in run.legs.values():
+                leg.clear()
         for i, prompt in enumerate(ttft_prompts):
-            start = time.perf_counter()
-            stream = dispatcher.generate(f"ttft-{i}", prompt, two)
-            await stream.__anext__()
-            ttfts.append(time.perf_counter() - start)
-            async for _ in stream:
-                pass
-        await dispatcher.close()
-        held = await deployment.held_blocks()
+            for name in rotation(list(runs), i):
+                runs[name].ttfts.append(await _ttft(runs[name].dispatcher, f"ttft-{i}", prompt))
+        for run in runs.values():
+            await run.dispatcher.close()
+        held = {name: await side_by_side.held_blocks(name) for name in runs}
     finally:
-        deployment.shutdown()
-    warm = 2  # the first requests pay for allocator growth and kernel selection
+        side_by_side.shutdown()
+    return {name: _mode_summary(run, held[name]) for name, run in runs.items()}
+
+
+def _mode_summary(run: _ModeRun, held: dict[str, int]) -> dict[str, Any]:
+    warm = WARM_ROUNDS
+    results, legs, ttfts = run.results, run.legs, run.ttfts
     pushes = [r for r in results[warm:] if r.push_bytes]
     return {
-        "tokens": tokens,
+        "tokens": run.tokens,
         "ttft_s": ttfts[warm:],
         "ttft_median_s": statistics.median(ttfts[warm:]),
         "prefill_median_s": statistics.median([r.prefill_s for r in results[warm:]]) if results else None,
@@ -122,11 +171,50 @@ async def run_mode(config: ClusterConfig, prompts: list[list[int]], ttft_prompts
     }
 
 
-def main() -> None:
+def _shape_report(
+    modes: dict[str, dict[str, Any]], args: argparse.Namespace, side_by_side: SideBySide
+) -> dict[str, Any]:
+    """One shape's figures from its modes' results: tokens equal?, TTFT overheads (ratio of medians
+    and paired), the KV push's bandwidth against raw send/recv of the same size (measured here)."""
+    # NOTE: bandwidth from the one-message run (a streamed push's sends are spread over the step)
+    d, c, streamed = modes["disaggregated_one_message"], modes["colocated"], modes["disaggregated"]
+    raw, raw_device = raw_bandwidths([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
+    push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
+    transfer_gbps = d["push_bytes"] / d["transfer_device_median_s"] / 1e9 if d["transfer_device_median_s"] else None
+    send_gbps = d["push_bytes"] / d["send_device_median_s"] / 1e9 if d["send_device_median_s"] else None
+    return {
+        "modes": modes,
+        "same_tokens": d["tokens"] == c["tokens"] == streamed["tokens"],
+        "kv_messages": args.kv_messages,
+        # ratio of the modes' medians (as in older results)
+        "ttft_overhead": streamed["ttft_median_s"] / c["ttft_median_s"] - 1,
+        "ttft_overhead_one_message": d["ttft_median_s"] / c["ttft_median_s"] - 1,
+        # per round i: ttft_mode[i] / ttft_colocated[i] - 1; its median and bootstrap 95% interval
+        "paired_overhead": {name: overhead_summary(modes[name]["ttft_s"], c["ttft_s"])
+                            for name in ("disaggregated", "disaggregated_one_message")},
+        "placement": side_by_side.placement(),
+        "num_gpus_per_worker": side_by_side.num_gpus_per_worker,
+        "push_gbps": push_gbps,
+        "raw_gbps_same_size": raw,
+        "push_fraction_of_raw": push_gbps / raw,
+        # gather + send on the GPU, and the send alone, against raw send/recv of the same size
+        "transfer_gbps": transfer_gbps,
+        "transfer_fraction_of_raw": transfer_gbps / raw if transfer_gbps else None,
+        "send_gbps": send_gbps,
+        "send_fraction_of_raw": send_gbps / raw if send_gbps else None,
+        # the raw send's own time on the device: the like-for-like figure for the two above
+        "raw_device_gbps_same_size": raw_device,
+        "transfer_fraction_of_raw_device": transfer_gbps / raw_device if transfer_gbps and raw_device else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--num-ttft", type=int, default=10)
+    parser.add_argument("--num-ttft", type=int, default=42,
+                        help="TTFT rounds reported (after 2 warm-up rounds); a multiple of 3 puts every mode at "
+                        "every position of the rotation equally often")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--device", default="cuda", help="'cpu' (with --transport gloo) for a smoke test")
@@ -135,56 +223,46 @@ def main() -> None:
     parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
     parser.add_argument("--kv-messages", type=int, default=ClusterConfig.model_fields["kv_messages"].default,
                         help="layer groups of the streamed disaggregated run")
-    args = parser.parse_args()
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.28,
+                        help="each worker's share of its GPU's memory (KV cache sizing); 3 workers share GPU 0")
+    args = parser.parse_args(argv)
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     on_gpu = args.device != "cpu"
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if on_gpu else "cpu"
     report: dict[str, Any] = {"device": device, "torch": torch.__version__, "transport": args.transport,
-                              "prompt_len": args.prompt_len, "shapes": {}}
+                              "prompt_len": args.prompt_len, "num_ttft": args.num_ttft, "warm_rounds": WARM_ROUNDS,
+                              "ttft_order": "side by side: round i measures every mode, in bench.paired.rotation "
+                              "order (ABC, BCA, CAB ...)", "shapes": {}}
     rng = random.Random(0)
+    mode_specs = [ModeSpec("colocated", is_disaggregated=False),
+                 ModeSpec("disaggregated_one_message", is_disaggregated=True, kv_messages=1),
+                 ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages)]
     for shape in args.shapes.split(","):
+        started = time.perf_counter()
         model = args.shapes_dir / shape
-        options = dict(gpu_memory_utilization=0.85, dtype="bfloat16") if on_gpu else dict(num_blocks=1024)
+        options = (dict(gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16") if on_gpu
+                   else dict(num_blocks=1024))
         engine = engine_config(str(model), load_format="dummy", device=args.device,
                                max_num_batched_tokens=max(2048, args.prompt_len), **options)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
-        ttft_prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_ttft + 2)]
-        modes = {}
-        runs = {"colocated": ("colocated", 1), "disaggregated_one_message": ("disaggregated", 1),
-                "disaggregated": ("disaggregated", args.kv_messages)}
-        for name, (mode, kv_messages) in runs.items():
-            config = ClusterConfig(engine=engine, mode=mode, num_prefill=1, num_decode=1, transport=args.transport,
-                                   kv_messages=kv_messages)
-            modes[name] = asyncio.run(run_mode(config, prompts, ttft_prompts))
-            print(shape, name, {k: v for k, v in modes[name].items() if k not in ("tokens", "ttft_s")}, flush=True)
-        # NOTE: bandwidth from the one-message run (a streamed push's sends are spread over the step)
-        d, c, streamed = modes["disaggregated_one_message"], modes["colocated"], modes["disaggregated"]
-        raw, raw_device = raw_bandwidths([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
-        push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
-        transfer_gbps = d["push_bytes"] / d["transfer_device_median_s"] / 1e9 if d["transfer_device_median_s"] else None
-        send_gbps = d["push_bytes"] / d["send_device_median_s"] / 1e9 if d["send_device_median_s"] else None
-        report["shapes"][shape] = {
-            "modes": modes,
-            "same_tokens": d["tokens"] == c["tokens"] == streamed["tokens"],
-            "kv_messages": args.kv_messages,
-            "ttft_overhead": streamed["ttft_median_s"] / c["ttft_median_s"] - 1,
-            "ttft_overhead_one_message": d["ttft_median_s"] / c["ttft_median_s"] - 1,
-            "push_gbps": push_gbps,
-            "raw_gbps_same_size": raw,
-            "push_fraction_of_raw": push_gbps / raw,
-            # gather + send on the GPU, and the send alone, against raw send/recv of the same size
-            "transfer_gbps": transfer_gbps,
-            "transfer_fraction_of_raw": transfer_gbps / raw if transfer_gbps else None,
-            "send_gbps": send_gbps,
-            "send_fraction_of_raw": send_gbps / raw if send_gbps else None,
-            # the raw send's own time on the device: the like-for-like figure for the two above
-            "raw_device_gbps_same_size": raw_device,
-            "transfer_fraction_of_raw_device": transfer_gbps / raw_device if transfer_gbps and raw_device else None,
-        }
-        print(shape, {k: v for k, v in report["shapes"][shape].items() if k != "modes"}, flush=True)
+        ttft_prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
+                        for _ in range(args.num_ttft + WARM_ROUNDS)]
+        side_by_side = SideBySide(mode_specs, engine, args.transport, use_gpus=on_gpu)
+        modes = asyncio.run(run_modes(side_by_side, prompts, ttft_prompts))
+        for name, result in modes.items():
+            print(shape, name, {k: v for k, v in result.items() if k not in ("tokens", "ttft_s")}, flush=True)
+        report["shapes"][shape] = _shape_report(modes, args, side_by_side)
+        report["shapes"][shape]["wall_s"] = time.perf_counter() - started
+        print(shape, {k: v for k, v in report["shapes"][shape].items() if k not in ("modes", "paired_overhead")},
+              flush=True)
+        for name, paired in report["shapes"][shape]["paired_overhead"].items():
+            print(f"{shape} {name}: paired TTFT overhead over colocated {paired['median']:+.2%} "
+                  f"(95% CI {paired['ci95_low']:+.2%} .. {paired['ci95_high']:+.2%}, {args.num_ttft} rounds)",
+                  flush=True)
     if on_gpu:
-        sweep = raw_bandwidth([1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30], args.iters, args.transport, args.device)
+        sizes = [1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+        sweep = raw_bandwidth(sizes, args.iters, args.transport, args.device)
         report["raw_gbps_by_size"] = {str(k): v for k, v in sweep.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"disagg_{args.tag}.json").write_text(json.dumps(report, indent=1))
@@ -201,13 +279,22 @@ def plot(report: dict[str, Any], path: Path) -> None:
     shapes = list(report["shapes"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(shapes))
+    top_ms = 0.0
     for offset, mode in ((-0.27, "colocated"), (0.0, "disaggregated_one_message"), (0.27, "disaggregated")):
         label = {"disaggregated": "disaggregated, KV sent during the prefill"}.get(mode, mode)
-        ax1.bar([i + offset for i in x], [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes],
-                width=0.27, label=label)
+        medians_ms = [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes]
+        ax1.bar([i + offset for i in x], medians_ms, width=0.27, label=label)
+        top_ms = max(top_ms, *medians_ms)
+        for i, s in enumerate(shapes):
+            paired = report["shapes"][s].get("paired_overhead", {}).get(mode)
+            if paired:  # the paired median overhead over colocated and its 95% interval
+                ax1.text(i + offset, medians_ms[i], f"{paired['median']:+.1%}\n{paired['ci95_low']:+.1%}\n"
+                         f"{paired['ci95_high']:+.1%}", ha="center", va="bottom", fontsize=6.5)
     ax1.set_xticks(list(x), shapes)
     ax1.set_ylabel(f"TTFT ms (median, {report['prompt_len']}-token prompts)")
-    ax1.legend()
+    ax1.set_ylim(0, top_ms * 1.6)  # room for the legend and the overhead labels
+    ax1.legend(fontsize=7, loc="upper left", title="above the bars: paired overhead, its 95% CI",
+               title_fontsize=7)
     ax2.bar([i - 0.3 for i in x], [report["shapes"][s]["push_gbps"] for s in shapes], width=0.2,
             label="KV push, end to end")
     ax2.bar([i - 0.1 for i in x], [report["shapes"][s].get("transfer_gbps") or 0 for s in shapes], width=0.2,

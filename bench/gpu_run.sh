@@ -16,7 +16,8 @@
 #           CPU each process spent (carry the proto files).
 #   pair    (nvidia-h200-x2): NCCL transport and layer-push tests, 1P1D over NCCL vs colocated (tokens,
 #           TTFT with the KV in one message and in layer groups sent during the prefill, KV push
-#           bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes.
+#           bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes; the three
+#           modes run side by side and TTFT is measured in turns (paired overhead with a 95% CI).
 #   nccl_kill (nvidia-h200-x2): the decode worker killed mid-transfer over NCCL (bench.nccl_kill).
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
@@ -65,7 +66,7 @@ case "$part" in
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
-    run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 8 --iters 10 --out "$out"
+    run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 42 --iters 10 --out "$out"
     ;;
   nccl_kill)
     run 200 python3 -m bench.nccl_kill --out "$out"

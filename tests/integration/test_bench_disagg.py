@@ -1,0 +1,51 @@
+"""bench.disagg on the CPU (a subprocess with its own local Ray cluster, gloo, the tiny default
+model): the three modes run side by side, every mode is measured in every round, the tokens are
+equal, no block is left held, and the paired overheads follow from the modes' own TTFTs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.paired import overhead_summary
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_TTFT = 3
+
+
+def test_disagg_cpu_smoke(tmp_path: Path) -> None:
+    # NOTE: prompts longer than LocalPrefillConfig.max_short_prompt_tokens (192), or no prefill goes remote
+    cmd = [sys.executable, "-m", "bench.disagg", "--device", "cpu", "--transport", "gloo", "--shapes", "default",
+           "--shapes-dir", "engine/models", "--prompt-len", "256", "--num-ttft", str(NUM_TTFT), "--iters", "3",
+           "--out", str(tmp_path), "--tag", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "disagg_cpu.json").read_text())
+    assert (tmp_path / "disagg_cpu.png").stat().st_size > 0
+    assert report["num_ttft"] == NUM_TTFT
+    shape = report["shapes"]["default"]
+    modes = shape["modes"]
+    assert set(modes) == {"colocated", "disaggregated_one_message", "disaggregated"}
+    assert shape["same_tokens"] is True
+    for mode in modes.values():
+        assert len(mode["ttft_s"]) == NUM_TTFT
+        assert set(mode["held_blocks_after"].values()) == {0}
+    for name in ("disaggregated", "disaggregated_one_message"):
+        assert modes[name]["push_bytes"] > 0  # the prompts went through the prefill worker
+        paired = shape["paired_overhead"][name]
+        want = overhead_summary(modes[name]["ttft_s"], modes["colocated"]["ttft_s"], paired["num_resamples"],
+                                paired["seed"])
+        assert paired == want  # JSON keeps floats exactly
+    c = modes["colocated"]
+    assert shape["ttft_overhead"] == pytest.approx(modes["disaggregated"]["ttft_median_s"] / c["ttft_median_s"] - 1)
+    assert shape["placement"] == {"cpu": {"workers": [
+        "colocated-worker", "disaggregated_one_message-prefill", "disaggregated_one_message-decode",
+        "disaggregated-prefill", "disaggregated-decode"]}}
