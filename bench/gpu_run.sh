@@ -95,7 +95,7 @@ case "$part" in
     run 150 python3 -m bench.train_models --out /tmp/pair --size gpu --set max_target_steps=250 \
       --set max_draft_steps=600 --quiet
     run 360 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
-      --text /tmp/pair/held_out.txt --ks 4 6 --batch1-ks 4 5 6 --repeats 9 --dtype bfloat16 --profile --out "$out"
+      --text /tmp/pair/held_out.txt --ks 4 6 --batch1-ks 5 6 7 --repeats 11 --dtype bfloat16 --profile --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
