@@ -253,6 +253,7 @@ def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
         for _ in range(5):
             engine.step()
         row: dict[str, Any] = {"phases_s": phases(engine, 40)}
+        row["host_calls_s"] = _host_call_times(engine, 40)
         profiler = cProfile.Profile()
         profiler.enable()
         steps0 = engine.stats().num_spec_verifications
@@ -263,6 +264,8 @@ def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         print(f"== {mode}: phases", {n: f"{v * 1e3:.3f} ms" for n, v in row["phases_s"].items()})
+        print(f"== {mode}: host calls", {n: {k: round(v * 1e3, 4) if k != "per_step" else v for k, v in c.items()}
+                                         for n, c in row["host_calls_s"].items()})
         print(text.getvalue())
         if engine.device.type == "cuda":
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -286,6 +289,42 @@ def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
             engine.step()
         del engine
     return record
+
+
+def _host_call_times(engine: EngineCore, num_steps: int) -> dict[str, dict[str, float]]:
+    """Host seconds of the calls a step makes that may wait on the device or the driver (a CUDA
+    graph's replay, the staging buffer's hand-out and upload), per call: median, max and count per
+    step, over num_steps unsynchronised steps."""
+    from engine.runner import HostStaging
+
+    targets = {"graph_replay": (torch.cuda.CUDAGraph, "replay"), "staging_host": (HostStaging, "host"),
+               "staging_upload": (HostStaging, "upload")}
+    times: dict[str, list[float]] = {name: [] for name in targets}
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in targets.items()}
+
+    def timed(name: str) -> Any:
+        original = originals[name]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                times[name].append(time.perf_counter() - start)
+
+        return call
+
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, timed(name))
+    try:
+        for _ in range(num_steps):
+            engine.step()
+        synchronize(engine.device)
+    finally:
+        for name, (owner, attr) in targets.items():
+            setattr(owner, attr, originals[name])
+    return {name: {"median_s": statistics.median(t), "max_s": max(t), "per_step": len(t) / num_steps}
+            for name, t in times.items() if t}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
