@@ -15,7 +15,8 @@ written before either attends, as for the graph rows of engine/cuda_graphs.py).
 
 Rows it serves (`DraftLoopGraphs.serves`), everything else drafts pass by pass: greedy rows, and
 random rows with a temperature only (no seed, top-k, top-p, min-p, penalties, pending min_tokens),
-all drafting the same K, each with at most two tokens to catch up. A random row's draw is the
+each with at most two tokens to catch up. Every row drafts K: a row proposing fewer (adaptive K)
+keeps the first ones, which is cheaper than leaving the graph for pass-by-pass drafting. A random row's draw is the
 exponential race over softmax(logits / temperature), the Sampler's own draw for such a row; its
 noise comes from the engine's generator, drawn eagerly into a static buffer just before the replay
 (the graph itself draws nothing). The distribution each draft was drawn from (softmax, or one-hot
@@ -137,8 +138,9 @@ class DraftLoopGraphs:
     def serves(params: Sequence[SamplingParams], num_outputs: Sequence[int], num_drafts: Sequence[int], k: int) -> bool:
         """Whether one run of a loop drafting `k` tokens (num_passes) can draft for these rows (see
         the module docstring): per row its params, its output tokens so far, and how many tokens it
-        drafts, which must be k (its draft blocks cover no more). The caller checks the catch-up."""
-        if any(n != k for n in num_drafts):
+        proposes, at most k (the loop drafts k for every row: the caller gives each row blocks for
+        k, keeps the first ones, and checks the catch-up)."""
+        if any(not 1 <= n <= k for n in num_drafts):
             return False
         for sp, n in zip(params, num_outputs):
             if has_penalty(sp) or n < sp.min_tokens:

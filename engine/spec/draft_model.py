@@ -51,8 +51,18 @@ class _Job:
     seq: _DraftSeq
     num_new: int  # tokens fed in the first pass
     is_drafting: bool  # False: a partial catch-up, no draft this step
-    token_ids: list[int] = field(default_factory=list)  # drafted so far
+    token_ids: list[int] = field(default_factory=list)  # drafted so far (the loop graph drafts K for every job)
     probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] each
+    draft_ids: list[int] | None = None  # the draft proposed: token_ids' first request.max_draft_tokens
+
+    def proposed(self) -> list[int]:
+        """The draft's list of tokens (filled in place when read, see _DraftRead)."""
+        k = self.request.max_draft_tokens
+        if len(self.token_ids) <= k:
+            return self.token_ids
+        if self.draft_ids is None:
+            self.draft_ids = self.token_ids[:k]
+        return self.draft_ids
 
 
 @register_proposer
@@ -152,7 +162,7 @@ class DraftModelProposer:
         jobs = self._plan(requests)
         drafting = [j for j in jobs if j.is_drafting]
         on_device = not any(has_penalty(j.request.params) for j in drafting)
-        passes: list[torch.Tensor] = []  # each pass's drawn tokens [active jobs], on the device
+        passes: list[tuple[torch.Tensor, list[_Job]]] = []  # each pass's draws [active jobs] on the device, its jobs
         if not (on_device and drafting and len(drafting) == len(jobs) and self._loop(drafting, passes, generator)):
             self._pass_by_pass(jobs, drafting, passes, generator, on_device)
         pending = _DraftRead(drafting, passes) if on_device and passes else None
@@ -164,16 +174,18 @@ class DraftModelProposer:
             if j is None:
                 drafts.append(None)
                 continue
-            probs = None if r.params.is_greedy else torch.stack(j.probs)
+            probs = None if r.params.is_greedy else torch.stack(j.probs[: r.max_draft_tokens])
             if pending is None:
                 drafts.append(Draft(j.token_ids, probs))
-            else:  # NOTE: j.token_ids holds placeholders until pending.read fills it in place
-                on_device = DeviceTokens(pending.tokens, pending.index[id(j)])
-                drafts.append(Draft(j.token_ids, probs, on_device, pending.read))
+            else:  # NOTE: j.proposed() holds placeholders until pending.read fills it in place
+                proposed = j.proposed()
+                on_device = DeviceTokens(pending.tokens, pending.index[id(j)][: len(proposed)])
+                drafts.append(Draft(proposed, probs, on_device, pending.read))
         return drafts
 
     def _pass_by_pass(
-        self, jobs: list[_Job], drafting: list[_Job], passes: list[torch.Tensor], generator: torch.Generator | None,
+        self, jobs: list[_Job], drafting: list[_Job], passes: list[tuple[torch.Tensor, list[_Job]]],
+        generator: torch.Generator | None,
         on_device: bool,
     ) -> None:
         """Pass 1 catches up (the last token at least; the whole prompt for a newcomer, within the
@@ -192,14 +204,14 @@ class DraftModelProposer:
             j.seq.num_trusted = len(j.seq.token_ids)
         if not drafting:
             return
-        passes.append(self._sample(drafting, logits, generator, on_device))
+        passes.append((self._sample(drafting, logits, generator, on_device), drafting))
         previous = drafting
         for i in range(1, max(j.request.max_draft_tokens for j in drafting)):
             active = [j for j in previous if j.request.max_draft_tokens > i]
             if on_device:
                 # NOTE: `previous` keeps `active`'s order, so its row of job j is j's index there.
                 where = {id(j): row for row, j in enumerate(previous)}
-                patch = TokenPatch(passes[-1], list(range(len(active))), [where[id(j)] for j in active])
+                patch = TokenPatch(passes[-1][0], list(range(len(active))), [where[id(j)] for j in active])
                 fwd = [ForwardSeq([0], len(j.seq.token_ids), j.seq.block_ids, 1) for j in active]
             else:
                 patch = None
@@ -207,7 +219,7 @@ class DraftModelProposer:
             logits = self.runner.forward(fwd, patch)
             for j in active:
                 j.seq.token_ids.append(j.token_ids[-1])  # a PLACEHOLDER on the device path, read later
-            passes.append(self._sample(active, logits, generator, on_device))
+            passes.append((self._sample(active, logits, generator, on_device), active))
             previous = active
 
     def _read_pending(self) -> None:
@@ -217,9 +229,13 @@ class DraftModelProposer:
             self._pending.read()
             self._pending = None
 
-    def _loop(self, drafting: list[_Job], passes: list[torch.Tensor], generator: torch.Generator | None) -> bool:
+    def _loop(
+        self, drafting: list[_Job], passes: list[tuple[torch.Tensor, list[_Job]]], generator: torch.Generator | None
+    ) -> bool:
         """All K passes through the loop graph, when it serves these jobs (engine/spec/draft_loop.py):
-        their drafts get placeholders (read later) and the distributions they were drawn from."""
+        their drafts get placeholders (read later) and the distributions they were drawn from. Every
+        job drafts K (its blocks cover them, see _plan): a job proposing fewer (adaptive K) proposes
+        the first ones, and the draft cache keeps the rest until the next step rolls them back."""
         if self.loop is None or any(j.num_new > MAX_CATCH_UP for j in drafting):
             return False
         requests = [j.request for j in drafting]
@@ -240,7 +256,7 @@ class DraftModelProposer:
             j.seq.token_ids.extend(r.token_ids[len(j.seq.token_ids) :])  # caught up
             j.seq.num_trusted = len(j.seq.token_ids)
         for i in range(k):
-            passes.append(tokens[i])
+            passes.append((tokens[i], drafting))
             for row, j in enumerate(drafting):
                 if i < k - 1:
                     j.seq.token_ids.append(PLACEHOLDER)  # d_{i+1} was fed
@@ -263,8 +279,9 @@ class DraftModelProposer:
             num_new = len(r.token_ids) - len(seq.token_ids)
             is_drafting = num_new <= budget
             num_new = min(num_new, budget)
-            # Drafting feeds num_new tokens, then d_1 .. d_{K-1}.
-            num_positions = len(seq.token_ids) + num_new + (r.max_draft_tokens - 1 if is_drafting else 0)
+            # Drafting feeds num_new tokens, then d_1 .. d_{K-1}: the loop graph's K for every job.
+            k = max(r.max_draft_tokens, self.loop.num_passes if self.loop is not None else 0)
+            num_positions = len(seq.token_ids) + num_new + (k - 1 if is_drafting else 0)
             if not self._reserve(seq, num_positions, keep):
                 continue
             budget -= num_new
@@ -314,19 +331,19 @@ class DraftModelProposer:
 class _DraftRead:
     """A proposal's drafted tokens on the device (one flat tensor) and their one read back into
     place of the jobs' placeholders: in their drafts, and in the draft cache's inputs of
-    d_1 .. d_{K-1}. Pass i drafted for the jobs drafting more than i tokens, in order."""
+    d_1 .. d_{K-1}."""
 
-    def __init__(self, drafting: list[_Job], passes: list[torch.Tensor]) -> None:
-        self.tokens = torch.cat(passes) if len(passes) > 1 else passes[0]  # [sum of pass sizes] int64
+    def __init__(self, drafting: list[_Job], passes: list[tuple[torch.Tensor, list[_Job]]]) -> None:
+        tensors = [t for t, _ in passes]
+        self.tokens = torch.cat(tensors) if len(tensors) > 1 else tensors[0]  # [sum of pass sizes] int64
         self.jobs = drafting
         self.index: dict[int, list[int]] = {id(j): [] for j in drafting}  # a job's tokens in self.tokens
         offset = 0
-        for i, size in enumerate(len(p) for p in passes):
-            active = [j for j in drafting if j.request.max_draft_tokens > i]
-            assert len(active) == size, "pass i drafts for the jobs drafting more than i tokens"
+        for tokens, active in passes:
+            assert len(active) == len(tokens), "a pass draws one token per active job"
             for row, j in enumerate(active):
                 self.index[id(j)].append(offset + row)
-            offset += size
+            offset += len(active)
         self.is_done = False
 
     def read(self) -> None:
@@ -337,6 +354,8 @@ class _DraftRead:
         for j in self.jobs:
             index = self.index[id(j)]
             j.token_ids[: len(index)] = [values[x] for x in index]
+            if j.draft_ids is not None:
+                j.draft_ids[:] = j.token_ids[: len(j.draft_ids)]
             num_fed = len(j.token_ids) - 1  # d_1 .. d_{K-1} were fed to the draft model
             if num_fed:
                 j.seq.token_ids[-num_fed:] = j.token_ids[:num_fed]

@@ -46,6 +46,7 @@ def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
 
     # Pass by pass through the eager runner, with the noise the loop drew.
     logits = eager.forward([ForwardSeq(t[c:], c, b, 1) for t, c, b in zip(prompts, cached, tables)])
+    fed: list[int] = []  # the last pass's draws
     for i in range(passes):
         if i:
             logits = eager.forward([ForwardSeq([fed[j]], len(prompts[j]) + i - 1, tables[j], 1) for j in range(3)])
@@ -67,11 +68,12 @@ def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
     assert loop.run([LoopRow(0, (0, prompts[0][0]), tables[0], 0.0)], None) is None
 
 
-def test_loop_serves_temperature_and_greedy_rows_of_one_draft_length():
+def test_loop_serves_temperature_and_greedy_rows_proposing_up_to_its_k():
     plain, greedy = SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)
     assert DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 4], k=4)
-    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 3], k=4)  # draft lengths differ
-    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [3, 3], k=4)  # fewer than the loop drafts
+    assert DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 2], k=4)  # adaptive K: the first 2 of 4 drafted
+    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 5], k=4)  # more than the loop drafts
+    assert not DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 0], k=4)
     for odd in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_k=5),
                 SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, min_p=0.1),
                 SamplingParams(temperature=0.0, repetition_penalty=1.2)):
@@ -80,12 +82,13 @@ def test_loop_serves_temperature_and_greedy_rows_of_one_draft_length():
     assert DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [5], [4], k=4)
 
 
-@pytest.mark.parametrize("draft", ["own", "poor"])
-def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_checkpoints, draft):
+@pytest.mark.parametrize(("draft", "adaptive"), [("own", False), ("poor", False), ("poor", True)])
+def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_checkpoints, draft, adaptive):
     """The draft model's proposer with a loop graph (run eagerly here, through the interpreter)
     gives the tokens of plain decoding: the target as its own draft gets every greedy draft
     accepted (two tokens to catch up a step), a random model of the same vocabulary gets most
-    rejected (one token to catch up)."""
+    rejected (one token to catch up); with adaptive K its requests propose fewer than the loop
+    drafts, and still draft through it."""
     from engine import SpeculativeConfig
     from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
 
@@ -93,15 +96,26 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
     prompts = [[5, 9, 300, 17], list(range(40, 61)), [7] * 9]
     plain = [o.outputs.token_ids for o in make_llm(block_size=4).generate(prompts, greedy)]
     draft_model = "default" if draft == "own" else str(hf_checkpoints("llama"))
-    llm = make_llm(block_size=4, speculative=SpeculativeConfig(method="draft", draft_model=draft_model,
-                                                               num_draft_tokens=3, enable_adaptive_draft_length=False))
+    spec = SpeculativeConfig(method="draft", draft_model=draft_model, num_draft_tokens=3,
+                             enable_adaptive_draft_length=adaptive)
+    llm = make_llm(block_size=4, speculative=spec)
     proposer = llm.engine.proposer
     arch = proposer.arch
     spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
     backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
     proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
                                     max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    by_pass: list[int] = []  # drafting jobs of each step drafted pass by pass
+    pass_by_pass = proposer._pass_by_pass
+
+    def counted(jobs, drafting, *args):  # type: ignore[no-untyped-def]
+        by_pass.append(len(drafting))
+        return pass_by_pass(jobs, drafting, *args)
+
+    proposer._pass_by_pass = counted
     assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
+    # Only the first drafting step (the prompts to catch up) drafts pass by pass.
+    assert len([n for n in by_pass if n]) == 1, by_pass
     stats = llm.engine.stats()
     # The loop drafts every step but a request's first (its whole prompt to catch up) and those
     # near max_tokens (fewer than K drafts): at least 3 of the own draft's 6 steps.
@@ -109,4 +123,6 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
     if draft == "own":
         assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
     else:
-        assert stats.num_spec_rejections > 0
+        assert stats.num_spec_rejections > 0 and proposer.loop.num_runs >= 6
+    if adaptive:  # some steps proposed fewer than the 3 drafted
+        assert stats.num_spec_draft_tokens < 3 * stats.num_spec_verifications
