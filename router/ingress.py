@@ -9,6 +9,7 @@ pools are made.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +43,12 @@ class RouterIngress:
         await self.follower.start()
         # its own gRPC server where asked (`pdserve serve`), else Serve's gRPC proxy: both call Generate/Complete
         self.grpc_server = None if grpc is None else await start_grpc_server(self, grpc)
+        # A replica's process is this router's alone (Serve starts one per replica): its startup
+        # objects (the tokenizer, Ray, Serve, pydantic's schemas) leave the garbage collector's reach,
+        # whose full passes over them hold the GIL for tens of ms mid-stream.
+        # NOTE: collected first: garbage frozen would never be freed.
+        gc.collect()
+        gc.freeze()
 
     async def _worker_stats(self) -> list[dict[str, Any]]:
         workers = self.dispatcher.workers
