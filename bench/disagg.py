@@ -65,21 +65,38 @@ WARM_ROUNDS = 2  # the first rounds pay for allocator growth and kernel selectio
 
 def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
     """Wraps the Dispatcher's lease and prefill legs with timers (the router's view of each)."""
-    legs: dict[str, list[float]] = {"reserve_s": [], "prefill_leg_s": []}
+    legs: dict[str, list[float]] = {"reserve_s": [], "prefill_leg_s": [], "prefill_leg_start_at": [],
+                                    "prefill_leg_end_at": []}
 
-    def timed(method: Any, leg: list[float]) -> Any:
+    def timed(method: Any, name: str) -> Any:
         async def call(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return await method(*args, **kwargs)
             finally:
-                leg.append(time.perf_counter() - start)
+                end = time.perf_counter()
+                legs[name + "_s"].append(end - start)
+                if name + "_start_at" in legs:  # absolute marks: the worker's own come in its answer
+                    legs[name + "_start_at"].append(start)
+                    legs[name + "_end_at"].append(end)
 
         return call
 
-    dispatcher._reserve = timed(dispatcher._reserve, legs["reserve_s"])  # type: ignore[method-assign]
-    dispatcher._prefill = timed(dispatcher._prefill, legs["prefill_leg_s"])  # type: ignore[method-assign]
+    dispatcher._reserve = timed(dispatcher._reserve, "reserve")  # type: ignore[method-assign]
+    dispatcher._prefill = timed(dispatcher._prefill, "prefill_leg")  # type: ignore[method-assign]
     return legs
+
+
+def _transit(results: list[PrefillResultMsg], legs: dict[str, list[float]]) -> dict[str, float | None]:
+    """The prefill call's way there (the router's leg starts -> the worker has it) and back (the
+    worker answers -> the router's leg ends), medians over the requests; both clocks are this host's
+    CLOCK_MONOTONIC (time.perf_counter), the router and the prefill worker being on one host."""
+    pairs = [(r, s, e) for r, s, e in zip(results, legs["prefill_leg_start_at"], legs["prefill_leg_end_at"])
+             if r.arrived_at > 0]
+    if not pairs:
+        return {"there_median_s": None, "back_median_s": None}
+    return {"there_median_s": statistics.median(r.arrived_at - s for r, s, _ in pairs),
+            "back_median_s": statistics.median(e - r.answered_at for r, _, e in pairs)}
 
 
 @dataclass
@@ -162,6 +179,8 @@ def _mode_summary(run: _ModeRun, held: dict[str, int]) -> dict[str, Any]:
         "prefill_leg_median_s": (
             statistics.median(legs["prefill_leg_s"][warm:]) if legs["prefill_leg_s"][warm:] else None
         ),
+        # the prefill call's transit each way (the leg less the worker's own time)
+        "prefill_call": _transit(results[warm:], {k: v[warm:] for k, v in legs.items()}),
         "held_blocks_after": held,
         "num_streamed_messages": [r.num_streamed_messages for r in results[warm:]],
         "layers_written_at_offer": [r.layers_written_at_offer for r in results[warm:]],

@@ -136,6 +136,11 @@ class PrefillResultMsg(Msg):
     # the push started, its sends were issued, they were done.
     push_marks_s: list[float] = Field(default_factory=list)
     worker_s: float = 0.0  # from the call's arrival at the prefill worker to its answer (all of the above and more)
+    # The call's arrival and its answer, as the worker's host clock has them (time.perf_counter, which
+    # is CLOCK_MONOTONIC on Linux: comparable across the processes of one host): with the caller's own
+    # marks, the call's transit each way.
+    arrived_at: float = 0.0
+    answered_at: float = 0.0
 
 
 class TokenOutputMsg(NamedTuple):

@@ -159,7 +159,9 @@ class PrefillWorker(TransferEndpoint):
             lease.set_result((msg.lease, decode_worker))
         try:
             result = await self._prefill(msg, future)
-            return result.model_copy(update={"worker_s": time.perf_counter() - arrived}).encode()
+            answered = time.perf_counter()
+            update = {"worker_s": answered - arrived, "arrived_at": arrived, "answered_at": answered}
+            return result.model_copy(update=update).encode()
         finally:
             self._live.discard(rid)
             self._aborted.discard(rid)
