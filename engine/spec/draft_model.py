@@ -35,7 +35,7 @@ from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 
-PLACEHOLDER = -1  # a drafted token still on the device (propose reads them all at its end)
+PLACEHOLDER = -1  # a drafted token still on the device (read once, when first used: _DraftRead)
 
 
 @dataclass
@@ -179,12 +179,15 @@ class DraftModelProposer:
                 drafts.append(Draft(j.token_ids, probs))
             else:  # NOTE: j.proposed() holds placeholders until pending.read fills it in place
                 proposed = j.proposed()
-                on_device = DeviceTokens(pending.tokens, pending.index[id(j)][: len(proposed)])
-                drafts.append(Draft(proposed, probs, on_device, pending.read))
+                where = DeviceTokens(pending.tokens, pending.index[id(j)][: len(proposed)])
+                drafts.append(Draft(proposed, probs, where, pending.read))
         return drafts
 
     def _pass_by_pass(
-        self, jobs: list[_Job], drafting: list[_Job], passes: list[tuple[torch.Tensor, list[_Job]]],
+        self,
+        jobs: list[_Job],
+        drafting: list[_Job],
+        passes: list[tuple[torch.Tensor, list[_Job]]],
         generator: torch.Generator | None,
         on_device: bool,
     ) -> None:
