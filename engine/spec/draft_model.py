@@ -337,8 +337,9 @@ class _DraftRead:
     d_1 .. d_{K-1}."""
 
     def __init__(self, drafting: list[_Job], passes: list[tuple[torch.Tensor, list[_Job]]]) -> None:
-        tensors = [t for t, _ in passes]
-        self.tokens = torch.cat(tensors) if len(tensors) > 1 else tensors[0]  # [sum of pass sizes] int64
+        # NOTE: a copy even of one pass: the loop graph's draws are views of its static output, which
+        # its next run overwrites while an unscheduled request's draft may still be unread.
+        self.tokens = torch.cat([t for t, _ in passes])  # [sum of pass sizes] int64
         self.jobs = drafting
         self.index: dict[int, list[int]] = {id(j): [] for j in drafting}  # a job's tokens in self.tokens
         offset = 0

@@ -126,3 +126,20 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
         assert stats.num_spec_rejections > 0 and proposer.loop.num_runs >= 6
     if adaptive:  # some steps proposed fewer than the 3 drafted
         assert stats.num_spec_draft_tokens < 3 * stats.num_spec_verifications
+
+
+def test_a_proposal_s_drafts_outlive_the_loop_s_next_run():
+    """A proposal's device tokens are its own copy, even of a single pass: the loop graph's draws
+    are views of its static output, which its next run overwrites, while the draft of a request
+    left unscheduled in its step is still to be fed to the target from the device."""
+    from engine.spec.base import DraftRequest
+    from engine.spec.draft_model import _DraftRead, _DraftSeq, _Job
+
+    static = torch.tensor([[7, 8]])  # the loop's tokens [passes = 1, rows]
+    jobs = [_Job(DraftRequest(f"r{i}", [1, 2, 3], 2, SamplingParams(), 0, 1), _DraftSeq(), 1, True, [-1])
+            for i in range(2)]
+    read = _DraftRead(jobs, [(static[0], jobs)])
+    static[0] = torch.tensor([0, 0])  # the next run
+    assert read.tokens.tolist() == [7, 8]
+    read.read()
+    assert [j.token_ids for j in jobs] == [[7], [8]]
