@@ -56,7 +56,7 @@ from cluster.config import ClusterConfig
 from engine import SamplingParams
 from engine.llm import engine_config
 from kvtransfer import NCCL_WORKER_ENV
-from kvtransfer.protocol import PrefillResultMsg
+from kvtransfer.protocol import PrefillResultMsg, TokenBatchMsg
 from router import Dispatcher
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
@@ -84,7 +84,56 @@ def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
 
     dispatcher._reserve = timed(dispatcher._reserve, "reserve")  # type: ignore[method-assign]
     dispatcher._prefill = timed(dispatcher._prefill, "prefill_leg")  # type: ignore[method-assign]
+    call_placed = dispatcher._call_placed
+    legs["submit_start_at"], legs["submit_arrived_at"] = [], []
+
+    async def timed_call_placed(worker_id: str, method: Any, payload: bytes, what: str) -> Any:
+        start = time.perf_counter()
+        arrived = await call_placed(worker_id, method, payload, what)
+        if what == "colocated worker" and isinstance(arrived, float):  # DecodeWorker.submit's arrival
+            legs["submit_start_at"].append(start)
+            legs["submit_arrived_at"].append(arrived)
+        return arrived
+
+    dispatcher._call_placed = timed_call_placed  # type: ignore[method-assign]
     return legs
+
+
+class _FirstBatches:
+    """Per (worker, request): when the worker sent the token batch that first carried the request,
+    and when a router decoded it (TokenBatchMsg.sent_at; this host's clock)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str], tuple[float, float]] = {}
+        self._decode = TokenBatchMsg.decode.__func__  # type: ignore[attr-defined]
+
+    def __enter__(self) -> _FirstBatches:
+        original, seen = self._decode, self.seen
+
+        def decode(cls: type[TokenBatchMsg], data: bytes) -> TokenBatchMsg:
+            batch = original(cls, data)
+            now = time.perf_counter()
+            for row in batch.outputs:
+                if row.new_token_ids:
+                    seen.setdefault((batch.worker_id, row.request_id), (batch.sent_at, now))
+            return batch
+
+        TokenBatchMsg.decode = classmethod(decode)  # type: ignore[method-assign, assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        TokenBatchMsg.decode = classmethod(self._decode)  # type: ignore[method-assign, assignment]
+
+
+def _submit_transit(
+    legs: dict[str, list[float]], first_batches: list[tuple[float, float]], warm: int
+) -> dict[str, float | None]:
+    rows = list(zip(legs["submit_start_at"], legs["submit_arrived_at"], first_batches))[warm:]
+    if not rows:
+        return {"there_median_s": None, "worker_median_s": None, "back_median_s": None}
+    return {"there_median_s": statistics.median(a - s for s, a, _ in rows),
+            "worker_median_s": statistics.median(b[0] - a for _, a, b in rows),
+            "back_median_s": statistics.median(b[1] - b[0] for _, _, b in rows)}
 
 
 def _transit(results: list[PrefillResultMsg], legs: dict[str, list[float]]) -> dict[str, float | None]:
@@ -108,6 +157,8 @@ class _ModeRun:
     legs: dict[str, list[float]]  # _timed_legs of the Dispatcher
     tokens: list[list[int]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
+    # per TTFT round: (sent_at, decoded_at) of the token batch that first carried its request
+    first_batches: list[tuple[float, float]] = field(default_factory=list)
 
 
 async def _ttft(dispatcher: Dispatcher, request_id: str, prompt: list[int]) -> float:
@@ -144,9 +195,13 @@ async def run_modes(
             run.results.clear()
             for leg in run.legs.values():
                 leg.clear()
-        for i, prompt in enumerate(ttft_prompts):
-            for name in rotation(list(runs), i):
-                runs[name].ttfts.append(await _ttft(runs[name].dispatcher, f"ttft-{i}", prompt))
+        with _FirstBatches() as first:
+            for i, prompt in enumerate(ttft_prompts):
+                for name in rotation(list(runs), i):
+                    runs[name].ttfts.append(await _ttft(runs[name].dispatcher, f"ttft-{i}", prompt))
+        for name, run in runs.items():
+            ids = set(side_by_side.workers(name).decode)
+            run.first_batches = [v for (worker_id, _), v in first.seen.items() if worker_id in ids]
         for run in runs.values():
             await run.dispatcher.close()
         held = {name: await side_by_side.held_blocks(name) for name in runs}
@@ -181,6 +236,9 @@ def _mode_summary(run: _ModeRun, held: dict[str, int]) -> dict[str, Any]:
         ),
         # the prefill call's transit each way (the leg less the worker's own time)
         "prefill_call": _transit(results[warm:], {k: v[warm:] for k, v in legs.items()}),
+        # colocated: the submit call's way there, the worker's time to the batch with the first token,
+        # and that batch's way back (this host's clock on both sides)
+        "submit_call": _submit_transit(legs, run.first_batches, warm),
         "held_blocks_after": held,
         "num_streamed_messages": [r.num_streamed_messages for r in results[warm:]],
         "layers_written_at_offer": [r.layers_written_at_offer for r in results[warm:]],

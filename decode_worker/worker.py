@@ -188,8 +188,10 @@ class DecodeWorker(TransferEndpoint):
         return box
 
     # ---- control: whole requests (prefilled here)
-    async def submit(self, request: bytes) -> None:
-        """Colocated mode: prefill and decode a whole request here."""
+    async def submit(self, request: bytes) -> float:
+        """Colocated mode: prefill and decode a whole request here. Returns when the call arrived, on
+        this host's clock (time.perf_counter), as the prefill worker's answer does (arrived_at)."""
+        arrived = time.perf_counter()
         self._bind()
         if self.is_draining:
             raise RuntimeError(f"decode worker {self.worker_id} is draining: send the request to another worker")
@@ -197,6 +199,7 @@ class DecodeWorker(TransferEndpoint):
         await self._admit(msg, lambda e: e.add_request(
             msg.request_id, msg.prompt_token_ids, msg.params, num_prior_output_tokens=msg.num_prior_output_tokens
         ))
+        return arrived
 
     async def prefill_locally(self, local: bytes) -> bytes:
         """Disaggregated mode, a request that skips the prefill workers: computes its prompt here
@@ -358,7 +361,7 @@ class DecodeWorker(TransferEndpoint):
                 pass
         outputs, box.outputs = box.outputs, []
         box.ready.clear()
-        return TokenBatchMsg(worker_id=self.worker_id, outputs=outputs).encode()
+        return TokenBatchMsg(worker_id=self.worker_id, outputs=outputs, sent_at=time.perf_counter()).encode()
 
     async def abort(self, request_id: str) -> bool:
         """Idempotent: frees whatever the request holds here (a lease, or its running blocks)."""

@@ -168,13 +168,17 @@ class TokenBatchMsg:
 
     worker_id: str
     outputs: list[TokenOutputMsg]
+    # When the worker sent it, on its host's clock (time.perf_counter, CLOCK_MONOTONIC on Linux): a
+    # router on the same host reads the batch's transit from it. 0.0: not stamped.
+    sent_at: float = 0.0
 
     def encode(self) -> bytes:
-        return msgpack.packb((self.worker_id, self.outputs), use_bin_type=True)
+        return msgpack.packb((self.worker_id, self.outputs, self.sent_at), use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> TokenBatchMsg:
-        worker_id, rows = msgpack.unpackb(data, raw=False)
+        worker_id, rows, *stamp = msgpack.unpackb(data, raw=False)  # NOTE: an older worker sends no stamp
+        sent_at = stamp[0] if stamp else 0.0
         arities = set(map(len, rows))
         if arities - {_TOKEN_OUTPUT_ARITY}:
             raise ValueError(
@@ -182,7 +186,7 @@ class TokenBatchMsg:
                 f"TokenOutputMsg {_TOKEN_OUTPUT_ARITY}: the worker runs another pdserve version"
             )
         new_row = tuple.__new__  # NOTE: TokenOutputMsg._make less its own arity check, made above for all rows
-        return cls(worker_id, [new_row(TokenOutputMsg, row) for row in rows])
+        return cls(worker_id, [new_row(TokenOutputMsg, row) for row in rows], sent_at)
 
 
 class AbortMsg(Msg):

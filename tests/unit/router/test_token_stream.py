@@ -111,3 +111,13 @@ def test_an_error_alone_fails_the_request_after_max_attempts() -> None:
     worker = _ScriptedWorker([list(error), list(error)])
     with pytest.raises(RequestFailedError, match="failed 2 times"):
         asyncio.run(_outputs(worker, SamplingParams(max_tokens=3)))
+
+
+def test_token_batch_carries_when_it_was_sent() -> None:
+    """The worker's send time goes with the batch (a router on its host reads the transit from
+    it); a batch without one, from an older worker, reads as 0.0."""
+    import msgpack
+
+    back = TokenBatchMsg.decode(TokenBatchMsg("d0", [TokenOutputMsg("r", [1])], sent_at=12.5).encode())
+    assert back.sent_at == 12.5 and back.outputs[0].new_token_ids == [1]
+    assert TokenBatchMsg.decode(msgpack.packb(("d0", []))).sent_at == 0.0
