@@ -51,7 +51,8 @@ class Streamed:
     handles: list[TransferHandle] = field(default_factory=list)  # the groups sent, in order
     gather_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     is_closed: bool = False
-    layers_written_at_offer: int = -1  # how far the step had got when the offer came (-1: before the claim)
+    # How far the step had got when the offer came, in whole layer groups' layers (-1: before the claim).
+    layers_written_at_offer: int = -1
 
     @property
     def was_claimed(self) -> bool:
@@ -143,8 +144,13 @@ class LayerPush:
             with self._lock:
                 stream.index, stream.buffer = index, buffer
         streams = [stream for stream, _ in claimed]
+        # NOTE: only a group's last layer can make a group sendable: after any other layer there is
+        # nothing to mark and no pump to wake the event loop for (one wake-up a group, not a layer).
+        stops = {stop for stream in streams for _, stop in stream.groups}
 
         def on_layers(num_written: int) -> None:
+            if num_written not in stops:
+                return
             written = None
             if self._side is not None:
                 written = torch.cuda.Event(enable_timing=True)  # NOTE: timed: tail_device_seconds

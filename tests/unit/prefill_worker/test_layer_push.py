@@ -163,3 +163,30 @@ def test_with_defer_the_engine_thread_only_marks_layers_and_the_loop_sends(pair)
     _wait(streamed.handles)
     _wait(recvs)
     assert torch.equal(landing.cpu(), gather_blocks(kv, [6, 8]).cpu())
+
+
+def test_the_event_loop_is_woken_once_a_group_not_once_a_layer(pair) -> None:
+    """With fewer groups than layers (5 layers in 2 groups: [0, 3) and [3, 5)), only a group's last
+    layer marks and defers a pump: 2 wake-ups of the event loop a forward, not 5; every group still
+    goes once written."""
+    builder, a, b = pair
+    kv = builder.kv(0, LAYOUT)
+    landing, recvs = _post_recvs(builder, b, 2, 2)
+    deferred: list = []
+    push = LayerPush(a, kv, deferred.append)
+    push.expect("r", 2, 2)
+    push.offer("r", "decode-0")
+    on_layers = push.hook([_scheduled("r", [6, 8])])
+    assert on_layers is not None
+    for n in range(1, LAYOUT.num_layers + 1):
+        on_layers(n)
+        if n == 3:
+            assert len(deferred) == 1  # the first group's last layer
+    assert len(deferred) == 2
+    for run in deferred:
+        run()
+    streamed = push.close("r")
+    assert streamed is not None and len(streamed.handles) == 2
+    _wait(streamed.handles)
+    _wait(recvs)
+    assert torch.equal(landing.cpu(), gather_blocks(kv, [6, 8]).cpu())
