@@ -204,50 +204,44 @@ class ModelRunner:
         """Runs one step; returns float32 logits [rows, vocab] in scheduled order: one row per
         sampling request, 1 + num_spec_tokens rows per verifying one (its last computed token's,
         then each drafted token's)."""
-        # Drafts still on the device are patched in (one patch a step: with another patch, read).
-        patched = patch is None
-        if patched:
-            patch = _draft_patch(scheduled)  # NOTE: first: it reads the drafts it cannot patch
-        return self.forward([_forward_seq(s, patched) for s in scheduled], patch, on_layers)
+        seqs, drafts = _forward_seqs(scheduled, patch_drafts=patch is None)
+        return self.forward(seqs, patch or drafts, on_layers)
 
 
 def _align16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def _forward_seq(s: ScheduledRequest, drafts_patched: bool = False) -> ForwardSeq:
-    r = s.request
-    start, stop = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-    if s.num_spec_tokens:
-        assert r.draft is not None and stop - s.num_spec_tokens == r.num_tokens, "drafts follow the last token"
-        # NOTE: a draft still on the device feeds placeholders that _draft_patch's patch overwrites.
-        unread = drafts_patched and not r.draft.is_read
-        drafted = [0] * s.num_spec_tokens if unread else r.draft.token_ids[: s.num_spec_tokens]
-        token_ids = r.token_ids[start:] + drafted
-    else:
-        token_ids = r.token_ids[start:stop]
-    num_logits = 1 + s.num_spec_tokens if s.will_sample else 0
-    return ForwardSeq(token_ids, start, r.block_ids, num_logits)
-
-
-def _draft_patch(scheduled: Sequence[ScheduledRequest]) -> TokenPatch | None:
-    """The drafted input tokens still on the device, as a patch of the step's flat inputs. One
-    patch takes one tensor: drafts proposed in another step than the first such draft's are read
-    here (a draft outlives its step only when its request was not scheduled)."""
+def _forward_seqs(
+    scheduled: Sequence[ScheduledRequest], patch_drafts: bool
+) -> tuple[list[ForwardSeq], TokenPatch | None]:
+    """The step's sequences, and (patch_drafts) its drafted inputs still on the device as a patch of
+    its flat inputs, which get placeholders there. One patch takes one tensor: a draft proposed in
+    another step than the first such draft's is read here (a draft outlives its step only when its
+    request was not scheduled); with patch_drafts False (another patch) every draft is read."""
+    seqs: list[ForwardSeq] = []
     tokens: torch.Tensor | None = None
     dst: list[int] = []
     src: list[int] = []
-    position = 0
+    position = 0  # the flat input position of the sequence's first token
     for s in scheduled:
-        draft, k = s.request.draft, s.num_spec_tokens
+        r, k = s.request, s.num_spec_tokens
+        start, stop = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+        if k:
+            draft = r.draft
+            assert draft is not None and stop - k == r.num_tokens, "drafts follow the last token"
+            where = draft.on_device if patch_drafts and not draft.is_read else None
+            if where is not None and tokens is None:
+                tokens = where.tokens
+            if where is not None and where.tokens is tokens:
+                dst.extend(range(position + s.num_new_tokens - k, position + s.num_new_tokens))
+                src.extend(where.index[:k])
+                drafted = [0] * k  # NOTE: placeholders: the patch writes the drafts there on the device
+            else:
+                drafted = draft.token_ids[:k]  # read (waits for the draft model) if it was not
+            token_ids = r.token_ids[start:] + drafted
+        else:
+            token_ids = r.token_ids[start:stop]
+        seqs.append(ForwardSeq(token_ids, start, r.block_ids, 1 + k if s.will_sample else 0))
         position += s.num_new_tokens
-        if not k or draft is None or draft.is_read or draft.on_device is None:
-            continue
-        if tokens is None:
-            tokens = draft.on_device.tokens
-        if draft.on_device.tokens is not tokens:
-            draft.token_ids  # noqa: B018  (reads it: _forward_seq then feeds its values)
-            continue
-        dst.extend(range(position - k, position))
-        src.extend(draft.on_device.index[:k])
-    return TokenPatch(tokens, dst, src) if tokens is not None else None
+    return seqs, TokenPatch(tokens, dst, src) if tokens is not None else None

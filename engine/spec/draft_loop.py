@@ -16,11 +16,12 @@ written before either attends, as for the graph rows of engine/cuda_graphs.py).
 Rows it serves (`DraftLoopGraphs.serves`), everything else drafts pass by pass: greedy rows, and
 random rows with a temperature only (no seed, top-k, top-p, min-p, penalties, pending min_tokens),
 each with at most two tokens to catch up. Every row drafts K: a row proposing fewer (adaptive K)
-keeps the first ones, which is cheaper than leaving the graph for pass-by-pass drafting. A random row's draw is the
-exponential race over softmax(logits / temperature), the Sampler's own draw for such a row; its
-noise comes from the engine's generator, drawn eagerly into a static buffer just before the replay
-(the graph itself draws nothing). The distribution each draft was drawn from (softmax, or one-hot
-for greedy rows) is returned for verification, so rejection sampling stays exact.
+keeps the first ones, which is cheaper than leaving the graph for pass-by-pass drafting. A random
+row's draw is the exponential race over softmax(logits / temperature), the Sampler's own draw for
+such a row; its noise comes from the engine's generator, drawn eagerly into a static buffer just
+before the replay (the graph itself draws nothing). The distribution each draft was drawn from
+(softmax, or one-hot for greedy rows) is returned for verification, so rejection sampling stays
+exact.
 
 Static rows past the batch are padding (slot -1: nothing stored; one key of block 0; temperature
 1), as in engine/cuda_graphs.py. On a device other than CUDA nothing is captured and `run` calls
@@ -109,27 +110,23 @@ class DraftLoopGraphs:
 
     def _first_metadata_for(self, size: int) -> AttentionMetadata:
         n = 2 * size
+        return self._decode_metadata(n, self.first_slots[:n], self.first_seq_lens[:n], self.first_block_tables[:n])
+
+    def _metadata_for(self, size: int, i: int) -> AttentionMetadata:
+        return self._decode_metadata(size, self.slots[i, :size], self.seq_lens[i, :size], self.block_tables[:size])
+
+    def _decode_metadata(
+        self, n: int, slots: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
+        """n one-query rows over static buffers (their host-side lists are the graph mode's bounds)."""
         return AttentionMetadata(
-            slot_mapping=self.first_slots[:n],
+            slot_mapping=slots,
             query_start_loc=list(range(n + 1)),
             seq_lens=[self.max_context] * n,
             block_tables=[[] for _ in range(n)],
-            block_tables_tensor=self.first_block_tables[:n],
-            seq_lens_tensor=self.first_seq_lens[:n],
+            block_tables_tensor=block_tables,
+            seq_lens_tensor=seq_lens,
             query_start_loc_tensor=self.query_start_loc[: n + 1],
-            max_query_len=1,
-            max_seq_len=self.max_context,
-        )
-
-    def _metadata_for(self, size: int, i: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[i, :size],
-            query_start_loc=list(range(size + 1)),
-            seq_lens=[self.max_context] * size,
-            block_tables=[[] for _ in range(size)],
-            block_tables_tensor=self.block_tables[:size],
-            seq_lens_tensor=self.seq_lens[i, :size],
-            query_start_loc_tensor=self.query_start_loc[: size + 1],
             max_query_len=1,
             max_seq_len=self.max_context,
         )

@@ -145,7 +145,7 @@ def test_long_context_graph_step_reads_every_key(make_llm):
     """128 sequences of 1,500-2,600 tokens at the Qwen3-0.6B shape (bf16): one decode step's logits
     through the graph equal the eager Triton step's and the torch reference backend's, to bf16
     rounding. A decode launch that skipped keys would part from both by the attention's whole share."""
-    from engine.runner import _forward_seq
+    from engine.runner import _forward_seqs
 
     rng = random.Random(5)
     # NOTE: synchronous steps: the test runs one step's parts by hand, so every input token is on the host
@@ -160,7 +160,7 @@ def test_long_context_graph_step_reads_every_key(make_llm):
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
     out = engine.scheduler.schedule()
-    seqs = [_forward_seq(s) for s in out.scheduled]
+    seqs, _ = _forward_seqs(out.scheduled, patch_drafts=False)
     assert len(seqs) == 128 and all(len(s.token_ids) == 1 for s in seqs)
     runner, graphs = engine.runner, engine.runner.graphs
     before = graphs.num_replays

@@ -137,18 +137,35 @@ def test_only_expected_requests_whose_prompt_completes_are_claimed(pair) -> None
     assert push.close("t") is None  # never offered (the handshake failed): nothing was sent
 
 
-def test_with_defer_the_engine_thread_only_marks_layers_and_the_loop_sends(pair) -> None:
-    """The worker's configuration: on_layers (the engine thread) marks layers written and hands the
-    sends to another thread (`defer`); they go when that runs, each group once written."""
+def _deferred_push(pair, num_messages: int):
+    """The worker's configuration: request "r" (blocks 6 and 8) expected, offered and claimed by a
+    step, its sends deferred to a list (the event loop's queue). Returns the push, the step's
+    on_layers, the deferred runs, and a check that closes the push and finds every group sent
+    (`num_sent` of them) and landed intact."""
     builder, a, b = pair
     kv = builder.kv(0, LAYOUT)
-    landing, recvs = _post_recvs(builder, b, 2, 5)
+    landing, recvs = _post_recvs(builder, b, 2, num_messages)
     deferred: list = []
     push = LayerPush(a, kv, deferred.append)
-    push.expect("r", 2, 5)
+    push.expect("r", 2, num_messages)
     push.offer("r", "decode-0")
     on_layers = push.hook([_scheduled("r", [6, 8])])
     assert on_layers is not None
+
+    def check_arrived(num_sent: int) -> None:
+        streamed = push.close("r")
+        assert streamed is not None and len(streamed.handles) == num_sent
+        _wait(streamed.handles)
+        _wait(recvs)
+        assert torch.equal(landing.cpu(), gather_blocks(kv, [6, 8]).cpu())
+
+    return push, on_layers, deferred, check_arrived
+
+
+def test_with_defer_the_engine_thread_only_marks_layers_and_the_loop_sends(pair) -> None:
+    """The worker's configuration: on_layers (the engine thread) marks layers written and hands the
+    sends to another thread (`defer`); they go when that runs, each group once written."""
+    push, on_layers, deferred, check_arrived = _deferred_push(pair, num_messages=5)
     on_layers(1)
     on_layers(2)
     assert push._streams["r"].handles == [] and len(deferred) == 2  # nothing sent on the engine thread
@@ -158,26 +175,14 @@ def test_with_defer_the_engine_thread_only_marks_layers_and_the_loop_sends(pair)
         on_layers(n)
     for run in deferred:
         run()
-    streamed = push.close("r")
-    assert streamed is not None and len(streamed.handles) == 5
-    _wait(streamed.handles)
-    _wait(recvs)
-    assert torch.equal(landing.cpu(), gather_blocks(kv, [6, 8]).cpu())
+    check_arrived(5)
 
 
 def test_the_event_loop_is_woken_once_a_group_not_once_a_layer(pair) -> None:
     """With fewer groups than layers (5 layers in 2 groups: [0, 3) and [3, 5)), only a group's last
     layer marks and defers a pump: 2 wake-ups of the event loop a forward, not 5; every group still
     goes once written."""
-    builder, a, b = pair
-    kv = builder.kv(0, LAYOUT)
-    landing, recvs = _post_recvs(builder, b, 2, 2)
-    deferred: list = []
-    push = LayerPush(a, kv, deferred.append)
-    push.expect("r", 2, 2)
-    push.offer("r", "decode-0")
-    on_layers = push.hook([_scheduled("r", [6, 8])])
-    assert on_layers is not None
+    push, on_layers, deferred, check_arrived = _deferred_push(pair, num_messages=2)
     for n in range(1, LAYOUT.num_layers + 1):
         on_layers(n)
         if n == 3:
@@ -185,8 +190,4 @@ def test_the_event_loop_is_woken_once_a_group_not_once_a_layer(pair) -> None:
     assert len(deferred) == 2
     for run in deferred:
         run()
-    streamed = push.close("r")
-    assert streamed is not None and len(streamed.handles) == 2
-    _wait(streamed.handles)
-    _wait(recvs)
-    assert torch.equal(landing.cpu(), gather_blocks(kv, [6, 8]).cpu())
+    check_arrived(2)
