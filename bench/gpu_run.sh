@@ -24,6 +24,8 @@
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it
 #           (batch 1 at K = 4..7 side by side) with a profile of a batch-1 step, plain and speculative.
 #           spec_bench: the same without the GPU tests.
+#   draft_kv (nvidia-h200-x2): the NCCL layer-push tests, trains the pair, then bench.draft_kv: in 1P1D the
+#           decode worker computes the draft's prompt KV vs the prefill worker ships it, side by side.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
@@ -33,7 +35,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -70,6 +72,13 @@ case "$part" in
     ;;
   nccl_kill)
     run 200 python3 -m bench.nccl_kill --out "$out"
+    ;;
+  draft_kv)
+    run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
+    run 150 python3 -m bench.train_models --out /tmp/pair --size gpu --set max_target_steps=250 \
+      --set max_draft_steps=600 --quiet
+    run 300 python3 -m bench.draft_kv --target /tmp/pair/target --draft /tmp/pair/draft \
+      --text /tmp/pair/held_out.txt --out "$out"
     ;;
   goodput)
     run 570 python3 -m bench.goodput --out "$out"

@@ -51,11 +51,13 @@ def _gpu_ids() -> list[str]:
 @dataclass(frozen=True)
 class ModeSpec:
     """One mode: a colocated worker, or one prefill and one decode worker (1P1D) whose prefill
-    worker sends a prompt's KV in up to `kv_messages` layer groups."""
+    worker sends a prompt's KV in up to `kv_messages` layer groups (and, with a draft model in the
+    engine's speculative config and `ship_draft_kv`, the draft's KV of the prompt too)."""
 
     name: str
     is_disaggregated: bool
     kv_messages: int = 1
+    ship_draft_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class SideBySide:
         common = dict(worker_id=spec.worker_id, engine=self.engine, transport=self.transport, host=self.host,
                       transfer_timeout_s=self.transfer_timeout_s)
         if spec.role == "prefill":
-            return PrefillWorkerConfig(**common, kv_messages=self.modes[spec.mode].kv_messages)
+            mode = self.modes[spec.mode]
+            return PrefillWorkerConfig(**common, kv_messages=mode.kv_messages, ship_draft_kv=mode.ship_draft_kv)
         return DecodeWorkerConfig(**common, lease_ttl_s=self.lease_ttl_s)
 
     async def start(self, timeout_s: float = 600.0) -> None:

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from pydantic import Field
@@ -41,6 +41,7 @@ from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.layout import layer_groups
 from kvtransfer.netaddr import resolve_host
 from kvtransfer.protocol import (
+    DraftKvOffer,
     GenerateRequestMsg,
     KvAcceptMsg,
     KvReadyMsg,
@@ -99,11 +100,14 @@ class DecodeWorker(TransferEndpoint):
         engine = EngineCore(config.engine)
         self.block_size = engine.pool.block_size
         self.layout = KvLayout.from_kv(engine.runner.kv_caches)
+        draft = engine.draft_kv  # a draft model's cache: a prefill worker may send a prompt's KV for it
+        self.draft_layout, self.draft_fingerprint = (KvLayout.from_kv(draft[0]), draft[1]) if draft else (None, None)
         host = resolve_host(config.host)
         self.transport = create_transport(
             config.transport, self.worker_id, self.layout, engine.device,
             **kv_transport_options(config.transport, host, transport_options),
         )
+        self.num_draft_kv_adopted = 0  # prompts whose draft KV came from the prefill worker (engine thread writes)
         self.is_draining = False  # retiring: no new leases or requests; what runs finishes
         self.leases: dict[str, Lease] = {}
         self.lease_of_request: dict[str, str] = {}
@@ -277,6 +281,7 @@ class DecodeWorker(TransferEndpoint):
         buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=self.loop.engine.device)
         epoch = self._pair_epochs.get(msg.prefill_worker_id, 0)
         token: torch.Tensor | None = None
+        draft: _DraftKv | None = None
         try:
             # One receive a layer group, in the order they are sent (into views of one buffer).
             handles = [self.transport.recv(msg.prefill_worker_id, buf[first:stop])
@@ -286,25 +291,42 @@ class DecodeWorker(TransferEndpoint):
                 token_handle: TransferHandle | None = self.transport.recv(msg.prefill_worker_id, token)
             else:
                 token_handle = None
+            if self._takes_draft(msg.draft):  # last on the pair
+                assert self.draft_layout is not None
+                shape = self.draft_layout.buffer_shape(msg.num_blocks)
+                draft_buf = torch.empty(shape, dtype=self.draft_layout.torch_dtype, device=self.loop.engine.device)
+                draft = _DraftKv(draft_buf, self.transport.recv(msg.prefill_worker_id, draft_buf))
         except ValueError as err:  # not paired any more (a failed transfer dropped the pair)
             return KvAcceptMsg(accepted=False, reason=str(err), is_unpaired=True).encode()
         lease.state = LeaseState.RECEIVING
-        self._aio.create_task(self._land(msg, lease, buf, handles, epoch, token, token_handle))  # type: ignore[union-attr]
-        return KvAcceptMsg(accepted=True).encode()
+        self._aio.create_task(self._land(msg, lease, buf, handles, epoch, token, token_handle, draft))  # type: ignore[union-attr]
+        return KvAcceptMsg(accepted=True, draft=draft is not None).encode()
+
+    def _takes_draft(self, offer: DraftKvOffer | None) -> bool:
+        """Whether a draft's KV offered with a prompt is for this worker's draft (same layout and
+        weights); otherwise this worker's draft computes the prompt itself."""
+        if offer is None or self.draft_layout is None:
+            return False
+        try:
+            same_layout = KvLayout.from_ints(offer.layout) == self.draft_layout
+        except ValueError:
+            same_layout = False
+        return same_layout and offer.fingerprint == self.draft_fingerprint
 
     async def _land(
         self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handles: list[TransferHandle], epoch: int,
         token: torch.Tensor | None = None, token_handle: TransferHandle | None = None,
+        draft: _DraftKv | None = None,
     ) -> None:
-        """Waits for the KV (and, after an early handshake, the first token), then scatters it into
-        the lease's blocks and joins the request. A first token of -1: nothing to decode (the prefill
-        was aborted or its first token ended it), so the lease is freed."""
+        """Waits for the KV (and, after an early handshake, the first token; then the draft's KV if
+        it comes), then scatters it into the lease's blocks and joins the request. A first token of
+        -1: nothing to decode (the prefill was aborted or its first token ended it), so the lease is
+        freed."""
         failure = None
-        for handle in handles:
+        waits = [*handles, *([token_handle] if token_handle is not None else []), *([draft.handle] if draft else [])]
+        for handle in waits:
             if failure is None:
                 failure = await wait_transfer(handle, self.config.transfer_timeout_s)
-        if failure is None and token_handle is not None:
-            failure = await wait_transfer(token_handle, self.config.transfer_timeout_s)
         first_token = msg.first_token
         if failure is None and token is not None:
             first_token = int(token.item())  # NOTE: the recv has finished: no wait for other work
@@ -326,6 +348,11 @@ class DecodeWorker(TransferEndpoint):
                 request.request_id, request.prompt_token_ids, first_token, request.params,
                 lease.lease_id, request.num_prior_output_tokens,
             )
+            adopted = engine.adopt_draft_prompt(request.request_id) if draft is not None else None
+            if adopted is not None:  # NOTE: None: no room in the draft's pool; its first step computes the prompt
+                assert draft is not None
+                scatter_blocks(adopted[0], adopted[1], draft.buffer)
+                self.num_draft_kv_adopted += 1
 
         self.router_of_request[request.request_id] = lease.router_id
         self._forget_lease(lease)
@@ -400,6 +427,7 @@ class DecodeWorker(TransferEndpoint):
             "num_preemptions": s.num_preemptions,
             "num_spec_draft_tokens": s.num_spec_draft_tokens,
             "num_spec_accepted_tokens": s.num_spec_accepted_tokens,
+            "num_draft_kv_adopted": self.num_draft_kv_adopted,
             "is_healthy": await self.health(),
         }
 
@@ -449,6 +477,13 @@ def _refusal(lease: Lease | None, msg: KvReadyMsg, num_layers: int) -> str:
     if msg.num_messages > num_layers:
         return f"num_messages {msg.num_messages} exceeds the {num_layers} layers the KV can split into"
     return ""
+
+
+class _DraftKv(NamedTuple):
+    """A prompt's draft-model KV on its way from the prefill worker."""
+
+    buffer: torch.Tensor
+    handle: TransferHandle
 
 
 __all__ = ["DecodeWorker", "DecodeWorkerConfig", "Lease", "LeaseState"]

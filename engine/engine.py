@@ -54,7 +54,7 @@ from engine.runner import ModelRunner, OnLayers, TokenPatch
 from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sizing import num_kv_blocks
-from engine.spec import DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
+from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.validation import validate_prompt
 
 
@@ -293,6 +293,24 @@ class EngineCore:
         self.scheduler.commit_computed_blocks(request)
         self.scheduler.add_running(request)
 
+
+    def adopt_draft_prompt(self, request_id: str) -> tuple[torch.Tensor, list[int]] | None:
+        """For a running request whose draft-model KV of the prompt was computed elsewhere: the draft
+        cache and the blocks the caller now writes that KV into, in order, before the next step
+        (then the draft does not compute the prompt here). None: this engine drafts with no model,
+        or its draft pool has no room now."""
+        if not isinstance(self.proposer, DraftModelProposer):
+            return None
+        request = self.scheduler.requests[request_id]
+        blocks = self.proposer.adopt_prompt(request_id, request.token_ids[: request.num_prompt_tokens])
+        return None if blocks is None else (self.proposer.kv_caches, blocks)
+
+    @property
+    def draft_kv(self) -> tuple[torch.Tensor, str] | None:
+        """The draft model's KV cache and fingerprint (engine/spec/draft_load.py); None without one."""
+        if not isinstance(self.proposer, DraftModelProposer):
+            return None
+        return self.proposer.kv_caches, self.proposer.fingerprint
 
     def has_unfinished(self) -> bool:
         """Requests live. NOTE: an in-flight step's live requests are live here, so a caller that

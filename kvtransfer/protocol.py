@@ -8,6 +8,7 @@ The block-ownership protocol, in order (shared/DESIGN.md, "Life of a request"):
 | 2    | router -> prefill  | PrefillTaskMsg                            | prefill: computes, holds until pushed  |
 | 3    | prefill -> decode  | KvReadyMsg -> KvAcceptMsg (recv posted)   |                                        |
 | 4    | prefill ~> decode  | the KV bytes over the pair's transport    | decode: lease -> running request       |
+|      |                    | (then the first token, then a draft's KV) | (the draft's KV: into its own pool)    |
 | 5    | prefill -> router  | PrefillResultMsg (first token)            | prefill: held -> prefix cache          |
 | 6    | decode -> router   | TokenBatchMsg, one per step per router    | decode: freed when the request ends    |
 
@@ -86,6 +87,14 @@ class PrefillTaskMsg(Msg):
     lease: LeaseMsg | None = None  # None: the router attaches it later (PrefillWorker.attach_lease)
 
 
+class DraftKvOffer(Msg):
+    """With KvReadyMsg: the prefill worker also computed the prompt's KV for this draft model, and
+    sends it (one message, as many blocks as the target's) if the decode worker posts a receive."""
+
+    layout: list[int]  # kvtransfer.layout.KvLayout.to_ints() of the draft's cache
+    fingerprint: str  # engine/spec/draft_load.py draft_fingerprint: the same weights on both sides
+
+
 class KvReadyMsg(Msg):
     """Prefill -> decode: the KV of `num_prompt_tokens` tokens is about to arrive over the pair."""
 
@@ -99,11 +108,15 @@ class KvReadyMsg(Msg):
     # The KV comes as this many messages, layers split by kvtransfer.layout.layer_groups (the
     # prefill side sends each group as soon as its step has computed those layers).
     num_messages: int = Field(1, ge=1)
+    draft: DraftKvOffer | None = None
 
 
 class KvAcceptMsg(Msg):
     accepted: bool
     reason: str = ""  # why not: the lease expired or was aborted
+    # Accepted with the draft's KV too (KvReadyMsg.draft): its receive is posted after the first
+    # token's (or after the KV when the first token came with KvReady), so it comes last on the pair.
+    draft: bool = False
     # Refused because the decode side has no pair with the sender (a failed transfer dropped it):
     # the sender drops its own, so its next push forms the pair again.
     is_unpaired: bool = False

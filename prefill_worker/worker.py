@@ -24,16 +24,19 @@ from typing import Any, NamedTuple
 import torch
 from pydantic import Field
 
-from engine import EngineCore, StepOutput
+from engine import EngineCore, SpeculativeConfig, StepOutput
+from engine.engine import resolve_device, resolve_dtype, resolve_model_dir
 from engine.loop import EngineLoop
+from engine.models import load_arch
 from engine.pinned import upload
+from engine.spec.draft_prefill import DraftPrefiller, split_to_fit
 from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, PairAddress, TransferHandle, create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.layout import layer_groups
 from kvtransfer.netaddr import resolve_host
-from kvtransfer.protocol import KvAcceptMsg, KvReadyMsg, LeaseMsg, PrefillResultMsg, PrefillTaskMsg
+from kvtransfer.protocol import DraftKvOffer, KvAcceptMsg, KvReadyMsg, LeaseMsg, PrefillResultMsg, PrefillTaskMsg
 from prefill_worker.layer_push import LayerPush, Streamed
 
 log = logging.getLogger(__name__)
@@ -58,13 +61,24 @@ class PrefillWorkerConfig(EndpointConfig):
         "layers, at most one a layer), each sent as soon as the prefill step has queued its layers, so on a GPU "
         "the transfer overlaps the rest of the prefill; 1: one message, sent right after the forward.",
     )
+    ship_draft_kv: bool = Field(
+        True,
+        description="When engine.speculative drafts with a model (the decode workers' draft): compute each prompt's "
+        "draft KV here too, after its first token, on a CUDA stream of its own, and send it to decode workers that "
+        "run the same draft, so their draft does not compute the prompt inside a step of their batch. Prompts "
+        "longer than one engine step's token budget are left to the decode worker's draft.",
+    )
 
 
 class PrefillWorker(TransferEndpoint):
     def __init__(self, config: PrefillWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
         self.config = config
         self.worker_id = config.worker_id
-        engine = EngineCore(config.engine)
+        spec = config.engine.speculative
+        # NOTE: built before the engine, which sizes its KV cache from the memory left.
+        self.draft = _draft_prefiller(config) if config.ship_draft_kv and spec.method == "draft" else None
+        # A prefill worker never drafts: its engine runs without a proposer (and its memory).
+        engine = EngineCore(config.engine.model_copy(update={"speculative": SpeculativeConfig()}))
         self.block_size = engine.pool.block_size
         self.max_seq_tokens = engine.max_seq_tokens
         self.transport = create_transport(
@@ -73,6 +87,13 @@ class PrefillWorker(TransferEndpoint):
         )
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
         self._gathered: dict[str, _Gathered] = {}  # request -> its KV gathered when its prefill ended
+        # request -> its prompt, for the draft's prefill after the target's (self.draft; prompts that fit it)
+        self._draft_prompts: dict[str, list[int]] = {}
+        # request -> its draft KV in one buffer (on self.draft's stream), once computed
+        self._draft_kv: dict[str, asyncio.Future[torch.Tensor]] = {}
+        self.draft_offer = None if self.draft is None else DraftKvOffer(
+            layout=KvLayout.from_kv(self.draft.kv_caches).to_ints().tolist(), fingerprint=self.draft.fingerprint
+        )
         # request -> (its lease, the decode worker's handle): given with the task, or attached later
         self._leases: dict[str, asyncio.Future[tuple[LeaseMsg, Any]]] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # the latest requests whose prefill ended here
@@ -110,6 +131,41 @@ class PrefillWorker(TransferEndpoint):
                     and not self.layer_push.is_claimed(out.request_id)):  # NOTE: a claimed one's KV went already
                 gathered[out.request_id] = self._gather(out)
         self._aio.call_soon_threadsafe(self._resolve, outputs, gathered)
+        if self.draft is not None:
+            self._prefill_drafts(outputs)  # NOTE: after the first tokens are on their way
+
+    def _prefill_drafts(self, outputs: list[StepOutput]) -> None:  # engine thread
+        """The draft's KV of the prompts this step finished, each in one buffer (queued on the
+        draft's stream, beside the next target step), handed to the event loop."""
+        assert self.draft is not None and self._aio is not None
+        wanted = [(out.request_id, prompt) for out in outputs
+                  if out.kv_block_ids and out.finish_reason != "abort"
+                  and (prompt := self._draft_prompts.get(out.request_id)) is not None]
+        if not wanted:
+            return
+        draft = self.draft
+        buffers: dict[str, torch.Tensor | BaseException] = {}
+        try:
+            with draft.stream_context():
+                for group in split_to_fit([p for _, p in wanted], draft.num_blocks, draft.block_size):
+                    blocks = draft.prefill([wanted[i][1] for i in group])
+                    for i, block_ids in zip(group, blocks):
+                        buffers[wanted[i][0]] = gather_blocks(draft.kv_caches, block_ids)
+        except Exception as err:  # noqa: BLE001 - those requests' decode workers compute their draft's KV
+            log.error("draft prefill failed: %s", err)
+            buffers = {rid: err for rid, _ in wanted}
+        self._aio.call_soon_threadsafe(self._resolve_drafts, buffers)
+
+    def _resolve_drafts(self, buffers: dict[str, torch.Tensor | BaseException]) -> None:
+        for rid, buf in buffers.items():
+            future = self._draft_kv.get(rid)
+            if future is None or future.done():
+                continue
+            if isinstance(buf, BaseException):
+                future.set_exception(buf)
+                future.exception()  # NOTE: marks it read: a push that no longer waits logs nothing
+            else:
+                future.set_result(buf)
 
     def _gather(self, out: StepOutput) -> _Gathered:  # engine thread
         assert out.kv_block_ids is not None
@@ -157,6 +213,9 @@ class PrefillWorker(TransferEndpoint):
         lease = self._leases.setdefault(rid, self._aio.create_future())
         if msg.lease is not None and not lease.done():
             lease.set_result((msg.lease, decode_worker))
+        if self.draft is not None and self.draft.fits(len(msg.request.prompt_token_ids)):
+            self._draft_kv[rid] = self._aio.create_future()
+            self._draft_prompts[rid] = msg.request.prompt_token_ids  # NOTE: last: the engine thread reads it
         try:
             result = await self._prefill(msg, future)
             answered = time.perf_counter()
@@ -167,6 +226,8 @@ class PrefillWorker(TransferEndpoint):
             self._aborted.discard(rid)
             self._gathered.pop(rid, None)
             self._leases.pop(rid, None)
+            self._draft_prompts.pop(rid, None)
+            self._draft_kv.pop(rid, None)
             self._ended[rid] = None
             while len(self._ended) > _NUM_ENDED_KEPT:
                 self._ended.popitem(last=False)
@@ -267,7 +328,7 @@ class PrefillWorker(TransferEndpoint):
                 if lock is None or not lock.locked():
                     ready = KvReadyMsg(
                         lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=msg.request,
-                        first_token=None, num_blocks=num_blocks, num_messages=num_messages,
+                        first_token=None, num_blocks=num_blocks, num_messages=num_messages, draft=self._offer(rid),
                     )
                     handshake = await self._handshake(lease.decode_worker_id, decode_worker, ready)
             except TimeoutError:
@@ -300,13 +361,17 @@ class PrefillWorker(TransferEndpoint):
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
             if isinstance(err, asyncio.CancelledError):
                 raise
-            return _Early(None, f"KV push to {decode_id} failed: {type(err).__name__}: {err}", epoch, lock, 1)
+            return _Early(None, f"KV push to {decode_id} failed: {type(err).__name__}: {err}", epoch, lock, 1, False)
         if not accept.accepted:
             lock.release()
             if accept.is_unpaired and self._pair_epochs.get(decode_id) == epoch:
                 self.transport.drop(decode_id)  # the decode side lost the pair: form it again next time
-            return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock, 1)
-        return _Early(decode_id, None, epoch, lock, ready.num_messages)
+            return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock, 1, False)
+        return _Early(decode_id, None, epoch, lock, ready.num_messages, accept.draft and ready.draft is not None)
+
+    def _offer(self, request_id: str) -> DraftKvOffer | None:
+        """The draft's KV offered with a request's KvReady: when this worker computes it."""
+        return self.draft_offer if request_id in self._draft_kv else None
 
     def _settle(self, early: asyncio.Task[_Early | None] | None, msg: PrefillTaskMsg) -> None:
         """An early handshake whose push will not come (the prefill failed or was cancelled): in the
@@ -327,12 +392,14 @@ class PrefillWorker(TransferEndpoint):
     async def _send(
         self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int,
         streamed: Streamed | None = None, marks: list[float] | None = None,
+        draft_kv: asyncio.Future[torch.Tensor] | None = None,
     ) -> tuple[str | None, float]:
         """After an accepted handshake: sends the KV's layer groups that the engine thread did not
         (`streamed`: what it did; `buf`, else the streamed buffer, else a stand-in of the KV's size)
-        and then `token` (None: it went with KvReady), releases the pair, and waits for all. Returns
-        what went wrong (None: nothing; a refused handshake's failure as is) and the KV sends' device
-        seconds."""
+        and then `token` (None: it went with KvReady), then the draft's KV if the decode side asked
+        for it (`draft_kv`'s, else a stand-in), releases the pair, and waits for all but the draft's
+        (the answer does not wait for it; `_finish_draft_send` does). Returns what went wrong (None:
+        nothing; a refused handshake's failure as is) and the KV sends' device seconds."""
         decode_id = handshake.decode_id
         if decode_id is None:
             return handshake.failure, 0.0
@@ -350,6 +417,12 @@ class PrefillWorker(TransferEndpoint):
                 handles.extend(self.transport.send(decode_id, buf[first:stop]) for first, stop in groups[len(handles):])
             if token is not None:
                 handles.append(self.transport.send(decode_id, upload([token], torch.int64, device)))
+            if handshake.draft:
+                draft_buf = await self._draft_buffer(None if token == -1 else draft_kv, num_blocks)
+                assert self.draft is not None
+                with self.draft.stream_context():  # NOTE: the pair's stream waits for the draft's work
+                    draft_handle = self.transport.send(decode_id, draft_buf)
+                asyncio.ensure_future(self._finish_draft_send(draft_handle, decode_id, handshake.epoch))
             if marks is not None:
                 marks.append(time.perf_counter())  # every send issued
         except Exception as err:  # noqa: BLE001 - this request's failure
@@ -367,6 +440,27 @@ class PrefillWorker(TransferEndpoint):
             return f"KV push to {decode_id} {failure}", 0.0
         kv_handles = handles[: len(groups)]
         return None, sum(h.device_seconds() or 0.0 for h in kv_handles)
+
+    async def _draft_buffer(self, draft_kv: asyncio.Future[torch.Tensor] | None, num_blocks: int) -> torch.Tensor:
+        """The draft's KV once computed; a stand-in of its size when there is none to send (nothing
+        to decode, or the draft's prefill failed: that decode worker's draft then drafts poorly for
+        this request, which verification keeps exact)."""
+        if draft_kv is not None:
+            try:
+                return await asyncio.wait_for(asyncio.shield(draft_kv), self.config.transfer_timeout_s)
+            except Exception as err:  # noqa: BLE001 - logged; the stand-in keeps the pair's order
+                log.error("no draft KV to send (%s: %s); sending a stand-in", type(err).__name__, err)
+        assert self.draft is not None
+        kv = self.draft.kv_caches
+        with self.draft.stream_context():
+            return torch.empty((*kv.shape[:2], num_blocks, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
+
+    async def _finish_draft_send(self, handle: TransferHandle, decode_id: str, epoch: int) -> None:
+        failure = await wait_transfer(handle, self.config.transfer_timeout_s)
+        if failure is not None:
+            log.warning("draft KV push to %s %s", decode_id, failure)
+            if self._pair_epochs.get(decode_id) == epoch:
+                self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
 
     async def _push(
         self, task: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None = None
@@ -400,7 +494,7 @@ class PrefillWorker(TransferEndpoint):
                 return PrefillResultMsg(**result, error=str(err))
             ready = KvReadyMsg(
                 lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=request,
-                first_token=token, num_blocks=num_blocks,
+                first_token=token, num_blocks=num_blocks, draft=self._offer(rid),
             )
             handshake, token = await self._handshake(lease.decode_worker_id, decode_worker, ready), None
         marks = [time.perf_counter()]  # the push starts; then its sends issued, then done (push_marks_s)
@@ -416,8 +510,9 @@ class PrefillWorker(TransferEndpoint):
                 gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
             buf = gathered.buffer
         # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
+        draft_kv = self._draft_kv.get(rid)
         failure, send_s = await asyncio.shield(
-            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed, marks))
+            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed, marks, draft_kv))
         )
         if not decode:
             return self._undecoded(result, aborted, finish)
@@ -513,6 +608,18 @@ async def _invoke(method: Any, *args: Any) -> Any:
     return await method(*args)
 
 
+def _draft_prefiller(config: PrefillWorkerConfig) -> DraftPrefiller:
+    """The draft of config.engine.speculative, on the device the engine will use, for prompts of
+    up to one engine step."""
+    m = config.engine.model
+    device = resolve_device(m.device)
+    target_arch = load_arch(resolve_model_dir(m.model))
+    return DraftPrefiller(
+        config.engine.speculative, m, target_arch, device, resolve_dtype(m.dtype, device),
+        config.engine.cache.block_size, config.engine.scheduler.max_num_batched_tokens,
+    )
+
+
 __all__ = ["PrefillWorker", "PrefillWorkerConfig"]
 
 
@@ -540,6 +647,7 @@ class _Early(NamedTuple):
     epoch: int
     lock: asyncio.Lock
     num_messages: int  # the KV's layer groups the decode side posted receives for
+    draft: bool  # the decode side posted a receive for the draft's KV too (it comes last)
 
 
 def _log_failure(done: Any) -> None:

@@ -3,9 +3,16 @@
 The proposers (n-gram lookup, draft model) and the verification live in the engine (engine/spec/,
 `Sampler.verify`): the engine builds its proposer from `EngineConfig.speculative`, and engine/
 imports nothing of ours, so a decode worker speculates when its `DecodeWorkerConfig.engine` says
-so, with no code of its own. In the disaggregated path the draft model prefills its own KV on the
-decode worker when a request arrives (its first drafting step catches up on the prompt, within
-the step's token budget); the prefill worker ships only the target's KV.
+so, with no code of its own.
+
+In the disaggregated path the draft model needs the prompt's KV too. By default the prefill worker
+computes it (its engine config names the same draft; PrefillWorkerConfig.ship_draft_kv) after the
+first token, on a CUDA stream of its own, and ships it after the first token; the decode worker
+adopts it when its draft is the same model (layout and fingerprint in KvReadyMsg.draft), so its
+draft's first step for the request feeds one token instead of the prompt. Otherwise (another
+draft, shipping off, a prompt longer than one prefill step, no room in the draft's pool) the
+decode worker's draft computes the prompt in its first drafting step, within the step's token
+budget. bench.draft_kv measures the two side by side.
 
 This package holds the decode worker's choice of speculation and re-exports the engine's names.
 """

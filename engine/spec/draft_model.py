@@ -20,19 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from engine.attention import AttentionSpec, create_backend
 from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
-from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
+from engine.spec.draft_load import load_draft
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 
 PLACEHOLDER = -1  # a drafted token still on the device (read once, when first used: _DraftRead)
@@ -71,22 +69,10 @@ class DraftModelProposer:
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
-        cfg = context.config
-        assert cfg.draft_model is not None, "SpeculativeConfig checks this"
-        model_dir = DEFAULT_MODEL_DIR if cfg.draft_model == "default" else Path(cfg.draft_model)
-        m = context.model
-        self.model, self.arch = build_model(
-            model_dir, context.dtype, context.device, m.load_format, m.seed, m.fused_ops
-        )
-        if self.arch.vocab_size != context.target_arch.vocab_size:
-            raise ValueError(
-                f"draft_model {cfg.draft_model!r} has vocab_size {self.arch.vocab_size}; the target has "
-                f"{context.target_arch.vocab_size}: the draft must share the target's tokenizer"
-            )
-        a = self.arch
-        spec = AttentionSpec(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5, a.sliding_window)
-        self.backend = create_backend(m.attention_backend, spec, context.device)
-        self.kv_bytes_per_block = bytes_per_block(a, context.block_size, context.dtype)
+        draft = load_draft(context.config, context.model, context.target_arch, context.device, context.dtype)
+        self.model, self.arch, self.backend = draft.model, draft.arch, draft.backend
+        self.fingerprint = draft.fingerprint  # two workers exchange a draft's KV only if theirs agree
+        self.kv_bytes_per_block = bytes_per_block(self.arch, context.block_size, context.dtype)
         self.seqs: dict[str, _DraftSeq] = {}
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
@@ -112,6 +98,28 @@ class DraftModelProposer:
             self.loop.capture()
 
     # ---- per-request state
+    @property
+    def kv_caches(self) -> torch.Tensor:
+        """The draft's KV cache [layers, 2, blocks, block_size, kv_heads, head_dim] (after bind)."""
+        assert self.runner is not None, "bind() first"
+        return self.runner.kv_caches
+
+    def adopt_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int] | None:
+        """Blocks for a prompt whose draft KV was computed elsewhere (a prefill worker's draft
+        prefill): the caller writes that KV into them, in order, before the next `propose`, which then
+        catches up only on what follows the prompt. None: no blocks free now (the request's first
+        drafting step then computes the prompt here, as for any newcomer)."""
+        assert self.pool is not None, "bind() first"
+        if request_id in self.seqs:
+            raise ValueError(f"the draft model already holds state for request {request_id!r}")
+        num_blocks = -(-len(prompt_token_ids) // self.pool.block_size)
+        if not self.pool.can_allocate(num_blocks):
+            return None
+        block_ids = self.pool.allocate(num_blocks)
+        tokens = list(prompt_token_ids)
+        self.seqs[request_id] = _DraftSeq(tokens, block_ids, num_trusted=len(tokens))
+        return block_ids
+
     def drop(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None and self.pool is not None:
