@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -117,6 +118,8 @@ class DecodeWorker(TransferEndpoint):
         # only if it is still the one the transfer ran on (never a pair re-formed in the meantime).
         self._pair_epochs: dict[str, int] = {}
         self._lease_ids = itertools.count()
+        # Posts receives in the order KvReady messages were accepted (kv_incoming says why not there).
+        self._receive_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-receives")
         self._aio: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -269,7 +272,16 @@ class DecodeWorker(TransferEndpoint):
         await asyncio.to_thread(self.transport.pair, prefill_worker_id, address, 0, self.config.pair_timeout_s)
 
     async def kv_incoming(self, ready: bytes) -> bytes:
-        """Posts the receive for a lease's KV and returns at once; the KV lands in the background."""
+        """Accepts a lease's KV and returns at once: its receives are posted on the receive thread
+        (`_post_receives`) and the KV lands in the background.
+
+        NOTE: the answer touches no CUDA. A posted NCCL receive spins on the GPU until its sender
+        sends, and the sender sends only once it has this answer; meanwhile any CUDA call of this
+        process may wait for the GPU (the engine thread's first launch of a kernel, loaded lazily,
+        waits for the kernels running), and then so does every other CUDA call. Measured on 2x H200:
+        a receive posted here, then a CUDA event recorded for the next, blocked behind the engine's
+        launch; the answer never left. So the answer goes first and the receives are posted after,
+        in the order the answers went (one thread), which is the order the prefill worker sends."""
         self._bind()
         msg = KvReadyMsg.decode(ready)
         lease = self.leases.get(msg.lease_id)
@@ -277,30 +289,35 @@ class DecodeWorker(TransferEndpoint):
         if reason:
             return KvAcceptMsg(accepted=False, reason=reason).encode()
         assert lease is not None
-        layout = self.layout
-        buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=self.loop.engine.device)
+        if not self.transport.is_paired(msg.prefill_worker_id):  # a failed transfer dropped the pair
+            reason = f"{self.worker_id!r} is not paired with {msg.prefill_worker_id!r}"
+            return KvAcceptMsg(accepted=False, reason=reason, is_unpaired=True).encode()
         epoch = self._pair_epochs.get(msg.prefill_worker_id, 0)
-        token: torch.Tensor | None = None
-        draft: _DraftKv | None = None
-        try:
-            # One receive a layer group, in the order they are sent (into views of one buffer).
-            handles = [self.transport.recv(msg.prefill_worker_id, buf[first:stop])
-                       for first, stop in layer_groups(layout.num_layers, msg.num_messages)]
-            if msg.first_token is None:  # an early handshake: the first token follows the KV
-                token = torch.empty(1, dtype=torch.int64, device=self.loop.engine.device)
-                token_handle: TransferHandle | None = self.transport.recv(msg.prefill_worker_id, token)
-            else:
-                token_handle = None
-            if self._takes_draft(msg.draft):  # last on the pair
-                assert self.draft_layout is not None
-                shape = self.draft_layout.buffer_shape(msg.num_blocks)
-                draft_buf = torch.empty(shape, dtype=self.draft_layout.torch_dtype, device=self.loop.engine.device)
-                draft = _DraftKv(draft_buf, self.transport.recv(msg.prefill_worker_id, draft_buf))
-        except ValueError as err:  # not paired any more (a failed transfer dropped the pair)
-            return KvAcceptMsg(accepted=False, reason=str(err), is_unpaired=True).encode()
+        takes_draft = self._takes_draft(msg.draft)
+        posted = self._receive_thread.submit(self._post_receives, msg, takes_draft)
         lease.state = LeaseState.RECEIVING
-        self._aio.create_task(self._land(msg, lease, buf, handles, epoch, token, token_handle, draft))  # type: ignore[union-attr]
-        return KvAcceptMsg(accepted=True, draft=draft is not None).encode()
+        self._aio.create_task(self._land(msg, lease, asyncio.wrap_future(posted), epoch))  # type: ignore[union-attr]
+        return KvAcceptMsg(accepted=True, draft=takes_draft).encode()
+
+    def _post_receives(self, msg: KvReadyMsg, takes_draft: bool) -> _Receives:  # the receive thread
+        """The receives of one KvReady, in the order its sender sends: the KV's layer groups (into
+        views of one buffer), the first token after an early handshake, then the draft's KV."""
+        device = self.loop.engine.device
+        layout = self.layout
+        peer = msg.prefill_worker_id
+        buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=device)
+        handles = [self.transport.recv(peer, buf[first:stop])
+                   for first, stop in layer_groups(layout.num_layers, msg.num_messages)]
+        token = token_handle = draft = None
+        if msg.first_token is None:  # an early handshake: the first token follows the KV
+            token = torch.empty(1, dtype=torch.int64, device=device)
+            token_handle = self.transport.recv(peer, token)
+        if takes_draft:
+            assert self.draft_layout is not None
+            shape = self.draft_layout.buffer_shape(msg.num_blocks)
+            draft_buf = torch.empty(shape, dtype=self.draft_layout.torch_dtype, device=device)
+            draft = _DraftKv(draft_buf, self.transport.recv(peer, draft_buf))
+        return _Receives(buf, handles, token, token_handle, draft)
 
     def _takes_draft(self, offer: DraftKvOffer | None) -> bool:
         """Whether a draft's KV offered with a prompt is for this worker's draft (same layout and
@@ -313,20 +330,25 @@ class DecodeWorker(TransferEndpoint):
             same_layout = False
         return same_layout and offer.fingerprint == self.draft_fingerprint
 
-    async def _land(
-        self, msg: KvReadyMsg, lease: Lease, buf: torch.Tensor, handles: list[TransferHandle], epoch: int,
-        token: torch.Tensor | None = None, token_handle: TransferHandle | None = None,
-        draft: _DraftKv | None = None,
-    ) -> None:
-        """Waits for the KV (and, after an early handshake, the first token; then the draft's KV if
-        it comes), then scatters it into the lease's blocks and joins the request. A first token of
-        -1: nothing to decode (the prefill was aborted or its first token ended it), so the lease is
-        freed."""
+    async def _land(self, msg: KvReadyMsg, lease: Lease, posted: asyncio.Future[_Receives], epoch: int) -> None:
+        """Waits for the receives to be posted, then for the KV (and, after an early handshake, the
+        first token; then the draft's KV if it comes), then scatters it into the lease's blocks and
+        joins the request. A first token of -1: nothing to decode (the prefill was aborted or its
+        first token ended it), so the lease is freed."""
         failure = None
-        waits = [*handles, *([token_handle] if token_handle is not None else []), *([draft.handle] if draft else [])]
-        for handle in waits:
-            if failure is None:
-                failure = await wait_transfer(handle, self.config.transfer_timeout_s)
+        try:
+            receives = await posted
+        except ValueError as err:  # not paired any more (a failed transfer dropped the pair meanwhile)
+            receives, failure = None, f"failed: {err}"
+        if receives is not None:
+            buf, token, draft = receives.buffer, receives.token, receives.draft
+            waits = [*receives.handles, *([receives.token_handle] if receives.token_handle is not None else []),
+                     *([draft.handle] if draft is not None else [])]
+            for handle in waits:
+                if failure is None:
+                    failure = await wait_transfer(handle, self.config.transfer_timeout_s)
+        else:
+            buf, token, draft = None, None, None
         first_token = msg.first_token
         if failure is None and token is not None:
             first_token = int(token.item())  # NOTE: the recv has finished: no wait for other work
@@ -341,6 +363,8 @@ class DecodeWorker(TransferEndpoint):
             if not lease.is_aborted:
                 self._deliver_error(request.request_id, lease.router_id, f"KV transfer {failure}")
             return
+
+        assert buf is not None
 
         def join(engine: EngineCore) -> None:
             scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
@@ -435,6 +459,7 @@ class DecodeWorker(TransferEndpoint):
         if self._reaper is not None:
             self._reaper.cancel()
         self.loop.stop()
+        self._receive_thread.shutdown(wait=False)
         self.transport.close()
 
 
@@ -477,6 +502,16 @@ def _refusal(lease: Lease | None, msg: KvReadyMsg, num_layers: int) -> str:
     if msg.num_messages > num_layers:
         return f"num_messages {msg.num_messages} exceeds the {num_layers} layers the KV can split into"
     return ""
+
+
+class _Receives(NamedTuple):
+    """One KvReady's receives, posted (decode worker's receive thread)."""
+
+    buffer: torch.Tensor
+    handles: list[TransferHandle]  # the KV's layer groups
+    token: torch.Tensor | None  # the first token, after an early handshake
+    token_handle: TransferHandle | None
+    draft: _DraftKv | None
 
 
 class _DraftKv(NamedTuple):
