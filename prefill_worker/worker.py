@@ -19,7 +19,6 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +29,7 @@ from engine.engine import resolve_device, resolve_dtype, resolve_model_dir
 from engine.loop import EngineLoop
 from engine.models import load_arch
 from engine.pinned import upload
-from engine.spec.draft_prefill import DraftPrefiller
+from engine.spec.draft_prefill import DraftPrefiller, split_to_fit
 from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, PairAddress, TransferHandle, create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
@@ -88,11 +87,11 @@ class PrefillWorker(TransferEndpoint):
         )
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
         self._gathered: dict[str, _Gathered] = {}  # request -> its KV gathered when its prefill ended
-        # request -> its prompt, while in `prefill`, when the draft's KV of it is offered (self.draft fits it)
+        # request -> its prompt, for the draft's prefill after the target's (self.draft; prompts that fit it)
         self._draft_prompts: dict[str, list[int]] = {}
-        self._answered: dict[str, asyncio.Event] = {}  # those requests' answers, set once given
-        # Computes the drafts' KV, one prompt after another (they share the draft's scratch cache).
-        self._draft_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-draft")
+        # request -> its draft KV in one buffer (on self.draft's stream), once computed
+        self._draft_kv: dict[str, asyncio.Future[torch.Tensor]] = {}
+        self._draft_sends: set[str] = set()  # requests whose draft KV send is under way (after their answer)
         self.draft_offer = None if self.draft is None else DraftKvOffer(
             layout=KvLayout.from_kv(self.draft.kv_caches).to_ints().tolist(), fingerprint=self.draft.fingerprint
         )
@@ -133,6 +132,41 @@ class PrefillWorker(TransferEndpoint):
                     and not self.layer_push.is_claimed(out.request_id)):  # NOTE: a claimed one's KV went already
                 gathered[out.request_id] = self._gather(out)
         self._aio.call_soon_threadsafe(self._resolve, outputs, gathered)
+        if self.draft is not None:
+            self._prefill_drafts(outputs)  # NOTE: after the first tokens are on their way
+
+    def _prefill_drafts(self, outputs: list[StepOutput]) -> None:  # engine thread
+        """The draft's KV of the prompts this step finished, each in one buffer (queued on the
+        draft's stream, beside the next target step), handed to the event loop."""
+        assert self.draft is not None and self._aio is not None
+        wanted = [(out.request_id, prompt) for out in outputs
+                  if out.kv_block_ids and out.finish_reason != "abort"
+                  and (prompt := self._draft_prompts.get(out.request_id)) is not None]
+        if not wanted:
+            return
+        draft = self.draft
+        buffers: dict[str, torch.Tensor | BaseException] = {}
+        try:
+            with draft.stream_context():
+                for group in split_to_fit([p for _, p in wanted], draft.num_blocks, draft.block_size):
+                    blocks = draft.prefill([wanted[i][1] for i in group])
+                    for i, block_ids in zip(group, blocks):
+                        buffers[wanted[i][0]] = gather_blocks(draft.kv_caches, block_ids)
+        except Exception as err:  # noqa: BLE001 - those requests' decode workers compute their draft's KV
+            log.error("draft prefill failed: %s", err)
+            buffers = {rid: err for rid, _ in wanted}
+        self._aio.call_soon_threadsafe(self._resolve_drafts, buffers)
+
+    def _resolve_drafts(self, buffers: dict[str, torch.Tensor | BaseException]) -> None:
+        for rid, buf in buffers.items():
+            future = self._draft_kv.get(rid)
+            if future is None or future.done():
+                continue
+            if isinstance(buf, BaseException):
+                future.set_exception(buf)
+                future.exception()  # NOTE: marks it read: a push that no longer waits logs nothing
+            else:
+                future.set_result(buf)
 
     def _gather(self, out: StepOutput) -> _Gathered:  # engine thread
         assert out.kv_block_ids is not None
@@ -181,8 +215,8 @@ class PrefillWorker(TransferEndpoint):
         if msg.lease is not None and not lease.done():
             lease.set_result((msg.lease, decode_worker))
         if self.draft is not None and self.draft.fits(len(msg.request.prompt_token_ids)):
-            self._draft_prompts[rid] = msg.request.prompt_token_ids
-            self._answered[rid] = asyncio.Event()
+            self._draft_kv[rid] = self._aio.create_future()
+            self._draft_prompts[rid] = msg.request.prompt_token_ids  # NOTE: last: the engine thread reads it
         try:
             result = await self._prefill(msg, future)
             answered = time.perf_counter()
@@ -193,10 +227,8 @@ class PrefillWorker(TransferEndpoint):
             self._aborted.discard(rid)
             self._gathered.pop(rid, None)
             self._leases.pop(rid, None)
-            self._draft_prompts.pop(rid, None)
-            answered = self._answered.pop(rid, None)
-            if answered is not None:
-                answered.set()  # NOTE: the draft's KV is computed and sent now (_send_draft)
+            if rid not in self._draft_sends:  # NOTE: else the draft's send forgets them (_send_draft)
+                self._forget_draft(rid)
             self._ended[rid] = None
             while len(self._ended) > _NUM_ENDED_KEPT:
                 self._ended.popitem(last=False)
@@ -338,9 +370,13 @@ class PrefillWorker(TransferEndpoint):
             return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock, 1, False)
         return _Early(decode_id, None, epoch, lock, ready.num_messages, accept.draft and ready.draft is not None)
 
+    def _forget_draft(self, request_id: str) -> None:
+        self._draft_prompts.pop(request_id, None)
+        self._draft_kv.pop(request_id, None)
+
     def _offer(self, request_id: str) -> DraftKvOffer | None:
         """The draft's KV offered with a request's KvReady: when this worker computes it."""
-        return self.draft_offer if request_id in self._draft_prompts else None
+        return self.draft_offer if request_id in self._draft_kv else None
 
     def _settle(self, early: asyncio.Task[_Early | None] | None, msg: PrefillTaskMsg) -> None:
         """An early handshake whose push will not come (the prefill failed or was cancelled): in the
@@ -354,14 +390,14 @@ class PrefillWorker(TransferEndpoint):
             handshake = await early
             if handshake is not None:
                 streamed = self.layer_push.close(msg.request.request_id)
-                await self._send(handshake, None, -1, num_blocks, streamed)
+                await self._send(handshake, None, -1, num_blocks, streamed, request_id=msg.request.request_id)
 
         asyncio.ensure_future(settle())
 
     async def _send(
         self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int,
         streamed: Streamed | None = None, marks: list[float] | None = None,
-        draft_prompt: list[int] | None = None, answered: asyncio.Event | None = None,
+        draft_kv: asyncio.Future[torch.Tensor] | None = None, request_id: str = "",
     ) -> tuple[str | None, float]:
         """After an accepted handshake: sends the KV's layer groups that the engine thread did not
         (`streamed`: what it did; `buf`, else the streamed buffer, else a stand-in of the KV's size)
@@ -388,8 +424,9 @@ class PrefillWorker(TransferEndpoint):
             if token is not None:
                 handles.append(self.transport.send(decode_id, upload([token], torch.int64, device)))
             if handshake.draft:  # NOTE: it keeps the pair's lock until the draft's KV is sent
-                draft_prompt = draft_prompt if token != -1 else None
-                keeps_lock = asyncio.ensure_future(self._send_draft(handshake, draft_prompt, num_blocks, answered))
+                draft_kv = draft_kv if token != -1 else None
+                self._draft_sends.add(request_id)
+                keeps_lock = asyncio.ensure_future(self._send_draft(handshake, request_id, draft_kv, num_blocks))
             if marks is not None:
                 marks.append(time.perf_counter())  # every send issued
         except Exception as err:  # noqa: BLE001 - this request's failure
@@ -409,20 +446,28 @@ class PrefillWorker(TransferEndpoint):
         kv_handles = handles[: len(groups)]
         return None, sum(h.device_seconds() or 0.0 for h in kv_handles)
 
-    async def _send_draft(
-        self, handshake: _Early, prompt: list[int] | None, num_blocks: int, answered: asyncio.Event | None
-    ) -> None:
-        """Once the request is answered: the draft's KV of `prompt` (a stand-in of its size when None:
-        nothing to decode), computed on the draft thread and sent last on the pair, then the pair's
-        lock released. After the answer, because the draft's computation holds the GIL for about as
-        long as its kernels take to launch, which the answer would otherwise wait out. A failed send
-        drops the pair."""
+    async def _draft_buffer(self, draft_kv: asyncio.Future[torch.Tensor] | None, num_blocks: int) -> torch.Tensor:
+        """The draft's KV once computed; a stand-in of its size when there is none to send (nothing
+        to decode, or the draft's prefill failed: that decode worker's draft then drafts poorly for
+        this request, which verification keeps exact)."""
+        if draft_kv is not None:
+            try:
+                return await asyncio.wait_for(asyncio.shield(draft_kv), self.config.transfer_timeout_s)
+            except Exception as err:  # noqa: BLE001 - logged; the stand-in keeps the pair's order
+                log.error("no draft KV to send (%s: %s); sending a stand-in", type(err).__name__, err)
+        assert self.draft is not None
+        kv = self.draft.kv_caches
+        with self.draft.stream_context():
+            return torch.empty((*kv.shape[:2], num_blocks, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
+
+    async def _send_draft(self, handshake: _Early, request_id: str, draft_kv: asyncio.Future[torch.Tensor] | None,
+                          num_blocks: int) -> None:
+        """The draft's KV, last on the pair once computed (a stand-in without one), then the pair's
+        lock released; the answer does not wait for it. A failed send drops the pair."""
         assert self.draft is not None and handshake.decode_id is not None
         decode_id = handshake.decode_id
         try:
-            if answered is not None:
-                await answered.wait()
-            buf = await asyncio.wrap_future(self._draft_thread.submit(self._draft_kv, prompt, num_blocks))
+            buf = await self._draft_buffer(draft_kv, num_blocks)
             with self.draft.stream_context():  # NOTE: the pair's stream waits for the draft's work
                 handle = self.transport.send(decode_id, buf)
         except Exception as err:  # noqa: BLE001 - the decode side's receive times out; the pair goes
@@ -432,27 +477,14 @@ class PrefillWorker(TransferEndpoint):
             return
         finally:
             handshake.lock.release()
+            self._draft_sends.discard(request_id)
+            if request_id not in self._live and self._draft_kv.get(request_id) is draft_kv:
+                self._forget_draft(request_id)  # NOTE: its prefill call has ended (else that forgets it)
         failure = await wait_transfer(handle, self.config.transfer_timeout_s)
         if failure is not None:
             log.warning("draft KV push to %s %s", decode_id, failure)
             if self._pair_epochs.get(decode_id) == handshake.epoch:
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
-
-    def _draft_kv(self, prompt: list[int] | None, num_blocks: int) -> torch.Tensor:  # the draft thread
-        """The draft's KV of `prompt` in one buffer, queued on the draft's stream; a stand-in of
-        `num_blocks` blocks when None, or when the draft's prefill fails (that decode worker's draft
-        then drafts poorly for the request, which verification keeps exact)."""
-        assert self.draft is not None
-        draft = self.draft
-        with draft.stream_context():
-            if prompt is not None:
-                try:
-                    (block_ids,) = draft.prefill([prompt])
-                    return gather_blocks(draft.kv_caches, block_ids)
-                except Exception as err:  # noqa: BLE001 - logged; the stand-in keeps the pair's order
-                    log.error("draft prefill failed (%s: %s); sending a stand-in", type(err).__name__, err)
-            kv = draft.kv_caches
-            return torch.empty((*kv.shape[:2], num_blocks, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
 
     async def _push(
         self, task: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None = None
@@ -502,9 +534,10 @@ class PrefillWorker(TransferEndpoint):
                 gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
             buf = gathered.buffer
         # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
-        send = self._send(handshake, buf, token, num_blocks, streamed, marks,
-                          self._draft_prompts.get(rid), self._answered.get(rid))
-        failure, send_s = await asyncio.shield(asyncio.ensure_future(send))
+        draft_kv = self._draft_kv.get(rid)
+        failure, send_s = await asyncio.shield(
+            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed, marks, draft_kv, rid))
+        )
         if not decode:
             return self._undecoded(result, aborted, finish)
         if failure is not None:
@@ -588,7 +621,6 @@ class PrefillWorker(TransferEndpoint):
 
     async def shutdown(self) -> None:
         self.loop.stop()
-        self._draft_thread.shutdown(wait=False)
         self.transport.close()
 
 

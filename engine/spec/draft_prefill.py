@@ -87,4 +87,19 @@ class DraftPrefiller:
         return block_ids
 
 
-__all__ = ["DraftPrefiller"]
+def split_to_fit(prompts: Sequence[Sequence[int]], num_blocks: int, block_size: int) -> list[list[int]]:
+    """Indices of `prompts` in consecutive groups whose blocks fit `num_blocks` together (each
+    prompt must fit alone)."""
+    groups: list[list[int]] = []
+    used = num_blocks
+    for i, p in enumerate(prompts):
+        need = -(-len(p) // block_size)
+        if used + need > num_blocks:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += need
+    return groups
+
+
+__all__ = ["DraftPrefiller", "split_to_fit"]

@@ -1,7 +1,7 @@
 """DraftPrefiller (engine/spec/draft_prefill.py): prompts prefilled together write the KV each
-writes alone; prompts that do not fit are refused with the limit named. (That the KV is the
-draft's own, as a decode worker's draft would compute it, is shown end to end in
-tests/unit/prefill_worker/test_draft_kv.py.)"""
+writes alone; split_to_fit groups prompts by the scratch's blocks; prompts that do not fit are
+refused with the limit named. (That the KV is the draft's own, as a decode worker's draft would
+compute it, is shown end to end in tests/unit/prefill_worker/test_draft_kv.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from engine import ModelConfig, SpeculativeConfig
 from engine.models import DEFAULT_MODEL_DIR, load_arch
-from engine.spec.draft_prefill import DraftPrefiller
+from engine.spec.draft_prefill import DraftPrefiller, split_to_fit
 
 BLOCK_SIZE = 4
 
@@ -43,9 +43,11 @@ def test_prompts_together_write_the_kv_each_writes_alone():
     assert kv_together[0].abs().sum() > 0
 
 
-def test_the_limit():
+def test_split_to_fit_and_the_limit():
     prefiller = _prefiller(max_prompt_tokens=16)  # 4 blocks
     assert prefiller.fits(16) and not prefiller.fits(17) and not prefiller.fits(0)
+    prompts = [[1] * 9, [1] * 4, [1] * 16, [1] * 1]  # 3, 1, 4, 1 blocks
+    assert split_to_fit(prompts, prefiller.num_blocks, BLOCK_SIZE) == [[0, 1], [2], [3]]
     with pytest.raises(ValueError, match="do not fit a draft prefill of 16 tokens"):
         prefiller.prefill([[1] * 9, [1] * 9])
     with pytest.raises(ValueError, match="needs speculative method 'draft'"):
