@@ -152,7 +152,10 @@ def test_a_server_that_exits_at_start_fails_fast_with_its_log(tmp_path: Path):
 
 
 def test_a_server_that_never_answers_is_stopped_by_sigint(tmp_path: Path):
-    code = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('clean exit')"
+    # NOTE: SIGINT's handler set first: a process started with SIGINT ignored (a background job of a
+    # non-interactive shell, which its children inherit) would not hear it otherwise.
+    code = ("import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('clean exit')")
     server = ServerProcess([sys.executable, "-c", code], {}, tmp_path / "server.log")
     with pytest.raises(ServerError, match="no answer"):
         server.wait_ready("http://127.0.0.1:9/v1/models", timeout_s=1.0)
