@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -42,30 +41,16 @@ import torch
 
 from bench.paired import overhead_summary, rotation
 from bench.side_by_side import ModeSpec, SideBySide
+from bench.spec_decode import make_prompts
 from engine import SamplingParams, SpeculativeConfig
 from engine.engine import resolve_model_dir
 from engine.llm import engine_config
-from engine.tokenizer import Tokenizer
 from kvtransfer import NCCL_WORKER_ENV
 from router import Dispatcher
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
 A, B = "decode_prefills_draft", "prefill_ships_draft"  # B's figures are reported over A's
 WARM_ROUNDS = 2
-
-
-def _prompts(args: argparse.Namespace, num: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    if args.text is None:
-        vocab = json.loads((resolve_model_dir(args.target) / "config.json").read_text())["vocab_size"]
-        return [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(num)]
-    ids = Tokenizer.from_dir(resolve_model_dir(args.target)).encode(
-        Path(args.text).read_text(errors="replace"), add_special_tokens=False
-    )
-    if len(ids) <= args.prompt_len:
-        raise ValueError(f"--text {args.text} has {len(ids)} tokens; --prompt-len is {args.prompt_len}")
-    starts = [rng.randrange(len(ids) - args.prompt_len) for _ in range(num)]
-    return [ids[s : s + args.prompt_len] for s in starts]
 
 
 async def _request(dispatcher: Dispatcher, rid: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
@@ -107,7 +92,10 @@ async def _load_round(
 async def run(side_by_side: SideBySide, args: argparse.Namespace) -> dict[str, Any]:
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     load = SamplingParams(max_tokens=args.load_max_tokens, temperature=0.0, ignore_eos=True)
-    batch1_prompts = _prompts(args, args.rounds + WARM_ROUNDS, seed=1)
+    vocab = json.loads((resolve_model_dir(args.model) / "config.json").read_text())["vocab_size"]
+    num_batch1, num_load = args.rounds + WARM_ROUNDS, args.load_requests
+    every = make_prompts(args, num_batch1 + (args.load_rounds + 1) * num_load, vocab, seed=1)  # NOTE: one tokenization
+    batch1_prompts = every[:num_batch1]
     batch1: dict[str, list[dict[str, Any]]] = {A: [], B: []}
     loaded: dict[str, list[dict[str, float]]] = {A: [], B: []}
     report: dict[str, Any] = {}
@@ -121,7 +109,7 @@ async def run(side_by_side: SideBySide, args: argparse.Namespace) -> dict[str, A
             for mode in rotation([A, B], i):
                 batch1[mode].append(await _request(dispatchers[mode], f"b1-{i}", prompt, greedy))
         for r in range(args.load_rounds + 1):  # the first round of each mode warms it up
-            prompts = _prompts(args, args.load_requests, seed=100 + r)
+            prompts = every[num_batch1 + r * num_load : num_batch1 + (r + 1) * num_load]
             for mode in rotation([A, B], r):
                 loaded[mode].append(
                     await _load_round(dispatchers[mode], f"l{r}", prompts, load, args.concurrency)
@@ -164,7 +152,7 @@ def _summary(report: dict[str, Any], batch1: dict[str, list[dict[str, Any]]],
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="default")
+    parser.add_argument("--target", dest="model", default="default")
     parser.add_argument("--draft", default="default")
     parser.add_argument("--text", type=Path, default=None, help="held-out text for prompts (else random ids)")
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -190,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     disable_above_batch_size=32)
     options = (dict(gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype) if on_gpu
                else dict(num_blocks=512))
-    engine = engine_config(args.target, device=args.device, max_num_batched_tokens=max(2048, args.prompt_len),
+    engine = engine_config(args.model, device=args.device, max_num_batched_tokens=max(2048, args.prompt_len),
                            speculative=speculative, **options)
     modes = [ModeSpec(A, True, kv_messages=8, ship_draft_kv=False),
              ModeSpec(B, True, kv_messages=8, ship_draft_kv=True)]

@@ -337,18 +337,13 @@ class DecodeWorker(TransferEndpoint):
         first token ended it), so the lease is freed."""
         failure = None
         try:
-            receives = await posted
+            receives: _Receives | None = await posted
         except ValueError as err:  # not paired any more (a failed transfer dropped the pair meanwhile)
             receives, failure = None, f"failed: {err}"
-        if receives is not None:
-            buf, token, draft = receives.buffer, receives.token, receives.draft
-            waits = [*receives.handles, *([receives.token_handle] if receives.token_handle is not None else []),
-                     *([draft.handle] if draft is not None else [])]
-            for handle in waits:
-                if failure is None:
-                    failure = await wait_transfer(handle, self.config.transfer_timeout_s)
-        else:
-            buf, token, draft = None, None, None
+        for handle in receives.in_order() if receives is not None else []:
+            if failure is None:
+                failure = await wait_transfer(handle, self.config.transfer_timeout_s)
+        token = receives.token if receives is not None else None
         first_token = msg.first_token
         if failure is None and token is not None:
             first_token = int(token.item())  # NOTE: the recv has finished: no wait for other work
@@ -364,7 +359,8 @@ class DecodeWorker(TransferEndpoint):
                 self._deliver_error(request.request_id, lease.router_id, f"KV transfer {failure}")
             return
 
-        assert buf is not None
+        assert receives is not None
+        buf, draft = receives.buffer, receives.draft
 
         def join(engine: EngineCore) -> None:
             scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
@@ -512,6 +508,11 @@ class _Receives(NamedTuple):
     token: torch.Tensor | None  # the first token, after an early handshake
     token_handle: TransferHandle | None
     draft: _DraftKv | None
+
+    def in_order(self) -> list[TransferHandle]:
+        """The receives in the order they were posted (and are sent)."""
+        token = [self.token_handle] if self.token_handle is not None else []
+        return [*self.handles, *token, *([self.draft.handle] if self.draft is not None else [])]
 
 
 class _DraftKv(NamedTuple):

@@ -293,7 +293,6 @@ class EngineCore:
         self.scheduler.commit_computed_blocks(request)
         self.scheduler.add_running(request)
 
-
     def adopt_draft_prompt(self, request_id: str) -> tuple[torch.Tensor, list[int]] | None:
         """For a running request whose draft-model KV of the prompt was computed elsewhere: the draft
         cache and the blocks the caller now writes that KV into, in order, before the next step

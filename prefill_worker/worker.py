@@ -41,6 +41,8 @@ from prefill_worker.layer_push import LayerPush, Streamed
 
 log = logging.getLogger(__name__)
 
+_DraftJob = tuple[list[int], "asyncio.Future[torch.Tensor]"]  # a prompt, and where its draft KV goes
+
 # Ended prefills remembered (a lease attached after its prefill's answer is refused; one attached
 # before its prefill call waits for it).
 _NUM_ENDED_KEPT = 4096
@@ -91,9 +93,9 @@ class PrefillWorker(TransferEndpoint):
         self._draft_prompts: dict[str, list[int]] = {}
         # request -> its draft KV in one buffer (on self.draft's stream), once computed
         self._draft_kv: dict[str, asyncio.Future[torch.Tensor]] = {}
-        self._draft_sends: set[str] = set()  # requests whose draft KV send is under way (after their answer)
-        self.draft_offer = None if self.draft is None else DraftKvOffer(
-            layout=KvLayout.from_kv(self.draft.kv_caches).to_ints().tolist(), fingerprint=self.draft.fingerprint
+        self.draft_layout = None if self.draft is None else KvLayout.from_kv(self.draft.kv_caches)
+        self.draft_offer = None if self.draft is None or self.draft_layout is None else DraftKvOffer(
+            layout=self.draft_layout.to_ints().tolist(), fingerprint=self.draft.fingerprint
         )
         # request -> (its lease, the decode worker's handle): given with the task, or attached later
         self._leases: dict[str, asyncio.Future[tuple[LeaseMsg, Any]]] = {}
@@ -131,42 +133,31 @@ class PrefillWorker(TransferEndpoint):
             if (out.kv_block_ids and out.finish_reason != "abort" and out.request_id in self._live
                     and not self.layer_push.is_claimed(out.request_id)):  # NOTE: a claimed one's KV went already
                 gathered[out.request_id] = self._gather(out)
-        self._aio.call_soon_threadsafe(self._resolve, outputs, gathered)
-        if self.draft is not None:
-            self._prefill_drafts(outputs)  # NOTE: after the first tokens are on their way
-
-    def _prefill_drafts(self, outputs: list[StepOutput]) -> None:  # engine thread
-        """The draft's KV of the prompts this step finished, each in one buffer (queued on the
-        draft's stream, beside the next target step), handed to the event loop."""
-        assert self.draft is not None and self._aio is not None
-        wanted = [(out.request_id, prompt) for out in outputs
+        # NOTE: taken before the answers can go (after them, `prefill` forgets these requests' drafts)
+        drafts = [(prompt, future) for out in outputs
                   if out.kv_block_ids and out.finish_reason != "abort"
-                  and (prompt := self._draft_prompts.get(out.request_id)) is not None]
-        if not wanted:
-            return
+                  and (prompt := self._draft_prompts.get(out.request_id)) is not None
+                  and (future := self._draft_kv.get(out.request_id)) is not None]
+        self._aio.call_soon_threadsafe(self._resolve, outputs, gathered)
+        if drafts:
+            self._prefill_drafts(drafts)  # NOTE: after the first tokens are on their way
+
+    def _prefill_drafts(self, drafts: list[_DraftJob]) -> None:  # engine thread
+        """The draft's KV of the prompts this step finished, each in one buffer (queued on the
+        draft's stream, beside the next target step), into their futures on the event loop."""
+        assert self.draft is not None and self._aio is not None
         draft = self.draft
-        buffers: dict[str, torch.Tensor | BaseException] = {}
+        prompts = [prompt for prompt, _ in drafts]
+        buffers: list[torch.Tensor | BaseException] = []
         try:
             with draft.stream_context():
-                for group in split_to_fit([p for _, p in wanted], draft.num_blocks, draft.block_size):
-                    blocks = draft.prefill([wanted[i][1] for i in group])
-                    for i, block_ids in zip(group, blocks):
-                        buffers[wanted[i][0]] = gather_blocks(draft.kv_caches, block_ids)
-        except Exception as err:  # noqa: BLE001 - those requests' decode workers compute their draft's KV
+                for group in split_to_fit(prompts, draft.num_blocks, draft.block_size):
+                    blocks = draft.prefill([prompts[i] for i in group])
+                    buffers += [gather_blocks(draft.kv_caches, block_ids) for block_ids in blocks]
+        except Exception as err:  # noqa: BLE001 - those requests' decode workers get a stand-in
             log.error("draft prefill failed: %s", err)
-            buffers = {rid: err for rid, _ in wanted}
-        self._aio.call_soon_threadsafe(self._resolve_drafts, buffers)
-
-    def _resolve_drafts(self, buffers: dict[str, torch.Tensor | BaseException]) -> None:
-        for rid, buf in buffers.items():
-            future = self._draft_kv.get(rid)
-            if future is None or future.done():
-                continue
-            if isinstance(buf, BaseException):
-                future.set_exception(buf)
-                future.exception()  # NOTE: marks it read: a push that no longer waits logs nothing
-            else:
-                future.set_result(buf)
+            buffers = [err] * len(drafts)
+        self._aio.call_soon_threadsafe(_resolve_drafts, [future for _, future in drafts], buffers)
 
     def _gather(self, out: StepOutput) -> _Gathered:  # engine thread
         assert out.kv_block_ids is not None
@@ -227,8 +218,8 @@ class PrefillWorker(TransferEndpoint):
             self._aborted.discard(rid)
             self._gathered.pop(rid, None)
             self._leases.pop(rid, None)
-            if rid not in self._draft_sends:  # NOTE: else the draft's send forgets them (_send_draft)
-                self._forget_draft(rid)
+            self._draft_prompts.pop(rid, None)
+            self._draft_kv.pop(rid, None)  # NOTE: a draft send under way holds the future itself
             self._ended[rid] = None
             while len(self._ended) > _NUM_ENDED_KEPT:
                 self._ended.popitem(last=False)
@@ -370,10 +361,6 @@ class PrefillWorker(TransferEndpoint):
             return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock, 1, False)
         return _Early(decode_id, None, epoch, lock, ready.num_messages, accept.draft and ready.draft is not None)
 
-    def _forget_draft(self, request_id: str) -> None:
-        self._draft_prompts.pop(request_id, None)
-        self._draft_kv.pop(request_id, None)
-
     def _offer(self, request_id: str) -> DraftKvOffer | None:
         """The draft's KV offered with a request's KvReady: when this worker computes it."""
         return self.draft_offer if request_id in self._draft_kv else None
@@ -390,14 +377,14 @@ class PrefillWorker(TransferEndpoint):
             handshake = await early
             if handshake is not None:
                 streamed = self.layer_push.close(msg.request.request_id)
-                await self._send(handshake, None, -1, num_blocks, streamed, request_id=msg.request.request_id)
+                await self._send(handshake, None, -1, num_blocks, streamed)
 
         asyncio.ensure_future(settle())
 
     async def _send(
         self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int,
         streamed: Streamed | None = None, marks: list[float] | None = None,
-        draft_kv: asyncio.Future[torch.Tensor] | None = None, request_id: str = "",
+        draft_kv: asyncio.Future[torch.Tensor] | None = None,
     ) -> tuple[str | None, float]:
         """After an accepted handshake: sends the KV's layer groups that the engine thread did not
         (`streamed`: what it did; `buf`, else the streamed buffer, else a stand-in of the KV's size)
@@ -425,8 +412,7 @@ class PrefillWorker(TransferEndpoint):
                 handles.append(self.transport.send(decode_id, upload([token], torch.int64, device)))
             if handshake.draft:  # NOTE: it keeps the pair's lock until the draft's KV is sent
                 draft_kv = draft_kv if token != -1 else None
-                self._draft_sends.add(request_id)
-                keeps_lock = asyncio.ensure_future(self._send_draft(handshake, request_id, draft_kv, num_blocks))
+                keeps_lock = asyncio.ensure_future(self._send_draft(handshake, draft_kv, num_blocks))
             if marks is not None:
                 marks.append(time.perf_counter())  # every send issued
         except Exception as err:  # noqa: BLE001 - this request's failure
@@ -455,13 +441,14 @@ class PrefillWorker(TransferEndpoint):
                 return await asyncio.wait_for(asyncio.shield(draft_kv), self.config.transfer_timeout_s)
             except Exception as err:  # noqa: BLE001 - logged; the stand-in keeps the pair's order
                 log.error("no draft KV to send (%s: %s); sending a stand-in", type(err).__name__, err)
-        assert self.draft is not None
-        kv = self.draft.kv_caches
+        assert self.draft is not None and self.draft_layout is not None
+        layout, device = self.draft_layout, self.loop.engine.device
         with self.draft.stream_context():
-            return torch.empty((*kv.shape[:2], num_blocks, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
+            return torch.empty(layout.buffer_shape(num_blocks), dtype=layout.torch_dtype, device=device)
 
-    async def _send_draft(self, handshake: _Early, request_id: str, draft_kv: asyncio.Future[torch.Tensor] | None,
-                          num_blocks: int) -> None:
+    async def _send_draft(
+        self, handshake: _Early, draft_kv: asyncio.Future[torch.Tensor] | None, num_blocks: int
+    ) -> None:
         """The draft's KV, last on the pair once computed (a stand-in without one), then the pair's
         lock released; the answer does not wait for it. A failed send drops the pair."""
         assert self.draft is not None and handshake.decode_id is not None
@@ -477,9 +464,6 @@ class PrefillWorker(TransferEndpoint):
             return
         finally:
             handshake.lock.release()
-            self._draft_sends.discard(request_id)
-            if request_id not in self._live and self._draft_kv.get(request_id) is draft_kv:
-                self._forget_draft(request_id)  # NOTE: its prefill call has ended (else that forgets it)
         failure = await wait_transfer(handle, self.config.transfer_timeout_s)
         if failure is not None:
             log.warning("draft KV push to %s %s", decode_id, failure)
@@ -536,7 +520,7 @@ class PrefillWorker(TransferEndpoint):
         # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
         draft_kv = self._draft_kv.get(rid)
         failure, send_s = await asyncio.shield(
-            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed, marks, draft_kv, rid))
+            asyncio.ensure_future(self._send(handshake, buf, token, num_blocks, streamed, marks, draft_kv))
         )
         if not decode:
             return self._undecoded(result, aborted, finish)
@@ -630,6 +614,17 @@ async def _invoke(method: Any, *args: Any) -> Any:
     if remote is not None:
         return await remote(*args)
     return await method(*args)
+
+
+def _resolve_drafts(futures: list[asyncio.Future[torch.Tensor]], buffers: list[torch.Tensor | BaseException]) -> None:
+    for future, buf in zip(futures, buffers):
+        if future.done():
+            continue
+        if isinstance(buf, BaseException):
+            future.set_exception(buf)
+            future.exception()  # NOTE: marks it read: a push that no longer waits logs nothing
+        else:
+            future.set_result(buf)
 
 
 def _draft_prefiller(config: PrefillWorkerConfig) -> DraftPrefiller:

@@ -109,16 +109,13 @@ class DraftModelProposer:
         prefill): the caller writes that KV into them, in order, before the next `propose`, which then
         catches up only on what follows the prompt. None: no blocks free now (the request's first
         drafting step then computes the prompt here, as for any newcomer)."""
-        assert self.pool is not None, "bind() first"
         if request_id in self.seqs:
             raise ValueError(f"the draft model already holds state for request {request_id!r}")
-        num_blocks = -(-len(prompt_token_ids) // self.pool.block_size)
-        if not self.pool.can_allocate(num_blocks):
+        seq = _DraftSeq(list(prompt_token_ids), num_trusted=len(prompt_token_ids))
+        if not self._reserve(seq, len(seq.token_ids), keep=self.seqs):  # NOTE: drops no other request's state
             return None
-        block_ids = self.pool.allocate(num_blocks)
-        tokens = list(prompt_token_ids)
-        self.seqs[request_id] = _DraftSeq(tokens, block_ids, num_trusted=len(tokens))
-        return block_ids
+        self.seqs[request_id] = seq
+        return seq.block_ids
 
     def drop(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
