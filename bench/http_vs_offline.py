@@ -19,7 +19,9 @@ for each server variant asked for (--variants), one after another on the same GP
   replica): the router replica runs the HTTP server itself and clients connect to it, without the
   proxy hop;
 - `tput`: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress, and the router's code on the replica's
-  own event loop instead of a thread of its own).
+  own event loop instead of a thread of its own);
+- `<variant>-ray`: the same, with the router reaching the worker through Ray actor calls and token
+  polls instead of the request channel (`--no-request-channel`): the channel's baseline.
 
 Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
 the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
@@ -77,6 +79,9 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serv
     # loop (not a thread of its own), gRPC between Serve's actors, the GC frozen after start.
     "tput": (["--ingress", "direct"], {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
 }
+# Each with the router reaching the worker through Ray actor calls and polls instead of the request
+# channel (kvtransfer/channel.py, the default): the baseline of the channel, in the same run.
+VARIANTS.update({f"{name}-ray": ([*flags, "--no-request-channel"], env) for name, (flags, env) in list(VARIANTS.items())})
 
 
 def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -165,6 +170,9 @@ def main() -> None:
     parser.add_argument("--variants", default="proxy,tput", help=f"comma-separated, of {sorted(VARIANTS)}")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     dummy = args.model != "default"  # the shapes have no weights; the embedded default model has
     opts = argparse.Namespace(model=args.model, load_format="dummy" if dummy else "auto",
@@ -195,18 +203,20 @@ def main() -> None:
         served = servable_model_dir(Path(args.model), Path(scratch)) if dummy else Path("default")
         flags = serve_flags({"model": str(served), "load_format": opts.load_format, "dtype": opts.dtype,
                              "device": args.device, "max_num_seqs": 256, "max_num_batched_tokens": 16384})
-        for name in names:
+        for position, name in enumerate(names):
             extra_flags, extra_env = VARIANTS[name]
+            # a variant named again (ABBA orders) is recorded as name_2, name_3...
+            key = name if names.index(name) == position else f"{name}_{names[:position + 1].count(name)}"
             port = free_port()  # with --ingress direct, the router replica's own port
             argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, *extra_flags,
                     "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
             server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}
-            server = ServerProcess(argv, server_env, args.out / f"server_http_vs_offline_{name}.log")
+            server = ServerProcess(argv, server_env, args.out / f"server_http_vs_offline_{key}.log")
             try:
                 server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
                 http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
                                              max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
-                if name == names[0]:
+                if position == 0:
                     http["ray_path"] = measure_server(server.log_path, ray_path_prompts, Path(scratch))
             finally:
                 stop = server.stop(30)
@@ -215,8 +225,8 @@ def main() -> None:
             http["ttft_s"] = http["ttft_s"][2:]
             http["ttft_median_ms"] = statistics.median(http["ttft_s"]) * 1e3
             http["router_ttft_added_ms"] = http["ttft_median_ms"] - statistics.median(record["offline"]["ttft_s"]) * 1e3
-            record["variants"][name] = http
-            print(name, {k: v for k, v in http.items() if k != "ttft_s"}, flush=True)
+            record["variants"][key] = http
+            print(key, {k: v for k, v in http.items() if k != "ttft_s"}, flush=True)
     # The offline engine again, after the servers: this host's speed drifts between runs (H100
     # instances gave 11.9k-18.2k tok/s on this workload), so the baseline brackets the HTTP runs.
     engine = build_engine(opts, max_num_seqs=256, max_num_batched_tokens=16384)
@@ -233,9 +243,12 @@ def main() -> None:
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.subplots(1, 2)
         variants = record["variants"]
-        ax1.bar(["offline", *names], [off["output_tok_per_s"], *(variants[n]["output_tok_per_s"] for n in names)])
+        keys = list(variants)
+        ax1.bar(["offline", *keys], [off["output_tok_per_s"], *(variants[k]["output_tok_per_s"] for k in keys)])
         ax1.set_ylabel("output tokens / s (256 streams)")
-        ax2.bar(["offline", *names], [record["ttft_median_offline_ms"], *(variants[n]["ttft_median_ms"] for n in names)])
+        ax1.tick_params(axis="x", labelrotation=45)
+        ax2.bar(["offline", *keys], [record["ttft_median_offline_ms"], *(variants[k]["ttft_median_ms"] for k in keys)])
+        ax2.tick_params(axis="x", labelrotation=45)
         ax2.set_ylabel(f"median TTFT, ms ({args.ttft_len}-token prompt, alone)")
 
     write_results(args.out, "http_vs_offline", env, record, plot, "HTTP (Ray Serve router) vs offline engine")

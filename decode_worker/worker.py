@@ -6,6 +6,9 @@ mode (`submit`), and in disaggregated mode those the router sends past the prefi
 An async Ray actor body (cluster/ wraps it with ray.remote); in unit tests a plain object.
 Control methods are async and never touch the engine: they hand commands to the EngineLoop
 thread. Tokens leave in one TokenBatchMsg per router per `poll`, never one message per token.
+Routers reach the per-request methods and the token batches over the request channel
+(kvtransfer/channel.py, `channel_address`): it calls the same methods, and pushes what `poll`
+would answer as soon as a step has rows; Ray calls reach them too.
 
 Lease states:  reserved --kv_incoming--> receiving --KV arrived--> (a running request)
                    \\--expired/aborted--> freed     \\--timeout/aborted--> freed
@@ -38,6 +41,7 @@ from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
 from kvtransfer import transport_options as kv_transport_options
+from kvtransfer.channel import Call, ChannelAddress, ChannelServer
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.layout import layer_groups
 from kvtransfer.netaddr import resolve_host
@@ -124,6 +128,11 @@ class DecodeWorker(TransferEndpoint):
         self._reaper: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
+        # The routers' request channel (kvtransfer/channel.py), listening from the first channel_address call.
+        self.channel = ChannelServer({
+            Call.SUBMIT: self.submit, Call.PREFILL_LOCALLY: self.prefill_locally,
+            Call.RESERVE: self.reserve, Call.ABORT: self.abort,
+        }, self.poll, host)
         if config.freeze_gc:
             gc.collect()  # NOTE: first: garbage frozen would never be freed
             gc.freeze()
@@ -388,6 +397,12 @@ class DecodeWorker(TransferEndpoint):
         self._deliver([TokenOutputMsg(request_id=request_id, new_token_ids=[], finish_reason="abort", error=error)])
 
     # ---- control: everything else
+    async def channel_address(self) -> ChannelAddress:
+        """Where routers open the request channel (its calls and pushed token batches go there
+        instead of through Ray): (host, port, secret)."""
+        self._bind()
+        return await self.channel.address()
+
     async def poll(self, router_id: str, timeout_s: float = 1.0) -> bytes:
         """Everything new for `router_id` since its last poll; waits up to `timeout_s` for something."""
         self._bind()
@@ -448,12 +463,14 @@ class DecodeWorker(TransferEndpoint):
             "num_spec_draft_tokens": s.num_spec_draft_tokens,
             "num_spec_accepted_tokens": s.num_spec_accepted_tokens,
             "num_draft_kv_adopted": self.num_draft_kv_adopted,
+            "num_channels": self.channel.num_connections,  # routers connected over the request channel
             "is_healthy": await self.health(),
         }
 
     async def shutdown(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        await self.channel.close()
         self.loop.stop()
         self._receive_thread.shutdown(wait=False)
         self.transport.close()

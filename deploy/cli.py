@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--local-prefill-max-tokens", type=int,
                        default=_default(LocalPrefillConfig, "max_short_prompt_tokens"),
                        help="prompts shorter than this skip the prefill workers under 'short_or_cached' (0: none)")
+    serve.add_argument("--request-channel", action=argparse.BooleanOptionalAction,
+                       default=_default(DispatcherConfig, "request_channel"), help=_help(DispatcherConfig, "request_channel"))
     serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
     serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
 
@@ -126,7 +128,8 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
     local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)
-    return ServeAppConfig(cluster=cluster, router=router, dispatch=DispatcherConfig(local_prefill=local),
+    dispatch = DispatcherConfig(local_prefill=local, request_channel=args.request_channel)
+    return ServeAppConfig(cluster=cluster, router=router, dispatch=dispatch,
                           num_router_replicas=args.num_router_replicas,
                           grpc=GrpcServerConfig(host=args.host, port=args.grpc_port))
 
@@ -215,14 +218,14 @@ def status_command(args: argparse.Namespace) -> int:
         rows = controller.stats.remote().result(timeout_s=30)
     finally:
         ray.shutdown()
-    print(f"{'worker':<16}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}  health")
+    print(f"{'worker':<16}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}{'channels':>10}  health")
     for row in rows:
         if "error" in row:
             print(f"{'?':<16}  unreachable: {row['error']}")
             continue
         kv = f"{row['num_blocks'] - row['num_free_blocks']}/{row['num_blocks']}"
         print(f"{row['worker_id']:<16}{row['num_running']:>8}{row['num_waiting']:>8}"
-              f"{kv:>12}{row.get('num_leases', 0):>8}  "
+              f"{kv:>12}{row.get('num_leases', 0):>8}{row.get('num_channels', '-'):>10}  "
               f"{'ok' if row['is_healthy'] else 'FAILED'}")
     return 0
 

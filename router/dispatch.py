@@ -152,6 +152,12 @@ class DispatcherConfig(BaseModel):
         default_factory=LocalPrefillConfig,
         description="Disaggregated mode: which requests skip the prefill workers (prefilled on their decode worker).",
     )
+    request_channel: bool = Field(
+        True,
+        description="Router replicas reach decode (and colocated) workers' per-request calls (submit, "
+        "prefill_locally, reserve, abort) and their token batches over a direct socket (kvtransfer/channel.py: "
+        "batches pushed as each step ends) instead of Ray actor calls and polls; False: through Ray.",
+    )
     lease_beside_prefill: bool = Field(
         True,
         description="Disaggregated mode: start the prefill at once and lease the decode worker's blocks meanwhile "

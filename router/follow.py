@@ -17,9 +17,11 @@ FetchWorkers = Callable[[], Awaitable[tuple[int, dict[str, Any], dict[str, Any]]
 
 
 class WorkerSetFollower:
-    def __init__(self, dispatcher: Dispatcher, fetch: FetchWorkers, interval_s: float = 1.0) -> None:
+    def __init__(self, dispatcher: Dispatcher, fetch: FetchWorkers, interval_s: float = 1.0,
+                 wrap: Callable[[Workers], Workers] | None = None) -> None:
         self.dispatcher = dispatcher
         self.fetch = fetch
+        self.wrap = wrap  # applied to each new set before the Dispatcher takes it (the request channels)
         self.interval_s = interval_s
         self.version = -1
         self._task: asyncio.Task[None] | None = None
@@ -30,7 +32,8 @@ class WorkerSetFollower:
         if version == self.version:
             return False
         self.version = version
-        self.dispatcher.set_workers(Workers(prefill=prefill, decode=decode))
+        workers = Workers(prefill=prefill, decode=decode)
+        self.dispatcher.set_workers(self.wrap(workers) if self.wrap is not None else workers)
         return True
 
     async def start(self) -> None:

@@ -19,6 +19,7 @@ from engine.tokenizer import Tokenizer
 from router import grpc_service
 from router.core import GrpcServerConfig, RouterConfig, RouterCore
 from router.dispatch import Dispatcher, DispatcherConfig, Workers, invoke
+from router.channels import WorkerChannels
 from router.follow import WorkerSetFollower
 from router.grpc_server import start_grpc_server
 from router.http_app import build_http_app
@@ -39,7 +40,14 @@ class RouterIngress:
         )
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
-        self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s)
+        # The decode workers' per-request calls and token batches over the request channel (a direct
+        # socket), unless asked for Ray calls; Ray actor handles are the ones wrapped.
+        from ray.actor import ActorHandle
+
+        self.channels = WorkerChannels(lambda handle: isinstance(handle, ActorHandle)) if (
+            self.dispatcher.config.request_channel) else None
+        self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s,
+                                          wrap=self.channels.wrap if self.channels is not None else None)
         await self.follower.start()
         # its own gRPC server where asked (`pdserve serve`), else Serve's gRPC proxy: both call Generate/Complete
         self.grpc_server = None if grpc is None else await start_grpc_server(self, grpc)
@@ -62,6 +70,8 @@ class RouterIngress:
     async def __del__(self) -> None:  # Serve calls it when the replica shuts down
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
+        if self.channels is not None:
+            self.channels.close()
 
     # ---- gRPC (pdserve.v1.Generation): the replica's own server and Serve's gRPC proxy both call these
     async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802

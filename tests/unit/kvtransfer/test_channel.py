@@ -1,0 +1,227 @@
+"""The request channel's protocol with plain handlers (no engine): calls and their answers, the
+errors a caller gets (bad input as InvalidRequestError, other failures named), the secret, the
+frame size limit, pushed batches with their heartbeat, and a lost connection failing what waits."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+
+import pytest
+
+from engine.validation import InvalidRequestError
+from kvtransfer.channel import (
+    MAX_FRAME_BYTES,
+    Call,
+    ChannelClient,
+    ChannelError,
+    ChannelHandle,
+    ChannelServer,
+    RemoteCallError,
+)
+from kvtransfer.protocol import TokenBatchMsg, TokenOutputMsg
+
+
+class _Worker:
+    """Handlers like a decode worker's, and an outbox `poll` can wait on."""
+
+    def __init__(self) -> None:
+        self.rows: list[TokenOutputMsg] = []
+        self.ready = asyncio.Event()
+        self.calls: list[tuple[Call, tuple]] = []
+        self.release = asyncio.Event()  # abort waits for it: a call still running when the connection goes
+
+    async def submit(self, request: bytes) -> float:
+        self.calls.append((Call.SUBMIT, (request,)))
+        if request == b"bad":
+            raise InvalidRequestError("prompt", "is empty; at least 1 token is required")
+        if request == b"boom":
+            raise KeyError("lost")
+        return 1.5
+
+    async def reserve(self, request: bytes) -> bytes | None:
+        return None if request == b"full" else b"lease:" + request
+
+    async def abort(self, request_id: str) -> bool:
+        await self.release.wait()
+        return True
+
+    async def poll(self, router_id: str, timeout_s: float) -> bytes:
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        rows, self.rows = self.rows, []
+        self.ready.clear()
+        return TokenBatchMsg(worker_id=router_id, outputs=rows).encode()
+
+    def server(self) -> ChannelServer:
+        return ChannelServer({Call.SUBMIT: self.submit, Call.RESERVE: self.reserve, Call.ABORT: self.abort},
+                             self.poll, "127.0.0.1")
+
+
+async def _client(server: ChannelServer, secret: str | None = None) -> ChannelClient:
+    host, port, real = await server.address()
+
+    async def address():
+        return host, port, real if secret is None else secret
+
+    return ChannelClient("w0", address, connect_timeout_s=5.0)
+
+
+def test_calls_answer_and_errors_keep_their_kind():
+    async def main():
+        worker = _Worker()
+        server = worker.server()
+        client = await _client(server)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(
+                client.call(Call.SUBMIT, b"ok"), client.call(Call.RESERVE, b"r1"), client.call(Call.RESERVE, b"full"),
+            ), 10)
+            assert results == [1.5, b"lease:r1", None]
+            with pytest.raises(InvalidRequestError) as invalid:
+                await asyncio.wait_for(client.call(Call.SUBMIT, b"bad"), 10)
+            assert invalid.value.field == "prompt" and str(invalid.value) == "prompt: is empty; at least 1 token is required"
+            with pytest.raises(RemoteCallError, match="KeyError: 'lost'"):
+                await asyncio.wait_for(client.call(Call.SUBMIT, b"boom"), 10)
+            with pytest.raises(RemoteCallError, match="KeyError"):  # a call this worker does not serve
+                await asyncio.wait_for(client.call(Call.PREFILL_LOCALLY, b"x"), 10)
+            # the connection outlives failed calls: one connection, every call on it
+            assert await asyncio.wait_for(client.call(Call.SUBMIT, b"again"), 10) == 1.5
+            assert len(server._connections) == 1
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_without_the_secret_is_refused():
+    async def main():
+        worker = _Worker()
+        server = worker.server()
+        client = await _client(server, secret="0" * 32)
+        try:
+            with pytest.raises(ChannelError, match="lost"):
+                await asyncio.wait_for(client.call(Call.SUBMIT, b"ok"), 10)
+            assert worker.calls == []  # nothing ran
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_an_oversized_frame_ends_the_connection_and_nothing_runs():
+    async def main():
+        worker = _Worker()
+        server = worker.server()
+        host, port, secret = await server.address()
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            import msgpack
+
+            hello = msgpack.packb([1, secret])
+            writer.write(struct.pack(">I", len(hello)) + hello + struct.pack(">I", MAX_FRAME_BYTES + 1))
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the worker, no answer
+            assert worker.calls == []
+        finally:
+            writer.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_batches_are_pushed_as_rows_appear_and_an_idle_worker_sends_heartbeats():
+    async def main():
+        worker = _Worker()
+        server = worker.server()
+        client = await _client(server)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            idle = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))
+            assert idle.outputs == [] and loop.time() - start < 5  # the heartbeat: an empty batch
+            # rows appear: the next batch carries them without another request from the router
+            row = TokenOutputMsg(request_id="a", new_token_ids=[7])
+            worker.rows.append(row)
+            worker.ready.set()
+            for _ in range(100):  # bounded: heartbeats may come first
+                batch = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))
+                if batch.outputs:
+                    break
+            assert batch.outputs == [row]
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_lost_connection_fails_waiting_calls_and_the_stream_then_the_next_call_reconnects():
+    async def main():
+        worker = _Worker()
+        server = worker.server()
+        client = await _client(server)
+        try:
+            pending = asyncio.ensure_future(client.call(Call.ABORT, "a"))  # waits on the worker
+            stream = asyncio.ensure_future(client.next_batch("r0", 30.0))  # no rows, no heartbeat for 30 s
+            await asyncio.sleep(0.1)
+            for task in list(server._connections):  # the worker's side of the connection goes
+                task.cancel()
+            with pytest.raises(ChannelError):
+                await asyncio.wait_for(pending, 10)
+            with pytest.raises(ChannelError):
+                await asyncio.wait_for(stream, 10)
+            worker.release.set()
+            assert await asyncio.wait_for(client.call(Call.ABORT, "a"), 10) is True  # a new connection
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_is_not_listening_is_a_channel_error():
+    async def main():
+        async def address():
+            return "127.0.0.1", 1, "x"  # nothing listens on port 1
+
+        client = ChannelClient("w9", address, connect_timeout_s=5.0)
+        with pytest.raises(ChannelError, match="cannot open the channel to w9"):
+            await asyncio.wait_for(client.call(Call.SUBMIT, b"ok"), 10)
+
+    asyncio.run(main())
+
+
+def test_a_poll_whose_caller_stops_waiting_drops_the_connection():
+    """A router that gives up on a quiet worker must not leave its pusher taking rows nobody reads."""
+
+    async def main():
+        worker = _Worker()
+        server = worker.server()
+        client = await _client(server)
+        handle = ChannelHandle(worker, client)
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(handle.poll("r0", 30.0), 0.2)
+            for _ in range(100):  # bounded: the worker sees the close
+                if not server._connections:
+                    break
+                await asyncio.sleep(0.02)
+            assert not server._connections
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_channel_handle_travels_as_the_handle_it_wraps():
+    async def address():
+        raise AssertionError("never connected")
+
+    handle = ChannelHandle(("a", "handle"), ChannelClient("w0", address))
+    assert pickle.loads(pickle.dumps(handle)) == ("a", "handle")
+    assert handle.count("a") == 1  # other attributes are the wrapped handle's
