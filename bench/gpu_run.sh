@@ -12,8 +12,8 @@
 #           steps vs the memory floor and prefill utilization at Llama-3.1-8B; then 256 HTTP
 #           streams vs the offline engine and the router's TTFT overhead (carry the proto files).
 #   http    (one GPU): 256 HTTP streams vs the offline engine and the router's TTFT overhead, for each
-#           Serve variant (proxy, throughput-optimized, direct ingress), with the
-#           CPU each process spent (carry the proto files).
+#           server variant ($VARIANTS, default direct,direct-ray,direct-ray,direct: the request channel
+#           against Ray calls, in ABBA order), with the CPU each process spent (carry the proto files).
 #   pair    (nvidia-h200-x2): NCCL transport and layer-push tests, 1P1D over NCCL vs colocated (tokens,
 #           TTFT with the KV in one message and in layer groups sent during the prefill, KV push
 #           bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes; the three
@@ -64,7 +64,7 @@ case "$part" in
     run 190 python3 -m bench.http_vs_offline --out "$out"
     ;;
   http)
-    run 590 python3 -m bench.http_vs_offline --variants proxy,direct,tput --out "$out"
+    run 590 python3 -m bench.http_vs_offline --variants "${VARIANTS:-direct,direct-ray,direct-ray,direct}" --out "$out"
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
