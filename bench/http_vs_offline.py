@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from bench.common import build_engine, environment, synchronize, write_results
+from bench.common import build_engine, environment, save_plot, synchronize, write_results
 from bench.goodput import SHAPES, ServerProcess, servable_model_dir, serve_flags, wait_gpus_free
 from bench.offline_throughput import nano_vllm_workload, run_engine
 from bench.ray_path_ttft import measure_server
@@ -173,8 +173,14 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--clip", type=int, default=None, help="cut prompts and outputs to this many tokens (smoke)")
     parser.add_argument("--variants", default="proxy,tput", help=f"comma-separated, of {sorted(VARIANTS)}")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="where the results go (required unless --replot)")
+    parser.add_argument("--replot", type=Path, default=None, help="redraw the PNG of this result JSON and exit")
     args = parser.parse_args()
+    if args.replot is not None:
+        print(replot(args.replot))
+        return
+    if args.out is None:
+        parser.error("--out is required (where the results go)")
     unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
@@ -195,7 +201,7 @@ def main() -> None:
     # Warm-up on the whole workload, cut short: a cold Triton cache compiles kernels during the first
     # pass over these prompt lengths (a first full run measured 12.6k tok/s against 18.7k after).
     run_engine(engine, prompts, [min(m, 16) for m in max_tokens])
-    record: dict[str, Any] = {"offline": run_engine(engine, prompts, max_tokens)}
+    record: dict[str, Any] = {"ttft_len": args.ttft_len, "offline": run_engine(engine, prompts, max_tokens)}
     record["offline"]["ttft_s"] = offline_ttfts(engine, ttft_prompts)[2:]
     print("offline", {k: v for k, v in record["offline"].items() if k != "ttft_s"}, flush=True)
     env = environment(engine, opts)
@@ -245,19 +251,43 @@ def main() -> None:
     record["ttft_median_offline_ms"] = statistics.median(off["ttft_s"]) * 1e3
     print({k: v for k, v in record.items() if k not in ("offline", "variants")}, flush=True)
 
-    def plot(fig: Any) -> None:
-        ax1, ax2 = fig.subplots(1, 2)
-        variants = record["variants"]
-        keys = list(variants)
-        ax1.bar(["offline", *keys], [off["output_tok_per_s"], *(variants[k]["output_tok_per_s"] for k in keys)])
-        ax1.set_ylabel("output tokens / s (256 streams)")
-        ax1.tick_params(axis="x", labelrotation=45)
-        ax2.bar(["offline", *keys], [record["ttft_median_offline_ms"], *(variants[k]["ttft_median_ms"] for k in keys)])
-        ax2.tick_params(axis="x", labelrotation=45)
-        ax2.set_ylabel(f"median TTFT, ms ({args.ttft_len}-token prompt, alone)")
+    write_results(args.out, "http_vs_offline", env, record, lambda fig: plot(fig, record, args.ttft_len),
+                  title(env))
 
-    write_results(args.out, "http_vs_offline", env, record, plot, "HTTP (Ray Serve router) vs offline engine")
 
+def title(env: dict[str, Any]) -> str:
+    return f"HTTP (Ray Serve router) vs offline engine, {env.get('device_name', env['device'])}"
+
+
+def plot(fig: Any, record: dict[str, Any], ttft_len: int) -> None:
+    """Throughput and lone-prompt TTFT: the offline engine before and after the servers, then each variant."""
+    ax1, ax2 = fig.subplots(1, 2)
+    variants = record["variants"]
+    keys = list(variants)
+    off, after = record["offline"], record["offline_after"]
+    ax1.bar(["offline", *keys, "offline after"],
+            [off["output_tok_per_s"], *(variants[k]["output_tok_per_s"] for k in keys), after["output_tok_per_s"]])
+    for i, k in enumerate(keys, start=1):
+        ax1.annotate(f"{variants[k]['http_over_best_offline_throughput']:.0%}", (i, variants[k]["output_tok_per_s"]),
+                     ha="center", va="bottom", fontsize=8)
+    ax1.set_ylabel("output tokens / s (256 streams); % of the better offline run")
+    ax1.tick_params(axis="x", labelrotation=45)
+    ax2.bar(["offline", *keys], [record["ttft_median_offline_ms"], *(variants[k]["ttft_median_ms"] for k in keys)])
+    for i, k in enumerate(keys, start=1):
+        ax2.annotate(f"+{variants[k]['router_ttft_added_ms']:.1f}", (i, variants[k]["ttft_median_ms"]),
+                     ha="center", va="bottom", fontsize=8)
+    ax2.tick_params(axis="x", labelrotation=45)
+    ax2.set_ylabel(f"median TTFT, ms ({ttft_len}-token prompt, alone); + over offline")
+
+
+def replot(json_path: Path) -> Path:
+    """Redraws a result's PNG from its JSON (next to it)."""
+    record = json.loads(json_path.read_text())
+    png_path = json_path.with_suffix(".png")
+    ttft_len = record.get("ttft_len", 512)  # results from before it was recorded all used the default, 512
+    if not save_plot(png_path, lambda fig: plot(fig, record, ttft_len), title(record["environment"])):
+        raise SystemExit("--replot needs matplotlib")
+    return png_path
 
 if __name__ == "__main__":
     main()
