@@ -27,6 +27,8 @@ median and a seeded bootstrap 95% interval are reported ("paired_overhead"), bes
 medians ("ttft_overhead", as in older results). Why not one cluster.Deployment per mode: see
 bench.side_by_side. The other modes' routers stay open meanwhile (each polls its idle decode
 worker and refreshes its load every 0.25 s): the router's normal idle work, the same for every mode.
+The routers reach the workers over the request channel, as a served router does
+(`--no-request-channel`: through Ray actor calls and polls, as results before it measured).
 
 Writes JSON and a PNG with the device name. Needs Ray and 2 GPUs, or runs on the CPU for a smoke
 test (`--device cpu --transport gloo`, e.g. `--shapes default --shapes-dir engine/models`).
@@ -48,6 +50,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.actor import ActorHandle
 
 from bench.paired import overhead_summary, rotation
 from bench.raw_peers import raw_bandwidth, raw_bandwidths
@@ -58,6 +61,7 @@ from engine.llm import engine_config
 from kvtransfer import NCCL_WORKER_ENV
 from kvtransfer.protocol import PrefillResultMsg, TokenBatchMsg
 from router import Dispatcher
+from router.channels import WorkerChannels
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 WARM_ROUNDS = 2  # the first rounds pay for allocator growth and kernel selection: not reported
@@ -174,18 +178,23 @@ async def _ttft(dispatcher: Dispatcher, request_id: str, prompt: list[int]) -> f
 
 
 async def run_modes(
-    side_by_side: SideBySide, prompts: list[list[int]], ttft_prompts: list[list[int]]
+    side_by_side: SideBySide, prompts: list[list[int]], ttft_prompts: list[list[int]], request_channel: bool = True
 ) -> dict[str, dict[str, Any]]:
     """Every mode's tokens (one mode after another), then the TTFT rounds: round i sends
-    ttft_prompts[i] to every mode in rotation(modes, i); the first WARM_ROUNDS are not reported."""
+    ttft_prompts[i] to every mode in rotation(modes, i); the first WARM_ROUNDS are not reported.
+    request_channel: the routers reach the workers over the request channel, as a served router does
+    (DispatcherConfig.request_channel); else through Ray actor calls and polls."""
     runs: dict[str, _ModeRun] = {}
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    channels = WorkerChannels(lambda handle: isinstance(handle, ActorHandle)) if request_channel else None
     try:
         await side_by_side.start(timeout_s=600)
         for name in side_by_side.modes:
             results: list[PrefillResultMsg] = []
+            workers = side_by_side.workers(name)
             dispatcher = Dispatcher(
-                f"bench-{name}", side_by_side.workers(name), poll_timeout_s=0.5, on_prefill_result=results.append
+                f"bench-{name}", channels.wrap(workers) if channels is not None else workers, poll_timeout_s=0.5,
+                on_prefill_result=results.append,
             )
             runs[name] = _ModeRun(dispatcher, results, _timed_legs(dispatcher))
         for name, run in runs.items():
@@ -206,6 +215,8 @@ async def run_modes(
             await run.dispatcher.close()
         held = {name: await side_by_side.held_blocks(name) for name in runs}
     finally:
+        if channels is not None:
+            channels.close()
         side_by_side.shutdown()
     return {name: _mode_summary(run, held[name]) for name, run in runs.items()}
 
@@ -300,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
     parser.add_argument("--kv-messages", type=int, default=ClusterConfig.model_fields["kv_messages"].default,
                         help="layer groups of the streamed disaggregated run")
+    parser.add_argument("--request-channel", action=argparse.BooleanOptionalAction, default=True,
+                        help="the routers reach the workers over the request channel (a served router's default); "
+                        "--no-request-channel: through Ray actor calls and polls")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.28,
                         help="each worker's share of its GPU's memory (KV cache sizing); 3 workers share GPU 0")
     args = parser.parse_args(argv)
@@ -308,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if on_gpu else "cpu"
     report: dict[str, Any] = {"device": device, "torch": torch.__version__, "transport": args.transport,
                               "prompt_len": args.prompt_len, "num_ttft": args.num_ttft, "warm_rounds": WARM_ROUNDS,
+                              "request_channel": args.request_channel,
                               "ttft_order": "side by side: round i measures every mode, in bench.paired.rotation "
                               "order (ABC, BCA, CAB ...)", "shapes": {}}
     rng = random.Random(0)
@@ -326,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         ttft_prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
                         for _ in range(args.num_ttft + WARM_ROUNDS)]
         side_by_side = SideBySide(mode_specs, engine, args.transport, use_gpus=on_gpu)
-        modes = asyncio.run(run_modes(side_by_side, prompts, ttft_prompts))
+        modes = asyncio.run(run_modes(side_by_side, prompts, ttft_prompts, args.request_channel))
         for name, result in modes.items():
             print(shape, name, {k: v for k, v in result.items() if k not in ("tokens", "ttft_s")}, flush=True)
         report["shapes"][shape] = _shape_report(modes, args, side_by_side)

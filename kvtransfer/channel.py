@@ -1,6 +1,7 @@
-"""The request channel: a direct socket between a router and a decode (or colocated) worker for
-the calls every request makes (submit, prefill_locally, reserve, abort) and for the worker's token
-batches, which it pushes as each engine step ends instead of answering polls.
+"""The request channel: a direct socket between a router and a worker for the calls every request
+makes (a decode or colocated worker's submit, prefill_locally, reserve, abort; a prefill worker's
+prefill, attach_lease, abort) and for a decode worker's token batches, which it pushes as each
+engine step ends instead of answering polls.
 
 Why: a Ray actor call costs the hot path about 1-1.5 ms each way on an H100 host (a no-op call's
 round trip, bench/results/http_vs_offline_*.json `ray_path.health_rtt_s`), and a streamed token
@@ -11,6 +12,8 @@ protocol between workers) stays a Ray call: it is rare, or not on the request's 
 
 What it does not know: which worker it serves (the worker hands it its handlers, one per `Call`)
 or how the router finds the worker (the client is given a coroutine that returns the address).
+A prefill call names the decode worker to push to: its handle goes as a reference (`Refs`: by
+default the pickled Ray actor handle, which the prefill worker loads back into one).
 
 Frames: a 4-byte big-endian length, then a msgpack list.
 
@@ -19,14 +22,15 @@ Frames: a 4-byte big-endian length, then a msgpack list.
 | HELLO     | router -> worker | [HELLO, secret]  (first frame; a wrong secret closes it)    |
 | CALL      | router -> worker | [CALL, call id, Call, [args]]                               |
 | REPLY     | worker -> router | [REPLY, call id, OK, value] / [REPLY, call id, ERROR, [kind, field, message]] |
-| SUBSCRIBE | router -> worker | [SUBSCRIBE, router id, heartbeat_s]                          |
+| SUBSCRIBE | router -> worker | [SUBSCRIBE, router id, heartbeat_s]  (decode workers only)   |
 | BATCH     | worker -> router | [BATCH, TokenBatchMsg bytes]  (an empty one every heartbeat_s when idle) |
 
 A worker that dies closes the socket (the router sees it at once); a worker that hangs sends no
 heartbeat (the router's poll deadline sees it). Either way the router moves the worker's requests,
 as when a Ray poll fails. The socket binds the worker's transport host (127.0.0.1 unless the
 cluster is told otherwise) and takes only clients that know the secret the worker hands out
-through Ray (`DecodeWorker.channel_address`).
+through Ray (`channel_address` of either worker). The secret is what makes loading a pickled
+reference safe: whoever has it can already call the cluster's actors, and so run any code there.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import enum
 import hmac
 import itertools
 import logging
+import pickle
 import secrets
 import struct
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -58,7 +64,9 @@ class Call(enum.IntEnum):
     SUBMIT = 1  # (GenerateRequestMsg bytes) -> arrival time (float)
     PREFILL_LOCALLY = 2  # (LocalPrefillMsg bytes) -> LocalPrefillReplyMsg bytes
     RESERVE = 3  # (ReserveMsg bytes) -> LeaseMsg bytes | None
-    ABORT = 4  # (request id) -> bool
+    ABORT = 4  # (request id) -> bool (either kind of worker)
+    PREFILL = 5  # (PrefillTaskMsg bytes, decode worker ref | None) -> PrefillResultMsg bytes (a prefill worker)
+    ATTACH_LEASE = 6  # (request id, LeaseMsg bytes, decode worker ref) -> bool (a prefill worker)
 
 
 class _Frame(enum.IntEnum):
@@ -75,6 +83,7 @@ _INVALID, _FAILED = "invalid", "failed"  # an InvalidRequestError (the client's 
 Handler = Callable[..., Awaitable[Any]]
 Poll = Callable[[str, float], Awaitable[bytes]]  # (router id, wait up to s) -> TokenBatchMsg bytes
 ChannelAddress = tuple[str, int, str]  # host, port, secret
+_NUM_REFS_KEPT = 256  # handles a Refs remembers each way (a cluster's decode workers, with room to spare)
 
 
 class ChannelError(ConnectionError):
@@ -83,6 +92,45 @@ class ChannelError(ConnectionError):
 
 class RemoteCallError(RuntimeError):
     """The worker's method raised; the message names the exception and what it said."""
+
+
+class Refs:
+    """Worker handles as bytes and back, for calls that name another worker (a prefill names the
+    decode worker it pushes to). Pickled: a Ray actor handle pickles as a reference to its actor,
+    and a ChannelHandle as the handle it wraps. Each side remembers the latest _NUM_REFS_KEPT, so a
+    handle is pickled once per router and loaded once per prefill worker, not once a request."""
+
+    def __init__(self) -> None:
+        # id(handle) -> (handle, its bytes): the handle is kept, so its id is not reused meanwhile
+        self._encoded: OrderedDict[int, tuple[Any, bytes]] = OrderedDict()
+        self._decoded: OrderedDict[bytes, Any] = OrderedDict()
+
+    def encode(self, handle: Any) -> bytes | None:
+        if handle is None:
+            return None
+        kept = self._encoded.get(id(handle))
+        if kept is None:
+            kept = self._encoded[id(handle)] = (handle, pickle.dumps(handle))
+            _trim(self._encoded)
+        else:
+            self._encoded.move_to_end(id(handle))
+        return kept[1]
+
+    def decode(self, ref: bytes | None) -> Any:
+        if ref is None:
+            return None
+        handle = self._decoded.get(ref)
+        if handle is None:
+            handle = self._decoded[ref] = pickle.loads(ref)  # NOTE: from a client that knew the secret
+            _trim(self._decoded)
+        else:
+            self._decoded.move_to_end(ref)
+        return handle
+
+
+def _trim(kept: OrderedDict[Any, Any]) -> None:
+    while len(kept) > _NUM_REFS_KEPT:
+        kept.popitem(last=False)
 
 
 def _pack(frame: list[Any]) -> bytes:
@@ -118,7 +166,8 @@ class ChannelServer:
     """Serves one worker's channel on its event loop: every call runs as a task of its own (as
     concurrent Ray actor calls do), and each subscribed router gets a task that pushes its batches."""
 
-    def __init__(self, handlers: Mapping[Call, Handler], poll: Poll, host: str) -> None:
+    def __init__(self, handlers: Mapping[Call, Handler], poll: Poll | None, host: str) -> None:
+        """poll: the worker's token batches for a router (None: a worker that streams none)."""
         self.handlers = dict(handlers)
         self.poll = poll
         self.host = host
@@ -165,6 +214,8 @@ class ChannelServer:
                     new = asyncio.create_task(self._answer(writer, call_id, Call(call), args))
                 elif kind == _Frame.SUBSCRIBE:
                     _, router_id, heartbeat_s = frame
+                    if self.poll is None:
+                        raise ChannelError("a router subscribed to a worker that streams no tokens")
                     new = asyncio.create_task(self._push(writer, str(router_id), float(heartbeat_s)))
                 else:
                     raise ChannelError(f"unexpected frame kind {kind!r} from a router")
@@ -182,7 +233,11 @@ class ChannelServer:
 
     async def _answer(self, writer: asyncio.StreamWriter, call_id: int, call: Call, args: list[Any]) -> None:
         try:
-            reply = [_Frame.REPLY, call_id, _OK, await self.handlers[call](*args)]
+            handler = self.handlers.get(call)
+            if handler is None:
+                served = sorted(c.name for c in self.handlers)
+                raise ValueError(f"this worker does not serve {call.name} (it serves {served})")
+            reply = [_Frame.REPLY, call_id, _OK, await handler(*args)]
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - the caller gets it, as a Ray call's caller would
@@ -193,6 +248,7 @@ class ChannelServer:
     async def _push(self, writer: asyncio.StreamWriter, router_id: str, heartbeat_s: float) -> None:
         """The router's batches, each as soon as a step has rows for it; an empty one after
         heartbeat_s without any (the router's sign that the worker is alive)."""
+        assert self.poll is not None
         while not writer.is_closing():
             batch = await self.poll(router_id, heartbeat_s)
             writer.write(_pack([_Frame.BATCH, batch]))
@@ -323,13 +379,15 @@ class ChannelClient:
 
 
 class ChannelHandle:
-    """A decode worker's handle for the Dispatcher: its hot calls go over the channel, everything
-    else to the handle it wraps (a Ray actor handle). Passed to another actor (a prefill worker
-    is handed its decode worker), it travels as that handle."""
+    """A worker's handle for the Dispatcher: its hot calls go over the channel, everything else to
+    the handle it wraps (a Ray actor handle). Passed to another actor (a prefill worker is handed
+    its decode worker), it travels as that handle. A decode worker's handle answers the decode
+    calls, a prefill worker's the prefill calls (the other kind's worker refuses them)."""
 
-    def __init__(self, handle: Any, client: ChannelClient) -> None:
+    def __init__(self, handle: Any, client: ChannelClient, refs: Refs | None = None) -> None:
         self._handle = handle
         self._client = client
+        self._refs = refs if refs is not None else Refs()
 
     async def submit(self, request: bytes) -> float:
         return await self._client.call(Call.SUBMIT, request)
@@ -342,6 +400,12 @@ class ChannelHandle:
 
     async def abort(self, request_id: str) -> bool:
         return await self._client.call(Call.ABORT, request_id)
+
+    async def prefill(self, task: bytes, decode_worker: Any = None) -> bytes:
+        return await self._client.call(Call.PREFILL, task, self._refs.encode(decode_worker))
+
+    async def attach_lease(self, request_id: str, lease: bytes, decode_worker: Any) -> bool:
+        return await self._client.call(Call.ATTACH_LEASE, request_id, lease, self._refs.encode(decode_worker))
 
     async def poll(self, router_id: str, timeout_s: float = 1.0) -> bytes:
         """The next pushed batch; the worker sends an empty one after `timeout_s` of nothing. A
@@ -373,5 +437,6 @@ __all__ = [
     "ChannelError",
     "ChannelHandle",
     "ChannelServer",
+    "Refs",
     "RemoteCallError",
 ]

@@ -6,6 +6,9 @@ blocks for a request stay held from the prefill until the push ends (sent, refus
 aborted), then go to the prefix cache. Transfers on one pair run one at a time, so receives are
 posted in the order sends are.
 
+Routers reach `prefill`, `attach_lease` and `abort` over the request channel (kvtransfer/channel.py,
+`channel_address`) instead of Ray calls; it calls the same methods.
+
 Failures: a push that fails or misses its deadline drops the pair (never waiting on the peer; the
 next push re-forms it) and answers the router with an error, which retries the request elsewhere.
 Bad input raises InvalidRequestError (the router answers 4xx and retries nothing).
@@ -33,6 +36,7 @@ from engine.spec.draft_prefill import DraftPrefiller, split_to_fit
 from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, PairAddress, TransferHandle, create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
+from kvtransfer.channel import Call, ChannelAddress, ChannelServer, Refs
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
 from kvtransfer.layout import layer_groups
 from kvtransfer.netaddr import resolve_host
@@ -83,10 +87,19 @@ class PrefillWorker(TransferEndpoint):
         engine = EngineCore(config.engine.model_copy(update={"speculative": SpeculativeConfig()}))
         self.block_size = engine.pool.block_size
         self.max_seq_tokens = engine.max_seq_tokens
+        host = resolve_host(config.host)
         self.transport = create_transport(
             config.transport, self.worker_id, KvLayout.from_kv(engine.runner.kv_caches), engine.device,
-            **kv_transport_options(config.transport, resolve_host(config.host), transport_options),
+            **kv_transport_options(config.transport, host, transport_options),
         )
+        # The routers' request channel (kvtransfer/channel.py), listening from the first channel_address call;
+        # the decode worker a call names comes as a reference (its pickled actor handle), loaded by self.refs.
+        self.refs = Refs()
+        self.channel = ChannelServer({
+            Call.PREFILL: lambda task, ref: self.prefill(task, self.refs.decode(ref)),
+            Call.ATTACH_LEASE: lambda rid, lease, ref: self.attach_lease(rid, lease, self.refs.decode(ref)),
+            Call.ABORT: self.abort,
+        }, None, host)
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
         self._gathered: dict[str, _Gathered] = {}  # request -> its KV gathered when its prefill ended
         # request -> its prompt, for the draft's prefill after the target's (self.draft; prompts that fit it)
@@ -581,6 +594,11 @@ class PrefillWorker(TransferEndpoint):
             future.set_result(StepOutput(request_id, [], None, None, "abort", 0, 0))
         return was_live
 
+    async def channel_address(self) -> ChannelAddress:
+        """Where routers open the request channel (prefill, attach_lease and abort go there instead
+        of through Ray): (host, port, secret)."""
+        return await self.channel.address()
+
     # ---- introspection
     async def stats(self) -> dict[str, Any]:
         s = await self._call(lambda e: e.stats())
@@ -589,6 +607,7 @@ class PrefillWorker(TransferEndpoint):
             "pid": os.getpid(),  # where its memory can be watched (bench/soak.py)
             **s.load(),
             "num_cached_blocks": s.num_cached_blocks,
+            "num_channels": self.channel.num_connections,  # routers connected over the request channel
             "is_healthy": await self.health(),
         }
 
@@ -604,6 +623,7 @@ class PrefillWorker(TransferEndpoint):
         return await self._call(lookup)
 
     async def shutdown(self) -> None:
+        await self.channel.close()
         self.loop.stop()
         self.transport.close()
 

@@ -154,9 +154,10 @@ class DispatcherConfig(BaseModel):
     )
     request_channel: bool = Field(
         True,
-        description="Router replicas reach decode (and colocated) workers' per-request calls (submit, "
-        "prefill_locally, reserve, abort) and their token batches over a direct socket (kvtransfer/channel.py: "
-        "batches pushed as each step ends) instead of Ray actor calls and polls; False: through Ray.",
+        description="Router replicas reach workers' per-request calls (submit, prefill_locally, reserve, abort on "
+        "decode and colocated workers; prefill, attach_lease, abort on prefill workers) and the token batches over "
+        "a direct socket per worker (kvtransfer/channel.py: batches pushed as each step ends) instead of Ray actor "
+        "calls and polls; False: through Ray.",
     )
     lease_beside_prefill: bool = Field(
         True,

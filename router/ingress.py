@@ -40,8 +40,8 @@ class RouterIngress:
         )
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
-        # The decode workers' per-request calls and token batches over the request channel (a direct
-        # socket), unless asked for Ray calls; Ray actor handles are the ones wrapped.
+        # The workers' per-request calls and token batches over the request channel (a direct socket
+        # per worker), unless asked for Ray calls; Ray actor handles are the ones wrapped.
         from ray.actor import ActorHandle
 
         self.channels = WorkerChannels(lambda handle: isinstance(handle, ActorHandle)) if (

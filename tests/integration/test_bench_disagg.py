@@ -1,6 +1,8 @@
 """bench.disagg on the CPU (a subprocess with its own local Ray cluster, gloo, the tiny default
 model): the three modes run side by side, every mode is measured in every round, the tokens are
-equal, no block is left held, and the paired overheads follow from the modes' own TTFTs."""
+equal (the routers reaching the workers over the request channel, a prefill naming its decode worker
+by a pickled Ray handle), no block is left held, and the paired overheads follow from the modes'
+own TTFTs."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def test_disagg_cpu_smoke(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "disagg_cpu.json").read_text())
     assert (tmp_path / "disagg_cpu.png").stat().st_size > 0
     assert report["num_ttft"] == NUM_TTFT
+    assert report["request_channel"] is True  # the routers reached the workers as a served router does
     shape = report["shapes"]["default"]
     modes = shape["modes"]
     assert set(modes) == {"colocated", "disaggregated_one_message", "disaggregated"}

@@ -166,3 +166,28 @@ def test_curl_sse_stream_and_status(server):
     header, *rows = status.stdout.splitlines()
     decode_row = next(row.split() for row in rows if row.startswith("decode-0"))
     assert header.split()[-2] == "channels" and decode_row[-2] == "1", status.stdout
+
+
+def test_a_long_prompt_goes_through_the_prefill_worker_over_its_channel(server):
+    """A prompt past DispatcherConfig.local_prefill's short-prompt bound is prefilled on prefill-0,
+    which the router reaches over its request channel (the decode worker named in the call goes as
+    a pickled Ray handle); the greedy text equals the offline engine's."""
+    import random
+
+    import openai
+
+    from engine import LLM, SamplingParams
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(4, 2000) for _ in range(240)]  # > max_short_prompt_tokens (192)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=60)
+    served = client.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0)
+    offline = LLM(device="cpu").generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert served.choices[0].text == offline.outputs.text and served.usage.prompt_tokens == 240
+    status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", server.ray_address], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    header, *rows = status.stdout.splitlines()
+    assert header.split()[-2] == "channels", status.stdout
+    channels = {row.split()[0]: row.split()[-2] for row in rows if row.strip()}  # routers connected to each
+    assert channels.get("prefill-0") == "1" and channels.get("decode-0") == "1", status.stdout

@@ -1,6 +1,7 @@
 """The request channel's protocol with plain handlers (no engine): calls and their answers, the
 errors a caller gets (bad input as InvalidRequestError, other failures named), the secret, the
-frame size limit, pushed batches with their heartbeat, and a lost connection failing what waits."""
+frame size limit, pushed batches with their heartbeat, and a lost connection failing what waits;
+a worker that streams no tokens refusing a subscription; worker references (Refs) in a call."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvtransfer.channel import (
     ChannelError,
     ChannelHandle,
     ChannelServer,
+    Refs,
     RemoteCallError,
 )
 from kvtransfer.protocol import TokenBatchMsg, TokenOutputMsg
@@ -85,7 +87,7 @@ def test_calls_answer_and_errors_keep_their_kind():
             assert invalid.value.field == "prompt" and str(invalid.value) == "prompt: is empty; at least 1 token is required"
             with pytest.raises(RemoteCallError, match="KeyError: 'lost'"):
                 await asyncio.wait_for(client.call(Call.SUBMIT, b"boom"), 10)
-            with pytest.raises(RemoteCallError, match="KeyError"):  # a call this worker does not serve
+            with pytest.raises(RemoteCallError, match=r"does not serve PREFILL_LOCALLY \(it serves \['ABORT', "):
                 await asyncio.wait_for(client.call(Call.PREFILL_LOCALLY, b"x"), 10)
             # the connection outlives failed calls: one connection, every call on it
             assert await asyncio.wait_for(client.call(Call.SUBMIT, b"again"), 10) == 1.5
@@ -225,3 +227,62 @@ def test_a_channel_handle_travels_as_the_handle_it_wraps():
     handle = ChannelHandle(("a", "handle"), ChannelClient("w0", address))
     assert pickle.loads(pickle.dumps(handle)) == ("a", "handle")
     assert handle.count("a") == 1  # other attributes are the wrapped handle's
+
+
+class _Picklable:
+    """Stands in for a Ray actor handle: pickles, and counts how often."""
+
+    dumps = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self):
+        _Picklable.dumps += 1
+        return _Picklable, (self.name,)
+
+
+def test_refs_pickle_each_handle_once_and_load_it_once():
+    refs, other_side = Refs(), Refs()
+    d0 = _Picklable("d0")
+    _Picklable.dumps = 0
+    first = refs.encode(ChannelHandle(d0, ChannelClient("d0", None)))  # type: ignore[arg-type]
+    wrapped = ChannelHandle(d0, ChannelClient("d0", None))  # type: ignore[arg-type]
+    assert refs.encode(wrapped) == refs.encode(wrapped) == first  # a channel handle goes as the handle it wraps
+    assert _Picklable.dumps == 2  # once per handle object, not once per call
+    loaded = other_side.decode(first)
+    assert isinstance(loaded, _Picklable) and loaded.name == "d0"
+    assert other_side.decode(first) is loaded  # loaded once
+    assert refs.encode(None) is None and other_side.decode(None) is None
+
+
+def test_refs_keep_a_bounded_number_of_handles(monkeypatch):
+    monkeypatch.setattr("kvtransfer.channel._NUM_REFS_KEPT", 3)
+    refs = Refs()
+    handles = [_Picklable(f"d{i}") for i in range(5)]
+    encoded = [refs.encode(h) for h in handles]
+    assert len(refs._encoded) == 3 and len({e for e in encoded}) == 5
+    for e in encoded:
+        refs.decode(e)
+    assert len(refs._decoded) == 3
+
+
+def test_a_worker_without_a_token_stream_refuses_a_subscription_and_names_what_it_serves():
+    async def main():
+        async def prefill(task: bytes, ref: bytes | None) -> bytes:
+            return task + (ref or b"")
+
+        server = ChannelServer({Call.PREFILL: prefill}, None, "127.0.0.1")
+        client = await _client(server)
+        try:
+            assert await asyncio.wait_for(client.call(Call.PREFILL, b"t", b"+r"), 10) == b"t+r"
+            with pytest.raises(RemoteCallError, match=r"does not serve SUBMIT \(it serves \['PREFILL'\]\)"):
+                await asyncio.wait_for(client.call(Call.SUBMIT, b"x"), 10)
+            with pytest.raises(ChannelError, match="lost"):  # the worker closes a connection that subscribes
+                await asyncio.wait_for(client.next_batch("r0", 1.0), 10)
+            assert await asyncio.wait_for(client.call(Call.PREFILL, b"u", None), 10) == b"u"  # a new connection
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
