@@ -18,6 +18,11 @@
 #           TTFT with the KV in one message and in layer groups sent during the prefill, KV push
 #           bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes; the three
 #           modes run side by side and TTFT is measured in turns (paired overhead with a 95% CI).
+#   pair_channel (nvidia-h200-x2): bench.disagg at the Llama-3.1-8B shape twice, the routers reaching the workers
+#           over the request channel (as `pair` does) and then through Ray calls (--no-request-channel).
+#   prefill_path (one GPU): bench.prefill_path at the Llama-3.1-8B shape, the KV in 8 layer groups, then in one
+#           message, without the early handshake, with a 0.2 ms GIL switch interval: the prefill worker's arrival
+#           -> first token against a colocated worker's, in one process.
 #   nccl_kill (nvidia-h200-x2): the decode worker killed mid-transfer over NCCL (bench.nccl_kill).
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
@@ -35,7 +40,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -69,6 +74,17 @@ case "$part" in
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
     run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 42 --iters 10 --out "$out"
+    ;;
+  pair_channel)
+    run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_channel --out "$out"
+    run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_ray \
+      --no-request-channel --out "$out"
+    ;;
+  prefill_path)
+    run 200 python3 -m bench.prefill_path --rounds 40 --kv-messages 8 --tag groups8 --out "$out"
+    run 200 python3 -m bench.prefill_path --rounds 40 --kv-messages 1 --tag one_message --out "$out"
+    run 200 python3 -m bench.prefill_path --rounds 40 --no-early-handshake --tag no_early --out "$out"
+    run 200 python3 -m bench.prefill_path --rounds 40 --switch-interval-ms 0.2 --tag switch0.2ms --out "$out"
     ;;
   nccl_kill)
     run 200 python3 -m bench.nccl_kill --out "$out"
