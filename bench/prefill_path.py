@@ -144,7 +144,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "per_round": diffs}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=SHAPES / "llama-3.1-8b", help="a shape dir (dummy weights)")
     parser.add_argument("--prompt-len", type=int, default=2048)
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="", help="suffix of the result files")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.prompt_len < 1 or args.rounds < 1:
         parser.error(f"--prompt-len and --rounds must be >= 1, got {args.prompt_len} and {args.rounds}")
     if args.switch_interval_ms is not None:
@@ -196,6 +196,7 @@ def main() -> None:
     save_plot(path.with_suffix(".png"), plot, f"prefill worker vs colocated, one process, {device}, "
               f"{args.prompt_len}-token prompts, {args.model.name}")
     print(path)
+    return path
 
 
 if __name__ == "__main__":
