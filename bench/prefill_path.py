@@ -7,7 +7,9 @@ worker took to the batch carrying it (bench/results/disagg_2xh200_colocated_tran
 asks whether that is the prefill worker's own code (its layer hooks, the early handshake beside the
 step, holding the prompt's KV, the event loop's work beside the engine thread), which shows here
 too, or what only two GPUs have (NCCL's kernels beside the prefill's, the cross-GPU send), which
-cannot show here.
+cannot show here. What it cannot separate: here the decode worker shares the process, so its side
+of the handshake (posting receives, landing the KV) runs beside the prefill worker's engine thread
+too, which on two GPUs it does not.
 
 Modes, measured in turns (round i measures every mode, in bench.paired.rotation order), a fresh
 random prompt each round, the first WARM_ROUNDS not reported:
