@@ -19,8 +19,8 @@ This package does not know which blocks are free or held or what a lease is, and
 the workers above it own the blocks and call it. The transports import nothing from engine/;
 `kvtransfer.protocol` (the typed messages of the block-ownership protocol) uses engine's SamplingParams.
 
-`kvtransfer.channel` is the request channel beside the KV: a direct socket from a router to a decode
-worker for each request's placing and abort calls and the worker's pushed token batches.
+`kvtransfer.channel` is the request channel beside the KV: a direct socket from a router to each
+worker for a request's placing, prefill and abort calls and a decode worker's pushed token batches.
 """
 
 from kvtransfer.fault import FaultRule, FaultTransport

@@ -7,7 +7,7 @@ Knows nothing of Ray or of how the set is made."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kvtransfer.channel import ChannelAddress, ChannelClient, ChannelHandle, Refs
@@ -47,9 +47,5 @@ class WorkerChannels:
         self.clients.clear()
 
 
-def _address_of(handle: Any) -> Callable[[], Any]:
-    async def address() -> ChannelAddress:
-        host, port, secret = await invoke(handle.channel_address)
-        return host, port, secret
-
-    return address
+def _address_of(handle: Any) -> Callable[[], Awaitable[ChannelAddress]]:
+    return lambda: invoke(handle.channel_address)

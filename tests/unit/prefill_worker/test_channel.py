@@ -43,6 +43,10 @@ class _RegistryRefs(Refs):
         return None if ref is None else self.objects[ref]
 
 
+def _offline(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+
+
 def _prompts(count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, 2048) for _ in range(rng.randrange(3, 70))] for _ in range(count)]
@@ -110,7 +114,7 @@ async def _collect(dispatcher: Dispatcher, rid: str, prompt: list[int], params: 
 def test_disaggregated_over_the_channels_equals_offline():
     prompts = _prompts(10, seed=3)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    offline = _offline(prompts, params)
 
     async def main() -> None:
         cluster = _Cluster(num_prefill=1)
@@ -135,7 +139,7 @@ def test_disaggregated_over_the_channels_equals_offline():
 def test_a_lost_prefill_connection_moves_its_prompts_to_another_prefill_worker():
     prompts = _prompts(8, seed=4)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    offline = _offline(prompts, params)
 
     async def main() -> None:
         cluster = _Cluster(num_prefill=2)
