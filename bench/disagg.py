@@ -12,9 +12,12 @@ Measures, per model shape (dummy weights), in one run:
   - the transfer itself on the GPU (CUDA events): the gather into one buffer, and the send from
     the moment the pair's stream reaches it (the receiver has posted its recv by then), and their
     bandwidth against the same raw figure.
-Disaggregated runs twice: the KV in one message after the prefill step (`kv_messages` 1: the
-bandwidth figures above come from it) and in `--kv-messages` layer groups sent while the step
-computes (the default; its TTFT is the disaggregated figure, "ttft_overhead").
+Disaggregated runs three times: the KV in one message after the prefill step (`kv_messages` 1: the
+bandwidth figures above come from it), and in `--kv-messages` layer groups sent while the step
+computes (its TTFT is "ttft_overhead"), both answering the router with the first token before the
+push ends (PrefillWorkerConfig.answer_before_push, the default: the push's figures then come from
+the worker's push_records); and, as the baseline of that, one message with the answer waiting for
+the push ("disaggregated_answer_after_push"; `--no-answer-after-push-mode` leaves it out).
 
 Side by side, in turns: the three modes' workers are alive at once (bench.side_by_side: colocated
 and prefill workers share GPU 0, decode workers GPU 1, each with its own share of the GPU's memory;
@@ -62,9 +65,11 @@ from kvtransfer import NCCL_WORKER_ENV
 from kvtransfer.protocol import PrefillResultMsg, TokenBatchMsg
 from router import Dispatcher
 from router.channels import WorkerChannels
+from router.dispatch import invoke
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 WARM_ROUNDS = 2  # the first rounds pay for allocator growth and kernel selection: not reported
+AFTER_PUSH = "disaggregated_answer_after_push"  # the baseline of PrefillWorkerConfig.answer_before_push
 
 
 def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
@@ -152,6 +157,22 @@ def _transit(results: list[PrefillResultMsg], legs: dict[str, list[float]]) -> d
             "back_median_s": statistics.median(e - r.answered_at for r, _, e in pairs)}
 
 
+async def _complete_pushes(run: _ModeRun, prefill_workers: Any) -> None:
+    """Answers sent before their push ended (PrefillWorkerConfig.answer_before_push) completed with
+    the push's figures from their prefill worker's push_records; a push that failed has none (and
+    its request moved on, which the tokens would show)."""
+    records: dict[str, PrefillResultMsg] = {}
+    for handle in prefill_workers:
+        await invoke(handle.settle_pushes)
+        for raw in await invoke(handle.push_records):
+            record = PrefillResultMsg.decode(raw)
+            records[record.request_id] = record
+    missing = [r.request_id for r in run.results if r.push_pending and r.request_id not in records]
+    if missing:
+        raise RuntimeError(f"no push record for {missing}: their pushes failed after the answer (see the workers' log)")
+    run.results[:] = [r.with_push(records[r.request_id]) if r.push_pending else r for r in run.results]
+
+
 @dataclass
 class _ModeRun:
     """One mode's router and what it recorded, request by request (round i is request i)."""
@@ -211,6 +232,7 @@ async def run_modes(
         for name, run in runs.items():
             ids = set(side_by_side.workers(name).decode)
             run.first_batches = [v for (worker_id, _), v in first.seen.items() if worker_id in ids]
+            await _complete_pushes(run, side_by_side.workers(name).prefill.values())
         for run in runs.values():
             await run.dispatcher.close()
         held = {name: await side_by_side.held_blocks(name) for name in runs}
@@ -266,20 +288,21 @@ def _shape_report(
     and paired), the KV push's bandwidth against raw send/recv of the same size (measured here)."""
     # NOTE: bandwidth from the one-message run (a streamed push's sends are spread over the step)
     d, c, streamed = modes["disaggregated_one_message"], modes["colocated"], modes["disaggregated"]
+    disaggregated = [name for name in modes if name != "colocated"]
     raw, raw_device = raw_bandwidths([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
     push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
     transfer_gbps = d["push_bytes"] / d["transfer_device_median_s"] / 1e9 if d["transfer_device_median_s"] else None
     send_gbps = d["push_bytes"] / d["send_device_median_s"] / 1e9 if d["send_device_median_s"] else None
     return {
         "modes": modes,
-        "same_tokens": d["tokens"] == c["tokens"] == streamed["tokens"],
+        "same_tokens": all(modes[name]["tokens"] == c["tokens"] for name in disaggregated),
         "kv_messages": args.kv_messages,
         # ratio of the modes' medians (as in older results)
         "ttft_overhead": streamed["ttft_median_s"] / c["ttft_median_s"] - 1,
         "ttft_overhead_one_message": d["ttft_median_s"] / c["ttft_median_s"] - 1,
         # per round i: ttft_mode[i] / ttft_colocated[i] - 1; its median and bootstrap 95% interval
         "paired_overhead": {name: overhead_summary(modes[name]["ttft_s"], c["ttft_s"])
-                            for name in ("disaggregated", "disaggregated_one_message")},
+                            for name in disaggregated},
         "placement": side_by_side.placement(),
         "num_gpus_per_worker": side_by_side.num_gpus_per_worker,
         "push_gbps": push_gbps,
@@ -300,9 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--num-ttft", type=int, default=42,
-                        help="TTFT rounds reported (after 2 warm-up rounds); a multiple of 3 puts every mode at "
-                        "every position of the rotation equally often")
+    parser.add_argument("--num-ttft", type=int, default=44,
+                        help="TTFT rounds reported (after 2 warm-up rounds); a multiple of the number of modes (4, or 3 "
+                        "with --no-answer-after-push-mode) puts every mode at every position of the rotation equally often")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--device", default="cuda", help="'cpu' (with --transport gloo) for a smoke test")
@@ -314,8 +337,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--request-channel", action=argparse.BooleanOptionalAction, default=True,
                         help="the routers reach the workers over the request channel (a served router's default); "
                         "--no-request-channel: through Ray actor calls and polls")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.28,
-                        help="each worker's share of its GPU's memory (KV cache sizing); 3 workers share GPU 0")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="each worker's share of its GPU's memory (KV cache sizing; default 0.92 / the modes, at "
+                        "most 0.28): the colocated and every prefill worker share GPU 0")
+    parser.add_argument("--answer-after-push-mode", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"also run {AFTER_PUSH}: one message, the answer waiting for the push")
     args = parser.parse_args(argv)
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     on_gpu = args.device != "cpu"
@@ -329,10 +355,14 @@ def main(argv: list[str] | None = None) -> None:
     mode_specs = [ModeSpec("colocated", is_disaggregated=False),
                  ModeSpec("disaggregated_one_message", is_disaggregated=True, kv_messages=1),
                  ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages)]
+    if args.answer_after_push_mode:
+        mode_specs.append(ModeSpec(AFTER_PUSH, is_disaggregated=True, kv_messages=1, answer_before_push=False))
+    # NOTE: the colocated worker and every prefill worker share GPU 0, each with this share of its memory
+    share = args.gpu_memory_utilization or min(0.28, 0.92 / len(mode_specs))
     for shape in args.shapes.split(","):
         started = time.perf_counter()
         model = args.shapes_dir / shape
-        options = (dict(gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16") if on_gpu
+        options = (dict(gpu_memory_utilization=share, dtype="bfloat16") if on_gpu
                    else dict(num_blocks=1024))
         engine = engine_config(str(model), load_format="dummy", device=args.device,
                                max_num_batched_tokens=max(2048, args.prompt_len), **options)
@@ -372,10 +402,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(shapes))
     top_ms = 0.0
-    for offset, mode in ((-0.27, "colocated"), (0.0, "disaggregated_one_message"), (0.27, "disaggregated")):
-        label = {"disaggregated": "disaggregated, KV sent during the prefill"}.get(mode, mode)
+    names = [m for m in ("colocated", AFTER_PUSH, "disaggregated_one_message", "disaggregated")
+             if all(m in report["shapes"][s]["modes"] for s in shapes)]
+    width = 0.8 / len(names)
+    for k, mode in enumerate(names):
+        offset = (k - (len(names) - 1) / 2) * width
+        label = {"disaggregated": "disaggregated, KV sent during the prefill",
+                 AFTER_PUSH: "disaggregated, one message, answer after the push"}.get(mode, mode)
         medians_ms = [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes]
-        ax1.bar([i + offset for i in x], medians_ms, width=0.27, label=label)
+        ax1.bar([i + offset for i in x], medians_ms, width=width, label=label)
         top_ms = max(top_ms, *medians_ms)
         for i, s in enumerate(shapes):
             paired = report["shapes"][s].get("paired_overhead", {}).get(mode)

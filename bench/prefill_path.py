@@ -17,7 +17,8 @@ random prompt each round, the first WARM_ROUNDS not reported:
   Worker time: arrival (submit's answer) -> that batch sent (TokenBatchMsg.sent_at).
 - prefill: a PrefillWorker and a DecodeWorker (local transport): `reserve`, then `prefill` with the
   lease, its answer carrying prefill_s (arrival -> first token: the worker time to compare) and
-  push_s (first token -> the KV's arrival acknowledged); the KV in --kv-messages layer groups.
+  push_s (first token -> the KV's sends done: from the worker's push_records when it answered before the
+  push, PrefillWorkerConfig.answer_before_push, the default); the KV in --kv-messages layer groups.
 Both times are this process's clock. Reported per mode: TTFT (the caller's view) and worker time,
 medians, and the paired worker-time difference prefill - colocated per round with a bootstrap 95%
 interval. Writes prefill_path_<device>.json and a PNG.
@@ -103,6 +104,13 @@ async def prefill_round(prefill: PrefillWorker, decode: DecodeWorker, request: G
     if result.error is not None:
         raise RuntimeError(f"prefill of {rid}: {result.error}")
     await _until_finished(decode, rid)  # its second token: the sequence went on there
+    if result.push_pending:  # answered before its push (PrefillWorkerConfig.answer_before_push)
+        await prefill.settle_pushes()
+        records = [PrefillResultMsg.decode(r) for r in await prefill.push_records()]
+        record = next((r for r in reversed(records) if r.request_id == rid), None)
+        if record is None:
+            raise RuntimeError(f"the push of {rid} after its answer failed (the prefill worker's log says how)")
+        result = result.with_push(record)
     return {"ttft_s": ttft, "worker_s": result.prefill_s, "push_s": result.push_s,
             "num_streamed_messages": float(result.num_streamed_messages)}
 
@@ -119,7 +127,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     decode = DecodeWorker(DecodeWorkerConfig(worker_id="decode", engine=engine, transport="local"),
                           transport_options={"hub": hub})
     prefill = PrefillWorker(PrefillWorkerConfig(worker_id="prefill", engine=engine, transport="local",
-                                                kv_messages=args.kv_messages, early_handshake=args.early_handshake),
+                                                kv_messages=args.kv_messages, early_handshake=args.early_handshake,
+                                                answer_before_push=args.answer_before_push),
                             transport_options={"hub": hub})
     rng = random.Random(0)
     rows: dict[str, list[dict[str, float]]] = {"colocated": [], "prefill": []}
@@ -153,6 +162,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--kv-messages", type=int, default=8, help="the prefill worker's KV layer groups")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks of each worker")
+    parser.add_argument("--answer-before-push", action=argparse.BooleanOptionalAction, default=True,
+                        help="PrefillWorkerConfig.answer_before_push (off: the answer waits for the KV push)")
     parser.add_argument("--early-handshake", action=argparse.BooleanOptionalAction, default=True,
                         help="PrefillWorkerConfig.early_handshake (off: the KV goes in one message after the step)")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> Path:
     record = {"benchmark": "prefill_path", "device": device, "torch": torch.__version__, "model": str(args.model),
               "prompt_len": args.prompt_len, "rounds": args.rounds, "warm_rounds": WARM_ROUNDS,
               "kv_messages": args.kv_messages, "early_handshake": args.early_handshake,
+              "answer_before_push": args.answer_before_push,
               "switch_interval_s": sys.getswitchinterval(), **record}
     print(json.dumps({k: record[k] for k in ("device", "summary", "held_blocks_after")}), flush=True)
     diff = record["worker_s_difference"]

@@ -58,6 +58,7 @@ class ModeSpec:
     is_disaggregated: bool
     kv_messages: int = 1
     ship_draft_kv: bool = False
+    answer_before_push: bool = True  # PrefillWorkerConfig.answer_before_push
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ class SideBySide:
                       transfer_timeout_s=self.transfer_timeout_s)
         if spec.role == "prefill":
             mode = self.modes[spec.mode]
-            return PrefillWorkerConfig(**common, kv_messages=mode.kv_messages, ship_draft_kv=mode.ship_draft_kv)
+            return PrefillWorkerConfig(**common, kv_messages=mode.kv_messages, ship_draft_kv=mode.ship_draft_kv,
+                                       answer_before_push=mode.answer_before_push)
         return DecodeWorkerConfig(**common, lease_ttl_s=self.lease_ttl_s)
 
     async def start(self, timeout_s: float = 600.0) -> None:

@@ -50,6 +50,11 @@ class ClusterConfig(BaseModel):
         8, ge=1, description="A prompt's KV goes in up to this many layer groups, each sent while the prefill "
         "step computes the next (PrefillWorkerConfig.kv_messages); 1: one message after the step.",
     )
+    answer_before_push: bool = Field(
+        True, description="Prefill workers answer the router with the first token before the KV push ends, the push "
+        "going on in the background; a push that then fails reaches the router from its decode worker "
+        "(PrefillWorkerConfig.answer_before_push). False: the answer waits for the push.",
+    )
     prefill_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources each prefill worker asks for (and each of its placement-group "

@@ -134,6 +134,10 @@ class PrefillResultMsg(Msg):
     prefill_s: float = 0.0  # from arrival at the prefill worker to its first token
     push_s: float = 0.0  # from the first token to the KV's arrival acknowledged (gather + handshake + send)
     push_bytes: int = 0
+    # Answered before its push ended (PrefillWorkerConfig.answer_before_push): push_bytes is what it
+    # sends; push_s, the device times and the marks are not known yet (the prefill worker's
+    # push_records and stats have them once it ends; a failure reaches the router from the decode worker).
+    push_pending: bool = False
     # The transfer's own time on the device (CUDA events on its streams; 0 where not timed): the
     # gather into one buffer, and the send from the moment the pair's stream reached it.
     gather_device_s: float = 0.0
@@ -154,6 +158,15 @@ class PrefillResultMsg(Msg):
     # marks, the call's transit each way.
     arrived_at: float = 0.0
     answered_at: float = 0.0
+
+    def with_push(self, record: PrefillResultMsg) -> PrefillResultMsg:
+        """This answer, sent before its push ended, completed with that push's figures from the
+        worker's push_records (its own timings and marks kept)."""
+        if record.request_id != self.request_id:
+            raise ValueError(f"push record of {record.request_id!r} given for the answer of {self.request_id!r}")
+        fields = ("push_s", "push_bytes", "gather_device_s", "send_device_s", "num_streamed_messages",
+                  "push_tail_device_s", "layers_written_at_offer", "push_marks_s")
+        return self.model_copy(update={"push_pending": False, **{f: getattr(record, f) for f in fields}})
 
 
 class TokenOutputMsg(NamedTuple):

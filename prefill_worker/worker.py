@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -50,6 +52,7 @@ _DraftJob = tuple[list[int], "asyncio.Future[torch.Tensor]"]  # a prompt, and wh
 # Ended prefills remembered (a lease attached after its prefill's answer is refused; one attached
 # before its prefill call waits for it).
 _NUM_ENDED_KEPT = 4096
+_NUM_PUSH_RECORDS = 1024  # the latest pushes that ended after their answer (push_records)
 
 
 class PrefillWorkerConfig(EndpointConfig):
@@ -66,6 +69,15 @@ class PrefillWorkerConfig(EndpointConfig):
         description="After an early handshake, the prompt's KV goes in this many messages (groups of consecutive "
         "layers, at most one a layer), each sent as soon as the prefill step has queued its layers, so on a GPU "
         "the transfer overlaps the rest of the prefill; 1: one message, sent right after the forward.",
+    )
+    answer_before_push: bool = Field(
+        True,
+        description="After an accepted early handshake (the decode worker holds the request and has posted its "
+        "receives), answer the router with the first token as soon as it is sampled, the KV and the token going on "
+        "in the background: the push leaves the time to first token. A push that then fails reaches the router "
+        "through the decode worker's token stream (its receive fails, or times out after transfer_timeout_s), and "
+        "the request moves on with its first token kept. False: the answer waits for the push (and carries its "
+        "timings).",
     )
     ship_draft_kv: bool = Field(
         True,
@@ -121,6 +133,11 @@ class PrefillWorker(TransferEndpoint):
         self._pair_epochs: dict[str, int] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
+        # request -> its push, under way after the answer (answer_before_push); it holds the prompt's
+        # blocks and the request's state here until it ends (_push_ended).
+        self._pushing: dict[str, asyncio.Task[PrefillResultMsg]] = {}
+        self._push_records: deque[PrefillResultMsg] = deque(maxlen=_NUM_PUSH_RECORDS)
+        self.push_totals = PushTotals()
         self.layer_push = LayerPush(self.transport, engine.runner.kv_caches, self._defer)
         engine.layer_hook = self.layer_push.hook
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
@@ -227,16 +244,21 @@ class PrefillWorker(TransferEndpoint):
             update = {"worker_s": answered - arrived, "arrived_at": arrived, "answered_at": answered}
             return result.model_copy(update=update).encode()
         finally:
-            self._live.discard(rid)
-            self._aborted.discard(rid)
-            self._gathered.pop(rid, None)
-            self._leases.pop(rid, None)
-            self._draft_prompts.pop(rid, None)
-            self._draft_kv.pop(rid, None)  # NOTE: a draft send under way holds the future itself
-            self._ended[rid] = None
-            while len(self._ended) > _NUM_ENDED_KEPT:
-                self._ended.popitem(last=False)
-            # NOTE: its layer push (if offered) is closed by whichever of _push and _settle sends the rest
+            if rid not in self._pushing:  # NOTE: a push under way after the answer forgets it when it ends
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """A request's prefill and push have ended here: its state goes (its name stays in _ended)."""
+        self._live.discard(rid)
+        self._aborted.discard(rid)
+        self._gathered.pop(rid, None)
+        self._leases.pop(rid, None)
+        self._draft_prompts.pop(rid, None)
+        self._draft_kv.pop(rid, None)  # NOTE: a draft send under way holds the future itself
+        self._ended[rid] = None
+        while len(self._ended) > _NUM_ENDED_KEPT:
+            self._ended.popitem(last=False)
+        # NOTE: its layer push (if offered) is closed by whichever of _push and _settle sends the rest
 
     async def attach_lease(self, request_id: str, lease: bytes, decode_worker: Any) -> bool:
         """The lease of a prefill that started without one (the router reserves it meanwhile):
@@ -293,6 +315,10 @@ class PrefillWorker(TransferEndpoint):
             self._settle(early, msg)
             raise
         prefilled = time.perf_counter()
+        if early is not None and self.config.answer_before_push:
+            answer = await self._answer_before_push(msg, out, early, prefilled)
+            if answer is not None:
+                return answer.model_copy(update={"prefill_s": prefilled - started})
         try:
             result = await self._push(msg, out, early)
             timing = {"prefill_s": prefilled - started, "push_s": time.perf_counter() - prefilled,
@@ -302,6 +328,96 @@ class PrefillWorker(TransferEndpoint):
             # NOTE: not awaited (the answer does not wait for the engine thread): later engine
             # commands (an integrity check, the next prompt's prefix lookup) queue behind it.
             self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
+
+    async def _answer_before_push(
+        self, msg: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None], prefilled: float
+    ) -> PrefillResultMsg | None:
+        """The answer with the first token, the push started in the background (answer_before_push):
+        when the first token does not end the request and the early handshake was accepted, so the
+        decode worker holds the request and reports a push that fails on its token stream. None: the
+        caller pushes and answers after."""
+        request = msg.request
+        aborted, finish = self._ending(msg, out)
+        if aborted or finish is not None:
+            return None
+        try:
+            handshake = await asyncio.shield(early)
+        except BaseException:  # cancelled: the decode side still gets what it waits for
+            self._settle(early, msg)
+            raise
+        if handshake is None or handshake.decode_id is None:
+            return None
+        rid = request.request_id
+        push = asyncio.ensure_future(self._push(msg, out, early))
+        self._pushing[rid] = push
+        push.add_done_callback(lambda done: self._push_ended(rid, done, prefilled))
+        layout = self.transport.layout
+        num_blocks = self._num_blocks(len(request.prompt_token_ids))
+        push_bytes = layout.torch_dtype.itemsize * math.prod(layout.buffer_shape(num_blocks))
+        return PrefillResultMsg(**self._first_answer(request.request_id, out), push_bytes=push_bytes,
+                                push_pending=True)
+
+    def _push_ended(self, rid: str, done: asyncio.Task[PrefillResultMsg], prefilled: float) -> None:
+        """A push after the answer has ended: its blocks go back, its figures into push_records and
+        push_totals; a failure is logged (its decode worker has told the router)."""
+        self._pushing.pop(rid, None)
+        self._forget(rid)
+        self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
+        ended = time.perf_counter()
+        if done.cancelled() or done.exception() is not None:
+            error = "cancelled" if done.cancelled() else f"{type(done.exception()).__name__}: {done.exception()}"
+            result = PrefillResultMsg(request_id=rid, error=error)
+        else:
+            result = done.result()
+        if result.error is not None:
+            self.push_totals.num_failed += 1
+            log.warning("push of %s after its answer: %s", rid, result.error)
+            return
+        if not result.push_bytes:
+            return  # aborted meanwhile: nothing was pushed for decoding
+        timed = result.model_copy(update={
+            "push_s": ended - prefilled, "push_marks_s": [t - prefilled for t in result.push_marks_s],
+        })
+        self._push_records.append(timed)
+        self.push_totals.add(timed)
+
+    async def settle_pushes(self, timeout_s: float | None = None) -> int:
+        """Waits (at most timeout_s, default transfer_timeout_s) for the pushes under way after their
+        answers; returns how many are still under way."""
+        pushes = list(self._pushing.values())
+        if pushes:
+            await asyncio.wait(pushes, timeout=self.config.transfer_timeout_s if timeout_s is None else timeout_s)
+        return len(self._pushing)
+
+    async def push_records(self) -> list[bytes]:
+        """The latest pushes that ended after their answer (answer_before_push), oldest first, each a
+        PrefillResultMsg with the push's figures (push_s from the first token to the sends done)."""
+        return [r.encode() for r in self._push_records]
+
+    async def check_integrity(self) -> int:
+        """As TransferEndpoint's, once the pushes under way have ended (they hold their prompts'
+        blocks until then; bounded by transfer_timeout_s)."""
+        await self.settle_pushes()
+        return await super().check_integrity()
+
+    def _ending(self, msg: PrefillTaskMsg, out: StepOutput) -> tuple[bool, str | None]:
+        """Whether the request was aborted, and the finish reason if its first token ends it."""
+        request = msg.request
+        aborted = out.finish_reason == "abort" or request.request_id in self._aborted
+        finish = None if aborted else self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
+        return aborted, finish
+
+    @staticmethod
+    def _first_answer(rid: str, out: StepOutput) -> dict[str, Any]:
+        """The answer's fields that the prefill step gives (the first token and its counts)."""
+        return dict(
+            request_id=rid,
+            first_token=out.new_token_ids[0] if out.new_token_ids else None,
+            logprob=out.logprobs[0] if out.logprobs else None,
+            top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+        )
 
     # ---- the early handshake (PrefillWorkerConfig.early_handshake)
     def _wants_early_handshake(self, msg: PrefillTaskMsg) -> bool:
@@ -492,16 +608,8 @@ class PrefillWorker(TransferEndpoint):
         -1, on which it frees the lease. Without one, the handshake happens now, first token included."""
         request = task.request
         rid = request.request_id
-        result = dict(
-            request_id=rid,
-            first_token=out.new_token_ids[0] if out.new_token_ids else None,
-            logprob=out.logprobs[0] if out.logprobs else None,
-            top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-        )
-        aborted = out.finish_reason == "abort" or rid in self._aborted
-        finish = None if aborted else self._finish_reason(out, len(request.prompt_token_ids), request.params.max_tokens)
+        result = self._first_answer(rid, out)
+        aborted, finish = self._ending(task, out)
         decode = not aborted and finish is None
         num_blocks = self._num_blocks(len(request.prompt_token_ids))
         handshake = await asyncio.shield(early) if early is not None else None
@@ -608,6 +716,8 @@ class PrefillWorker(TransferEndpoint):
             **s.load(),
             "num_cached_blocks": s.num_cached_blocks,
             "num_channels": self.channel.num_connections,  # routers connected over the request channel
+            "num_pushes_under_way": len(self._pushing),  # after their answers (answer_before_push)
+            **self.push_totals.stats(),
             "is_healthy": await self.health(),
         }
 
@@ -660,6 +770,26 @@ def _draft_prefiller(config: PrefillWorkerConfig) -> DraftPrefiller:
 
 
 __all__ = ["PrefillWorker", "PrefillWorkerConfig"]
+
+
+@dataclass
+class PushTotals:
+    """Pushes that ended after their answers (answer_before_push), since start: their answers could
+    not carry these, so the worker's stats do (router metrics read them per worker)."""
+
+    num_pushed: int = 0
+    num_failed: int = 0  # each also reported to its router by the decode worker
+    push_bytes: int = 0
+    push_seconds: float = 0.0  # summed, each from the first token to its sends done
+
+    def add(self, result: PrefillResultMsg) -> None:
+        self.num_pushed += 1
+        self.push_bytes += result.push_bytes
+        self.push_seconds += result.push_s
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_kv_pushes_after_answer": self.num_pushed, "num_kv_push_failures_after_answer": self.num_failed,
+                "kv_push_bytes_after_answer": self.push_bytes, "kv_push_seconds_after_answer": self.push_seconds}
 
 
 class _Gathered(NamedTuple):

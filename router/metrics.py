@@ -3,7 +3,9 @@
 End to end, per finished choice: time to first token, time per output token, inter-token latency,
 end-to-end latency (histograms); requests by outcome; tokens. Per worker, refreshed at each
 scrape from the workers' `stats()`: running and waiting requests, KV blocks in use, preemptions,
-leases. Per KV push (from the prefill worker's result): bytes and seconds.
+leases. Per KV push (from the prefill worker's result): bytes, and seconds when the answer waited
+for the push; pushes that end after the answer (the default) are counted and timed per prefill worker
+from its stats.
 Each replica has its own registry; GET /metrics shows the replica that answers.
 """
 
@@ -65,6 +67,15 @@ class PrometheusMetrics:
         self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions since the worker started.", gauge_labels,
                                  registry=r)
         self.leases = Gauge("pdserve:kv_leases", "Open KV leases of a decode worker.", gauge_labels, registry=r)
+        self.pushes_after_answer = Gauge(
+            "pdserve:kv_pushes_after_answer", "KV pushes a prefill worker ended after answering with the first "
+            "token, since start.", gauge_labels, registry=r)
+        self.push_failures_after_answer = Gauge(
+            "pdserve:kv_push_failures_after_answer", "Of those, pushes that failed (each request moved on by its "
+            "decode worker's report), since start.", gauge_labels, registry=r)
+        self.push_seconds_after_answer = Gauge(
+            "pdserve:kv_push_seconds_after_answer", "Those pushes' seconds (first token -> sends done), summed since "
+            "start.", gauge_labels, registry=r)
         self.spec_drafts = Gauge("pdserve:spec_decode_num_draft_tokens", "Drafted tokens verified, since start.",
                                  gauge_labels, registry=r)
         self.spec_accepted = Gauge("pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted, since start.",
@@ -98,7 +109,8 @@ class PrometheusMetrics:
     def on_prefill_result(self, result: PrefillResultMsg) -> None:
         if result.push_bytes:
             self.push_bytes.inc(result.push_bytes)
-            self.push_s.observe(result.push_s)
+            if not result.push_pending:  # NOTE: one answered before its push: the worker's stats time it
+                self.push_s.observe(result.push_s)
 
     # ---- scrape
     async def render(self, timeout_s: float = 2.0) -> bytes:
@@ -117,6 +129,10 @@ class PrometheusMetrics:
                 self.kv_usage.labels(**w).set((blocks - row.get("num_free_blocks", blocks)) / blocks)
                 self.preemptions.labels(**w).set(row.get("num_preemptions", 0))
                 self.leases.labels(**w).set(row.get("num_leases", 0))
+                if "num_kv_pushes_after_answer" in row:
+                    self.pushes_after_answer.labels(**w).set(row["num_kv_pushes_after_answer"])
+                    self.push_failures_after_answer.labels(**w).set(row.get("num_kv_push_failures_after_answer", 0))
+                    self.push_seconds_after_answer.labels(**w).set(row.get("kv_push_seconds_after_answer", 0.0))
                 if "num_spec_draft_tokens" in row:
                     self.spec_drafts.labels(**w).set(row["num_spec_draft_tokens"])
                     self.spec_accepted.labels(**w).set(row.get("num_spec_accepted_tokens", 0))

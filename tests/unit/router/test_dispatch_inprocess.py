@@ -240,7 +240,14 @@ def test_kv_goes_layer_group_by_group_during_the_prefill_step(kv_messages):
         prefill.prefill = recording  # type: ignore[method-assign]
         tokens = [(await _run_all(workers, [p], params))[0] for p in prompts]  # one at a time: early handshakes
         assert tokens == offline
-        assert [r.num_streamed_messages for r in results] == [kv_messages] * len(prompts)
+        # answered before the push (the default): the push's figures come in the worker's records
+        assert [r.push_pending for r in results] == [True] * len(prompts)
+        await prefill.settle_pushes()
+        from kvtransfer.protocol import PrefillResultMsg
+
+        pushes = [PrefillResultMsg.decode(b) for b in await prefill.push_records()]
+        assert [r.request_id for r in pushes] == [r.request_id for r in results]
+        assert [r.num_streamed_messages for r in pushes] == [kv_messages] * len(prompts)
         # The step told of each layer (the sends themselves go on the event loop, as soon as it
         # runs: tests/unit/prefill_worker/test_layer_push.py checks when)
         assert [n for n, _ in sent_at] == [1, 2] * len(prompts)
