@@ -15,9 +15,10 @@
 #           server variant ($VARIANTS, default direct,direct-ray,direct-ray,direct: the request channel
 #           against Ray calls, in ABBA order), with the CPU each process spent (carry the proto files).
 #   pair    (nvidia-h200-x2): NCCL transport and layer-push tests, 1P1D over NCCL vs colocated (tokens,
-#           TTFT with the KV in one message and in layer groups sent during the prefill, KV push
-#           bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes; the three
-#           modes run side by side and TTFT is measured in turns (paired overhead with a 95% CI).
+#           TTFT with the KV in one message and in layer groups sent during the prefill, both answering
+#           before the push, and one message answering after it; KV push bandwidth vs raw NCCL send/recv)
+#           at the Qwen3-0.6B and Llama-3.1-8B shapes; the four modes run side by side and TTFT is
+#           measured in turns (paired overhead with a 95% CI). $TAG: the result files' suffix.
 #   pair_channel (nvidia-h200-x2): bench.disagg at the Llama-3.1-8B shape twice, the routers reaching the workers
 #           over the request channel (as `pair` does) and then through Ray calls (--no-request-channel).
 #   prefill_path (one GPU): bench.prefill_path at the Llama-3.1-8B shape, the KV in 8 layer groups, then in one
@@ -73,7 +74,8 @@ case "$part" in
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
-    run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 42 --iters 10 --out "$out"
+    run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 44 --iters 10 --tag "${TAG:-2xh200}" \
+      --out "$out"
     ;;
   pair_channel)
     run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_channel --out "$out"
