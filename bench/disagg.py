@@ -17,7 +17,8 @@ bandwidth figures above come from it), and in `--kv-messages` layer groups sent 
 computes (its TTFT is "ttft_overhead"), both answering the router with the first token before the
 push ends (PrefillWorkerConfig.answer_before_push, the default: the push's figures then come from
 the worker's push_records); and, as the baseline of that, one message with the answer waiting for
-the push ("disaggregated_answer_after_push"; `--no-answer-after-push-mode` leaves it out).
+the push ("disaggregated_answer_after_push"). `--modes` picks among them (colocated and the
+one-message mode always run; four 8B workers do not fit one 80 GB GPU).
 
 Side by side, in turns: the three modes' workers are alive at once (bench.side_by_side: colocated
 and prefill workers share GPU 0, decode workers GPU 1, each with its own share of the GPU's memory;
@@ -287,7 +288,7 @@ def _shape_report(
     """One shape's figures from its modes' results: tokens equal?, TTFT overheads (ratio of medians
     and paired), the KV push's bandwidth against raw send/recv of the same size (measured here)."""
     # NOTE: bandwidth from the one-message run (a streamed push's sends are spread over the step)
-    d, c, streamed = modes["disaggregated_one_message"], modes["colocated"], modes["disaggregated"]
+    d, c, streamed = modes["disaggregated_one_message"], modes["colocated"], modes.get("disaggregated")
     disaggregated = [name for name in modes if name != "colocated"]
     raw, raw_device = raw_bandwidths([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
     push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
@@ -298,7 +299,7 @@ def _shape_report(
         "same_tokens": all(modes[name]["tokens"] == c["tokens"] for name in disaggregated),
         "kv_messages": args.kv_messages,
         # ratio of the modes' medians (as in older results)
-        "ttft_overhead": streamed["ttft_median_s"] / c["ttft_median_s"] - 1,
+        "ttft_overhead": streamed["ttft_median_s"] / c["ttft_median_s"] - 1 if streamed is not None else None,
         "ttft_overhead_one_message": d["ttft_median_s"] / c["ttft_median_s"] - 1,
         # per round i: ttft_mode[i] / ttft_colocated[i] - 1; its median and bootstrap 95% interval
         "paired_overhead": {name: overhead_summary(modes[name]["ttft_s"], c["ttft_s"])
@@ -324,8 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--num-ttft", type=int, default=44,
-                        help="TTFT rounds reported (after 2 warm-up rounds); a multiple of the number of modes (4, or 3 "
-                        "with --no-answer-after-push-mode) puts every mode at every position of the rotation equally often")
+                        help="TTFT rounds reported (after 2 warm-up rounds); a multiple of the number of modes puts every mode at every position of the rotation equally often")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--device", default="cuda", help="'cpu' (with --transport gloo) for a smoke test")
@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="each worker's share of its GPU's memory (KV cache sizing; default 0.92 / the modes, at "
                         "most 0.28): the colocated and every prefill worker share GPU 0")
-    parser.add_argument("--answer-after-push-mode", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"also run {AFTER_PUSH}: one message, the answer waiting for the push")
+    parser.add_argument("--modes", default=f"colocated,disaggregated_one_message,disaggregated,{AFTER_PUSH}",
+                        help="the modes to run side by side (colocated and disaggregated_one_message always)")
     args = parser.parse_args(argv)
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     on_gpu = args.device != "cpu"
@@ -352,11 +352,18 @@ def main(argv: list[str] | None = None) -> None:
                               "ttft_order": "side by side: round i measures every mode, in bench.paired.rotation "
                               "order (ABC, BCA, CAB ...)", "shapes": {}}
     rng = random.Random(0)
-    mode_specs = [ModeSpec("colocated", is_disaggregated=False),
-                 ModeSpec("disaggregated_one_message", is_disaggregated=True, kv_messages=1),
-                 ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages)]
-    if args.answer_after_push_mode:
-        mode_specs.append(ModeSpec(AFTER_PUSH, is_disaggregated=True, kv_messages=1, answer_before_push=False))
+    known = {spec.name: spec for spec in (
+        ModeSpec("colocated", is_disaggregated=False),
+        ModeSpec("disaggregated_one_message", is_disaggregated=True, kv_messages=1),
+        ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages),
+        ModeSpec(AFTER_PUSH, is_disaggregated=True, kv_messages=1, answer_before_push=False),
+    )}
+    names = [n for n in args.modes.split(",") if n]
+    if unknown := [n for n in names if n not in known]:
+        parser.error(f"--modes: unknown {unknown}; known: {', '.join(known)}")
+    if not {"colocated", "disaggregated_one_message"} <= set(names):
+        parser.error(f"--modes must include colocated and disaggregated_one_message, got {names}")
+    mode_specs = [known[n] for n in names]
     # NOTE: the colocated worker and every prefill worker share GPU 0, each with this share of its memory
     share = args.gpu_memory_utilization or min(0.28, 0.92 / len(mode_specs))
     for shape in args.shapes.split(","):

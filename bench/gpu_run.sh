@@ -19,6 +19,8 @@
 #           before the push, and one message answering after it; KV push bandwidth vs raw NCCL send/recv)
 #           at the Qwen3-0.6B and Llama-3.1-8B shapes; the four modes run side by side and TTFT is
 #           measured in turns (paired overhead with a 95% CI). $TAG: the result files' suffix.
+#   pair_answer (nvidia-h100-x2 or h200-x2): bench.disagg at the Llama-3.1-8B shape in three modes twice (answering
+#           before the push vs after it, one message; one message vs layer groups, both before), then Qwen3-0.6B in all four.
 #   pair_channel (nvidia-h200-x2): bench.disagg at the Llama-3.1-8B shape twice, the routers reaching the workers
 #           over the request channel (as `pair` does) and then through Ray calls (--no-request-channel).
 #   prefill_path (one GPU): bench.prefill_path at the Llama-3.1-8B shape, the KV in 8 layer groups, then in one
@@ -41,7 +43,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_answer|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -74,8 +76,16 @@ case "$part" in
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
-    run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft 44 --iters 10 --tag "${TAG:-2xh200}" \
-      --out "$out"
+    # NOTE: four 8B workers do not fit one 80 GB GPU: on H100s, MODES names three (and --num-ttft 42)
+    run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft "${NUM_TTFT:-44}" --iters 10 \
+      --tag "${TAG:-2xh200}" ${MODES:+--modes "$MODES"} --out "$out"
+    ;;
+  pair_answer)
+    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh100_8b_answer \
+      --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
+    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh100_8b_groups \
+      --modes colocated,disaggregated_one_message,disaggregated --out "$out"
+    run 190 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 44 --iters 10 --tag 2xh100_0.6b --out "$out"
     ;;
   pair_channel)
     run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_channel --out "$out"
