@@ -68,7 +68,8 @@ class PrefillWorkerConfig(EndpointConfig):
         ge=1,
         description="After an early handshake, the prompt's KV goes in this many messages (groups of consecutive "
         "layers, at most one a layer), each sent as soon as the prefill step has queued its layers, so on a GPU "
-        "the transfer overlaps the rest of the prefill; 1: one message, sent right after the forward.",
+        "the transfer overlaps the rest of the prefill; 1: one message, gathered and sent once the first token "
+        "is sampled.",
     )
     answer_before_push: bool = Field(
         True,
@@ -439,7 +440,11 @@ class PrefillWorker(TransferEndpoint):
         rid = msg.request.request_id
         num_blocks = self._num_blocks(len(msg.request.prompt_token_ids))
         num_messages = min(self.config.kv_messages, self.layer_push.num_layers)
-        self.layer_push.expect(rid, num_blocks, num_messages)  # NOTE: before the prompt is queued
+        if num_messages > 1:
+            self.layer_push.expect(rid, num_blocks, num_messages)  # NOTE: before the prompt is queued
+        # NOTE: one message is gathered once the first token is sampled (_on_outputs) and sent by _push:
+        # streamed, its gather and send would run on the GPU beside the step's last kernels (the lm_head and
+        # the sampling), delaying the first token.
 
         async def run() -> _Early | None:
             handshake = None

@@ -578,7 +578,7 @@ class Dispatcher:
         preferred = [w for w in usable if w[0] == progress.prefill_id and w[0] not in progress.failed_workers]
         prefill_id, prefill = (preferred or usable)[0]
         progress.prefill_id = prefill_id
-        self.policy.on_assigned(prefill_id, attempt.request.prompt_token_ids)
+        self.policy.on_assigned(prefill_id, None)
         request = attempt.request
         started = await self._prefill_beside_lease(attempt, progress, prefill_id, prefill) if (
             self.config.lease_beside_prefill) else None
@@ -594,6 +594,9 @@ class Dispatcher:
             call = asyncio.ensure_future(invoke(prefill.prefill, task, decode))
         else:
             call, decode_id, decode = started
+        # NOTE: after the call has gone (or is queued first): hashing a long prompt takes a fraction of a ms.
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self.policy.on_prompt, prefill_id, request.prompt_token_ids)
         lost = asyncio.ensure_future(attempt.lost.wait())  # the decode worker may die meanwhile
         try:
             done, _ = await asyncio.wait({call, lost}, timeout=self.config.prefill_timeout_s,
@@ -622,8 +625,8 @@ class Dispatcher:
         if result.finish_reason is not None:
             await self._abort(attempt, [(decode_id, decode)])  # the lease is not needed: free it now
             attempt.is_finished = True
-        else:
-            self.prefill_rule.on_cached(decode_id, request.prompt_token_ids)  # the KV landed there
+        else:  # the KV lands there; NOTE: noted once the first token has gone on (it hashes the prompt)
+            loop.call_soon(self.prefill_rule.on_cached, decode_id, request.prompt_token_ids)
         return TokenOutputMsg(
             request_id=request.request_id,
             new_token_ids=[result.first_token] if result.first_token is not None else [],

@@ -59,6 +59,11 @@ class DispatchPolicy(Protocol):
         """A request went to `worker_id` (a prefill worker when `prompt` is given)."""
         ...
 
+    def on_prompt(self, worker_id: str, prompt: Sequence[int]) -> None:
+        """`prompt` was sent to prefill worker `worker_id` (its blocks will be cached there); the
+        Dispatcher tells this after the call has gone, so hashing the prompt costs no latency."""
+        ...
+
     def on_finished(self, worker_id: str) -> None: ...
 
 
@@ -184,6 +189,9 @@ class RoundRobinPolicy:
     def on_assigned(self, worker_id: str, prompt: Sequence[int] | None) -> None:
         pass
 
+    def on_prompt(self, worker_id: str, prompt: Sequence[int]) -> None:
+        pass
+
     def on_finished(self, worker_id: str) -> None:
         pass
 
@@ -213,6 +221,8 @@ class CacheAwarePolicy:
         return self._hashed[1]
 
     def prefill_order(self, prompt: Sequence[int], prefill_ids: Sequence[str]) -> list[str]:
+        if len(prefill_ids) <= 1:
+            return list(prefill_ids)  # NOTE: nothing to choose: the prompt is not hashed before its call
         hashes = self._hashes(prompt)
         tie = next(self._prefill_tie)
 
@@ -242,7 +252,10 @@ class CacheAwarePolicy:
     def on_assigned(self, worker_id: str, prompt: Sequence[int] | None) -> None:
         self.assigned[worker_id] = self.assigned.get(worker_id, 0) + 1
         if prompt is not None:
-            self.prefix.add(worker_id, self._hashes(prompt))
+            self.on_prompt(worker_id, prompt)
+
+    def on_prompt(self, worker_id: str, prompt: Sequence[int]) -> None:
+        self.prefix.add(worker_id, self._hashes(prompt))
 
     def on_finished(self, worker_id: str) -> None:
         if self.assigned.get(worker_id, 0) > 0:

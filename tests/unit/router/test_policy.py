@@ -21,6 +21,20 @@ def test_prefill_goes_where_the_prefix_was_sent():
     assert policy.prefill_order(list(range(500, 540)), ["p0", "p1", "p2"])[0] == "p2"
 
 
+def test_one_prefill_worker_is_chosen_without_hashing_and_the_prompt_is_noted_after():
+    """The Dispatcher asks for the order before the prefill call and tells on_prompt after it has
+    gone: with one candidate the prompt is not hashed before the call at all."""
+    policy = CacheAwarePolicy(block_size=4)
+    shared = list(range(100, 140))
+    assert policy.prefill_order(shared + [1], ["p0"]) == ["p0"]
+    assert policy._hashed is None  # nothing hashed on the way to the call
+    policy.on_assigned("p0", None)
+    assert policy.assigned == {"p0": 1} and policy.prefix.match_blocks("p0", policy.prefix.hashes(shared)) == 0
+    policy.on_prompt("p0", shared + [1])
+    assert policy.prefix.match_blocks("p0", policy.prefix.hashes(shared)) == len(shared) // 4
+    assert policy.prefill_order(shared + [9], ["p1", "p0"])[0] == "p0"
+
+
 def test_decode_by_room_then_running_batch_then_free_blocks():
     loads = {"d0": WorkerLoad("d0", num_running=3, num_free_blocks=100, num_blocks=1000),
              "d1": WorkerLoad("d1", num_running=1, num_free_blocks=500, num_blocks=1000),
