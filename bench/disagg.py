@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the routers reach the workers over the request channel (a served router's default); "
                         "--no-request-channel: through Ray actor calls and polls")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="each worker's share of its GPU's memory (KV cache sizing; default 0.92 / the modes, at "
+                        help="each worker's share of its GPU's memory (KV cache sizing; default 0.85 / the modes, at "
                         "most 0.28): the colocated and every prefill worker share GPU 0")
     parser.add_argument("--modes", default=f"colocated,disaggregated_one_message,disaggregated,{AFTER_PUSH}",
                         help="the modes to run side by side (colocated and disaggregated_one_message always)")
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--modes must include colocated and disaggregated_one_message, got {names}")
     mode_specs = [known[n] for n in names]
     # NOTE: the colocated worker and every prefill worker share GPU 0, each with this share of its memory
-    share = args.gpu_memory_utilization or min(0.28, 0.92 / len(mode_specs))
+    share = args.gpu_memory_utilization or min(0.28, 0.85 / len(mode_specs))
     for shape in args.shapes.split(","):
         started = time.perf_counter()
         model = args.shapes_dir / shape

@@ -81,11 +81,11 @@ case "$part" in
       --tag "${TAG:-2xh200}" ${MODES:+--modes "$MODES"} --out "$out"
     ;;
   pair_answer)
-    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh100_8b_answer \
+    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag "2xh100_8b_answer${SUFFIX:-}" \
       --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
-    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh100_8b_groups \
+    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag "2xh100_8b_groups${SUFFIX:-}" \
       --modes colocated,disaggregated_one_message,disaggregated --out "$out"
-    run 190 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 44 --iters 10 --tag 2xh100_0.6b --out "$out"
+    run 190 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 44 --iters 10 --tag "2xh100_0.6b${SUFFIX:-}" --out "$out"
     ;;
   pair_channel)
     run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_channel --out "$out"
