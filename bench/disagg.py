@@ -59,7 +59,6 @@ from ray.actor import ActorHandle
 from bench.paired import overhead_summary, rotation
 from bench.raw_peers import raw_bandwidth, raw_bandwidths
 from bench.side_by_side import ModeSpec, SideBySide
-from cluster.config import ClusterConfig
 from engine import SamplingParams
 from engine.llm import engine_config
 from kvtransfer import NCCL_WORKER_ENV
@@ -332,8 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transport", default="nccl")
     parser.add_argument("--shapes-dir", type=Path, default=SHAPES)
     parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
-    parser.add_argument("--kv-messages", type=int, default=ClusterConfig.model_fields["kv_messages"].default,
-                        help="layer groups of the streamed disaggregated run")
+    parser.add_argument("--kv-messages", type=int, default=8,
+                        help="layer groups of the streamed disaggregated run (the one-message run is the default's)")
     parser.add_argument("--request-channel", action=argparse.BooleanOptionalAction, default=True,
                         help="the routers reach the workers over the request channel (a served router's default); "
                         "--no-request-channel: through Ray actor calls and polls")

@@ -21,6 +21,8 @@
 #           measured in turns (paired overhead with a 95% CI). $TAG: the result files' suffix.
 #   pair_answer (nvidia-h100-x2 or h200-x2): bench.disagg at the Llama-3.1-8B shape in three modes twice (answering
 #           before the push vs after it, one message; one message vs layer groups, both before), then Qwen3-0.6B in all four.
+#   pair_final (two GPUs): the NCCL tests, then bench.disagg with the defaults (one message, answered before the
+#           push) against answering after it, 90 rounds at Llama-3.1-8B and 150 at Qwen3-0.6B (tighter CIs).
 #   pair_channel (nvidia-h200-x2): bench.disagg at the Llama-3.1-8B shape twice, the routers reaching the workers
 #           over the request channel (as `pair` does) and then through Ray calls (--no-request-channel).
 #   prefill_path (one GPU): bench.prefill_path at the Llama-3.1-8B shape, the KV in 8 layer groups, then in one
@@ -43,7 +45,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_answer|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_answer|pair_final|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -86,6 +88,13 @@ case "$part" in
     run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag "2xh100_8b_groups${SUFFIX:-}" \
       --modes colocated,disaggregated_one_message,disaggregated --out "$out"
     run 190 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 44 --iters 10 --tag "2xh100_0.6b${SUFFIX:-}" --out "$out"
+    ;;
+  pair_final)
+    run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
+    run 200 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 90 --iters 10 --tag "2xh100_8b_final${SUFFIX:-}" \
+      --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
+    run 200 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 150 --iters 10 --tag "2xh100_0.6b_final${SUFFIX:-}" \
+      --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
     ;;
   pair_channel)
     run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_channel --out "$out"

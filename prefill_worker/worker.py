@@ -64,7 +64,7 @@ class PrefillWorkerConfig(EndpointConfig):
         "follows the KV over the pair.",
     )
     kv_messages: int = Field(
-        8,
+        1,
         ge=1,
         description="After an early handshake, the prompt's KV goes in this many messages (groups of consecutive "
         "layers, at most one a layer), each sent as soon as the prefill step has queued its layers, so on a GPU "
