@@ -17,8 +17,10 @@ bandwidth figures above come from it), and in `--kv-messages` layer groups sent 
 computes (its TTFT is "ttft_overhead"), both answering the router with the first token before the
 push ends (PrefillWorkerConfig.answer_before_push, the default: the push's figures then come from
 the worker's push_records); and, as the baseline of that, one message with the answer waiting for
-the push ("disaggregated_answer_after_push"). `--modes` picks among them (colocated and the
-one-message mode always run; four 8B workers do not fit one 80 GB GPU).
+the push ("disaggregated_answer_after_push"); and one message answered before the push without
+the early handshake ("disaggregated_late_handshake": the handshake follows the first token). `--modes`
+picks among them (colocated and the one-message mode always run; four 8B workers do not fit one 80 GB
+GPU); by default all but the last.
 
 Side by side, in turns: the three modes' workers are alive at once (bench.side_by_side: colocated
 and prefill workers share GPU 0, decode workers GPU 1, each with its own share of the GPU's memory;
@@ -70,6 +72,7 @@ from router.dispatch import invoke
 SHAPES = Path(__file__).resolve().parent / "shapes"
 WARM_ROUNDS = 2  # the first rounds pay for allocator growth and kernel selection: not reported
 AFTER_PUSH = "disaggregated_answer_after_push"  # the baseline of PrefillWorkerConfig.answer_before_push
+LATE = "disaggregated_late_handshake"  # answered before the push, without the early handshake
 
 
 def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
@@ -356,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         ModeSpec("disaggregated_one_message", is_disaggregated=True, kv_messages=1),
         ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages),
         ModeSpec(AFTER_PUSH, is_disaggregated=True, kv_messages=1, answer_before_push=False),
+        ModeSpec(LATE, is_disaggregated=True, kv_messages=1, early_handshake=False),
     )}
     names = [n for n in args.modes.split(",") if n]
     if unknown := [n for n in names if n not in known]:
@@ -408,13 +412,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(shapes))
     top_ms = 0.0
-    names = [m for m in ("colocated", AFTER_PUSH, "disaggregated_one_message", "disaggregated")
+    names = [m for m in ("colocated", AFTER_PUSH, "disaggregated_one_message", LATE, "disaggregated")
              if all(m in report["shapes"][s]["modes"] for s in shapes)]
     width = 0.8 / len(names)
     for k, mode in enumerate(names):
         offset = (k - (len(names) - 1) / 2) * width
         label = {"disaggregated": "disaggregated, KV sent during the prefill",
-                 AFTER_PUSH: "disaggregated, one message, answer after the push"}.get(mode, mode)
+                 AFTER_PUSH: "disaggregated, one message, answer after the push",
+                 LATE: "disaggregated, one message, handshake after the first token"}.get(mode, mode)
         medians_ms = [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes]
         ax1.bar([i + offset for i in x], medians_ms, width=width, label=label)
         top_ms = max(top_ms, *medians_ms)

@@ -23,6 +23,8 @@
 #           before the push vs after it, one message; one message vs layer groups, both before), then Qwen3-0.6B in all four.
 #   pair_final (two GPUs): the NCCL tests, then bench.disagg with the defaults (one message, answered before the
 #           push) against answering after it, 90 rounds at Llama-3.1-8B and 150 at Qwen3-0.6B (tighter CIs).
+#   pair_late (two GPUs): bench.disagg, one message answered before the push with the early handshake against
+#           without it (the handshake after the first token), 90 rounds at Llama-3.1-8B, 150 at Qwen3-0.6B.
 #   pair_channel (nvidia-h200-x2): bench.disagg at the Llama-3.1-8B shape twice, the routers reaching the workers
 #           over the request channel (as `pair` does) and then through Ray calls (--no-request-channel).
 #   prefill_path (one GPU): bench.prefill_path at the Llama-3.1-8B shape, the KV in 8 layer groups, then in one
@@ -45,7 +47,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_answer|pair_final|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_answer|pair_final|pair_late|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
@@ -95,6 +97,13 @@ case "$part" in
       --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
     run 200 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 150 --iters 10 --tag "2xh100_0.6b_final${SUFFIX:-}" \
       --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
+    ;;
+  pair_late)
+    run 200 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 90 --iters 10 --tag "2xh100_8b_late${SUFFIX:-}" \
+      --modes colocated,disaggregated_one_message,disaggregated_late_handshake --out "$out"
+    run 200 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 150 --iters 10 --tag "2xh100_0.6b_late${SUFFIX:-}" \
+      --modes colocated,disaggregated_one_message,disaggregated_late_handshake,disaggregated_answer_after_push \
+      --out "$out"
     ;;
   pair_channel)
     run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_channel --out "$out"

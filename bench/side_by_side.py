@@ -59,6 +59,7 @@ class ModeSpec:
     kv_messages: int = 1
     ship_draft_kv: bool = False
     answer_before_push: bool = True  # PrefillWorkerConfig.answer_before_push
+    early_handshake: bool = True  # PrefillWorkerConfig.early_handshake
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class SideBySide:
         if spec.role == "prefill":
             mode = self.modes[spec.mode]
             return PrefillWorkerConfig(**common, kv_messages=mode.kv_messages, ship_draft_kv=mode.ship_draft_kv,
-                                       answer_before_push=mode.answer_before_push)
+                                       answer_before_push=mode.answer_before_push,
+                                       early_handshake=mode.early_handshake)
         return DecodeWorkerConfig(**common, lease_ttl_s=self.lease_ttl_s)
 
     async def start(self, timeout_s: float = 600.0) -> None:

@@ -296,10 +296,12 @@ class DecodeWorker(TransferEndpoint):
         lease = self.leases.get(msg.lease_id)
         reason = _refusal(lease, msg, self.layout.num_layers)
         if reason:
+            await self._refused(lease, msg, reason)
             return KvAcceptMsg(accepted=False, reason=reason).encode()
         assert lease is not None
         if not self.transport.is_paired(msg.prefill_worker_id):  # a failed transfer dropped the pair
             reason = f"{self.worker_id!r} is not paired with {msg.prefill_worker_id!r}"
+            await self._refused(lease, msg, reason)
             return KvAcceptMsg(accepted=False, reason=reason, is_unpaired=True).encode()
         epoch = self._pair_epochs.get(msg.prefill_worker_id, 0)
         takes_draft = self._takes_draft(msg.draft)
@@ -307,6 +309,16 @@ class DecodeWorker(TransferEndpoint):
         lease.state = LeaseState.RECEIVING
         self._aio.create_task(self._land(msg, lease, asyncio.wrap_future(posted), epoch))  # type: ignore[union-attr]
         return KvAcceptMsg(accepted=True, draft=takes_draft).encode()
+
+    async def _refused(self, lease: Lease | None, msg: KvReadyMsg, reason: str) -> None:
+        """A KvReady refused for its own, still reserved lease: the lease is freed and the request's
+        router hears it on the token stream (a prefill worker that answered before its push cannot
+        tell it; an error row means nothing is held here). Not for a lease the router aborted, one
+        already receiving (that receive goes on) or another request's."""
+        if (lease is not None and not lease.is_aborted and lease.state == LeaseState.RESERVED
+                and lease.request_id == msg.request.request_id):
+            await self._drop_lease(lease)
+            self._deliver_error(lease.request_id, lease.router_id, f"decode worker refused the KV: {reason}")
 
     def _post_receives(self, msg: KvReadyMsg, takes_draft: bool) -> _Receives:  # the receive thread
         """The receives of one KvReady, in the order its sender sends: the KV's layer groups (into
@@ -444,6 +456,9 @@ class DecodeWorker(TransferEndpoint):
             for lease in [x for x in self.leases.values() if x.state == LeaseState.RESERVED and x.expires_at < now]:
                 log.info("lease %s of request %s expired unclaimed", lease.lease_id, lease.request_id)
                 await self._drop_lease(lease)
+                # NOTE: its router may wait for it here (its prefill worker answered before the push)
+                self._deliver_error(lease.request_id, lease.router_id, f"lease {lease.lease_id} expired: no KV came "
+                                    f"within lease_ttl_s ({self.config.lease_ttl_s} s)")
 
     async def drain(self) -> None:
         """Retiring: from now on no new lease or request is taken; running ones finish and their

@@ -316,7 +316,7 @@ class PrefillWorker(TransferEndpoint):
             self._settle(early, msg)
             raise
         prefilled = time.perf_counter()
-        if early is not None and self.config.answer_before_push:
+        if self.config.answer_before_push:
             answer = await self._answer_before_push(msg, out, early, prefilled)
             if answer is not None:
                 return answer.model_copy(update={"prefill_s": prefilled - started})
@@ -331,24 +331,29 @@ class PrefillWorker(TransferEndpoint):
             self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
 
     async def _answer_before_push(
-        self, msg: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None], prefilled: float
+        self, msg: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None, prefilled: float
     ) -> PrefillResultMsg | None:
-        """The answer with the first token, the push started in the background (answer_before_push):
-        when the first token does not end the request and the early handshake was accepted, so the
-        decode worker holds the request and reports a push that fails on its token stream. None: the
-        caller pushes and answers after."""
+        """The answer with the first token, the push started in the background (answer_before_push),
+        when the first token does not end the request and the decode worker will report a push that
+        fails on its token stream: the early handshake was accepted (it holds the request), or there
+        was none and the lease is attached (it holds the lease: a handshake it refuses, or one that
+        never comes before the lease expires, it reports). None: the caller pushes and answers after."""
         request = msg.request
+        rid = request.request_id
         aborted, finish = self._ending(msg, out)
         if aborted or finish is not None:
             return None
-        try:
-            handshake = await asyncio.shield(early)
-        except BaseException:  # cancelled: the decode side still gets what it waits for
-            self._settle(early, msg)
-            raise
-        if handshake is None or handshake.decode_id is None:
-            return None
-        rid = request.request_id
+        handshake = None
+        if early is not None:
+            try:
+                handshake = await asyncio.shield(early)
+            except BaseException:  # cancelled: the decode side still gets what it waits for
+                self._settle(early, msg)
+                raise
+            if handshake is not None and handshake.decode_id is None:
+                return None  # refused or failed: the push's answer says how
+        if handshake is None and not _has_result(self._leases.get(rid)):
+            return None  # NOTE: no lease yet: the router may still stop this prefill for want of room
         push = asyncio.ensure_future(self._push(msg, out, early))
         self._pushing[rid] = push
         push.add_done_callback(lambda done: self._push_ended(rid, done, prefilled))
@@ -822,6 +827,11 @@ class _Early(NamedTuple):
     lock: asyncio.Lock
     num_messages: int  # the KV's layer groups the decode side posted receives for
     draft: bool  # the decode side posted a receive for the draft's KV too (it comes last)
+
+
+def _has_result(future: asyncio.Future[Any] | None) -> bool:
+    """Whether a future is done with a result (not cancelled, no exception)."""
+    return future is not None and future.done() and not future.cancelled() and future.exception() is None
 
 
 def _log_failure(done: Any) -> None:

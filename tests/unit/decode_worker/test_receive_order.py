@@ -55,8 +55,8 @@ class _SpinningReceives:
 
 
 def test_answer_goes_before_the_receives_are_posted():
-    """Early handshakes (the engine is idle between requests): a request's KV layer groups and its
-    first token are three receives on the default model (two layers)."""
+    """Early handshakes (the engine is idle between requests): a request's KV in two layer groups
+    and its first token are three receives on the default model (two layers)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(9, 40))] for _ in range(3)]
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
@@ -66,7 +66,8 @@ def test_answer_goes_before_the_receives_are_posted():
         decode = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=engine_config(**ENGINE), transport="local"),
                               transport_options={"hub": hub})
         prefill = PrefillWorker(PrefillWorkerConfig(worker_id="p0", engine=engine_config(**ENGINE), transport="local",
-                                                    early_handshake=True), transport_options={"hub": hub})
+                                                    early_handshake=True, kv_messages=2),
+                                transport_options={"hub": hub})
         workers = Workers(prefill={"p0": prefill}, decode={"d0": decode})
         dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2,
                                 config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))

@@ -1,9 +1,11 @@
 """PrefillWorkerConfig.answer_before_push, in one process without Ray (fault transport over local):
-after an accepted early handshake the router has the first token while the KV push is still under
-way (its sends held back by a delay fault), and the push's figures come afterwards in the worker's
-push_records and stats; with the option off the answer waits for the push. A push that fails after
-the answer reaches the router from the decode worker, and the request moves on with exactly the
-offline tokens. Nothing stays held on either worker."""
+after an accepted early handshake, or with none once the lease is attached, the router has the
+first token while the KV push is still under way (its sends held back by a delay fault), and the
+push's figures come afterwards in the worker's push_records and stats; with the option off the
+answer waits for the push. A push that fails after the answer, a handshake the decode worker
+refuses after it, and a handshake that never comes (the lease expires) each reach the router from
+the decode worker, and the request moves on with exactly the offline tokens. Nothing stays held on
+either worker."""
 
 from __future__ import annotations
 
@@ -34,18 +36,21 @@ def _prompts(count: int, seed: int = 5) -> list[list[int]]:
     return [[rng.randrange(4, 2048) for _ in range(rng.randrange(20, 60))] for _ in range(count)]
 
 
-def _build(answer_before_push: bool, num_prefill: int = 1):
+def _build(answer_before_push: bool, num_prefill: int = 1, early_handshake: bool = True, lease_ttl_s: float = 30.0,
+           pair_timeout_s: float = 60.0):
     hub = LocalHub()
     options = {"inner": "local", "inner_options": {"hub": hub}}
     engine = engine_config(**ENGINE)
     decode = DecodeWorker(
-        DecodeWorkerConfig(worker_id="d0", engine=engine, transport="fault", transfer_timeout_s=3 * DELAY_S),
+        DecodeWorkerConfig(worker_id="d0", engine=engine, transport="fault", transfer_timeout_s=3 * DELAY_S,
+                           lease_ttl_s=lease_ttl_s),
         transport_options=options,
     )
     prefill = {
         f"p{i}": PrefillWorker(
             PrefillWorkerConfig(worker_id=f"p{i}", engine=engine, transport="fault", transfer_timeout_s=3 * DELAY_S,
-                                answer_before_push=answer_before_push),
+                                answer_before_push=answer_before_push, early_handshake=early_handshake,
+                                pair_timeout_s=pair_timeout_s),
             transport_options=options,
         ) for i in range(num_prefill)
     }
@@ -61,13 +66,14 @@ async def _first_token_and_rest(dispatcher: Dispatcher, rid: str, prompt: list[i
     return tokens
 
 
-@pytest.mark.parametrize("answer_before_push", [True, False], ids=["before-push", "after-push"])
-def test_the_first_token_does_not_wait_for_a_slow_push(answer_before_push):
+@pytest.mark.parametrize(("answer_before_push", "early_handshake"), [(True, True), (True, False), (False, True)],
+                         ids=["before-push", "before-push-late-handshake", "after-push"])
+def test_the_first_token_does_not_wait_for_a_slow_push(answer_before_push, early_handshake):
     prompt = _prompts(1)[0]
     offline = LLM(**ENGINE).generate([prompt], GREEDY)[0].outputs.token_ids
 
     async def main():
-        workers, objs = _build(answer_before_push)
+        workers, objs = _build(answer_before_push, early_handshake=early_handshake)
         prefill = workers.prefill["p0"]
         dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2, config=REMOTE)
         answers: list[PrefillResultMsg] = []
@@ -150,3 +156,57 @@ def test_a_push_that_fails_after_the_answer_moves_the_request_on_with_the_offlin
 
 async def _nothing() -> None:
     return None
+
+
+@pytest.mark.parametrize("fault", ["refused", "never-comes"])
+def test_a_late_handshake_that_fails_after_the_answer_moves_the_request_on(fault, caplog):
+    """Without the early handshake the answer goes once the lease is attached, before the decode
+    worker has heard of the KV. Its first KvReady is refused (the decode side lost the pair), or
+    never comes (the call hangs; the lease expires): the decode worker tells the router, which
+    moves the request on with its first token kept and gets exactly the offline tokens."""
+    prompt = _prompts(1, seed=3)[0]
+    offline = LLM(**ENGINE).generate([prompt], GREEDY)[0].outputs.token_ids
+
+    async def main():
+        # NOTE: the hung handshake times out (pair_timeout_s) before the next attempt's lease could expire
+        workers, objs = _build(True, early_handshake=False, lease_ttl_s=1.0, pair_timeout_s=0.5)
+        prefill, decode = workers.prefill["p0"], workers.decode["d0"]
+        dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2, config=REMOTE)
+        answers: list[PrefillResultMsg] = []
+        prefill_call, kv_incoming = prefill.prefill, decode.kv_incoming
+
+        async def recording(task: bytes, decode_worker=None) -> bytes:
+            answer = await prefill_call(task, decode_worker)
+            answers.append(PrefillResultMsg.decode(answer))
+            return answer
+
+        calls = []
+
+        async def failing_once(ready: bytes) -> bytes:
+            calls.append(ready)
+            if len(calls) == 1:
+                if fault == "refused":
+                    decode.transport.drop("p0")  # the decode side lost the pair: it refuses, and says so
+                else:
+                    await asyncio.sleep(3600)  # never answers (the prefill side times out at pair_timeout_s)
+            return await kv_incoming(ready)
+
+        prefill.prefill = recording  # type: ignore[method-assign]
+        decode.kv_incoming = failing_once  # type: ignore[method-assign]
+        tokens = await asyncio.wait_for(_first_token_and_rest(dispatcher, "late", prompt, _nothing), 60)
+        assert tokens == offline
+        assert answers[0].push_pending and answers[0].first_token == offline[0]  # answered before its push failed
+        assert len(answers) == 2 and answers[1].request_id == "late#1"  # the continuation, through a prefill again
+        assert dispatcher.num_migrations == 1
+        # the router heard it from the decode worker (not from its stall watch, stall_timeout_s 20 s)
+        said = {"refused": "worker d0: decode worker refused the KV: 'd0' is not paired with 'p0'",
+                "never-comes": "worker d0: lease d0/0 expired: no KV came within lease_ttl_s"}[fault]
+        assert any(said in r.getMessage() for r in caplog.records if r.name == "router.dispatch")
+        assert await prefill.settle_pushes(5.0) == 0
+        assert (await prefill.stats())["num_kv_push_failures_after_answer"] == 1
+        assert [await w.check_integrity() for w in objs] == [0, 0]
+        await dispatcher.close()
+        for w in objs:
+            await w.shutdown()
+
+    asyncio.run(main())
