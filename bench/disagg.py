@@ -12,15 +12,15 @@ Measures, per model shape (dummy weights), in one run:
   - the transfer itself on the GPU (CUDA events): the gather into one buffer, and the send from
     the moment the pair's stream reaches it (the receiver has posted its recv by then), and their
     bandwidth against the same raw figure.
-Disaggregated runs three times: the KV in one message after the prefill step (`kv_messages` 1: the
-bandwidth figures above come from it), and in `--kv-messages` layer groups sent while the step
-computes (its TTFT is "ttft_overhead"), both answering the router with the first token before the
-push ends (PrefillWorkerConfig.answer_before_push, the default: the push's figures then come from
-the worker's push_records); and, as the baseline of that, one message with the answer waiting for
-the push ("disaggregated_answer_after_push"); and one message answered before the push without
-the early handshake ("disaggregated_late_handshake": the handshake follows the first token). `--modes`
-picks among them (colocated and the one-message mode always run; four 8B workers do not fit one 80 GB
-GPU); by default all but the last.
+Disaggregated runs in up to four modes: "disaggregated_one_message", the workers' defaults (the KV in
+one message once the first token is sampled, the router answered before the push, the handshake after
+the first token: the bandwidth figures above come from it); "disaggregated_early_handshake", the same
+with the decode worker posting its receive while the prompt is computed; "disaggregated", that early
+handshake with the KV in `--kv-messages` layer groups sent while the step computes ("ttft_overhead");
+and "disaggregated_answer_after_push", one message after an early handshake with the answer waiting
+for the push (the flow before answer_before_push). Answered before the push, a mode's push figures
+come from the prefill worker's push_records. `--modes` picks among them (colocated and the one-message
+mode always run; four 8B workers do not fit one 80 GB GPU).
 
 Side by side, in turns: the three modes' workers are alive at once (bench.side_by_side: colocated
 and prefill workers share GPU 0, decode workers GPU 1, each with its own share of the GPU's memory;
@@ -71,8 +71,8 @@ from router.dispatch import invoke
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 WARM_ROUNDS = 2  # the first rounds pay for allocator growth and kernel selection: not reported
-AFTER_PUSH = "disaggregated_answer_after_push"  # the baseline of PrefillWorkerConfig.answer_before_push
-LATE = "disaggregated_late_handshake"  # answered before the push, without the early handshake
+AFTER_PUSH = "disaggregated_answer_after_push"  # the flow before PrefillWorkerConfig.answer_before_push
+EARLY = "disaggregated_early_handshake"  # answered before the push, after an early handshake
 
 
 def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
@@ -185,20 +185,25 @@ class _ModeRun:
     legs: dict[str, list[float]]  # _timed_legs of the Dispatcher
     tokens: list[list[int]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
+    second_tokens: list[float] = field(default_factory=list)  # per TTFT round: first token -> second token
     # per TTFT round: (sent_at, decoded_at) of the token batch that first carried its request
     first_batches: list[tuple[float, float]] = field(default_factory=list)
 
 
-async def _ttft(dispatcher: Dispatcher, request_id: str, prompt: list[int]) -> float:
-    """Seconds from the request to its first token (then its second token ends it)."""
+async def _ttft(dispatcher: Dispatcher, request_id: str, prompt: list[int]) -> tuple[float, float]:
+    """Seconds from the request to its first token, and from the first token to the second (which
+    ends it: disaggregated, the KV's way to the decode worker and its first step lie between)."""
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     stream = dispatcher.generate(request_id, prompt, two)
-    await stream.__anext__()
-    ttft = time.perf_counter() - start
-    async for _ in stream:
-        pass
-    return ttft
+    first = await stream.__anext__()
+    had_first = time.perf_counter()
+    num_tokens = len(first.new_token_ids)
+    async for out in stream:
+        num_tokens += len(out.new_token_ids)
+    if num_tokens != 2:
+        raise RuntimeError(f"{request_id}: {num_tokens} tokens came, 2 were asked for")
+    return had_first - start, time.perf_counter() - had_first
 
 
 async def run_modes(
@@ -231,7 +236,9 @@ async def run_modes(
         with _FirstBatches() as first:
             for i, prompt in enumerate(ttft_prompts):
                 for name in rotation(list(runs), i):
-                    runs[name].ttfts.append(await _ttft(runs[name].dispatcher, f"ttft-{i}", prompt))
+                    ttft, second = await _ttft(runs[name].dispatcher, f"ttft-{i}", prompt)
+                    runs[name].ttfts.append(ttft)
+                    runs[name].second_tokens.append(second)
         for name, run in runs.items():
             ids = set(side_by_side.workers(name).decode)
             run.first_batches = [v for (worker_id, _), v in first.seen.items() if worker_id in ids]
@@ -254,6 +261,8 @@ def _mode_summary(run: _ModeRun, held: dict[str, int]) -> dict[str, Any]:
         "tokens": run.tokens,
         "ttft_s": ttfts[warm:],
         "ttft_median_s": statistics.median(ttfts[warm:]),
+        # from the first token to the second (disaggregated: the push and the decode worker's first step)
+        "second_token_median_s": statistics.median(run.second_tokens[warm:]),
         "prefill_median_s": statistics.median([r.prefill_s for r in results[warm:]]) if results else None,
         "push_median_s": statistics.median([r.push_s for r in pushes]) if pushes else None,
         "push_bytes": pushes[0].push_bytes if pushes else None,
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="each worker's share of its GPU's memory (KV cache sizing; default 0.85 / the modes, at "
                         "most 0.28): the colocated and every prefill worker share GPU 0")
-    parser.add_argument("--modes", default=f"colocated,disaggregated_one_message,disaggregated,{AFTER_PUSH}",
+    parser.add_argument("--modes", default=f"colocated,disaggregated_one_message,{EARLY},disaggregated,{AFTER_PUSH}",
                         help="the modes to run side by side (colocated and disaggregated_one_message always)")
     args = parser.parse_args(argv)
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
@@ -357,9 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     known = {spec.name: spec for spec in (
         ModeSpec("colocated", is_disaggregated=False),
         ModeSpec("disaggregated_one_message", is_disaggregated=True, kv_messages=1),
-        ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages),
-        ModeSpec(AFTER_PUSH, is_disaggregated=True, kv_messages=1, answer_before_push=False),
-        ModeSpec(LATE, is_disaggregated=True, kv_messages=1, early_handshake=False),
+        ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages, early_handshake=True),
+        ModeSpec(EARLY, is_disaggregated=True, kv_messages=1, early_handshake=True),
+        ModeSpec(AFTER_PUSH, is_disaggregated=True, kv_messages=1, answer_before_push=False, early_handshake=True),
     )}
     names = [n for n in args.modes.split(",") if n]
     if unknown := [n for n in names if n not in known]:
@@ -412,14 +421,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(shapes))
     top_ms = 0.0
-    names = [m for m in ("colocated", AFTER_PUSH, "disaggregated_one_message", LATE, "disaggregated")
+    names = [m for m in ("colocated", AFTER_PUSH, EARLY, "disaggregated_one_message", "disaggregated")
              if all(m in report["shapes"][s]["modes"] for s in shapes)]
     width = 0.8 / len(names)
     for k, mode in enumerate(names):
         offset = (k - (len(names) - 1) / 2) * width
         label = {"disaggregated": "disaggregated, KV sent during the prefill",
-                 AFTER_PUSH: "disaggregated, one message, answer after the push",
-                 LATE: "disaggregated, one message, handshake after the first token"}.get(mode, mode)
+                 AFTER_PUSH: "early handshake, answer after the push",
+                 EARLY: "early handshake, answer before the push",
+                 "disaggregated_one_message": "disaggregated (defaults)"}.get(mode, mode)
         medians_ms = [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes]
         ax1.bar([i + offset for i in x], medians_ms, width=width, label=label)
         top_ms = max(top_ms, *medians_ms)

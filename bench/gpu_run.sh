@@ -23,8 +23,9 @@
 #           before the push vs after it, one message; one message vs layer groups, both before), then Qwen3-0.6B in all four.
 #   pair_final (two GPUs): the NCCL tests, then bench.disagg with the defaults (one message, answered before the
 #           push) against answering after it, 90 rounds at Llama-3.1-8B and 150 at Qwen3-0.6B (tighter CIs).
-#   pair_late (two GPUs): bench.disagg, one message answered before the push with the early handshake against
-#           without it (the handshake after the first token), 90 rounds at Llama-3.1-8B, 150 at Qwen3-0.6B.
+#   pair_late (two GPUs): bench.disagg, the workers' defaults (one message, answered before the push, the handshake
+#           after the first token) against the same with the early handshake, 90 rounds at Llama-3.1-8B, 150 at
+#           Qwen3-0.6B (there with the answer after the push too); TTFT and the first -> second token time.
 #   pair_channel (nvidia-h200-x2): bench.disagg at the Llama-3.1-8B shape twice, the routers reaching the workers
 #           over the request channel (as `pair` does) and then through Ray calls (--no-request-channel).
 #   prefill_path (one GPU): bench.prefill_path at the Llama-3.1-8B shape, the KV in 8 layer groups, then in one
@@ -99,10 +100,10 @@ case "$part" in
       --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
     ;;
   pair_late)
-    run 200 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 90 --iters 10 --tag "2xh100_8b_late${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated_late_handshake --out "$out"
-    run 200 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 150 --iters 10 --tag "2xh100_0.6b_late${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated_late_handshake,disaggregated_answer_after_push \
+    run 200 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 90 --iters 10 --tag "2xh100_8b_defaults${SUFFIX:-}" \
+      --modes colocated,disaggregated_one_message,disaggregated_early_handshake --out "$out"
+    run 200 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 150 --iters 10 --tag "2xh100_0.6b_defaults${SUFFIX:-}" \
+      --modes colocated,disaggregated_one_message,disaggregated_early_handshake,disaggregated_answer_after_push \
       --out "$out"
     ;;
   pair_channel)

@@ -59,7 +59,7 @@ class ModeSpec:
     kv_messages: int = 1
     ship_draft_kv: bool = False
     answer_before_push: bool = True  # PrefillWorkerConfig.answer_before_push
-    early_handshake: bool = True  # PrefillWorkerConfig.early_handshake
+    early_handshake: bool = False  # PrefillWorkerConfig.early_handshake (layer groups streamed only with it)
 
 
 @dataclass(frozen=True)

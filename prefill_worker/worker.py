@@ -57,11 +57,14 @@ _NUM_PUSH_RECORDS = 1024  # the latest pushes that ended after their answer (pus
 
 class PrefillWorkerConfig(EndpointConfig):
     early_handshake: bool = Field(
-        True,
+        False,
         description="Ask the decode worker to post its receive while the prompt is computed (when the prompt "
         "fits one engine step, nothing waits in the engine and no other push to that decode worker is under "
-        "way), so the first token does not wait for that round trip after the prefill; the first token then "
-        "follows the KV over the pair.",
+        "way), so the push does not wait for that round trip after the prefill; the first token then follows "
+        "the KV over the pair. Off by default: with answer_before_push the first token no longer waits for the "
+        "push, and the handshake's work beside the step delayed it (2x H100, 2,048-token prompts: +3.7% TTFT over "
+        "colocated with it, +2.5% without at the Llama-3.1-8B shape; +7.0% and -3.2% at Qwen3-0.6B; "
+        "bench/results/disagg_2xh100_*_late.json). Needed for kv_messages > 1.",
     )
     kv_messages: int = Field(
         1,
@@ -336,8 +339,10 @@ class PrefillWorker(TransferEndpoint):
         """The answer with the first token, the push started in the background (answer_before_push),
         when the first token does not end the request and the decode worker will report a push that
         fails on its token stream: the early handshake was accepted (it holds the request), or there
-        was none and the lease is attached (it holds the lease: a handshake it refuses, or one that
-        never comes before the lease expires, it reports). None: the caller pushes and answers after."""
+        was none, the lease is attached and the pair formed (it holds the lease: a handshake it
+        refuses, or one that never comes before the lease expires, it reports; a pair that fails to
+        form, a layout mismatch, only the prefill worker knows). None: the caller pushes and answers
+        after."""
         request = msg.request
         rid = request.request_id
         aborted, finish = self._ending(msg, out)
@@ -352,8 +357,13 @@ class PrefillWorker(TransferEndpoint):
                 raise
             if handshake is not None and handshake.decode_id is None:
                 return None  # refused or failed: the push's answer says how
-        if handshake is None and not _has_result(self._leases.get(rid)):
-            return None  # NOTE: no lease yet: the router may still stop this prefill for want of room
+        if handshake is None:
+            lease = self._leases.get(rid)
+            if not _has_result(lease):
+                return None  # NOTE: no lease yet: the router may still stop this prefill for want of room
+            assert lease is not None
+            if not self.transport.is_paired(lease.result()[0].decode_worker_id):
+                return None  # NOTE: pairing checks the layouts; its failure must reach the router in the answer
         push = asyncio.ensure_future(self._push(msg, out, early))
         self._pushing[rid] = push
         push.add_done_callback(lambda done: self._push_ended(rid, done, prefilled))

@@ -1,5 +1,5 @@
 """bench.disagg on the CPU (a subprocess with its own local Ray cluster, gloo, the tiny default
-model): the four modes run side by side, every mode is measured in every round, the tokens are
+model): the five modes run side by side, every mode is measured in every round, the tokens are
 equal (the routers reaching the workers over the request channel, a prefill naming its decode worker
 by a pickled Ray handle), no block is left held, and the paired overheads follow from the modes'
 own TTFTs. The modes that answer before their push (the default) still report its figures,
@@ -20,7 +20,7 @@ from bench.paired import overhead_summary
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-NUM_TTFT = 4
+NUM_TTFT = 5
 
 
 def test_disagg_cpu_smoke(tmp_path: Path) -> None:
@@ -37,12 +37,14 @@ def test_disagg_cpu_smoke(tmp_path: Path) -> None:
     assert report["request_channel"] is True  # the routers reached the workers as a served router does
     shape = report["shapes"]["default"]
     modes = shape["modes"]
-    assert set(modes) == {"colocated", "disaggregated_one_message", "disaggregated", "disaggregated_answer_after_push"}
+    disaggregated = ["disaggregated_one_message", "disaggregated_early_handshake", "disaggregated",
+                     "disaggregated_answer_after_push"]
+    assert set(modes) == {"colocated", *disaggregated}
     assert shape["same_tokens"] is True
     for mode in modes.values():
-        assert len(mode["ttft_s"]) == NUM_TTFT
+        assert len(mode["ttft_s"]) == NUM_TTFT and mode["second_token_median_s"] > 0
         assert set(mode["held_blocks_after"].values()) == {0}
-    for name in ("disaggregated", "disaggregated_one_message", "disaggregated_answer_after_push"):
+    for name in disaggregated:
         assert modes[name]["push_bytes"] > 0  # the prompts went through the prefill worker
         assert modes[name]["push_median_s"] > 0  # timed: after the answer, from the worker's push records
         paired = shape["paired_overhead"][name]
@@ -52,6 +54,4 @@ def test_disagg_cpu_smoke(tmp_path: Path) -> None:
     c = modes["colocated"]
     assert shape["ttft_overhead"] == pytest.approx(modes["disaggregated"]["ttft_median_s"] / c["ttft_median_s"] - 1)
     assert shape["placement"] == {"cpu": {"workers": [
-        "colocated-worker", "disaggregated_one_message-prefill", "disaggregated_one_message-decode",
-        "disaggregated-prefill", "disaggregated-decode", "disaggregated_answer_after_push-prefill",
-        "disaggregated_answer_after_push-decode"]}}
+        "colocated-worker", *(f"{name}-{role}" for name in disaggregated for role in ("prefill", "decode"))]}}

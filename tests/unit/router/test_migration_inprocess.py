@@ -255,12 +255,10 @@ def test_a_fault_on_every_attempt_gives_up_after_max_attempts():
         await cluster.prefill["p0"].arm_fault(FaultRule(action="fail", op="send", max_fires=None).encode())
         (result,) = await Streams(cluster.dispatcher, _prompts(1), GREEDY).results(timeout_s=30.0)
         assert isinstance(result, RequestFailedError)
-        # Each attempt was answered before its push (PrefillWorkerConfig.answer_before_push), so the
-        # failure reached the router from the decode worker, naming the pair and the side that dropped it.
-        assert f"failed {FAST.max_attempts} times" in str(result)
-        assert "KV transfer failed" in str(result) and "p0 -> d0 was dropped by 'p0'" in str(result)
+        # Each failed send drops the pair, so each attempt forms it again and is answered after its push
+        # (pairing checks the layouts; PrefillWorkerConfig.answer_before_push): the answer names the fault.
+        assert f"failed {FAST.max_attempts} times" in str(result) and "fault injected: fail" in str(result)
         assert set((await cluster.held()).values()) == {0}
-        assert (await cluster.prefill["p0"].stats())["num_kv_push_failures_after_answer"] == FAST.max_attempts
         await cluster.close()
 
     asyncio.run(main())
