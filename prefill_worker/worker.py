@@ -9,9 +9,16 @@ posted in the order sends are.
 Routers reach `prefill`, `attach_lease` and `abort` over the request channel (kvtransfer/channel.py,
 `channel_address`) instead of Ray calls; it calls the same methods.
 
+The answer (the first token) goes before the push when the decode worker can report the push's
+failure itself (answer_before_push: the lease attached and the pair formed, or an early handshake
+accepted); the push then runs in the background, holding the request's state and blocks here until
+it ends (its figures in push_records and stats).
+
 Failures: a push that fails or misses its deadline drops the pair (never waiting on the peer; the
-next push re-forms it) and answers the router with an error, which retries the request elsewhere.
-Bad input raises InvalidRequestError (the router answers 4xx and retries nothing).
+next push re-forms it). Answered after the push, the answer carries the error; answered before it,
+the decode worker tells the router (a receive that fails or times out, a KvReady it refuses, a
+lease that expires). Either way the router retries the request elsewhere. Bad input raises
+InvalidRequestError (the router answers 4xx and retries nothing).
 """
 
 from __future__ import annotations
@@ -76,12 +83,14 @@ class PrefillWorkerConfig(EndpointConfig):
     )
     answer_before_push: bool = Field(
         True,
-        description="After an accepted early handshake (the decode worker holds the request and has posted its "
-        "receives), answer the router with the first token as soon as it is sampled, the KV and the token going on "
-        "in the background: the push leaves the time to first token. A push that then fails reaches the router "
-        "through the decode worker's token stream (its receive fails, or times out after transfer_timeout_s), and "
-        "the request moves on with its first token kept. False: the answer waits for the push (and carries its "
-        "timings).",
+        description="Answer the router with the first token as soon as it is sampled, the handshake, KV and token "
+        "going on in the background, when the decode worker can report their failure itself: the lease is "
+        "attached and the pair with it formed (pairing checks the layouts, and its failure must reach the router "
+        "in the answer), or an early handshake was accepted. The push then leaves the time to first token (and "
+        "delays the second). A push that then fails reaches the router through the decode worker's token stream "
+        "(its receive fails or times out after transfer_timeout_s, it refuses the KvReady, or the lease expires), "
+        "and the request moves on with its first token kept. False: the answer waits for the push (and carries "
+        "its timings).",
     )
     ship_draft_kv: bool = Field(
         True,
