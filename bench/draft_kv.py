@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                else dict(num_blocks=512))
     engine = engine_config(args.model, device=args.device, max_num_batched_tokens=max(2048, args.prompt_len),
                            speculative=speculative, **options)
-    modes = [ModeSpec(A, True, kv_messages=8, ship_draft_kv=False),
-             ModeSpec(B, True, kv_messages=8, ship_draft_kv=True)]
+    modes = [ModeSpec(A, True, kv_messages=8, ship_draft_kv=False, early_handshake=True),
+             ModeSpec(B, True, kv_messages=8, ship_draft_kv=True, early_handshake=True)]
     started = time.perf_counter()
     result = asyncio.run(run(SideBySide(modes, engine, args.transport, use_gpus=on_gpu), args))
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if on_gpu else "cpu"

@@ -127,7 +127,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     decode = DecodeWorker(DecodeWorkerConfig(worker_id="decode", engine=engine, transport="local"),
                           transport_options={"hub": hub})
     prefill = PrefillWorker(PrefillWorkerConfig(worker_id="prefill", engine=engine, transport="local",
-                                                kv_messages=args.kv_messages, early_handshake=args.early_handshake,
+                                                kv_messages=_kv_messages(args), early_handshake=args.early_handshake,
                                                 answer_before_push=args.answer_before_push),
                             transport_options={"hub": hub})
     rng = random.Random(0)
@@ -155,6 +155,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "per_round": diffs}}
 
 
+def _kv_messages(args: argparse.Namespace) -> int:
+    """The layer groups asked for; one message without the early handshake (groups need it)."""
+    return args.kv_messages if args.early_handshake else 1
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=SHAPES / "llama-3.1-8b", help="a shape dir (dummy weights)")
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--answer-before-push", action=argparse.BooleanOptionalAction, default=True,
                         help="PrefillWorkerConfig.answer_before_push (off: the answer waits for the KV push)")
     parser.add_argument("--early-handshake", action=argparse.BooleanOptionalAction, default=True,
-                        help="PrefillWorkerConfig.early_handshake (off: the KV goes in one message after the step)")
+                        help="PrefillWorkerConfig.early_handshake (off: the KV goes in one message after the step, whatever "
+                        "--kv-messages says)")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="sys.setswitchinterval for the run (default: Python's, 5 ms): how long a thread "
                         "that wants the GIL waits before the holder is asked to let go")
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> Path:
     device = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     record = {"benchmark": "prefill_path", "device": device, "torch": torch.__version__, "model": str(args.model),
               "prompt_len": args.prompt_len, "rounds": args.rounds, "warm_rounds": WARM_ROUNDS,
-              "kv_messages": args.kv_messages, "early_handshake": args.early_handshake,
+              "kv_messages": _kv_messages(args), "early_handshake": args.early_handshake,
               "answer_before_push": args.answer_before_push,
               "switch_interval_s": sys.getswitchinterval(), **record}
     print(json.dumps({k: record[k] for k in ("device", "summary", "held_blocks_after")}), flush=True)

@@ -56,6 +56,11 @@ class ClusterConfig(BaseModel):
         "going on in the background; a push that then fails reaches the router from its decode worker "
         "(PrefillWorkerConfig.answer_before_push). False: the answer waits for the push.",
     )
+    early_handshake: bool = Field(
+        False, description="The decode worker posts its receive while the prompt is computed "
+        "(PrefillWorkerConfig.early_handshake): the second token comes sooner, the first later (measured on 2x H100, "
+        "README); needed for kv_messages > 1.",
+    )
     prefill_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources each prefill worker asks for (and each of its placement-group "
@@ -72,6 +77,9 @@ class ClusterConfig(BaseModel):
     def _check_pools(self) -> ClusterConfig:
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise ValueError("num_prefill must be at least 1 in disaggregated mode")
+        if self.kv_messages > 1 and not self.early_handshake:
+            raise ValueError(f"kv_messages={self.kv_messages} needs early_handshake=True (layer groups are sent during the prefill "
+                "only after an early handshake); set early_handshake=True, or kv_messages=1")
         for field in ("prefill_resources", "decode_resources"):
             for name, amount in getattr(self, field).items():
                 _check_resource(field, name, amount)

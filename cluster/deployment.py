@@ -37,6 +37,7 @@ class Deployment:
         return PrefillWorkerConfig(
             worker_id=worker_id, engine=c.engine, transport=self.transport, transfer_timeout_s=c.transfer_timeout_s,
             host=c.host, kv_messages=c.kv_messages, answer_before_push=c.answer_before_push,
+            early_handshake=c.early_handshake,
         )
 
     def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:

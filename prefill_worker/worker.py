@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine import EngineCore, SpeculativeConfig, StepOutput
 from engine.engine import resolve_device, resolve_dtype, resolve_model_dir
@@ -99,6 +99,13 @@ class PrefillWorkerConfig(EndpointConfig):
         "run the same draft, so their draft does not compute the prompt inside a step of their batch. Prompts "
         "longer than one engine step's token budget are left to the decode worker's draft.",
     )
+
+    @model_validator(mode="after")
+    def _groups_need_early_handshake(self) -> PrefillWorkerConfig:
+        if self.kv_messages > 1 and not self.early_handshake:
+            raise ValueError(f"kv_messages={self.kv_messages} needs early_handshake=True (layer groups are sent during the prefill "
+                "only after an early handshake); set early_handshake=True, or kv_messages=1")
+        return self
 
 
 class PrefillWorker(TransferEndpoint):
