@@ -15,10 +15,10 @@
 #           server variant ($VARIANTS, default direct,direct-ray,direct-ray,direct: the request channel
 #           against Ray calls, in ABBA order), with the CPU each process spent (carry the proto files).
 #   pair    (nvidia-h200-x2): NCCL transport and layer-push tests, 1P1D over NCCL vs colocated (tokens,
-#           TTFT with the KV in one message and in layer groups sent during the prefill, both answering
-#           before the push, and one message answering after it; KV push bandwidth vs raw NCCL send/recv)
-#           at the Qwen3-0.6B and Llama-3.1-8B shapes; the four modes run side by side and TTFT is
-#           measured in turns (paired overhead with a 95% CI). $TAG: the result files' suffix.
+#           TTFT and the second token in bench.disagg's five modes: the defaults, the early handshake, layer
+#           groups, the answer after the push; KV push bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and
+#           Llama-3.1-8B shapes, side by side and in turns (paired overhead with a 95% CI). Five 8B workers
+#           need H200s: on H100s name three in $MODES (and NUM_TTFT a multiple of 3). $TAG: the files' suffix.
 #   pair_answer (nvidia-h100-x2 or h200-x2): bench.disagg at the Llama-3.1-8B shape in three modes twice (answering
 #           before the push vs after it, one message; one message vs layer groups, both before), then Qwen3-0.6B in all four.
 #   pair_final (two GPUs): the NCCL tests, then bench.disagg with the defaults (one message, answered before the
