@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--num-ttft", type=int, default=44,
-                        help="TTFT rounds reported (after 2 warm-up rounds); a multiple of the number of modes puts every mode at every position of the rotation equally often")
+                        help="TTFT rounds reported (after 2 warm-up rounds); a multiple of the number of modes puts "
+                        "every mode at every position of the rotation equally often")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--device", default="cuda", help="'cpu' (with --transport gloo) for a smoke test")

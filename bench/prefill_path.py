@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--answer-before-push", action=argparse.BooleanOptionalAction, default=True,
                         help="PrefillWorkerConfig.answer_before_push (off: the answer waits for the KV push)")
     parser.add_argument("--early-handshake", action=argparse.BooleanOptionalAction, default=True,
-                        help="PrefillWorkerConfig.early_handshake (off: the KV goes in one message after the step, whatever "
-                        "--kv-messages says)")
+                        help="PrefillWorkerConfig.early_handshake (off: the KV goes in one message after the step, "
+                        "whatever --kv-messages says)")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="sys.setswitchinterval for the run (default: Python's, 5 ms): how long a thread "
                         "that wants the GIL waits before the holder is asked to let go")

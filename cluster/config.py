@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import EngineConfig
+from prefill_worker.config import check_kv_messages
 
 PREFILL_RESOURCE = "pdserve_prefill"
 """The custom resource the cluster YAMLs give prefill nodes (one unit per GPU)."""
@@ -77,9 +78,7 @@ class ClusterConfig(BaseModel):
     def _check_pools(self) -> ClusterConfig:
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise ValueError("num_prefill must be at least 1 in disaggregated mode")
-        if self.kv_messages > 1 and not self.early_handshake:
-            raise ValueError(f"kv_messages={self.kv_messages} needs early_handshake=True (layer groups are sent during the prefill "
-                "only after an early handshake); set early_handshake=True, or kv_messages=1")
+        check_kv_messages(self.kv_messages, self.early_handshake)
         for field in ("prefill_resources", "decode_resources"):
             for name, amount in getattr(self, field).items():
                 _check_resource(field, name, amount)

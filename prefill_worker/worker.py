@@ -28,13 +28,11 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from pydantic import Field, model_validator
 
 from engine import EngineCore, SpeculativeConfig, StepOutput
 from engine.engine import resolve_device, resolve_dtype, resolve_model_dir
@@ -46,11 +44,13 @@ from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, PairAddress, TransferHandle, create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer.channel import Call, ChannelAddress, ChannelServer, Refs
-from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
+from kvtransfer.endpoint import TransferEndpoint, wait_transfer
 from kvtransfer.layout import layer_groups
 from kvtransfer.netaddr import resolve_host
 from kvtransfer.protocol import DraftKvOffer, KvAcceptMsg, KvReadyMsg, LeaseMsg, PrefillResultMsg, PrefillTaskMsg
+from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.layer_push import LayerPush, Streamed
+from prefill_worker.pushes import Early, Gathered, PushLog, has_result
 
 log = logging.getLogger(__name__)
 
@@ -59,53 +59,6 @@ _DraftJob = tuple[list[int], "asyncio.Future[torch.Tensor]"]  # a prompt, and wh
 # Ended prefills remembered (a lease attached after its prefill's answer is refused; one attached
 # before its prefill call waits for it).
 _NUM_ENDED_KEPT = 4096
-_NUM_PUSH_RECORDS = 1024  # the latest pushes that ended after their answer (push_records)
-
-
-class PrefillWorkerConfig(EndpointConfig):
-    early_handshake: bool = Field(
-        False,
-        description="Ask the decode worker to post its receive while the prompt is computed (when the prompt "
-        "fits one engine step, nothing waits in the engine and no other push to that decode worker is under "
-        "way), so the push does not wait for that round trip after the prefill; the first token then follows "
-        "the KV over the pair. Off by default: with answer_before_push the first token no longer waits for the "
-        "push, and the handshake's work beside the step delayed it (2x H100, 2,048-token prompts: +3.7% TTFT over "
-        "colocated with it, +2.5% without at the Llama-3.1-8B shape; +7.0% and -3.2% at Qwen3-0.6B; "
-        "bench/results/disagg_2xh100_*_late.json). Needed for kv_messages > 1.",
-    )
-    kv_messages: int = Field(
-        1,
-        ge=1,
-        description="After an early handshake, the prompt's KV goes in this many messages (groups of consecutive "
-        "layers, at most one a layer), each sent as soon as the prefill step has queued its layers, so on a GPU "
-        "the transfer overlaps the rest of the prefill; 1: one message, gathered and sent once the first token "
-        "is sampled.",
-    )
-    answer_before_push: bool = Field(
-        True,
-        description="Answer the router with the first token as soon as it is sampled, the handshake, KV and token "
-        "going on in the background, when the decode worker can report their failure itself: the lease is "
-        "attached and the pair with it formed (pairing checks the layouts, and its failure must reach the router "
-        "in the answer), or an early handshake was accepted. The push then leaves the time to first token (and "
-        "delays the second). A push that then fails reaches the router through the decode worker's token stream "
-        "(its receive fails or times out after transfer_timeout_s, it refuses the KvReady, or the lease expires), "
-        "and the request moves on with its first token kept. False: the answer waits for the push (and carries "
-        "its timings).",
-    )
-    ship_draft_kv: bool = Field(
-        True,
-        description="When engine.speculative drafts with a model (the decode workers' draft): compute each prompt's "
-        "draft KV here too, after its first token, on a CUDA stream of its own, and send it to decode workers that "
-        "run the same draft, so their draft does not compute the prompt inside a step of their batch. Prompts "
-        "longer than one engine step's token budget are left to the decode worker's draft.",
-    )
-
-    @model_validator(mode="after")
-    def _groups_need_early_handshake(self) -> PrefillWorkerConfig:
-        if self.kv_messages > 1 and not self.early_handshake:
-            raise ValueError(f"kv_messages={self.kv_messages} needs early_handshake=True (layer groups are sent during the prefill "
-                "only after an early handshake); set early_handshake=True, or kv_messages=1")
-        return self
 
 
 class PrefillWorker(TransferEndpoint):
@@ -133,7 +86,7 @@ class PrefillWorker(TransferEndpoint):
             Call.ABORT: self.abort,
         }, None, host)
         self._first_tokens: dict[str, asyncio.Future[StepOutput]] = {}
-        self._gathered: dict[str, _Gathered] = {}  # request -> its KV gathered when its prefill ended
+        self._gathered: dict[str, Gathered] = {}  # request -> its KV gathered when its prefill ended
         # request -> its prompt, for the draft's prefill after the target's (self.draft; prompts that fit it)
         self._draft_prompts: dict[str, list[int]] = {}
         # request -> its draft KV in one buffer (on self.draft's stream), once computed
@@ -156,8 +109,7 @@ class PrefillWorker(TransferEndpoint):
         # request -> its push, under way after the answer (answer_before_push); it holds the prompt's
         # blocks and the request's state here until it ends (_push_ended).
         self._pushing: dict[str, asyncio.Task[PrefillResultMsg]] = {}
-        self._push_records: deque[PrefillResultMsg] = deque(maxlen=_NUM_PUSH_RECORDS)
-        self.push_totals = PushTotals()
+        self.push_log = PushLog()
         self.layer_push = LayerPush(self.transport, engine.runner.kv_caches, self._defer)
         engine.layer_hook = self.layer_push.hook
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
@@ -176,7 +128,7 @@ class PrefillWorker(TransferEndpoint):
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         assert self._aio is not None
-        gathered: dict[str, _Gathered] = {}
+        gathered: dict[str, Gathered] = {}
         for out in outputs:
             # The prompt's KV into one buffer now, queued right behind the step that computed it,
             # rather than in a command the engine thread runs later.
@@ -209,24 +161,24 @@ class PrefillWorker(TransferEndpoint):
             buffers = [err] * len(drafts)
         self._aio.call_soon_threadsafe(_resolve_drafts, [future for _, future in drafts], buffers)
 
-    def _gather(self, out: StepOutput) -> _Gathered:  # engine thread
+    def _gather(self, out: StepOutput) -> Gathered:  # engine thread
         assert out.kv_block_ids is not None
         kv = self.loop.engine.runner.kv_caches
         blocks = out.kv_block_ids[: self._num_blocks(out.num_prompt_tokens)]
         if not kv.is_cuda:
-            return _Gathered(gather_blocks(kv, blocks), None, None)
+            return Gathered(gather_blocks(kv, blocks), None, None)
         started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         started.record()
         buf = gather_blocks(kv, blocks)
         ended.record()
-        return _Gathered(buf, started, ended)
+        return Gathered(buf, started, ended)
 
     def _on_engine_error(self, err: BaseException) -> None:  # engine thread
         self._error = err
         if self._aio is not None:
             self._aio.call_soon_threadsafe(self._fail_all, err)
 
-    def _resolve(self, outputs: list[StepOutput], gathered: dict[str, _Gathered]) -> None:
+    def _resolve(self, outputs: list[StepOutput], gathered: dict[str, Gathered]) -> None:
         for out in outputs:
             future = self._first_tokens.pop(out.request_id, None)
             if future is not None and not future.done():
@@ -350,7 +302,7 @@ class PrefillWorker(TransferEndpoint):
             self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
 
     async def _answer_before_push(
-        self, msg: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None, prefilled: float
+        self, msg: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[Early | None] | None, prefilled: float
     ) -> PrefillResultMsg | None:
         """The answer with the first token, the push started in the background (answer_before_push),
         when the first token does not end the request and the decode worker will report a push that
@@ -375,7 +327,7 @@ class PrefillWorker(TransferEndpoint):
                 return None  # refused or failed: the push's answer says how
         if handshake is None:
             lease = self._leases.get(rid)
-            if not _has_result(lease):
+            if not has_result(lease):
                 return None  # NOTE: no lease yet: the router may still stop this prefill for want of room
             assert lease is not None
             if not self.transport.is_paired(lease.result()[0].decode_worker_id):
@@ -390,28 +342,11 @@ class PrefillWorker(TransferEndpoint):
                                 push_pending=True)
 
     def _push_ended(self, rid: str, done: asyncio.Task[PrefillResultMsg], prefilled: float) -> None:
-        """A push after the answer has ended: its blocks go back, its figures into push_records and
-        push_totals; a failure is logged (its decode worker has told the router)."""
+        """A push after the answer has ended: its state and blocks go, its figures into push_log."""
         self._pushing.pop(rid, None)
         self._forget(rid)
         self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
-        ended = time.perf_counter()
-        if done.cancelled() or done.exception() is not None:
-            error = "cancelled" if done.cancelled() else f"{type(done.exception()).__name__}: {done.exception()}"
-            result = PrefillResultMsg(request_id=rid, error=error)
-        else:
-            result = done.result()
-        if result.error is not None:
-            self.push_totals.num_failed += 1
-            log.warning("push of %s after its answer: %s", rid, result.error)
-            return
-        if not result.push_bytes:
-            return  # aborted meanwhile: nothing was pushed for decoding
-        timed = result.model_copy(update={
-            "push_s": ended - prefilled, "push_marks_s": [t - prefilled for t in result.push_marks_s],
-        })
-        self._push_records.append(timed)
-        self.push_totals.add(timed)
+        self.push_log.ended(rid, done, prefilled)
 
     async def settle_pushes(self, timeout_s: float | None = None) -> int:
         """Waits (at most timeout_s, default transfer_timeout_s) for the pushes under way after their
@@ -424,7 +359,7 @@ class PrefillWorker(TransferEndpoint):
     async def push_records(self) -> list[bytes]:
         """The latest pushes that ended after their answer (answer_before_push), oldest first, each a
         PrefillResultMsg with the push's figures (push_s from the first token to the sends done)."""
-        return [r.encode() for r in self._push_records]
+        return [r.encode() for r in self.push_log.records]
 
     async def check_integrity(self) -> int:
         """As TransferEndpoint's, once the pushes under way have ended (they hold their prompts'
@@ -463,7 +398,7 @@ class PrefillWorker(TransferEndpoint):
             and not engine.scheduler.waiting
         )
 
-    def _early_handshake(self, msg: PrefillTaskMsg) -> asyncio.Task[_Early | None]:
+    def _early_handshake(self, msg: PrefillTaskMsg) -> asyncio.Task[Early | None]:
         """Starts the handshake now, beside the prompt's computation: KvReady without the first token,
         as soon as the lease is known; once accepted, the KV's layer groups go as the step writes them
         (LayerPush). None: no early handshake (a push to that decode worker holds the pair, or no
@@ -477,7 +412,7 @@ class PrefillWorker(TransferEndpoint):
         # streamed, its gather and send would run on the GPU beside the step's last kernels (the lm_head and
         # the sampling), delaying the first token.
 
-        async def run() -> _Early | None:
+        async def run() -> Early | None:
             handshake = None
             try:
                 lease, decode_worker = await self._lease(rid)
@@ -499,7 +434,7 @@ class PrefillWorker(TransferEndpoint):
 
         return asyncio.ensure_future(run())
 
-    async def _handshake(self, decode_id: str, decode_worker: Any, ready: KvReadyMsg) -> _Early:
+    async def _handshake(self, decode_id: str, decode_worker: Any, ready: KvReadyMsg) -> Early:
         """Takes the pair's lock, forms the pair if needed and has the decode worker post its
         receives. Accepted: returns with the lock HELD (the sends must follow in this order; `_send`
         releases it). Otherwise the lock is released and `failure` says why."""
@@ -518,19 +453,19 @@ class PrefillWorker(TransferEndpoint):
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
             if isinstance(err, asyncio.CancelledError):
                 raise
-            return _Early(None, f"KV push to {decode_id} failed: {type(err).__name__}: {err}", epoch, lock, 1, False)
+            return Early(None, f"KV push to {decode_id} failed: {type(err).__name__}: {err}", epoch, lock, 1, False)
         if not accept.accepted:
             lock.release()
             if accept.is_unpaired and self._pair_epochs.get(decode_id) == epoch:
                 self.transport.drop(decode_id)  # the decode side lost the pair: form it again next time
-            return _Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock, 1, False)
-        return _Early(decode_id, None, epoch, lock, ready.num_messages, accept.draft and ready.draft is not None)
+            return Early(None, f"decode worker refused the KV: {accept.reason}", epoch, lock, 1, False)
+        return Early(decode_id, None, epoch, lock, ready.num_messages, accept.draft and ready.draft is not None)
 
     def _offer(self, request_id: str) -> DraftKvOffer | None:
         """The draft's KV offered with a request's KvReady: when this worker computes it."""
         return self.draft_offer if request_id in self._draft_kv else None
 
-    def _settle(self, early: asyncio.Task[_Early | None] | None, msg: PrefillTaskMsg) -> None:
+    def _settle(self, early: asyncio.Task[Early | None] | None, msg: PrefillTaskMsg) -> None:
         """An early handshake whose push will not come (the prefill failed or was cancelled): in the
         background, complete what the decode side waits for with a stand-in and token -1 (it then
         frees the lease), so the pair and its order stay intact."""
@@ -547,7 +482,7 @@ class PrefillWorker(TransferEndpoint):
         asyncio.ensure_future(settle())
 
     async def _send(
-        self, handshake: _Early, buf: torch.Tensor | None, token: int | None, num_blocks: int,
+        self, handshake: Early, buf: torch.Tensor | None, token: int | None, num_blocks: int,
         streamed: Streamed | None = None, marks: list[float] | None = None,
         draft_kv: asyncio.Future[torch.Tensor] | None = None,
     ) -> tuple[str | None, float]:
@@ -612,7 +547,7 @@ class PrefillWorker(TransferEndpoint):
             return torch.empty(layout.buffer_shape(num_blocks), dtype=layout.torch_dtype, device=device)
 
     async def _send_draft(
-        self, handshake: _Early, draft_kv: asyncio.Future[torch.Tensor] | None, num_blocks: int
+        self, handshake: Early, draft_kv: asyncio.Future[torch.Tensor] | None, num_blocks: int
     ) -> None:
         """The draft's KV, last on the pair once computed (a stand-in without one), then the pair's
         lock released; the answer does not wait for it. A failed send drops the pair."""
@@ -636,7 +571,7 @@ class PrefillWorker(TransferEndpoint):
                 self.transport.drop(decode_id)  # never waits on a dead peer; the pair re-forms next time
 
     async def _push(
-        self, task: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[_Early | None] | None = None
+        self, task: PrefillTaskMsg, out: StepOutput, early: asyncio.Task[Early | None] | None = None
     ) -> PrefillResultMsg:
         """Sends the prompt's KV (and, after an early handshake, the first token) to the leased
         blocks. After an early handshake the decode side waits for both even when there is nothing to
@@ -672,7 +607,7 @@ class PrefillWorker(TransferEndpoint):
         elif decode:
             if gathered is None:  # NOTE: not gathered when the prefill ended (it failed there): gather now
                 blocks = (out.kv_block_ids or [])[:num_blocks]
-                gathered = _Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
+                gathered = Gathered(await self._call(lambda e: gather_blocks(e.runner.kv_caches, blocks)), None, None)
             buf = gathered.buffer
         # NOTE: shielded: cancelled here, the sends still go and the pair's lock is still released.
         draft_kv = self._draft_kv.get(rid)
@@ -753,7 +688,7 @@ class PrefillWorker(TransferEndpoint):
             "num_cached_blocks": s.num_cached_blocks,
             "num_channels": self.channel.num_connections,  # routers connected over the request channel
             "num_pushes_under_way": len(self._pushing),  # after their answers (answer_before_push)
-            **self.push_totals.stats(),
+            **self.push_log.stats(),
             "is_healthy": await self.health(),
         }
 
@@ -806,58 +741,6 @@ def _draft_prefiller(config: PrefillWorkerConfig) -> DraftPrefiller:
 
 
 __all__ = ["PrefillWorker", "PrefillWorkerConfig"]
-
-
-@dataclass
-class PushTotals:
-    """Pushes that ended after their answers (answer_before_push), since start: their answers could
-    not carry these, so the worker's stats do (router metrics read them per worker)."""
-
-    num_pushed: int = 0
-    num_failed: int = 0  # each also reported to its router by the decode worker
-    push_bytes: int = 0
-    push_seconds: float = 0.0  # summed, each from the first token to its sends done
-
-    def add(self, result: PrefillResultMsg) -> None:
-        self.num_pushed += 1
-        self.push_bytes += result.push_bytes
-        self.push_seconds += result.push_s
-
-    def stats(self) -> dict[str, Any]:
-        return {"num_kv_pushes_after_answer": self.num_pushed, "num_kv_push_failures_after_answer": self.num_failed,
-                "kv_push_bytes_after_answer": self.push_bytes, "kv_push_seconds_after_answer": self.push_seconds}
-
-
-class _Gathered(NamedTuple):
-    """A prompt's KV in one contiguous buffer, and CUDA events around the gather (None on the CPU)."""
-
-    buffer: torch.Tensor
-    started: torch.cuda.Event | None
-    ended: torch.cuda.Event | None
-
-    def device_seconds(self) -> float:
-        """The gather's time on the device once it has run (0.0 where not timed)."""
-        if self.started is None or self.ended is None:
-            return 0.0
-        self.ended.synchronize()  # NOTE: long done: the send that read the buffer has finished
-        return self.started.elapsed_time(self.ended) / 1e3
-
-
-class _Early(NamedTuple):
-    """An early handshake's outcome. decode_id set: accepted, and the pair's lock is held for the
-    sends; None: refused or failed (`failure` says how), the lock released."""
-
-    decode_id: str | None
-    failure: str | None
-    epoch: int
-    lock: asyncio.Lock
-    num_messages: int  # the KV's layer groups the decode side posted receives for
-    draft: bool  # the decode side posted a receive for the draft's KV too (it comes last)
-
-
-def _has_result(future: asyncio.Future[Any] | None) -> bool:
-    """Whether a future is done with a result (not cancelled, no exception)."""
-    return future is not None and future.done() and not future.cancelled() and future.exception() is None
 
 
 def _log_failure(done: Any) -> None:

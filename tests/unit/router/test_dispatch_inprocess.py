@@ -196,9 +196,10 @@ def test_kv_goes_layer_group_by_group_during_the_prefill_step(kv_messages):
     """After an early handshake the KV goes from the prefill step, a layer group as soon as its
     layers are computed (PrefillWorkerConfig.kv_messages; the default model has 2 layers), and the
     tokens are the offline engine's. One message is not streamed: it goes once the first token is
-    sampled (so its gather and send never run beside the step's last kernels). The race between the handshake and the step is settled here by
-    holding the step until the handshake is accepted (in a real step that starts first, the groups
-    written by the time it is accepted go then; tests/unit/prefill_worker/test_layer_push.py)."""
+    sampled (so its gather and send never run beside the step's last kernels). The race between the
+    handshake and the step is settled here by holding the step until the handshake is accepted (in a
+    real step that starts first, the groups written by the time it is accepted go then;
+    tests/unit/prefill_worker/test_layer_push.py)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = _prompts(4, seed=11)
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
@@ -214,7 +215,8 @@ def test_kv_goes_layer_group_by_group_during_the_prefill_step(kv_messages):
             for s in scheduled:
                 deadline = time.monotonic() + 5.0
                 stream = push._streams.get(s.request.request_id)  # None: not streamed (one message)
-                while s.will_sample and stream is not None and stream.decode_id is None and time.monotonic() < deadline:
+                while (s.will_sample and stream is not None and stream.decode_id is None
+                       and time.monotonic() < deadline):
                     time.sleep(0.001)
             on_layers = push.hook(scheduled)
             if on_layers is None:
