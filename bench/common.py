@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine import EngineCore, engine_config
-from bench.loadgen.report import cpu_name
+from loadgen.report import cpu_name
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 

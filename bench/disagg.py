@@ -1,40 +1,37 @@
 """Disaggregation on two GPUs: 1 prefill + 1 decode worker over NCCL against one colocated worker.
 
-Measures, per model shape (dummy weights), in one run:
+Measures, per model shape (dummy weights), in one run, two modes: "colocated" (one worker computes
+the prompt and decodes) and "disaggregated" (the router reserves a lease on the decode worker, then
+makes one call to the prefill worker carrying it; the prefill worker answers with the first token at
+once and pushes the prompt's KV in one message after the answer):
   - tokens: greedy outputs of a few requests, one at a time, colocated vs disaggregated (equal?);
   - TTFT of `--prompt-len`-token prompts (fresh random prompts, no prefix-cache hits, one at a
     time), as the router sees it: colocated (submit -> first token) vs disaggregated
-    (reserve -> prefill -> KV push -> first token); per mode the median, and per disaggregated
-    mode the paired overhead over colocated (below);
-  - the KV push as the prefill worker times it (gather + handshake + send until acknowledged),
-    and its bandwidth against raw NCCL send/recv of a buffer of the same size between two Ray
-    actors on the same two GPUs (our NcclTransport, no gather, no handshake), median of many;
+    (reserve -> prefill -> first token); per mode the median, and the paired overhead of
+    disaggregated over colocated (below);
+  - the time from the first token to the second (disaggregated: the KV push, which goes on after
+    the answer, and the decode worker's first step lie between);
+  - the KV push as the prefill worker times it (handshake + send until acknowledged, from the
+    first token), from its push records (PushRecordMsg, read once the pushes have settled), and its
+    bandwidth against raw NCCL send/recv of a buffer of the same size between two Ray actors on the
+    same two GPUs (our NcclTransport, no gather, no handshake), median of many;
   - the transfer itself on the GPU (CUDA events): the gather into one buffer, and the send from
     the moment the pair's stream reaches it (the receiver has posted its recv by then), and their
     bandwidth against the same raw figure.
-Disaggregated runs in up to four modes: "disaggregated_one_message", the workers' defaults (the KV in
-one message once the first token is sampled, the router answered before the push, the handshake after
-the first token: the bandwidth figures above come from it); "disaggregated_early_handshake", the same
-with the decode worker posting its receive while the prompt is computed; "disaggregated", that early
-handshake with the KV in `--kv-messages` layer groups sent while the step computes ("ttft_overhead");
-and "disaggregated_answer_after_push", one message after an early handshake with the answer waiting
-for the push (the flow before answer_before_push). Answered before the push, a mode's push figures
-come from the prefill worker's push_records. `--modes` picks among them (colocated and the one-message
-mode always run; four 8B workers do not fit one 80 GB GPU).
+`--modes` picks among the two (default both; colocated always runs).
 
-Side by side, in turns: the three modes' workers are alive at once (bench.side_by_side: colocated
-and prefill workers share GPU 0, decode workers GPU 1, each with its own share of the GPU's memory;
-a pair's prefill and decode workers are on different GPUs, so the KV crosses NVLink as before).
+Side by side, in turns: the modes' workers are alive at once (bench.side_by_side: the colocated
+and the prefill worker share GPU 0, the decode worker has GPU 1, each with its own share of the GPU's
+memory; the prefill and decode workers are on different GPUs, so the KV crosses NVLink).
 Round i sends prompt i to every mode, one request at a time, in the order bench.paired.rotation
-gives (ABC, BCA, CAB ...), so drift hits every mode alike: when the modes ran one after another,
+gives (AB, BA, ...), so drift hits every mode alike: when the modes ran one after another,
 colocated TTFT moved between 54.2 and 56.4 ms across runs on one 2xH200 machine, more than the
-effect. The paired overhead of a mode is ttft_mode[i] / ttft_colocated[i] - 1 per round; its
+effect. The paired overhead is ttft_disaggregated[i] / ttft_colocated[i] - 1 per round; its
 median and a seeded bootstrap 95% interval are reported ("paired_overhead"), beside the ratio of
-medians ("ttft_overhead", as in older results). Why not one cluster.Deployment per mode: see
-bench.side_by_side. The other modes' routers stay open meanwhile (each polls its idle decode
-worker and refreshes its load every 0.25 s): the router's normal idle work, the same for every mode.
-The routers reach the workers over the request channel, as a served router does
-(`--no-request-channel`: through Ray actor calls and polls, as results before it measured).
+medians ("ttft_overhead"). Why not one cluster.Deployment per mode: see bench.side_by_side. The
+other mode's router stays open meanwhile (it polls its idle worker and refreshes its load every
+0.25 s): the router's normal idle work, the same for every mode. The routers reach the workers over
+the request channel, as a served router does.
 
 Writes JSON and a PNG with the device name. Needs Ray and 2 GPUs, or runs on the CPU for a smoke
 test (`--device cpu --transport gloo`, e.g. `--shapes default --shapes-dir engine/models`).
@@ -64,15 +61,14 @@ from bench.side_by_side import ModeSpec, SideBySide
 from engine import SamplingParams
 from engine.llm import engine_config
 from kvtransfer import NCCL_WORKER_ENV
-from kvtransfer.protocol import PrefillResultMsg, TokenBatchMsg
+from protocol.clients import invoke
+from protocol.messages import PrefillResultMsg, PushRecordMsg, TokenBatchMsg
 from router import Dispatcher
 from router.channels import WorkerChannels
-from router.dispatch import invoke
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 WARM_ROUNDS = 2  # the first rounds pay for allocator growth and kernel selection: not reported
-AFTER_PUSH = "disaggregated_answer_after_push"  # the flow before PrefillWorkerConfig.answer_before_push
-EARLY = "disaggregated_early_handshake"  # answered before the push, after an early handshake
+MODES = ("colocated", "disaggregated")
 
 
 def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
@@ -99,9 +95,9 @@ def _timed_legs(dispatcher: Dispatcher) -> dict[str, list[float]]:
     call_placed = dispatcher._call_placed
     legs["submit_start_at"], legs["submit_arrived_at"] = [], []
 
-    async def timed_call_placed(worker_id: str, method: Any, payload: bytes, what: str) -> Any:
-        start = time.perf_counter()
-        arrived = await call_placed(worker_id, method, payload, what)
+    async def timed_call_placed(worker_id: str, call: Any, what: str) -> Any:
+        start = time.perf_counter()  # NOTE: `call` is a coroutine: it starts when awaited
+        arrived = await call_placed(worker_id, call, what)
         if what == "colocated worker" and isinstance(arrived, float):  # DecodeWorker.submit's arrival
             legs["submit_start_at"].append(start)
             legs["submit_arrived_at"].append(arrived)
@@ -160,20 +156,20 @@ def _transit(results: list[PrefillResultMsg], legs: dict[str, list[float]]) -> d
             "back_median_s": statistics.median(e - r.answered_at for r, _, e in pairs)}
 
 
-async def _complete_pushes(run: _ModeRun, prefill_workers: Any) -> None:
-    """Answers sent before their push ended (PrefillWorkerConfig.answer_before_push) completed with
-    the push's figures from their prefill worker's push_records; a push that failed has none (and
-    its request moved on, which the tokens would show)."""
-    records: dict[str, PrefillResultMsg] = {}
+async def _push_records(run: _ModeRun, prefill_workers: list[Any]) -> None:
+    """The pushes of the mode's answered requests, from their prefill worker's push records once
+    its pushes have settled (a push ends after its answer); one that failed has no record (and its
+    request moved on, which the tokens would show)."""
+    records: dict[str, PushRecordMsg] = {}
     for handle in prefill_workers:
         await invoke(handle.settle_pushes)
         for raw in await invoke(handle.push_records):
-            record = PrefillResultMsg.decode(raw)
+            record = PushRecordMsg.decode(raw)
             records[record.request_id] = record
-    missing = [r.request_id for r in run.results if r.push_pending and r.request_id not in records]
+    missing = [r.request_id for r in run.results if r.push_bytes and r.request_id not in records]
     if missing:
         raise RuntimeError(f"no push record for {missing}: their pushes failed after the answer (see the workers' log)")
-    run.results[:] = [r.with_push(records[r.request_id]) if r.push_pending else r for r in run.results]
+    run.pushes = {r.request_id: records[r.request_id] for r in run.results if r.push_bytes}
 
 
 @dataclass
@@ -188,6 +184,7 @@ class _ModeRun:
     second_tokens: list[float] = field(default_factory=list)  # per TTFT round: first token -> second token
     # per TTFT round: (sent_at, decoded_at) of the token batch that first carried its request
     first_batches: list[tuple[float, float]] = field(default_factory=list)
+    pushes: dict[str, PushRecordMsg] = field(default_factory=dict)  # request id -> its push (_push_records)
 
 
 async def _ttft(dispatcher: Dispatcher, request_id: str, prompt: list[int]) -> tuple[float, float]:
@@ -207,22 +204,21 @@ async def _ttft(dispatcher: Dispatcher, request_id: str, prompt: list[int]) -> t
 
 
 async def run_modes(
-    side_by_side: SideBySide, prompts: list[list[int]], ttft_prompts: list[list[int]], request_channel: bool = True
+    side_by_side: SideBySide, prompts: list[list[int]], ttft_prompts: list[list[int]]
 ) -> dict[str, dict[str, Any]]:
     """Every mode's tokens (one mode after another), then the TTFT rounds: round i sends
-    ttft_prompts[i] to every mode in rotation(modes, i); the first WARM_ROUNDS are not reported.
-    request_channel: the routers reach the workers over the request channel, as a served router does
-    (DispatcherConfig.request_channel); else through Ray actor calls and polls."""
+    ttft_prompts[i] to every mode in rotation(modes, i); the first WARM_ROUNDS are not reported. The
+    routers reach the workers over the request channel, as a served router does."""
     runs: dict[str, _ModeRun] = {}
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    channels = WorkerChannels(lambda handle: isinstance(handle, ActorHandle)) if request_channel else None
+    channels = WorkerChannels(lambda handle: isinstance(handle, ActorHandle))
     try:
         await side_by_side.start(timeout_s=600)
         for name in side_by_side.modes:
             results: list[PrefillResultMsg] = []
             workers = side_by_side.workers(name)
             dispatcher = Dispatcher(
-                f"bench-{name}", channels.wrap(workers) if channels is not None else workers, poll_timeout_s=0.5,
+                f"bench-{name}", channels.wrap(workers), poll_timeout_s=0.5,
                 on_prefill_result=results.append,
             )
             runs[name] = _ModeRun(dispatcher, results, _timed_legs(dispatcher))
@@ -242,13 +238,12 @@ async def run_modes(
         for name, run in runs.items():
             ids = set(side_by_side.workers(name).decode)
             run.first_batches = [v for (worker_id, _), v in first.seen.items() if worker_id in ids]
-            await _complete_pushes(run, side_by_side.workers(name).prefill.values())
+            await _push_records(run, [side_by_side.handles[i] for i in side_by_side.workers(name).prefill])
         for run in runs.values():
             await run.dispatcher.close()
         held = {name: await side_by_side.held_blocks(name) for name in runs}
     finally:
-        if channels is not None:
-            channels.close()
+        channels.close()
         side_by_side.shutdown()
     return {name: _mode_summary(run, held[name]) for name, run in runs.items()}
 
@@ -256,7 +251,7 @@ async def run_modes(
 def _mode_summary(run: _ModeRun, held: dict[str, int]) -> dict[str, Any]:
     warm = WARM_ROUNDS
     results, legs, ttfts = run.results, run.legs, run.ttfts
-    pushes = [r for r in results[warm:] if r.push_bytes]
+    pushes = [run.pushes[r.request_id] for r in results[warm:] if r.push_bytes]
     return {
         "tokens": run.tokens,
         "ttft_s": ttfts[warm:],
@@ -285,38 +280,36 @@ def _mode_summary(run: _ModeRun, held: dict[str, int]) -> dict[str, Any]:
         # and that batch's way back (this host's clock on both sides)
         "submit_call": _submit_transit(legs, run.first_batches, warm),
         "held_blocks_after": held,
-        "num_streamed_messages": [r.num_streamed_messages for r in results[warm:]],
-        "layers_written_at_offer": [r.layers_written_at_offer for r in results[warm:]],
+        # per push, seconds after the first token: the handshake accepted, the send issued, the send done
         "push_marks_s": [r.push_marks_s for r in pushes],
-        # on the GPU: from the forward's last layer written to the last KV group sent
-        "push_tail_device_median_s": statistics.median([r.push_tail_device_s for r in pushes]) if pushes else None,
     }
 
 
 def _shape_report(
     modes: dict[str, dict[str, Any]], args: argparse.Namespace, side_by_side: SideBySide
 ) -> dict[str, Any]:
-    """One shape's figures from its modes' results: tokens equal?, TTFT overheads (ratio of medians
-    and paired), the KV push's bandwidth against raw send/recv of the same size (measured here)."""
-    # NOTE: bandwidth from the one-message run (a streamed push's sends are spread over the step)
-    d, c, streamed = modes["disaggregated_one_message"], modes["colocated"], modes.get("disaggregated")
-    disaggregated = [name for name in modes if name != "colocated"]
+    """One shape's figures from its modes' results: tokens equal?, the TTFT overhead of disaggregated
+    over colocated (ratio of medians, and paired), the KV push's bandwidth against raw send/recv of
+    the same size (measured here)."""
+    c, d = modes["colocated"], modes.get("disaggregated")
+    report: dict[str, Any] = {
+        "modes": modes,
+        "same_tokens": d is None or d["tokens"] == c["tokens"],
+        # ratio of the modes' medians (as in older results)
+        "ttft_overhead": d["ttft_median_s"] / c["ttft_median_s"] - 1 if d is not None else None,
+        # per round i: ttft_disaggregated[i] / ttft_colocated[i] - 1; its median and bootstrap 95% interval
+        "paired_overhead": {"disaggregated": overhead_summary(d["ttft_s"], c["ttft_s"])} if d is not None else {},
+        "placement": side_by_side.placement(),
+        "num_gpus_per_worker": side_by_side.num_gpus_per_worker,
+    }
+    if d is None or not d["push_bytes"]:
+        return report
     raw, raw_device = raw_bandwidths([d["push_bytes"]], args.iters, args.transport, args.device)[d["push_bytes"]]
     push_gbps = d["push_bytes"] / d["push_median_s"] / 1e9
     transfer_gbps = d["push_bytes"] / d["transfer_device_median_s"] / 1e9 if d["transfer_device_median_s"] else None
     send_gbps = d["push_bytes"] / d["send_device_median_s"] / 1e9 if d["send_device_median_s"] else None
     return {
-        "modes": modes,
-        "same_tokens": all(modes[name]["tokens"] == c["tokens"] for name in disaggregated),
-        "kv_messages": args.kv_messages,
-        # ratio of the modes' medians (as in older results)
-        "ttft_overhead": streamed["ttft_median_s"] / c["ttft_median_s"] - 1 if streamed is not None else None,
-        "ttft_overhead_one_message": d["ttft_median_s"] / c["ttft_median_s"] - 1,
-        # per round i: ttft_mode[i] / ttft_colocated[i] - 1; its median and bootstrap 95% interval
-        "paired_overhead": {name: overhead_summary(modes[name]["ttft_s"], c["ttft_s"])
-                            for name in disaggregated},
-        "placement": side_by_side.placement(),
-        "num_gpus_per_worker": side_by_side.num_gpus_per_worker,
+        **report,
         "push_gbps": push_gbps,
         "raw_gbps_same_size": raw,
         "push_fraction_of_raw": push_gbps / raw,
@@ -344,39 +337,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transport", default="nccl")
     parser.add_argument("--shapes-dir", type=Path, default=SHAPES)
     parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
-    parser.add_argument("--kv-messages", type=int, default=8,
-                        help="layer groups of the streamed disaggregated run (the one-message run is the default's)")
-    parser.add_argument("--request-channel", action=argparse.BooleanOptionalAction, default=True,
-                        help="the routers reach the workers over the request channel (a served router's default); "
-                        "--no-request-channel: through Ray actor calls and polls")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="each worker's share of its GPU's memory (KV cache sizing; default 0.85 / the modes, at "
                         "most 0.28): the colocated and every prefill worker share GPU 0")
-    parser.add_argument("--modes", default=f"colocated,disaggregated_one_message,{EARLY},disaggregated,{AFTER_PUSH}",
-                        help="the modes to run side by side (colocated and disaggregated_one_message always)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"the modes to run side by side, among {', '.join(MODES)} (colocated always)")
     args = parser.parse_args(argv)
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     on_gpu = args.device != "cpu"
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if on_gpu else "cpu"
     report: dict[str, Any] = {"device": device, "torch": torch.__version__, "transport": args.transport,
                               "prompt_len": args.prompt_len, "num_ttft": args.num_ttft, "warm_rounds": WARM_ROUNDS,
-                              "request_channel": args.request_channel,
                               "ttft_order": "side by side: round i measures every mode, in bench.paired.rotation "
-                              "order (ABC, BCA, CAB ...)", "shapes": {}}
+                              "order (AB, BA, ...)", "shapes": {}}
     rng = random.Random(0)
-    known = {spec.name: spec for spec in (
-        ModeSpec("colocated", is_disaggregated=False),
-        ModeSpec("disaggregated_one_message", is_disaggregated=True, kv_messages=1),
-        ModeSpec("disaggregated", is_disaggregated=True, kv_messages=args.kv_messages, early_handshake=True),
-        ModeSpec(EARLY, is_disaggregated=True, kv_messages=1, early_handshake=True),
-        ModeSpec(AFTER_PUSH, is_disaggregated=True, kv_messages=1, answer_before_push=False, early_handshake=True),
-    )}
     names = [n for n in args.modes.split(",") if n]
-    if unknown := [n for n in names if n not in known]:
-        parser.error(f"--modes: unknown {unknown}; known: {', '.join(known)}")
-    if not {"colocated", "disaggregated_one_message"} <= set(names):
-        parser.error(f"--modes must include colocated and disaggregated_one_message, got {names}")
-    mode_specs = [known[n] for n in names]
+    if unknown := [n for n in names if n not in MODES]:
+        parser.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    if "colocated" not in names or len(set(names)) != len(names):
+        parser.error(f"--modes must include colocated, each mode once; got {names}")
+    mode_specs = [ModeSpec(n, is_disaggregated=n != "colocated") for n in names]
     # NOTE: the colocated worker and every prefill worker share GPU 0, each with this share of its memory
     share = args.gpu_memory_utilization or min(0.28, 0.85 / len(mode_specs))
     for shape in args.shapes.split(","):
@@ -391,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         ttft_prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
                         for _ in range(args.num_ttft + WARM_ROUNDS)]
         side_by_side = SideBySide(mode_specs, engine, args.transport, use_gpus=on_gpu)
-        modes = asyncio.run(run_modes(side_by_side, prompts, ttft_prompts, args.request_channel))
+        modes = asyncio.run(run_modes(side_by_side, prompts, ttft_prompts))
         for name, result in modes.items():
             print(shape, name, {k: v for k, v in result.items() if k not in ("tokens", "ttft_s")}, flush=True)
         report["shapes"][shape] = _shape_report(modes, args, side_by_side)
@@ -422,15 +402,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(shapes))
     top_ms = 0.0
-    names = [m for m in ("colocated", AFTER_PUSH, EARLY, "disaggregated_one_message", "disaggregated")
-             if all(m in report["shapes"][s]["modes"] for s in shapes)]
+    names = [m for m in MODES if all(m in report["shapes"][s]["modes"] for s in shapes)]
     width = 0.8 / len(names)
     for k, mode in enumerate(names):
         offset = (k - (len(names) - 1) / 2) * width
-        label = {"disaggregated": "disaggregated, KV sent during the prefill",
-                 AFTER_PUSH: "early handshake, answer after the push",
-                 EARLY: "early handshake, answer before the push",
-                 "disaggregated_one_message": "disaggregated (defaults)"}.get(mode, mode)
+        label = {"disaggregated": "disaggregated (1P1D)"}.get(mode, mode)
         medians_ms = [report["shapes"][s]["modes"][mode]["ttft_median_s"] * 1e3 for s in shapes]
         ax1.bar([i + offset for i in x], medians_ms, width=width, label=label)
         top_ms = max(top_ms, *medians_ms)
@@ -444,13 +420,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax1.set_ylim(0, top_ms * 1.6)  # room for the legend and the overhead labels
     ax1.legend(fontsize=7, loc="upper left", title="above the bars: paired overhead, its 95% CI",
                title_fontsize=7)
-    ax2.bar([i - 0.3 for i in x], [report["shapes"][s]["push_gbps"] for s in shapes], width=0.2,
+    ax2.bar([i - 0.3 for i in x], [report["shapes"][s].get("push_gbps") or 0 for s in shapes], width=0.2,
             label="KV push, end to end")
     ax2.bar([i - 0.1 for i in x], [report["shapes"][s].get("transfer_gbps") or 0 for s in shapes], width=0.2,
             label="gather + send on the GPU")
     ax2.bar([i + 0.1 for i in x], [report["shapes"][s].get("send_gbps") or 0 for s in shapes], width=0.2,
             label="send on the GPU")
-    ax2.bar([i + 0.3 for i in x], [report["shapes"][s]["raw_gbps_same_size"] for s in shapes], width=0.2,
+    ax2.bar([i + 0.3 for i in x], [report["shapes"][s].get("raw_gbps_same_size") or 0 for s in shapes], width=0.2,
             label=f"raw {report['transport']} send/recv, same size")
     ax2.set_xticks(list(x), shapes)
     ax2.set_ylabel("GB/s")

@@ -6,7 +6,7 @@ For each mode in turn this starts `pdserve serve` as a subprocess (its own local
   colocated  2 colocated replicas, each doing chunked prefill and decode on its own GPU
 
 waits for /v1/models, warms it up (a few prompts of the workload's lengths), sweeps Poisson request
-rates with bench/loadgen (random token-id prompts, ignore_eos; per rate SECONDS_PER_RATE seconds of
+rates with loadgen/ (random token-id prompts, ignore_eos; per rate SECONDS_PER_RATE seconds of
 arrivals, then the requests drain for at most DRAIN_S, after which those still running count as
 failed; by default DRAIN_S is the longest a request can take and still meet both SLOs, + 1 s), then stops it (SIGINT, SIGTERM, SIGKILL; then whatever of its process group remains, Ray's
 processes, by group id). A mode that fails (start, warm-up, a rate, the server dying) is recorded with
@@ -91,11 +91,11 @@ import torch
 
 from bench.common import device_name, device_slug, save_plot, title, write_results
 from bench.goodput_report import ModeResult, compare, mode_summary, plot, scaleout, table
-from bench.loadgen.config import BenchConfig, parse_range
 from deploy.cli import add_engine_flags, engine_options
 from engine.engine import resolve_device, resolve_model_dir
 from engine.models import load_arch
 from kvtransfer.netaddr import free_port
+from loadgen.config import BenchConfig, parse_range
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "bench" / "shapes"
@@ -411,8 +411,8 @@ class Plan:
 async def warm_up(plan: Plan, base_url: str, timeout_s: float) -> None:
     """The first request alone, retried until the router has workers, then the rest at once; prompt
     lengths spread over the workload's (first Triton compiles, NCCL's first transfers)."""
-    from bench.loadgen.cli import client_for
-    from bench.loadgen.workloads import random_workload
+    from loadgen.cli import client_for
+    from loadgen.workloads import random_workload
 
     deadline = time.monotonic() + timeout_s
     requests = random_workload(plan.num_warmup, plan.input_len, (16, 16), seed=plan.seed + 10_000,
@@ -437,8 +437,8 @@ async def sweep(plan: Plan, result: ModeResult, server: ServerProcess, base_url:
                 checkpoint: Callable[[ModeResult], None]) -> None:
     """Every rate that fits before DEADLINE, into RESULT.runs; stops after one where the SLOs mostly failed."""
     from bench.goodput_report import rate_row
-    from bench.loadgen.cli import client_for, run_rate
-    from bench.loadgen.report import summary
+    from loadgen.cli import client_for, run_rate
+    from loadgen.report import summary
 
     for k, rate in enumerate(plan.rates):
         window = plan.seconds_per_rate + plan.drain_s

@@ -2,7 +2,7 @@
 highest rate that met the SLOs for 90 % of its requests), the disaggregated / colocated comparison
 against the 2x goal, the final table, and the plot.
 
-Pure functions over bench/loadgen's RateRuns and the driver's ModeResults: no servers, no clocks.
+Pure functions over loadgen's RateRuns and the driver's ModeResults: no servers, no clocks.
 
 Definitions (per rate; vLLM's goodput):
   goodput         requests that met both SLOs (TTFT and TPOT, each request on its own) / run duration;
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.loadgen.report import RateRun
+from loadgen.report import RateRun
 
 GOAL_RATIO = 2.0
 """The goal of project issue 9: disaggregated goodput at least twice the colocated one."""

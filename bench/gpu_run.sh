@@ -12,33 +12,21 @@
 #           steps vs the memory floor and prefill utilization at Llama-3.1-8B; then 256 HTTP
 #           streams vs the offline engine and the router's TTFT overhead (carry the proto files).
 #   http    (one GPU): 256 HTTP streams vs the offline engine and the router's TTFT overhead, for each
-#           server variant ($VARIANTS, default direct,direct-ray,direct-ray,direct: the request channel
-#           against Ray calls, in ABBA order), with the CPU each process spent (carry the proto files).
-#   pair    (nvidia-h200-x2): NCCL transport and layer-push tests, 1P1D over NCCL vs colocated (tokens,
-#           TTFT and the second token in bench.disagg's five modes: the defaults, the early handshake, layer
-#           groups, the answer after the push; KV push bandwidth vs raw NCCL send/recv) at the Qwen3-0.6B and
-#           Llama-3.1-8B shapes, side by side and in turns (paired overhead with a 95% CI). Five 8B workers
-#           need H200s: on H100s name three in $MODES (and NUM_TTFT a multiple of 3). $TAG: the files' suffix.
-#   pair_answer (nvidia-h100-x2 or h200-x2): bench.disagg at the Llama-3.1-8B shape in three modes twice (answering
-#           before the push vs after it, one message; one message vs layer groups, both before), then Qwen3-0.6B in all four.
-#   pair_final (two GPUs): the NCCL tests, then bench.disagg with the defaults (one message, answered before the
-#           push) against answering after it, 90 rounds at Llama-3.1-8B and 150 at Qwen3-0.6B (tighter CIs).
-#   pair_late (two GPUs): bench.disagg, the workers' defaults (one message, answered before the push, the handshake
-#           after the first token) against the same with the early handshake, 90 rounds at Llama-3.1-8B, 150 at
-#           Qwen3-0.6B (there with the answer after the push too); TTFT and the first -> second token time.
-#   pair_channel (nvidia-h200-x2): bench.disagg at the Llama-3.1-8B shape twice, the routers reaching the workers
-#           over the request channel (as `pair` does) and then through Ray calls (--no-request-channel).
-#   prefill_path (one GPU): bench.prefill_path at the Llama-3.1-8B shape, the KV in 8 layer groups, then in one
-#           message, without the early handshake, with a 0.2 ms GIL switch interval: the prefill worker's arrival
-#           -> first token against a colocated worker's, in one process.
+#           server variant ($VARIANTS, default direct,direct: direct ingress twice, for the spread), with the
+#           CPU each process spent (carry the proto files).
+#   pair    (two GPUs): NCCL transport and prefill worker GPU tests, 1P1D over NCCL vs colocated (tokens, TTFT
+#           and the second token in bench.disagg's two modes, colocated and disaggregated; KV push bandwidth vs raw
+#           NCCL send/recv) at the Qwen3-0.6B and Llama-3.1-8B shapes, side by side and in turns (paired overhead
+#           with a 95% CI). $TAG: the files' suffix; $MODES, $NUM_TTFT: bench.disagg's --modes, --num-ttft.
+#   handoff (two GPUs): bench.disagg at the Llama-3.1-8B shape, 60 rounds; with .old carried too (carry
+#           [".raybundle", ".old"]; a checkout of an earlier commit) first the same from .old in its colocated and
+#           disaggregated_one_message modes, so that both land in $OUT from one machine ($SUFFIX: the new run's tag's).
 #   nccl_kill (nvidia-h200-x2): the decode worker killed mid-transfer over NCCL (bench.nccl_kill).
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it
 #           (batch 1 at K = 4..7 side by side) with a profile of a batch-1 step, plain and speculative.
 #           spec_bench: the same without the GPU tests.
-#   draft_kv (nvidia-h200-x2): the NCCL layer-push tests, trains the pair, then bench.draft_kv: in 1P1D the
-#           decode worker computes the draft's prompt KV vs the prefill worker ships it, side by side.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
@@ -48,9 +36,9 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|pair_answer|pair_final|pair_late|pair_channel|prefill_path|draft_kv|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0
@@ -77,55 +65,24 @@ case "$part" in
     run 190 python3 -m bench.http_vs_offline --out "$out"
     ;;
   http)
-    run 590 python3 -m bench.http_vs_offline --variants "${VARIANTS:-direct,direct-ray,direct-ray,direct}" --out "$out"
+    run 590 python3 -m bench.http_vs_offline --variants "${VARIANTS:-direct,direct}" --out "$out"
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
-    # NOTE: four 8B workers do not fit one 80 GB GPU: on H100s, MODES names three (and --num-ttft 42)
     run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft "${NUM_TTFT:-44}" --iters 10 \
       --tag "${TAG:-2xh200}" ${MODES:+--modes "$MODES"} --out "$out"
     ;;
-  pair_answer)
-    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag "2xh100_8b_answer${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
-    run 190 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag "2xh100_8b_groups${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated --out "$out"
-    run 190 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 44 --iters 10 --tag "2xh100_0.6b${SUFFIX:-}" --out "$out"
-    ;;
-  pair_final)
-    run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
-    run 200 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 90 --iters 10 --tag "2xh100_8b_final${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
-    run 200 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 150 --iters 10 --tag "2xh100_0.6b_final${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated_answer_after_push --out "$out"
-    ;;
-  pair_late)
-    run 200 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 90 --iters 10 --tag "2xh100_8b_defaults${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated_early_handshake --out "$out"
-    run 200 python3 -m bench.disagg --shapes qwen3-0.6b --num-ttft 150 --iters 10 --tag "2xh100_0.6b_defaults${SUFFIX:-}" \
-      --modes colocated,disaggregated_one_message,disaggregated_early_handshake,disaggregated_answer_after_push \
+  handoff)
+    if [ -d .old ]; then
+      (cd .old && export PYTHONPATH=/tmp/site:$PWD && run 260 python3 -m bench.disagg --shapes llama-3.1-8b \
+        --num-ttft 60 --iters 10 --tag "2xgpu_8b_before_handoff" --modes colocated,disaggregated_one_message \
+        --out "$out")
+    fi
+    run 260 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 60 --iters 10 --tag "2xgpu_8b_handoff${SUFFIX:-}" \
       --out "$out"
-    ;;
-  pair_channel)
-    run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_channel --out "$out"
-    run 270 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 42 --iters 10 --tag 2xh200_ray \
-      --no-request-channel --out "$out"
-    ;;
-  prefill_path)
-    run 200 python3 -m bench.prefill_path --rounds 40 --kv-messages 8 --tag groups8 --out "$out"
-    run 200 python3 -m bench.prefill_path --rounds 40 --kv-messages 1 --tag one_message --out "$out"
-    run 200 python3 -m bench.prefill_path --rounds 40 --no-early-handshake --tag no_early --out "$out"
-    run 200 python3 -m bench.prefill_path --rounds 40 --switch-interval-ms 0.2 --tag switch0.2ms --out "$out"
     ;;
   nccl_kill)
     run 200 python3 -m bench.nccl_kill --out "$out"
-    ;;
-  draft_kv)
-    run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
-    run 150 python3 -m bench.train_models --out /tmp/pair --size gpu --set max_target_steps=250 \
-      --set max_draft_steps=600 --quiet
-    run 300 python3 -m bench.draft_kv --target /tmp/pair/target --draft /tmp/pair/draft \
-      --text /tmp/pair/held_out.txt --out "$out"
     ;;
   goodput)
     run 570 python3 -m bench.goodput --out "$out"

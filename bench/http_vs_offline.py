@@ -21,8 +21,6 @@ for each server variant asked for (--variants), one after another on the same GP
   proxy hop;
 - `tput`: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress, and the router's code on the replica's
   own event loop instead of a thread of its own);
-- `<variant>-ray`: the same, with the router reaching the worker through Ray actor calls and token
-  polls instead of the request channel (`--no-request-channel`): the channel's baseline.
 
 Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
 the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
@@ -80,9 +78,6 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serv
     # loop (not a thread of its own), gRPC between Serve's actors, the GC frozen after start.
     "tput": (["--ingress", "direct"], {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
 }
-# Each with the router reaching the worker through Ray actor calls and polls instead of the request
-# channel (kvtransfer/channel.py, the default): the baseline of the channel, in the same run.
-VARIANTS.update({f"{name}-ray": ([*flags, "--no-request-channel"], env) for name, (flags, env) in list(VARIANTS.items())})
 
 
 def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -120,8 +115,8 @@ def router_ttft_sum_count(base_url: str) -> tuple[float, float]:
 
 async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
                     ttft_prompts: list[list[int]], jsonl: Path) -> dict[str, Any]:
-    from bench.loadgen.cli import client_for, run_rate
-    from bench.loadgen.config import BenchConfig
+    from loadgen.cli import client_for, run_rate
+    from loadgen.config import BenchConfig
 
     jsonl.write_text("".join(json.dumps({"prompt": p, "max_tokens": m}) + "\n" for p, m in zip(prompts, max_tokens)))
     config = BenchConfig(base_url=base_url, model=model, workload="jsonl", dataset=jsonl, num_prompts=len(prompts),
@@ -159,7 +154,7 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
 
 
 def _request(prompt: list[int], max_tokens: int) -> Any:
-    from bench.loadgen.workloads import BenchRequest
+    from loadgen.workloads import BenchRequest
 
     return BenchRequest(prompt=prompt, max_tokens=max_tokens)
 

@@ -34,10 +34,12 @@ import ray
 import torch
 
 from cluster.config import ClusterConfig
+from decode_worker import DecodeWorkerConfig
 from engine import SamplingParams
 from engine.llm import engine_config
 from kvtransfer import NCCL_WORKER_ENV
 from kvtransfer.fault import FaultRule
+from prefill_worker import PrefillWorkerConfig
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
 from tests.chaos.harness import Chaos, Outcome
 
@@ -50,8 +52,9 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     model = SHAPES / args.shape if on_gpu else "default"
     engine = engine_config(str(model), load_format="dummy" if on_gpu else "auto", device=args.device,
                            max_num_batched_tokens=max(2048, args.prompt_len), **options)
-    config = ClusterConfig(engine=engine, mode="disaggregated", num_prefill=1, num_decode=1,
-                           transport=args.transport, transfer_timeout_s=args.transfer_timeout_s, lease_ttl_s=30.0)
+    config = ClusterConfig(engine=engine, mode="disaggregated", num_prefill=1, num_decode=1, transport=args.transport,
+                           prefill=PrefillWorkerConfig(transfer_timeout_s=args.transfer_timeout_s),
+                           decode=DecodeWorkerConfig(transfer_timeout_s=args.transfer_timeout_s, lease_ttl_s=30.0))
     dispatch = DispatcherConfig(max_capacity_wait_s=60.0, call_timeout_s=30.0, stall_timeout_s=60.0,
                                 prefill_timeout_s=120.0, failed_worker_cooldown_s=2.0,
                                 local_prefill=LocalPrefillConfig(rule="remote"))  # NOTE: the push is the point
@@ -92,7 +95,8 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         record["replaced_decode_worker"] = decode_id not in chaos.handles("decode")
         prefill = next(iter(chaos.handles("prefill").values()))
         try:
-            record["prefill_worker_stats"] = await asyncio.wait_for(prefill.stats.remote(), 10)
+            stats = await asyncio.wait_for(prefill.stats.remote(), 10)  # a WorkerStatsMsg
+            record["prefill_worker_stats"] = stats.model_dump(mode="json")
         except Exception as err:  # noqa: BLE001 - figures only
             record["prefill_worker_stats"] = repr(err)
         again = await chaos.generate(prompt(args.prompt_len), params, Outcome())

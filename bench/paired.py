@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench.loadgen.metrics import percentile
+from loadgen.metrics import percentile
 
 __all__ = ["bootstrap_median_ci", "overhead_summary", "paired_overheads", "rotation"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from router.dispatch import invoke
+from protocol.clients import invoke
 
 
 class _Timed:
@@ -47,13 +47,14 @@ class _Timed:
 async def measure(workers: Any, prompts: list[list[int]], num_warmup: int = 2) -> dict[str, Any]:
     """Per prompt after the first `num_warmup`: TTFT, when the placing call (submit) came back and
     when the poll carrying the first token came back (both from the start); and the round trip of a
-    control call that does not touch the engine (health)."""
+    control call that does not touch the engine (health). `workers`: the worker handles (or
+    in-process workers) by id, as `.prefill` and `.decode`."""
     from engine import SamplingParams
     from router import Dispatcher, Workers
 
     marks: dict[str, list[float]] = {}
-    timed = Workers(prefill={k: _Timed(h, marks) for k, h in workers.prefill.items()},
-                    decode={k: _Timed(h, marks) for k, h in workers.decode.items()})
+    timed = Workers.of(prefill={k: _Timed(h, marks) for k, h in workers.prefill.items()},
+                       decode={k: _Timed(h, marks) for k, h in workers.decode.items()})
     dispatcher = Dispatcher("bench-ray-path", timed)
     rows: dict[str, list[float]] = {"ttft_s": [], "submit_back_s": [], "token_poll_back_s": [], "health_rtt_s": []}
     try:
@@ -142,7 +143,6 @@ def in_process(args: argparse.Namespace) -> int:
     from decode_worker import DecodeWorker, DecodeWorkerConfig
     from engine import EngineCore, engine_config
     from kvtransfer import LocalHub
-    from router import Workers
 
     # a fixed KV size: the offline engine's memory is not all back (allocated) when the worker sizes its own
     config = engine_config(args.in_process, load_format="dummy", dtype="bfloat16", max_num_seqs=256,
@@ -167,7 +167,7 @@ def in_process(args: argparse.Namespace) -> int:
         worker = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=config, transport="local"),
                               transport_options={"hub": LocalHub()})
         try:
-            return await measure(Workers(prefill={}, decode={"d0": worker}), next(fresh))
+            return await measure(SimpleNamespace(prefill={}, decode={"d0": worker}), next(fresh))
         finally:
             await worker.shutdown()
 
@@ -201,13 +201,12 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from router import Workers
-
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     try:
         controller = serve.get_deployment_handle("Controller", app_name=APP_NAME)
         _, prefill, decode = controller.workers.remote().result(timeout_s=60)
-        rows = asyncio.run(measure(Workers(prefill=prefill, decode=decode), json.loads(args.prompts.read_text())))
+        rows = asyncio.run(measure(SimpleNamespace(prefill=prefill, decode=decode),
+                                   json.loads(args.prompts.read_text())))
     finally:
         ray.shutdown()
     json.dump(rows, sys.stdout)

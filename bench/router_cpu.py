@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import pstats
 import random
 import time
@@ -22,7 +23,8 @@ from typing import Any
 from engine import Tokenizer
 from engine.config import DEFAULT_MODEL
 from engine.models import DEFAULT_MODEL_DIR
-from kvtransfer.protocol import GenerateRequestMsg, TokenBatchMsg, TokenOutputMsg
+from protocol.api import WorkerStatsMsg
+from protocol.messages import GenerateRequestMsg, TokenBatchMsg, TokenOutputMsg
 from router import Dispatcher, Workers
 from router.core import RouterConfig, RouterCore
 from router.http_app import build_http_app
@@ -76,9 +78,9 @@ class FakeWorker:
         self.running.pop(request_id, None)
         return True
 
-    async def stats(self) -> dict[str, Any]:
-        return {"worker_id": "w0", "num_running": len(self.running), "num_waiting": 0, "num_free_blocks": 1000,
-                "num_total_blocks": 1000}
+    async def stats(self) -> WorkerStatsMsg:
+        return WorkerStatsMsg(worker_id="w0", role="decode", pid=os.getpid(), is_healthy=True,
+                              num_running=len(self.running), num_waiting=0, num_blocks=1000, num_free_blocks=1000)
 
 
 async def one_stream(app: Any, i: int, max_tokens: int, counts: list[int]) -> None:
@@ -112,7 +114,7 @@ async def one_stream(app: Any, i: int, max_tokens: int, counts: list[int]) -> No
 async def run(streams: int, max_tokens: int, step_s: float) -> dict[str, Any]:
     tokenizer = Tokenizer.from_dir(DEFAULT_MODEL_DIR)
     worker = FakeWorker(tokenizer.vocab_size, step_s)
-    dispatcher = Dispatcher("r0", Workers(prefill={}, decode={"w0": worker}))
+    dispatcher = Dispatcher("r0", Workers.of(prefill={}, decode={"w0": worker}))
     core = RouterCore(dispatcher, tokenizer, RouterConfig(model_name=DEFAULT_MODEL, max_in_flight=4096), 4096)
     app = build_http_app(core)
     counts = [0]

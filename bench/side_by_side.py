@@ -50,16 +50,10 @@ def _gpu_ids() -> list[str]:
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """One mode: a colocated worker, or one prefill and one decode worker (1P1D) whose prefill
-    worker sends a prompt's KV in up to `kv_messages` layer groups (and, with a draft model in the
-    engine's speculative config and `ship_draft_kv`, the draft's KV of the prompt too)."""
+    """One mode: a colocated worker, or one prefill and one decode worker (1P1D)."""
 
     name: str
     is_disaggregated: bool
-    kv_messages: int = 1
-    ship_draft_kv: bool = False
-    answer_before_push: bool = True  # PrefillWorkerConfig.answer_before_push
-    early_handshake: bool = False  # PrefillWorkerConfig.early_handshake (layer groups streamed only with it)
 
 
 @dataclass(frozen=True)
@@ -113,10 +107,7 @@ class SideBySide:
         common = dict(worker_id=spec.worker_id, engine=self.engine, transport=self.transport, host=self.host,
                       transfer_timeout_s=self.transfer_timeout_s)
         if spec.role == "prefill":
-            mode = self.modes[spec.mode]
-            return PrefillWorkerConfig(**common, kv_messages=mode.kv_messages, ship_draft_kv=mode.ship_draft_kv,
-                                       answer_before_push=mode.answer_before_push,
-                                       early_handshake=mode.early_handshake)
+            return PrefillWorkerConfig(**common)
         return DecodeWorkerConfig(**common, lease_ttl_s=self.lease_ttl_s)
 
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -146,7 +137,7 @@ class SideBySide:
         """The router's view of one mode: its prefill worker (none when colocated) and its decode or
         colocated worker."""
         specs = [s for s in self.specs if s.mode == mode]
-        return Workers(
+        return Workers.of(
             prefill={s.worker_id: self.handles[s.worker_id] for s in specs if s.role == "prefill"},
             decode={s.worker_id: self.handles[s.worker_id] for s in specs if s.role != "prefill"},
         )

@@ -90,11 +90,11 @@ class Cluster:
                               transport_options=options)
         self.local = [decode]
         if self.args.mode == "colocated":
-            return Workers(prefill={}, decode={decode_id: decode})
+            return Workers.of(prefill={}, decode={decode_id: decode})
         prefill = PrefillWorker(PrefillWorkerConfig(worker_id="prefill-0", engine=self.engine, transport="local"),
                                 transport_options=options)
         self.local.append(prefill)
-        return Workers(prefill={"prefill-0": prefill}, decode={"decode-0": decode})
+        return Workers.of(prefill={"prefill-0": prefill}, decode={"decode-0": decode})
 
     async def _start_ray(self) -> Workers:
         import ray
@@ -111,7 +111,7 @@ class Cluster:
         await self.deployment.start()
         for pool in self.deployment.pools:
             for worker_id, handle in pool.handles.items():
-                self.pids[worker_id] = (await handle.stats.remote())["pid"]
+                self.pids[worker_id] = (await handle.stats.remote()).pid
         return self.deployment.workers()
 
     async def held_blocks(self) -> dict[str, int]:

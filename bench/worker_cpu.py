@@ -49,7 +49,7 @@ from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
 from engine.llm import engine_config
 from kvtransfer import LocalHub
-from kvtransfer.protocol import GenerateRequestMsg, TokenBatchMsg
+from protocol.messages import GenerateRequestMsg, TokenBatchMsg
 
 
 def _thread_cpu_s(ident: int) -> float:

@@ -15,14 +15,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from decode_worker import DecodeWorkerConfig
 from engine import EngineConfig
-from prefill_worker.config import check_kv_messages
+from kvtransfer.endpoint import EndpointConfig
+from prefill_worker import PrefillWorkerConfig
 
 PREFILL_RESOURCE = "pdserve_prefill"
 """The custom resource the cluster YAMLs give prefill nodes (one unit per GPU)."""
 DECODE_RESOURCE = "pdserve_decode"
 """The custom resource the cluster YAMLs give decode nodes (one unit per GPU)."""
 
+_SET_BY_CLUSTER = frozenset({"worker_id", "engine", "transport"})
 # Ray sets these from num_cpus / num_gpus / memory; they cannot be asked for as custom resources.
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -42,25 +45,15 @@ class ClusterConfig(BaseModel):
     num_gpus_per_worker: float = Field(
         -1, description="GPUs per worker; -1: one when the cluster has GPUs, none otherwise."
     )
-    host: str = Field(
-        "127.0.0.1", description="Address workers publish for KV pairing; 'auto': each node's IP (multi-node)."
+    prefill: PrefillWorkerConfig = Field(
+        default_factory=PrefillWorkerConfig,
+        description="What every prefill worker is configured with (its KV host, timeouts); the cluster sets "
+        "each worker's worker_id, engine and transport.",
     )
-    lease_ttl_s: float = Field(30.0, gt=0, description="Unclaimed decode leases are freed after this.")
-    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer.")
-    kv_messages: int = Field(
-        1, ge=1, description="A prompt's KV goes in up to this many layer groups, each sent while the prefill "
-        "step computes the next (PrefillWorkerConfig.kv_messages); 1 (the default): one message once the first "
-        "token is sampled, which bench/results/disagg_2xh100_*_v2 measured the shorter TTFT.",
-    )
-    answer_before_push: bool = Field(
-        True, description="Prefill workers answer the router with the first token before the KV push ends, the push "
-        "going on in the background; a push that then fails reaches the router from its decode worker "
-        "(PrefillWorkerConfig.answer_before_push). False: the answer waits for the push.",
-    )
-    early_handshake: bool = Field(
-        False, description="The decode worker posts its receive while the prompt is computed "
-        "(PrefillWorkerConfig.early_handshake): the second token comes sooner, the first later (measured on 2x H100, "
-        "README); needed for kv_messages > 1.",
+    decode: DecodeWorkerConfig = Field(
+        default_factory=DecodeWorkerConfig,
+        description="What every decode (or colocated) worker is configured with (its KV host, timeouts, "
+        "lease_ttl_s); the cluster sets each worker's worker_id, engine and transport.",
     )
     prefill_resources: dict[str, float] = Field(
         default_factory=dict,
@@ -78,11 +71,21 @@ class ClusterConfig(BaseModel):
     def _check_pools(self) -> ClusterConfig:
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise ValueError("num_prefill must be at least 1 in disaggregated mode")
-        check_kv_messages(self.kv_messages, self.early_handshake)
+        for name in ("prefill", "decode"):
+            fixed = getattr(self, name).model_fields_set & _SET_BY_CLUSTER
+            if fixed:
+                raise ValueError(f"{name}.{sorted(fixed)[0]} is set by the cluster for each worker; set it on the "
+                                 "ClusterConfig itself (engine, transport), or leave it out (worker_id)")
         for field in ("prefill_resources", "decode_resources"):
             for name, amount in getattr(self, field).items():
                 _check_resource(field, name, amount)
         return self
+
+    def worker_config(self, template: EndpointConfig, worker_id: str, transport: str, **update: object) -> EndpointConfig:
+        """One worker's config: the pool's template with this worker's id and the cluster's engine and
+        transport (the transport resolved for the cluster's hardware)."""
+        return template.model_copy(update={"worker_id": worker_id, "engine": self.engine, "transport": transport,
+                                           **update})
 
     def resolved_transport(self, has_gpus: bool) -> str:
         if self.transport == "auto":

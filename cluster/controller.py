@@ -13,6 +13,7 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
 from cluster.pools import WorkerPool
+from protocol.api import WorkerStatsMsg
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +89,15 @@ class ClusterController:
     async def held_blocks(self) -> dict[str, int]:
         return await self.deployment.held_blocks()
 
-    async def stats(self) -> list[dict[str, Any]]:
-        out = []
+    async def stats(self) -> list[WorkerStatsMsg | str]:
+        """Every worker's stats, or why it did not answer."""
+        out: list[WorkerStatsMsg | str] = []
         for pool in self.deployment.pools:
             for handle in pool.handles.values():
                 try:
                     out.append(await asyncio.wait_for(handle.stats.remote(), 5.0))
-                except Exception as err:  # noqa: BLE001 - shown as unhealthy
-                    out.append({"error": str(err)})
+                except Exception as err:  # noqa: BLE001 - shown as unreachable
+                    out.append(str(err))
         return out
 
     async def shutdown(self) -> None:

@@ -33,20 +33,11 @@ class Deployment:
         )
 
     def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:
-        c = self.config
-        return PrefillWorkerConfig(
-            worker_id=worker_id, engine=c.engine, transport=self.transport, transfer_timeout_s=c.transfer_timeout_s,
-            host=c.host, kv_messages=c.kv_messages, answer_before_push=c.answer_before_push,
-            early_handshake=c.early_handshake,
-        )
+        return self.config.worker_config(self.config.prefill, worker_id, self.transport)  # type: ignore[return-value]
 
     def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:
-        c = self.config
-        return DecodeWorkerConfig(
-            worker_id=worker_id, engine=c.engine, transport=self.transport, host=c.host,
-            lease_ttl_s=c.lease_ttl_s, transfer_timeout_s=c.transfer_timeout_s,
-            freeze_gc=True,  # NOTE: a Ray actor: the process is the worker's alone
-        )
+        # NOTE: freeze_gc: a Ray actor, the process is the worker's alone
+        return self.config.worker_config(self.config.decode, worker_id, self.transport, freeze_gc=True)  # type: ignore[return-value]
 
     @property
     def pools(self) -> list[WorkerPool]:

@@ -11,7 +11,7 @@ GPUs each worker has a placement-group bundle `{"GPU": num_gpus, **resources}`.
 Worker states, as routers see them (`router_handles`):
 
     starting --healthy--> serving --resize down--> retiring --idle--> (retired: killed)
-       (not shown)          (shown)                (decode: shown as a RetiringHandle,
+       (not shown)          (shown)                (decode: shown as a RetiringDecodeClient,
                                                     which takes no new lease; prefill: not shown)
 """
 
@@ -29,33 +29,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtransfer import NCCL_WORKER_ENV
-from kvtransfer.protocol import LocalPrefillReplyMsg
+from protocol.clients import DecodeClient, PrefillClient, RetiringDecodeClient, WorkerClient
 
 log = logging.getLogger(__name__)
 
 Bundle = tuple[PlacementGroup, int]  # (group, bundle index)
 Publish = Callable[[], Awaitable[None] | None]
-
-
-class RetiringHandle:
-    """What routers are given for a retiring worker while it drains: its token stream (`poll`),
-    `abort` and the KV protocol reach the actor as before, but it takes no new request: `reserve`
-    answers None (no room) and `prefill_locally` declines, so a router goes to another worker."""
-
-    def __init__(self, worker_id: str, handle: Any) -> None:
-        self.worker_id = worker_id
-        self._handle = handle
-
-    async def reserve(self, request: bytes) -> None:
-        return None
-
-    async def prefill_locally(self, local: bytes) -> bytes:
-        return LocalPrefillReplyMsg(accepted=False, reason=f"decode worker {self.worker_id} is retiring").encode()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # NOTE: keeps pickling (and a half-built instance) off the actor handle
-            raise AttributeError(name)
-        return getattr(self._handle, name)
 
 
 class WorkerPool:
@@ -120,19 +99,18 @@ class WorkerPool:
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         await asyncio.wait_for(asyncio.gather(*(h.health.remote() for h in self.handles.values())), timeout_s)
 
-    def router_handles(self) -> dict[str, Any]:
-        """The workers routers may use, by id: serving ones as they are, and retiring ones that
-        still stream tokens (decode) as a RetiringHandle until they are idle."""
-        streams_tokens = hasattr(self.worker_cls, "poll")
-        out: dict[str, Any] = {}
+    def router_handles(self) -> dict[str, WorkerClient]:
+        """The clients of the workers routers may use, by id: serving ones, and retiring decode
+        workers (they still stream tokens) as RetiringDecodeClients until they are idle."""
+        is_prefill = self.kind == "prefill"
+        out: dict[str, WorkerClient] = {}
         for worker_id, handle in self.handles.items():
-            if worker_id in self.starting:
+            if worker_id in self.starting or (worker_id in self.retiring and is_prefill):
                 continue
             if worker_id in self.retiring:
-                if streams_tokens:
-                    out[worker_id] = RetiringHandle(worker_id, handle)
-                continue
-            out[worker_id] = handle
+                out[worker_id] = RetiringDecodeClient(worker_id, handle)
+            else:
+                out[worker_id] = PrefillClient(worker_id, handle) if is_prefill else DecodeClient(worker_id, handle)
         return out
 
     async def find_dead(self, timeout_s: float = 5.0) -> list[str]:
@@ -186,7 +164,7 @@ class WorkerPool:
         Grow: spawn, wait until healthy (or retire them and raise TimeoutError), then publish.
         Shrink, newest workers first. NOTE: the order is what makes it lossless:
           1. mark them retiring and publish: routers lease on them no more (a decode worker is
-             shown as a RetiringHandle, so its streams keep being polled; a prefill worker leaves
+             shown as a RetiringDecodeClient, so its streams keep being polled; a prefill worker leaves
              the set: its prefill calls under way hold their own handle);
           2. wait until each is idle twice in a row (nothing waiting, running or leased, no block
              held), then `settle_s` more for its last token batch to reach the router;
@@ -288,8 +266,8 @@ class WorkerPool:
                 log.warning("%s failed while draining: %s", worker_id, err)
                 return False
             is_idle = (
-                stats["num_waiting"] == 0 and stats["num_running"] == 0
-                and stats.get("num_leases", 0) == 0 and num_held == 0 and stats.get("num_undelivered", 0) == 0
+                stats.num_waiting == 0 and stats.num_running == 0
+                and stats.num_leases == 0 and num_held == 0 and stats.num_undelivered == 0
             )
             num_idle = num_idle + 1 if is_idle else 0
             if num_idle < 2:

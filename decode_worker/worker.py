@@ -7,16 +7,18 @@ An async Ray actor body (cluster/ wraps it with ray.remote); in unit tests a pla
 Control methods are async and never touch the engine: they hand commands to the EngineLoop
 thread. Tokens leave in one TokenBatchMsg per router per `poll`, never one message per token.
 Routers reach the per-request methods and the token batches over the request channel
-(kvtransfer/channel.py, `channel_address`): it calls the same methods, and pushes what `poll`
+(protocol/channel.py, `channel_address`): it calls the same methods, and pushes what `poll`
 would answer as soon as a step has rows; Ray calls reach them too.
 
 Lease states:  reserved --kv_incoming--> receiving --KV arrived--> (a running request)
-                   \\--expired/aborted--> freed     \\--timeout/aborted--> freed
+                   \\--expired/aborted/refused/failed--> freed     \\--timeout/aborted--> freed
 
-Failures: a KV transfer that fails or misses its deadline frees the lease, drops the pair (without
-waiting on the peer; the prefill side re-forms it next time) and tells the router, which retries
-the request. If the engine loop dies, every request here is failed to its router at once, which
-moves them to another worker.
+Failures: the prefill worker answers the router before its push, so this worker is the one that
+tells the router a push did not land: a KvReady it refuses or that says the push failed, a transfer
+that fails or misses its deadline (which also drops the pair without waiting on the peer; the
+prefill side re-forms it next time) and a lease that expires unclaimed each free the lease and put
+an error row on the request's token stream; the router moves the request on. If the engine loop
+dies, every request here is failed to its router at once, which moves them to another worker.
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
 from kvtransfer import transport_options as kv_transport_options
-from kvtransfer.channel import Call, ChannelAddress, ChannelServer
+from protocol.api import WorkerStatsMsg
+from protocol.channel import Call, ChannelAddress, ChannelServer
 from kvtransfer.endpoint import EndpointConfig, TransferEndpoint, wait_transfer
-from kvtransfer.layout import layer_groups
 from kvtransfer.netaddr import resolve_host
-from kvtransfer.protocol import (
+from protocol.messages import (
     DraftKvOffer,
     GenerateRequestMsg,
     KvAcceptMsg,
@@ -128,7 +130,7 @@ class DecodeWorker(TransferEndpoint):
         self._reaper: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
-        # The routers' request channel (kvtransfer/channel.py), listening from the first channel_address call.
+        # The routers' request channel (protocol/channel.py), listening from the first channel_address call.
         self.channel = ChannelServer({
             Call.SUBMIT: self.submit, Call.PREFILL_LOCALLY: self.prefill_locally,
             Call.RESERVE: self.reserve, Call.ABORT: self.abort,
@@ -294,7 +296,7 @@ class DecodeWorker(TransferEndpoint):
         self._bind()
         msg = KvReadyMsg.decode(ready)
         lease = self.leases.get(msg.lease_id)
-        reason = _refusal(lease, msg, self.layout.num_layers)
+        reason = msg.failure or _refusal(lease, msg)
         if reason:
             await self._refused(lease, msg, reason)
             return KvAcceptMsg(accepted=False, reason=reason).encode()
@@ -311,34 +313,30 @@ class DecodeWorker(TransferEndpoint):
         return KvAcceptMsg(accepted=True, draft=takes_draft).encode()
 
     async def _refused(self, lease: Lease | None, msg: KvReadyMsg, reason: str) -> None:
-        """A KvReady refused for its own, still reserved lease: the lease is freed and the request's
-        router hears it on the token stream (a prefill worker that answered before its push cannot
-        tell it; an error row means nothing is held here). Not for a lease the router aborted, one
-        already receiving (that receive goes on) or another request's."""
+        """A KvReady refused (or failed, KvReadyMsg.failure) for its own, still reserved lease: the
+        lease is freed and the request's router hears it on the token stream (the prefill worker
+        answered before its push and never tells it; an error row means nothing is held here). Not for
+        a lease the router aborted, one already receiving (that receive goes on) or another request's."""
         if (lease is not None and not lease.is_aborted and lease.state == LeaseState.RESERVED
                 and lease.request_id == msg.request.request_id):
             await self._drop_lease(lease)
-            self._deliver_error(lease.request_id, lease.router_id, f"decode worker refused the KV: {reason}")
+            error = msg.failure or f"decode worker refused the KV: {reason}"
+            self._deliver_error(lease.request_id, lease.router_id, error)
 
     def _post_receives(self, msg: KvReadyMsg, takes_draft: bool) -> _Receives:  # the receive thread
-        """The receives of one KvReady, in the order its sender sends: the KV's layer groups (into
-        views of one buffer), the first token after an early handshake, then the draft's KV."""
+        """The receives of one KvReady, in the order its sender sends: the KV, then the draft's KV."""
         device = self.loop.engine.device
         layout = self.layout
         peer = msg.prefill_worker_id
         buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=device)
-        handles = [self.transport.recv(peer, buf[first:stop])
-                   for first, stop in layer_groups(layout.num_layers, msg.num_messages)]
-        token = token_handle = draft = None
-        if msg.first_token is None:  # an early handshake: the first token follows the KV
-            token = torch.empty(1, dtype=torch.int64, device=device)
-            token_handle = self.transport.recv(peer, token)
+        handles = [self.transport.recv(peer, buf)]
+        draft = None
         if takes_draft:
             assert self.draft_layout is not None
             shape = self.draft_layout.buffer_shape(msg.num_blocks)
-            draft_buf = torch.empty(shape, dtype=self.draft_layout.torch_dtype, device=device)
-            draft = _DraftKv(draft_buf, self.transport.recv(peer, draft_buf))
-        return _Receives(buf, handles, token, token_handle, draft)
+            draft = torch.empty(shape, dtype=self.draft_layout.torch_dtype, device=device)
+            handles.append(self.transport.recv(peer, draft))
+        return _Receives(buf, draft, handles)
 
     def _takes_draft(self, offer: DraftKvOffer | None) -> bool:
         """Whether a draft's KV offered with a prompt is for this worker's draft (same layout and
@@ -352,25 +350,16 @@ class DecodeWorker(TransferEndpoint):
         return same_layout and offer.fingerprint == self.draft_fingerprint
 
     async def _land(self, msg: KvReadyMsg, lease: Lease, posted: asyncio.Future[_Receives], epoch: int) -> None:
-        """Waits for the receives to be posted, then for the KV (and, after an early handshake, the
-        first token; then the draft's KV if it comes), then scatters it into the lease's blocks and
-        joins the request. A first token of -1: nothing to decode (the prefill was aborted or its
-        first token ended it), so the lease is freed."""
+        """Waits for the receives to be posted, then for the KV (and the draft's KV if it comes),
+        then scatters it into the lease's blocks and joins the request; a failure frees the lease
+        and tells the router."""
         failure = None
         try:
             receives: _Receives | None = await posted
         except ValueError as err:  # not paired any more (a failed transfer dropped the pair meanwhile)
             receives, failure = None, f"failed: {err}"
-        for handle in receives.in_order() if receives is not None else []:
-            if failure is None:
-                failure = await wait_transfer(handle, self.config.transfer_timeout_s)
-        token = receives.token if receives is not None else None
-        first_token = msg.first_token
-        if failure is None and token is not None:
-            first_token = int(token.item())  # NOTE: the recv has finished: no wait for other work
-            if first_token < 0:
-                await self._drop_lease(lease)  # the prefill side tells the router why
-                return
+        for handle in receives.handles if receives is not None else []:
+            failure = failure or await wait_transfer(handle, self.config.transfer_timeout_s)
         request = msg.request
         if failure is not None or lease.is_aborted:
             await self._drop_lease(lease)
@@ -381,7 +370,7 @@ class DecodeWorker(TransferEndpoint):
             return
 
         assert receives is not None
-        buf, draft = receives.buffer, receives.draft
+        buf, draft, first_token = receives.buffer, receives.draft, msg.first_token
 
         def join(engine: EngineCore) -> None:
             scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
@@ -392,7 +381,7 @@ class DecodeWorker(TransferEndpoint):
             adopted = engine.adopt_draft_prompt(request.request_id) if draft is not None else None
             if adopted is not None:  # NOTE: None: no room in the draft's pool; its first step computes the prompt
                 assert draft is not None
-                scatter_blocks(adopted[0], adopted[1], draft.buffer)
+                scatter_blocks(adopted[0], adopted[1], draft)
                 self.num_draft_kv_adopted += 1
 
         self.router_of_request[request.request_id] = lease.router_id
@@ -465,22 +454,16 @@ class DecodeWorker(TransferEndpoint):
         tokens are still polled. Idempotent."""
         self.is_draining = True
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> WorkerStatsMsg:
         s = await self._call(lambda e: e.stats())
-        return {
-            "worker_id": self.worker_id,
-            "pid": os.getpid(),  # where its memory can be watched (bench/soak.py)
-            **s.load(),
-            "num_leases": len(self.leases),
-            "num_undelivered": sum(len(box.outputs) for box in self.outboxes.values()),  # not yet polled
-            "is_draining": self.is_draining,
-            "num_preemptions": s.num_preemptions,
-            "num_spec_draft_tokens": s.num_spec_draft_tokens,
-            "num_spec_accepted_tokens": s.num_spec_accepted_tokens,
-            "num_draft_kv_adopted": self.num_draft_kv_adopted,
-            "num_channels": self.channel.num_connections,  # routers connected over the request channel
-            "is_healthy": await self.health(),
-        }
+        return WorkerStatsMsg(
+            worker_id=self.worker_id, role="decode", pid=os.getpid(), is_healthy=await self.health(), **s.load(),
+            num_cached_blocks=s.num_cached_blocks, num_channels=self.channel.num_connections,
+            num_leases=len(self.leases), num_undelivered=sum(len(box.outputs) for box in self.outboxes.values()),
+            is_draining=self.is_draining, num_preemptions=s.num_preemptions,
+            num_spec_draft_tokens=s.num_spec_draft_tokens, num_spec_accepted_tokens=s.num_spec_accepted_tokens,
+            num_draft_kv_adopted=self.num_draft_kv_adopted,
+        )
 
     async def shutdown(self) -> None:
         if self._reaper is not None:
@@ -516,7 +499,7 @@ def _local_admission(engine: EngineCore, prompt: list[int], min_cached_tokens: i
     return LocalPrefillReplyMsg(accepted=True, num_cached_tokens=num_cached)
 
 
-def _refusal(lease: Lease | None, msg: KvReadyMsg, num_layers: int) -> str:
+def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:
     if lease is None:
         return f"lease {msg.lease_id!r} is unknown here: it expired or was aborted"
     if lease.is_aborted:
@@ -527,31 +510,15 @@ def _refusal(lease: Lease | None, msg: KvReadyMsg, num_layers: int) -> str:
         return f"lease {msg.lease_id!r} belongs to request {lease.request_id!r}"
     if msg.num_blocks > len(lease.block_ids):
         return f"{msg.num_blocks} blocks do not fit a lease of {len(lease.block_ids)}"
-    if msg.num_messages > num_layers:
-        return f"num_messages {msg.num_messages} exceeds the {num_layers} layers the KV can split into"
     return ""
 
 
 class _Receives(NamedTuple):
-    """One KvReady's receives, posted (decode worker's receive thread)."""
+    """One KvReady's receives, posted (decode worker's receive thread), in the order they are sent."""
 
-    buffer: torch.Tensor
-    handles: list[TransferHandle]  # the KV's layer groups
-    token: torch.Tensor | None  # the first token, after an early handshake
-    token_handle: TransferHandle | None
-    draft: _DraftKv | None
-
-    def in_order(self) -> list[TransferHandle]:
-        """The receives in the order they were posted (and are sent)."""
-        token = [self.token_handle] if self.token_handle is not None else []
-        return [*self.handles, *token, *([self.draft.handle] if self.draft is not None else [])]
-
-
-class _DraftKv(NamedTuple):
-    """A prompt's draft-model KV on its way from the prefill worker."""
-
-    buffer: torch.Tensor
-    handle: TransferHandle
+    buffer: torch.Tensor  # the prompt's KV
+    draft: torch.Tensor | None  # the draft's KV of the prompt, when accepted
+    handles: list[TransferHandle]
 
 
 __all__ = ["DecodeWorker", "DecodeWorkerConfig", "Lease", "LeaseState"]

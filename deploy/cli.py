@@ -1,6 +1,6 @@
 """The `pdserve` command: `serve` (a local or joined Ray cluster serving HTTP and gRPC), `status`
 (the workers, their load and KV use), `generate` (the offline engine, no Ray), `bench` (a load
-generator for any OpenAI-compatible server: bench/loadgen/).
+generator for any OpenAI-compatible server: loadgen/).
 
 It lives in deploy/ (not cluster/, as DESIGN.md first had it) because it runs the Serve
 application that deploy/ builds, and imports point downwards only.
@@ -84,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--local-prefill-max-tokens", type=int,
                        default=_default(LocalPrefillConfig, "max_short_prompt_tokens"),
                        help="prompts shorter than this skip the prefill workers under 'short_or_cached' (0: none)")
-    serve.add_argument("--request-channel", action=argparse.BooleanOptionalAction,
-                       default=_default(DispatcherConfig, "request_channel"), help=_help(DispatcherConfig, "request_channel"))
     serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
     serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
 
@@ -98,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
 
-    from bench.loadgen.cli import add_arguments as add_bench_arguments  # light: pydantic only, no HTTP
+    from loadgen.cli import add_arguments as add_bench_arguments  # light: pydantic only, no HTTP
 
     bench_parser = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency, throughput, goodput")
     add_bench_arguments(bench_parser)
@@ -128,7 +126,7 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
     local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)
-    dispatch = DispatcherConfig(local_prefill=local, request_channel=args.request_channel)
+    dispatch = DispatcherConfig(local_prefill=local)
     return ServeAppConfig(cluster=cluster, router=router, dispatch=dispatch,
                           num_router_replicas=args.num_router_replicas,
                           grpc=GrpcServerConfig(host=args.host, port=args.grpc_port))
@@ -218,15 +216,15 @@ def status_command(args: argparse.Namespace) -> int:
         rows = controller.stats.remote().result(timeout_s=30)
     finally:
         ray.shutdown()
-    print(f"{'worker':<16}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}{'channels':>10}  health")
+    print(f"{'worker':<16}{'role':>8}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}{'pushing':>8}"
+          f"{'channels':>10}  health")
     for row in rows:
-        if "error" in row:
-            print(f"{'?':<16}  unreachable: {row['error']}")
+        if isinstance(row, str):
+            print(f"{'?':<16}  unreachable: {row}")
             continue
-        kv = f"{row['num_blocks'] - row['num_free_blocks']}/{row['num_blocks']}"
-        print(f"{row['worker_id']:<16}{row['num_running']:>8}{row['num_waiting']:>8}"
-              f"{kv:>12}{row.get('num_leases', 0):>8}{row.get('num_channels', '-'):>10}  "
-              f"{'ok' if row['is_healthy'] else 'FAILED'}")
+        kv = f"{row.num_blocks - row.num_free_blocks}/{row.num_blocks}"
+        print(f"{row.worker_id:<16}{row.role:>8}{row.num_running:>8}{row.num_waiting:>8}{kv:>12}{row.num_leases:>8}"
+              f"{row.num_pushing:>8}{row.num_channels:>10}  {'ok' if row.is_healthy else 'FAILED'}")
     return 0
 
 
@@ -246,7 +244,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from bench.loadgen.cli import run_command
+    from loadgen.cli import run_command
 
     return run_command(args)
 

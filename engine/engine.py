@@ -50,7 +50,7 @@ from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, byte
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
 from engine.pinned import upload
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner, OnLayers, TokenPatch
+from engine.runner import ModelRunner, TokenPatch
 from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sizing import num_kv_blocks
@@ -187,9 +187,6 @@ class EngineCore:
         # others (a batch past disable_above_batch_size) run asynchronously when this is on.
         self.async_scheduling = self.device.type == "cuda" if asked is None else asked
         self._inflight: _Inflight | None = None
-        # Set by the owner (the prefill worker): asked before each step's forward which callback, if
-        # any, hears of its layers (runner.OnLayers); it runs on this engine's thread.
-        self.layer_hook: Callable[[Sequence[ScheduledRequest]], OnLayers | None] | None = None
         if cuda_graphs_enabled(config.model, self.device, backend):
             # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
             self.runner.capture_decode_graphs(graph_max_rows(config), self.max_seq_tokens)
@@ -371,7 +368,7 @@ class EngineCore:
             if dst:
                 assert prev.pending is not None
                 patch = TokenPatch(prev.pending.token_ids, dst, src)
-        logits = self.runner.execute(out.scheduled, patch, self._on_layers(out))
+        logits = self.runner.execute(out.scheduled, patch)
         sampling = [s for s in out.scheduled if s.will_sample]
         pending = self.sampler.launch(logits, [_row(s.request) for s in sampling], self.generator) if sampling else None
         return out, sampling, pending
@@ -452,10 +449,7 @@ class EngineCore:
         """One _Sampled per sampling request, in scheduled order."""
         if not out.scheduled:
             return []
-        return self._sample(out, self.runner.execute(out.scheduled, None, self._on_layers(out)))
-
-    def _on_layers(self, out: SchedulerOutput) -> OnLayers | None:
-        return self.layer_hook(out.scheduled) if self.layer_hook is not None else None
+        return self._sample(out, self.runner.execute(out.scheduled))
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
         sampling = [s for s in out.scheduled if s.will_sample]

@@ -14,7 +14,7 @@ verifications, short prompts: engine/cuda_graphs.py) replay CUDA graphs once
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -25,12 +25,6 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.models import LlamaForCausalLM
 from engine.pinned import upload
 from engine.scheduler import ScheduledRequest
-
-# Told during a forward that layers [0, n) have their KV writes queued (eager steps: after each
-# layer; steps a CUDA graph serves: once, with every layer, after the replay). The prefill worker
-# sends KV layer groups from it while the rest of the step computes.
-OnLayers = Callable[[int], None]
-
 
 class ForwardSeq(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclass: one is built per request a step
     """One sequence's part of a forward pass."""
@@ -182,30 +176,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None, on_layers: OnLayers | None = None
+        self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None
     ) -> torch.Tensor:
         """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order.
-        `patch`: input tokens to take from the device (see TokenPatch); `on_layers`: see OnLayers."""
+        `patch`: input tokens to take from the device (see TokenPatch)."""
         if self.graphs is not None:
             hidden = self.graphs.run(seqs, patch)  # None: not a step a graph serves
             if hidden is not None:
-                if on_layers is not None:
-                    on_layers(self.kv_caches.shape[0])
                 return self.model.compute_logits(hidden)
         ids, pos, meta, logit_rows = self.prepare(seqs)
         if patch is not None:
             patch.apply(ids)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, on_layers)
+        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         return self.model.compute_logits(hidden.index_select(0, logit_rows))
 
     def execute(
-        self, scheduled: Sequence[ScheduledRequest], patch: TokenPatch | None = None, on_layers: OnLayers | None = None
+        self, scheduled: Sequence[ScheduledRequest], patch: TokenPatch | None = None
     ) -> torch.Tensor:
         """Runs one step; returns float32 logits [rows, vocab] in scheduled order: one row per
         sampling request, 1 + num_spec_tokens rows per verifying one (its last computed token's,
         then each drafted token's)."""
         seqs, drafts = _forward_seqs(scheduled, patch_drafts=patch is None)
-        return self.forward(seqs, patch or drafts, on_layers)
+        return self.forward(seqs, patch or drafts)
 
 
 def _align16(n: int) -> int:

@@ -16,11 +16,10 @@ send/recv never block; their handles are polled or waited on with a timeout.
 
 This package does not know which blocks are free or held or what a lease is, and needs no Ray
 (`netaddr.resolve_host('auto')` asks Ray for the node's address when it runs inside Ray):
-the workers above it own the blocks and call it. The transports import nothing from engine/;
-`kvtransfer.protocol` (the typed messages of the block-ownership protocol) uses engine's SamplingParams.
-
-`kvtransfer.channel` is the request channel beside the KV: a direct socket from a router to each
-worker for a request's placing, prefill and abort calls and a decode worker's pushed token batches.
+the workers above it own the blocks and call it. The transports import nothing from engine/.
+It keeps transports, block layout and pairing only: the messages, the request channel and the
+worker clients are `protocol/`'s. `endpoint.TransferEndpoint` is what both worker kinds share (an
+engine thread and a transport).
 """
 
 from kvtransfer.fault import FaultRule, FaultTransport

@@ -27,7 +27,8 @@ class EndpointConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    worker_id: str = Field(description="Unique within the cluster; names the worker in messages.")
+    worker_id: str = Field("", description="Unique within the cluster; names the worker in messages (a pool's "
+                           "template in ClusterConfig leaves it out).")
     engine: EngineConfig = EngineConfig()
     transport: str = Field("gloo", description="KV transport: 'nccl' on GPUs, 'gloo' on CPUs, 'local' in-process.")
     host: str = Field(

@@ -1,17 +1,19 @@
-"""WorkerChannels: a router replica's request channels (kvtransfer/channel.py), one per worker
+"""WorkerChannels: a router replica's request channels (protocol/channel.py), one per worker
 (prefill, decode or colocated), kept across the worker set's versions so that every version's
-handle of a worker shares one connection. It wraps the handles it is told to (`is_remote`: Ray
-actor handles, in a replica) as ChannelHandles, leaves the others as they are (a retiring worker's
-stand-in, in-process workers), and closes a worker's channel once the worker has left the set.
-Knows nothing of Ray or of how the set is made."""
+client of a worker shares one connection. It gives the clients whose target is remote (`is_remote`:
+a Ray actor handle, in a replica) their channel, leaves in-process ones as they are, and closes a
+worker's channel once the worker has left the set. Knows nothing of Ray or of how the set is made."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-from kvtransfer.channel import ChannelAddress, ChannelClient, ChannelHandle, Refs
-from router.dispatch import Workers, invoke
+from protocol.channel import ChannelClient, Refs
+from protocol.clients import WorkerClient
+from router.dispatch import Workers
+
+C = TypeVar("C", bound=WorkerClient)
 
 
 class WorkerChannels:
@@ -22,30 +24,26 @@ class WorkerChannels:
         self.refs = Refs()  # the decode workers' handles as a prefill call names them, pickled once
 
     def wrap(self, workers: Workers) -> Workers:
-        """The same set, its workers' remote handles as ChannelHandles."""
+        """The same set, its remote workers' clients over their channels."""
         wrapped = Workers(prefill=self._wrap(workers.prefill), decode=self._wrap(workers.decode))
-        # NOTE: a worker shown as another kind of handle (retiring) keeps its channel: its poller still reads it.
         for worker_id in set(self.clients) - set(workers.prefill) - set(workers.decode):
             self.clients.pop(worker_id).close()
         return wrapped
 
-    def _wrap(self, handles: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for worker_id, handle in handles.items():
-            if not self.is_remote(handle):
-                out[worker_id] = handle
+    def _wrap(self, clients: Mapping[str, C]) -> dict[str, C]:
+        out: dict[str, C] = {}
+        for worker_id, client in clients.items():
+            if not self.is_remote(client.target):
+                out[worker_id] = client
                 continue
-            client = self.clients.get(worker_id)
-            if client is None:
-                client = self.clients[worker_id] = ChannelClient(worker_id, _address_of(handle), self.connect_timeout_s)
-            out[worker_id] = ChannelHandle(handle, client, self.refs)
+            channel = self.clients.get(worker_id)
+            if channel is None:
+                channel = self.clients[worker_id] = ChannelClient(worker_id, client.channel_address,
+                                                                  self.connect_timeout_s)
+            out[worker_id] = client.with_channel(channel, self.refs)
         return out
 
     def close(self) -> None:
         for client in self.clients.values():
             client.close()
         self.clients.clear()
-
-
-def _address_of(handle: Any) -> Callable[[], Awaitable[ChannelAddress]]:
-    return lambda: invoke(handle.channel_address)

@@ -24,7 +24,7 @@ from engine.config import DEFAULT_MODEL, SamplingParams
 from engine.output_processor import TextState
 from engine.tokenizer import Tokenizer
 from engine.validation import InvalidRequestError
-from kvtransfer.protocol import PrefillResultMsg
+from protocol.messages import PrefillResultMsg
 from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError
 from router.spans import SpanRecorder
 from router.openai_schema import (
@@ -131,11 +131,13 @@ class RouterCore:
         self.spans = SpanRecorder(clock=clock)
 
     def on_prefill_result(self, result: PrefillResultMsg) -> None:
-        """The Dispatcher's hook: the prefill worker's compute and push durations of one request."""
+        """The Dispatcher's hook: the prefill worker's answer of one request (its compute time, and
+        what its push, which goes on after the answer, sends)."""
         attempt = result.request_id.partition("#")[2]  # a migrated or retried placement: "rid#n"
         self.spans.event(
-            result.request_id.partition("#")[0], "prefill_result", attempt=int(attempt or 0), prefill_worker_s=result.prefill_s, kv_push_s=result.push_s,
-            kv_push_bytes=result.push_bytes, num_cached_prompt_tokens=result.num_cached_tokens,
+            result.request_id.partition("#")[0], "prefill_result", attempt=int(attempt or 0),
+            prefill_worker_s=result.prefill_s, kv_push_bytes=result.push_bytes,
+            num_cached_prompt_tokens=result.num_cached_tokens,
         )
         if self.metrics is not None:
             self.metrics.on_prefill_result(result)

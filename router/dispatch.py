@@ -1,27 +1,27 @@
 """Dispatcher: drives one request through the workers, streams its tokens back, and moves it to
 other workers when the ones it is on fail.
 
-Disaggregated: prefill, and meanwhile reserve a lease on a decode worker and attach it (the prefill
-worker pushes the KV once it has both) -> first token
--> the decode worker's token batches. Colocated: submit to one worker -> its token batches.
+Disaggregated: reserve a lease on a decode worker, then one call to a prefill worker with the
+request and the lease -> first token (the prefill worker pushes the KV after answering) -> the
+decode worker's token batches. Colocated: submit to one worker -> its token batches.
 Disaggregated, a prompt the prefill rule picks (DispatcherConfig.local_prefill: a short one, or one
 a decode worker mostly holds in its prefix cache) skips the prefill workers: its decode worker
 computes it itself (`prefill_locally`) and streams its tokens as a colocated worker would; if no
 such worker takes it (no room, less cached than believed), it goes through a prefill worker.
 One poller task per decode worker fetches that worker's TokenBatchMsg for this router and fans
 the outputs out to the requests' inboxes. Knows nothing of HTTP, text or Ray pools: it is handed
-the workers' handles (Ray actor handles, or the worker objects themselves in-process).
+the workers' clients (protocol/clients.py: over Ray, the request channel, or in-process).
 
 Faults. A request runs as a series of attempts, each placed on workers under its own id
 (`<request id>`, then `<request id>#1`, `#2`...), so nothing a failed attempt's workers still send
 can reach the new one. An attempt fails, and the next starts, when:
 
-| what                                                     | seen as                                  |
-|----------------------------------------------------------|------------------------------------------|
-| its decode (or colocated) worker died or left the set    | its poll fails / `set_workers` drops it  |
-| its prefill worker died or did not answer in time        | the prefill call raises / times out      |
-| the KV push failed or missed its deadline (either side)  | an error in PrefillResultMsg / the stream |
-| its worker sent nothing for `stall_timeout_s`            | the stream's deadline                    |
+| what                                                      | seen as                                    |
+|-----------------------------------------------------------|--------------------------------------------|
+| its decode (or colocated) worker died or left the set     | its poll fails / `set_workers` drops it    |
+| its prefill worker died, failed or did not answer in time | the prefill call raises / errs / times out |
+| the KV push failed or missed its deadline                 | an error row on the decode worker's stream |
+| its worker sent nothing for `stall_timeout_s`             | the stream's deadline                      |
 
 The next attempt continues the stream where the client is: its prompt is the original prompt plus
 every token already yielded, with max_tokens and min_tokens lowered by their count. Disaggregated,
@@ -47,18 +47,19 @@ RequestFailedError naming the last failure, and NoCapacityError when no worker c
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import SamplingParams
 from engine.validation import InvalidRequestError
+from protocol.api import WorkerStatsMsg
+from protocol.clients import DecodeClient, PrefillClient, WorkerClient
 from router.policy import (
     CacheAwarePolicy,
     DispatchPolicy,
@@ -67,19 +68,19 @@ from router.policy import (
     create_prefill_rule,
     prefill_rule_names,
 )
-from kvtransfer.protocol import (
+from protocol.messages import (
     GenerateRequestMsg,
     LeaseMsg,
     LocalPrefillMsg,
-    LocalPrefillReplyMsg,
     PrefillResultMsg,
     PrefillTaskMsg,
     ReserveMsg,
-    TokenBatchMsg,
     TokenOutputMsg,
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+C = TypeVar("C", bound=WorkerClient)
 
 
 class NoCapacityError(RuntimeError):
@@ -152,35 +153,23 @@ class DispatcherConfig(BaseModel):
         default_factory=LocalPrefillConfig,
         description="Disaggregated mode: which requests skip the prefill workers (prefilled on their decode worker).",
     )
-    request_channel: bool = Field(
-        True,
-        description="Router replicas reach workers' per-request calls (submit, prefill_locally, reserve, abort on "
-        "decode and colocated workers; prefill, attach_lease, abort on prefill workers) and the token batches over "
-        "a direct socket per worker (kvtransfer/channel.py: batches pushed as each step ends) instead of Ray actor "
-        "calls and polls; False: through Ray.",
-    )
-    lease_beside_prefill: bool = Field(
-        True,
-        description="Disaggregated mode: start the prefill at once and lease the decode worker's blocks meanwhile "
-        "(the lease's round trip leaves the time to first token); when no decode worker has room at the first "
-        "try, the prefill is stopped and the request waits for a lease before prefilling, as with False.",
-    )
 
 
 @dataclass(frozen=True)
 class Workers:
-    prefill: Mapping[str, Any]  # worker id -> handle; empty in colocated mode
-    decode: Mapping[str, Any]  # worker id -> handle (colocated workers in colocated mode)
+    prefill: Mapping[str, PrefillClient]  # worker id -> its client; empty in colocated mode
+    decode: Mapping[str, DecodeClient]  # worker id -> its client (colocated workers in colocated mode)
+
+    @classmethod
+    def of(cls, prefill: Mapping[str, Any], decode: Mapping[str, Any]) -> Workers:
+        """The set of these targets (Ray actor handles, or in-process workers), each in its kind's
+        client; a client given is kept as it is."""
+        return cls(prefill={i: t if isinstance(t, PrefillClient) else PrefillClient(i, t) for i, t in prefill.items()},
+                   decode={i: t if isinstance(t, DecodeClient) else DecodeClient(i, t) for i, t in decode.items()})
 
     @property
     def is_colocated(self) -> bool:
         return not self.prefill
-
-
-async def invoke(method: Any, *args: Any) -> Any:
-    """Calls a worker method: a Ray actor method (`.remote`) or an in-process coroutine function."""
-    remote = getattr(method, "remote", None)
-    return await (remote(*args) if remote is not None else method(*args))
 
 
 class _AttemptFailed(Exception):
@@ -200,7 +189,7 @@ class _Attempt:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     worker_id: str | None = None  # the decode (or colocated) worker streaming its tokens
     lost: asyncio.Event = field(default_factory=asyncio.Event)  # set with a _WorkerLost in the inbox
-    touched: list[tuple[str, Any]] = field(default_factory=list)  # (worker id, handle) that may hold some of it
+    touched: list[WorkerClient] = field(default_factory=list)  # the workers that may hold some of it
     is_finished: bool = False  # nothing is left on any worker: no abort needed
     waiting_since: float | None = None  # loop time _next began waiting for its worker (None: not waiting)
 
@@ -270,7 +259,6 @@ class Dispatcher:
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._stall_watch: asyncio.Task[None] | None = None  # fails attempts whose worker went quiet
         self._failed_until: dict[str, float] = {}  # worker id -> clock() until which it gets no new attempt
-        self._round_robin: dict[str, itertools.count[int]] = {}  # per kind of worker
         # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker.
         self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
         self.policy = policy or CacheAwarePolicy(loads=self.loads.loads)
@@ -288,11 +276,11 @@ class Dispatcher:
                 counts[attempt.worker_id] = counts.get(attempt.worker_id, 0) + 1
         return counts
 
-    async def _fetch_stats(self, worker_id: str) -> dict[str, Any]:
-        handle = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
-        if handle is None:
+    async def _fetch_stats(self, worker_id: str) -> WorkerStatsMsg:
+        client = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
+        if client is None:
             raise KeyError(worker_id)
-        return await invoke(handle.stats)
+        return await client.stats()
 
     # ---- the worker set
     def set_workers(self, workers: Workers) -> None:
@@ -315,8 +303,8 @@ class Dispatcher:
         self._ensure_pollers()
 
     def _usable(
-        self, kind: str, handles: Mapping[str, Any], avoid: set[str], prompt: Sequence[int] = ()
-    ) -> list[tuple[str, Any]]:
+        self, kind: str, handles: Mapping[str, C], avoid: set[str], prompt: Sequence[int] = ()
+    ) -> list[tuple[str, C]]:
         """Workers that may take a new attempt, in the policy's order; those in `avoid` (failed for
         this request) last, and workers whose calls failed recently not at all."""
         now = self.clock()
@@ -344,12 +332,11 @@ class Dispatcher:
             if (task is None or task.done()) and self._failed_until.get(worker_id, 0.0) <= now:
                 self._pollers[worker_id] = asyncio.get_running_loop().create_task(self._poll(worker_id, handle))
 
-    async def _poll(self, worker_id: str, handle: Any) -> None:
+    async def _poll(self, worker_id: str, client: DecodeClient) -> None:
         deadline_s = self.poll_timeout_s + self.config.call_timeout_s
         while True:
             try:
-                raw = await asyncio.wait_for(invoke(handle.poll, self.router_id, self.poll_timeout_s), deadline_s)
-                batch = TokenBatchMsg.decode(raw)
+                batch = await asyncio.wait_for(client.next_batch(self.router_id, self.poll_timeout_s), deadline_s)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - the worker is gone or hangs: move its requests
@@ -475,8 +462,8 @@ class Dispatcher:
             raise _AttemptFailed(f"worker {attempt.worker_id}: {item.error}")
         return item
 
-    async def _wait_for_workers(self, kind: str, handles: Callable[[], Mapping[str, Any]], avoid: set[str],
-                                prompt: Sequence[int] = ()) -> list[tuple[str, Any]]:
+    async def _wait_for_workers(self, kind: str, handles: Callable[[], Mapping[str, C]], avoid: set[str],
+                                prompt: Sequence[int] = ()) -> list[tuple[str, C]]:
         """Usable workers of a kind, waiting up to max_capacity_wait_s for one (a replacement starting)."""
         deadline = self.clock() + self.config.max_capacity_wait_s
         delay_s = 0.05
@@ -491,22 +478,22 @@ class Dispatcher:
     async def _submit_colocated(self, attempt: _Attempt, progress: _Progress) -> None:
         prompt = attempt.request.prompt_token_ids
         usable = await self._wait_for_workers("colocated", lambda: self.workers.decode, progress.failed_workers, prompt)
-        worker_id, handle = usable[0]
-        self._place(attempt, worker_id, handle)
-        await self._call_placed(worker_id, handle.submit, attempt.request.encode(), "colocated worker")
+        worker_id, client = usable[0]
+        self._place(attempt, client)
+        await self._call_placed(worker_id, client.submit(attempt.request), "colocated worker")
 
-    def _place(self, attempt: _Attempt, worker_id: str, handle: Any) -> None:
+    def _place(self, attempt: _Attempt, client: DecodeClient) -> None:
         """The attempt now runs on the worker. NOTE: before the call: its first tokens may be polled
         before the call returns."""
-        attempt.worker_id = worker_id
-        attempt.touched.append((worker_id, handle))
-        self.policy.on_assigned(worker_id, None)
+        attempt.worker_id = client.worker_id
+        attempt.touched.append(client)
+        self.policy.on_assigned(client.worker_id, None)
 
-    async def _call_placed(self, worker_id: str, method: Any, payload: bytes, what: str) -> Any:
+    async def _call_placed(self, worker_id: str, call: Awaitable[T], what: str) -> T:
         """The placing call, under call_timeout_s: bad input is the client's error; any other failure
         marks the worker failed and fails the attempt."""
         try:
-            return await asyncio.wait_for(invoke(method, payload), self.config.call_timeout_s)
+            return await asyncio.wait_for(call, self.config.call_timeout_s)
         except Exception as err:  # noqa: BLE001 - bad input is the client's; anything else, the worker's
             _raise_if_invalid(err)
             self._mark_failed(worker_id, err)
@@ -520,12 +507,10 @@ class Dispatcher:
         picked, min_cached_tokens = self.prefill_rule.local_workers(prompt, list(candidates))
         if not picked:
             return False
-        local = LocalPrefillMsg(request=attempt.request, min_cached_tokens=min_cached_tokens).encode()
-        for worker_id, handle in self._usable("decode", {i: candidates[i] for i in picked}, set(), prompt):
-            self._place(attempt, worker_id, handle)
-            reply = LocalPrefillReplyMsg.decode(
-                await self._call_placed(worker_id, handle.prefill_locally, local, "decode worker")
-            )
+        local = LocalPrefillMsg(request=attempt.request, min_cached_tokens=min_cached_tokens)
+        for worker_id, client in self._usable("decode", {i: candidates[i] for i in picked}, set(), prompt):
+            self._place(attempt, client)
+            reply = await self._call_placed(worker_id, client.prefill_locally(local), "decode worker")
             if reply.accepted:
                 self.prefill_rule.on_cached(worker_id, prompt)
                 self.num_local_prefills += 1
@@ -537,30 +522,27 @@ class Dispatcher:
             attempt.touched.pop()
         return False
 
-    async def _reserve(
-        self, attempt: _Attempt, progress: _Progress, max_wait_s: float | None = None
-    ) -> tuple[str, Any, LeaseMsg]:
-        """A lease on the first decode worker with room; waits up to max_wait_s (default:
-        max_capacity_wait_s) for one; 0: one pass over the workers."""
+    async def _reserve(self, attempt: _Attempt, progress: _Progress) -> tuple[DecodeClient, LeaseMsg]:
+        """A lease on the first decode worker with room; waits up to max_capacity_wait_s for one."""
         request = attempt.request
         reserve = ReserveMsg(
             request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), router_id=self.router_id
-        ).encode()
-        deadline = self.clock() + (self.config.max_capacity_wait_s if max_wait_s is None else max_wait_s)
+        )
+        deadline = self.clock() + self.config.max_capacity_wait_s
         delay_s = 0.02
         while True:
             usable = await self._wait_for_workers(
                 "decode", lambda: self.workers.decode, progress.failed_workers, request.prompt_token_ids
             )
-            for worker_id, handle in usable:
+            for worker_id, client in usable:
                 try:
-                    lease = await asyncio.wait_for(invoke(handle.reserve, reserve), self.config.call_timeout_s)
+                    lease = await asyncio.wait_for(client.reserve(reserve), self.config.call_timeout_s)
                 except Exception as err:  # noqa: BLE001 - a dead or hung worker: try the next
                     self._mark_failed(worker_id, err)
                     continue
                 if lease is not None:
                     self.policy.on_assigned(worker_id, None)
-                    return worker_id, handle, LeaseMsg.decode(lease)
+                    return client, lease
             remaining = deadline - self.clock()
             if remaining <= 0:
                 raise NoCapacityError(
@@ -570,31 +552,26 @@ class Dispatcher:
             delay_s = min(2 * delay_s, 0.5)
 
     async def _prefill(self, attempt: _Attempt, progress: _Progress) -> TokenOutputMsg:
+        """A lease on a decode worker, then one call to a prefill worker with the request and the
+        lease: its answer is the first token (the KV push goes on after it; a push that fails reaches
+        this attempt from the decode worker's stream)."""
+        request = attempt.request
         # NOTE: the prefill worker first, so that a request finding none holds no lease meanwhile.
         usable = await self._wait_for_workers(
-            "prefill", lambda: self.workers.prefill, progress.failed_workers, attempt.request.prompt_token_ids
+            "prefill", lambda: self.workers.prefill, progress.failed_workers, request.prompt_token_ids
         )
         # A continuation goes back to the prefill worker that computed the prompt: its prefix cache holds it.
         preferred = [w for w in usable if w[0] == progress.prefill_id and w[0] not in progress.failed_workers]
         prefill_id, prefill = (preferred or usable)[0]
+        decode, lease = await self._reserve(attempt, progress)
+        decode_id = decode.worker_id
+        # NOTE: placed before the call: the decode worker may report the push's failure before the answer comes.
+        attempt.worker_id = decode_id
+        attempt.touched += [decode, prefill]
         progress.prefill_id = prefill_id
         self.policy.on_assigned(prefill_id, None)
-        request = attempt.request
-        started = await self._prefill_beside_lease(attempt, progress, prefill_id, prefill) if (
-            self.config.lease_beside_prefill) else None
-        if started is None:  # the lease first, then the prefill with it
-            try:
-                decode_id, decode, lease = await self._reserve(attempt, progress)
-            except BaseException:
-                self.policy.on_finished(prefill_id)
-                raise
-            attempt.worker_id = decode_id
-            attempt.touched += [(decode_id, decode), (prefill_id, prefill)]
-            task = PrefillTaskMsg(request=request, lease=lease).encode()
-            call = asyncio.ensure_future(invoke(prefill.prefill, task, decode))
-        else:
-            call, decode_id, decode = started
-        # NOTE: after the call has gone (or is queued first): hashing a long prompt takes a fraction of a ms.
+        call = asyncio.ensure_future(prefill.prefill(PrefillTaskMsg(request=request, lease=lease), decode))
+        # NOTE: after the call has gone: hashing a long prompt takes a fraction of a ms.
         loop = asyncio.get_running_loop()
         loop.call_soon(self.policy.on_prompt, prefill_id, request.prompt_token_ids)
         lost = asyncio.ensure_future(attempt.lost.wait())  # the decode worker may die meanwhile
@@ -612,7 +589,7 @@ class Dispatcher:
             progress.failed_workers.add(prefill_id)
             raise _AttemptFailed(f"prefill worker {prefill_id} did not answer within {self.config.prefill_timeout_s} s")
         try:
-            result = PrefillResultMsg.decode(call.result())
+            result = call.result()
         except Exception as err:  # noqa: BLE001 - bad input is the client's; anything else, the worker's
             _raise_if_invalid(err)
             self._mark_failed(prefill_id, err)
@@ -623,7 +600,7 @@ class Dispatcher:
         if result.error is not None:
             raise _AttemptFailed(f"prefill on {prefill_id} for decode worker {decode_id}: {result.error}")
         if result.finish_reason is not None:
-            await self._abort(attempt, [(decode_id, decode)])  # the lease is not needed: free it now
+            await self._abort(attempt, [decode])  # the lease is not needed: free it now
             attempt.is_finished = True
         else:  # the KV lands there; NOTE: noted once the first token has gone on (it hashes the prompt)
             loop.call_soon(self.prefill_rule.on_cached, decode_id, request.prompt_token_ids)
@@ -637,54 +614,17 @@ class Dispatcher:
             num_cached_tokens=result.num_cached_tokens,
         )
 
-    async def _prefill_beside_lease(
-        self, attempt: _Attempt, progress: _Progress, prefill_id: str, prefill: Any
-    ) -> tuple[asyncio.Future[Any], str, Any] | None:
-        """Starts the prefill without a lease, leases meanwhile (one pass over the decode workers)
-        and attaches the lease: the prefill's call and the decode worker (id, handle), the attempt's
-        worker and touched set. None
-        when no decode worker had room at once: the prefill is stopped (the caller waits for a lease
-        first, and a request that finds none holds nothing on the prefill worker meanwhile)."""
-        request = attempt.request
-        call = asyncio.ensure_future(invoke(prefill.prefill, PrefillTaskMsg(request=request).encode(), None))
-        try:
-            decode_id, decode, lease = await self._reserve(attempt, progress, max_wait_s=0.0)
-        except NoCapacityError:
-            await self._stop_prefill(attempt, prefill_id, prefill, call)
-            return None
-        except BaseException:
-            await self._stop_prefill(attempt, prefill_id, prefill, call)
-            self.policy.on_finished(prefill_id)
-            raise
-        attempt.worker_id = decode_id
-        attempt.touched += [(decode_id, decode), (prefill_id, prefill)]
-        try:
-            # NOTE: False (the prefill has already answered: its answer says how) needs nothing here.
-            await asyncio.wait_for(invoke(prefill.attach_lease, request.request_id, lease.encode(), decode),
-                                   self.config.call_timeout_s)
-        except Exception as err:  # noqa: BLE001 - the prefill's own call reports the worker's failure
-            log.info("attaching the lease of %s on %s failed: %s", request.request_id, prefill_id, err)
-        return call, decode_id, decode
-
-    async def _stop_prefill(self, attempt: _Attempt, prefill_id: str, prefill: Any, call: asyncio.Future[Any]) -> None:
-        """Aborts a prefill that has no lease and waits (boundedly) for its answer, so its blocks are free."""
-        await self._abort(attempt, [(prefill_id, prefill)])
-        try:
-            await asyncio.wait_for(call, self.config.call_timeout_s)
-        except Exception as err:  # noqa: BLE001 - aborted, failed or gone: it holds nothing now
-            log.debug("stopped prefill of %s on %s: %s", attempt.request.request_id, prefill_id, err)
-
-    async def _abort(self, attempt: _Attempt, touched: list[tuple[str, Any]] | None = None) -> None:
+    async def _abort(self, attempt: _Attempt, touched: list[WorkerClient] | None = None) -> None:
         """Frees what the attempt holds on every worker it touched (or those given); a dead worker
         holds nothing."""
 
-        async def one(worker_id: str, handle: Any) -> None:
+        async def one(client: WorkerClient) -> None:
             try:
-                await asyncio.wait_for(invoke(handle.abort, attempt.request.request_id), self.config.call_timeout_s)
+                await asyncio.wait_for(client.abort(attempt.request.request_id), self.config.call_timeout_s)
             except Exception as err:  # noqa: BLE001 - a dead worker holds nothing any more
-                log.info("abort of %s on %s failed: %s", attempt.request.request_id, worker_id, err)
+                log.info("abort of %s on %s failed: %s", attempt.request.request_id, client.worker_id, err)
 
-        await asyncio.gather(*(one(i, h) for i, h in (attempt.touched if touched is None else touched)))
+        await asyncio.gather(*(one(c) for c in (attempt.touched if touched is None else touched)))
 
 
 def _is_tokens(item: TokenOutputMsg | _WorkerLost) -> bool:

@@ -32,7 +32,7 @@ class WorkerSetFollower:
         if version == self.version:
             return False
         self.version = version
-        workers = Workers(prefill=prefill, decode=decode)
+        workers = Workers.of(prefill=prefill, decode=decode)
         self.dispatcher.set_workers(self.wrap(workers) if self.wrap is not None else workers)
         return True
 

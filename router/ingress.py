@@ -18,7 +18,8 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from router import grpc_service
 from router.core import GrpcServerConfig, RouterConfig, RouterCore
-from router.dispatch import Dispatcher, DispatcherConfig, Workers, invoke
+from protocol.api import WorkerStatsMsg
+from router.dispatch import Dispatcher, DispatcherConfig, Workers
 from router.channels import WorkerChannels
 from router.follow import WorkerSetFollower
 from router.grpc_server import start_grpc_server
@@ -41,13 +42,12 @@ class RouterIngress:
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
         # The workers' per-request calls and token batches over the request channel (a direct socket
-        # per worker), unless asked for Ray calls; Ray actor handles are the ones wrapped.
+        # per worker); Ray actor handles are the ones given one.
         from ray.actor import ActorHandle
 
-        self.channels = WorkerChannels(lambda handle: isinstance(handle, ActorHandle)) if (
-            self.dispatcher.config.request_channel) else None
+        self.channels = WorkerChannels(lambda target: isinstance(target, ActorHandle))
         self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s,
-                                          wrap=self.channels.wrap if self.channels is not None else None)
+                                          wrap=self.channels.wrap)
         await self.follower.start()
         # its own gRPC server where asked (`pdserve serve`), else Serve's gRPC proxy: both call Generate/Complete
         self.grpc_server = None if grpc is None else await start_grpc_server(self, grpc)
@@ -58,11 +58,11 @@ class RouterIngress:
         gc.collect()
         gc.freeze()
 
-    async def _worker_stats(self) -> list[dict[str, Any]]:
+    async def _worker_stats(self) -> list[WorkerStatsMsg]:
         workers = self.dispatcher.workers
-        handles = [*workers.prefill.values(), *workers.decode.values()]
-        rows = await asyncio.gather(*(invoke(h.stats) for h in handles), return_exceptions=True)
-        return [r for r in rows if isinstance(r, dict)]
+        clients = [*workers.prefill.values(), *workers.decode.values()]
+        rows = await asyncio.gather(*(c.stats() for c in clients), return_exceptions=True)
+        return [r for r in rows if isinstance(r, WorkerStatsMsg)]
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_http_app(self.core)
@@ -70,8 +70,7 @@ class RouterIngress:
     async def __del__(self) -> None:  # Serve calls it when the replica shuts down
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
-        if self.channels is not None:
-            self.channels.close()
+        self.channels.close()
 
     # ---- gRPC (pdserve.v1.Generation): the replica's own server and Serve's gRPC proxy both call these
     async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802

@@ -3,9 +3,8 @@
 End to end, per finished choice: time to first token, time per output token, inter-token latency,
 end-to-end latency (histograms); requests by outcome; tokens. Per worker, refreshed at each
 scrape from the workers' `stats()`: running and waiting requests, KV blocks in use, preemptions,
-leases. Per KV push (from the prefill worker's result): bytes, and seconds when the answer waited
-for the push; pushes that end after the answer (the default) are counted and timed per prefill worker
-from its stats.
+leases. KV pushes: bytes from each prefill answer (what its push sends), and per prefill worker,
+from its stats, the pushes done and failed and their seconds (a push ends after its answer).
 Each replica has its own registry; GET /metrics shows the replica that answers.
 """
 
@@ -17,7 +16,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvtransfer.protocol import PrefillResultMsg
+from protocol.api import WorkerStatsMsg
+from protocol.messages import PrefillResultMsg
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -28,7 +28,7 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07
 class PrometheusMetrics:
     """Implements router.core.RouterMetrics, plus the KV-push and worker gauges."""
 
-    def __init__(self, model_name: str, worker_stats: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None):
+    def __init__(self, model_name: str, worker_stats: Callable[[], Awaitable[list[WorkerStatsMsg]]] | None = None):
         self.registry = CollectorRegistry()
         self.worker_stats = worker_stats
         r, labels = self.registry, {"model_name": model_name}
@@ -43,8 +43,6 @@ class PrometheusMetrics:
         self.itl = hist("pdserve:inter_token_latency_seconds", "Time between consecutive output tokens.",
                         _TOKEN_BUCKETS)
         self.e2e = hist("pdserve:e2e_request_latency_seconds", "End-to-end latency of a choice.", _LATENCY_BUCKETS)
-        self.push_s = hist("pdserve:kv_transfer_seconds", "KV push (gather, handshake, send) per request.",
-                           _LATENCY_BUCKETS)
         self.success = Counter("pdserve:request_success", "Finished choices by finish reason.",
                                [*labels, "finished_reason"], registry=r)
         self.rejected = Counter("pdserve:requests_rejected", "Requests refused (429 queue full, 503 no capacity).",
@@ -67,15 +65,14 @@ class PrometheusMetrics:
         self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions since the worker started.", gauge_labels,
                                  registry=r)
         self.leases = Gauge("pdserve:kv_leases", "Open KV leases of a decode worker.", gauge_labels, registry=r)
-        self.pushes_after_answer = Gauge(
-            "pdserve:kv_pushes_after_answer", "KV pushes a prefill worker ended after answering with the first "
-            "token, since start.", gauge_labels, registry=r)
-        self.push_failures_after_answer = Gauge(
-            "pdserve:kv_push_failures_after_answer", "Of those, pushes that failed (each request moved on by its "
-            "decode worker's report), since start.", gauge_labels, registry=r)
-        self.push_seconds_after_answer = Gauge(
-            "pdserve:kv_push_seconds_after_answer", "Those pushes' seconds (first token -> sends done), summed since "
-            "start.", gauge_labels, registry=r)
+        self.pushes = Gauge("pdserve:kv_pushes", "KV pushes a prefill worker finished well, since start.",
+                            gauge_labels, registry=r)
+        self.push_failures = Gauge(
+            "pdserve:kv_push_failures", "KV pushes that failed (each request moved on by its decode worker's report), "
+            "since start.", gauge_labels, registry=r)
+        self.push_seconds = Gauge(
+            "pdserve:kv_push_seconds", "The finished pushes' seconds (first token -> sends done), summed since start.",
+            gauge_labels, registry=r)
         self.spec_drafts = Gauge("pdserve:spec_decode_num_draft_tokens", "Drafted tokens verified, since start.",
                                  gauge_labels, registry=r)
         self.spec_accepted = Gauge("pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted, since start.",
@@ -109,8 +106,6 @@ class PrometheusMetrics:
     def on_prefill_result(self, result: PrefillResultMsg) -> None:
         if result.push_bytes:
             self.push_bytes.inc(result.push_bytes)
-            if not result.push_pending:  # NOTE: one answered before its push: the worker's stats time it
-                self.push_s.observe(result.push_s)
 
     # ---- scrape
     async def render(self, timeout_s: float = 2.0) -> bytes:
@@ -120,20 +115,19 @@ class PrometheusMetrics:
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a scrape never fails for one slow worker
                 rows = []
             for row in rows:
-                if "worker_id" not in row:
-                    continue
-                w = {**self._labels, "worker": row["worker_id"]}
-                self.running.labels(**w).set(row.get("num_running", 0))
-                self.waiting.labels(**w).set(row.get("num_waiting", 0))
-                blocks = max(1, row.get("num_blocks", 1))
-                self.kv_usage.labels(**w).set((blocks - row.get("num_free_blocks", blocks)) / blocks)
-                self.preemptions.labels(**w).set(row.get("num_preemptions", 0))
-                self.leases.labels(**w).set(row.get("num_leases", 0))
-                if "num_kv_pushes_after_answer" in row:
-                    self.pushes_after_answer.labels(**w).set(row["num_kv_pushes_after_answer"])
-                    self.push_failures_after_answer.labels(**w).set(row.get("num_kv_push_failures_after_answer", 0))
-                    self.push_seconds_after_answer.labels(**w).set(row.get("kv_push_seconds_after_answer", 0.0))
-                if "num_spec_draft_tokens" in row:
-                    self.spec_drafts.labels(**w).set(row["num_spec_draft_tokens"])
-                    self.spec_accepted.labels(**w).set(row.get("num_spec_accepted_tokens", 0))
+                w = {**self._labels, "worker": row.worker_id}
+                self.running.labels(**w).set(row.num_running)
+                self.waiting.labels(**w).set(row.num_waiting)
+                blocks = max(1, row.num_blocks)
+                self.kv_usage.labels(**w).set((row.num_blocks - row.num_free_blocks) / blocks)
+                self.preemptions.labels(**w).set(row.num_preemptions)
+                if row.role == "prefill":
+                    totals = row.push_totals
+                    self.pushes.labels(**w).set(totals.num_pushed)
+                    self.push_failures.labels(**w).set(totals.num_failed)
+                    self.push_seconds.labels(**w).set(totals.push_seconds)
+                else:
+                    self.leases.labels(**w).set(row.num_leases)
+                    self.spec_drafts.labels(**w).set(row.num_spec_draft_tokens)
+                    self.spec_accepted.labels(**w).set(row.num_spec_accepted_tokens)
         return generate_latest(self.registry)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from engine.kv_cache import BlockHash, hash_block, hash_full_blocks
+from protocol.api import WorkerStatsMsg
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class PrefixIndex:
 class LoadTracker:
     """The workers' last reported load, refreshed every `interval_s` by one stats() call each."""
 
-    def __init__(self, fetch: Callable[[str], Awaitable[dict[str, Any]]], interval_s: float = 0.25) -> None:
+    def __init__(self, fetch: Callable[[str], Awaitable[WorkerStatsMsg]], interval_s: float = 0.25) -> None:
         self.fetch = fetch
         self.interval_s = interval_s
         self.loads: dict[str, WorkerLoad] = {}
@@ -150,10 +151,9 @@ class LoadTracker:
         ids = list(self.worker_ids)
         rows = await asyncio.gather(*(asyncio.wait_for(self.fetch(i), 2.0) for i in ids), return_exceptions=True)
         for worker_id, row in zip(ids, rows):
-            if isinstance(row, dict):
+            if isinstance(row, WorkerStatsMsg):
                 self.loads[worker_id] = WorkerLoad(
-                    worker_id, row.get("num_running", 0), row.get("num_waiting", 0),
-                    row.get("num_free_blocks", 0), row.get("num_blocks", 0),
+                    worker_id, row.num_running, row.num_waiting, row.num_free_blocks, row.num_blocks
                 )
 
     async def _refresh_forever(self) -> None:

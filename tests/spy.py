@@ -8,8 +8,8 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from kvtransfer.protocol import LocalPrefillMsg, PrefillTaskMsg, ReserveMsg
-from router.dispatch import invoke
+from protocol.messages import LocalPrefillMsg, PrefillTaskMsg, ReserveMsg
+from protocol.clients import invoke
 
 
 class Spy:

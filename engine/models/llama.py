@@ -7,8 +7,6 @@ the backend's business. Knows nothing of scheduling or sampling.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -146,15 +144,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        on_layers: Callable[[int], None] | None = None,  # on_layers(n): layers [0, n) are queued
     ) -> torch.Tensor:  # hidden states [tokens, hidden]
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, backend, self.ops)
-            if on_layers is not None:
-                on_layers(i + 1)  # NOTE: layer i's KV writes are queued (on the CPU: done) by now
         return self.ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32

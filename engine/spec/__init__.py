@@ -3,8 +3,7 @@ engine verifies them in its continuous batch (engine/engine.py, Sampler.verify).
 
 The proposers live here, not in decode_worker/, because the engine builds them from
 `EngineConfig.speculative` (so every worker that runs an engine gets speculation from its
-configuration alone) and engine/ imports nothing of ours. `decode_worker/spec/` is the decode
-worker's side: which speculation it configures.
+configuration alone) and engine/ imports nothing of ours.
 
 Proposers, by `SpeculativeConfig.method`:
 - "ngram": prompt lookup (ngram.py), no model.

@@ -24,6 +24,8 @@ import pytest
 import ray
 import torch
 
+from decode_worker import DecodeWorkerConfig
+from prefill_worker import PrefillWorkerConfig
 from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
@@ -42,7 +44,8 @@ TRANSFER_TIMEOUT_S = 2.0
 MAX_RECOVERY_S = 10.0
 CLUSTER = ClusterConfig(
     engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=2, num_decode=2, transport="gloo",
-    transfer_timeout_s=TRANSFER_TIMEOUT_S, lease_ttl_s=10.0,
+    prefill=PrefillWorkerConfig(transfer_timeout_s=TRANSFER_TIMEOUT_S),
+    decode=DecodeWorkerConfig(transfer_timeout_s=TRANSFER_TIMEOUT_S, lease_ttl_s=10.0),
 )
 DISPATCH = DispatcherConfig(
     max_capacity_wait_s=5.0, call_timeout_s=10.0, stall_timeout_s=30.0, prefill_timeout_s=60.0,

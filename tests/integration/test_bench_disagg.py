@@ -1,9 +1,9 @@
 """bench.disagg on the CPU (a subprocess with its own local Ray cluster, gloo, the tiny default
-model): the five modes run side by side, every mode is measured in every round, the tokens are
-equal (the routers reaching the workers over the request channel, a prefill naming its decode worker
-by a pickled Ray handle), no block is left held, and the paired overheads follow from the modes'
-own TTFTs. The modes that answer before their push (the default) still report its figures,
-completed from the prefill worker's push records."""
+model): colocated and disaggregated run side by side, every mode is measured in every round, the
+tokens are equal (the routers reaching the workers over the request channel, a prefill naming its
+decode worker by a pickled Ray handle), no block is left held, and the paired overhead follows from
+the modes' own TTFTs. The push, which ends after the answer, is timed from the prefill worker's push
+records."""
 
 from __future__ import annotations
 
@@ -34,24 +34,23 @@ def test_disagg_cpu_smoke(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "disagg_cpu.json").read_text())
     assert (tmp_path / "disagg_cpu.png").stat().st_size > 0
     assert report["num_ttft"] == NUM_TTFT
-    assert report["request_channel"] is True  # the routers reached the workers as a served router does
     shape = report["shapes"]["default"]
     modes = shape["modes"]
-    disaggregated = ["disaggregated_one_message", "disaggregated_early_handshake", "disaggregated",
-                     "disaggregated_answer_after_push"]
-    assert set(modes) == {"colocated", *disaggregated}
+    assert set(modes) == {"colocated", "disaggregated"}
     assert shape["same_tokens"] is True
     for mode in modes.values():
         assert len(mode["ttft_s"]) == NUM_TTFT and mode["second_token_median_s"] > 0
         assert set(mode["held_blocks_after"].values()) == {0}
-    for name in disaggregated:
-        assert modes[name]["push_bytes"] > 0  # the prompts went through the prefill worker
-        assert modes[name]["push_median_s"] > 0  # timed: after the answer, from the worker's push records
-        paired = shape["paired_overhead"][name]
-        want = overhead_summary(modes[name]["ttft_s"], modes["colocated"]["ttft_s"], paired["num_resamples"],
-                                paired["seed"])
-        assert paired == want  # JSON keeps floats exactly
-    c = modes["colocated"]
-    assert shape["ttft_overhead"] == pytest.approx(modes["disaggregated"]["ttft_median_s"] / c["ttft_median_s"] - 1)
+    d, c = modes["disaggregated"], modes["colocated"]
+    assert d["push_bytes"] > 0  # the prompts went through the prefill worker
+    assert d["push_median_s"] > 0  # timed: after the answer, from the worker's push records
+    assert len(d["push_marks_s"]) == NUM_TTFT and all(len(marks) == 3 for marks in d["push_marks_s"])
+    assert c["push_bytes"] is None and c["push_marks_s"] == []
+    assert shape["push_gbps"] == pytest.approx(d["push_bytes"] / d["push_median_s"] / 1e9)
+    assert set(shape["paired_overhead"]) == {"disaggregated"}
+    paired = shape["paired_overhead"]["disaggregated"]
+    want = overhead_summary(d["ttft_s"], c["ttft_s"], paired["num_resamples"], paired["seed"])
+    assert paired == want  # JSON keeps floats exactly
+    assert shape["ttft_overhead"] == pytest.approx(d["ttft_median_s"] / c["ttft_median_s"] - 1)
     assert shape["placement"] == {"cpu": {"workers": [
-        "colocated-worker", *(f"{name}-{role}" for name in disaggregated for role in ("prefill", "decode"))]}}
+        "colocated-worker", "disaggregated-prefill", "disaggregated-decode"]}}

@@ -51,8 +51,8 @@ async def serve_requests(
         for rule in rules:
             calls[rule] = defaultdict(list)
             workers = deployment.workers()
-            spied = Workers(prefill={i: Spy(h, calls[rule]) for i, h in workers.prefill.items()},
-                            decode={i: Spy(h, calls[rule]) for i, h in workers.decode.items()})
+            spied = Workers.of(prefill={i: Spy(c.target, calls[rule]) for i, c in workers.prefill.items()},
+                               decode={i: Spy(c.target, calls[rule]) for i, c in workers.decode.items()})
             # NOTE: a router id per run: a closed Dispatcher's last poll may still take its router's tokens.
             dispatcher = Dispatcher(f"router-{rule}", spied, poll_timeout_s=0.5, config=RULES[rule])
 

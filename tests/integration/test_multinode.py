@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from decode_worker import DecodeWorkerConfig
+from prefill_worker import PrefillWorkerConfig
 from cluster.config import DECODE_RESOURCE, PREFILL_RESOURCE, ClusterConfig
 from cluster.controller import ClusterController
 from engine import LLM, SamplingParams
@@ -95,7 +97,8 @@ def _config(**overrides: Any) -> ClusterConfig:
     return ClusterConfig(
         engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=1, num_decode=1, transport="gloo",
         prefill_resources={PREFILL_RESOURCE: 1}, decode_resources={DECODE_RESOURCE: 1},
-        transfer_timeout_s=5.0, lease_ttl_s=5.0, **overrides,
+        prefill=PrefillWorkerConfig(transfer_timeout_s=5.0),
+        decode=DecodeWorkerConfig(transfer_timeout_s=5.0, lease_ttl_s=5.0), **overrides,
     )
 
 
@@ -287,7 +290,7 @@ def test_decode_pool_resized_1_2_1_under_load_loses_no_request(sim_cluster, offl
                         done.append((case, err))
 
             async def until_running(worker_id: str) -> None:
-                while (await pool.handles[worker_id].stats.remote())["num_running"] == 0:
+                while (await pool.handles[worker_id].stats.remote()).num_running == 0:
                     await asyncio.sleep(0.05)
 
             clients = [asyncio.ensure_future(client(seed)) for seed in range(4)]
@@ -309,7 +312,7 @@ def test_decode_pool_resized_1_2_1_under_load_loses_no_request(sim_cluster, offl
             drained_s = time.monotonic() - shrink_started
             assert retired == [added]  # the newest goes first
             (busy,) = busy_when_retiring
-            assert busy["num_running"] + busy["num_leases"] > 0, busy  # so the drain had work to do
+            assert busy.num_running + busy.num_leases > 0, busy  # so the drain had work to do
             assert list(pool.handles) == ["decode-0"] and not pool.retiring
             await asyncio.sleep(1.0)  # and serving goes on with one decode worker
             is_loading = False
@@ -319,7 +322,7 @@ def test_decode_pool_resized_1_2_1_under_load_loses_no_request(sim_cluster, offl
             assert not lost, lost
             assert all(tokens == offline[case] for case, tokens in done)
             print(f"\n[multinode] resize 1 -> 2 -> 1 under load: {len(done)} requests, none lost; shrinking drained "
-                  f"{retired[0]} ({busy['num_running']} running, {busy['num_leases']} leased) in {drained_s:.1f} s")
+                  f"{retired[0]} ({busy.num_running} running, {busy.num_leases} leased) in {drained_s:.1f} s")
             assert f"pdserve-{added}" not in _actor_nodes()
             await _assert_drained(serving)
 

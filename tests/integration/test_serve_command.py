@@ -161,7 +161,7 @@ def test_curl_sse_stream_and_status(server):
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "prefill-0" in status.stdout and "decode-0" in status.stdout
-    # The router replica reached the decode worker over the request channel (kvtransfer/channel.py),
+    # The router replica reached the decode worker over the request channel (protocol/channel.py),
     # not through Ray calls: the worker counts one router connected.
     header, *rows = status.stdout.splitlines()
     decode_row = next(row.split() for row in rows if row.startswith("decode-0"))

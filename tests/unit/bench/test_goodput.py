@@ -24,9 +24,9 @@ from bench.goodput import (
     serve_flags,
 )
 from bench.goodput_report import ModeResult, compare, max_rate_within_slo, mode_summary, rate_row, table
-from bench.loadgen.metrics import SLO, compute_metrics
-from bench.loadgen.records import RequestRecord
-from bench.loadgen.report import RateRun
+from loadgen.metrics import SLO, compute_metrics
+from loadgen.records import RequestRecord
+from loadgen.report import RateRun
 
 SLO_MS = SLO(ttft_ms=1000.0, tpot_ms=40.0)
 

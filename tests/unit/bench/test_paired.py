@@ -11,7 +11,7 @@ import pytest
 
 from bench.paired import bootstrap_median_ci, overhead_summary, paired_overheads, rotation
 
-MODES = ["colocated", "disaggregated_one_message", "disaggregated"]
+MODES = ["colocated", "disaggregated", "third"]
 
 
 def test_rotation_is_abc_bca_cab_then_repeats():

@@ -1,5 +1,5 @@
-"""Decode workers reached over the request channel (kvtransfer/channel.py), in one process without
-Ray: the Dispatcher holds only ChannelHandles, so every submit, reserve, abort and token batch
+"""Decode workers reached over the request channel (protocol/channel.py), in one process without
+Ray: the Dispatcher holds only clients with channels, so every submit, reserve, abort and token batch
 crosses a real socket. Greedy tokens equal the offline engine's, colocated and disaggregated; a
 connection lost mid-stream moves the worker's requests to another worker, whose tokens continue
 the stream exactly, and the abort that follows frees them on the first; no block is held after."""
@@ -13,7 +13,8 @@ from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
 from kvtransfer import LocalHub
-from kvtransfer.channel import Call, ChannelClient, ChannelHandle
+from protocol.channel import Call, ChannelClient
+from protocol.clients import DecodeClient
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from router import Dispatcher, Workers
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
@@ -32,9 +33,9 @@ def _decode(worker_id: str, hub: LocalHub) -> DecodeWorker:
                         transport_options={"hub": hub})
 
 
-def _over_channel(worker: DecodeWorker) -> tuple[ChannelHandle, ChannelClient]:
+def _over_channel(worker: DecodeWorker) -> tuple[DecodeClient, ChannelClient]:
     client = ChannelClient(worker.worker_id, worker.channel_address, connect_timeout_s=5.0)
-    return ChannelHandle(worker, client), client
+    return DecodeClient(worker.worker_id, worker, client), client
 
 
 async def _collect(dispatcher: Dispatcher, rid: str, prompt: list[int], params: SamplingParams,
@@ -63,7 +64,7 @@ def test_colocated_and_disaggregated_over_the_channel_equal_offline():
             workers.append(p0)
             prefill = {"p0": p0}
         config = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"))
-        dispatcher = Dispatcher("r0", Workers(prefill=prefill, decode={"d0": handle}), poll_timeout_s=0.2,
+        dispatcher = Dispatcher("r0", Workers.of(prefill=prefill, decode={"d0": handle}), poll_timeout_s=0.2,
                                 config=config)
         try:
             tokens = await asyncio.wait_for(asyncio.gather(
@@ -91,7 +92,7 @@ def test_a_lost_connection_moves_the_requests_and_the_abort_frees_them():
         d0, d1 = _decode("d0", hub), _decode("d1", hub)
         h0, c0 = _over_channel(d0)
         h1, c1 = _over_channel(d1)
-        dispatcher = Dispatcher("r0", Workers(prefill={}, decode={"d0": h0}), poll_timeout_s=0.2)
+        dispatcher = Dispatcher("r0", Workers.of(prefill={}, decode={"d0": h0}), poll_timeout_s=0.2)
         seen = asyncio.Event()
         aborted: list[str] = []  # aborts that reached d0 over its channel
         abort = d0.channel.handlers[Call.ABORT]
@@ -105,7 +106,7 @@ def test_a_lost_connection_moves_the_requests_and_the_abort_frees_them():
             tasks = [asyncio.ensure_future(_collect(dispatcher, str(i), p, params, seen))
                      for i, p in enumerate(prompts)]
             await asyncio.wait_for(seen.wait(), 60)
-            dispatcher.set_workers(Workers(prefill={}, decode={"d0": h0, "d1": h1}))
+            dispatcher.set_workers(Workers.of(prefill={}, decode={"d0": h0, "d1": h1}))
             for task in list(d0.channel._connections):  # d0's end of the connection goes; d0 lives on
                 task.cancel()
             tokens = await asyncio.wait_for(asyncio.gather(*tasks), 120)

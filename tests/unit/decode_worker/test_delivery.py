@@ -12,7 +12,7 @@ from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import StepOutput
 from engine.llm import engine_config
 from kvtransfer import LocalHub
-from kvtransfer.protocol import TokenBatchMsg, TokenOutputMsg
+from protocol.messages import TokenBatchMsg, TokenOutputMsg
 
 
 def _worker(**options) -> DecodeWorker:

@@ -10,7 +10,7 @@ from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
 from engine.llm import engine_config
 from kvtransfer import LocalHub
-from kvtransfer.protocol import GenerateRequestMsg, ReserveMsg, TokenBatchMsg
+from protocol.messages import GenerateRequestMsg, ReserveMsg, TokenBatchMsg
 
 
 def test_drain_refuses_new_work_and_finishes_running_work():
@@ -37,7 +37,7 @@ def test_drain_refuses_new_work_and_finishes_running_work():
                 break
         stats = await worker.stats()
         assert finished and tokens == 30
-        assert stats["is_draining"] and stats["num_running"] == 0 and stats["num_undelivered"] == 0
+        assert stats.is_draining and stats.num_running == 0 and stats.num_undelivered == 0
         assert await worker.check_integrity() == 0
         await worker.shutdown()
 

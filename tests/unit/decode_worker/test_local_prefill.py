@@ -10,7 +10,7 @@ from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
 from kvtransfer import LocalHub
-from kvtransfer.protocol import (
+from protocol.messages import (
     GenerateRequestMsg,
     LocalPrefillMsg,
     LocalPrefillReplyMsg,
@@ -84,7 +84,7 @@ def test_prefill_locally_declines_and_changes_nothing():
         reply = await _ask(worker, "c", PROMPT)
         assert not reply.accepted and "draining" in reply.reason
         stats = await worker.stats()
-        assert stats["num_waiting"] == stats["num_running"] == stats["num_undelivered"] == 0
+        assert stats.num_waiting == stats.num_running == stats.num_undelivered == 0
         assert worker.router_of_request == {}
         assert await worker.check_integrity() == 0
         await worker.shutdown()

@@ -4,9 +4,8 @@ On a GPU a posted NCCL receive spins until its sender sends, and a later CUDA ca
 worker's process can wait for it (the engine's first launch of a lazily loaded kernel waits for
 the kernels running; measured on 2x H200, a CUDA event recorded for the next receive then blocked
 too). The sender sends only after the answer, so an answer given after the receives were posted
-could never leave. Here the local transport plays that GPU: a receive posted while an earlier
-one is still unmatched waits for a send. The prefill worker's KV, first token and the draft's KV
-still land in order, one request after another, and no block stays held."""
+could never leave. Here the local transport plays that GPU: posting a receive waits until its
+sender has sent. The KV still lands, one request after another, and no block stays held."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from engine import LLM, SamplingParams
 from engine.llm import engine_config
 from kvtransfer import LocalHub
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
+from protocol.clients import DecodeClient
 from router import Dispatcher, Workers
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
@@ -27,8 +27,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 class _SpinningReceives:
-    """Receives after the first wait until every earlier one was matched by a send (at most
-    `timeout_s`, then TimeoutError: the deadlock the GPU would have had)."""
+    """A receive is posted only once its send has been issued (at most `timeout_s`, then
+    TimeoutError: the deadlock the GPU would have had had the answer waited for the post)."""
 
     def __init__(self, prefill: PrefillWorker, decode: DecodeWorker, timeout_s: float = 3.0) -> None:
         self.posted = self.sent = 0
@@ -45,7 +45,7 @@ class _SpinningReceives:
 
         def receiving(peer_id, tensor):
             with self.changed:
-                if not self.changed.wait_for(lambda: self.sent >= self.posted, timeout_s):
+                if not self.changed.wait_for(lambda: self.sent > self.posted, timeout_s):
                     raise TimeoutError(f"receive {self.posted + 1} waited for a send that never came")
                 self.posted += 1
             return recv(peer_id, tensor)
@@ -55,8 +55,8 @@ class _SpinningReceives:
 
 
 def test_answer_goes_before_the_receives_are_posted():
-    """Early handshakes (the engine is idle between requests): a request's KV in two layer groups
-    and its first token are three receives on the default model (two layers)."""
+    """Each request's KV is one receive, posted only after the prefill worker has sent it, which it
+    does only once kv_incoming has answered."""
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(9, 40))] for _ in range(3)]
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
@@ -65,21 +65,20 @@ def test_answer_goes_before_the_receives_are_posted():
         hub = LocalHub()
         decode = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=engine_config(**ENGINE), transport="local"),
                               transport_options={"hub": hub})
-        prefill = PrefillWorker(PrefillWorkerConfig(worker_id="p0", engine=engine_config(**ENGINE), transport="local",
-                                                    early_handshake=True, kv_messages=2),
+        prefill = PrefillWorker(PrefillWorkerConfig(worker_id="p0", engine=engine_config(**ENGINE), transport="local"),
                                 transport_options={"hub": hub})
-        workers = Workers(prefill={"p0": prefill}, decode={"d0": decode})
+        workers = Workers.of(prefill={"p0": prefill}, decode={"d0": decode})
         dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2,
                                 config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
         try:
-            await prefill._ensure_pair("d0", decode)  # NOTE: paired first: pairing sends messages of its own
+            await prefill.pairs._ensure_pair(DecodeClient("d0", decode))  # NOTE: paired first: pairing sends messages of its own
             spinning = _SpinningReceives(prefill, decode)
             tokens = []
             for i, prompt in enumerate(prompts):
                 stream = dispatcher.generate(f"r{i}", prompt, GREEDY)
                 tokens.append(await asyncio.wait_for(_collect(stream), 30))
             assert tokens == offline
-            assert spinning.posted == spinning.sent == 3 * len(prompts)  # all matched
+            assert spinning.posted == spinning.sent == len(prompts)  # all matched
         finally:
             await dispatcher.close()
         assert [await prefill.check_integrity(), await decode.check_integrity()] == [0, 0]

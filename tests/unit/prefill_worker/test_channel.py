@@ -1,5 +1,5 @@
-"""Prefill workers reached over the request channel (kvtransfer/channel.py), in one process without
-Ray: the Dispatcher holds only ChannelHandles, so every prefill, lease attachment and abort crosses
+"""Prefill workers reached over the request channel (protocol/channel.py), in one process without
+Ray: the Dispatcher holds only clients with channels, so every prefill and abort crosses
 a real socket, and the decode worker a prefill names goes as a reference (here a registry's key:
 in-process workers do not pickle). Greedy tokens equal the offline engine's; a prefill worker's
 connection lost while prompts are on it moves them to another prefill worker with exact tokens;
@@ -15,7 +15,8 @@ from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
 from kvtransfer import LocalHub
-from kvtransfer.channel import Call, ChannelClient, ChannelHandle, Refs
+from protocol.channel import Call, ChannelClient, Refs
+from protocol.clients import DecodeClient, PrefillClient
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from router import Dispatcher, Workers
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
@@ -34,9 +35,8 @@ class _RegistryRefs(Refs):
     def encode(self, handle: Any) -> bytes | None:
         if handle is None:
             return None
-        target = getattr(handle, "_handle", handle)  # a ChannelHandle names the worker it wraps
-        key = str(id(target)).encode()
-        self.objects[key] = target
+        key = str(id(handle)).encode()
+        self.objects[key] = handle
         return key
 
     def decode(self, ref: bytes | None) -> Any:
@@ -70,9 +70,10 @@ class _Cluster:
             self.calls[p.worker_id] = self._record(p)
         everyone = [self.decode, *self.prefill]
         self.clients = [ChannelClient(w.worker_id, w.channel_address, 5.0) for w in everyone]
-        handles = {w.worker_id: ChannelHandle(w, c, refs) for w, c in zip(everyone, self.clients)}
-        self.workers = Workers(prefill={p.worker_id: handles[p.worker_id] for p in self.prefill},
-                               decode={"d0": handles["d0"]})
+        channels = dict(zip([w.worker_id for w in everyone], self.clients))
+        self.workers = Workers(
+            prefill={p.worker_id: PrefillClient(p.worker_id, p, channels[p.worker_id], refs) for p in self.prefill},
+            decode={"d0": DecodeClient("d0", self.decode, channels["d0"], refs)})
 
     @staticmethod
     def _record(worker: PrefillWorker) -> list[Call]:
@@ -124,11 +125,9 @@ def test_disaggregated_over_the_channels_equals_offline():
                 *(_collect(dispatcher, str(i), p, params) for i, p in enumerate(prompts))), 120)
             assert tokens == offline
             calls = cluster.calls["p0"]
-            assert calls.count(Call.PREFILL) == len(prompts)  # every prompt's prefill over the channel
-            # the lease reserved beside the prefill is attached over it too (DispatcherConfig.lease_beside_prefill)
-            assert calls.count(Call.ATTACH_LEASE) == len(prompts)
+            assert calls == [Call.PREFILL] * len(prompts)  # one call a prompt, over the channel, its lease in it
             assert len(cluster.prefill[0].channel._connections) == 1
-            assert (await cluster.prefill[0].stats())["num_channels"] == 1
+            assert (await cluster.prefill[0].stats()).num_channels == 1
         finally:
             await dispatcher.close()
             await cluster.close()
@@ -145,7 +144,7 @@ def test_a_lost_prefill_connection_moves_its_prompts_to_another_prefill_worker()
         cluster = _Cluster(num_prefill=2)
         p0, p1 = cluster.prefill
         # p0 first: until its connection goes, it is the only prefill worker the router knows
-        dispatcher = Dispatcher("r0", Workers(prefill={"p0": cluster.workers.prefill["p0"]},
+        dispatcher = Dispatcher("r0", Workers.of(prefill={"p0": cluster.workers.prefill["p0"]},
                                               decode=cluster.workers.decode), poll_timeout_s=0.2, config=REMOTE)
         gate = asyncio.Event()  # p0's prefills wait here: the connection goes while they are on it
         inner = p0.channel.handlers[Call.PREFILL]

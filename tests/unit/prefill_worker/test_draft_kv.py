@@ -1,12 +1,12 @@
-"""A draft model's prompt KV computed on the prefill worker and shipped with the target's
-(PrefillWorkerConfig.ship_draft_kv), in one process over the local transport.
+"""A draft model's prompt KV computed on the prefill worker and shipped with the target's (when its
+engine drafts with a model: prefill_worker/draft.py), in one process over the local transport.
 
 The target serves as its own draft, so a greedy draft is accepted exactly when the draft's KV is
 right: every draft accepted shows the shipped KV is the draft's own. Each request's prompt is
 adopted by the decode worker's draft, whose first drafting step then feeds at most the two tokens
 after it instead of the whole prompt. Offers the decode worker cannot take (another draft) or
-that never come (shipping off) leave the prompt to the decode worker's draft, as before; a
-request whose first token ends it gets a stand-in draft KV and leaves the pair in order. Tokens
+that never come (a prefill worker without the draft) leave the prompt to the decode worker's draft;
+a request whose first token ends it pushes nothing and leaves the pair in order. Tokens
 always equal the offline engine's without speculation, and no block of either pool stays held."""
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class _DraftSpy:
         proposer._plan = planning
 
 
-def _build(prefill_draft: Any, decode_draft: Any, ship: bool = True, early_handshake: bool = True):
+def _build(prefill_draft: Any, decode_draft: Any):
+    """`prefill_draft` None: the prefill worker's engine does not draft (it ships no draft KV)."""
     hub = LocalHub()
     decode = DecodeWorker(
         DecodeWorkerConfig(worker_id="d0", engine=engine_config(**ENGINE, speculative=_speculative(decode_draft)),
@@ -73,15 +74,15 @@ def _build(prefill_draft: Any, decode_draft: Any, ship: bool = True, early_hands
         transport_options={"hub": hub},
     )
     prefill = PrefillWorker(
-        PrefillWorkerConfig(worker_id="p0", engine=engine_config(**ENGINE, speculative=_speculative(prefill_draft)),
-                            transport="local", early_handshake=early_handshake, ship_draft_kv=ship),
+        PrefillWorkerConfig(worker_id="p0", transport="local", engine=engine_config(
+            **ENGINE, speculative=_speculative(prefill_draft) if prefill_draft is not None else SpeculativeConfig())),
         transport_options={"hub": hub},
     )
-    return Workers(prefill={"p0": prefill}, decode={"d0": decode}), prefill, decode
+    return Workers.of(prefill={"p0": prefill}, decode={"d0": decode}), prefill, decode
 
 
 async def _run(workers: Workers, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """One request at a time (so the early handshake's conditions hold for each)."""
+    """One request at a time."""
     dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2, config=REMOTE)
     tokens = []
     try:
@@ -101,18 +102,17 @@ async def _end(prefill: PrefillWorker, decode: DecodeWorker) -> None:
     await decode.shutdown()
 
 
-@pytest.mark.parametrize("early_handshake", [True, False], ids=["early", "late"])
-def test_shipped_draft_kv_is_adopted_and_right(early_handshake):
+def test_shipped_draft_kv_is_adopted_and_right():
     prompts = _prompts(5)
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
 
     async def main():
-        workers, prefill, decode = _build("default", "default", early_handshake=early_handshake)
-        assert prefill.draft_offer is not None and prefill.loop.engine.proposer is None  # it never drafts
+        workers, prefill, decode = _build("default", "default")
+        assert prefill.draft is not None and prefill.loop.engine.proposer is None  # it never drafts
         spy = _DraftSpy(decode)
         assert await _run(workers, prompts, GREEDY) == offline
         assert spy.adopted == [f"r{i}" for i in range(len(prompts))]
-        assert (await decode.stats())["num_draft_kv_adopted"] == len(prompts)
+        assert (await decode.stats()).num_draft_kv_adopted == len(prompts)
         assert spy.catch_ups and max(spy.catch_ups) <= MAX_CATCH_UP  # no prompt computed by the decode's draft
         stats = decode.loop.engine.stats()
         assert stats.num_spec_draft_tokens > 0
@@ -122,19 +122,19 @@ def test_shipped_draft_kv_is_adopted_and_right(early_handshake):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("why", ["shipping off", "another draft"])
+@pytest.mark.parametrize("why", ["no draft on the prefill worker", "another draft"])
 def test_prompt_left_to_the_decode_workers_draft(why, hf_checkpoints):
     prompts = _prompts(3, seed=1)
     offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
 
     async def main():
-        prefill_draft = hf_checkpoints("llama") if why == "another draft" else "default"
-        workers, prefill, decode = _build(prefill_draft, "default", ship=why == "another draft")
+        prefill_draft = hf_checkpoints("llama") if why == "another draft" else None
+        workers, prefill, decode = _build(prefill_draft, "default")
         if why == "another draft":
-            assert prefill.draft_offer is not None
-            assert prefill.draft_offer.fingerprint != decode.draft_fingerprint
+            assert prefill.draft is not None
+            assert prefill.draft.offer.fingerprint != decode.draft_fingerprint
         else:
-            assert prefill.draft is None and prefill.draft_offer is None
+            assert prefill.draft is None
         spy = _DraftSpy(decode)
         assert await _run(workers, prompts, GREEDY) == offline
         assert spy.adopted == []
@@ -146,14 +146,14 @@ def test_prompt_left_to_the_decode_workers_draft(why, hf_checkpoints):
     asyncio.run(main())
 
 
-def test_first_token_that_ends_the_request_sends_a_stand_in_and_keeps_the_pair():
+def test_first_token_that_ends_the_request_pushes_nothing_and_keeps_the_pair():
     async def main():
         workers, prefill, decode = _build("default", "default")
         spy = _DraftSpy(decode)
         ended = await _run(workers, _prompts(2, seed=2), SamplingParams(max_tokens=1, temperature=0.0))
         assert [len(t) for t in ended] == [1, 1] and spy.adopted == []
         assert [await prefill.check_integrity(), await decode.check_integrity()] == [0, 0]
-        # The pair is still in order: the next request's KV, first token and draft KV land right.
+        # The pair is still in order: the next request's KV and draft KV land right.
         prompt = _prompts(1, seed=3)[0]
         want = LLM(**ENGINE).generate([prompt], GREEDY)[0].outputs.token_ids
         assert await _run(workers, [prompt], GREEDY) == [want]

@@ -102,11 +102,11 @@ def _workers(colocated: bool) -> tuple[Workers, list[Any]]:
         DecodeWorkerConfig(worker_id="d0", engine=engine_config(**ENGINE), transport="local"), transport_options=local
     )
     if colocated:
-        return Workers(prefill={}, decode={"d0": decode}), [decode]
+        return Workers.of(prefill={}, decode={"d0": decode}), [decode]
     prefill = PrefillWorker(
         PrefillWorkerConfig(worker_id="p0", engine=engine_config(**ENGINE), transport="local"), transport_options=local
     )
-    return Workers(prefill={"p0": prefill}, decode={"d0": decode}), [prefill, decode]
+    return Workers.of(prefill={"p0": prefill}, decode={"d0": decode}), [prefill, decode]
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def test_short_prompts_skip_the_prefill_worker_and_long_ones_do_not():
 
     async def main():
         prefill, decode = _build()
-        dispatcher = Dispatcher("r0", Workers(prefill=prefill, decode=decode), poll_timeout_s=0.2, config=CONFIG)
+        dispatcher = Dispatcher("r0", Workers.of(prefill=prefill, decode=decode), poll_timeout_s=0.2, config=CONFIG)
         results = await asyncio.wait_for(
             asyncio.gather(*(_generate(dispatcher, f"req-{i}", p) for i, p in enumerate(prompts))), 120
         )
@@ -96,7 +96,7 @@ def test_a_prompt_its_decode_worker_mostly_holds_skips_the_prefill_worker_unless
 
     async def main():
         prefill, decode = _build(num_decode=2)
-        dispatcher = Dispatcher("r0", Workers(prefill=prefill, decode=decode), poll_timeout_s=0.2, config=CONFIG)
+        dispatcher = Dispatcher("r0", Workers.of(prefill=prefill, decode=decode), poll_timeout_s=0.2, config=CONFIG)
         assert (await _generate(dispatcher, "first", first))[0] == answer
         (holder,) = [i for i, d in decode.items() if d.calls["reserve"] == ["first"]]
         # 91 of the follow-up's 100 tokens have KV on `holder`: it computes the 9 others itself
@@ -123,7 +123,7 @@ def test_a_prompt_its_decode_worker_mostly_holds_skips_the_prefill_worker_unless
 def test_bad_input_in_a_short_prompt_is_the_client_s_error():
     async def main():
         prefill, decode = _build()
-        dispatcher = Dispatcher("r0", Workers(prefill=prefill, decode=decode), poll_timeout_s=0.2, config=CONFIG)
+        dispatcher = Dispatcher("r0", Workers.of(prefill=prefill, decode=decode), poll_timeout_s=0.2, config=CONFIG)
         with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
             await _generate(dispatcher, "bad", [5, 6, 99_999])
         assert decode["d0"].calls["prefill_locally"] == ["bad"] and not prefill["p0"].calls["prefill"]

@@ -1,12 +1,12 @@
-"""PrometheusMetrics' KV-push figures: an answer sent before its push counts the push's bytes but
-not its seconds (not known yet); the pushes that end after their answers come per prefill worker
-from its stats, as gauges."""
+"""PrometheusMetrics' KV-push figures: each answer counts the bytes its push sends; the pushes'
+outcomes and seconds come per prefill worker from its stats (WorkerStatsMsg.push_totals), as gauges."""
 
 from __future__ import annotations
 
 import asyncio
 
-from kvtransfer.protocol import PrefillResultMsg
+from protocol.api import WorkerStatsMsg
+from protocol.messages import PrefillResultMsg, PushTotalsMsg
 from router.metrics import PrometheusMetrics
 
 
@@ -15,18 +15,22 @@ def _lines(text: bytes) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-def test_push_seconds_only_when_the_answer_waited_and_the_rest_from_the_workers_stats():
+def test_push_bytes_from_the_answers_and_the_rest_from_the_workers_stats():
     async def worker_stats():
-        return [{"worker_id": "p0", "num_kv_pushes_after_answer": 7, "num_kv_push_failures_after_answer": 2,
-                 "kv_push_seconds_after_answer": 0.035}]
+        load = dict(pid=1, is_healthy=True, num_running=0, num_waiting=0, num_blocks=10, num_free_blocks=4)
+        totals = PushTotalsMsg(num_pushed=7, num_failed=2, push_bytes=9000, push_seconds=0.035)
+        return [WorkerStatsMsg(worker_id="p0", role="prefill", push_totals=totals, **load),
+                WorkerStatsMsg(worker_id="d0", role="decode", num_leases=1, **load)]
 
     metrics = PrometheusMetrics("m", worker_stats=worker_stats)
-    metrics.on_prefill_result(PrefillResultMsg(request_id="a", push_bytes=1000, push_s=0.002))
-    metrics.on_prefill_result(PrefillResultMsg(request_id="b", push_bytes=500, push_pending=True))
+    metrics.on_prefill_result(PrefillResultMsg(request_id="a", push_bytes=1000))
+    metrics.on_prefill_result(PrefillResultMsg(request_id="b", push_bytes=500))
+    metrics.on_prefill_result(PrefillResultMsg(request_id="c", finish_reason="stop"))  # nothing to push
     lines = _lines(asyncio.run(metrics.render()))
     assert lines['pdserve:kv_transfer_bytes_total{model_name="m"}'] == 1500
-    assert lines['pdserve:kv_transfer_seconds_count{model_name="m"}'] == 1  # only the answer that waited
-    assert lines['pdserve:kv_transfer_seconds_sum{model_name="m"}'] == 0.002
-    assert lines['pdserve:kv_pushes_after_answer{model_name="m",worker="p0"}'] == 7
-    assert lines['pdserve:kv_push_failures_after_answer{model_name="m",worker="p0"}'] == 2
-    assert lines['pdserve:kv_push_seconds_after_answer{model_name="m",worker="p0"}'] == 0.035
+    assert lines['pdserve:kv_pushes{model_name="m",worker="p0"}'] == 7
+    assert lines['pdserve:kv_push_failures{model_name="m",worker="p0"}'] == 2
+    assert lines['pdserve:kv_push_seconds{model_name="m",worker="p0"}'] == 0.035
+    assert 'pdserve:kv_pushes{model_name="m",worker="d0"}' not in lines
+    assert lines['pdserve:kv_leases{model_name="m",worker="d0"}'] == 1
+    assert lines['pdserve:kv_cache_usage_perc{model_name="m",worker="p0"}'] == 0.6

@@ -97,7 +97,7 @@ class Cluster:
         self.dispatcher = Dispatcher("r0", self.workers(), poll_timeout_s=0.2, config=dispatch)
 
     def workers(self) -> Workers:
-        return Workers(prefill=dict(self.prefill), decode=dict(self.decode))
+        return Workers.of(prefill=dict(self.prefill), decode=dict(self.decode))
 
     def live(self) -> list[Killable]:
         return [w for w in (*self.prefill.values(), *self.decode.values()) if not w.is_killed]
@@ -255,9 +255,9 @@ def test_a_fault_on_every_attempt_gives_up_after_max_attempts():
         await cluster.prefill["p0"].arm_fault(FaultRule(action="fail", op="send", max_fires=None).encode())
         (result,) = await Streams(cluster.dispatcher, _prompts(1), GREEDY).results(timeout_s=30.0)
         assert isinstance(result, RequestFailedError)
-        # Each failed send drops the pair, so each attempt forms it again and is answered after its push
-        # (pairing checks the layouts; PrefillWorkerConfig.answer_before_push): the answer names the fault.
-        assert f"failed {FAST.max_attempts} times" in str(result) and "fault injected: fail" in str(result)
+        # Each attempt is answered with its first token, then its push fails: the decode worker's receive
+        # reports it (the one path a push's failure takes), and each failed send drops the pair.
+        assert f"failed {FAST.max_attempts} times" in str(result) and "KV transfer failed" in str(result)
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
@@ -318,7 +318,7 @@ class _Mute:
         return getattr(self.inner, name)
 
     async def poll(self, router_id: str, timeout_s: float = 1.0) -> bytes:
-        from kvtransfer.protocol import TokenBatchMsg
+        from protocol.messages import TokenBatchMsg
 
         await asyncio.sleep(timeout_s)
         return TokenBatchMsg(worker_id=self.worker_id, outputs=[]).encode()
@@ -335,7 +335,7 @@ def test_a_worker_that_goes_quiet_has_its_requests_moved_after_stall_timeout():
         cluster = Cluster(num_decode=2, colocated=True, dispatch=quick)
         mute_id = "c0"
         mute = _Mute(cluster.decode[mute_id])
-        cluster.dispatcher.set_workers(Workers(prefill={}, decode={**cluster.decode, mute_id: mute}))
+        cluster.dispatcher.set_workers(Workers.of(prefill={}, decode={**cluster.decode, mute_id: mute}))
         streams = Streams(cluster.dispatcher, prompts, GREEDY)
         results = await streams.results(timeout_s=60.0)
         assert results == want

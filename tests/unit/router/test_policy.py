@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from protocol.api import WorkerStatsMsg
 from router.policy import CacheAwarePolicy, LoadTracker, PrefixIndex, WorkerLoad, create_policy, create_prefill_rule
 
 
@@ -78,7 +79,8 @@ def test_load_tracker_refreshes_and_drops_gone_workers():
             calls.append(worker_id)
             if worker_id == "dead":
                 raise RuntimeError("gone")
-            return {"num_running": 2, "num_waiting": 1, "num_free_blocks": 7, "num_blocks": 9}
+            return WorkerStatsMsg(worker_id=worker_id, role="decode", pid=1, is_healthy=True, num_running=2,
+                                  num_waiting=1, num_free_blocks=7, num_blocks=9)
 
         tracker = LoadTracker(fetch, interval_s=0.01)
         tracker.track(["a", "dead"])

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from engine import SamplingParams
-from kvtransfer.protocol import GenerateRequestMsg, TokenBatchMsg, TokenOutputMsg
+from protocol.messages import GenerateRequestMsg, TokenBatchMsg, TokenOutputMsg
 from router import Dispatcher, RequestFailedError, Workers
 from router.dispatch import DispatcherConfig
 
@@ -69,7 +69,7 @@ class _ScriptedWorker:
 
 
 async def _outputs(worker: _ScriptedWorker, params: SamplingParams) -> list[TokenOutputMsg]:
-    dispatcher = Dispatcher("r0", Workers(prefill={}, decode={"w0": worker}), poll_timeout_s=0.2,
+    dispatcher = Dispatcher("r0", Workers.of(prefill={}, decode={"w0": worker}), poll_timeout_s=0.2,
                             config=DispatcherConfig(max_attempts=2))
     try:
         return await asyncio.wait_for(_collect(dispatcher.generate("q", [1, 2, 3], params)), 10)

@@ -1,7 +1,7 @@
 """The request channel: a direct socket between a router and a worker for the calls every request
 makes (a decode or colocated worker's submit, prefill_locally, reserve, abort; a prefill worker's
-prefill, attach_lease, abort) and for a decode worker's token batches, which it pushes as each
-engine step ends instead of answering polls.
+prefill, abort) and for a decode worker's token batches, which it pushes as each engine step ends
+instead of answering polls.
 
 Why: a Ray actor call costs the hot path about 1-1.5 ms each way on an H100 host (a no-op call's
 round trip, bench/results/http_vs_offline_*.json `ray_path.health_rtt_s`), and a streamed token
@@ -65,8 +65,7 @@ class Call(enum.IntEnum):
     PREFILL_LOCALLY = 2  # (LocalPrefillMsg bytes) -> LocalPrefillReplyMsg bytes
     RESERVE = 3  # (ReserveMsg bytes) -> LeaseMsg bytes | None
     ABORT = 4  # (request id) -> bool (either kind of worker)
-    PREFILL = 5  # (PrefillTaskMsg bytes, decode worker ref | None) -> PrefillResultMsg bytes (a prefill worker)
-    ATTACH_LEASE = 6  # (request id, LeaseMsg bytes, decode worker ref) -> bool (a prefill worker)
+    PREFILL = 5  # (PrefillTaskMsg bytes, decode worker ref) -> PrefillResultMsg bytes (a prefill worker)
 
 
 class _Frame(enum.IntEnum):
@@ -378,64 +377,11 @@ class ChannelClient:
         self.reset()
 
 
-class ChannelHandle:
-    """A worker's handle for the Dispatcher: its hot calls go over the channel, everything else to
-    the handle it wraps (a Ray actor handle). Passed to another actor (a prefill worker is handed
-    its decode worker), it travels as that handle. A decode worker's handle answers the decode
-    calls, a prefill worker's the prefill calls (the other kind's worker refuses them)."""
-
-    def __init__(self, handle: Any, client: ChannelClient, refs: Refs | None = None) -> None:
-        self._handle = handle
-        self._client = client
-        self._refs = refs if refs is not None else Refs()
-
-    async def submit(self, request: bytes) -> float:
-        return await self._client.call(Call.SUBMIT, request)
-
-    async def prefill_locally(self, local: bytes) -> bytes:
-        return await self._client.call(Call.PREFILL_LOCALLY, local)
-
-    async def reserve(self, request: bytes) -> bytes | None:
-        return await self._client.call(Call.RESERVE, request)
-
-    async def abort(self, request_id: str) -> bool:
-        return await self._client.call(Call.ABORT, request_id)
-
-    async def prefill(self, task: bytes, decode_worker: Any = None) -> bytes:
-        return await self._client.call(Call.PREFILL, task, self._refs.encode(decode_worker))
-
-    async def attach_lease(self, request_id: str, lease: bytes, decode_worker: Any) -> bool:
-        return await self._client.call(Call.ATTACH_LEASE, request_id, lease, self._refs.encode(decode_worker))
-
-    async def poll(self, router_id: str, timeout_s: float = 1.0) -> bytes:
-        """The next pushed batch; the worker sends an empty one after `timeout_s` of nothing. A
-        caller that stops waiting (its deadline) drops the connection: a worker that stays quiet
-        that long is treated as failed, and its pusher must not keep taking this router's rows."""
-        try:
-            return await self._client.next_batch(router_id, timeout_s)
-        except asyncio.CancelledError:
-            self._client.reset()
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # NOTE: keeps pickling (and a half-built instance) off the wrapped handle
-            raise AttributeError(name)
-        return getattr(self._handle, name)
-
-    def __reduce__(self) -> tuple[Callable[[Any], Any], tuple[Any]]:
-        return _unwrapped, (self._handle,)
-
-
-def _unwrapped(handle: Any) -> Any:
-    return handle
-
-
 __all__ = [
     "Call",
     "ChannelAddress",
     "ChannelClient",
     "ChannelError",
-    "ChannelHandle",
     "ChannelServer",
     "Refs",
     "RemoteCallError",

@@ -18,9 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen.config import BenchConfig
-from bench.loadgen.metrics import LatencyStats, Metrics
-from bench.loadgen.records import RequestRecord
+from loadgen.config import BenchConfig
+from loadgen.metrics import LatencyStats, Metrics
+from loadgen.records import RequestRecord
 
 
 @dataclass(frozen=True)

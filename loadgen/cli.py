@@ -1,4 +1,4 @@
-"""The command line of `pdserve bench` (and `python -m bench.loadgen`): flags from BenchConfig, then
+"""The command line of `pdserve bench` (and `python -m loadgen`): flags from BenchConfig, then
 a probe request, one run per request rate (one, or a sweep), the summary on stdout, the progress bar
 on stderr, and the JSON and PNG where --out says.
 
@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from bench.loadgen.config import BenchConfig
+from loadgen.config import BenchConfig
 
 _FLAGS = {"is_progress": "--progress"}  # field -> flag, where the flag is not --field-name
 
@@ -66,7 +66,7 @@ def _flag_type(annotation: Any) -> tuple[Callable[[str], Any] | type, list[str] 
     return str, None
 
 
-def build_parser(prog: str = "python -m bench.loadgen") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m loadgen") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Load generator for OpenAI-compatible servers: "
                                      "TTFT, TPOT, ITL, E2E, throughput and goodput under SLOs.")
     add_arguments(parser)
@@ -86,7 +86,7 @@ class BenchResult:
 
 async def _probe(client: Any, clock: Callable[[], float]) -> None:
     """One small request before the run: fail fast, and clearly, when the server cannot serve it."""
-    from bench.loadgen.workloads import BenchRequest
+    from loadgen.workloads import BenchRequest
 
     record = await client.send(-1, BenchRequest("Hello", 2), clock())
     if not record.is_success:
@@ -98,7 +98,7 @@ async def _probe(client: Any, clock: Callable[[], float]) -> None:
 def client_for(config: BenchConfig, *, clock: Callable[[], float] = time.perf_counter) -> Any:
     """The OpenAIStreamClient CONFIG describes (server, model, endpoint, key, ignore_eos, timeout); open it
     with `async with`."""
-    from bench.loadgen.client import OpenAIStreamClient
+    from loadgen.client import OpenAIStreamClient
 
     return OpenAIStreamClient(config.base_url, model=config.model, endpoint=config.endpoint,
                               api_key=config.api_key, ignore_eos=config.ignore_eos,
@@ -109,12 +109,12 @@ async def run_rate(client: Any, config: BenchConfig, k: int, rate: float, *,
                    clock: Callable[[], float] = time.perf_counter) -> Any:
     """The run of CONFIG's workload at RATE, the K-th of a sweep (seed: config.seed + k), its records
     checked: a report.RateRun. CLIENT is an open OpenAIStreamClient (or anything with its `send`)."""
-    from bench.loadgen.arrivals import arrival_offsets
-    from bench.loadgen.metrics import SLO, MetricsError, check_metrics, compute_metrics
-    from bench.loadgen.records import RecordError
-    from bench.loadgen.report import RateRun
-    from bench.loadgen.runner import Progress, run_requests
-    from bench.loadgen.workloads import build_workload
+    from loadgen.arrivals import arrival_offsets
+    from loadgen.metrics import SLO, MetricsError, check_metrics, compute_metrics
+    from loadgen.records import RecordError
+    from loadgen.report import RateRun
+    from loadgen.runner import Progress, run_requests
+    from loadgen.workloads import build_workload
 
     # NOTE: a fresh seed per rate: the same prompts again would hit the server's prefix cache.
     seed = config.seed + k
@@ -137,7 +137,7 @@ async def run_rate(client: Any, config: BenchConfig, k: int, rate: float, *,
 async def run_benchmark(config: BenchConfig, *, clock: Callable[[], float] = time.perf_counter,
                         echo: Callable[[str], None] = print) -> list[Any]:
     """Probes the server, then runs the workload at each rate of CONFIG; each run's records checked."""
-    from bench.loadgen.report import summary
+    from loadgen.report import summary
 
     runs = []
     async with client_for(config, clock=clock) as client:
@@ -151,7 +151,7 @@ async def run_benchmark(config: BenchConfig, *, clock: Callable[[], float] = tim
 
 def bench(config: BenchConfig, **kwargs: Any) -> BenchResult:
     """Runs CONFIG and writes its JSON and PNG where config.out says (nothing is written without it)."""
-    from bench.loadgen.report import environment, write_results
+    from loadgen.report import environment, write_results
 
     runs = asyncio.run(run_benchmark(config, **kwargs))
     if config.out is None:
@@ -163,7 +163,7 @@ def bench(config: BenchConfig, **kwargs: Any) -> BenchResult:
 
 def run_command(args: argparse.Namespace) -> int:
     """`pdserve bench` with parsed ARGS: 0 on success, 2 for bad options, 1 for a failed run."""
-    from bench.loadgen.workloads import WorkloadError
+    from loadgen.workloads import WorkloadError
 
     try:
         config = config_from_args(args)

@@ -5,19 +5,23 @@ The block-ownership protocol, in order (shared/DESIGN.md, "Life of a request"):
 | step | from -> to         | message                                   | blocks change owner                    |
 |------|--------------------|-------------------------------------------|----------------------------------------|
 | 1    | router -> decode   | ReserveMsg -> LeaseMsg                    | decode: free -> held by the lease      |
-| 2    | router -> prefill  | PrefillTaskMsg                            | prefill: computes, holds until pushed  |
-| 3    | prefill -> decode  | KvReadyMsg -> KvAcceptMsg (recv posted)   |                                        |
-| 4    | prefill ~> decode  | the KV bytes over the pair's transport    | decode: lease -> running request       |
-|      |                    | (then the first token, then a draft's KV) | (the draft's KV: into its own pool)    |
-| 5    | prefill -> router  | PrefillResultMsg (first token)            | prefill: held -> prefix cache          |
+| 2    | router -> prefill  | PrefillTaskMsg (the request and the lease)| prefill: computes, holds until pushed  |
+| 3    | prefill -> router  | PrefillResultMsg (first token), at once   |                                        |
+| 4    | prefill -> decode  | KvReadyMsg -> KvAcceptMsg (recv posted)   |                                        |
+| 5    | prefill ~> decode  | the KV bytes over the pair's transport    | decode: lease -> running request       |
+|      |                    | (then a draft's KV, if accepted)          | prefill: held -> prefix cache          |
 | 6    | decode -> router   | TokenBatchMsg, one per step per router    | decode: freed when the request ends    |
+
+After step 3 a failed push reaches the router on one path: the decode worker's token stream (a
+KvReady it refuses or that carries `failure`, a receive that fails, a lease that expires), or the
+decode worker's death, which the router sees itself.
 
 A prompt may also skip the prefill worker (the router's prefill rule: a short prompt, or one the
 decode worker's prefix cache mostly holds): router -> decode LocalPrefillMsg -> LocalPrefillReplyMsg
 replaces steps 1 to 5; the decode worker computes the prompt itself, with no lease and no KV push
 (decode: free or cached -> held by the running request), or declines and nothing changes.
 
-An AbortMsg may come at any step; it is idempotent and frees whatever the request holds.
+An abort (by request id) may come at any step; it is idempotent and frees whatever the request holds.
 """
 
 from __future__ import annotations
@@ -83,8 +87,11 @@ class LeaseMsg(Msg):
 
 
 class PrefillTaskMsg(Msg):
+    """Router -> prefill, the one call of a disaggregated request: the request and the lease its
+    KV goes to (the decode worker's handle travels beside it)."""
+
     request: GenerateRequestMsg
-    lease: LeaseMsg | None = None  # None: the router attaches it later (PrefillWorker.attach_lease)
+    lease: LeaseMsg
 
 
 class DraftKvOffer(Msg):
@@ -96,26 +103,24 @@ class DraftKvOffer(Msg):
 
 
 class KvReadyMsg(Msg):
-    """Prefill -> decode: the KV of `num_prompt_tokens` tokens is about to arrive over the pair."""
+    """Prefill -> decode, after the first token: the KV of the prompt is about to arrive over the pair
+    (one message, then the draft's KV if accepted). With `failure` set it will not: the decode worker
+    frees the lease and tells the router, which moves the request on."""
 
     lease_id: str
     prefill_worker_id: str
     request: GenerateRequestMsg
-    # None: sent before the prompt was computed (an early handshake); the first token follows the
-    # KV over the pair as one int64, -1 meaning there is nothing to decode (free the lease).
-    first_token: int | None
+    first_token: int
     num_blocks: int  # blocks sent: ceil(num_prompt_tokens / block_size)
-    # The KV comes as this many messages, layers split by kvtransfer.layout.layer_groups (the
-    # prefill side sends each group as soon as its step has computed those layers).
-    num_messages: int = Field(1, ge=1)
     draft: DraftKvOffer | None = None
+    failure: str | None = None
 
 
 class KvAcceptMsg(Msg):
     accepted: bool
     reason: str = ""  # why not: the lease expired or was aborted
-    # Accepted with the draft's KV too (KvReadyMsg.draft): its receive is posted after the first
-    # token's (or after the KV when the first token came with KvReady), so it comes last on the pair.
+    # Accepted with the draft's KV too (KvReadyMsg.draft): its receive is posted after the KV's, so it
+    # comes last on the pair.
     draft: bool = False
     # Refused because the decode side has no pair with the sender (a failed transfer dropped it):
     # the sender drops its own, so its next push forms the pair again.
@@ -123,50 +128,46 @@ class KvAcceptMsg(Msg):
 
 
 class PrefillResultMsg(Msg):
+    """Prefill -> router, as soon as the first token is sampled (the push goes on after it)."""
+
     request_id: str
     first_token: int | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None  # set when the first token already ends the request
+    finish_reason: str | None = None  # set when the first token already ends the request ("abort": aborted)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    error: str | None = None  # the request failed here (lease refused, transfer failed...)
-    prefill_s: float = 0.0  # from arrival at the prefill worker to its first token
-    push_s: float = 0.0  # from the first token to the KV's arrival acknowledged (gather + handshake + send)
-    push_bytes: int = 0
-    # Answered before its push ended (PrefillWorkerConfig.answer_before_push): push_bytes is what it
-    # sends; push_s, the device times and the marks are not known yet (the prefill worker's
-    # push_records and stats have them once it ends; a failure reaches the router from the decode worker).
-    push_pending: bool = False
-    # The transfer's own time on the device (CUDA events on its streams; 0 where not timed): the
-    # gather into one buffer, and the send from the moment the pair's stream reached it.
-    gather_device_s: float = 0.0
-    send_device_s: float = 0.0
-    # Layer groups the prefill step sent while it computed them (kvtransfer.layout.layer_groups); the
-    # rest went after the step.
-    num_streamed_messages: int = 0
-    # Device seconds from the prefill step's last layer written to the last layer group sent (a
-    # streamed push; 0 otherwise): the part of the transfer the forward did not hide.
-    push_tail_device_s: float = 0.0
-    layers_written_at_offer: int = -1  # layers the step had queued when the early handshake completed
-    # Seconds after the first token (once answered; absolute perf_counter values inside the worker):
-    # the push started, its sends were issued, they were done.
-    push_marks_s: list[float] = Field(default_factory=list)
-    worker_s: float = 0.0  # from the call's arrival at the prefill worker to its answer (all of the above and more)
-    # The call's arrival and its answer, as the worker's host clock has them (time.perf_counter, which
-    # is CLOCK_MONOTONIC on Linux: comparable across the processes of one host): with the caller's own
-    # marks, the call's transit each way.
+    error: str | None = None  # the prefill failed here (the router retries elsewhere)
+    prefill_s: float = 0.0  # from the prompt queued in the engine to its first token
+    push_bytes: int = 0  # what the push after this answer sends (0: nothing to push)
+    worker_s: float = 0.0  # from the call's arrival at the prefill worker to its answer
+    # The call's arrival and its answer on the worker's host clock (time.perf_counter, CLOCK_MONOTONIC on
+    # Linux: comparable across the processes of one host): with the caller's own marks, the call's transit.
     arrived_at: float = 0.0
     answered_at: float = 0.0
 
-    def with_push(self, record: PrefillResultMsg) -> PrefillResultMsg:
-        """This answer, sent before its push ended, completed with that push's figures from the
-        worker's push_records (its own timings and marks kept)."""
-        if record.request_id != self.request_id:
-            raise ValueError(f"push record of {record.request_id!r} given for the answer of {self.request_id!r}")
-        fields = ("push_s", "push_bytes", "gather_device_s", "send_device_s", "num_streamed_messages",
-                  "push_tail_device_s", "layers_written_at_offer", "push_marks_s")
-        return self.model_copy(update={"push_pending": False, **{f: getattr(record, f) for f in fields}})
+
+class PushRecordMsg(Msg):
+    """One push that ended well, as its prefill worker timed it (PrefillWorker.push_records)."""
+
+    request_id: str
+    push_bytes: int
+    push_s: float  # from the first token to the sends done (the handshake included)
+    # The transfer's own time on the device (CUDA events; 0 on the CPU): the gather into one buffer,
+    # and the send from the moment the pair's stream reached it.
+    gather_device_s: float = 0.0
+    send_device_s: float = 0.0
+    # Seconds after the first token: the handshake accepted, the sends issued, the sends done.
+    push_marks_s: list[float] = Field(default_factory=list)
+
+
+class PushTotalsMsg(Msg):
+    """A prefill worker's pushes since start (its stats; the router's gauges per worker)."""
+
+    num_pushed: int = 0
+    num_failed: int = 0  # each also reported to its router by the decode worker (or seen as its death)
+    push_bytes: int = 0
+    push_seconds: float = 0.0  # summed, each from the first token to its sends done
 
 
 class TokenOutputMsg(NamedTuple):
@@ -213,8 +214,3 @@ class TokenBatchMsg:
             )
         new_row = tuple.__new__  # NOTE: TokenOutputMsg._make less its own arity check, made above for all rows
         return cls(worker_id, [new_row(TokenOutputMsg, row) for row in rows], sent_at)
-
-
-class AbortMsg(Msg):
-    request_id: str
-

@@ -20,8 +20,8 @@ from typing import Any, Self
 
 import aiohttp
 
-from bench.loadgen.records import RequestRecord
-from bench.loadgen.workloads import BenchRequest
+from loadgen.records import RequestRecord
+from loadgen.workloads import BenchRequest
 
 PATHS = {"completions": "/completions", "chat": "/chat/completions"}
 

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from bench.loadgen.records import RequestRecord
-from bench.loadgen.workloads import BenchRequest
+from loadgen.records import RequestRecord
+from loadgen.workloads import BenchRequest
 
 SendFn = Callable[[int, BenchRequest, float], Awaitable[RequestRecord]]
 """send(index, request, origin) -> its record, times in s from `origin` on the runner's clock."""

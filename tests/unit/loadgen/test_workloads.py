@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from bench.loadgen import (
+from loadgen import (
     BenchConfig,
     WorkloadError,
     build_workload,
@@ -17,7 +17,7 @@ from bench.loadgen import (
     prefix_workload,
     random_workload,
 )
-from bench.loadgen.cli import config_from_args
+from loadgen.cli import config_from_args
 
 
 def test_random_token_workload_lengths_ids_and_seed() -> None:

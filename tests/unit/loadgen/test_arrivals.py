@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
-from bench.loadgen import BenchRequest, RequestRecord, arrival_offsets
-from bench.loadgen.runner import Progress, run_requests
+from loadgen import BenchRequest, RequestRecord, arrival_offsets
+from loadgen.runner import Progress, run_requests
 
 
 def _gaps(offsets: list[float]) -> list[float]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen.config import BenchConfig
+from loadgen.config import BenchConfig
 
 # Common short English words: random text prompts are made of these, about one token a word.
 WORDS = (  # noqa: SIM905

@@ -6,23 +6,22 @@ a worker that streams no tokens refusing a subscription; worker references (Refs
 from __future__ import annotations
 
 import asyncio
-import pickle
 import struct
 
 import pytest
 
 from engine.validation import InvalidRequestError
-from kvtransfer.channel import (
+from protocol.clients import DecodeClient
+from protocol.channel import (
     MAX_FRAME_BYTES,
     Call,
     ChannelClient,
     ChannelError,
-    ChannelHandle,
     ChannelServer,
     Refs,
     RemoteCallError,
 )
-from kvtransfer.protocol import TokenBatchMsg, TokenOutputMsg
+from protocol.messages import TokenBatchMsg, TokenOutputMsg
 
 
 class _Worker:
@@ -204,10 +203,10 @@ def test_a_poll_whose_caller_stops_waiting_drops_the_connection():
         worker = _Worker()
         server = worker.server()
         client = await _client(server)
-        handle = ChannelHandle(worker, client)
+        handle = DecodeClient("w0", worker, client)
         try:
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(handle.poll("r0", 30.0), 0.2)
+                await asyncio.wait_for(handle.next_batch("r0", 30.0), 0.2)
             for _ in range(100):  # bounded: the worker sees the close
                 if not server._connections:
                     break
@@ -218,15 +217,6 @@ def test_a_poll_whose_caller_stops_waiting_drops_the_connection():
             await server.close()
 
     asyncio.run(main())
-
-
-def test_a_channel_handle_travels_as_the_handle_it_wraps():
-    async def address():
-        raise AssertionError("never connected")
-
-    handle = ChannelHandle(("a", "handle"), ChannelClient("w0", address))
-    assert pickle.loads(pickle.dumps(handle)) == ("a", "handle")
-    assert handle.count("a") == 1  # other attributes are the wrapped handle's
 
 
 class _Picklable:
@@ -246,10 +236,9 @@ def test_refs_pickle_each_handle_once_and_load_it_once():
     refs, other_side = Refs(), Refs()
     d0 = _Picklable("d0")
     _Picklable.dumps = 0
-    first = refs.encode(ChannelHandle(d0, ChannelClient("d0", None)))  # type: ignore[arg-type]
-    wrapped = ChannelHandle(d0, ChannelClient("d0", None))  # type: ignore[arg-type]
-    assert refs.encode(wrapped) == refs.encode(wrapped) == first  # a channel handle goes as the handle it wraps
-    assert _Picklable.dumps == 2  # once per handle object, not once per call
+    first = refs.encode(d0)
+    assert refs.encode(d0) == refs.encode(d0) == first
+    assert _Picklable.dumps == 1  # once per handle object, not once per call
     loaded = other_side.decode(first)
     assert isinstance(loaded, _Picklable) and loaded.name == "d0"
     assert other_side.decode(first) is loaded  # loaded once
@@ -257,7 +246,7 @@ def test_refs_pickle_each_handle_once_and_load_it_once():
 
 
 def test_refs_keep_a_bounded_number_of_handles(monkeypatch):
-    monkeypatch.setattr("kvtransfer.channel._NUM_REFS_KEPT", 3)
+    monkeypatch.setattr("protocol.channel._NUM_REFS_KEPT", 3)
     refs = Refs()
     handles = [_Picklable(f"d{i}") for i in range(5)]
     encoded = [refs.encode(h) for h in handles]

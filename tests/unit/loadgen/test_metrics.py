@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from bench.loadgen import (
+from loadgen import (
     SLO,
     MetricsError,
     RecordError,

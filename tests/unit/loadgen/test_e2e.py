@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from bench.loadgen import BenchConfig
-from bench.loadgen.cli import bench, main
+from loadgen import BenchConfig
+from loadgen.cli import bench, main
 
 TTFT_S, ITL_S, KEY = 0.12, 0.03, "fake-key"
 SLACK_S = 0.08  # scheduling slack on a busy 2-core machine

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.loadgen.config import PERCENTILES
-from bench.loadgen.records import RecordError, RequestRecord, check_record
+from loadgen.config import PERCENTILES
+from loadgen.records import RecordError, RequestRecord, check_record
 
 
 class MetricsError(ValueError):

@@ -1,0 +1,82 @@
+"""The worker interfaces as their callers see them, typed: `PrefillAPI` (a prefill worker, called by
+routers), `DecodeAPI` (a decode or colocated worker, called by routers and, for the KV hand-off, by
+prefill workers), and the stats every worker reports (`WorkerStatsMsg`). protocol/clients.py
+implements them over a Ray actor handle, the request channel, or an in-process worker; the workers'
+own methods take and answer the encoded messages.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from pydantic import Field
+
+from kvtransfer import PairAddress
+from protocol.messages import (
+    GenerateRequestMsg,
+    KvAcceptMsg,
+    KvReadyMsg,
+    LeaseMsg,
+    LocalPrefillMsg,
+    LocalPrefillReplyMsg,
+    Msg,
+    PrefillResultMsg,
+    PrefillTaskMsg,
+    PushTotalsMsg,
+    ReserveMsg,
+    TokenBatchMsg,
+)
+
+
+class WorkerStatsMsg(Msg):
+    """What a worker reports of itself (`pdserve status`, the router's load tracking and metrics)."""
+
+    worker_id: str
+    role: Literal["prefill", "decode"]  # a colocated worker reports "decode": it runs the decode worker's code
+    pid: int  # where its memory can be watched (bench/soak.py)
+    is_healthy: bool
+    num_waiting: int  # requests in its engine's queue
+    num_running: int  # requests in its engine's running batch
+    num_blocks: int  # KV blocks of its cache
+    num_free_blocks: int
+    num_cached_blocks: int = 0  # held by nobody, kept for prefix-cache hits
+    num_channels: int = 0  # routers connected over the request channel
+    # decode workers
+    num_leases: int = 0  # open leases (reserved or receiving)
+    num_undelivered: int = 0  # token rows not yet taken by their routers
+    is_draining: bool = False
+    num_preemptions: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_draft_kv_adopted: int = 0  # prompts whose draft KV came from a prefill worker
+    # prefill workers
+    num_jobs: int = 0  # requests not ended here
+    num_pushing: int = 0  # of them, pushing their KV
+    push_totals: PushTotalsMsg = Field(default_factory=PushTotalsMsg)
+    jobs_ended: dict[str, int] = Field(default_factory=dict)  # by final state (prefill_worker/job.py)
+
+
+class WorkerAPI(Protocol):
+    worker_id: str
+
+    async def abort(self, request_id: str) -> bool: ...
+    async def stats(self) -> WorkerStatsMsg: ...
+    async def health(self) -> bool: ...
+    async def check_integrity(self) -> int: ...
+
+
+class DecodeAPI(WorkerAPI, Protocol):
+    async def submit(self, request: GenerateRequestMsg) -> float: ...
+    async def prefill_locally(self, local: LocalPrefillMsg) -> LocalPrefillReplyMsg: ...
+    async def reserve(self, request: ReserveMsg) -> LeaseMsg | None: ...
+    async def next_batch(self, router_id: str, timeout_s: float) -> TokenBatchMsg: ...
+    async def kv_incoming(self, ready: KvReadyMsg) -> KvAcceptMsg: ...
+    async def transport_address(self) -> PairAddress: ...
+    async def accept_pair(self, prefill_worker_id: str) -> None: ...
+
+
+class PrefillAPI(WorkerAPI, Protocol):
+    async def prefill(self, task: PrefillTaskMsg, decode: DecodeAPI) -> PrefillResultMsg: ...
+
+
+__all__ = ["DecodeAPI", "PrefillAPI", "WorkerAPI", "WorkerStatsMsg"]
