@@ -205,8 +205,10 @@ def main() -> int:
     try:
         controller = serve.get_deployment_handle("Controller", app_name=APP_NAME)
         _, prefill, decode = controller.workers.remote().result(timeout_s=60)
-        rows = asyncio.run(measure(SimpleNamespace(prefill=prefill, decode=decode),
-                                   json.loads(args.prompts.read_text())))
+        # NOTE: the controller hands out clients; measure() times their targets' calls (the Ray handles)
+        targets = SimpleNamespace(prefill={k: c.target for k, c in prefill.items()},
+                                  decode={k: c.target for k, c in decode.items()})
+        rows = asyncio.run(measure(targets, json.loads(args.prompts.read_text())))
     finally:
         ray.shutdown()
     json.dump(rows, sys.stdout)

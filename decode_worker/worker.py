@@ -69,8 +69,7 @@ class DecodeWorkerConfig(EndpointConfig):
     freeze_gc: bool = Field(
         False,
         description="Once the engine is built, move every object of the process out of the garbage collector's "
-        "reach (gc.freeze): its full passes hold the GIL, stalling the engine's step, for as long as they take to "
-        "scan the process (the model, the engine, the libraries: tens of milliseconds to far more). For a process "
+        "reach (gc.freeze), whose full passes hold the GIL and stall the engine's step. For a process "
         "that is the worker's alone (a Ray actor); where one process builds many workers (tests), cyclic garbage "
         "frozen with it would never be freed.",
     )

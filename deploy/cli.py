@@ -75,9 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--ingress", choices=["auto", "direct", "proxy"], default="auto",
         help="'direct': clients reach the router replica's own HTTP server on --port (Serve's direct ingress; one "
-        "router replica, a local cluster); 'proxy': through Serve's HTTP proxy; 'auto': direct when those hold. "
-        "Direct saves the proxy's hop: on an H100 the router added 4.7 ms to a lone prompt's median TTFT instead of "
-        "11 ms (bench/results/http_vs_offline_*)",
+        "router replica, a local cluster); 'proxy': through Serve's HTTP proxy; 'auto': direct when those hold "
+        "(direct saves the proxy's hop).",
     )
     serve.add_argument("--local-prefill-rule", default=_default(LocalPrefillConfig, "rule"),
                        help=_help(LocalPrefillConfig, "rule"))

@@ -19,7 +19,7 @@ import torch
 from engine.pinned import upload
 
 __all__ = [
-    "KvLayout", "LayoutMismatchError", "gather_blocks", "gather_layers", "scatter_blocks", "layer_groups", "DTYPES",
+    "KvLayout", "LayoutMismatchError", "gather_blocks", "scatter_blocks", "DTYPES",
 ]
 
 # NOTE: append only. A dtype is exchanged as its index in this table, so reordering it would make
@@ -149,30 +149,8 @@ def gather_blocks(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int]) -> 
     """
     index = _block_index(kv, block_ids)
     buf = torch.empty((*kv.shape[:2], index.numel(), *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
-    gather_layers(kv, index, buf, 0, kv.shape[0])  # one kernel
+    torch.index_select(_as_block_rows(kv), 1, index, out=_as_block_rows(buf))  # one kernel
     return buf
-
-
-def gather_layers(kv: torch.Tensor, index: torch.Tensor, buf: torch.Tensor, first: int, stop: int) -> None:
-    """Layers [first, stop) of the blocks `index` (int64 on kv's device) into buf[first:stop], where
-    buf is gather_blocks' buffer for those blocks; the other layers of buf are left as they are."""
-    expected = (*kv.shape[:2], index.numel(), *kv.shape[3:])
-    if tuple(buf.shape) != expected or buf.dtype != kv.dtype or not buf.is_contiguous():
-        raise ValueError(f"gather_layers: buffer is {tuple(buf.shape)} {buf.dtype}, expected a contiguous "
-                         f"{expected} {kv.dtype} for {index.numel()} block ids")
-    if not 0 <= first < stop <= kv.shape[0]:
-        raise ValueError(f"gather_layers: layers [{first}, {stop}) are not within the cache's {kv.shape[0]}")
-    rows = _as_block_rows(buf)  # NOTE: the leading layers * 2 rows of a contiguous buffer are its layers in order
-    torch.index_select(_as_block_rows(kv)[2 * first : 2 * stop], 1, index, out=rows[2 * first : 2 * stop])
-
-
-def layer_groups(num_layers: int, num_messages: int) -> list[tuple[int, int]]:
-    """How a prompt's KV splits into `num_messages` messages: consecutive layer ranges [first, stop),
-    as even as can be (both ends of a transfer compute the same split from the same two numbers)."""
-    if not 1 <= num_messages <= num_layers:
-        raise ValueError(f"num_messages must be within [1, num_layers={num_layers}], got {num_messages}")
-    bounds = [num_layers * i // num_messages for i in range(num_messages + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def scatter_blocks(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int], buf: torch.Tensor) -> None:

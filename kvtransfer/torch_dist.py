@@ -101,11 +101,6 @@ class _CudaEventHandle(TransferHandle):
             return None
         return self._started.elapsed_time(self._event) / 1e3
 
-    def seconds_since(self, event: torch.cuda.Event) -> float | None:
-        if not self._event.query() or not event.query():
-            return None
-        return event.elapsed_time(self._event) / 1e3
-
     def done(self) -> bool:
         return self._event.query() or self._pair.is_dropped  # query() never blocks the host
 

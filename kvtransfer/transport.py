@@ -67,11 +67,6 @@ class TransferHandle(abc.ABC):
         from the moment its stream reached it; None where the transport does not time it."""
         return None
 
-    def seconds_since(self, event: torch.cuda.Event) -> float | None:
-        """Once done: device seconds from `event` (a timing CUDA event, completed) to this transfer's
-        end; None where the transport does not time it."""
-        return None
-
 
 class EventHandle(TransferHandle):
     """A handle finished by another thread (a waiter thread, or the matching side in-process)."""

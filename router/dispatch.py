@@ -105,9 +105,7 @@ class LocalPrefillConfig(BaseModel):
     max_short_prompt_tokens: int = Field(
         192, ge=0, le=1 << 20,
         description="short_or_cached: prompts of fewer tokens are prefilled on their decode worker (0: none for "
-        "being short). Measured (bench/skip_prefill.py, results/skip_prefill_cpu.json, CPU + gloo, default model): "
-        "the remote path costs a request ~6 ms more TTFT; computing a prompt of up to 192 tokens adds less than "
-        "that to the decode worker's step in every idle sweep. Re-measure on GPUs.",
+        "being short; the default's measurement is in the README).",
     )
     min_cached_fraction: float = Field(
         0.75, gt=0.0, lt=1.0,

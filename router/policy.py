@@ -9,7 +9,7 @@ smallest running batch, then by free KV blocks. The router learns both without a
 - load: `LoadTracker` refreshes every worker's `stats()` in the background, and the policy adds
   the requests this router assigned since the last refresh.
 
-Policies register by name (`register_policy`), so a deployment picks one by config.
+The Dispatcher takes any DispatchPolicy it is given (tests give their own).
 
 Prefill rules (disaggregated mode) decide which prompts skip the prefill workers and are computed
 by their decode worker itself: no lease, no KV push, two fewer hops, but the prompt's compute lands
@@ -66,20 +66,6 @@ class DispatchPolicy(Protocol):
         ...
 
     def on_finished(self, worker_id: str) -> None: ...
-
-
-_POLICIES: dict[str, Callable[..., DispatchPolicy]] = {}
-
-
-def register_policy(cls: type) -> type:
-    _POLICIES[cls.name] = cls
-    return cls
-
-
-def create_policy(name: str, **kwargs: Any) -> DispatchPolicy:
-    if name not in _POLICIES:
-        raise ValueError(f"dispatch policy {name!r} is unknown; known: {', '.join(sorted(_POLICIES))}")
-    return _POLICIES[name](**kwargs)
 
 
 class PrefixIndex:
@@ -169,34 +155,6 @@ class LoadTracker:
             self._task.cancel()
 
 
-@register_policy
-class RoundRobinPolicy:
-    name: ClassVar[str] = "round_robin"
-
-    def __init__(self, **_: Any) -> None:
-        self._next = itertools.count()
-
-    def _rotate(self, ids: Sequence[str]) -> list[str]:
-        start = next(self._next) % max(1, len(ids))
-        return list(ids[start:]) + list(ids[:start])
-
-    def prefill_order(self, prompt: Sequence[int], prefill_ids: Sequence[str]) -> list[str]:
-        return self._rotate(prefill_ids)
-
-    def decode_order(self, num_prompt_tokens: int, decode_ids: Sequence[str]) -> list[str]:
-        return self._rotate(decode_ids)
-
-    def on_assigned(self, worker_id: str, prompt: Sequence[int] | None) -> None:
-        pass
-
-    def on_prompt(self, worker_id: str, prompt: Sequence[int]) -> None:
-        pass
-
-    def on_finished(self, worker_id: str) -> None:
-        pass
-
-
-@register_policy
 class CacheAwarePolicy:
     name: ClassVar[str] = "cache_aware"
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from protocol.api import WorkerStatsMsg
-from router.policy import CacheAwarePolicy, LoadTracker, PrefixIndex, WorkerLoad, create_policy, create_prefill_rule
+from router.policy import CacheAwarePolicy, LoadTracker, PrefixIndex, WorkerLoad, create_prefill_rule
 
 
 def test_prefill_goes_where_the_prefix_was_sent():
@@ -51,14 +51,10 @@ def test_decode_by_room_then_running_batch_then_free_blocks():
     assert policy.decode_order(10, ["d0", "d1", "d2"])[0] == "d2"
 
 
-def test_ties_rotate_and_round_robin():
+def test_ties_rotate():
     policy = CacheAwarePolicy()
     firsts = {policy.decode_order(1, ["a", "b", "c"])[0] for _ in range(3)}
     assert firsts == {"a", "b", "c"}
-    rr = create_policy("round_robin")
-    assert [rr.decode_order(1, ["a", "b"])[0] for _ in range(4)] == ["a", "b", "a", "b"]
-    with pytest.raises(ValueError, match="unknown; known: cache_aware, round_robin"):
-        create_policy("random")
 
 
 def test_prefix_index_is_bounded_lru():
