@@ -81,7 +81,9 @@ class ClusterConfig(BaseModel):
                 _check_resource(field, name, amount)
         return self
 
-    def worker_config(self, template: EndpointConfig, worker_id: str, transport: str, **update: object) -> EndpointConfig:
+    def worker_config(
+        self, template: EndpointConfig, worker_id: str, transport: str, **update: object
+    ) -> EndpointConfig:
         """One worker's config: the pool's template with this worker's id and the cluster's engine and
         transport (the transport resolved for the cluster's hardware)."""
         return template.model_copy(update={"worker_id": worker_id, "engine": self.engine, "transport": transport,

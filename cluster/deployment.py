@@ -37,7 +37,8 @@ class Deployment:
 
     def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:
         # NOTE: freeze_gc: a Ray actor, the process is the worker's alone
-        return self.config.worker_config(self.config.decode, worker_id, self.transport, freeze_gc=True)  # type: ignore[return-value]
+        config = self.config.worker_config(self.config.decode, worker_id, self.transport, freeze_gc=True)
+        return config  # type: ignore[return-value]
 
     @property
     def pools(self) -> list[WorkerPool]:

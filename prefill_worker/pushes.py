@@ -28,8 +28,10 @@ class PushLog:
             "push_seconds": t.push_seconds + record.push_s,
         })
 
-    def failed(self) -> None:
-        self.totals = self.totals.model_copy(update={"num_failed": self.totals.num_failed + 1})
+    def ended(self, failed: bool) -> None:
+        """A push that did not finish: it failed, or its request was aborted (a client that left)."""
+        field = "num_failed" if failed else "num_cancelled"
+        self.totals = self.totals.model_copy(update={field: getattr(self.totals, field) + 1})
 
 
 class Gathered(NamedTuple):

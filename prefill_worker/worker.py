@@ -178,7 +178,7 @@ class PrefillWorker(TransferEndpoint):
             job.move(JobState.ABORTED)
             return PrefillResultMsg(request_id=rid, finish_reason="abort", error="aborted")
         finish = self._finish_reason(job, out)
-        layout = self.transport.layout
+        layout, num_blocks = self.transport.layout, self._num_blocks(job)
         answer = PrefillResultMsg(
             request_id=rid,
             first_token=out.new_token_ids[0],
@@ -188,7 +188,7 @@ class PrefillWorker(TransferEndpoint):
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             prefill_s=time.perf_counter() - started,
-            push_bytes=0 if finish else layout.torch_dtype.itemsize * math.prod(layout.buffer_shape(self._num_blocks(job))),
+            push_bytes=0 if finish else layout.torch_dtype.itemsize * math.prod(layout.buffer_shape(num_blocks)),
         )
         job.answered = answer
         job.move(JobState.ANSWERED)
@@ -215,7 +215,6 @@ class PrefillWorker(TransferEndpoint):
         except PushFailed as err:
             if not err.decode_knows:
                 await self._tell_decode(job, ready.model_copy(update={"failure": err.reason}))
-            self.push_log.failed()
             job.move(JobState.FAILED, err.reason)
             return
         job.move(JobState.PUSHING)
@@ -239,10 +238,12 @@ class PrefillWorker(TransferEndpoint):
             failure = failure or await wait_transfer(handle, self.config.transfer_timeout_s)
         if failure is not None:
             self.pairs.drop(decode_id, handshake.epoch)  # never waits on a dead peer; the pair re-forms next time
-            self.push_log.failed()
             job.move(JobState.FAILED, f"KV push to {decode_id} {failure}")
             return
         marks.append(time.perf_counter() - answered)
+        if job.is_aborted:  # the sends ended, but for nothing: counted as cancelled when the job ends
+            job.move(JobState.DONE)
+            return
         self.push_log.pushed(PushRecordMsg(
             request_id=request.request_id, push_bytes=answer.push_bytes, push_s=marks[-1],
             gather_device_s=job.gathered.device_seconds(), send_device_s=handles[0].device_seconds() or 0.0,
@@ -263,6 +264,8 @@ class PrefillWorker(TransferEndpoint):
         rid = job.request_id
         self.jobs.pop(rid, None)
         self.num_ended[job.state] += 1
+        if JobState.ANSWERED in job.history and job.state is not JobState.DONE:  # a push was due, not done
+            self.push_log.ended(failed=job.state is JobState.FAILED)
         if self.draft is not None:
             self.draft.forget(rid)
         # NOTE: not awaited: later engine commands (an integrity check, the next prompt) queue behind it.

@@ -166,6 +166,7 @@ class PushTotalsMsg(Msg):
 
     num_pushed: int = 0
     num_failed: int = 0  # each also reported to its router by the decode worker (or seen as its death)
+    num_cancelled: int = 0  # their requests aborted (a client that left) before the push finished
     push_bytes: int = 0
     push_seconds: float = 0.0  # summed, each from the first token to its sends done
 

@@ -70,6 +70,9 @@ class PrometheusMetrics:
         self.push_failures = Gauge(
             "pdserve:kv_push_failures", "KV pushes that failed (each request moved on by its decode worker's report), "
             "since start.", gauge_labels, registry=r)
+        self.push_cancellations = Gauge(
+            "pdserve:kv_push_cancellations", "KV pushes whose requests were aborted (a client that left) before they "
+            "finished, since start.", gauge_labels, registry=r)
         self.push_seconds = Gauge(
             "pdserve:kv_push_seconds", "The finished pushes' seconds (first token -> sends done), summed since start.",
             gauge_labels, registry=r)
@@ -125,6 +128,7 @@ class PrometheusMetrics:
                     totals = row.push_totals
                     self.pushes.labels(**w).set(totals.num_pushed)
                     self.push_failures.labels(**w).set(totals.num_failed)
+                    self.push_cancellations.labels(**w).set(totals.num_cancelled)
                     self.push_seconds.labels(**w).set(totals.push_seconds)
                 else:
                     self.leases.labels(**w).set(row.num_leases)

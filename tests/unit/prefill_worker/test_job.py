@@ -229,6 +229,7 @@ def test_abort_when_answered_before_the_push_starts():
         await s.prefill.settle_pushes()
         assert s.paths["r"] == [Q, C, A, JobState.ABORTED]
         assert await s.stream("r", timeout_s=0.5) == []  # the refused handshake of an aborted lease says nothing
+        assert (s.prefill.push_log.totals.num_cancelled, s.prefill.push_log.totals.num_failed) == (1, 0)
 
     _run(scenario)
 
@@ -246,6 +247,8 @@ def test_abort_while_pushing():
         await s.prefill.settle_pushes()
         assert s.paths["r"] == [Q, C, A, P, JobState.ABORTED]
         assert await s.stream("r", timeout_s=1.0) == []
+        totals = s.prefill.push_log.totals  # a client that left is a cancellation, not a failure
+        assert (totals.num_cancelled, totals.num_failed, totals.num_pushed) == (1, 0, 0)
 
     _run(scenario)
 
@@ -259,7 +262,7 @@ def test_the_push_fails():
         assert "KV transfer failed" in s.outcomes[0]
         await s.prefill.settle_pushes()
         assert s.paths["r"] == [Q, C, A, P, JobState.FAILED]
-        assert s.prefill.push_log.totals.num_failed == 1
+        assert (s.prefill.push_log.totals.num_failed, s.prefill.push_log.totals.num_cancelled) == (1, 0)
 
     _run(scenario)
 
