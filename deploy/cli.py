@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -149,6 +150,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from router.proto.codegen import ensure_generated
 
     config = app_config(args)
+    for port, flag in ((args.port, "--port"), (args.grpc_port, "--grpc-port")):
+        _check_port_free(args.host, port, flag)  # NOTE: before Ray starts: its failure would come 25 s later
     ensure_generated()
     direct = _direct_ingress(args, config)
     proxy_port = args.port
@@ -182,6 +185,19 @@ def serve_command(args: argparse.Namespace) -> int:
         # serve.shutdown() first made Ctrl-C wait 30 s for Serve's controller (measured ~55 s to exit).
         ray.shutdown()
     return 0
+
+
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    """Exits naming the port when something listens on it already (the router replica would fail to
+    bind it once the whole cluster had started, and say so only in Ray's logs)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to take
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise SystemExit(f"pdserve serve: {host}:{port} is in use ({err.strerror}): stop what listens there, "
+                             f"or pass {flag} with a free port") from None
 
 
 def _direct_ingress(args: argparse.Namespace, config: ServeAppConfig) -> bool:

@@ -181,7 +181,38 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         raise bad_request(f"request body is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, not {type(data).__name__}")
+    for field, value in data.items():
+        _check_value(value, str(field))
     return data
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _check_value(value: Any, field: str) -> None:
+    """What valid JSON may hold and no field of ours takes: a string with a lone UTF-16 surrogate
+    (not text: it cannot be encoded) and an integer outside 64 bits. Refused naming the top-level field."""
+    stack = [value]
+    while stack:  # NOTE: iterative: json.loads already bounded the depth, a recursion here would not be
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise bad_request(f"{field}: holds a lone surrogate ({item[err.start]!r} at {err.start}), "
+                                      "which is not text: send valid Unicode", param=field) from None
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int):
+            if not _INT64[0] <= item <= _INT64[1]:
+                raise bad_request(f"{field}: {item} is out of range: integers must be at least {_INT64[0]} and at "
+                                  f"most {_INT64[1]}", param=field)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _json(model: BaseModel, status_code: int = 200, headers: Mapping[str, str] | None = None) -> Response:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 from collections import Counter
 from typing import Any
 
@@ -92,3 +93,53 @@ def test_1000_hostile_requests_get_4xx_and_the_server_keeps_serving(server):
     assert server.wait_drained() == [0, 0]
     good = server.client().completions.create(model="default", prompt="def main():", max_tokens=3, temperature=0)
     assert good.usage.completion_tokens == 3
+
+
+HOSTILE_VALUES: list[Any] = [
+    "\ud800", "a\udfffb", ["ok", "\ud800"], {"a": "\udc00"}, 2**70, -(2**70), 2**63, [2**64], 1e308, float("nan"),
+    float("inf"), "", [], {}, None, True, -1, 0, 10**6, "x" * 1000, [1, "a"], [[1, 2]], {"role": "user"},
+]
+COMPLETION = {"model": "default", "prompt": "def main():", "max_tokens": 3, "temperature": 0.0}
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop", "seed", "logprobs",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "stop_token_ids",
+                   "ignore_eos", "stream_options", "min_tokens", "user"]
+
+
+def _mutated(rng: random.Random, chat: bool) -> dict[str, Any]:
+    """A valid request with one or two fields (or a chat message's role or content) made hostile."""
+    body = json.loads(json.dumps(CHAT if chat else COMPLETION))
+    fields = ["messages", "messages.role", "messages.content"] if chat else ["prompt"]
+    fields += SAMPLING_FIELDS
+    for field in rng.sample(fields, rng.randint(1, 2)):
+        value = rng.choice(HOSTILE_VALUES)
+        if field.startswith("messages."):
+            body["messages"][0][field.split(".")[1]] = value
+        else:
+            body[field] = value
+    return body
+
+
+def test_600_mutated_valid_requests_never_answer_5xx(server):
+    """Seeded: valid requests of both endpoints with one or two fields made hostile (lone surrogates,
+    integers past 64 bits, wrong types...). None answers 5xx, 503 included: a request the router
+    cannot even encode must not mark a worker failed."""
+    rng = random.Random(31)
+    statuses: Counter[int] = Counter()
+    for i in range(600):
+        chat = i % 2 == 1
+        body = json.dumps(_mutated(rng, chat), allow_nan=True).encode()
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        try:
+            conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {API_KEY}",
+                                                           "Content-Type": "application/json"})
+            response = conn.getresponse()
+            payload = response.read()
+        finally:
+            conn.close()
+        statuses[response.status] += 1
+        assert response.status < 500, (response.status, body[:300], payload[:300])
+    print("statuses", dict(statuses))
+    assert statuses[400] >= 300, statuses  # most mutations are refused, each naming what is wrong
+    assert server.wait_drained() == [0, 0]

@@ -362,11 +362,25 @@ def test_body_limit_with_and_without_content_length(disagg):
         (b'{"model": "default", "prompt": "hi", "n": 9}', "n", "at most 8"),
         (b'{"model": "default", "prompt": [5, 2048]}', "prompt", "outside the vocabulary [0, 2048)"),
         (b'{"model": "default", "messages": 5}', "messages", "valid list"),
+        # valid JSON that is not text: a lone UTF-16 surrogate
+        (b'{"model": "default", "prompt": "a\\ud800b"}', "prompt", "lone surrogate"),
+        (b'{"model": "default", "prompt": ["ok", "\\udfff"]}', "prompt", "lone surrogate"),
+        (b'{"model": "default", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages",
+         "lone surrogate"),
+        (b'{"model": "default", "prompt": "hi", "stop": "\\ud800"}', "stop", "lone surrogate"),
+        # integers past 64 bits
+        (b'{"model": "default", "prompt": "hi", "top_k": 1180591620717411303424}', "top_k", "out of range"),
+        (b'{"model": "default", "prompt": "hi", "seed": -1180591620717411303424}', "seed", "out of range"),
+        (b'{"model": "default", "prompt": [1180591620717411303424]}', "prompt", "out of range"),
+        (b'{"model": "default", "prompt": "hi", "top_k": 4611686018427387904}', None, None),  # 2**62: valid
     ],
 )
 def test_bad_request_is_400_with_an_openai_error(disagg, body, param, words):
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
     status, answer = disagg.raw("POST", path, body, {"Content-Type": "application/json"})
+    if words is None:  # a valid request among them
+        assert status == 200, answer
+        return
     assert status == 400, answer
     assert set(answer["error"]) == {"message", "type", "param", "code"}
     assert answer["error"]["param"] == param and words in answer["error"]["message"]
