@@ -149,6 +149,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from deploy.app import build_app
     from router.proto.codegen import ensure_generated
 
+    stop = _stop_on_signals()
     config = app_config(args)
     for port, flag in ((args.port, "--port"), (args.grpc_port, "--grpc-port")):
         _check_port_free(args.host, port, flag)  # NOTE: before Ray starts: its failure would come 25 s later
@@ -177,7 +178,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"  HTTP  http://{args.host}:{args.port}/v1  (OpenAI API; /health, /metrics; {route})", flush=True)
         print(f"  Ray   {context.address_info['gcs_address']}  (pdserve status --address ...)", flush=True)
         print(f"  gRPC  {args.host}:{args.grpc_port}  (pdserve.v1.Generation, reflection on)", flush=True)
-        _wait(args.exit_after)
+        _wait(stop, args.exit_after)
     finally:
         if args.address:  # a cluster this joined goes on: take the app off it
             serve.shutdown()
@@ -211,13 +212,20 @@ def _direct_ingress(args: argparse.Namespace, config: ServeAppConfig) -> bool:
     return args.ingress == "direct" or (args.ingress == "auto" and possible)
 
 
-def _wait(exit_after: float | None) -> None:
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+def _wait(done: threading.Event, exit_after: float | None) -> None:
     try:
         done.wait(exit_after)
     except KeyboardInterrupt:
         pass
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event set by SIGINT (Ctrl-C) or SIGTERM. Installed by the server itself, so both stop it even
+    when it was started with SIGINT ignored (a background job of a non-interactive script)."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    return done
 
 
 def status_command(args: argparse.Namespace) -> int:
