@@ -233,9 +233,19 @@ def status_command(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     try:
-        controller = serve.get_deployment_handle("Controller", app_name=APP_NAME)
+        ray.init(address=args.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError:
+        print(f"pdserve status: no Ray cluster runs at --address {args.address}, so no pdserve either: start one "
+              "with `pdserve serve`, or pass the address it printed (its 'Ray' line)", file=sys.stderr)
+        return 1
+    try:
+        try:
+            controller = serve.get_deployment_handle("Controller", app_name=APP_NAME)
+        except Exception:  # noqa: BLE001 - Serve says it in several ways: no app, no controller
+            print(f"pdserve status: the Ray cluster at --address {args.address} runs no pdserve application "
+                  f"({APP_NAME!r}): start one with `pdserve serve`", file=sys.stderr)
+            return 1
         rows = controller.stats.remote().result(timeout_s=30)
     finally:
         ray.shutdown()

@@ -32,3 +32,15 @@ def test_serve_on_a_busy_port_exits_at_once_naming_it(flag, monkeypatch):
     assert time.monotonic() - started < 5
     message = str(exited.value)
     assert f"127.0.0.1:{busy_port} is in use" in message and f"pass {flag} with a free port" in message
+
+
+def test_status_without_a_cluster_says_so_in_one_line(monkeypatch, capsys):
+    import ray
+
+    def no_cluster(*_, **__):  # what ray.init raises when it finds no cluster (Ray 2.60)
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve status: no Ray cluster runs at --address auto") and "Traceback" not in err
