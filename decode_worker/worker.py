@@ -286,12 +286,10 @@ class DecodeWorker(TransferEndpoint):
         (`_post_receives`) and the KV lands in the background.
 
         NOTE: the answer touches no CUDA. A posted NCCL receive spins on the GPU until its sender
-        sends, and the sender sends only once it has this answer; meanwhile any CUDA call of this
-        process may wait for the GPU (the engine thread's first launch of a kernel, loaded lazily,
-        waits for the kernels running), and then so does every other CUDA call. Measured on 2x H200:
-        a receive posted here, then a CUDA event recorded for the next, blocked behind the engine's
-        launch; the answer never left. So the answer goes first and the receives are posted after,
-        in the order the answers went (one thread), which is the order the prefill worker sends."""
+        sends, and the sender sends only once it has this answer; meanwhile a CUDA call of this
+        process may wait for the GPU, and the answer would never leave (seen on 2x H200). So the
+        answer goes first and the receives are posted after, in the order the answers went (one
+        thread), which is the order the prefill worker sends."""
         self._bind()
         msg = KvReadyMsg.decode(ready)
         lease = self.leases.get(msg.lease_id)

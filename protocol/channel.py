@@ -3,12 +3,10 @@ makes (a decode or colocated worker's submit, prefill_locally, reserve, abort; a
 prefill, abort) and for a decode worker's token batches, which it pushes as each engine step ends
 instead of answering polls.
 
-Why: a Ray actor call costs the hot path about 1-1.5 ms each way on an H100 host (a no-op call's
-round trip, bench/results/http_vs_offline_*.json `ray_path.health_rtt_s`), and a streamed token
-waits for one more: the poll that fetched the last batch must come back and be sent again before
-the next batch can leave. A frame over this socket costs tens of microseconds, and the next batch
-leaves as soon as the step's rows exist. Everything else (pairing, stats, health, drain, the KV
-protocol between workers) stays a Ray call: it is rare, or not on the request's path.
+Why: a Ray actor call costs the hot path far more than a frame over a socket, and a poll makes each
+token batch wait for the next poll (the README has the figures). Everything else (pairing, stats,
+health, drain, the KV hand-off between workers) stays a Ray call: it is rare, or not on the
+request's path.
 
 What it does not know: which worker it serves (the worker hands it its handlers, one per `Call`)
 or how the router finds the worker (the client is given a coroutine that returns the address).
