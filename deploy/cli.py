@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -239,6 +240,7 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"pdserve status: no Ray cluster runs at --address {args.address}, so no pdserve either: start one "
               "with `pdserve serve`, or pass the address it printed (its 'Ray' line)", file=sys.stderr)
         return 1
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)  # NOTE: its handle logs an INFO line with an object repr
     try:
         try:
             controller = serve.get_deployment_handle("Controller", app_name=APP_NAME)
