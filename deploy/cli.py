@@ -166,7 +166,11 @@ def serve_command(args: argparse.Namespace) -> int:
         proxy_port = free_port(args.host)
     started = time.monotonic()
     # NOTE: "local" starts a new cluster even when another one runs on this machine.
-    context = ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
+    # NOTE: Ray's and Serve's own start-up lines (token auth, "ready at" Serve's proxy port...) off: the
+    # banner below says what serves where; their errors still show.
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    context = ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False,
+                       logging_level=logging.ERROR)
     try:
         # NOTE: no Serve gRPC proxy (it binds every interface): the router replicas serve gRPC on host:grpc_port.
         serve.start(http_options=HTTPOptions(host=args.host, port=proxy_port))

@@ -206,3 +206,12 @@ def test_sigint_stops_a_server_started_with_sigint_ignored(server):
         assert s.proc.wait(90) == 0
     finally:
         s.stop()
+
+
+def test_start_up_prints_pdserves_banner_alone(server):
+    """Ray's and Serve's own start-up lines (token auth, "ready at" Serve's proxy port...) stay out:
+    what serves where is the banner's to say."""
+    start = next(i for i, line in enumerate(server.output) if line.startswith("pdserve: serving"))
+    noise = [line for line in server.output[:start] if " INFO " in line or "WARNING" in line]
+    assert not noise, "".join(server.output[: start + 4])
+    assert any(line.strip().startswith("HTTP  http://127.0.0.1:") for line in server.output[start:])
