@@ -11,7 +11,7 @@ puts one worker per GPU on the right node type.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,6 +25,7 @@ PREFILL_RESOURCE = "pdserve_prefill"
 DECODE_RESOURCE = "pdserve_decode"
 """The custom resource the cluster YAMLs give decode nodes (one unit per GPU)."""
 
+W = TypeVar("W", bound=EndpointConfig)
 _SET_BY_CLUSTER = frozenset({"worker_id", "engine", "transport"})
 # Ray sets these from num_cpus / num_gpus / memory; they cannot be asked for as custom resources.
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -81,9 +82,7 @@ class ClusterConfig(BaseModel):
                 _check_resource(field, name, amount)
         return self
 
-    def worker_config(
-        self, template: EndpointConfig, worker_id: str, transport: str, **update: object
-    ) -> EndpointConfig:
+    def worker_config(self, template: W, worker_id: str, transport: str, **update: object) -> W:
         """One worker's config: the pool's template with this worker's id and the cluster's engine and
         transport (the transport resolved for the cluster's hardware)."""
         return template.model_copy(update={"worker_id": worker_id, "engine": self.engine, "transport": transport,

@@ -33,12 +33,11 @@ class Deployment:
         )
 
     def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:
-        return self.config.worker_config(self.config.prefill, worker_id, self.transport)  # type: ignore[return-value]
+        return self.config.worker_config(self.config.prefill, worker_id, self.transport)
 
     def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:
         # NOTE: freeze_gc: a Ray actor, the process is the worker's alone
-        config = self.config.worker_config(self.config.decode, worker_id, self.transport, freeze_gc=True)
-        return config  # type: ignore[return-value]
+        return self.config.worker_config(self.config.decode, worker_id, self.transport, freeze_gc=True)
 
     @property
     def pools(self) -> list[WorkerPool]:

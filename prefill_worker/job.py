@@ -77,6 +77,7 @@ class PrefillJob:
     first_token: asyncio.Future[StepOutput]  # set from the engine's step (or by an abort)
     on_end: Callable[[PrefillJob], None]  # called once, by the final transition
     arrived_at: float = field(default_factory=time.perf_counter)
+    sampled_at: float = 0.0  # when its first token was sampled (time.perf_counter)
     state: JobState = JobState.QUEUED
     is_aborted: bool = False  # asked to abort: the job ends ABORTED at its next transition
     reason: str | None = None  # why it failed or was aborted

@@ -174,6 +174,7 @@ class PrefillWorker(TransferEndpoint):
         except Exception as err:  # noqa: BLE001 - the engine failed
             job.move(JobState.FAILED, str(err))
             return PrefillResultMsg(request_id=rid, error=str(err))
+        job.sampled_at = time.perf_counter()
         if out.finish_reason == "abort" or job.is_aborted:
             job.move(JobState.ABORTED)
             return PrefillResultMsg(request_id=rid, finish_reason="abort", error="aborted")
@@ -187,7 +188,7 @@ class PrefillWorker(TransferEndpoint):
             finish_reason=finish,
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
-            prefill_s=time.perf_counter() - started,
+            prefill_s=job.sampled_at - started,
             push_bytes=0 if finish else layout.torch_dtype.itemsize * math.prod(layout.buffer_shape(num_blocks)),
         )
         job.answered = answer
@@ -209,7 +210,6 @@ class PrefillWorker(TransferEndpoint):
             lease_id=lease.lease_id, prefill_worker_id=self.worker_id, request=request,
             first_token=answer.first_token, num_blocks=self._num_blocks(job), draft=job.draft_offer,
         )
-        answered = time.perf_counter()
         try:
             handshake = await self.pairs.handshake(job.decode, ready)
         except PushFailed as err:
@@ -218,7 +218,7 @@ class PrefillWorker(TransferEndpoint):
             job.move(JobState.FAILED, err.reason)
             return
         job.move(JobState.PUSHING)
-        marks = [time.perf_counter() - answered]
+        marks = [time.perf_counter() - job.sampled_at]  # seconds after the first token: handshake accepted
         decode_id, handles, failure = handshake.decode_id, [], None
         try:
             if job.gathered is None:
@@ -233,22 +233,20 @@ class PrefillWorker(TransferEndpoint):
             failure = f"failed: {type(err).__name__}: {err}"
         finally:
             handshake.release()
-        marks.append(time.perf_counter() - answered)
+        marks.append(time.perf_counter() - job.sampled_at)  # the sends issued
         for handle in handles:
             failure = failure or await wait_transfer(handle, self.config.transfer_timeout_s)
         if failure is not None:
             self.pairs.drop(decode_id, handshake.epoch)  # never waits on a dead peer; the pair re-forms next time
             job.move(JobState.FAILED, f"KV push to {decode_id} {failure}")
             return
-        marks.append(time.perf_counter() - answered)
-        if job.is_aborted:  # the sends ended, but for nothing: counted as cancelled when the job ends
-            job.move(JobState.DONE)
-            return
-        self.push_log.pushed(PushRecordMsg(
-            request_id=request.request_id, push_bytes=answer.push_bytes, push_s=marks[-1],
-            gather_device_s=job.gathered.device_seconds(), send_device_s=handles[0].device_seconds() or 0.0,
-            push_marks_s=marks,
-        ))
+        marks.append(time.perf_counter() - job.sampled_at)  # the sends done
+        if not job.is_aborted:  # NOTE: aborted meanwhile, the move below ends it ABORTED (counted as cancelled)
+            self.push_log.pushed(PushRecordMsg(
+                request_id=request.request_id, push_bytes=answer.push_bytes, push_s=marks[-1],
+                gather_device_s=job.gathered.device_seconds(), send_device_s=handles[0].device_seconds() or 0.0,
+                push_marks_s=marks,
+            ))
         job.move(JobState.DONE)
 
     async def _tell_decode(self, job: PrefillJob, failed: KvReadyMsg) -> None:

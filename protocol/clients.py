@@ -43,7 +43,7 @@ class WorkerClient:
         self.worker_id = worker_id
         self.target = target  # a Ray actor handle, or the worker itself in-process
         self.channel = channel
-        self.refs = refs if refs is not None else Refs()  # how a call names another worker over the channel
+        self.refs = refs  # how a call over the channel names another worker (made on first need)
 
     def with_channel(self: C, channel: ChannelClient, refs: Refs) -> C:
         """The same worker, its per-request calls and token batches over `channel`."""
@@ -129,6 +129,8 @@ class PrefillClient(WorkerClient):
         """The one call of a disaggregated request: answered with its first token; the KV then goes
         to `decode` (named to the worker by its target)."""
         if self.channel is not None:
+            if self.refs is None:
+                self.refs = Refs()
             answer = await self.channel.call(Call.PREFILL, task.encode(), self.refs.encode(decode.target))
         else:
             answer = await invoke(self.target.prefill, task.encode(), decode.target)

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -181,12 +182,15 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         raise bad_request(f"request body is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, not {type(data).__name__}")
-    for field, value in data.items():
-        _check_value(value, str(field))
+    if _MAY_NEED_CHECK.search(body):  # NOTE: one C scan of the body; the walk only when it may find something
+        for field, value in data.items():
+            _check_value(value, str(field))
     return data
 
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+# What a lone surrogate or an integer past 64 bits needs in JSON text: a \uD800-\uDFFF escape, 19 digits.
+_MAY_NEED_CHECK = re.compile(rb"\\u[dD][89a-fA-F]|[0-9]{19}")
 
 
 def _check_value(value: Any, field: str) -> None:

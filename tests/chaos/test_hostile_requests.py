@@ -64,6 +64,18 @@ def server(request):
     assert held == [0, 0]
 
 
+def _send(server: Any, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+    """One request on a connection of its own: its status and body."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={"Authorization": f"Bearer {API_KEY}",
+                                                       "Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
 def test_1000_hostile_requests_get_4xx_and_the_server_keeps_serving(server):
     statuses: Counter[int] = Counter()
 
@@ -72,17 +84,10 @@ def test_1000_hostile_requests_get_4xx_and_the_server_keeps_serving(server):
     @given(hostile())
     def one(case: tuple[str, str, bytes]) -> None:
         method, path, body = case
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-        try:
-            conn.request(method, path, body=body, headers={"Authorization": f"Bearer {API_KEY}",
-                                                           "Content-Type": "application/json"})
-            response = conn.getresponse()
-            payload = response.read()
-        finally:
-            conn.close()
-        statuses[response.status] += 1
-        assert response.status < 500, (response.status, body[:200], payload[:300])
-        if response.status >= 400:
+        status, payload = _send(server, method, path, body)
+        statuses[status] += 1
+        assert status < 500, (status, body[:200], payload[:300])
+        if status >= 400:
             error = json.loads(payload)["error"]
             assert error["message"] and error["type"], payload
 
@@ -130,16 +135,9 @@ def test_600_mutated_valid_requests_never_answer_5xx(server):
         chat = i % 2 == 1
         body = json.dumps(_mutated(rng, chat), allow_nan=True).encode()
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-        try:
-            conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {API_KEY}",
-                                                           "Content-Type": "application/json"})
-            response = conn.getresponse()
-            payload = response.read()
-        finally:
-            conn.close()
-        statuses[response.status] += 1
-        assert response.status < 500, (response.status, body[:300], payload[:300])
+        status, payload = _send(server, "POST", path, body)
+        statuses[status] += 1
+        assert status < 500, (status, body[:300], payload[:300])
     print("statuses", dict(statuses))
     assert statuses[400] >= 300, statuses  # most mutations are refused, each naming what is wrong
     assert server.wait_drained() == [0, 0]
