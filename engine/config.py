@@ -172,6 +172,34 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 """Most stop strings one request may carry."""
 
+MAX_GRAMMAR_CHARS = 65536
+"""Longest grammar text (a JSON schema as JSON, a regex, an EBNF grammar, a structural tag) one request
+may carry: with the compile time limit (engine/grammar.py), what bounds the work one grammar asks for."""
+
+
+class GrammarSpec(_Frozen):
+    """What a request's output must match: engine/grammar.py compiles it with xgrammar, once per text.
+
+    | kind           | text                                                             |
+    |----------------|------------------------------------------------------------------|
+    | json_schema    | a JSON schema, as JSON text                                      |
+    | json_object    | '' (any JSON object)                                             |
+    | regex          | a regular expression the whole output matches                    |
+    | ebnf           | an EBNF grammar (GBNF-style, xgrammar's dialect) with a `root`   |
+    | structural_tag | an xgrammar structural tag, as JSON text (tool calls)            |
+    """
+
+    kind: Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
+    text: str = Field("", max_length=MAX_GRAMMAR_CHARS)
+
+    @model_validator(mode="after")
+    def _check(self) -> GrammarSpec:
+        if self.kind == "json_object" and self.text:
+            raise ValueError("a json_object grammar carries no text")
+        if self.kind != "json_object" and not self.text:
+            raise ValueError(f"a {self.kind} grammar needs its text")
+        return self
+
 
 class SamplingParams(_Frozen):
     """How one request samples and when it stops (vLLM's and OpenAI's meanings)."""
@@ -197,6 +225,11 @@ class SamplingParams(_Frozen):
         None, ge=0, le=MAX_LOGPROBS, description="Return the sampled token's logprob and this many alternatives."
     )
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    grammar: GrammarSpec | None = Field(
+        None,
+        description="The output must match this (structured outputs); it ends when the grammar is complete and "
+        "an end-of-sequence token follows. min_tokens does not hold such an output open.",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

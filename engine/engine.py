@@ -21,6 +21,8 @@ staging, post-processing) overlaps the device's instead of leaving it idle. One 
    device (runner.TokenPatch), then the sampler's kernels; nothing waits for the device;
 3. resolve N: read its tokens (the host waits for N only; N+1 is queued behind it), put them in
    place of the placeholders, check stop conditions, finish requests, build N's StepOutputs;
+   when N+1 draws for a request with a grammar, its mask needs N's token: N+1's draw is then
+   queued after this stage (the host fills the masks while the device runs N+1's forward);
 4. book N+1: its KV counts and block commits (every token in them is real by now), and its own
    placeholders. step() returns N's outputs: each token reaches the caller one call later.
 
@@ -46,6 +48,7 @@ import torch
 from engine.attention import AttentionSpec, create_backend
 from engine.config import EngineConfig, SamplingParams
 from engine.cuda_graphs import cuda_graphs_enabled, graph_max_rows
+from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
 from engine.pinned import upload
@@ -55,7 +58,7 @@ from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_p
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sizing import num_kv_blocks
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
-from engine.validation import validate_prompt
+from engine.validation import InvalidRequestError, validate_prompt
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.bind(num_blocks, min(self.max_model_len, num_blocks * block_size))
         self.spec_counters = SpecCounters()
+        self.grammars = GrammarBook(lambda: GrammarCompiler(self.model_dir, arch.vocab_size, arch.eos_token_ids))
         self.block_bytes = bytes_per_block(arch, block_size, self.dtype)
         kv = allocate_kv_tensors(arch, num_blocks, block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
@@ -219,7 +223,18 @@ class EngineCore:
             request_id, prompt, params, arrival_time=self.clock(), hold_kv=hold_kv,
             num_prior_output_tokens=num_prior_output_tokens,
         )
+        self._add_grammar(request_id, params, prompt[len(prompt) - num_prior_output_tokens :])
         self.scheduler.add(request)
+
+    def _add_grammar(self, request_id: str, params: SamplingParams, output: Sequence[int]) -> None:
+        """A constrained request's matcher, advanced over the output it already has. NOTE: a caller
+        compiles the grammar off this thread first (`grammars.compile_within`), so this is a cache hit."""
+        if params.grammar is None:
+            return
+        try:
+            self.grammars.add(request_id, params.grammar, output)
+        except GrammarError as err:
+            raise InvalidRequestError("grammar", str(err)) from None
 
     def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         return validate_prompt(
@@ -236,12 +251,17 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         """Idempotent: True if the request was live (or its KV held) and now all its blocks are freed."""
-        self._drop_proposer_state(request_id)
+        self._drop_request_state(request_id)
         return self.scheduler.abort(request_id) is not None or self.release_held(request_id)
 
     def _drop_proposer_state(self, request_id: str) -> None:
         if self.proposer is not None:
             self.proposer.drop(request_id)
+
+    def _drop_request_state(self, request_id: str) -> None:
+        """What the engine keeps beside a request that leaves: its drafts' state and its matcher."""
+        self._drop_proposer_state(request_id)
+        self.grammars.drop(request_id)
 
     # ---- KV held outside running requests (disaggregation)
     def reserve(self, key: str, num_blocks: int) -> list[int] | None:
@@ -280,6 +300,7 @@ class EngineCore:
         needed = -(-len(prompt) // self.pool.block_size)
         if blocks is None or len(blocks) < needed:
             raise ValueError(f"lease {lease_key!r} holds {len(blocks or [])} blocks; the prompt needs {needed}")
+        self._add_grammar(request_id, params, [*prompt[len(prompt) - num_prior_output_tokens :], first_token])
         del self.held[lease_key]
         request = Request(
             request_id, prompt, params, arrival_time=self.clock(), block_ids=blocks,
@@ -339,17 +360,29 @@ class EngineCore:
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset())
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
-        launched = self._launch(out, prev) if out.scheduled else None
+        pending, sampling = None, []
+        if out.scheduled:
+            logits = self._forward(out, prev)
+            sampling = [s for s in out.scheduled if s.will_sample]
+            if prev is not None and self._constrains(sampling):
+                # A grammar's mask follows N's tokens: the host reads them and fills the mask
+                # while the device runs N+1's forward, then queues the draw.
+                outputs, prev = self._resolve(prev), None
+            if sampling:
+                rows = [_row(s.request) for s in sampling]
+                pending = self.sampler.launch(logits, rows, self.generator, self._mask(sampling))
         if prev is not None:
             outputs = self._resolve(prev)
-        if launched is not None:
-            self._inflight = self._book(*launched)
+        if out.scheduled:
+            self._inflight = self._book(out, sampling, pending)
         return outputs
 
-    def _launch(
-        self, out: SchedulerOutput, prev: _Inflight | None
-    ) -> tuple[SchedulerOutput, list[ScheduledRequest], PendingSample | None]:
-        """Queues the step's forward and draw; reads nothing back."""
+    def _constrains(self, sampling: Sequence[ScheduledRequest]) -> bool:
+        """Whether a request of the draw follows a grammar."""
+        return bool(self.grammars) and any(s.request.request_id in self.grammars for s in sampling)
+
+    def _forward(self, out: SchedulerOutput, prev: _Inflight | None) -> torch.Tensor:
+        """Queues the step's forward; reads nothing back. Its logits."""
         patch = None
         if prev is not None:
             rows = {s.request.request_id: i for i, s in enumerate(prev.sampling)}
@@ -368,10 +401,7 @@ class EngineCore:
             if dst:
                 assert prev.pending is not None
                 patch = TokenPatch(prev.pending.token_ids, dst, src)
-        logits = self.runner.execute(out.scheduled, patch)
-        sampling = [s for s in out.scheduled if s.will_sample]
-        pending = self.sampler.launch(logits, [_row(s.request) for s in sampling], self.generator) if sampling else None
-        return out, sampling, pending
+        return self.runner.execute(out.scheduled, patch)
 
     def _book(self, out: SchedulerOutput, sampling: list[ScheduledRequest], pending: PendingSample | None) -> _Inflight:
         """A launched step's KV counts and commits, and its placeholders; after the previous step's
@@ -456,7 +486,7 @@ class EngineCore:
         if not sampling:
             return []
         if not any(s.num_spec_tokens for s in sampling):
-            result = self.sampler(logits, [_row(s.request) for s in sampling], self.generator)
+            result = self.sampler(logits, [_row(s.request) for s in sampling], self.generator, self._mask(sampling))
             return [
                 _Sampled([t], *_one(result.logprobs[i], result.top_logprobs[i])) for i, t in enumerate(result.token_ids)
             ]
@@ -481,7 +511,7 @@ class EngineCore:
         if plain:
             rows = [_row(sampling[i].request) for i in plain]
             result = self.sampler(logits.index_select(0, upload(plain_rows, torch.long, logits.device)), rows,
-                                  self.generator)
+                                  self.generator, self._mask([sampling[i] for i in plain]))
             for j, i in enumerate(plain):
                 results[i] = _Sampled([result.token_ids[j]], *_one(result.logprobs[j], result.top_logprobs[j]))
         vrows = []
@@ -494,7 +524,10 @@ class EngineCore:
             vrows.append(VerifyRow(_row(s.request), head, probs, head.on_device))
         # NOTE: no gather when every row verifies (the common case); uploads never wait for the device.
         verifying_logits = logits if not plain else logits.index_select(0, upload(verify_rows, torch.long, logits.device))
-        verified = self.sampler.verify(verifying_logits, vrows, self.generator)
+        # NOTE: only a constrained row's drafts are read on the host here: its matcher walks them.
+        mask = self.grammars.mask_drafts([(sampling[i].request.request_id, vr.draft_token_ids)
+                                          for i, vr in zip(verifying, vrows)]) if len(self.grammars) else None
+        verified = self.sampler.verify(verifying_logits, vrows, self.generator, mask)
         for j, i in enumerate(verifying):
             results[i] = _Sampled(
                 verified.token_ids[j], verified.logprobs[j], verified.top_logprobs[j], verified.num_accepted[j]
@@ -526,6 +559,10 @@ class EngineCore:
             )
         return outputs
 
+    def _mask(self, sampling: Sequence[ScheduledRequest]) -> TokenMask | None:
+        """The draw's token mask: the constrained requests' allowed tokens (None: none is constrained)."""
+        return self.grammars.mask([s.request.request_id for s in sampling]) if len(self.grammars) else None
+
     def _report(
         self,
         request: Request,
@@ -539,7 +576,7 @@ class EngineCore:
         kept = None
         if status is not None:
             blocks = self.scheduler.finish(request, status)
-            self._drop_proposer_state(request.request_id)
+            self._drop_request_state(request.request_id)
             if request.hold_kv:
                 kept = self.held[request.request_id] = blocks
         return StepOutput(
@@ -571,7 +608,12 @@ class EngineCore:
         adaptive.observe(s.request, s.num_spec_tokens, sample.num_accepted)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """The stop a just-appended token brings, if any; a constrained request's matcher takes the
+        token here (so every appended token passes through it once, in order)."""
         params = request.params
+        if params.grammar is not None and self.grammars.accept(request.request_id, token):
+            request.stop_token_id = token  # NOTE: the grammar is complete and ended: no min_tokens holds it open
+            return RequestStatus.FINISHED_STOPPED
         num_tokens = len(request.token_ids)
         num_output = num_tokens - len(request.prompt_token_ids)
         if num_output >= params.min_tokens and (

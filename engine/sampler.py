@@ -3,8 +3,11 @@
 Every row carries its own SamplingParams, so one batch mixes greedy and random rows, penalties,
 truncations and seeds. The order of operations on float32 logits (vLLM's, which follows OpenAI):
 
+0. a grammar (structured outputs): the tokens its row's TokenMask forbids are -inf
+   (engine/grammar.py fills the mask; the caller passes it).
 1. min_tokens: while a sequence has fewer than min_tokens output tokens, its EOS ids and its
-   stop_token_ids are -inf (EOS is masked even with ignore_eos).
+   stop_token_ids are -inf (EOS is masked even with ignore_eos); not in a constrained row, whose
+   grammar decides when it may end.
 2. penalties: repetition (tokens of the prompt and the output), then frequency and presence
    (tokens of the output).
 3. greedy rows (temperature 0) take the argmax of the penalized logits.
@@ -71,6 +74,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.config import SamplingParams
+from engine.grammar import TokenMask, apply_token_mask
 from engine.pinned import Download, upload
 
 if TYPE_CHECKING:
@@ -208,11 +212,12 @@ class Sampler:
         self._kernels: ModuleType | None = None  # engine.sampling_kernels, imported on the first fused draw
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None,
+        mask: TokenMask | None = None,
     ) -> SampleResult:
         """logits: [num_rows, vocab] float (any float dtype, any device). generator: shared by the rows
-        without a seed (torch's default generator when None)."""
-        return self.finish(self.launch(logits, rows, generator))
+        without a seed (torch's default generator when None). mask: the constrained rows' allowed tokens."""
+        return self.finish(self.launch(logits, rows, generator, mask))
 
     def finish(self, pending: PendingSample) -> SampleResult:
         """Reads a launched draw's tokens (the host waits for the device here) and its logprobs."""
@@ -221,7 +226,8 @@ class Sampler:
         return SampleResult(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
     def launch(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None,
+        mask: TokenMask | None = None,
     ) -> PendingSample:
         """`__call__` up to the tokens on the device, without reading them: with the fused draw and
         no rows that mix other kinds in, nothing here waits for the device."""
@@ -233,11 +239,12 @@ class Sampler:
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor; got dtype {logits.dtype}")
         raw = logits.float()
+        masked = apply_token_mask(raw, mask)  # NOTE: raw stays unmasked: logprobs are of the raw logits
         fused = [i for i, row in enumerate(rows) if _fusable(row.params)] if self.fused else []
         if fused and len(fused) == len(rows):
-            token_ids = self._draw_fused(raw, rows, generator)
+            token_ids = self._draw_fused(masked, rows, generator)
         elif not fused:
-            token_ids = self._draw(raw, rows, generator)
+            token_ids = self._draw(masked, rows, generator)
         else:  # NOTE: each kind on its own rows, then one token tensor in row order
             fused_set = set(fused)
             rest = [i for i in range(len(rows)) if i not in fused_set]
@@ -245,10 +252,11 @@ class Sampler:
             fused_index, rest_index = upload(fused, torch.long, device), upload(rest, torch.long, device)
             token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
             token_ids.index_copy_(
-                0, fused_index, self._draw_fused(raw.index_select(0, fused_index), [rows[i] for i in fused], generator)
+                0, fused_index,
+                self._draw_fused(masked.index_select(0, fused_index), [rows[i] for i in fused], generator),
             )
             token_ids.index_copy_(
-                0, rest_index, self._draw(raw.index_select(0, rest_index), [rows[i] for i in rest], generator)
+                0, rest_index, self._draw(masked.index_select(0, rest_index), [rows[i] for i in rest], generator)
             )
         return PendingSample(raw, token_ids, rows, Download(token_ids))
 
@@ -337,12 +345,14 @@ class Sampler:
         return token_ids, dist
 
     def verify(
-        self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None = None
+        self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None = None,
+        mask: TokenMask | None = None,
     ) -> VerifyResult:
         """The target's side: logits [sum of (K_i + 1), vocab], row i's K_i + 1 positions in a run.
-        generator: shared by the rows without a seed."""
+        generator: shared by the rows without a seed. mask: by position (GrammarBook.mask_drafts): a
+        drafted token the grammar forbids has probability 0 where it is verified, so it is rejected."""
         if self.fused and rows and all(_verifies_fused(vr) for vr in rows):
-            return self._verify_fused(logits, rows, generator)
+            return self._verify_fused(apply_token_mask(logits.float(), mask), rows, generator)
         expanded: list[SamplingRow] = []  # one per position
         for vr in rows:
             drafts = list(vr.draft_token_ids)
@@ -356,7 +366,8 @@ class Sampler:
                 f"logits must be [positions, vocab] with positions == {len(expanded)} (K + 1 per row); "
                 f"got shape {tuple(logits.shape)}"
             )
-        raw, argmax, random_positions, probs = self._processed(logits, expanded)
+        raw = logits.float()
+        _, argmax, random_positions, probs = self._processed(apply_token_mask(raw, mask), expanded)
         starts = list(itertools.accumulate((len(vr.draft_token_ids) + 1 for vr in rows), initial=0))
         local = {pos: j for j, pos in enumerate(random_positions)}  # position -> row of probs
         # The target's own token at every position: the argmax for greedy rows, the keyed race for
@@ -516,7 +527,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_tok
     row_index: list[int] = []
     token_index: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
+        if len(row.output_token_ids) >= row.params.min_tokens or row.params.grammar is not None:
             continue
         # Ids outside the vocabulary can never be sampled; they need no mask.
         banned = {t for t in itertools.chain(eos_token_ids, row.params.stop_token_ids) if 0 <= t < vocab_size}

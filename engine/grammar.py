@@ -1,0 +1,256 @@
+"""Structured outputs: a request's grammar (engine.config.GrammarSpec) compiled by xgrammar, and one
+matcher per constrained request that says which tokens may come next.
+
+- `GrammarCompiler` compiles a spec for one tokenizer's vocabulary. xgrammar caches each compiled
+  text, so the second request with a schema costs a lookup. It is safe from any thread: callers
+  compile off the engine thread (`compile_within`, which refuses a grammar that takes longer than
+  its limit), so a slow grammar never stalls a batch.
+- `GrammarBook` is one engine's: a matcher per constrained request. Before each draw, `mask` writes
+  the allowed-token bitmask of each constrained row on the host; `accept` advances a matcher by a
+  sampled token; `mask_drafts` checks a speculation's drafts and rolls the matcher back exactly.
+- A matcher is never shipped between workers: it is rebuilt from the grammar and the output so far
+  (a decode worker's first token from the prefill worker, a moved request's earlier output), and
+  replaying those tokens gives the very state the earlier worker had.
+
+NOTE: xgrammar is imported on the first grammar, so an engine that never sees one never loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from engine.config import GrammarSpec
+
+if TYPE_CHECKING:
+    import xgrammar
+
+__all__ = ["GrammarBook", "GrammarCompiler", "GrammarError", "TokenMask", "apply_token_mask"]
+
+COMPILE_TIMEOUT_S = 10.0
+"""Longest a grammar may take to compile; a slower one is refused (its compile finishes unheeded)."""
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or not in time; the message is the compiler's."""
+
+
+class TokenMask(NamedTuple):
+    """Which tokens some logits rows may take: bit t of bitmask[i] set = token t allowed in rows[i]."""
+
+    rows: list[int]  # logits rows, ascending
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, on the host
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
+    """logits [n, vocab] float with -inf at the tokens each masked row may not take; out of place
+    (the caller's logits stay raw, for logprobs). One kernel over the masked rows (xgrammar's)."""
+    if mask is None:
+        return logits
+    import xgrammar as xgr
+
+    index = torch.tensor(mask.rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    rows = logits.index_select(0, index)
+    xgr.apply_token_bitmask_inplace(rows, mask.bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1])
+    return logits.index_copy(0, index, rows)
+
+
+def _vocab_type(tokenizer_json: dict[str, Any]) -> tuple[str, bool]:
+    """(xgrammar's vocab type name, add_prefix_space) of a tokenizer.json: how its token strings
+    map to bytes. ByteLevel (GPT-2, Llama 3, Qwen): bytes as printable characters; ByteFallback
+    (Llama 2, Mistral): '<0xNN>' tokens and '▁' for spaces; anything else: the strings themselves."""
+    decoder = tokenizer_json.get("decoder") or {}
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    kinds = {p.get("type") for p in parts if isinstance(p, dict)}
+    if "ByteFallback" in kinds:
+        normalizer = json.dumps(tokenizer_json.get("normalizer"), ensure_ascii=False)
+        pre = json.dumps(tokenizer_json.get("pre_tokenizer"), ensure_ascii=False)
+        prefix = ('"Prepend"' in normalizer and "\u2581" in normalizer) or ('"Metaspace"' in pre and '"never"' not in pre)
+        return "BYTE_FALLBACK", prefix
+    if "ByteLevel" in kinds:
+        return "BYTE_LEVEL", False
+    return "RAW", False
+
+
+# xgrammar 0.2.8 writes a string with a length bound (minLength, maxLength) as characters of this
+# class, which lets raw control characters through; JSON (RFC 8259) requires them escaped.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _json_schema_ebnf(schema: str) -> str:
+    """The EBNF of a JSON schema, with no free whitespace between JSON tokens (a model's whitespace
+    runs can otherwise go on until max_tokens, leaving the JSON unfinished) and only JSON-valid
+    string characters."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    return ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs for one model's vocabulary (its tokenizer.json and logits width)."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise GrammarError(f"structured outputs need the model's tokenizer.json; {path} does not exist")
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+        # NOTE: ids past the tokenizer's (a padded logits row) stay '': xgrammar never allows them.
+        encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
+        for token, i in vocab.items():
+            encoded[i] = token
+        kind, prefix = _vocab_type(json.loads(path.read_text(encoding="utf-8")))
+        self.info = xgr.TokenizerInfo(
+            encoded[:vocab_size], vocab_type=getattr(xgr.VocabType, kind), vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids), add_prefix_space=prefix,
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=True)
+
+    def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        """The compiled grammar (cached by its text); GrammarError with the compiler's message."""
+        c = self._compiler
+        compile: Callable[[], xgrammar.CompiledGrammar] = {
+            "json_schema": lambda: c.compile_grammar(_json_schema_ebnf(spec.text)),
+            # NOTE: OpenAI's JSON mode: any object, so other keys than none are allowed (not strict).
+            "json_object": lambda: c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False),
+            "regex": lambda: c.compile_regex(spec.text),
+            "ebnf": lambda: c.compile_grammar(spec.text),
+            "structural_tag": lambda: c.compile_structural_tag(spec.text),
+        }[spec.kind]
+        try:
+            return compile()
+        except Exception as err:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/its own kinds
+            raise GrammarError(f"the {spec.kind} does not compile: {err}") from None
+
+    def compile_within(self, spec: GrammarSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> xgrammar.CompiledGrammar:
+        """`compile`, on a thread of its own, given at most timeout_s: a grammar that takes longer is
+        refused (its compile runs on, unheeded, and lands in the cache)."""
+        done = threading.Event()
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                result.append(self.compile(spec))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                result.append(err)
+            done.set()
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise GrammarError(f"the {spec.kind} did not compile within {timeout_s:g} s; simplify it")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+
+class GrammarBook:
+    """One engine's matchers, by request id. Engine thread only, except `compiler` and `compile_within`."""
+
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+        self._make_compiler = make_compiler
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Built on first use (it reads the vocabulary and imports xgrammar); any thread."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+            return self._compiler
+
+    def compile_within(self, spec: GrammarSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        """Compiles spec into the cache, or raises GrammarError; any thread (a worker's, so that
+        `add`'s compile on the engine thread is a cache hit)."""
+        self.compiler.compile_within(spec, timeout_s)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, request_id: str, spec: GrammarSpec, output: Sequence[int]) -> None:
+        """A matcher for request_id, advanced over `output` (tokens generated for it elsewhere).
+        GrammarError if the grammar does not compile or `output` does not follow it."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compiler.compile(spec))  # NOTE: it rolls back any number of tokens
+        for i, token in enumerate(output):
+            if not matcher.accept_token(token):
+                raise GrammarError(f"output token {i} ({token}) does not follow the request's {spec.kind}")
+        self._matchers[request_id] = matcher
+
+    def drop(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advances request_id's matcher by a sampled token; True when the grammar is complete and
+        ended (an end-of-sequence token). The token was drawn under this matcher's mask, so it is
+        allowed: a refusal is a bug, raised."""
+        matcher = self._matchers[request_id]
+        if not matcher.accept_token(token):
+            raise RuntimeError(f"request {request_id!r} sampled token {token}, which its grammar's mask forbade")
+        return matcher.is_terminated()
+
+    def _new_bitmask(self, rows: int) -> torch.Tensor:
+        words = -(-self.compiler.vocab_size // 32)
+        return torch.full((rows, words), -1, dtype=torch.int32)  # all allowed
+
+    def mask(self, request_ids: Sequence[str]) -> TokenMask | None:
+        """The mask of one draw whose row i is request_ids[i]: a bitmask row per constrained one
+        (a finished request's row is left out: its draw is dropped). None: no row is constrained."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if not rows:
+            return None
+        bitmask = self._new_bitmask(len(rows))
+        for j, i in enumerate(rows):
+            matcher = self._matchers[request_ids[i]]
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, j)
+        return TokenMask(rows, bitmask)
+
+    def mask_drafts(self, rows: Sequence[tuple[str, Sequence[int]]]) -> TokenMask | None:
+        """The mask of one verification: row i is (request id, its K_i drafted tokens), with K_i + 1
+        positions. Position k of a constrained row gets the matcher's mask after drafts[:k]; past a
+        draft the grammar forbids, the rest are all allowed (verification rejects that draft at the
+        position before, so they are never used). The matcher ends where it started (rollback)."""
+        positions: list[int] = []
+        matchers: list[tuple[int, Any, Sequence[int]]] = []
+        start = 0
+        for rid, drafts in rows:
+            matcher = self._matchers.get(rid)
+            if matcher is not None:
+                matchers.append((len(positions), matcher, drafts))
+                positions.extend(range(start, start + len(drafts) + 1))
+            start += len(drafts) + 1
+        if not positions:
+            return None
+        bitmask = self._new_bitmask(len(positions))
+        for first, matcher, drafts in matchers:
+            if matcher.is_terminated():
+                continue
+            matcher.fill_next_token_bitmask(bitmask, first)
+            walked = 0
+            for k, token in enumerate(drafts):
+                if not matcher.accept_token(token):
+                    break
+                walked += 1
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first + k + 1)
+            if walked:
+                matcher.rollback(walked)
+        return TokenMask(positions, bitmask)
