@@ -41,6 +41,7 @@ from pydantic import Field
 from engine import EngineCore, StepOutput
 from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
+from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
 from kvtransfer import transport_options as kv_transport_options
 from protocol.api import WorkerStatsMsg
@@ -240,6 +241,8 @@ class DecodeWorker(TransferEndpoint):
         NOTE: the request's router is known first, so its first tokens find their outbox."""
         self.router_of_request[msg.request_id] = msg.router_id
         try:
+            if msg.params.grammar is not None:
+                await asyncio.to_thread(self.loop.prepare, msg.params)
             return await self._call(admit)
         except Exception:
             self.router_of_request.pop(msg.request_id, None)
@@ -351,13 +354,26 @@ class DecodeWorker(TransferEndpoint):
         then scatters it into the lease's blocks and joins the request; a failure frees the lease
         and tells the router."""
         failure = None
+        request = msg.request
+        # NOTE: a grammar compiles (a cache hit, mostly) while the KV arrives, off the engine thread.
+        prepared = asyncio.ensure_future(asyncio.to_thread(self.loop.prepare, request.params)) \
+            if request.params.grammar is not None else None
         try:
             receives: _Receives | None = await posted
         except ValueError as err:  # not paired any more (a failed transfer dropped the pair meanwhile)
             receives, failure = None, f"failed: {err}"
         for handle in receives.handles if receives is not None else []:
             failure = failure or await wait_transfer(handle, self.config.transfer_timeout_s)
-        request = msg.request
+        refused = None
+        if prepared is not None:
+            try:
+                await prepared
+            except InvalidRequestError as err:  # NOTE: the router compiled it: only a changed cache gets here
+                refused = str(err)
+        if refused is not None and failure is None and not lease.is_aborted:
+            await self._drop_lease(lease)
+            self._deliver_error(request.request_id, lease.router_id, refused)
+            return
         if failure is not None or lease.is_aborted:
             await self._drop_lease(lease)
             if failure is not None and self._pair_epochs.get(msg.prefill_worker_id, 0) == epoch:

@@ -14,7 +14,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from engine.config import SamplingParams
 from engine.engine import EngineCore, StepOutput
+from engine.grammar import GrammarError
+from engine.validation import InvalidRequestError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -52,6 +55,17 @@ class EngineLoop:
         self._commands.put((command, future))
         self._wake.set()
         return future
+
+    def prepare(self, params: SamplingParams) -> None:
+        """What a request needs before it joins, done on the caller's thread (never the engine's): its
+        grammar compiled into the engine's cache, or InvalidRequestError. Blocks while it compiles:
+        an asyncio caller runs it in a thread."""
+        if params.grammar is None:
+            return
+        try:
+            self.engine.grammars.compile_within(params.grammar)
+        except GrammarError as err:
+            raise InvalidRequestError("grammar", str(err)) from None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()

@@ -154,6 +154,8 @@ class PrefillWorker(TransferEndpoint):
         params = request.params
         first = params.model_copy(update={"max_tokens": 1, "min_tokens": min(1, params.min_tokens)})
         try:
+            if params.grammar is not None:
+                await asyncio.to_thread(self.loop.prepare, params)
             await self._call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, first, hold_kv=True,
                 num_prior_output_tokens=request.num_prior_output_tokens,

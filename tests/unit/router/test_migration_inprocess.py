@@ -74,11 +74,12 @@ class Killable:
 
 class Cluster:
     def __init__(
-        self, num_prefill: int = 2, num_decode: int = 2, colocated: bool = False, dispatch: DispatcherConfig = FAST
+        self, num_prefill: int = 2, num_decode: int = 2, colocated: bool = False, dispatch: DispatcherConfig = FAST,
+        **engine_options: Any,
     ) -> None:
         hub = LocalHub()
         options = {"inner": "local", "inner_options": {"hub": hub}}
-        engine = engine_config(**ENGINE)
+        engine = engine_config(**ENGINE, **engine_options)
         kind = "c" if colocated else "d"
         self.decode = {
             f"{kind}{i}": Killable(DecodeWorker(
