@@ -174,7 +174,9 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.bind(num_blocks, min(self.max_model_len, num_blocks * block_size))
         self.spec_counters = SpecCounters()
-        self.grammars = GrammarBook(lambda: GrammarCompiler(self.model_dir, arch.vocab_size, arch.eos_token_ids))
+        self.grammars = GrammarBook(
+            lambda: GrammarCompiler(self.model_dir, arch.vocab_size, arch.eos_token_ids), self.device.type == "cuda"
+        )
         self.block_bytes = bytes_per_block(arch, block_size, self.dtype)
         kv = allocate_kv_tensors(arch, num_blocks, block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)

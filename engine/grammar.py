@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from engine.config import GrammarSpec
+from engine.pinned import upload
 
 if TYPE_CHECKING:
     import xgrammar
@@ -36,6 +38,10 @@ COMPILE_TIMEOUT_S = 10.0
 """Longest a grammar may take to compile; a slower one is refused (its compile finishes unheeded)."""
 
 
+COMPILED_KEPT = 256
+"""Compiled grammars a compiler keeps by spec (the most recently used)."""
+
+
 class GrammarError(ValueError):
     """A grammar that does not compile, or not in time; the message is the compiler's."""
 
@@ -44,7 +50,9 @@ class TokenMask(NamedTuple):
     """Which tokens some logits rows may take: bit t of bitmask[i] set = token t allowed in rows[i]."""
 
     rows: list[int]  # logits rows, ascending
-    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, on the host
+    # [len(rows), ceil(vocab / 32)] int32, on the host (pinned when the logits are on CUDA, so its
+    # copy is queued behind the device's work instead of waiting for it)
+    bitmask: torch.Tensor
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
@@ -54,7 +62,7 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
         return logits
     import xgrammar as xgr
 
-    index = torch.tensor(mask.rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    index = upload(mask.rows, torch.long, logits.device)
     rows = logits.index_select(0, index)
     xgr.apply_token_bitmask_inplace(rows, mask.bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1])
     return logits.index_copy(0, index, rows)
@@ -116,9 +124,25 @@ class GrammarCompiler:
         )
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=True)
+        # NOTE: by spec, so that a cached grammar costs no schema-to-EBNF conversion either
+        self._compiled: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        """The compiled grammar (cached by its text); GrammarError with the compiler's message."""
+        """The compiled grammar (the last COMPILED_KEPT kept by spec, all by text in xgrammar's
+        cache); GrammarError with the compiler's message."""
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         c = self._compiler
         compile: Callable[[], xgrammar.CompiledGrammar] = {
             "json_schema": lambda: c.compile_grammar(_json_schema_ebnf(spec.text)),
@@ -157,10 +181,12 @@ class GrammarCompiler:
 class GrammarBook:
     """One engine's matchers, by request id. Engine thread only, except `compiler` and `compile_within`."""
 
-    def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler], pin_memory: bool = False) -> None:
         self._make_compiler = make_compiler
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
+        self._pin_memory = pin_memory
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills many rows on its threads
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
 
     @property
@@ -207,7 +233,7 @@ class GrammarBook:
 
     def _new_bitmask(self, rows: int) -> torch.Tensor:
         words = -(-self.compiler.vocab_size // 32)
-        return torch.full((rows, words), -1, dtype=torch.int32)  # all allowed
+        return torch.full((rows, words), -1, dtype=torch.int32, pin_memory=self._pin_memory)  # all allowed
 
     def mask(self, request_ids: Sequence[str]) -> TokenMask | None:
         """The mask of one draw whose row i is request_ids[i]: a bitmask row per constrained one
@@ -216,10 +242,15 @@ class GrammarBook:
         if not rows:
             return None
         bitmask = self._new_bitmask(len(rows))
-        for j, i in enumerate(rows):
-            matcher = self._matchers[request_ids[i]]
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, j)
+        live = [(j, m) for j, m in enumerate(self._matchers[request_ids[i]] for i in rows) if not m.is_terminated()]
+        if len(live) == 1:
+            live[0][1].fill_next_token_bitmask(bitmask, live[0][0])
+        elif live:
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [j for j, _ in live])
         return TokenMask(rows, bitmask)
 
     def mask_drafts(self, rows: Sequence[tuple[str, Sequence[int]]]) -> TokenMask | None:

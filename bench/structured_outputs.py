@@ -1,0 +1,227 @@
+"""Structured outputs on one GPU: what a JSON schema on every request costs, beside the same run
+unconstrained, in one process:
+
+  (1) throughput on nano-vllm's workload (256 sequences, prompt and output lengths uniform in
+      [100, 1024], temperature 0.6, ignore EOS, dummy weights at the model's shape): unconstrained,
+      then every request under LONG_SCHEMA (records of bounded fields, at least 100,000 of them, so
+      no output completes before its max_tokens and both runs generate the same tokens), in turns
+      A B A B; output tokens per second and the ratio.
+  (2) batch 1, one request of --batch1-tokens output tokens, plain and constrained in turns: time per
+      token, their difference (what the grammar adds per token), and the host's mask fill per token
+      timed on its own.
+  (3) compile time of the test schemas (tests/unit/engine/test_grammar.py's set, repeated here):
+      first compile with a fresh compiler, and the cached one.
+
+The vocabulary: the GPU machines have no Qwen3 tokenizer and no downloads; `--train-vocab N` trains a
+byte-level BPE of N tokens on this machine's Python standard library sources (the HF tokenizers
+trainer, deterministic for one set of files) and pads it to the model's logits width: a real BPE
+vocabulary of the model's size, not Qwen's own. The mask's cost follows the vocabulary's size and
+makeup, so the figures hold for a vocabulary like it.
+
+    python -m bench.structured_outputs --model bench/shapes/qwen3-0.6b --load-format dummy --train-vocab 151643
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import statistics
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import base_parser, build_engine, check_no_leak, environment, synchronize, title, write_results
+from bench.offline_throughput import nano_vllm_workload
+from engine import EngineCore, SamplingParams
+from engine.config import GrammarSpec
+from engine.grammar import GrammarCompiler
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "name", "kind", "ok"],
+}
+LONG_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 100000}},
+               "required": ["records"]}
+# tests/unit/engine/test_grammar.py's SCHEMAS
+TEST_SCHEMAS = {
+    "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                              "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+             "required": ["name", "age"]},
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                                                  "role": {"enum": ["admin", "guest", "owner"]}},
+                 "required": ["id", "role"]},
+        "active": {"type": "boolean"}}, "required": ["user", "active"]},
+    "array": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                                        "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
+    "bounded_number": {"type": "object", "properties": {"score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+                                                        "level": {"type": "integer", "minimum": 3, "maximum": 7}},
+                       "required": ["score", "level"]},
+    "long_records": LONG_SCHEMA,
+}
+
+
+def train_vocab(model_dir: Path, vocab_size: int, out: Path) -> dict[str, Any]:
+    """A copy of model_dir's config with a trained byte-level BPE tokenizer.json of vocab_size tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if "site-packages" not in f and "dist-packages" not in f)
+    started = time.perf_counter()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((Path(f).read_text(encoding="utf-8", errors="ignore") for f in files), trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    tokenizer.save(str(out / "tokenizer.json"))
+    return {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files),
+            "vocab_size": tokenizer.get_vocab_size(), "train_s": time.perf_counter() - started}
+
+
+def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], grammar: GrammarSpec | None) -> dict:
+    if grammar is not None:
+        engine.grammars.compile_within(grammar)  # as a worker does, off the timed path
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.6, ignore_eos=True, grammar=grammar))
+    synchronize(engine.device)
+    start = time.perf_counter()
+    num_out = 0
+    while engine.has_unfinished():
+        num_out += sum(len(o.new_token_ids) for o in engine.step())
+    synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    check_no_leak(engine)
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed}
+
+
+def fill_cost(engine: EngineCore, spec: GrammarSpec, num_tokens: int) -> dict[str, float]:
+    """The host's mask fill per token for one matcher walking num_tokens allowed tokens (seeded choice)."""
+    import random
+
+    import xgrammar as xgr
+
+    rng = random.Random(0)
+    matcher = xgr.GrammarMatcher(engine.grammars.compiler.compile(spec))
+    bitmask = xgr.allocate_token_bitmask(1, engine.arch.vocab_size)
+    shifts = torch.arange(32, dtype=torch.int32)
+    times = []
+    for _ in range(num_tokens):
+        started = time.perf_counter()
+        matcher.fill_next_token_bitmask(bitmask)
+        times.append(time.perf_counter() - started)
+        allowed = (((bitmask[0].unsqueeze(-1) >> shifts) & 1).flatten()[: engine.arch.vocab_size]).nonzero()
+        assert matcher.accept_token(int(allowed[rng.randrange(len(allowed))]))
+    times.sort()
+    return {"median_ms": statistics.median(times) * 1e3, "p90_ms": times[int(0.9 * len(times))] * 1e3,
+            "max_ms": times[-1] * 1e3, "mean_ms": statistics.fmean(times) * 1e3}
+
+
+def compile_times(model_dir: Path, engine: EngineCore) -> dict[str, dict[str, float]]:
+    arch = engine.arch
+    compiler = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)  # fresh: an empty cache
+    out = {}
+    for name, schema in TEST_SCHEMAS.items():
+        spec = GrammarSpec(kind="json_schema", text=json.dumps(schema))
+        started = time.perf_counter()
+        compiler.compile(spec)
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        compiler.compile(spec)
+        out[name] = {"first_ms": first * 1e3, "cached_ms": (time.perf_counter() - started) * 1e3}
+    return out
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--train-vocab", type=int, default=0, help="train a byte-level BPE of this many tokens")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2, help="turns of (unconstrained, constrained)")
+    parser.add_argument("--batch1-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    args = parser.parse_args()
+    record: dict[str, Any] = {}
+    if args.train_vocab:
+        vocab_dir = Path(tempfile.mkdtemp(prefix="bench-vocab-"))
+        record["vocabulary"] = train_vocab(Path(args.model), args.train_vocab, vocab_dir)
+        record["vocabulary"]["made_from"] = "this machine's Python standard library sources (byte-level BPE)"
+        args.model = str(vocab_dir)
+    engine = build_engine(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    vocab = engine.arch.vocab_size
+    long_spec = GrammarSpec(kind="json_schema", text=json.dumps(LONG_SCHEMA))
+    record["compile"] = compile_times(engine.model_dir, engine)
+    print("compile", json.dumps(record["compile"]))
+
+    prompts, max_tokens = nano_vllm_workload(args.num_seqs, args.seed)
+    prompts = [[t % vocab for t in p] for p in prompts]
+    if args.quick:
+        prompts, max_tokens = [p[:20] for p in prompts[:8]], [min(m, 24) for m in max_tokens[:8]]
+    warm = [[t % vocab for t in p[:64]] for p in nano_vllm_workload(8, 99)[0]]
+    run(engine, warm, [16] * 8, None)  # warm-up: kernels, allocator, both paths
+    run(engine, warm, [16] * 8, long_spec)
+    record["workload"] = {"num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                          "output_tokens": sum(max_tokens), "temperature": 0.6, "ignore_eos": True,
+                          "schema": LONG_SCHEMA}
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        plain = run(engine, prompts, max_tokens, None)
+        constrained = run(engine, prompts, max_tokens, long_spec)
+        assert plain["output_tokens"] == constrained["output_tokens"] == sum(max_tokens)
+        rounds.append({"unconstrained": plain, "json_schema": constrained,
+                       "ratio": constrained["output_tok_per_s"] / plain["output_tok_per_s"]})
+        print(f"round {r}: unconstrained {plain['output_tok_per_s']:.0f} tok/s, json_schema "
+              f"{constrained['output_tok_per_s']:.0f} tok/s, ratio {rounds[-1]['ratio']:.3f}")
+    record["throughput"] = {"rounds": rounds, "mean_ratio": statistics.fmean(r["ratio"] for r in rounds)}
+
+    one = prompts[0][:256]
+    batch1: dict[str, list[float]] = {"unconstrained_ms_per_token": [], "json_schema_ms_per_token": []}
+    for _ in range(3):
+        for key, spec in (("unconstrained_ms_per_token", None), ("json_schema_ms_per_token", long_spec)):
+            result = run(engine, [one], [args.batch1_tokens], spec)
+            batch1[key].append(result["elapsed_s"] / result["output_tokens"] * 1e3)
+    plain_ms, json_ms = (statistics.median(batch1[k]) for k in batch1)
+    record["batch1"] = {**batch1, "tokens": args.batch1_tokens, "grammar_ms_per_token": json_ms - plain_ms,
+                        "host_fill": fill_cost(engine, long_spec, args.batch1_tokens)}
+    print("batch1", json.dumps(record["batch1"]))
+
+    env = environment(engine, args)
+
+    def plot(fig: Any) -> None:
+        ax1, ax2, ax3 = fig.subplots(1, 3)
+        tp = [statistics.fmean(r[k]["output_tok_per_s"] for r in rounds) for k in ("unconstrained", "json_schema")]
+        ax1.bar(["unconstrained", "JSON schema"], tp, color=["tab:gray", "tab:blue"])
+        ax1.set_title(f"nano-vllm workload: output tok/s (ratio {record['throughput']['mean_ratio']:.3f})")
+        ax2.bar(["unconstrained", "JSON schema"], [plain_ms, json_ms], color=["tab:gray", "tab:blue"])
+        ax2.set_title(f"batch 1: ms per token (+{json_ms - plain_ms:.3f} ms)")
+        names = list(record["compile"])
+        ax3.bar(names, [record["compile"][n]["first_ms"] for n in names], color="tab:green")
+        ax3.set_title("first compile, ms")
+        ax3.tick_params(axis="x", rotation=30)
+
+    paths = write_results(args.out, "structured_outputs", env, record, plot,
+                          title("Structured outputs: JSON schema on every request vs unconstrained", env,
+                                f"{len(prompts)} seqs, nano-vllm workload; vocabulary: "
+                                f"{'trained BPE ' + str(args.train_vocab) if args.train_vocab else args.model}"))
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
