@@ -5,16 +5,16 @@ unconstrained, in one process:
       [100, 1024], temperature 0.6, ignore EOS, dummy weights at the model's shape): unconstrained,
       then every request under LONG_SCHEMA (records of bounded fields, at least 100,000 of them, so
       no output completes before its max_tokens and both runs generate the same tokens), in turns
-      A B A B; output tokens per second and the ratio.
-  (2) batch 1, one request of --batch1-tokens output tokens, plain and constrained in turns: time per
-      token, their difference (what the grammar adds per token), and the host's mask fill per token
-      timed on its own.
+      A B, B A, ...; output tokens per second and the ratio per round.
+  (2) batch 1, one request of --batch1-tokens output tokens, plain and constrained in turns (4 each,
+      ABBA): median time per token, their difference (what the grammar adds per token), and the
+      host's mask fill per token timed on its own.
   (3) compile time of the test schemas (tests/unit/engine/test_grammar.py's set, repeated here):
       first compile with a fresh compiler, and the cached one.
 
 The vocabulary: the GPU machines have no Qwen3 tokenizer and no downloads; `--train-vocab N` trains a
-byte-level BPE of N tokens on this machine's Python standard library sources (the HF tokenizers
-trainer, deterministic for one set of files) and pads it to the model's logits width: a real BPE
+byte-level BPE of N tokens on this machine's Python sources (the standard library, then installed
+packages, up to 200 MB; the HF tokenizers trainer, deterministic for one set of files) and pads it to the model's logits width: a real BPE
 vocabulary of the model's size, not Qwen's own. The mask's cost follows the vocabulary's size and
 makeup, so the figures hold for a vocabulary like it.
 
@@ -73,13 +73,20 @@ TEST_SCHEMAS = {
 }
 
 
+CORPUS_BYTES = 200 << 20  # of Python sources: enough for 151,643 merges
+
+
 def train_vocab(model_dir: Path, vocab_size: int, out: Path) -> dict[str, Any]:
     """A copy of model_dir's config with a trained byte-level BPE tokenizer.json of vocab_size tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                   if "site-packages" not in f and "dist-packages" not in f)
+    roots = sorted({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
+    files, size = [], 0
+    for f in sorted({f for root in roots for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)}):
+        if size >= CORPUS_BYTES:
+            break
+        files.append(f)
+        size += os.path.getsize(f)
     started = time.perf_counter()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -92,8 +99,12 @@ def train_vocab(model_dir: Path, vocab_size: int, out: Path) -> dict[str, Any]:
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out / name)
     tokenizer.save(str(out / "tokenizer.json"))
-    return {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files),
-            "vocab_size": tokenizer.get_vocab_size(), "train_s": time.perf_counter() - started}
+    lengths = sorted(len(t) for t in tokenizer.get_vocab())
+    if tokenizer.get_vocab_size() < vocab_size:
+        raise RuntimeError(f"the corpus ({size} bytes) gave {tokenizer.get_vocab_size()} tokens of {vocab_size}")
+    return {"files": len(files), "bytes": size, "vocab_size": tokenizer.get_vocab_size(),
+            "mean_token_chars": statistics.fmean(lengths), "max_token_chars": lengths[-1],
+            "train_s": time.perf_counter() - started}
 
 
 def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], grammar: GrammarSpec | None) -> dict:
@@ -158,11 +169,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"method": "one process; runs in turns A B, B A, ... (A unconstrained); times of "
+                                        "engine.step() loops from the first step to the last token, synchronized"}
     if args.train_vocab:
         vocab_dir = Path(tempfile.mkdtemp(prefix="bench-vocab-"))
         record["vocabulary"] = train_vocab(Path(args.model), args.train_vocab, vocab_dir)
-        record["vocabulary"]["made_from"] = "this machine's Python standard library sources (byte-level BPE)"
+        record["vocabulary"]["made_from"] = "this machine's Python sources (byte-level BPE)"
         args.model = str(vocab_dir)
     engine = build_engine(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     vocab = engine.arch.vocab_size
@@ -174,16 +186,20 @@ def main() -> None:
     prompts = [[t % vocab for t in p] for p in prompts]
     if args.quick:
         prompts, max_tokens = [p[:20] for p in prompts[:8]], [min(m, 24) for m in max_tokens[:8]]
-    warm = [[t % vocab for t in p[:64]] for p in nano_vllm_workload(8, 99)[0]]
-    run(engine, warm, [16] * 8, None)  # warm-up: kernels, allocator, both paths
-    run(engine, warm, [16] * 8, long_spec)
+    warm = [[t % vocab for t in p[:256]] for p in nano_vllm_workload(len(prompts), 99)[0]]
+    run(engine, warm, [32] * len(warm), None)  # warm-up at full batch: kernels, graphs, allocator, both paths
+    run(engine, warm, [32] * len(warm), long_spec)
     record["workload"] = {"num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                           "output_tokens": sum(max_tokens), "temperature": 0.6, "ignore_eos": True,
                           "schema": LONG_SCHEMA}
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        plain = run(engine, prompts, max_tokens, None)
-        constrained = run(engine, prompts, max_tokens, long_spec)
+        if r % 2 == 0:
+            plain = run(engine, prompts, max_tokens, None)
+            constrained = run(engine, prompts, max_tokens, long_spec)
+        else:  # NOTE: in turns A B, B A: neither always runs first
+            constrained = run(engine, prompts, max_tokens, long_spec)
+            plain = run(engine, prompts, max_tokens, None)
         assert plain["output_tokens"] == constrained["output_tokens"] == sum(max_tokens)
         rounds.append({"unconstrained": plain, "json_schema": constrained,
                        "ratio": constrained["output_tok_per_s"] / plain["output_tok_per_s"]})
@@ -193,8 +209,9 @@ def main() -> None:
 
     one = prompts[0][:256]
     batch1: dict[str, list[float]] = {"unconstrained_ms_per_token": [], "json_schema_ms_per_token": []}
-    for _ in range(3):
-        for key, spec in (("unconstrained_ms_per_token", None), ("json_schema_ms_per_token", long_spec)):
+    for turn in range(4):
+        pair = (("unconstrained_ms_per_token", None), ("json_schema_ms_per_token", long_spec))
+        for key, spec in pair if turn % 2 == 0 else pair[::-1]:
             result = run(engine, [one], [args.batch1_tokens], spec)
             batch1[key].append(result["elapsed_s"] / result["output_tokens"] * 1e3)
     plain_ms, json_ms = (statistics.median(batch1[k]) for k in batch1)

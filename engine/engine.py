@@ -345,7 +345,7 @@ class EngineCore:
             # From asynchronous steps to a drafting one: this call only reads the step in flight
             # (its outputs), so drafting starts from every token in place.
             prev, self._inflight = self._inflight, None
-            return self._resolve(prev)
+            return self._resolve(prev)[0]
         self._draft()
         out = self.scheduler.schedule()
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
@@ -358,7 +358,7 @@ class EngineCore:
         prev, self._inflight = self._inflight, None
         outputs: list[StepOutput] = []
         if prev is not None and prev.needs_tokens_first:
-            outputs, prev = self._resolve(prev), None
+            outputs, prev = self._resolve(prev)[0], None
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset())
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
@@ -366,15 +366,18 @@ class EngineCore:
         if out.scheduled:
             logits = self._forward(out, prev)
             sampling = [s for s in out.scheduled if s.will_sample]
-            if prev is not None and self._constrains(sampling):
-                # A grammar's mask follows N's tokens: the host reads them and fills the mask
-                # while the device runs N+1's forward, then queues the draw.
-                outputs, prev = self._resolve(prev), None
+            mask = None
+            if self._constrains(sampling):
+                if prev is not None:
+                    # A grammar's mask follows N's tokens: the host reads them and fills the mask
+                    # while the device runs N+1's forward, then queues the draw.
+                    (outputs, mask), prev = self._resolve(prev, sampling), None
+                else:
+                    mask = self._mask(sampling)
             if sampling:
-                rows = [_row(s.request) for s in sampling]
-                pending = self.sampler.launch(logits, rows, self.generator, self._mask(sampling))
+                pending = self.sampler.launch(logits, [_row(s.request) for s in sampling], self.generator, mask)
         if prev is not None:
-            outputs = self._resolve(prev)
+            outputs = self._resolve(prev)[0]
         if out.scheduled:
             self._inflight = self._book(out, sampling, pending)
         return outputs
@@ -423,11 +426,21 @@ class EngineCore:
             needs_tokens_first = needs_tokens_first or request.hold_kv or has_penalty(request.params)
         return _Inflight(sampling, pending, frozenset(ending), needs_tokens_first)
 
-    def _resolve(self, step: _Inflight) -> list[StepOutput]:
-        """Reads a launched step's tokens into place of its placeholders; its StepOutputs."""
+    def _resolve(
+        self, step: _Inflight, then: Sequence[ScheduledRequest] = ()
+    ) -> tuple[list[StepOutput], TokenMask | None]:
+        """Reads a launched step's tokens into place of its placeholders; its StepOutputs, and the mask
+        of `then` (the next draw's requests). The constrained requests' matchers take the tokens and
+        fill that mask on the grammar book's thread while this one builds the outputs."""
         if step.pending is None:
-            return []
+            return [], self._mask(then)
         result = self.sampler.finish(step.pending)
+        job = None
+        if self.grammars:
+            tokens = [(s.request.request_id, [result.token_ids[i]]) for i, s in enumerate(step.sampling)
+                      if not s.request.is_finished and s.request.request_id in self.grammars]
+            if tokens or then:
+                job = self.grammars.submit(tokens, [s.request.request_id for s in then])
         outputs: list[StepOutput] = []
         for i, s in enumerate(step.sampling):
             request = s.request
@@ -439,7 +452,7 @@ class EngineCore:
             status = self._stop_status(request, token)
             logprobs, top_logprobs = _one(result.logprobs[i], result.top_logprobs[i])
             outputs.append(self._report(request, [token], status, logprobs, top_logprobs))
-        return outputs
+        return outputs, (job.result() if job is not None else None)
 
     def _drafts_now(self) -> bool:
         """Whether this step drafts: a proposer, and a running batch no larger than
@@ -551,6 +564,8 @@ class EngineCore:
                 new_tokens = sample.token_ids
                 request.token_ids.append(new_tokens[0])
                 status = self._stop_status(request, new_tokens[0])
+            if request.request_id in self.grammars:
+                self.grammars.accept([(request.request_id, new_tokens)])
             n = len(new_tokens)
             outputs.append(
                 self._report(
@@ -563,7 +578,7 @@ class EngineCore:
 
     def _mask(self, sampling: Sequence[ScheduledRequest]) -> TokenMask | None:
         """The draw's token mask: the constrained requests' allowed tokens (None: none is constrained)."""
-        return self.grammars.mask([s.request.request_id for s in sampling]) if len(self.grammars) else None
+        return self.grammars.mask([s.request.request_id for s in sampling]) if self.grammars and sampling else None
 
     def _report(
         self,
@@ -610,11 +625,12 @@ class EngineCore:
         adaptive.observe(s.request, s.num_spec_tokens, sample.num_accepted)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        """The stop a just-appended token brings, if any; a constrained request's matcher takes the
-        token here (so every appended token passes through it once, in order)."""
+        """The stop a just-appended token brings, if any."""
         params = request.params
-        if params.grammar is not None and self.grammars.accept(request.request_id, token):
-            request.stop_token_id = token  # NOTE: the grammar is complete and ended: no min_tokens holds it open
+        if params.grammar is not None and token in self.eos_token_ids:
+            # NOTE: a grammar's mask allows EOS only where it is complete, and ends the output there
+            # whatever min_tokens or ignore_eos say.
+            request.stop_token_id = token
             return RequestStatus.FINISHED_STOPPED
         num_tokens = len(request.token_ids)
         num_output = num_tokens - len(request.prompt_token_ids)

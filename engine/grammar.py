@@ -6,8 +6,9 @@ matcher per constrained request that says which tokens may come next.
   compile off the engine thread (`compile_within`, which refuses a grammar that takes longer than
   its limit), so a slow grammar never stalls a batch.
 - `GrammarBook` is one engine's: a matcher per constrained request. Before each draw, `mask` writes
-  the allowed-token bitmask of each constrained row on the host; `accept` advances a matcher by a
-  sampled token; `mask_drafts` checks a speculation's drafts and rolls the matcher back exactly.
+  the allowed-token bitmask of each constrained row on the host; `accept` advances the matchers by
+  the sampled tokens (`submit` does both on the book's thread while the engine thread goes on);
+  `mask_drafts` checks a speculation's drafts and rolls the matchers back exactly.
 - A matcher is never shipped between workers: it is rebuilt from the grammar and the output so far
   (a decode worker's first token from the prefill worker, a moved request's earlier output), and
   replaying those tokens gives the very state the earlier worker had.
@@ -18,9 +19,11 @@ NOTE: xgrammar is imported on the first grammar, so an engine that never sees on
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -37,6 +40,9 @@ __all__ = ["GrammarBook", "GrammarCompiler", "GrammarError", "TokenMask", "apply
 COMPILE_TIMEOUT_S = 10.0
 """Longest a grammar may take to compile; a slower one is refused (its compile finishes unheeded)."""
 
+
+INLINE_ROWS = 8
+"""`submit` does at most this many rows' work (accepts and fills) on the caller's thread."""
 
 COMPILED_KEPT = 256
 """Compiled grammars a compiler keeps by spec (the most recently used)."""
@@ -62,9 +68,14 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
         return logits
     import xgrammar as xgr
 
+    bitmask = mask.bitmask.to(logits.device, non_blocking=True)
+    if len(mask.rows) == logits.shape[0]:  # NOTE: every row masked (rows ascending): no gather
+        masked = logits.clone()
+        xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[1])
+        return masked
     index = upload(mask.rows, torch.long, logits.device)
     rows = logits.index_select(0, index)
-    xgr.apply_token_bitmask_inplace(rows, mask.bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1])
+    xgr.apply_token_bitmask_inplace(rows, bitmask, vocab_size=logits.shape[1])
     return logits.index_copy(0, index, rows)
 
 
@@ -85,20 +96,38 @@ def _vocab_type(tokenizer_json: dict[str, Any]) -> tuple[str, bool]:
     return "RAW", False
 
 
-# xgrammar 0.2.8 writes a string with a length bound (minLength, maxLength) as characters of this
-# class, which lets raw control characters through; JSON (RFC 8259) requires them escaped.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+# A JSON string's characters that need no escape: what a length-bounded string is made of here.
+_PLAIN_STRING = r'^[^"\\\x00-\x1f]{%d,%s}$'
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas
 
 
-def _json_schema_ebnf(schema: str) -> str:
-    """The EBNF of a JSON schema, with no free whitespace between JSON tokens (a model's whitespace
-    runs can otherwise go on until max_tokens, leaving the JSON unfinished) and only JSON-valid
-    string characters."""
-    import xgrammar as xgr
+def _bounded_strings_as_patterns(node: Any) -> Any:
+    """The schema with each length-bounded string (minLength, maxLength; no pattern, format, enum or
+    const) written as a pattern of unescaped characters. xgrammar 0.2.8 compiles such a string into
+    a rule whose mask takes milliseconds per token (each of a large vocabulary's tokens checked one
+    by one) and that lets raw control characters through, which JSON forbids; the pattern's mask
+    takes microseconds. Such a string then holds no escape sequences."""
+    if isinstance(node, list):
+        return [_bounded_strings_as_patterns(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else _bounded_strings_as_patterns(v) for k, v in node.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        if isinstance(low, int) and (high is None or isinstance(high, int)):
+            out["pattern"] = _PLAIN_STRING % (low, "" if high is None else high)
+        else:  # not integers: left for the compiler to refuse
+            out["minLength"], out["maxLength"] = low, high
+    return out
 
-    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
-    return ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+def _json_schema(text: str) -> str:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"it is not JSON ({err})") from None
+    return json.dumps(_bounded_strings_as_patterns(schema))
 
 
 class GrammarCompiler:
@@ -145,7 +174,9 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         c = self._compiler
         compile: Callable[[], xgrammar.CompiledGrammar] = {
-            "json_schema": lambda: c.compile_grammar(_json_schema_ebnf(spec.text)),
+            # NOTE: no free whitespace between JSON tokens: a model's whitespace runs can otherwise go
+            # on until max_tokens, leaving the JSON unfinished.
+            "json_schema": lambda: c.compile_json_schema(_json_schema(spec.text), any_whitespace=False),
             # NOTE: OpenAI's JSON mode: any object, so other keys than none are allowed (not strict).
             "json_object": lambda: c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False),
             "regex": lambda: c.compile_regex(spec.text),
@@ -187,6 +218,9 @@ class GrammarBook:
         self._lock = threading.Lock()
         self._pin_memory = pin_memory
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills many rows on its threads
+        self._thread: ThreadPoolExecutor | None = None  # `submit`'s
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
 
     @property
@@ -222,36 +256,77 @@ class GrammarBook:
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def accept(self, request_id: str, token: int) -> bool:
-        """Advances request_id's matcher by a sampled token; True when the grammar is complete and
-        ended (an end-of-sequence token). The token was drawn under this matcher's mask, so it is
-        allowed: a refusal is a bug, raised."""
-        matcher = self._matchers[request_id]
-        if not matcher.accept_token(token):
-            raise RuntimeError(f"request {request_id!r} sampled token {token}, which its grammar's mask forbade")
-        return matcher.is_terminated()
+    def accept(self, tokens: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Advances each listed request's matcher by its new tokens, in order (a batch of single
+        tokens in one call). The tokens were drawn under these matchers' masks: a refusal is a bug,
+        raised. A matcher that took an end-of-sequence token is terminated: the request ends."""
+        self._advance([(self._matchers[rid], list(new)) for rid, new in tokens])
 
-    def _new_bitmask(self, rows: int) -> torch.Tensor:
+    def submit(self, tokens: Sequence[tuple[str, Sequence[int]]], request_ids: Sequence[str]) -> Future[TokenMask | None]:
+        """`accept(tokens)`, then `mask(request_ids)`, on the book's own thread (xgrammar releases the
+        GIL): the engine thread goes on with the step's other work meanwhile. The engine thread
+        touches no matcher until the future is done; matchers dropped meanwhile are already in hand."""
+        advancing = [(self._matchers[rid], list(new)) for rid, new in tokens]
+        masked = [(i, self._matchers[rid]) for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if len(advancing) + len(masked) <= INLINE_ROWS:  # NOTE: less work than a hand-off to the thread
+            done: Future[TokenMask | None] = Future()
+            self._advance(advancing)
+            done.set_result(self._fill(masked))
+            return done
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._thread.submit(lambda: (self._advance(advancing), self._fill(masked))[1])
+
+    @staticmethod
+    def _advance(advancing: list[tuple[Any, list[int]]]) -> None:
+        import xgrammar as xgr
+
+        singles = [(m, new[0]) for m, new in advancing if len(new) == 1]
+        if singles and not all(xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in singles],
+                                                                          [t for _, t in singles])):
+            raise RuntimeError("a sampled token was refused by the grammar whose mask it was drawn under")
+        for matcher, new in advancing:
+            if len(new) != 1 and not all(matcher.accept_token(t) for t in new):
+                raise RuntimeError(f"sampled tokens {new} were refused by the grammar whose masks they were drawn under")
+
+    def _bitmask(self, rows: int) -> torch.Tensor:
+        """[rows, words] int32 to fill, from a ring of two pinned buffers (a step's plain draw and its
+        verification may each take one). NOTE: a buffer is filled again only after the tokens of the
+        draw that read it were read, so its copy to the device is done."""
         words = -(-self.compiler.vocab_size // 32)
-        return torch.full((rows, words), -1, dtype=torch.int32, pin_memory=self._pin_memory)  # all allowed
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = self._buffers[self._turn] = torch.empty(
+                (max(rows, 256), words), dtype=torch.int32, pin_memory=self._pin_memory
+            )
+        return buffer[:rows]
 
     def mask(self, request_ids: Sequence[str]) -> TokenMask | None:
         """The mask of one draw whose row i is request_ids[i]: a bitmask row per constrained one
         (a finished request's row is left out: its draw is dropped). None: no row is constrained."""
-        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
-        if not rows:
+        return self._fill([(i, self._matchers[rid]) for i, rid in enumerate(request_ids) if rid in self._matchers])
+
+    def _fill(self, masked: list[tuple[int, Any]]) -> TokenMask | None:
+        """(draw row, matcher) -> the draw's mask; a terminated matcher's row allows all (its draw is dropped)."""
+        if not masked:
             return None
-        bitmask = self._new_bitmask(len(rows))
-        live = [(j, m) for j, m in enumerate(self._matchers[request_ids[i]] for i in rows) if not m.is_terminated()]
+        bitmask = self._bitmask(len(masked))
+        live = []
+        for j, (_, matcher) in enumerate(masked):
+            if matcher.is_terminated():
+                bitmask[j] = -1
+            else:
+                live.append((j, matcher))
         if len(live) == 1:
             live[0][1].fill_next_token_bitmask(bitmask, live[0][0])
         elif live:
             if self._batch is None:
                 import xgrammar as xgr
 
-                self._batch = xgr.BatchGrammarMatcher()
+                self._batch = xgr.BatchGrammarMatcher(os.cpu_count() or 1)
             self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [j for j, _ in live])
-        return TokenMask(rows, bitmask)
+        return TokenMask([i for i, _ in masked], bitmask)
 
     def mask_drafts(self, rows: Sequence[tuple[str, Sequence[int]]]) -> TokenMask | None:
         """The mask of one verification: row i is (request id, its K_i drafted tokens), with K_i + 1
@@ -269,8 +344,9 @@ class GrammarBook:
             start += len(drafts) + 1
         if not positions:
             return None
-        bitmask = self._new_bitmask(len(positions))
+        bitmask = self._bitmask(len(positions))
         for first, matcher, drafts in matchers:
+            bitmask[first : first + len(drafts) + 1] = -1
             if matcher.is_terminated():
                 continue
             matcher.fill_next_token_bitmask(bitmask, first)
