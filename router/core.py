@@ -1,8 +1,9 @@
 """RouterCore: what the HTTP and gRPC front ends share between a parsed request and the
 Dispatcher's token stream: the served model's name, tokenization (text, token ids checked against
-the vocabulary, chat templates), the router's limits, fanning n > 1 out into n requests, text
-through TextState (incremental detokenization, stop strings), the in-flight limit, and mapping the
-Dispatcher's errors to APIError (an HTTP status and OpenAI's error body).
+the vocabulary, chat templates), the router's limits, the compile check of a request's grammar
+(structured outputs), fanning n > 1 out into n requests, text through TextState (incremental
+detokenization, stop strings), the in-flight limit, and mapping the Dispatcher's errors to APIError
+(an HTTP status and OpenAI's error body).
 
 What it does not know: HTTP (requests, SSE, JSON bodies), Ray, or how workers are picked (the
 Dispatcher's job). It counts nothing itself: metrics go to the optional `metrics` hook.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -20,13 +23,17 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.config import DEFAULT_MODEL, SamplingParams
+from engine.config import DEFAULT_MODEL, GrammarSpec, SamplingParams
+from engine.grammar import GrammarCompiler, GrammarError
+from engine.models.arch import load_arch
 from engine.output_processor import TextState
 from engine.tokenizer import Tokenizer
 from engine.validation import InvalidRequestError
 from protocol.messages import PrefillResultMsg
+from router.chat_template import apply_chat_template
 from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError
 from router.spans import SpanRecorder
+from router.structured import GrammarSource
 from router.openai_schema import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -36,6 +43,9 @@ from router.openai_schema import (
 )
 
 log = logging.getLogger(__name__)
+
+_COMPILER_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+"""xgrammar's messages start with its log line's time and source line: not the client's business."""
 
 
 class RouterConfig(BaseModel):
@@ -117,7 +127,11 @@ class RouterCore:
         *,
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        grammar_compiler: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
+        """grammar_compiler: builds the compiler of the 400 check of grammars (called on the first
+        grammar, on a worker thread); by default the tokenizer's checkpoint's (its tokenizer.json,
+        and vocab size and stop ids from its config.json, as the engine reads them)."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len is {max_model_len}; it must be at least 2 (one prompt + one new token)")
         self.dispatcher = dispatcher
@@ -129,6 +143,9 @@ class RouterCore:
         self.clock = clock
         self.num_in_flight = 0  # choices admitted and not yet closed
         self.spans = SpanRecorder(clock=clock)
+        self._make_grammar_compiler = grammar_compiler or self._checkpoint_grammar_compiler
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_compiler_lock = threading.Lock()
 
     def on_prefill_result(self, result: PrefillResultMsg) -> None:
         """The Dispatcher's hook: the prefill worker's answer of one request (its compute time, and
@@ -159,9 +176,13 @@ class RouterCore:
             encoded.append(self._check_length(ids, where))
         return encoded
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The chat template's prompt; `tools` (OpenAI function tools) are among its variables."""
         try:
-            text = self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt)
+            text = apply_chat_template(self.tokenizer, [dict(m) for m in messages], add_generation_prompt, tools)
         except Exception as err:  # noqa: BLE001 - the template refused these messages, or there is none
             raise bad_request(f"messages: the chat template failed: {err}", "messages") from None
         # NOTE: the template writes its own special tokens (HF's apply_chat_template encodes the same way).
@@ -211,6 +232,34 @@ class RouterCore:
                     f"stop_token_ids: {token} is outside the vocabulary [0, {vocab_size})", "stop_token_ids"
                 )
         return params
+
+    async def check_grammar(self, source: GrammarSource | None) -> None:
+        """Compiles the request's grammar, off the event loop and within the compiler's time limit,
+        so that one that does not compile is a 400 naming its field, with the compiler's message,
+        before any worker sees it. Nothing happens without a grammar. The compiler caches each
+        text, so a schema sent again is a lookup here (and on the workers, which compile too)."""
+        if source is None:
+            return
+        try:
+            await asyncio.to_thread(self._compile_grammar, source.spec)
+        except GrammarError as err:
+            message = _COMPILER_LOG_PREFIX.sub("", str(err)).strip()
+            raise bad_request(f"{source.field}: {message}", source.field) from None
+
+    def _compile_grammar(self, spec: GrammarSpec) -> None:
+        with self._grammar_compiler_lock:  # NOTE: worker threads: the first grammars race to build it
+            if self._grammar_compiler is None:
+                self._grammar_compiler = self._make_grammar_compiler()
+            compiler = self._grammar_compiler
+        compiler.compile_within(spec)
+
+    def _checkpoint_grammar_compiler(self) -> GrammarCompiler:
+        model_dir = self.tokenizer.source_dir
+        if model_dir is None:
+            raise GrammarError("structured outputs need the model's checkpoint directory, and this router's "
+                               "tokenizer was not loaded from one (Tokenizer.from_dir)")
+        arch = load_arch(model_dir)
+        return GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs name tokens this way)."""

@@ -1,6 +1,8 @@
 """The gRPC front end (pdserve.v1.Generation) over RouterCore: the same validation, limits and
 streaming as the HTTP API, in protobuf. Errors become gRPC status codes (400 -> INVALID_ARGUMENT,
 401 -> UNAUTHENTICATED, 404 -> NOT_FOUND, 429/503 -> RESOURCE_EXHAUSTED/UNAVAILABLE).
+SamplingOptions' `constraint` (json_schema, json_object, regex, grammar) is the HTTP API's
+structured outputs; a bad one is INVALID_ARGUMENT naming `sampling.<field>`.
 
 Knows nothing of Serve: the ingress passes the request and a context with set_code/set_details
 and invocation_metadata (grpc's or Serve's).
@@ -15,9 +17,11 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
+from router import structured
 from router.core import ChoiceDelta, RouterCore
 from router.openai_schema import APIError, CompletionRequest, bad_request
 from router.proto.codegen import ensure_generated
+from router.structured import GrammarFieldError, GrammarSource
 
 ensure_generated()
 from router.proto import pdserve_pb2 as pb  # noqa: E402
@@ -61,6 +65,24 @@ def to_completion_request(request: pb.GenerateRequest) -> CompletionRequest:
         raise bad_request(f"{param}: {first['msg']}", param) from None
 
 
+def grammar_of(sampling: pb.SamplingOptions) -> GrammarSource | None:
+    """SamplingOptions' constraint (its oneof), named `sampling.<field>` in errors; None without one."""
+    kind = sampling.WhichOneof("constraint")
+    field = f"sampling.{kind}"
+    try:
+        if kind == "json_schema":
+            return structured.json_schema(sampling.json_schema, field)
+        if kind == "json_object":
+            return structured.json_object(field) if sampling.json_object else None
+        if kind == "regex":
+            return structured.regex(sampling.regex, field)
+        if kind == "grammar":
+            return structured.ebnf(sampling.grammar, field)
+    except GrammarFieldError as err:
+        raise bad_request(str(err), err.field) from None
+    return None
+
+
 def check_api_key(core: RouterCore, metadata: Any) -> None:
     key = core.config.api_key
     if key is None:
@@ -93,6 +115,10 @@ async def generate(core: RouterCore, request: pb.GenerateRequest, context: Any) 
         completion = to_completion_request(request)
         prompts = core.encode_prompts(completion.prompt)
         params = core.sampling_params(completion, prompts)
+        grammar = grammar_of(request.sampling)
+        if grammar is not None:
+            params = params.model_copy(update={"grammar": grammar.spec})  # a GrammarSpec is validated when built
+            await core.check_grammar(grammar)
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         async for delta in core.generate(request_id, prompts[0], params):
             yield _response(request_id, delta, delta.text)

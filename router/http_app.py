@@ -2,7 +2,8 @@
 /v1/chat/completions (JSON, or SSE streaming as OpenAI frames it), /v1/models, /health; the API key
 check, the request body limit, and an OpenAI error body for every failure (never a bare 500 page).
 
-What it knows: HTTP, SSE framing, and how ChoiceDeltas become OpenAI responses and chunks. What it
+What it knows: HTTP, SSE framing, and how ChoiceDeltas become OpenAI responses and chunks (a chat
+output's tool calls parsed out of its text by router/tool_calls.py, each streamed whole). What it
 does not know: tokenizers, limits or workers (RouterCore owns those), Ray Serve (the deployment
 wraps this app as its ingress), or metrics backends (it calls `core.metrics.on_response` when set).
 """
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router import openai_schema as oai
 from router.core import ChoiceDelta, RouterCore
 from router.openai_schema import APIError, UsageInfo, bad_request
+from router.tool_calls import ToolCalling, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ def build_http_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         prompts = core.encode_prompts(body.prompt)
         params = core.sampling_params(body, prompts)
+        await core.check_grammar(body.grammar)
         render = _CompletionRender(core, f"cmpl-{uuid.uuid4().hex}", len(prompts) * body.n, params.logprobs)
         stream = core.generate_prompts(render.id, prompts, params, body.n)
         return await _respond(request, stream, render, body.stream, body.include_usage, sum(map(len, prompts)))
@@ -96,10 +99,14 @@ def build_http_app(core: RouterCore) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = oai.ChatCompletionRequest.parse(await _read_json(request, core.config.max_body_bytes))
         core.check_model(body.model)
-        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
-        prompt = core.encode_chat(messages, body.add_generation_prompt)
+        calling = body.tool_calling
+        prompt = core.encode_chat(body.template_messages(), body.add_generation_prompt,
+                                  None if calling is None else calling.tools)
         params = core.sampling_params(body, [prompt])
-        render = _ChatRender(core, f"chatcmpl-{uuid.uuid4().hex}", body.n, params.logprobs)
+        await core.check_grammar(body.grammar)
+        is_calling = calling is not None and calling.is_active
+        render = _ChatRender(core, f"chatcmpl-{uuid.uuid4().hex}", body.n, params.logprobs,
+                             calling if is_calling else None)
         stream = core.generate(render.id, prompt, params, body.n)
         return await _respond(request, stream, render, body.stream, body.include_usage, len(prompt))
 
@@ -404,6 +411,22 @@ class _CompletionRender(_Render):
 
 
 class _ChatRender(_Render):
+    """With tool calling, each choice's text goes through a ToolCallStream: text from a
+    `<tool_call>` on is held back, and each completed call is sent whole, in one delta."""
+
+    def __init__(
+        self, core: RouterCore, response_id: str, num_choices: int, logprobs: int | None,
+        calling: ToolCalling | None = None,
+    ) -> None:
+        super().__init__(core, response_id, num_choices, logprobs)
+        self.calling = calling
+        self.streams = [ToolCallStream() for _ in range(num_choices)] if calling is not None else None
+
+    def _finish_reason(self, finish_reason: str | None, num_calls: int) -> str | None:
+        if self.calling is not None and num_calls and finish_reason == "stop":
+            return self.calling.finish_reason_of_calls
+        return finish_reason
+
     def _entry(self, token: int, logprob: float) -> oai.ChatLogprob:
         text = self.core.token_text(token)
         return oai.ChatLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
@@ -424,28 +447,49 @@ class _ChatRender(_Render):
         return oai.ChatCompletionChunk(**self.head, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:
-        role = oai.DeltaMessage(role="assistant", content="")
+        # NOTE: no content '' with tool calling: a reply of calls alone has content null, as OpenAI's
+        role = oai.DeltaMessage(role="assistant", content="" if self.streams is None else None)
         return [self._chunk([oai.ChatStreamChoice(index=i, delta=role)]) for i in range(self.num_choices)]
 
     def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
         if not self._is_news(delta):
             return None
+        content, calls, finish_reason = delta.text, [], delta.finish_reason
+        if self.streams is not None:
+            stream = self.streams[delta.index]
+            first_index = stream.num_calls
+            content, new_calls = stream.feed(delta.text)
+            if delta.finish_reason is not None:
+                content += stream.finish()
+            calls = [oai.ToolCallDelta.at(first_index + i, c) for i, c in enumerate(new_calls)]
+            finish_reason = self._finish_reason(finish_reason, stream.num_calls)
+            if not (content or calls or finish_reason or (self.is_logprobs and delta.token_ids)):
+                return None  # all of it held back
+        message = oai.DeltaMessage(content=content or None, tool_calls=calls or None)
         choice = oai.ChatStreamChoice(
-            index=delta.index, delta=oai.DeltaMessage(content=delta.text or None), logprobs=self._logprobs([delta]),
-            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+            index=delta.index, delta=message, logprobs=self._logprobs([delta]), finish_reason=finish_reason,
+            stop_reason=delta.stop_reason,
         )
         return self._chunk([choice])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return self._chunk([], usage)
 
+    def _message(self, text: str) -> tuple[oai.ChatResponseMessage, int]:
+        """The message of a choice's whole text, and its number of tool calls."""
+        if self.calling is None:
+            return oai.ChatResponseMessage(content=text), 0
+        content, calls = parse_tool_calls(text)
+        tool_calls = [oai.ToolCallOut.of(c) for c in calls] or None
+        return oai.ChatResponseMessage(content=content, tool_calls=tool_calls), len(calls)
+
     def response(self, deltas: list[ChoiceDelta], usage: UsageInfo) -> BaseModel:
-        choices = [
-            oai.ChatCompletionChoice(
-                index=i, message=oai.ChatResponseMessage(content="".join(d.text for d in ds)),
-                logprobs=self._logprobs(ds), finish_reason=ds[-1].finish_reason if ds else None,
+        choices = []
+        for i, ds in enumerate(self._by_choice(deltas)):
+            message, num_calls = self._message("".join(d.text for d in ds))
+            choices.append(oai.ChatCompletionChoice(
+                index=i, message=message, logprobs=self._logprobs(ds),
+                finish_reason=self._finish_reason(ds[-1].finish_reason, num_calls) if ds else None,
                 stop_reason=ds[-1].stop_reason if ds else None,
-            )
-            for i, ds in enumerate(self._by_choice(deltas))
-        ]
+            ))
         return oai.ChatCompletionResponse(**self.head, choices=choices, usage=usage)

@@ -147,8 +147,8 @@ def test_missing_prompt_and_min_tokens_over_max_tokens():
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'user'"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid string"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content", "text parts"),
-        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "only 'text'"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "Field required"),
+        ({"response_format": {"type": "image"}}, "response_format.type", "'json_object'"),
     ],
 )
 def test_bad_chat_field_names_field_and_limit(fields, param, words):
