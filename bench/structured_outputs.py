@@ -171,6 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     record: dict[str, Any] = {"method": "one process; runs in turns A B, B A, ... (A unconstrained); times of "
                                         "engine.step() loops from the first step to the last token, synchronized"}
+    shape = args.model
     if args.train_vocab:
         vocab_dir = Path(tempfile.mkdtemp(prefix="bench-vocab-"))
         record["vocabulary"] = train_vocab(Path(args.model), args.train_vocab, vocab_dir)
@@ -220,6 +221,7 @@ def main() -> None:
     print("batch1", json.dumps(record["batch1"]))
 
     env = environment(engine, args)
+    env["model"]["name"] = shape  # NOTE: the shape's directory; the vocabulary is record["vocabulary"]
 
     def plot(fig: Any) -> None:
         ax1, ax2, ax3 = fig.subplots(1, 3)
