@@ -7,7 +7,7 @@ and special tokens from `tokenizer_config.json` (or `chat_template.jinja`), and 
 
 What it does not know: slow (sentencepiece `tokenizer.model`-only) tokenizers, tokenizer classes'
 Python-side quirks (e.g. LlamaTokenizer's legacy space handling beyond what tokenizer.json says),
-tools/documents arguments of chat templates, stop strings, or anything about models and requests.
+the documents argument of chat templates, stop strings, or anything about models and requests.
 Special tokens at encode time come from tokenizer.json's post-processor; `add_bos_token: true` in
 tokenizer_config.json only prepends a BOS the post-processor did not add.
 """
@@ -160,8 +160,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages to the prompt text (not tokenized) with the checkpoint's jinja template."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render messages to the prompt text (not tokenized) with the checkpoint's jinja template;
+        `tools` (OpenAI function tools) are the template's `tools` variable, as transformers passes them."""
         if self._chat_template_source is None:
             where = self.source_dir / TOKENIZER_CONFIG_FILE if self.source_dir else TOKENIZER_CONFIG_FILE
             raise ValueError(
@@ -175,6 +179,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=tools,
         )
 
 

@@ -30,7 +30,6 @@ from engine.output_processor import TextState
 from engine.tokenizer import Tokenizer
 from engine.validation import InvalidRequestError
 from protocol.messages import PrefillResultMsg
-from router.chat_template import apply_chat_template
 from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError
 from router.spans import SpanRecorder
 from router.structured import GrammarSource
@@ -182,7 +181,7 @@ class RouterCore:
     ) -> list[int]:
         """The chat template's prompt; `tools` (OpenAI function tools) are among its variables."""
         try:
-            text = apply_chat_template(self.tokenizer, [dict(m) for m in messages], add_generation_prompt, tools)
+            text = self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt, tools)
         except Exception as err:  # noqa: BLE001 - the template refused these messages, or there is none
             raise bad_request(f"messages: the chat template failed: {err}", "messages") from None
         # NOTE: the template writes its own special tokens (HF's apply_chat_template encodes the same way).

@@ -1,5 +1,5 @@
-"""Chat templates with tools: a request with tools renders them into the prompt; one without
-renders exactly as the tokenizer does."""
+"""Chat templates with tools (Tokenizer.apply_chat_template's `tools`): a request with tools renders
+them into the prompt; one without renders as before."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.models import DEFAULT_MODEL_DIR
 from engine.tokenizer import Tokenizer
-from router.chat_template import apply_chat_template
 from tests.unit.router.scripted import tools_tokenizer
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -19,16 +18,16 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def test_tools_reach_the_template():
     tokenizer = tools_tokenizer()
-    text = apply_chat_template(tokenizer, MESSAGES, True, [TOOL])
+    text = tokenizer.apply_chat_template(MESSAGES, True, [TOOL])
     assert text.startswith(f"<|im_start|>system\n<tools>\n{json.dumps(TOOL)}\n</tools><|im_end|>\n")
     assert text.endswith("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n")
-    assert apply_chat_template(tokenizer, MESSAGES, False, [TOOL]).endswith("Weather?<|im_end|>\n")
+    assert tokenizer.apply_chat_template(MESSAGES, False, [TOOL]).endswith("Weather?<|im_end|>\n")
 
 
 @pytest.mark.parametrize("tools", [None, []])
 def test_without_tools_it_is_the_tokenizers_own_rendering(tools):
     tokenizer = tools_tokenizer()
-    text = apply_chat_template(tokenizer, MESSAGES, True, tools)
+    text = tokenizer.apply_chat_template(MESSAGES, True, tools)
     assert text == tokenizer.apply_chat_template(MESSAGES, True) and "<tools>" not in text
 
 
@@ -36,4 +35,4 @@ def test_a_tokenizer_without_a_template_says_so_with_or_without_tools():
     bare = Tokenizer(HFTokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json")))
     for tools in (None, [TOOL]):
         with pytest.raises(ValueError, match="this tokenizer has no chat template"):
-            apply_chat_template(bare, MESSAGES, True, tools)
+            bare.apply_chat_template(MESSAGES, True, tools)
