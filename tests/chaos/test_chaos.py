@@ -1,6 +1,7 @@
 """Chaos on a local Ray cluster over gloo (2 prefill + 2 decode workers, fault transport): under 32
-concurrent streaming requests (half greedy, half seeded sampled), kill a decode worker, kill a
-prefill worker, and inject each transfer fault (drop, delay past the deadline, fail). Each time:
+concurrent streaming requests (half greedy, half seeded sampled, a quarter of each under a JSON
+schema), kill a decode worker, kill a prefill worker, and inject each transfer fault (drop, delay
+past the deadline, fail). Each time:
 every request completes with exactly the fault-free tokens (a moved seeded request too: its draws
 depend on its seed and output position only), or ends with a clear error; new requests are served
 within 10 s of the fault, the controller replaces dead workers, and no worker holds a block once
@@ -28,6 +29,7 @@ from decode_worker import DecodeWorkerConfig
 from prefill_worker import PrefillWorkerConfig
 from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
+from engine.config import GrammarSpec
 from engine.llm import engine_config
 from kvtransfer.fault import FaultRule
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
@@ -61,8 +63,17 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 PROMPTS = _prompts(NUM_REQUESTS)
+# A JSON schema on a quarter of them: a moved request's matcher is rebuilt from its output so far.
+SCHEMA = GrammarSpec(kind="json_schema", text=json.dumps({
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}}},
+    "required": ["id", "tags"]}))
 # NOTE: in pairs, not alternately: requests may be spread over the two decode workers alternately.
-PARAMS = [GREEDY if i % 4 < 2 else SEEDED.model_copy(update={"seed": 1000 + i}) for i in range(NUM_REQUESTS)]
+PARAMS = [
+    (GREEDY if i % 4 < 2 else SEEDED.model_copy(update={"seed": 1000 + i})).model_copy(
+        update={"grammar": SCHEMA if i % 8 in (0, 2) else None})
+    for i in range(NUM_REQUESTS)
+]
 PROBE = _prompts(1, seed=99)[0]
 
 
@@ -106,7 +117,8 @@ def _write_results(scenarios: dict[str, dict[str, Any]], startup_s: float) -> No
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_PATH.write_text(json.dumps({
         "what": "chaos on a local Ray cluster (CPU, gloo under the fault transport): 32 concurrent streaming "
-                "requests per scenario (half greedy, half seeded sampled); recovery_s = from the fault to the "
+                "requests per scenario (half greedy, half seeded sampled; a quarter of each under a JSON schema); "
+                "recovery_s = from the fault to the "
                 "first new request served in full",
         "goal_recovery_s": MAX_RECOVERY_S,
         "environment": {

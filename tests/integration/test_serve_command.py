@@ -215,3 +215,64 @@ def test_start_up_prints_pdserves_banner_alone(server):
     noise = [line for line in server.output[:start] if " INFO " in line or "WARNING" in line]
     assert not noise, "".join(server.output[: start + 4])
     assert any(line.strip().startswith("HTTP  http://127.0.0.1:") for line in server.output[start:])
+
+
+STRUCTURED_SCHEMAS = [
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 9999}, "role": {"enum": ["admin", "guest"]}},
+        "required": ["id", "role"]}, "active": {"type": "boolean"}}, "required": ["user", "active"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                               "minItems": 1, "maxItems": 3},
+                                      "score": {"type": "number", "minimum": -2.5, "maximum": 7}},
+     "required": ["tags", "score"]},
+]
+
+
+def test_structured_outputs_and_tool_calls_through_1p1d_with_the_openai_client(server):
+    """Sampled at temperature 1 by the random-weight model, so the grammar alone makes them valid;
+    long prompts (past the short-prompt bound): the first token is the prefill worker's, the rest
+    the decode worker's."""
+    import random
+    import re
+
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    rng = random.Random(5)
+    long_text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "record", "value"]) for _ in range(260))
+    for i, schema in enumerate(STRUCTURED_SCHEMAS):
+        for n in range(3):
+            messages = [{"role": "system", "content": long_text}, {"role": "user", "content": f"record {i} {n}"}]
+            chat = client.chat.completions.create(
+                model="default", messages=messages, temperature=1.0, max_tokens=200,
+                response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}})
+            assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+            assert chat.usage.prompt_tokens > 192
+            jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    regex = r"(red|green|blue)-[0-9]{2,4}"
+    for n in range(3):
+        done = client.completions.create(model="default", prompt=f"{long_text} {n}", temperature=1.0, max_tokens=20,
+                                         extra_body={"structured_outputs": {"regex": regex}})
+        assert re.fullmatch(regex, done.choices[0].text), done.choices[0].text
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": STRUCTURED_SCHEMAS[0]}}
+    tags = {"type": "function", "function": {"name": "tag", "parameters": STRUCTURED_SCHEMAS[1]}}
+    ask = [{"role": "user", "content": "call a tool"}]
+    named = client.chat.completions.create(model="default", messages=ask, tools=[weather, tags], temperature=1.0,
+                                           tool_choice={"type": "function", "function": {"name": "tag"}},
+                                           max_tokens=200)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "tag"
+    jsonschema.validate(json.loads(call.function.arguments), STRUCTURED_SCHEMAS[1])
+    with client.chat.completions.stream(model="default", messages=ask, tools=[weather, tags], temperature=1.0,
+                                        tool_choice="required", parallel_tool_calls=False, max_tokens=300) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert calls and final.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        schema = {"get_weather": STRUCTURED_SCHEMAS[0], "tag": STRUCTURED_SCHEMAS[1]}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema"):
+        client.chat.completions.create(model="default", messages=ask, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "minProperties": "x"}}})
