@@ -25,6 +25,9 @@ Sizes (vocab, target / draft parameters):
   ~15, --num-threads 1): target 2.4k tokens/s, 565 steps (0.58M tokens); held-out loss 4.17
   (perplexity 65), draft 4.28 (72); greedy agreement 0.76. Too little training for sensible
   greedy text: it loops on Python-looking fragments. (2.4M params ran at ~0.5k tokens/s there.)
+- default: the embedded default model's shape and tokenizer (2048, 0.89M), seq 256, batch 128,
+  up to 8,000 steps in 7 minutes on one GPU; the draft is a token gesture (200 steps). Its target's
+  model.safetensors is engine/models/default's.
 - gpu: 8192, 34M / 6.6M, seq 512, batch 64 (32k tokens a step). NOT yet run on a GPU; estimate
   for one H100: the target costs ~6 * 29M (matmul weights incl. lm_head) + ~13M (causal
   attention, fwd + bwd) = ~190 MFLOP a token; at an assumed 20% of the 989 dense bf16 TFLOP/s
@@ -102,6 +105,13 @@ SIZES: dict[str, SizePlan] = {
         seq_len=128, batch_size=8, target=ModelShape(128, 384, 4, 4, 2, 32), draft=ModelShape(64, 192, 2, 2, 1, 32),
         max_target_steps=2_000, max_draft_steps=1_000, target_lr=3e-3, draft_lr=3e-3, minutes=7.0, num_sample_tokens=48,
     ),
+    # The embedded default model's shape (engine/models/default/config.json), trained with its own
+    # tokenizer (--tokenizer engine/models/default): the recipe of the weights it ships.
+    "default": SizePlan(
+        vocab_size=2048, max_corpus_bytes=64_000_000, max_tokenizer_bytes=1, max_eval_tokens=262_144,
+        seq_len=256, batch_size=128, target=ModelShape(128, 352, 2, 4, 2, 32), draft=ModelShape(64, 192, 1, 2, 1, 32),
+        max_target_steps=8_000, max_draft_steps=200, target_lr=3e-3, draft_lr=3e-3, minutes=7.0, num_sample_tokens=64,
+    ),
     "gpu": SizePlan(
         vocab_size=8192, max_corpus_bytes=64_000_000, max_tokenizer_bytes=8_000_000, max_eval_tokens=262_144,
         seq_len=512, batch_size=64, target=ModelShape(512, 1536, 8, 8, 4, 64), draft=ModelShape(256, 768, 3, 4, 2, 64),
@@ -109,7 +119,7 @@ SIZES: dict[str, SizePlan] = {
     ),
 }
 TARGET_SHARE = 0.65  # of the training time left after the tokenizer; the draft gets the rest
-EVAL_RESERVE_S = {"cpu-tiny": 5.0, "cpu-small": 30.0, "gpu": 30.0}  # kept for evaluation and saving
+EVAL_RESERVE_S = {"cpu-tiny": 5.0, "cpu-small": 30.0, "default": 30.0, "gpu": 30.0}  # kept for evaluation and saving
 
 
 # ---- corpus and tokenizer
@@ -279,6 +289,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default: the size's).")
     parser.add_argument(
+        "--tokenizer", type=Path, default=None,
+        help="A checkpoint directory whose tokenizer.json to train with, instead of training a BPE (--vocab-size unused).",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
         help="Override a number of the size's plan (SizePlan), e.g. --set max_target_steps=4000; repeatable.",
     )
@@ -307,9 +321,12 @@ class Corpus:
     held_out_text: str  # the held-out files, concatenated: prompts for bench.spec_decode --text
 
 
-def prepare_corpus(plan: SizePlan, vocab_size: int) -> Corpus:
+def prepare_corpus(plan: SizePlan, vocab_size: int, tokenizer_dir: Path | None = None) -> Corpus:
     train_texts, held_texts = split_corpus(plan.max_corpus_bytes, plan.max_eval_tokens * 8)
-    tokenizer = train_tokenizer(train_texts, vocab_size, plan.max_tokenizer_bytes)
+    if tokenizer_dir is not None:
+        tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    else:
+        tokenizer = train_tokenizer(train_texts, vocab_size, plan.max_tokenizer_bytes)
     eval_windows = held_out_windows(pack(tokenizer, held_texts, plan.max_eval_tokens), plan.seq_len)
     return Corpus(tokenizer, pack(tokenizer, train_texts), eval_windows, len(train_texts), len(held_texts),
                   "\n".join(held_texts))
@@ -353,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if not args.quiet:
             print(f"[{time.perf_counter() - start:6.1f}s] {line}", flush=True)
 
-    corpus = prepare_corpus(plan, args.vocab_size or plan.vocab_size)
+    corpus = prepare_corpus(plan, args.vocab_size or plan.vocab_size, args.tokenizer)
     prepare_s = time.perf_counter() - start
     log(f"corpus: {corpus.num_train_files} train files ({corpus.train_stream.numel()} tokens), "
         f"{corpus.num_held_out_files} held-out; vocab {corpus.tokenizer.get_vocab_size()}")
