@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from engine import EngineCore, engine_config
+from engine.config import DEFAULT_MODEL
 from loadgen.report import cpu_name
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -103,6 +105,16 @@ def check_no_leak(engine: EngineCore) -> None:
 
 
 # ---- results
+def model_label(model: str | Path) -> str:
+    """How results name a model: 'default' as it is; a directory (resolved against the working
+    directory) relative to the repository when inside it ('bench/shapes/qwen3-0.6b'), else by its
+    own name ('qwen3-0.6b'). Never an absolute path: that names one checkout on one machine."""
+    if str(model) == DEFAULT_MODEL:
+        return DEFAULT_MODEL
+    path = Path(model).resolve()
+    return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.name
+
+
 def environment(engine: EngineCore, args: argparse.Namespace) -> dict[str, Any]:
     """Where and on what a benchmark ran: device, software, date, and the model's shape."""
     arch = engine.arch
@@ -118,8 +130,8 @@ def environment(engine: EngineCore, args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "kv_cache": {"num_blocks": engine.pool.num_blocks, "block_size": engine.pool.block_size},
         "model": {
-            "name": args.model,
-            "dir": str(engine.model_dir),
+            "name": model_label(args.model),
+            "dir": model_label(engine.model_dir),
             "load_format": args.load_format,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "architecture": arch.architecture,
@@ -138,6 +150,8 @@ def environment(engine: EngineCore, args: argparse.Namespace) -> dict[str, Any]:
 def title(bench_title: str, env: dict[str, Any], workload_line: str) -> str:
     """Four lines: what, which model (shape, dtype), where (device, torch, date), and the workload."""
     m = env["model"]
+    # NOTE: results written before model_label may hold an absolute path; a relative one is kept as written
+    name = model_label(m["name"]) if Path(m["name"]).is_absolute() else m["name"]
     shape = (
         f"{m['num_layers']}L h{m['hidden_size']} ffn{m['intermediate_size']} "
         f"{m['num_heads']}q/{m['num_kv_heads']}kv x{m['head_dim']} V{m['vocab_size']}, "
@@ -145,7 +159,7 @@ def title(bench_title: str, env: dict[str, Any], workload_line: str) -> str:
     )
     return (
         f"{bench_title}\n"
-        f"model {m['name']} ({m['architecture']}: {shape}), {m['dtype']}, {m['load_format']} weights\n"
+        f"model {name} ({m['architecture']}: {shape}), {m['dtype']}, {m['load_format']} weights\n"
         f"{env['device_name']} ({env['device']}), torch {env['torch_version']}, {env['date']}\n"
         f"{workload_line}"
     )

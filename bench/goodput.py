@@ -89,7 +89,7 @@ from typing import Any, TextIO
 
 import torch
 
-from bench.common import device_name, device_slug, save_plot, title, write_results
+from bench.common import device_name, device_slug, model_label, save_plot, title, write_results
 from bench.goodput_report import ModeResult, compare, mode_summary, plot, scaleout, table
 from deploy.cli import add_engine_flags, engine_options
 from engine.engine import resolve_device, resolve_model_dir
@@ -585,7 +585,8 @@ def environment(args: argparse.Namespace, device: torch.device, model_dir: Path,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "label": args.label,
         "model": {
-            "name": args.model, "dir": str(model_dir), "served_dir": plan.model_name, "load_format": args.load_format,
+            "name": model_label(args.model), "dir": model_label(model_dir), "served_dir": model_label(plan.model_name),
+            "load_format": args.load_format,
             "dtype": args.dtype, "architecture": arch.architecture, "num_layers": arch.num_layers,
             "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size, "num_heads": arch.num_heads,
             "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,

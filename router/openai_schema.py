@@ -30,7 +30,8 @@ MAX_SEED = 2**63 - 1
 """Seeds are int64 (OpenAI's range); n > 1 adds the choice index to it."""
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-"""OpenAI's default max_tokens for /v1/completions (chat defaults to the room left in the context)."""
+"""OpenAI's default max_tokens for /v1/completions (chat defaults to the room left in the context, capped by
+the router's max_tokens_limit)."""
 
 UNSUPPORTED = {
     "echo": "echo=true is not supported by this server; send echo=false and prepend the prompt yourself",

@@ -1,0 +1,59 @@
+"""bench/common.py's environment and plot title name the model without an absolute path: relative
+to the repository inside it, by the directory's name outside it (results travel between checkouts
+and machines, and an absolute path names one of them)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import common
+from engine.engine import DEFAULT_MODEL_DIR
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    num_threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def _environment(model: str) -> dict:
+    args = common.base_parser("test").parse_args(["--model", model, "--device", "cpu", "--num-threads", "1"])
+    engine = common.build_engine(args)
+    env = common.environment(engine, args)
+    common.check_no_leak(engine)
+    return env
+
+
+def _is_absolute_anywhere(text: str) -> bool:
+    return str(common.REPO_ROOT) in text or any(Path(word).is_absolute() for word in text.split())
+
+
+@pytest.mark.parametrize("model", ["default", str(DEFAULT_MODEL_DIR)])
+def test_a_model_inside_the_repository_is_named_relative_to_it(model: str) -> None:
+    env = _environment(model)
+    assert env["model"]["dir"] == "engine/models/default"
+    assert env["model"]["name"] == ("default" if model == "default" else "engine/models/default")
+    plot_title = common.title("what", env, "workload")
+    assert f"model {env['model']['name']} (" in plot_title and not _is_absolute_anywhere(plot_title)
+
+
+def test_a_model_outside_the_repository_is_named_by_its_directory(tmp_path: Path) -> None:
+    model_dir = shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "tiny-llama")
+    env = _environment(str(model_dir))
+    assert env["model"]["name"] == env["model"]["dir"] == "tiny-llama"
+    plot_title = common.title("what", env, "workload")
+    assert "model tiny-llama (" in plot_title and not _is_absolute_anywhere(plot_title)
+
+
+def test_a_title_of_older_results_drops_their_absolute_path() -> None:
+    env = _environment("default")
+    old = {**env, "model": {**env["model"], "name": "/elsewhere/checkout/bench/shapes/qwen3-0.6b"}}
+    assert "model qwen3-0.6b (" in common.title("what", old, "workload")
+    inside = {**env, "model": {**env["model"], "name": str(common.REPO_ROOT / "bench" / "shapes" / "qwen3-0.6b")}}
+    assert "model bench/shapes/qwen3-0.6b (" in common.title("what", inside, "workload")
