@@ -71,9 +71,10 @@ class LLM:
         try:
             for ids, sp in zip(encoded, param_list):
                 rid = str(next(self._ids))
-                output = RequestOutput(rid, ids, CompletionOutput())
+                completion = CompletionOutput()
                 if sp.logprobs is not None:
-                    output.outputs.logprobs, output.outputs.top_logprobs = [], []
+                    completion.logprobs, completion.top_logprobs = [], []
+                output = RequestOutput(rid, ids, [completion])
                 states[rid] = (TextState(self.tokenizer, ids, sp), output)
                 self.engine.add_request(rid, ids, sp)
             while self.engine.has_unfinished():
@@ -84,7 +85,7 @@ class LLM:
 
     def _apply(self, states: dict[str, tuple[TextState, RequestOutput]], step: Any) -> RequestOutput:
         text_state, output = states[step.request_id]
-        completion = output.outputs
+        completion = output.outputs[0]  # the only one: the offline API has no `n`
         completion.token_ids.extend(step.new_token_ids)
         if step.logprobs is not None:
             completion.logprobs.extend(step.logprobs)  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @dataclass
 class CompletionOutput:
+    index: int = 0  # its place in RequestOutput.outputs (vLLM's field; always 0 offline: no `n`)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -24,15 +25,18 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's output so far. `outputs` is a list, as in vLLM (`out.outputs[0].text`); the
+    offline API has no `n`, so it holds exactly one CompletionOutput."""
+
     request_id: str
     prompt_token_ids: list[int]
-    outputs: CompletionOutput
+    outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     new_text: str = ""  # text added by the latest step (for streaming)
 
     @property
     def finished(self) -> bool:
-        return self.outputs.finish_reason is not None
+        return bool(self.outputs) and all(c.finish_reason is not None for c in self.outputs)
 
 
 class TextState:

@@ -84,8 +84,8 @@ class Runner:
         self.loop = asyncio.new_event_loop()
         self.chaos = Chaos(CLUSTER, DISPATCH)
         llm = LLM(**ENGINE)
-        self.expected = [o.outputs.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-        self.expected_probe = llm.generate([PROBE], PROBE_PARAMS)[0].outputs.token_ids
+        self.expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        self.expected_probe = llm.generate([PROBE], PROBE_PARAMS)[0].outputs[0].token_ids
         self.results: dict[str, dict[str, Any]] = {}
 
     def run(self, coro: Awaitable[Any]) -> Any:

@@ -65,7 +65,7 @@ def test_kill_a_router_replica_under_load(ray_cluster):
     engine = dict(device="cpu", block_size=8, num_blocks=512)
     prompts = [f"def f{i}(x):" for i in range(NUM_STREAMS)]
     llm = LLM(**engine)
-    expected = [o.outputs.text for o in llm.generate(
+    expected = [o.outputs[0].text for o in llm.generate(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
     port = free_port()
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))

@@ -43,7 +43,7 @@ def mixed_workload(num_requests: int, vocab_size: int, max_prompt: int, max_outp
 
 def generate(llm, prompts, max_tokens, logprobs=None):
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=logprobs) for m in max_tokens]
-    return [out.outputs for out in llm.generate(prompts, params)]
+    return [out.outputs[0] for out in llm.generate(prompts, params)]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -27,4 +27,4 @@ def test_gpu_greedy_equals_transformers(arch, backend, hf_checkpoints, make_llm)
     llm = make_llm(str(path), device="cuda", dtype="float32", attention_backend=backend, num_blocks=64)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
-        assert out.outputs.token_ids == hf_greedy(hf, prompt, 64)[0], f"{arch}/{backend}"
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 64)[0], f"{arch}/{backend}"

@@ -30,12 +30,12 @@ def test_own_draft_through_the_loop_graph_accepts_every_greedy_draft(make_llm):
     torch.backends.cuda.matmul.allow_tf32 = False
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = _prompts(0)
-    plain = [o.outputs.token_ids for o in make_llm(**OPTIONS).generate(prompts, greedy)]
+    plain = [o.outputs[0].token_ids for o in make_llm(**OPTIONS).generate(prompts, greedy)]
     spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=4)
     llm = make_llm(speculative=spec, **OPTIONS)
     loop = llm.engine.proposer.loop
     assert loop is not None, "the draft model should capture its loop graph on CUDA"
-    assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     assert loop.num_runs > 0
     stats = llm.engine.stats()
     assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
@@ -46,7 +46,7 @@ def test_sampled_requests_draft_through_the_loop_graph(make_llm):
     spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=4)
     llm = make_llm(speculative=spec, **OPTIONS)
     outputs = llm.generate(_prompts(1), sampled)
-    assert all(len(o.outputs.token_ids) == 40 for o in outputs)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
     assert llm.engine.proposer.loop.num_runs > 0
     # The target as its own draft, sampling at the same temperature: nearly every draft accepted.
     assert llm.engine.stats().spec_acceptance_rate > 0.9
@@ -56,10 +56,10 @@ def test_a_poor_draft_through_the_loop_graph_keeps_greedy_output(make_llm, hf_ch
     torch.backends.cuda.matmul.allow_tf32 = False
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = _prompts(2)
-    plain = [o.outputs.token_ids for o in make_llm(**OPTIONS).generate(prompts, greedy)]
+    plain = [o.outputs[0].token_ids for o in make_llm(**OPTIONS).generate(prompts, greedy)]
     spec = SpeculativeConfig(method="draft", draft_model=str(hf_checkpoints("llama")), num_draft_tokens=4,
                              enable_adaptive_draft_length=False)
     llm = make_llm(speculative=spec, **OPTIONS)
-    assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     assert llm.engine.proposer.loop.num_runs > 10
     assert llm.engine.stats().num_spec_rejections > 0

@@ -71,7 +71,7 @@ def test_16_requests_disaggregated_equal_colocated_and_offline(ray_cluster):
     # Every third request sampled with a seed: the decode worker continues the prefill's draws.
     params = [SamplingParams(max_tokens=random.Random(i).randrange(4, 24), temperature=0.0 if i % 3 else 0.8,
                              seed=i, ignore_eos=True) for i in range(16)]
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
     engine = engine_config(**ENGINE)
     short = RULES["short_or_cached"].local_prefill.max_short_prompt_tokens
     short_ids = {f"req-{i}" for i, p in enumerate(prompts) if len(p) < short}

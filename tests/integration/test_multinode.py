@@ -86,7 +86,7 @@ def offline() -> dict[tuple[int, int], list[int]]:
     llm = LLM(**ENGINE)
     cases = [(i, 24) for i in range(len(PROMPTS))] + [(i, 8) for i in range(0, 8, 2)]
     outs = llm.generate([PROMPTS[i] for i, _ in cases], [_params(n) for _, n in cases])
-    return {case: out.outputs.token_ids for case, out in zip(cases, outs)}
+    return {case: out.outputs[0].token_ids for case, out in zip(cases, outs)}
 
 
 def _params(max_tokens: int) -> SamplingParams:

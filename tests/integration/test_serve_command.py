@@ -186,7 +186,7 @@ def test_a_long_prompt_goes_through_the_prefill_worker_over_its_channel(server):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=60)
     served = client.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0)
     offline = LLM(device="cpu").generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
-    assert served.choices[0].text == offline.outputs.text and served.usage.prompt_tokens == 240
+    assert served.choices[0].text == offline.outputs[0].text and served.usage.prompt_tokens == 240
     status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", server.ray_address], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr

@@ -106,5 +106,5 @@ def test_engine_generates_from_it(trained: tuple[Path, dict[str, Any]], name: st
     llm = make_llm(str(trained[0] / name))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = llm.generate(["def main():\n"], params)[0]
-    assert len(out.outputs.token_ids) == 8 and out.outputs.finish_reason == "length"
-    assert isinstance(out.outputs.text, str)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    assert isinstance(out.outputs[0].text, str)

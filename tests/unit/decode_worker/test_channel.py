@@ -50,7 +50,7 @@ async def _collect(dispatcher: Dispatcher, rid: str, prompt: list[int], params: 
 
 def test_colocated_and_disaggregated_over_the_channel_equal_offline():
     prompts = _prompts(12)
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
 
     async def run(colocated: bool) -> list[list[int]]:
         hub = LocalHub()
@@ -85,7 +85,7 @@ def test_colocated_and_disaggregated_over_the_channel_equal_offline():
 def test_a_lost_connection_moves_the_requests_and_the_abort_frees_them():
     prompts = _prompts(8, seed=1)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
 
     async def main():
         hub = LocalHub()

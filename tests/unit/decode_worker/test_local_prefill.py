@@ -50,7 +50,7 @@ async def _tokens(worker: DecodeWorker, rid: str) -> tuple[list[int], int]:
 
 def test_prefill_locally_gives_the_offline_tokens_and_reuses_the_prefix_cache():
     longer = PROMPT + [7, 8, 9, 10]
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate([PROMPT, longer], GREEDY)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate([PROMPT, longer], GREEDY)]
 
     async def main():
         worker = _worker()

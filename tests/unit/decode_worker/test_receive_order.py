@@ -59,7 +59,7 @@ def test_answer_goes_before_the_receives_are_posted():
     does only once kv_incoming has answered."""
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(9, 40))] for _ in range(3)]
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
 
     async def main():
         hub = LocalHub()

@@ -29,7 +29,7 @@ def _workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def _run(llm, prompts, params):
-    return [(o.outputs.token_ids, o.outputs.finish_reason) for o in llm.generate(prompts, params)]
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture

@@ -94,7 +94,7 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
 
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 300, 17], list(range(40, 61)), [7] * 9]
-    plain = [o.outputs.token_ids for o in make_llm(block_size=4).generate(prompts, greedy)]
+    plain = [o.outputs[0].token_ids for o in make_llm(block_size=4).generate(prompts, greedy)]
     draft_model = "default" if draft == "own" else str(hf_checkpoints("llama"))
     spec = SpeculativeConfig(method="draft", draft_model=draft_model, num_draft_tokens=3,
                              enable_adaptive_draft_length=adaptive)
@@ -113,7 +113,7 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
         return pass_by_pass(jobs, drafting, *args)
 
     proposer._pass_by_pass = counted
-    assert [o.outputs.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     # Only the first drafting step (the prompts to catch up) drafts pass by pass.
     assert len([n for n in by_pass if n]) == 1, by_pass
     stats = llm.engine.stats()

@@ -20,14 +20,14 @@ def _prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def test_kv_cached_decoding_equals_full_recomputation(make_llm):
     prompt = _prompts(1, 40)[0]
-    cached = make_llm(block_size=8).generate([prompt], GREEDY)[0].outputs.token_ids
+    cached = make_llm(block_size=8).generate([prompt], GREEDY)[0].outputs[0].token_ids
     # Recompute: each token is the first token of a fresh request over the whole context,
     # with prefix caching off so nothing is reused.
     llm = make_llm(block_size=8, enable_prefix_caching=False)
     context = list(prompt)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for _ in range(len(cached)):
-        context.append(llm.generate([context], one)[0].outputs.token_ids[0])
+        context.append(llm.generate([context], one)[0].outputs[0].token_ids[0])
     assert context[len(prompt):] == cached
 
 
@@ -38,7 +38,7 @@ def test_prefix_cache_hit_gives_same_tokens(make_llm):
     llm = make_llm(block_size=8)
     llm.generate([prompts[0]], GREEDY)  # warms the cache with the shared prefix
     hit = llm.generate(prompts, GREEDY)
-    assert [o.outputs.token_ids for o in hit] == [o.outputs.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in hit] == [o.outputs[0].token_ids for o in plain]
     # 57-token prompts: the warmed one reuses 7 blocks of 8 (its last token is recomputed), the others
     # share the 6 full blocks of the 50-token prefix.
     assert [o.num_cached_tokens for o in hit] == [56, 48, 48]
@@ -50,7 +50,7 @@ def test_whole_prompt_cached_still_computes_last_token(make_llm):
     first = llm.generate([prompt], GREEDY)[0]
     again = llm.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == 24  # the last block is recomputed to get logits
-    assert again.outputs.token_ids == first.outputs.token_ids
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_chunked_prefill_gives_same_tokens(make_llm):
@@ -62,8 +62,8 @@ def test_chunked_prefill_gives_same_tokens(make_llm):
     outs = {}
     for step in steps:
         for o in step:
-            outs[o.request_id] = o.outputs.token_ids
-    assert [outs[k] for k in sorted(outs, key=int)] == [o.outputs.token_ids for o in plain]
+            outs[o.request_id] = o.outputs[0].token_ids
+    assert [outs[k] for k in sorted(outs, key=int)] == [o.outputs[0].token_ids for o in plain]
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -74,16 +74,16 @@ def test_preempted_and_resumed_requests_give_same_tokens(make_llm, prefix_cachin
     # 4 requests of 60 tokens need 60 blocks of 4; 24 blocks force preemptions.
     llm = make_llm(block_size=4, num_blocks=24, enable_prefix_caching=prefix_caching)
     outs = llm.generate(prompts, params)
-    assert [o.outputs.token_ids for o in outs] == [o.outputs.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.stats().num_preemptions > 0
 
 
 def test_seeded_sampling_survives_preemption_and_batching(make_llm):
     prompts = _prompts(4, 20, seed=6)
     params = [SamplingParams(max_tokens=30, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
-    alone = [make_llm(block_size=4).generate([p], [sp])[0].outputs.token_ids for p, sp in zip(prompts, params)]
+    alone = [make_llm(block_size=4).generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     tight = make_llm(block_size=4, num_blocks=20).generate(prompts, params)
-    assert [o.outputs.token_ids for o in tight] == alone
+    assert [o.outputs[0].token_ids for o in tight] == alone
 
 
 def continuation(prompt: list[int], params: SamplingParams, prior: list[int]) -> tuple[list[int], SamplingParams]:
@@ -111,9 +111,9 @@ def test_continuation_keeps_frequency_and_presence_penalties(make_llm, num_prior
     prompt = [7] * 6 + _prompts(1, 10, seed=3)[0]
     params = SamplingParams(max_tokens=16, temperature=temperature, seed=5, ignore_eos=True,
                             frequency_penalty=2.0, presence_penalty=1.5)
-    want = make_llm(block_size=4).generate([prompt], params)[0].outputs.token_ids
+    want = make_llm(block_size=4).generate([prompt], params)[0].outputs[0].token_ids
     unpenalized = make_llm(block_size=4).generate(
-        [prompt], params.model_copy(update={"frequency_penalty": 0.0, "presence_penalty": 0.0}))[0].outputs.token_ids
+        [prompt], params.model_copy(update={"frequency_penalty": 0.0, "presence_penalty": 0.0}))[0].outputs[0].token_ids
     assert unpenalized != want  # NOTE: the penalties matter on this prompt (the test would be moot else)
     engine = make_llm(block_size=4).engine
     moved_prompt, moved_params = continuation(prompt, params, want[:num_prior])
@@ -125,7 +125,7 @@ def test_continuation_keeps_frequency_and_presence_penalties(make_llm, num_prior
 def test_seeded_continuation_of_a_moved_request_gives_the_uninterrupted_tokens(make_llm, num_prior):
     prompt = _prompts(1, 20, seed=8)[0]
     params = SamplingParams(max_tokens=14, min_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
-    want = make_llm(block_size=4).generate([prompt], params)[0].outputs.token_ids
+    want = make_llm(block_size=4).generate([prompt], params)[0].outputs[0].token_ids
     engine = make_llm(block_size=4).engine
     moved_prompt, moved_params = continuation(prompt, params, want[:num_prior])
     engine.add_request("other", _prompts(1, 9, seed=9)[0], params.model_copy(update={"seed": 1}))  # a batch
@@ -148,8 +148,8 @@ def test_abort_mid_generation_frees_blocks(make_llm):
 def test_stop_token_and_max_model_len(make_llm):
     llm = make_llm(max_model_len=40)
     out = llm.generate([_prompts(1, 30)[0]], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
-    assert out.outputs.finish_reason == "length" and len(out.outputs.token_ids) == 10
-    first = out.outputs.token_ids[3]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
+    first = out.outputs[0].token_ids[3]
     stopped = llm.generate([_prompts(1, 30)[0]], SamplingParams(max_tokens=100, temperature=0, stop_token_ids=[first]))
-    assert stopped[0].outputs.token_ids == out.outputs.token_ids[: out.outputs.token_ids.index(first) + 1]
-    assert stopped[0].outputs.finish_reason == "stop" and stopped[0].outputs.stop_reason == first
+    assert stopped[0].outputs[0].token_ids == out.outputs[0].token_ids[: out.outputs[0].token_ids.index(first) + 1]
+    assert stopped[0].outputs[0].finish_reason == "stop" and stopped[0].outputs[0].stop_reason == first

@@ -168,9 +168,9 @@ def test_json_schemas_at_temperature_one_always_validate(make_llm, options) -> N
     params += [SamplingParams(max_tokens=20, temperature=1.0)] * 4
     outputs = llm.generate(prompts, params)
     for out, schema in zip(outputs, schemas):
-        assert out.outputs.finish_reason == "stop", out.outputs.text
-        _validate(out.outputs.text, schema)
-    assert all(len(out.outputs.token_ids) == 20 for out in outputs[len(schemas):])
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        _validate(out.outputs[0].text, schema)
+    assert all(len(out.outputs[0].token_ids) == 20 for out in outputs[len(schemas):])
     assert len(llm.engine.grammars) == 0  # every matcher dropped
 
 
@@ -185,12 +185,12 @@ def test_regex_ebnf_and_json_object_outputs_match(make_llm) -> None:
         + [SamplingParams(max_tokens=300, temperature=0.0, grammar=obj)] * 2,
     )
     for out in outputs[:2]:
-        assert re.fullmatch(r"(red|green|blue)-[0-9]{2,4}", out.outputs.text), out.outputs.text
+        assert re.fullmatch(r"(red|green|blue)-[0-9]{2,4}", out.outputs[0].text), out.outputs[0].text
     for out in outputs[2:4]:
-        assert re.fullmatch(r"yes|no|maybe [a-c]", out.outputs.text), out.outputs.text
+        assert re.fullmatch(r"yes|no|maybe [a-c]", out.outputs[0].text), out.outputs[0].text
     for out in outputs[4:]:
-        text = out.outputs.text
-        if out.outputs.finish_reason == "stop":
+        text = out.outputs[0].text
+        if out.outputs[0].finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
         else:  # a long object cut by max_tokens is still a prefix of one
             assert text.startswith("{")
@@ -203,7 +203,7 @@ def test_seeded_constrained_output_is_the_same_with_async_scheduling_and_specula
     texts = []
     for options in ({}, {"async_scheduling": True}, {"speculative": {"method": "ngram", "num_draft_tokens": 3}}):
         outputs = make_llm(**options).generate(["p"] * 7, [*params, greedy])
-        texts.append([o.outputs.token_ids for o in outputs])
+        texts.append([o.outputs[0].token_ids for o in outputs])
     assert texts[0] == texts[1] == texts[2]
 
 
@@ -212,7 +212,7 @@ def test_a_continued_request_rebuilds_its_matcher_from_its_earlier_output(make_l
     continues the very stream, constrained from where the first engine stopped."""
     spec = _json_spec(SCHEMAS["array"])
     params = SamplingParams(max_tokens=80, temperature=1.0, seed=7, grammar=spec)
-    whole = make_llm().generate(["move me"], params)[0].outputs
+    whole = make_llm().generate(["move me"], params)[0].outputs[0]
     prompt = make_llm().encode("move me")
     k = 5
     rest = make_llm().generate([[*prompt, *whole.token_ids[:k]]], params)  # without the prior: another state
@@ -225,7 +225,7 @@ def test_a_continued_request_rebuilds_its_matcher_from_its_earlier_output(make_l
             tokens += out.new_token_ids
     assert whole.token_ids[:k] + tokens == whole.token_ids
     _validate(whole.text, SCHEMAS["array"])
-    assert rest[0].outputs.token_ids != whole.token_ids[k:]  # the replay is what makes it equal
+    assert rest[0].outputs[0].token_ids != whole.token_ids[k:]  # the replay is what makes it equal
 
 
 def test_prior_output_the_grammar_forbids_is_a_clear_error(make_llm) -> None:
@@ -241,8 +241,8 @@ def test_the_grammar_ends_the_output_even_under_min_tokens(make_llm) -> None:
     llm = make_llm()
     spec = GrammarSpec(kind="regex", text="ok")
     out = llm.generate(["q"], SamplingParams(max_tokens=30, min_tokens=20, temperature=1.0, grammar=spec))[0]
-    assert out.outputs.text == "ok"
-    assert out.outputs.finish_reason == "stop"
+    assert out.outputs[0].text == "ok"
+    assert out.outputs[0].finish_reason == "stop"
 
 
 def test_a_drafted_token_the_grammar_forbids_is_rejected_and_the_matcher_rolls_back(make_llm) -> None:

@@ -29,8 +29,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers(arch, hf_checkpoints, mak
     outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
         want, want_logprobs = hf_greedy(hf, prompt, NUM_NEW)
-        assert out.outputs.token_ids == want, f"{arch}: tokens differ from transformers"
-        for step, (top, ref) in enumerate(zip(out.outputs.top_logprobs, want_logprobs)):
+        assert out.outputs[0].token_ids == want, f"{arch}: tokens differ from transformers"
+        for step, (top, ref) in enumerate(zip(out.outputs[0].top_logprobs, want_logprobs)):
             got_ids = torch.tensor([t for t, _ in top])
             got_vals = torch.tensor([v for _, v in top])
             torch.testing.assert_close(got_vals, ref[got_ids], atol=2e-4, rtol=0, msg=f"{arch} step {step}")
@@ -41,9 +41,9 @@ def test_greedy_tokens_and_logprobs_equal_transformers(arch, hf_checkpoints, mak
 def test_batched_equals_one_at_a_time(arch, hf_checkpoints, make_llm):
     path = hf_checkpoints(arch)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    batched = [o.outputs.token_ids for o in make_llm(str(path), num_blocks=64).generate(PROMPTS, params)]
+    batched = [o.outputs[0].token_ids for o in make_llm(str(path), num_blocks=64).generate(PROMPTS, params)]
     alone_llm = make_llm(str(path), num_blocks=64, max_num_seqs=1)
-    alone = [alone_llm.generate([p], params)[0].outputs.token_ids for p in PROMPTS]
+    alone = [alone_llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == alone
 
 
@@ -54,4 +54,4 @@ def test_bfloat16_runs_and_mostly_agrees(hf_checkpoints, make_llm):
     assert llm.engine.runner.kv_caches.dtype == torch.bfloat16
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     want, _ = hf_greedy(load_hf_model(path), PROMPTS[0], 4)
-    assert out.outputs.token_ids[:2] == want[:2]
+    assert out.outputs[0].token_ids[:2] == want[:2]

@@ -355,7 +355,7 @@ def test_fused_speculative_steps_wait_for_the_drafts_only_after_verifying(make_l
                 return drafts
 
             engine.proposer.propose = propose_and_read  # type: ignore[union-attr, method-assign]
-        return llm.generate([prompt], params)[0].outputs.token_ids
+        return llm.generate([prompt], params)[0].outputs[0].token_ids
 
     deferred = run(read_at_once=False)
     deferred_events, events[:] = list(events), []

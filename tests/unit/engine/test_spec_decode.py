@@ -41,7 +41,7 @@ def _speculative(method: str, draft: Any = None, **options: Any) -> SpeculativeC
 
 
 def _tokens(outputs: list[Any]) -> list[list[int]]:
-    return [o.outputs.token_ids for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def _record_steps(llm: LLM) -> list[tuple[int, int]]:
@@ -125,7 +125,7 @@ def test_preemption_with_speculation_gives_same_tokens(make_llm, method, other_d
     for step in llm.stream(prompts, params):
         llm.engine.check_integrity()  # target and draft pools consistent after every step
         outputs.append(step)
-    final = {o.request_id: o.outputs.token_ids for step in outputs for o in step}
+    final = {o.request_id: o.outputs[0].token_ids for step in outputs for o in step}
     assert [final[k] for k in sorted(final, key=int)] == plain
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.num_spec_verifications > 0
@@ -136,8 +136,8 @@ def test_stop_token_max_tokens_and_max_model_len_truncate_accepted_runs(make_llm
     spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=6)
     plain_llm, llm = make_llm(max_model_len=40), make_llm(max_model_len=40, speculative=spec)
     long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    want = plain_llm.generate([prompt], long)[0].outputs
-    got = llm.generate([prompt], long)[0].outputs
+    want = plain_llm.generate([prompt], long)[0].outputs[0]
+    got = llm.generate([prompt], long)[0].outputs[0]
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "length"
     assert len(got.token_ids) == 40 - len(prompt)
     stop = want.token_ids[5]
@@ -145,8 +145,8 @@ def test_stop_token_max_tokens_and_max_model_len_truncate_accepted_runs(make_llm
         SamplingParams(max_tokens=100, temperature=0.0, stop_token_ids=[stop]),
         SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
     ):
-        want = plain_llm.generate([prompt], params)[0].outputs
-        got = llm.generate([prompt], params)[0].outputs
+        want = plain_llm.generate([prompt], params)[0].outputs[0]
+        got = llm.generate([prompt], params)[0].outputs[0]
         assert (got.token_ids, got.finish_reason, got.stop_reason) == (
             want.token_ids, want.finish_reason, want.stop_reason
         )
@@ -156,9 +156,9 @@ def test_stop_token_max_tokens_and_max_model_len_truncate_accepted_runs(make_llm
 def test_logprobs_of_accepted_tokens_match_plain_decoding(make_llm):
     prompt = _prompts(4)[0]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    want = make_llm().generate([prompt], params)[0].outputs
+    want = make_llm().generate([prompt], params)[0].outputs[0]
     llm = make_llm(speculative=SpeculativeConfig(method="draft", draft_model="default"))
-    got = llm.generate([prompt], params)[0].outputs
+    got = llm.generate([prompt], params)[0].outputs[0]
     assert got.token_ids == want.token_ids
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
     assert [[t for t, _ in top] for top in got.top_logprobs] == [[t for t, _ in top] for top in want.top_logprobs]

@@ -205,7 +205,7 @@ def test_sampled_tokens_follow_the_target_distribution(make_llm, tiny_pair, meth
     llm = make_llm(str(target), block_size=4, max_num_seqs=512, speculative=spec)
     seeded = [params.model_copy(update={"seed": i if is_seeded else None}) for i in range(num_samples)]
     outputs = llm.generate([PROMPT] * num_samples, seeded)
-    counts = Counter((o.outputs.token_ids[1], o.outputs.token_ids[2]) for o in outputs)
+    counts = Counter((o.outputs[0].token_ids[1], o.outputs[0].token_ids[2]) for o in outputs)
     stats = llm.engine.stats()
     # Drafts were verified for most requests, and both accepted and rejected.
     assert stats.num_spec_verifications > num_samples / 2

@@ -53,7 +53,7 @@ def _disaggregated(
 )
 def test_split_prefill_and_decode_equal_colocated(make_llm, params):
     prompts = _prompts(4, seed=0)
-    want = [o.outputs.token_ids for o in make_llm(block_size=8).generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in make_llm(block_size=8).generate(prompts, params)]
     prefill = make_llm(block_size=8).engine
     decode = make_llm(block_size=8).engine
     got = [_disaggregated(prefill, decode, p, params, str(i)) for i, p in enumerate(prompts)]
@@ -64,7 +64,7 @@ def test_split_prefill_and_decode_equal_colocated(make_llm, params):
 def test_seeded_continuation_split_across_prefill_and_decode_gives_the_uninterrupted_tokens(make_llm):
     prompt = _prompts(1, seed=1)[0]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=3, ignore_eos=True)
-    want = make_llm(block_size=8).generate([prompt], params)[0].outputs.token_ids
+    want = make_llm(block_size=8).generate([prompt], params)[0].outputs[0].token_ids
     prefill, decode = make_llm(block_size=8).engine, make_llm(block_size=8).engine
     # As router/dispatch.py moves it after 5 tokens (test_engine_paths.continuation).
     moved_params = params.model_copy(update={"max_tokens": params.max_tokens - 5})

@@ -44,7 +44,7 @@ class _RegistryRefs(Refs):
 
 
 def _offline(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    return [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    return [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:

@@ -104,7 +104,7 @@ async def _end(prefill: PrefillWorker, decode: DecodeWorker) -> None:
 
 def test_shipped_draft_kv_is_adopted_and_right():
     prompts = _prompts(5)
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
 
     async def main():
         workers, prefill, decode = _build("default", "default")
@@ -125,7 +125,7 @@ def test_shipped_draft_kv_is_adopted_and_right():
 @pytest.mark.parametrize("why", ["no draft on the prefill worker", "another draft"])
 def test_prompt_left_to_the_decode_workers_draft(why, hf_checkpoints):
     prompts = _prompts(3, seed=1)
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
 
     async def main():
         prefill_draft = hf_checkpoints("llama") if why == "another draft" else None
@@ -155,7 +155,7 @@ def test_first_token_that_ends_the_request_pushes_nothing_and_keeps_the_pair():
         assert [await prefill.check_integrity(), await decode.check_integrity()] == [0, 0]
         # The pair is still in order: the next request's KV and draft KV land right.
         prompt = _prompts(1, seed=3)[0]
-        want = LLM(**ENGINE).generate([prompt], GREEDY)[0].outputs.token_ids
+        want = LLM(**ENGINE).generate([prompt], GREEDY)[0].outputs[0].token_ids
         assert await _run(workers, [prompt], GREEDY) == [want]
         assert spy.adopted == ["r0"]
         stats = decode.loop.engine.stats()

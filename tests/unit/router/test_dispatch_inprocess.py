@@ -99,7 +99,7 @@ async def _shutdown(workers_list) -> None:
 )
 def test_disaggregated_equals_colocated_and_offline(params):
     prompts = _prompts(16)
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
     handshakes, leases = {}, {}
 
     async def main():
@@ -143,7 +143,7 @@ def test_no_room_waits_for_a_lease_before_prefilling():
     starts (nothing held on the prefill worker meanwhile); both get the offline tokens."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [_prompts(1, seed=s)[0][:3] + list(range(100, 157)) for s in (7, 8)]  # 60 tokens: 8 blocks of 8
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
 
     async def main():
         workers, (prefill, decode) = _build(decode_blocks=12)
@@ -169,7 +169,7 @@ def test_first_token_that_ends_the_request_frees_the_lease():
         # The pair is still in order: a request that decodes gets its tokens.
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         prompt = _prompts(1, seed=5)[0]
-        want = LLM(**ENGINE).generate([prompt], params)[0].outputs.token_ids
+        want = LLM(**ENGINE).generate([prompt], params)[0].outputs[0].token_ids
         assert await _run_all(workers, [prompt], params) == [want]
         assert await _held(objs) == [0, 0]
         await _shutdown(objs)
@@ -203,7 +203,7 @@ def test_abort_before_push_during_decode_and_unclaimed_lease():
         # The pair is still in order after the aborted push: the next request gets its tokens.
         prompt = _prompts(1, seed=6)[0]
         short = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-        want = LLM(**ENGINE).generate([prompt], short)[0].outputs.token_ids
+        want = LLM(**ENGINE).generate([prompt], short)[0].outputs[0].token_ids
         assert await _collect(dispatcher, "d", prompt, short) == want
         await dispatcher.close()
         assert await _held([prefill, decode]) == [0, 0]

@@ -121,7 +121,7 @@ def offline() -> Callable[[list[int], int], str]:
 
     def run(prompt_ids: list[int], max_tokens: int) -> str:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return llm.generate([prompt_ids], params)[0].outputs.text
+        return llm.generate([prompt_ids], params)[0].outputs[0].text
 
     return run
 

@@ -63,7 +63,7 @@ def test_short_prompts_skip_the_prefill_worker_and_long_ones_do_not():
     short = [_random_prompt(rng, 3, SHORT) for _ in range(6)]
     long = [_random_prompt(rng, SHORT, 90) for _ in range(4)]
     prompts = short + long
-    offline = [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, GREEDY)]
 
     async def main():
         prefill, decode = _build()
@@ -89,10 +89,10 @@ def test_a_prompt_its_decode_worker_mostly_holds_skips_the_prefill_worker_unless
     first = _random_prompt(rng, 80, 81)
     fresh = _random_prompt(rng, 100, 101)
     llm = LLM(**ENGINE)
-    answer = llm.generate([first], GREEDY)[0].outputs.token_ids
+    answer = llm.generate([first], GREEDY)[0].outputs[0].token_ids
     # the next turn of a conversation: the first prompt, its answer, and a new question
     follow_up = first + answer + _random_prompt(rng, 8, 9)
-    offline = [o.outputs.token_ids for o in llm.generate([follow_up, fresh, follow_up], GREEDY)]
+    offline = [o.outputs[0].token_ids for o in llm.generate([follow_up, fresh, follow_up], GREEDY)]
 
     async def main():
         prefill, decode = _build(num_decode=2)

@@ -138,7 +138,7 @@ class Streams:
 
 
 def _offline(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    return [o.outputs.token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    return [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
 
 
 @pytest.mark.parametrize("prefilled_locally", [False, True], ids=["pushed", "prefilled-locally"])
