@@ -3,8 +3,9 @@ tiny Llama checkpoint with random weights, in the Hugging Face file layout.
 
 The tokenizer is trained on the Python standard library's own source (read from the running
 interpreter's stdlib directory: sorted file list, bounded text), so no download is needed. The
-weights are random (normal, std 0.02; RMSNorm weights 1): the model serves, but says nothing
-sensible. Issue 6 will replace the random weights with a trained model.
+weights it writes are random (normal, std 0.02; RMSNorm weights 1); the shipped ones are trained
+on top of its tokenizer by `python -m bench.train_models --size default --tokenizer
+engine/models/default` (on a GPU), whose target's model.safetensors replaces them.
 
 Deterministic for a given interpreter: the seed is fixed and the training text is sorted.
 A different Python version has a different stdlib, hence a different vocabulary.
