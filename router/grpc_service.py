@@ -1,8 +1,8 @@
 """The gRPC front end (pdserve.v1.Generation) over RouterCore: the same validation, limits and
 streaming as the HTTP API, in protobuf. Errors become gRPC status codes (400 -> INVALID_ARGUMENT,
 401 -> UNAUTHENTICATED, 404 -> NOT_FOUND, 429/503 -> RESOURCE_EXHAUSTED/UNAVAILABLE).
-SamplingOptions' `constraint` (json_schema, json_object, regex, grammar) is the HTTP API's
-structured outputs; a bad one is INVALID_ARGUMENT naming `sampling.<field>`.
+SamplingOptions' `constraint` (json_schema, json_object, regex, grammar, choice, structural_tag) is
+the HTTP API's structured outputs; a bad one is INVALID_ARGUMENT naming `sampling.<field>`.
 
 Knows nothing of Serve: the ingress passes the request and a context with set_code/set_details
 and invocation_metadata (grpc's or Serve's).
@@ -78,6 +78,10 @@ def grammar_of(sampling: pb.SamplingOptions) -> GrammarSource | None:
             return structured.regex(sampling.regex, field)
         if kind == "grammar":
             return structured.ebnf(sampling.grammar, field)
+        if kind == "choice":
+            return structured.choice(list(sampling.choice.options), field)
+        if kind == "structural_tag":
+            return structured.structural_tag(sampling.structural_tag, field)
     except GrammarFieldError as err:
         raise bad_request(str(err), err.field) from None
     return None

@@ -44,6 +44,9 @@ class Context:
         ({"json_object": False}, None),
         ({"regex": "[0-9]+"}, GrammarSpec(kind="regex", text="[0-9]+")),
         ({"grammar": 'root ::= "x"'}, GrammarSpec(kind="ebnf", text='root ::= "x"')),
+        ({"choice": pb.Choices(options=["yes", "no"])}, GrammarSpec(kind="ebnf", text='root ::= "yes" | "no"')),
+        ({"structural_tag": '{"type": "structural_tag"}'},
+         GrammarSpec(kind="structural_tag", text='{"type": "structural_tag"}')),
     ],
 )
 def test_each_constraint_becomes_its_grammar(options, expected):
@@ -59,6 +62,7 @@ def test_each_constraint_becomes_its_grammar(options, expected):
         ({"json_schema": "[1]"}, "sampling.json_schema", "must be a JSON object, not an array"),
         ({"json_schema": "{nope"}, "sampling.json_schema", "is not valid JSON"),
         ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "sampling.regex", f"at most {MAX_GRAMMAR_CHARS} are allowed"),
+        ({"choice": pb.Choices()}, "sampling.choice", "at least one"),
         ({"grammar": ""}, "sampling.grammar", "is empty"),
     ],
 )
