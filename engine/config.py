@@ -22,12 +22,17 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     """Which checkpoint to run and in what precision."""
 
-    model: str = Field(DEFAULT_MODEL, description="HF checkpoint directory, or 'default' for the embedded model.")
+    model: str = Field(DEFAULT_MODEL, description=(
+        "HF checkpoint directory, a GGUF file (llama/qwen2/qwen3, dequantized at load; or a directory "
+        "holding one .gguf and no safetensors), or 'default' for the embedded model."
+    ))
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weight and activation dtype; 'auto' is bfloat16 on GPU and float32 on CPU."
     )
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
-        "auto", description="'dummy' builds random weights at the checkpoint's shape (config.json only)."
+        "auto",
+        description="'dummy' builds random weights at the checkpoint's shape (config.json or the GGUF "
+        "metadata only); 'auto' reads safetensors, or a GGUF file.",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output in tokens; default and upper limit: the model's own."

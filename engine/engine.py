@@ -51,6 +51,7 @@ from engine.cuda_graphs import cuda_graphs_enabled, graph_max_rows
 from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
+from engine.models.gguf_tokenizer import checkpoint_dir
 from engine.pinned import upload
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, TokenPatch
@@ -137,7 +138,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_dir(model: str) -> Path:
-    return DEFAULT_MODEL_DIR if model == "default" else Path(model)
+    """The checkpoint directory; a GGUF file's is a cache directory made for it (engine/models/gguf_tokenizer.py)."""
+    return DEFAULT_MODEL_DIR if model == "default" else checkpoint_dir(Path(model))
 
 
 class EngineCore:

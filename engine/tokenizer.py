@@ -113,8 +113,19 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from an HF checkpoint directory; raises FileNotFoundError without tokenizer.json."""
+        """Load from an HF checkpoint directory, or a GGUF file (its vocabulary, materialized as an
+        HF directory by engine.models.gguf_tokenizer); raises FileNotFoundError without tokenizer.json."""
         path = Path(path)
+        if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
+            from engine.models.gguf_tokenizer import checkpoint_dir  # NOTE: lazy: it imports torch
+
+            gguf, path = path, checkpoint_dir(path)
+            if not (path / TOKENIZER_FILE).is_file():
+                raise FileNotFoundError(
+                    f"{gguf}: its tokenizer (tokenizer.ggml.model) is not byte-level BPE ('gpt2'), the only GGUF "
+                    "vocabulary pdserve builds; pass prompts as token ids, or name a directory holding the "
+                    "model's HF tokenizer.json beside the .gguf file"
+                )
         tokenizer_file = path / TOKENIZER_FILE
         if not tokenizer_file.is_file():
             raise FileNotFoundError(

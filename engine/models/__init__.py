@@ -1,4 +1,5 @@
-"""Llama-family model definitions and their loader (HF safetensors checkpoints, or dummy weights)."""
+"""Llama-family model definitions and their loader (HF safetensors checkpoints, GGUF files
+dequantized at load, or dummy weights)."""
 
 from pathlib import Path
 

@@ -1,7 +1,9 @@
-"""Builds a model from a Hugging Face checkpoint directory (safetensors) or with random weights.
+"""Builds a model from a Hugging Face checkpoint directory (safetensors), a GGUF file (or a
+directory holding one and no safetensors: gguf_file.py, gguf_weights.py), or with random weights.
 
-Reads config.json and *.safetensors; never imports transformers. Every tensor the model needs
-must be in the checkpoint, and the error names the ones that are not.
+Reads config.json and *.safetensors, or the GGUF's metadata and tensors; never imports
+transformers. Every tensor the model needs must be in the checkpoint, and the error names the
+ones that are not.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from safetensors import safe_open
 
 from engine.models.arch import ArchConfig, load_arch
 from engine.models.fused_ops import HAS_TRITON
+from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
+from engine.models.gguf_weights import load_gguf_weights
 from engine.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -82,10 +86,19 @@ def build_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0,
     fused_ops: bool = True,
 ) -> tuple[LlamaForCausalLM, ArchConfig]:
-    """fused_ops: the Triton elementwise kernels where they run (CUDA with triton installed)."""
+    """model_dir: an HF checkpoint directory, a .gguf file, or a directory holding one .gguf (whose
+    metadata, not a config.json, gives the architecture). fused_ops: the Triton elementwise kernels
+    where they run (CUDA with triton installed)."""
     model_dir = Path(model_dir)
-    arch = load_arch(model_dir)
-    files = [] if load_format == "dummy" else safetensors_files(model_dir)  # fail before allocating
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None and load_format == "safetensors":
+        raise ValueError(
+            f"load_format='safetensors' but {str(model_dir)!r} is a GGUF checkpoint; use load_format='auto'"
+        )
+    gguf = GGUFMetadata.open(gguf_path) if gguf_path is not None else None
+    arch = arch_from_gguf(gguf) if gguf is not None else load_arch(model_dir)
+    # fail before allocating
+    files = [] if load_format == "dummy" or gguf is not None else safetensors_files(model_dir)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # NOTE: build in the target dtype: an 8B model never exists in float32
     try:
@@ -93,7 +106,9 @@ def build_model(
             model = LlamaForCausalLM(arch)
     finally:
         torch.set_default_dtype(previous)
-    if files:
+    if gguf is not None and load_format != "dummy":
+        load_gguf_weights(model, gguf, dtype, device)
+    elif files:
         load_weights(model, model_dir, dtype, device)
     else:
         init_dummy_weights(model, seed)
