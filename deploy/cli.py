@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_parser = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency, throughput, goodput")
     add_bench_arguments(bench_parser)
+
+    from deploy.plan_cli import add_arguments as add_plan_arguments
+
+    plan = sub.add_parser("plan", help="the layout of N GPUs (colocated or xPyD) with the best goodput under SLOs")
+    add_engine_flags(plan)
+    add_plan_arguments(plan)
     return parser
 
 
@@ -282,6 +288,12 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_command(args: argparse.Namespace) -> int:
+    from deploy.plan_cli import run
+
+    return run(args, engine_options(args))
+
+
 def bench_command(args: argparse.Namespace) -> int:
     from loadgen.cli import run_command
 
@@ -291,7 +303,7 @@ def bench_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": serve_command, "status": status_command, "generate": generate_command,
-                "bench": bench_command}
+                "bench": bench_command, "plan": plan_command}
     return commands[args.command](args)
 
 

@@ -1,0 +1,148 @@
+"""Each request's TTFT and TPOT under one layout, by simulating the workers' steps from a profile.
+
+- Colocated replica: continuous batching with chunked prefill. A step carries every running
+  sequence's decode token and, in what is left of max_num_batched_tokens, chunks of waiting prompts
+  in arrival order; it takes decode_step_ms(running) + prefill_step_ms(chunk tokens). A prompt's
+  last chunk gives its first token.
+- Disaggregated: a prefill pool serving prompts in arrival order, each on the worker that frees
+  first, one prompt a step (the first token comes from there), then the KV push, then a decode
+  worker's continuous batch, whose steps take decode_step_ms(running).
+
+Requests go to colocated replicas and decode workers in turn. TPOT is (last token - first token) /
+(output - 1), so a request's wait for its decode worker counts against it, as a client sees it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from cluster.planner.profile import StepProfile
+from cluster.planner.workload import Request
+
+
+class Layout(NamedTuple):
+    num_prefill: int  # 0: colocated
+    num_decode: int  # or colocated replicas
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_decode} colocated" if self.num_prefill == 0 else f"{self.num_prefill}P{self.num_decode}D"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_prefill + self.num_decode
+
+
+class Timing(NamedTuple):
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass
+class _Seq:
+    index: int
+    first_token_s: float
+    tokens_left: int  # decode tokens still to come
+    context: int
+
+
+def simulate(layout: Layout, profile: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
+    if layout.num_prefill == 0:
+        return _colocated(layout.num_decode, profile, reqs)
+    return _disaggregated(layout, profile, reqs)
+
+
+def _colocated(num_replicas: int, profile: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
+    timings: list[Timing | None] = [None] * len(reqs)
+    for replica in range(num_replicas):
+        mine = [i for i in range(replica, len(reqs), num_replicas)]
+        _run_colocated(profile, reqs, mine, timings)
+    return timings  # type: ignore[return-value]
+
+
+def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int], out: list[Timing | None]) -> None:
+    arriving = deque(mine)
+    waiting: deque[list[int]] = deque()  # [request index, prompt tokens left]
+    running: list[_Seq] = []
+    t = 0.0
+    while arriving or waiting or running:
+        if not waiting and not running and reqs[arriving[0]].arrival_s > t:
+            t = reqs[arriving[0]].arrival_s
+        while arriving and reqs[arriving[0]].arrival_s <= t:
+            i = arriving.popleft()
+            waiting.append([i, reqs[i].prompt])
+        budget = profile.max_num_batched_tokens - len(running)
+        chunks: list[tuple[list[int], int]] = []
+        for item in waiting:
+            if budget <= 0 or len(running) + len(chunks) >= profile.max_num_seqs:
+                break
+            take = min(item[1], budget)
+            chunks.append((item, take))
+            budget -= take
+        context = sum(s.context for s in running) / len(running) if running else 0.0
+        t += (profile.decode_step_ms(len(running), context) + profile.prefill_step_ms(sum(c for _, c in chunks))) / 1e3
+        still = []
+        for s in running:
+            s.tokens_left -= 1
+            s.context += 1
+            if s.tokens_left == 0:
+                out[s.index] = Timing(s.first_token_s - reqs[s.index].arrival_s, (t - s.first_token_s) / (reqs[s.index].output - 1))
+            else:
+                still.append(s)
+        running = still
+        for item, take in chunks:
+            item[1] -= take
+            if item[1] == 0:
+                waiting.remove(item)
+                i = item[0]
+                if reqs[i].output <= 1:
+                    out[i] = Timing(t - reqs[i].arrival_s, 0.0)
+                else:
+                    running.append(_Seq(i, t, reqs[i].output - 1, reqs[i].prompt + 1))
+
+
+def _disaggregated(layout: Layout, profile: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
+    free = [0.0] * layout.num_prefill  # when each prefill worker is next free (a heap)
+    ready: list[list[tuple[float, int, float]]] = [[] for _ in range(layout.num_decode)]
+    timings: list[Timing | None] = [None] * len(reqs)
+    for i, r in enumerate(reqs):
+        start = max(heapq.heappop(free), r.arrival_s)
+        first = start + profile.prefill_step_ms(r.prompt) / 1e3
+        heapq.heappush(free, first)
+        if r.output <= 1:
+            timings[i] = Timing(first - r.arrival_s, 0.0)
+            continue
+        landed = first + profile.push_ms_per_token * r.prompt / 1e3
+        ready[i % layout.num_decode].append((landed, i, first))
+    for queue in ready:
+        _run_decode(profile, reqs, sorted(queue), timings)
+    return timings  # type: ignore[return-value]
+
+
+def _run_decode(profile: StepProfile, reqs: Sequence[Request], queue: list[tuple[float, int, float]],
+                out: list[Timing | None]) -> None:
+    pending = deque(queue)
+    running: list[_Seq] = []
+    t = 0.0
+    while pending or running:
+        if not running and pending[0][0] > t:
+            t = pending[0][0]
+        while pending and pending[0][0] <= t and len(running) < profile.max_num_seqs:
+            _, i, first = pending.popleft()
+            running.append(_Seq(i, first, reqs[i].output - 1, reqs[i].prompt + 1))
+        context = sum(s.context for s in running) / len(running)
+        t += profile.decode_step_ms(len(running), context) / 1e3
+        still = []
+        for s in running:
+            s.tokens_left -= 1
+            s.context += 1
+            if s.tokens_left == 0:
+                r = reqs[s.index]
+                out[s.index] = Timing(s.first_token_s - r.arrival_s, (t - s.first_token_s) / (r.output - 1))
+            else:
+                still.append(s)
+        running = still

@@ -1,0 +1,24 @@
+"""A profile measured on the engine at hand (the default model on the CPU): its grids as asked,
+positive times, and the engine left with nothing running and no block held."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.planner.measure import measure
+
+
+def test_measure_fills_the_grids_and_leaves_the_engine_idle(make_llm):
+    engine = make_llm(num_blocks=256, block_size=8).engine
+    profile = measure(engine, (16, 64), (1, 4), (16, 48), repeats=2)
+    assert profile.prefill_tokens == (16, 64) and len(profile.prefill_ms) == 2
+    assert len(profile.decode_ms) == 2 and all(len(row) == 2 for row in profile.decode_ms)
+    assert all(t > 0 for t in profile.prefill_ms) and all(t > 0 for row in profile.decode_ms for t in row)
+    assert profile.max_num_batched_tokens == engine.config.scheduler.max_num_batched_tokens
+    assert not engine.has_unfinished()
+
+
+def test_a_grid_the_cache_cannot_hold_is_refused(make_llm):
+    engine = make_llm(num_blocks=16, block_size=8).engine
+    with pytest.raises(ValueError, match="KV tokens"):
+        measure(engine, (16,), (8,), (64,), repeats=1)
