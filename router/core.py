@@ -33,6 +33,7 @@ from protocol.messages import PrefillResultMsg
 from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError
 from router.spans import SpanRecorder
 from router.structured import GrammarSource
+from router.tool_calls import preload_xgrammar
 from router.openai_schema import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -145,6 +146,7 @@ class RouterCore:
         self._make_grammar_compiler = grammar_compiler or self._checkpoint_grammar_compiler
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = threading.Lock()
+        preload_xgrammar()
 
     def on_prefill_result(self, result: PrefillResultMsg) -> None:
         """The Dispatcher's hook: the prefill worker's answer of one request (its compute time, and

@@ -14,14 +14,12 @@ about the tools; RouterCore passes them to it).
 
 from __future__ import annotations
 
+import importlib
 import json
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
-
-# NOTE: imported with the router, not on the first request with tools: the import takes most of a
-# second, which would stall the event loop.
-import xgrammar as xgr
 
 from router.structured import GrammarFieldError, GrammarSource, structural_tag
 
@@ -61,6 +59,8 @@ class ToolCalling:
         mode 'none'. A choice xgrammar refuses is a GrammarFieldError naming `tools`."""
         if not self.is_active:
             return None
+        import xgrammar as xgr  # NOTE: imported on a thread when the router starts (preload_xgrammar)
+
         choice: Any = self.mode if self.mode != "function" else {"type": "function", "function": {"name": self.name}}
         try:
             tag = xgr.get_model_structural_tag(
@@ -70,6 +70,20 @@ class ToolCalling:
         except (ValueError, TypeError) as err:
             raise GrammarFieldError("tools", f"tools: {err}") from None
         return structural_tag(tag.model_dump_json(), "tools")
+
+
+def preload_xgrammar() -> None:
+    """Imports xgrammar on a daemon thread: the import takes most of a second, which the first
+    request with tools would otherwise spend on the event loop. A machine without it serves all but
+    grammars."""
+
+    def load() -> None:
+        try:
+            importlib.import_module("xgrammar")
+        except ImportError:
+            pass
+
+    threading.Thread(target=load, name="xgrammar-import", daemon=True).start()
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
 
 from engine.models.arch import ArchConfig, RopeConfig
 
@@ -53,12 +52,14 @@ def find_gguf(path: str | Path) -> Path | None:
 class GGUFMetadata:
     """The key/value metadata of one GGUF file, read lazily; errors name the file and the key."""
 
-    def __init__(self, reader: GGUFReader, source: str) -> None:
+    def __init__(self, reader: Any, source: str) -> None:  # a gguf.GGUFReader
         self.reader = reader
         self.source = source
 
     @classmethod
     def open(cls, path: Path) -> GGUFMetadata:
+        from gguf import GGUFReader  # NOTE: here, not at import: only a GGUF checkpoint needs the package
+
         try:
             reader = GGUFReader(path, "r")
         except (ValueError, OSError) as e:  # bad magic, an unknown tensor type id, a truncated file

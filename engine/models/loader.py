@@ -17,7 +17,6 @@ from safetensors import safe_open
 from engine.models.arch import ArchConfig, load_arch
 from engine.models.fused_ops import HAS_TRITON
 from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
-from engine.models.gguf_weights import load_gguf_weights
 from engine.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -107,6 +106,8 @@ def build_model(
     finally:
         torch.set_default_dtype(previous)
     if gguf is not None and load_format != "dummy":
+        from engine.models.gguf_weights import load_gguf_weights  # NOTE: imports the gguf package
+
         load_gguf_weights(model, gguf, dtype, device)
     elif files:
         load_weights(model, model_dir, dtype, device)
