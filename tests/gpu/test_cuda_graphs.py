@@ -105,14 +105,14 @@ def test_graph_decode_step_synchronizes_only_for_the_sampled_tokens(hf_checkpoin
     execute = runner.execute
     guarded: list[int] = []
 
-    def execute_guarded(scheduled, patch=None, on_layers=None):
+    def execute_guarded(scheduled, patch=None):
         if not all(s.num_new_tokens == 1 and s.will_sample and not s.num_spec_tokens for s in scheduled):
-            return execute(scheduled, patch, on_layers)  # prefill or mixed: eager
+            return execute(scheduled, patch)  # prefill or mixed: eager
         torch.cuda.synchronize()
         before = graphs.num_replays
         torch.cuda.set_sync_debug_mode("error")
         try:
-            logits = execute(scheduled, patch, on_layers)  # NOTE: asynchronous scheduling's device-side inputs included
+            logits = execute(scheduled, patch)  # NOTE: asynchronous scheduling's device-side inputs included
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert graphs.num_replays == before + 1, "a decode-only step should replay a graph"
@@ -126,10 +126,10 @@ def test_graph_decode_step_synchronizes_only_for_the_sampled_tokens(hf_checkpoin
     launch = sampler.launch
     num_launches: list[int] = []
 
-    def launch_guarded(logits, rows, generator=None):
+    def launch_guarded(logits, rows, generator=None, mask=None):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(logits, rows, generator)
+            return launch(logits, rows, generator, mask)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             num_launches.append(len(rows))
