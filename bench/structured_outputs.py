@@ -19,6 +19,10 @@ vocabulary of the model's size, not Qwen's own. The mask's cost follows the voca
 makeup, so the figures hold for a vocabulary like it.
 
     python -m bench.structured_outputs --model bench/shapes/qwen3-0.6b --load-format dummy --train-vocab 151643
+
+On the GPU machines (no xgrammar, pydantic or Ray there): `bash bench/make_bench_bundle.sh .benchbundle` here,
+carry [".benchbundle"], and start the command with
+`tar -xJf .benchbundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD`.
 """
 
 from __future__ import annotations
