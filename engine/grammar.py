@@ -113,11 +113,11 @@ def _bounded_strings_as_patterns(node: Any) -> Any:
     out = {k: v if k in _DATA_KEYS else _bounded_strings_as_patterns(v) for k, v in node.items()}
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
-        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
-        if isinstance(low, int) and (high is None or isinstance(high, int)):
+        low, high = out.get("minLength", 0), out.get("maxLength")
+        if isinstance(low, int) and (high is None or isinstance(high, int)):  # NOTE: else the compiler refuses them
+            out.pop("minLength", None)
+            out.pop("maxLength", None)
             out["pattern"] = _PLAIN_STRING % (low, "" if high is None else high)
-        else:  # not integers: left for the compiler to refuse
-            out["minLength"], out["maxLength"] = low, high
     return out
 
 

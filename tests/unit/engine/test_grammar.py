@@ -24,7 +24,7 @@ EOS = 1
 SCHEMAS = {
     "flat": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+        "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
                                                                           "maximum": 120}},
         "required": ["name", "age"],
     },
