@@ -14,9 +14,9 @@ unconstrained, in one process:
 
 The vocabulary: the GPU machines have no Qwen3 tokenizer and no downloads; `--train-vocab N` trains a
 byte-level BPE of N tokens on this machine's Python sources (the standard library, then installed
-packages, up to 200 MB; the HF tokenizers trainer, deterministic for one set of files) and pads it to the model's logits width: a real BPE
-vocabulary of the model's size, not Qwen's own. The mask's cost follows the vocabulary's size and
-makeup, so the figures hold for a vocabulary like it.
+packages, up to 200 MB; the HF tokenizers trainer, deterministic for one set of files) and pads it
+to the model's logits width: a real BPE vocabulary of the model's size, not Qwen's own. The mask's
+cost follows the vocabulary's size and makeup, so the figures hold for a vocabulary like it.
 
     python -m bench.structured_outputs --model bench/shapes/qwen3-0.6b --load-format dummy --train-vocab 151643
 

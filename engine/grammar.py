@@ -88,7 +88,8 @@ def _vocab_type(tokenizer_json: dict[str, Any]) -> tuple[str, bool]:
     if "ByteFallback" in kinds:
         normalizer = json.dumps(tokenizer_json.get("normalizer"), ensure_ascii=False)
         pre = json.dumps(tokenizer_json.get("pre_tokenizer"), ensure_ascii=False)
-        prefix = ('"Prepend"' in normalizer and "\u2581" in normalizer) or ('"Metaspace"' in pre and '"never"' not in pre)
+        prepends = '"Prepend"' in normalizer and "\u2581" in normalizer
+        prefix = prepends or ('"Metaspace"' in pre and '"never"' not in pre)
         return "BYTE_FALLBACK", prefix
     if "ByteLevel" in kinds:
         return "BYTE_LEVEL", False
@@ -261,7 +262,9 @@ class GrammarBook:
         raised. A matcher that took an end-of-sequence token is terminated: the request ends."""
         self._advance([(self._matchers[rid], list(new)) for rid, new in tokens])
 
-    def submit(self, tokens: Sequence[tuple[str, Sequence[int]]], request_ids: Sequence[str]) -> Future[TokenMask | None]:
+    def submit(
+        self, tokens: Sequence[tuple[str, Sequence[int]]], request_ids: Sequence[str]
+    ) -> Future[TokenMask | None]:
         """`accept(tokens)`, then `mask(request_ids)`, on the book's own thread (xgrammar releases the
         GIL): the engine thread goes on with the step's other work meanwhile. The engine thread
         touches no matcher until the future is done; matchers dropped meanwhile are already in hand."""
@@ -286,7 +289,8 @@ class GrammarBook:
             raise RuntimeError("a sampled token was refused by the grammar whose mask it was drawn under")
         for matcher, new in advancing:
             if len(new) != 1 and not all(matcher.accept_token(t) for t in new):
-                raise RuntimeError(f"sampled tokens {new} were refused by the grammar whose masks they were drawn under")
+                raise RuntimeError(f"sampled tokens {new} were refused by the grammar whose masks they were drawn "
+                                   "under")
 
     def _bitmask(self, rows: int) -> torch.Tensor:
         """[rows, words] int32 to fill, from a ring of two pinned buffers (a step's plain draw and its

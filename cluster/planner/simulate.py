@@ -90,7 +90,8 @@ def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int
             s.tokens_left -= 1
             s.context += 1
             if s.tokens_left == 0:
-                out[s.index] = Timing(s.first_token_s - reqs[s.index].arrival_s, (t - s.first_token_s) / (reqs[s.index].output - 1))
+                r = reqs[s.index]
+                out[s.index] = Timing(s.first_token_s - r.arrival_s, (t - s.first_token_s) / (r.output - 1))
             else:
                 still.append(s)
         running = still

@@ -24,8 +24,8 @@ EOS = 1
 SCHEMAS = {
     "flat": {
         "type": "object",
-        "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
-                                                                          "maximum": 120}},
+        "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 8},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
         "required": ["name", "age"],
     },
     "nested": {
