@@ -203,7 +203,7 @@ def test_sigint_stops_a_server_started_with_sigint_ignored(server):
     s = Server(ignore_sigint=True)
     try:
         s.proc.send_signal(signal.SIGINT)
-        assert s.proc.wait(90) == 0
+        assert s.proc.wait(180) == 0  # NOTE: its Serve and Ray shutdown, beside the module's server, on 2 busy cores
     finally:
         s.stop()
 
