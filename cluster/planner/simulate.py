@@ -83,18 +83,9 @@ def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int
             take = min(item[1], budget)
             chunks.append((item, take))
             budget -= take
-        context = sum(s.context for s in running) / len(running) if running else 0.0
-        t += (profile.decode_step_ms(len(running), context) + profile.prefill_step_ms(sum(c for _, c in chunks))) / 1e3
-        still = []
-        for s in running:
-            s.tokens_left -= 1
-            s.context += 1
-            if s.tokens_left == 0:
-                r = reqs[s.index]
-                out[s.index] = Timing(s.first_token_s - r.arrival_s, (t - s.first_token_s) / (r.output - 1))
-            else:
-                still.append(s)
-        running = still
+        prefill_ms = profile.prefill_step_ms(sum(c for _, c in chunks))
+        t += (profile.decode_step_ms(len(running), _mean_context(running)) + prefill_ms) / 1e3
+        running = _decoded(running, t, reqs, out)
         for item, take in chunks:
             item[1] -= take
             if item[1] == 0:
@@ -104,6 +95,24 @@ def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int
                     out[i] = Timing(t - reqs[i].arrival_s, 0.0)
                 else:
                     running.append(_Seq(i, t, reqs[i].output - 1, reqs[i].prompt + 1))
+
+
+def _mean_context(running: list[_Seq]) -> float:
+    return sum(s.context for s in running) / len(running) if running else 0.0
+
+
+def _decoded(running: list[_Seq], t: float, reqs: Sequence[Request], out: list[Timing | None]) -> list[_Seq]:
+    """The running sequences after a step that ended at t gave each a token; those done get their Timing."""
+    still = []
+    for s in running:
+        s.tokens_left -= 1
+        s.context += 1
+        if s.tokens_left == 0:
+            r = reqs[s.index]
+            out[s.index] = Timing(s.first_token_s - r.arrival_s, (t - s.first_token_s) / (r.output - 1))
+        else:
+            still.append(s)
+    return still
 
 
 def _disaggregated(layout: Layout, profile: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
@@ -135,15 +144,5 @@ def _run_decode(profile: StepProfile, reqs: Sequence[Request], queue: list[tuple
         while pending and pending[0][0] <= t and len(running) < profile.max_num_seqs:
             _, i, first = pending.popleft()
             running.append(_Seq(i, first, reqs[i].output - 1, reqs[i].prompt + 1))
-        context = sum(s.context for s in running) / len(running)
-        t += profile.decode_step_ms(len(running), context) / 1e3
-        still = []
-        for s in running:
-            s.tokens_left -= 1
-            s.context += 1
-            if s.tokens_left == 0:
-                r = reqs[s.index]
-                out[s.index] = Timing(s.first_token_s - r.arrival_s, (t - s.first_token_s) / (r.output - 1))
-            else:
-                still.append(s)
-        running = still
+        t += profile.decode_step_ms(len(running), _mean_context(running)) / 1e3
+        running = _decoded(running, t, reqs, out)
