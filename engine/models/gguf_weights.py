@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 from engine.models.arch import ArchConfig
 from engine.models.gguf_file import GGUFMetadata
 from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import copy_checked
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -113,14 +114,8 @@ def load_gguf_weights(
             values = unpermute_rows(values, arch.num_heads)
         elif is_llama and name.endswith(("k_proj.weight", "k_proj.bias")):
             values = unpermute_rows(values, arch.num_kv_heads)
-        param = params[name]
-        if tuple(values.shape) != tuple(param.shape):
-            raise ValueError(
-                f"{meta.source}: tensor {tensor.name} ({name}) has shape {tuple(values.shape)}, "
-                f"the GGUF metadata implies {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(torch.from_numpy(values).to(device=device, dtype=dtype))
+        copy_checked(params[name], torch.from_numpy(values), f"{meta.source}: tensor {tensor.name} ({name})",
+                     "the GGUF metadata", dtype, device)
         loaded.add(name)
     tied = {"lm_head.weight"} if arch.tie_word_embeddings else set()
     missing = sorted(set(params) - loaded - tied)

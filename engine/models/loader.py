@@ -41,6 +41,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def copy_checked(param: torch.nn.Parameter, tensor: torch.Tensor, where: str, implied_by: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """param <- tensor (cast and moved), or a ValueError naming `where` (the file and tensor), both
+    shapes, and what implied param's (`implied_by`)."""
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"{where} has shape {tuple(tensor.shape)}, {implied_by} implies {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(device=device, dtype=dtype))
+
+
 def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -49,15 +59,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or name not in params:
                     continue
-                tensor = f.get_tensor(name)
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor.to(device=device, dtype=dtype))
+                copy_checked(params[name], f.get_tensor(name), f"{file.name}: tensor {name}", "config.json", dtype,
+                             device)
                 loaded.add(name)
     tied = {"lm_head.weight"} if model.arch.tie_word_embeddings else set()
     if tied and "lm_head.weight" in loaded:
