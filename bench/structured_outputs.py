@@ -13,10 +13,12 @@ unconstrained, in one process:
       first compile with a fresh compiler, and the cached one.
 
 The vocabulary: the GPU machines have no Qwen3 tokenizer and no downloads; `--train-vocab N` trains a
-byte-level BPE of N tokens on this machine's Python sources (the standard library, then installed
-packages, up to 200 MB; the HF tokenizers trainer, deterministic for one set of files) and pads it
-to the model's logits width: a real BPE vocabulary of the model's size, not Qwen's own. The mask's
-cost follows the vocabulary's size and makeup, so the figures hold for a vocabulary like it.
+byte-level BPE of N tokens on this machine's Python sources (bench.train_models.corpus_files: the
+standard library, then installed packages, up to 200 MB; the HF tokenizers trainer, deterministic
+for one set of files) and pads it to the model's logits width: a real BPE vocabulary of the model's
+size, not Qwen's own. The mask's cost follows the vocabulary's size and makeup, so the figures hold
+for a vocabulary like it. NOTE: the committed H100 figures trained on the sorted union of the two
+directories' files (before corpus_files served here), so another 200 MB than a run now takes.
 
     python -m bench.structured_outputs --model bench/shapes/qwen3-0.6b --load-format dummy --train-vocab 151643
 
@@ -27,12 +29,10 @@ carry [".benchbundle"], and start the command with
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
 import statistics
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +42,7 @@ import torch
 
 from bench.common import base_parser, build_engine, check_no_leak, environment, synchronize, title, write_results
 from bench.offline_throughput import nano_vllm_workload
+from bench.train_models import corpus_files
 from engine import EngineCore, SamplingParams
 from engine.config import GrammarSpec
 from engine.grammar import GrammarCompiler
@@ -84,9 +85,8 @@ def train_vocab(model_dir: Path, vocab_size: int, out: Path) -> dict[str, Any]:
     """A copy of model_dir's config with a trained byte-level BPE tokenizer.json of vocab_size tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    roots = sorted({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
     files, size = [], 0
-    for f in sorted({f for root in roots for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)}):
+    for _, f in corpus_files(site_packages=True):  # the stdlib's sources, then the installed packages'
         if size >= CORPUS_BYTES:
             break
         files.append(f)
