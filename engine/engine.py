@@ -543,7 +543,7 @@ class EngineCore:
         verifying_logits = logits if not plain else logits.index_select(0, upload(verify_rows, torch.long, logits.device))
         # NOTE: only a constrained row's drafts are read on the host here: its matcher walks them.
         mask = self.grammars.mask_drafts([(sampling[i].request.request_id, vr.draft_token_ids)
-                                          for i, vr in zip(verifying, vrows)]) if len(self.grammars) else None
+                                          for i, vr in zip(verifying, vrows)]) if self.grammars else None
         verified = self.sampler.verify(verifying_logits, vrows, self.generator, mask)
         for j, i in enumerate(verifying):
             results[i] = _Sampled(

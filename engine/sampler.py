@@ -352,7 +352,9 @@ class Sampler:
         generator: shared by the rows without a seed. mask: by position (GrammarBook.mask_drafts): a
         drafted token the grammar forbids has probability 0 where it is verified, so it is rejected."""
         if self.fused and rows and all(_verifies_fused(vr) for vr in rows):
-            return self._verify_fused(apply_token_mask(logits.float(), mask), rows, generator)
+            # NOTE: unmasked logits go as they are (no float32 copy on the hot path)
+            return self._verify_fused(logits if mask is None else apply_token_mask(logits.float(), mask), rows,
+                                      generator)
         expanded: list[SamplingRow] = []  # one per position
         for vr in rows:
             drafts = list(vr.draft_token_ids)
