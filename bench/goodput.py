@@ -92,7 +92,7 @@ import torch
 from bench.common import device_name, device_slug, model_label, save_plot, title, write_results
 from bench.goodput_report import ModeResult, compare, mode_summary, plot, scaleout, table
 from deploy.cli import add_engine_flags, engine_options
-from engine.engine import resolve_device, resolve_model_dir
+from engine.rank import resolve_device, resolve_model_dir
 from engine.models import load_arch
 from kvtransfer.netaddr import free_port
 from loadgen.config import BenchConfig, parse_range

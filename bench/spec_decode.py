@@ -48,7 +48,7 @@ from bench.common import (
 )
 from bench.profile_step import phases
 from engine import EngineCore, SamplingParams, SpeculativeConfig, Tokenizer
-from engine.engine import resolve_model_dir
+from engine.rank import resolve_model_dir
 
 
 def predicted_tokens_per_step(a: float, k: int) -> float:

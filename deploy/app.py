@@ -12,7 +12,7 @@ from ray.serve import Application
 
 from cluster.controller import ClusterController
 from deploy.schema import ServeAppConfig
-from engine.engine import resolve_model_dir
+from engine.rank import resolve_model_dir
 from engine.models import load_arch
 from router.ingress import RouterIngress
 

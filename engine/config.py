@@ -162,10 +162,22 @@ class SpeculativeConfig(_Frozen):
         return self.method != "none"
 
 
+class ParallelConfig(_Frozen):
+    """How many GPUs one worker spans."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="Ranks (GPUs) of one worker: each holds 1/N of the heads, MLP rows and vocabulary "
+        "(engine/parallel/); N must divide the model's attention heads and intermediate size, and its KV "
+        "heads and N must divide one another.",
+    )
+
+
 class EngineConfig(_Frozen):
     """Everything one engine needs."""
 
     model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()

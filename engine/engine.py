@@ -40,24 +40,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from engine.attention import AttentionSpec, create_backend
 from engine.config import EngineConfig, SamplingParams
-from engine.cuda_graphs import cuda_graphs_enabled, graph_max_rows
+from engine.cuda_graphs import graph_max_rows
 from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
-from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
-from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
-from engine.models.gguf_tokenizer import checkpoint_dir
+from engine.kv_cache import BlockPool, IntegrityError
+from engine.models import ArchConfig
+from engine.parallel import TensorParallel
+from engine.parallel.follower import Stop
 from engine.pinned import upload
+from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_device, resolve_dtype, resolve_model_dir
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner, TokenPatch
+from engine.runner import TokenPatch
 from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.sizing import num_kv_blocks
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.validation import InvalidRequestError, validate_prompt
 
@@ -125,43 +124,33 @@ class _Inflight:
     needs_tokens_first: bool
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def resolve_model_dir(model: str) -> Path:
-    """The checkpoint directory; a GGUF file's is a cache directory made for it (engine/models/gguf_tokenizer.py)."""
-    return DEFAULT_MODEL_DIR if model == "default" else checkpoint_dir(Path(model))
-
-
 class EngineCore:
-    def __init__(self, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 tp: TensorParallel | None = None) -> None:
+        """tp: rank 0's place in a tensor-parallel worker whose other ranks run engine/parallel/follower.py
+        (config.parallel.tensor_parallel_size ranks in all)."""
         self.config = config = config or EngineConfig()
         self.clock = clock
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model.model)
-        model, arch = build_model(
-            self.model_dir, self.dtype, self.device, config.model.load_format, config.model.seed,
-            config.model.fused_ops,
-        )
+        if (config.parallel.tensor_parallel_size > 1) != (tp is not None and tp.shard.size > 1) or (
+                tp is not None and tp.shard.size != config.parallel.tensor_parallel_size):
+            raise ValueError(
+                f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs a group of that many ranks "
+                f"(got {tp.shard.size if tp is not None else 'none'}): start the worker through pdserve or "
+                "engine.LLM, which start the other ranks"
+            )
+        self.tp = tp if tp is not None and tp.shard.size > 1 else None
+        parts = build_parts(config, self.model_dir, self.device, self.dtype, self.tp)
+        arch = parts.arch
         self.arch: ArchConfig = arch
         self.eos_token_ids = frozenset(arch.eos_token_ids)
-        self.max_model_len = _max_model_len(arch, config.model.max_model_len)
-        spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, arch.sliding_window)
-        backend = create_backend(config.model.attention_backend, spec, self.device)
+        self.max_model_len = max_model_len(arch, config.model.max_model_len)
         block_size = config.cache.block_size
         self.sampler = Sampler(arch.eos_token_ids, fused=config.model.fused_ops and self.device.type == "cuda")
-        # NOTE: the proposer (a draft model's weights) is built before the cache is sized, so the
-        # KV budget is what both leave.
+        # NOTE: the proposer (a draft model's weights, on rank 0 alone) is built before the cache is
+        # sized, so the KV budget is what both leave.
         self.proposer = build_proposer(
             ProposerContext(
                 config.speculative, config.model, arch, self.device, self.dtype, block_size,
@@ -170,19 +159,16 @@ class EngineCore:
             )
         )
         extra_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
-        num_blocks = num_kv_blocks(
-            model, arch, backend, config, self.dtype, self.device, self.max_model_len, extra_bytes
-        )
+        kv = build_cache(config, parts, self.device, self.dtype, self.max_model_len, self.tp, extra_bytes)
+        num_blocks = kv.shape[2]
         if self.proposer is not None:
             self.proposer.bind(num_blocks, min(self.max_model_len, num_blocks * block_size))
         self.spec_counters = SpecCounters()
         self.grammars = GrammarBook(
             lambda: GrammarCompiler(self.model_dir, arch.vocab_size, arch.eos_token_ids), self.device.type == "cuda"
         )
-        self.block_bytes = bytes_per_block(arch, block_size, self.dtype)
-        kv = allocate_kv_tensors(arch, num_blocks, block_size, self.dtype, self.device)
+        self.block_bytes = parts.block_bytes  # this rank's heads
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.runner = ModelRunner(model, kv, backend, self.device)
         self.scheduler = Scheduler(config.scheduler, self.pool)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         # Blocks held outside running requests, by key: a prefill's finished request awaiting its
@@ -195,9 +181,13 @@ class EngineCore:
         # others (a batch past disable_above_batch_size) run asynchronously when this is on.
         self.async_scheduling = self.device.type == "cuda" if asked is None else asked
         self._inflight: _Inflight | None = None
-        if cuda_graphs_enabled(config.model, self.device, backend):
-            # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
-            self.runner.capture_decode_graphs(graph_max_rows(config), self.max_seq_tokens)
+        self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
+
+    def close(self) -> None:
+        """Release the other ranks of a tensor-parallel worker (they leave their loops); idempotent."""
+        if self.runner.leader is not None:
+            self.runner.leader.send(Stop())
+            self.runner.leader = None
 
     # ---- control
     @property
@@ -693,13 +683,3 @@ def _check_prior(num_prior_output_tokens: int, prompt: Sequence[int]) -> None:
             f"num_prior_output_tokens is {num_prior_output_tokens}; it counts tokens at the end of the prompt, "
             f"so it must be in [0, {len(prompt)}] (the prompt's length)"
         )
-
-
-def _max_model_len(arch: ArchConfig, asked: int | None) -> int:
-    if asked is None:
-        return arch.max_position_embeddings
-    if asked > arch.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {asked} exceeds the model's max_position_embeddings {arch.max_position_embeddings}"
-        )
-    return asked

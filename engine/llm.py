@@ -7,8 +7,19 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.engine import EngineCore
+from engine.parallel import TensorParallel
+from engine.parallel.local import LocalRanks
+from engine.rank import resolve_device
 from engine.output_processor import CompletionOutput, RequestOutput, TextState
 from engine.tokenizer import Tokenizer
 
@@ -20,7 +31,9 @@ def engine_config(
 ) -> EngineConfig:
     """Builds an EngineConfig from flat keyword options, each routed to the config that owns it;
     speculative decoding comes whole, as a SpeculativeConfig (or its fields as a dict)."""
-    parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
+    parts: dict[type, dict[str, Any]] = {
+        ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {},
+    }
     for key, value in options.items():
         owner = next((cls for cls in parts if key in cls.model_fields), None)
         if owner is None:
@@ -33,16 +46,32 @@ def engine_config(
         model=ModelConfig(**parts[ModelConfig]),
         cache=CacheConfig(**parts[CacheConfig]),
         scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+        parallel=ParallelConfig(**parts[ParallelConfig]),
         speculative=speculative or SpeculativeConfig(),
     )
 
 
 class LLM:
     def __init__(self, model: str = "default", **options: Any) -> None:
-        self.engine = EngineCore(engine_config(model, **options))
+        """options: engine_config's; tensor_parallel_size=N starts ranks 1..N-1 on this machine
+        (engine/parallel/local.py): call close() to stop them."""
+        config = engine_config(model, **options)
+        self._ranks: LocalRanks | None = None
+        tp = None
+        if config.parallel.tensor_parallel_size > 1:
+            self._ranks = LocalRanks(config, resolve_device(config.model.device))
+            tp = TensorParallel.of(self._ranks.group)
+        self.engine = EngineCore(config, tp=tp)
         has_tokenizer = (self.engine.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(self.engine.model_dir) if has_tokenizer else None
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine; idempotent."""
+        self.engine.close()
+        if self._ranks is not None:
+            self._ranks.join()
+            self._ranks = None
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -23,6 +23,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import LlamaForCausalLM
+from engine.parallel import TPGroup
 from engine.pinned import upload
 from engine.scheduler import ScheduledRequest
 
@@ -95,6 +96,44 @@ class HostStaging:
         return staged
 
 
+class ForwardStep(NamedTuple):
+    """Rank 0's hand-off of one forward to the other ranks of a tensor-parallel worker: the step's
+    sequences, and, when some inputs are still on rank 0's device (a TokenPatch), the patch's
+    positions and its token tensor's shape and dtype (the tensor follows over the device group)."""
+
+    seqs: Sequence[ForwardSeq]
+    patch: tuple[list[int], list[int], tuple[int, ...], str] | None  # dst, src, shape, dtype
+
+
+class StepLeader:
+    """Rank 0's side of the hand-off: every forward is first broadcast to the other ranks, which
+    run the same forward (engine/parallel/follower.py), so their collectives meet rank 0's."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+
+    def hand_off(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None) -> None:
+        spec = None
+        if patch is not None:
+            spec = (patch.dst, patch.src, tuple(patch.tokens.shape), str(patch.tokens.dtype).removeprefix("torch."))
+        self.group.broadcast_object(ForwardStep(list(seqs), spec))
+        if patch is not None:
+            self.group.broadcast(patch.tokens.contiguous())
+
+    def send(self, message: object) -> None:
+        """Another message for the followers, in order with the forwards (e.g. Stop)."""
+        self.group.broadcast_object(message)
+
+
+def receive_step(group: TPGroup, step: ForwardStep, device: torch.device) -> TokenPatch | None:
+    """A follower's patch of `step`, its tokens received from rank 0."""
+    if step.patch is None:
+        return None
+    dst, src, shape, dtype = step.patch
+    tokens = group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+    return TokenPatch(tokens, dst, src)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -102,8 +141,11 @@ class ModelRunner:
         kv_caches: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         backend: AttentionBackend,
         device: torch.device,
+        leader: StepLeader | None = None,
     ) -> None:
+        """leader: rank 0 of a tensor-parallel worker hands each forward to the other ranks."""
         self.model = model
+        self.leader = leader
         self.kv_caches = kv_caches
         self.backend = backend
         self.device = device
@@ -180,6 +222,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order.
         `patch`: input tokens to take from the device (see TokenPatch)."""
+        if self.leader is not None:
+            self.leader.hand_off(seqs, patch)
         if self.graphs is not None:
             hidden = self.graphs.run(seqs, patch)  # None: not a step a graph serves
             if hidden is not None:

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from engine.engine import resolve_device, resolve_dtype, resolve_model_dir
+from engine.rank import resolve_device, resolve_dtype, resolve_model_dir
 from engine.models import load_arch
 from engine.spec.draft_prefill import DraftPrefiller, split_to_fit
 from kvtransfer import KvLayout, gather_blocks

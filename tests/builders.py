@@ -52,11 +52,15 @@ def hf_config(name: str) -> Any:
     raise ValueError(f"unknown test architecture {name!r}; known: {ARCHITECTURES}")
 
 
-def make_hf_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
+def make_hf_checkpoint(name: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
+    """overrides: config fields changed from the architecture's test config (e.g. vocab_size)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32)
+    config = hf_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if name == "qwen2":  # HF initializes biases to zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:

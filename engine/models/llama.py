@@ -3,6 +3,12 @@
 Module names equal Hugging Face's, so a checkpoint's tensors load by name. Tokens of all
 sequences in a step are concatenated ([num_tokens, hidden]); attention over the paged cache is
 the backend's business. Knows nothing of scheduling or sampling.
+
+Tensor parallelism (`tp`, engine/parallel/): each rank builds its part (engine/parallel/shard.py)
+and marks each sharded parameter with its `Shard` of the checkpoint tensor, which the loaders read
+alone. qkv and gate/up are column-parallel, o_proj and down_proj row-parallel (each followed by an
+all-reduce, then the bias), the embedding and lm_head vocabulary-parallel (masked lookup +
+all-reduce; logits all-gathered, every rank gets the full row).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.arch import ArchConfig
 from engine.models.fused_ops import DecoderOps, rms_norm_ref
 from engine.models.rope import RotaryEmbedding
+from engine.parallel import Shard, TensorParallel, TPShard, local_arch
 
 
 class RMSNorm(nn.Module):
@@ -45,6 +52,15 @@ def fused_linears(owner: nn.Module, name: str, parts: dict[str, int], in_feature
         start += rows
 
 
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    """linear(x) where each rank holds some of linear's input columns: partial sums, all-reduced,
+    then the bias once."""
+    if tp is None:
+        return linear(x)
+    out = tp.group.all_reduce(F.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
@@ -68,6 +84,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: DecoderOps,
+        tp: TensorParallel | None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [tokens, q_size + 2 * kv_size]
@@ -78,7 +95,7 @@ class Attention(nn.Module):
         q = ops.norm_rope(q, cos, sin, self.q_norm.weight if self.qk_norm else None, self.eps)
         k = ops.norm_rope(k, cos, sin, self.k_norm.weight if self.qk_norm else None, self.eps)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return row_parallel(self.o_proj, out.reshape(tokens, self.q_size), tp)
 
 
 class MLP(nn.Module):
@@ -88,8 +105,8 @@ class MLP(nn.Module):
         fused_linears(self, "gate_up", {"gate_proj": inter, "up_proj": inter}, hidden, arch.mlp_bias)
         self.down_proj = nn.Linear(inter, hidden, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+    def forward(self, x: torch.Tensor, ops: DecoderOps, tp: TensorParallel | None) -> torch.Tensor:
+        return row_parallel(self.down_proj, ops.silu_and_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)), tp)
 
 
 class DecoderLayer(nn.Module):
@@ -101,37 +118,79 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(  # type: ignore[no-untyped-def]
-        self, x, residual, cos_sin, kv_cache, meta, backend, ops: DecoderOps
+        self, x, residual, cos_sin, kv_cache, meta, backend, ops: DecoderOps, tp: TensorParallel | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to residual (None before the first layer).
         Returns this layer's (output, residual); the sum of the two is transformers' hidden state."""
         h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        x = self.self_attn(h, cos_sin, kv_cache, meta, backend, ops)
+        x = self.self_attn(h, cos_sin, kv_cache, meta, backend, ops, tp)
         h, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)
-        return self.mlp(h, ops), residual
+        return self.mlp(h, ops, tp), residual
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, vocab_rows: int) -> None:
+        """arch: this rank's shapes (local_arch); vocab_rows: its rows of the embedding."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(arch.rope, arch.head_dim)
 
 
 class LlamaForCausalLM(nn.Module):
-    """One class for the family; `ArchConfig` switches qkv bias, q/k norm and rope scaling."""
+    """One class for the family; `ArchConfig` switches qkv bias, q/k norm and rope scaling.
+    `tp`: this rank's part of a tensor-parallel model (None: the whole model)."""
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.arch = arch
-        self.model = LlamaBody(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.arch = arch  # the whole model's
+        self.tp = tp if tp is not None and tp.shard.size > 1 else None
+        shard = self.tp.shard if self.tp is not None else TPShard(0, 1)
+        self.local_arch = local = local_arch(arch, shard)
+        self.vocab_range = shard.vocab(arch.vocab_size)
+        vocab_rows = self.vocab_range[1] - self.vocab_range[0]
+        self.model = LlamaBody(local, vocab_rows)
+        self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops = DecoderOps(triton=False)  # `use_fused_ops` switches to the Triton kernels
+        if self.tp is not None:
+            self._mark_shards(shard)
+
+    def _mark_shards(self, shard: TPShard) -> None:
+        """Each sharded parameter's `shard`: its slice of the checkpoint tensor (what loaders read)."""
+        arch, d = self.arch, self.arch.head_dim
+        q0, q1 = shard.heads(arch)
+        k0, k1 = shard.kv_heads(arch)
+        i0, i1 = shard.rows(arch.intermediate_size)
+        rows = {"q_proj": Shard(0, q0 * d, q1 * d, arch.num_heads * d),
+                "k_proj": Shard(0, k0 * d, k1 * d, arch.num_kv_heads * d),
+                "v_proj": Shard(0, k0 * d, k1 * d, arch.num_kv_heads * d),
+                "gate_proj": Shard(0, i0, i1, arch.intermediate_size),
+                "up_proj": Shard(0, i0, i1, arch.intermediate_size)}
+        columns = {"o_proj": Shard(1, q0 * d, q1 * d, arch.num_heads * d),
+                   "down_proj": Shard(1, i0, i1, arch.intermediate_size)}
+        for name, module in self.named_modules():
+            part = name.rsplit(".", 1)[-1]
+            if part in rows:
+                module.weight.shard = rows[part]
+                if module.bias is not None:
+                    module.bias.shard = rows[part]
+            elif part in columns:
+                module.weight.shard = columns[part]  # NOTE: the bias is whole: added once, after the all-reduce
+        v0, v1 = self.vocab_range
+        self.model.embed_tokens.weight.shard = Shard(0, v0, v1, arch.vocab_size)
+        self.lm_head.weight.shard = Shard(0, v0, v1, arch.vocab_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        start, stop = self.vocab_range
+        outside = (input_ids < start) | (input_ids >= stop)
+        x = F.embedding((input_ids - start).masked_fill(outside, 0), self.model.embed_tokens.weight)
+        return self.tp.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Triton kernels for RMSNorm (+ residual), q/k norm + rotary and SwiGLU: CUDA only."""
@@ -145,12 +204,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # hidden states [tokens, hidden]
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, backend, self.ops)
+            x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, backend, self.ops, self.tp)
         return self.ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.group.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
+        return logits.float()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -18,6 +19,7 @@ from engine.models.arch import ArchConfig, load_arch
 from engine.models.fused_ops import HAS_TRITON
 from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel import Shard, TensorParallel
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -41,14 +43,30 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def copy_checked(param: torch.nn.Parameter, tensor: torch.Tensor, where: str, implied_by: str,
+def copy_checked(param: torch.nn.Parameter, source: Any, where: str, implied_by: str,
                  dtype: torch.dtype, device: torch.device) -> None:
-    """param <- tensor (cast and moved), or a ValueError naming `where` (the file and tensor), both
-    shapes, and what implied param's (`implied_by`)."""
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"{where} has shape {tuple(tensor.shape)}, {implied_by} implies {tuple(param.shape)}")
+    """param <- source (cast and moved), or a ValueError naming `where` (the file and tensor), both
+    shapes, and what implied param's (`implied_by`). source: a tensor, or a safetensors slice, of
+    which only the part a tensor-parallel rank holds is read (the parameter's `shard`,
+    engine/parallel/shard.py); vocabulary padding rows past the checkpoint's are zeroed."""
+    shard: Shard | None = getattr(param, "shard", None)
+    shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+    expected = list(param.shape)
+    if shard is not None:
+        expected[shard.dim] = shard.full
+    if shape != tuple(expected):
+        raise ValueError(f"{where} has shape {shape}, {implied_by} implies {tuple(expected)}")
+    if shard is None:
+        tensor, target = (source if isinstance(source, torch.Tensor) else source[:]), param
+    else:
+        stop = min(shard.stop, shard.full)
+        index = slice(shard.start, stop)
+        tensor = source[index] if shard.dim == 0 else source[:, index]
+        target = param if stop - shard.start == param.shape[shard.dim] else param[: stop - shard.start]
     with torch.no_grad():
-        param.copy_(tensor.to(device=device, dtype=dtype))
+        if target is not param:
+            param.zero_()
+        target.copy_(tensor.to(device=device, dtype=dtype))
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
@@ -59,8 +77,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or name not in params:
                     continue
-                copy_checked(params[name], f.get_tensor(name), f"{file.name}: tensor {name}", "config.json", dtype,
-                             device)
+                source = f.get_slice(name) if hasattr(params[name], "shard") else f.get_tensor(name)
+                copy_checked(params[name], source, f"{file.name}: tensor {name}", "config.json", dtype, device)
                 loaded.add(name)
     tied = {"lm_head.weight"} if model.arch.tie_word_embeddings else set()
     if tied and "lm_head.weight" in loaded:
@@ -86,11 +104,12 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 def build_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0,
-    fused_ops: bool = True,
+    fused_ops: bool = True, tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ArchConfig]:
     """model_dir: an HF checkpoint directory, a .gguf file, or a directory holding one .gguf (whose
     metadata, not a config.json, gives the architecture). fused_ops: the Triton elementwise kernels
-    where they run (CUDA with triton installed)."""
+    where they run (CUDA with triton installed). tp: build (and read) only this rank's part; dummy
+    weights then differ per rank (each draws its own part)."""
     model_dir = Path(model_dir)
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None and load_format == "safetensors":
@@ -105,7 +124,7 @@ def build_model(
     torch.set_default_dtype(dtype)  # NOTE: build in the target dtype: an 8B model never exists in float32
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(arch)
+            model = LlamaForCausalLM(arch, tp)
     finally:
         torch.set_default_dtype(previous)
     if gguf is not None and load_format != "dummy":

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import common
-from engine.engine import DEFAULT_MODEL_DIR
+from engine.models import DEFAULT_MODEL_DIR
 
 
 @pytest.fixture(autouse=True)

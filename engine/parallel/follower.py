@@ -1,0 +1,84 @@
+"""A rank other than 0 of a tensor-parallel worker: builds its parts as rank 0 does (engine/rank.py),
+then runs what rank 0 hands it, in order, until rank 0 says stop or the group fails.
+
+Messages (over the host group, engine/parallel/group.py): a runner.ForwardStep (run the same
+forward; its logits are rank 0's business), a RankCall (a function of this rank's parts: moving
+its KV heads), or Stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+
+from engine.config import EngineConfig
+from engine.parallel import TensorParallel, TPGroup
+from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_dtype, resolve_model_dir
+from engine.runner import ForwardStep, ModelRunner, receive_step
+
+__all__ = ["Follower", "RankCall", "Stop"]
+log = logging.getLogger(__name__)
+
+
+class Stop(NamedTuple):
+    """Rank 0 is closing: leave the loop."""
+
+
+class RankCall(NamedTuple):
+    """Run `fn(follower, *args)` on every follower, in order with the steps (it sees the KV every
+    earlier step wrote). It must not block on rank 0."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+class Follower:
+    def __init__(self, config: EngineConfig, group: TPGroup) -> None:
+        """config: rank 0's; the group's device is this rank's."""
+        self.group = group
+        self.device = device = group.device
+        dtype = resolve_dtype(config.model.dtype, device)
+        tp = TensorParallel.of(group)
+        self.parts = build_parts(config, resolve_model_dir(config.model.model), device, dtype, tp)
+        model_len = max_model_len(self.parts.arch, config.model.max_model_len)
+        self.kv = build_cache(config, self.parts, device, dtype, model_len, tp)
+        capacity = self.kv.shape[2] * config.cache.block_size
+        self.runner: ModelRunner = build_runner(config, self.parts, self.kv, device, min(model_len, capacity), tp)
+        self.num_steps = 0
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """Serve rank 0's messages until Stop; a failed group (rank 0 died) ends it with `error` set."""
+        try:
+            while True:
+                message = self.group.broadcast_object()
+                if isinstance(message, ForwardStep):
+                    patch = receive_step(self.group, message, self.device)
+                    self.runner.forward(message.seqs, patch)
+                    self.num_steps += 1
+                elif isinstance(message, RankCall):
+                    message.fn(self, *message.args)
+                elif isinstance(message, Stop):
+                    return
+                else:
+                    raise TypeError(f"rank {self.group.rank}: unknown message {type(message).__name__}")
+        except BaseException as err:  # noqa: BLE001 - kept for the owner, then the loop ends
+            log.exception("tensor-parallel rank %d stopped", self.group.rank)
+            self.error = err
+
+    def start(self) -> Follower:
+        """Run on a daemon thread."""
+        self._thread = threading.Thread(target=self.run, name=f"tp-rank-{self.group.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout_s: float) -> bool:
+        """True once the loop has ended."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True

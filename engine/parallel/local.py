@@ -1,0 +1,62 @@
+"""The other ranks of a tensor-parallel worker started on this machine, for the offline LLM and
+benchmarks (a cluster starts one Ray actor per rank instead): threads on the CPU (gloo; tests),
+spawned processes on CUDA (rank i on cuda:i, NCCL).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.parallel.follower import Follower
+from engine.parallel.group import GroupAddress, TPGroup, host_store
+from engine.parallel.shard import check_tensor_parallel
+from engine.rank import checkpoint_arch, resolve_model_dir
+
+__all__ = ["LocalRanks"]
+
+
+def _rank_main(config_json: str, address: GroupAddress, rank: int, size: int, device: str) -> None:
+    """A spawned rank's whole life: join the group, build, follow rank 0 until it stops."""
+    config = EngineConfig.model_validate_json(config_json)
+    follower = Follower(config, TPGroup(address, rank, size, torch.device(device)))
+    follower.run()
+    if follower.error is not None:
+        raise SystemExit(f"rank {rank} failed: {follower.error}")
+
+
+class LocalRanks:
+    """Starts ranks 1..N-1, then joins the group as rank 0 (blocks until all have joined)."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, host: str = "127.0.0.1") -> None:
+        size = config.parallel.tensor_parallel_size
+        check_tensor_parallel(checkpoint_arch(resolve_model_dir(config.model.model)), size)  # before any rank starts
+        store = host_store(host)
+        address = GroupAddress(host, int(store.port))
+        self._workers: list[Any] = []
+        for rank in range(1, size):
+            if device.type == "cuda":
+                index = (device.index or 0) + rank
+                if index >= torch.cuda.device_count():
+                    raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs from {device}; "
+                                     f"{torch.cuda.device_count()} are visible")
+                process = multiprocessing.get_context("spawn").Process(
+                    target=_rank_main, args=(config.model_dump_json(), address, rank, size, f"cuda:{index}"),
+                    name=f"tp-rank-{rank}", daemon=True)
+                process.start()
+                self._workers.append(process)
+            else:
+                thread = threading.Thread(target=_rank_main, args=(config.model_dump_json(), address, rank, size,
+                                                                   "cpu"), name=f"tp-rank-{rank}", daemon=True)
+                thread.start()
+                self._workers.append(thread)
+        self.group = TPGroup(address, 0, size, device, store=store)
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        """After rank 0 sent Stop: wait for the ranks to leave."""
+        for worker in self._workers:
+            worker.join(timeout_s)

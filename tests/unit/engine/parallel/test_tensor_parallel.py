@@ -1,0 +1,99 @@
+"""Tensor parallelism on the CPU (gloo, ranks 1..N-1 on threads): TP=2 and TP=4 give TP=1's greedy
+tokens and logprobs in float32 on every test architecture, with fewer KV heads than ranks (TP=4 of
+2 KV heads), a vocabulary the ranks do not divide, asynchronous scheduling (input tokens handed
+over from rank 0's device) and speculative decoding; sizes that do not divide say which field."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM
+from engine.config import SamplingParams
+from engine.engine import EngineCore
+from engine.llm import engine_config
+from engine.models import load_arch
+from engine.parallel import TPShard, check_tensor_parallel, local_arch
+from tests.builders import make_hf_checkpoint
+from tests.conftest import assert_no_leak
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], list(range(40, 90))]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture
+def run(one_torch_thread: None) -> Iterator[Callable[..., list[Any]]]:
+    built: list[LLM] = []
+
+    def generate(model: Path, prompts: list[list[int]] = PROMPTS, params: SamplingParams = GREEDY,
+                 **options: Any) -> list[Any]:
+        llm = LLM(str(model), device="cpu", num_blocks=64, **options)
+        built.append(llm)
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            llm.close()
+
+    yield generate
+    for llm in built:
+        assert_no_leak(llm)
+
+
+def _same(outputs: list[Any], reference: list[Any]) -> None:
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].logprobs == pytest.approx(ref.outputs[0].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tp2_and_tp4_give_tp1_tokens(name: str, hf_checkpoints: Callable[[str], Path], run: Any) -> None:
+    model = hf_checkpoints(name)
+    reference = run(model)
+    for size in (2, 4):  # the test models have 2 KV heads: TP=4 replicates each on two ranks
+        _same(run(model, tensor_parallel_size=size), reference)
+
+
+def test_vocabulary_the_ranks_do_not_divide(tmp_path: Path, run: Any) -> None:
+    model = make_hf_checkpoint("qwen3", tmp_path / "odd_vocab", vocab_size=2045, tie_word_embeddings=True)
+    _same(run(model, tensor_parallel_size=4), run(model))  # 2045 rows padded to 2048; tied lm_head
+
+
+def test_async_scheduling_hands_device_tokens_to_the_ranks(hf_checkpoints: Callable[[str], Path], run: Any) -> None:
+    model = hf_checkpoints("llama3")
+    reference = run(model)
+    _same(run(model, tensor_parallel_size=2, async_scheduling=True), reference)
+
+
+def test_speculative_decoding_over_tp(hf_checkpoints: Callable[[str], Path], run: Any) -> None:
+    model = hf_checkpoints("qwen2")
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], list(range(100, 140))]
+    reference = run(model, prompts)
+    _same(run(model, prompts, tensor_parallel_size=2, speculative={"method": "ngram", "num_draft_tokens": 3}),
+          reference)
+
+
+def test_sizes_that_do_not_divide_name_the_field(hf_checkpoints: Callable[[str], Path]) -> None:
+    model = hf_checkpoints("llama")
+    arch = load_arch(model)  # 4 heads, 2 KV heads, intermediate 128
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        check_tensor_parallel(arch, 3)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_tensor_parallel(dataclasses.replace(arch, num_heads=6, num_kv_heads=4, intermediate_size=96), 3)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        check_tensor_parallel(dataclasses.replace(arch, intermediate_size=130), 4)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(str(model), device="cpu", num_blocks=8, tensor_parallel_size=8)  # before any rank starts
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs a group of that many ranks"):
+        EngineCore(engine_config(str(model), device="cpu", num_blocks=8, tensor_parallel_size=2))
+
+
+def test_each_rank_holds_its_part(hf_checkpoints: Callable[[str], Path]) -> None:
+    arch = load_arch(hf_checkpoints("llama"))
+    parts = [local_arch(arch, TPShard(r, 4)) for r in range(4)]
+    assert {(p.num_heads, p.num_kv_heads, p.intermediate_size) for p in parts} == {(1, 1, 32)}
+    assert [TPShard(r, 4).kv_heads(arch) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [TPShard(r, 4).vocab(10) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
