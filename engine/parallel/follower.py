@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 
+import torch
+
 from engine.config import EngineConfig
 from engine.parallel import TensorParallel, TPGroup
 from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_dtype, resolve_model_dir
@@ -40,6 +42,8 @@ class Follower:
         """config: rank 0's; the group's device is this rank's."""
         self.group = group
         self.device = device = group.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NOTE: Triton launches on the current device, whatever the tensors'
         dtype = resolve_dtype(config.model.dtype, device)
         tp = TensorParallel.of(group)
         self.parts = build_parts(config, resolve_model_dir(config.model.model), device, dtype, tp)

@@ -125,6 +125,15 @@ class TPGroup:
         self.host_group.allreduce([tensor], options).wait()
         return int(tensor.item())
 
+    def close(self) -> None:
+        """Shut the groups down once every rank is done with them (NCCL's communicator is destroyed
+        here, not at interpreter exit, where its destructor can hang the process)."""
+        for group in (self.device_group, self.host_group):
+            try:
+                group.shutdown()
+            except (RuntimeError, AttributeError):
+                pass
+
     def abort(self) -> None:
         """Tear the device group down without waiting for peers (a rank died). NCCL's abort may block
         for long (shared/gpu/README.md), so it runs on a daemon thread; idempotent."""

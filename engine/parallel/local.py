@@ -5,6 +5,7 @@ spawned processes on CUDA (rank i on cuda:i, NCCL).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import threading
 from typing import Any
@@ -18,6 +19,7 @@ from engine.parallel.shard import check_tensor_parallel
 from engine.rank import checkpoint_arch, resolve_model_dir
 
 __all__ = ["LocalRanks"]
+log = logging.getLogger(__name__)
 
 
 def _rank_main(config_json: str, address: GroupAddress, rank: int, size: int, device: str) -> None:
@@ -25,6 +27,7 @@ def _rank_main(config_json: str, address: GroupAddress, rank: int, size: int, de
     config = EngineConfig.model_validate_json(config_json)
     follower = Follower(config, TPGroup(address, rank, size, torch.device(device)))
     follower.run()
+    follower.group.close()
     if follower.error is not None:
         raise SystemExit(f"rank {rank} failed: {follower.error}")
 
@@ -41,11 +44,11 @@ class LocalRanks:
         for rank in range(1, size):
             if device.type == "cuda":
                 index = (device.index or 0) + rank
-                if index >= torch.cuda.device_count():
+                if device.type == "cuda" and index >= torch.cuda.device_count():
                     raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs from {device}; "
                                      f"{torch.cuda.device_count()} are visible")
                 process = multiprocessing.get_context("spawn").Process(
-                    target=_rank_main, args=(config.model_dump_json(), address, rank, size, f"cuda:{index}"),
+                    target=_rank_main, args=(config.model_dump_json(), address, rank, size, f"cuda:{index}" if device.type == "cuda" else "cpu"),
                     name=f"tp-rank-{rank}", daemon=True)
                 process.start()
                 self._workers.append(process)
@@ -55,8 +58,23 @@ class LocalRanks:
                 thread.start()
                 self._workers.append(thread)
         self.group = TPGroup(address, 0, size, device, store=store)
+        self._closing = threading.Event()
+        if device.type == "cuda":
+            threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A rank process that dies takes the group down: rank 0's pending collectives fail instead of
+        waiting forever for it (NCCL's abort, from this side thread)."""
+        while not self._closing.wait(0.5):
+            dead = [w for w in self._workers if not w.is_alive()]
+            if dead:
+                log.error("tensor-parallel %s exited (code %s): aborting the group", dead[0].name, dead[0].exitcode)
+                self.group.abort()
+                return
 
     def join(self, timeout_s: float = 30.0) -> None:
-        """After rank 0 sent Stop: wait for the ranks to leave."""
+        """After rank 0 sent Stop: wait for the ranks to leave, then close rank 0's groups."""
+        self._closing.set()
         for worker in self._workers:
             worker.join(timeout_s)
+        self.group.close()

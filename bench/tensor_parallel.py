@@ -1,0 +1,191 @@
+"""Tensor parallelism on one host's GPUs, TP sizes side by side in one run (each size in its own
+process, so one's memory never crowds the next):
+
+  (1) decode step time by batch (one context length), consecutive steps timed as one, beside the
+      bandwidth floor of a rank: (its weight bytes + its KV bytes read) / measured copy bandwidth;
+  (2) the all-reduces of a decode step alone (2 per layer + the embedding's, [batch, hidden] in the
+      model dtype, captured in a CUDA graph as the step does), as a share of the step;
+  (3) rank 0's hand-off of each step to the other ranks (host time per step);
+  (4) optionally, offline throughput: --requests prompts of --isl tokens, --osl output tokens each.
+
+    python -m bench.tensor_parallel --model bench/shapes/llama-3.1-8b --load-format dummy --tp 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import base_parser, device_name, model_label, synchronize, write_results
+from bench.offline_throughput import copy_bandwidth, decode_step_times
+from engine import LLM, SamplingParams
+from engine.parallel import TPGroup
+from engine.parallel.follower import RankCall
+
+
+def allreduce_seconds(group: TPGroup, rows: int, hidden: int, count: int, dtype: str) -> float:
+    """Device time of `count` all-reduces of [rows, hidden], captured in one CUDA graph (median of 10
+    replays); every rank calls it at once."""
+    x = torch.zeros(rows, hidden, dtype=getattr(torch, dtype), device=group.device)
+    stream = torch.cuda.Stream(group.device)
+    stream.wait_stream(torch.cuda.current_stream(group.device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            group.all_reduce(x)
+    torch.cuda.synchronize(group.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(count):
+            group.all_reduce(x)
+    times = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[3:])
+
+
+def _follower_allreduce(follower: Any, *args: Any) -> None:
+    allreduce_seconds(follower.group, *args)
+
+
+def offline(llm: LLM, requests: int, isl: int, osl: int) -> dict[str, Any]:
+    engine, rng = llm.engine, random.Random(3)
+    for i in range(requests):
+        prompt = [rng.randrange(engine.arch.vocab_size) for _ in range(isl)]
+        engine.add_request(f"o{i}", prompt, SamplingParams(max_tokens=osl, ignore_eos=True, temperature=0.6))
+    synchronize(engine.device)
+    start, num_out = time.perf_counter(), 0
+    while engine.has_unfinished():
+        num_out += sum(len(o.new_token_ids) for o in engine.step())
+    synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    return {"requests": requests, "isl": isl, "osl": osl, "elapsed_s": elapsed, "output_tokens": num_out,
+            "output_tok_per_s": num_out / elapsed, "preemptions": engine.stats().num_preemptions}
+
+
+def one_size(args: Any, tp: int) -> dict[str, Any]:
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, tensor_parallel_size=tp,
+              max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len)
+    engine = llm.engine
+    arch, bandwidth = engine.arch, copy_bandwidth(engine.device)
+    leader = engine.runner.leader
+    handoff = {"seconds": 0.0, "steps": 0}
+    if leader is not None:
+        inner = leader.hand_off
+
+        def timed_hand_off(*a: Any) -> None:
+            t = time.perf_counter()
+            inner(*a)
+            handoff["seconds"] += time.perf_counter() - t
+            handoff["steps"] += 1
+
+        leader.hand_off = timed_hand_off  # type: ignore[method-assign]
+    rows = decode_step_times(engine, args.batches, [args.context], None)
+    weight_bytes = arch.num_params * engine.dtype.itemsize / tp
+    for row in rows:
+        kv_bytes = engine.block_bytes / engine.pool.block_size * row["batch"] * row["context"]
+        row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
+        row["floor_ratio"] = row["step_s"] / row["floor_s"] if bandwidth else None
+        row["output_tok_per_s"] = row["num_running"] / row["step_s"]
+        if leader is not None and engine.device.type == "cuda":
+            count = 2 * arch.num_layers + 1
+            leader.send(RankCall(_follower_allreduce, (row["num_running"], arch.hidden_size, count, args.dtype_name)))
+            row["allreduce_s"] = allreduce_seconds(leader.group, row["num_running"], arch.hidden_size, count,
+                                                   args.dtype_name)
+            row["allreduce_share"] = row["allreduce_s"] / row["step_s"]
+        print(f"TP={tp} batch {row['batch']}: {row['step_s'] * 1e3:.2f} ms/step"
+              + (f", floor {row['floor_s'] * 1e3:.2f} ms (x{row['floor_ratio']:.2f})" if bandwidth else "")
+              + (f", all-reduce {row['allreduce_share']:.0%}" if "allreduce_share" in row else ""), flush=True)
+    result: dict[str, Any] = {
+        "tp": tp, "device_name": device_name(engine.device), "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+        "num_blocks": engine.pool.num_blocks, "decode": rows,
+        "handoff_ms_per_step": 1e3 * handoff["seconds"] / handoff["steps"] if handoff["steps"] else None,
+    }
+    if args.requests:
+        result["offline"] = offline(llm, args.requests, args.isl, args.osl)
+        print(f"TP={tp} offline: {result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+    env = {"device": str(engine.device), "model": {"name": model_label(args.model), "num_params": arch.num_params,
+                                                     "num_layers": arch.num_layers, "hidden_size": arch.hidden_size}}
+    result["env"] = env
+    return result  # NOTE: not closed: the child process exits at once (main) with its figures written
+
+
+def main() -> None:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--requests", type=int, default=0)
+    parser.add_argument("--isl", type=int, default=1000)
+    parser.add_argument("--osl", type=int, default=1000)
+    parser.add_argument("--size-timeout-s", type=float, default=300.0, help="Most seconds one size may take.")
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # one size, in a child process
+    parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
+    if args.one is not None:
+        Path(args.one_out).write_text(json.dumps(one_size(args, args.one)))
+        sys.stdout.flush()
+        for child in multiprocessing.active_children():
+            child.kill()  # the other ranks
+        os._exit(0)  # NOTE: the figures are written; no teardown may hold them back
+    runs = []
+    for tp in args.tp:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, "-m", "bench.tensor_parallel", *sys.argv[1:], "--one", str(tp),
+                            "--one-out", f.name], check=True, timeout=args.size_timeout_s)
+            runs.append(json.loads(Path(f.name).read_text()))
+    write(args, runs)
+
+
+def write(args: Any, runs: list[dict[str, Any]]) -> None:
+    base = {r["tp"]: r for r in runs}
+    if 1 in base:
+        for r in runs:
+            for row, ref in zip(r["decode"], base[1]["decode"]):
+                row["speedup_vs_tp1"] = ref["step_s"] / row["step_s"]
+    env = {**runs[0]["env"], "device_name": runs[0]["device_name"], "num_gpus": torch.cuda.device_count(),
+           "torch_version": torch.__version__}
+    env["model"].update(dtype=args.dtype_name, load_format=args.load_format)
+    for r in runs:
+        r.pop("env")
+    name = f"tensor_parallel_{Path(args.model).name}"
+
+    def plot(fig: Any) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        for r in runs:
+            xs = [row["batch"] for row in r["decode"]]
+            ax.plot(xs, [row["step_s"] * 1e3 for row in r["decode"]], marker="o", label=f"TP={r['tp']} step")
+            if r["copy_bandwidth_gbs"]:
+                ax.plot(xs, [row["floor_s"] * 1e3 for row in r["decode"]], linestyle="--", label=f"TP={r['tp']} floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (decoding sequences)")
+        ax.set_ylabel(f"ms per decode step (context {args.context})")
+        ax.legend()
+
+    heading = (f"{name}: {env['model']['name']} {args.dtype_name} {args.load_format}, {env['device_name']} x"
+               f"{env['num_gpus']}, torch {env['torch_version']}")
+    write_results(Path(args.out), name, env, {"context": args.context, "runs": runs}, plot, heading)
+
+
+if __name__ == "__main__":
+    main()
