@@ -40,6 +40,15 @@ class ClusterConfig(BaseModel):
     )
     num_prefill: int = Field(1, ge=0, le=256, description="Prefill workers (disaggregated mode).")
     num_decode: int = Field(1, ge=1, le=256, description="Decode workers, or colocated workers.")
+    prefill_tp: int | None = Field(
+        None, ge=1, le=64,
+        description="GPUs (tensor-parallel ranks) of each prefill worker; None: engine.parallel.tensor_parallel_size.",
+    )
+    decode_tp: int | None = Field(
+        None, ge=1, le=64,
+        description="GPUs (tensor-parallel ranks) of each decode (or colocated) worker; None: "
+        "engine.parallel.tensor_parallel_size.",
+    )
     transport: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="KV transport between workers: 'auto' is nccl with GPUs, gloo without."
     )
@@ -77,15 +86,28 @@ class ClusterConfig(BaseModel):
             if fixed:
                 raise ValueError(f"{name}.{sorted(fixed)[0]} is set by the cluster for each worker; set it on the "
                                  "ClusterConfig itself (engine, transport), or leave it out (worker_id)")
+        if self.mode == "disaggregated" and max(self.tp_of("prefill"), self.tp_of("decode")) > 1:
+            raise ValueError(
+                f"prefill_tp={self.tp_of('prefill')}, decode_tp={self.tp_of('decode')}: tensor-parallel workers serve "
+                "colocated only for now (the KV push between workers moves one rank's heads); use mode='colocated'"
+            )
         for field in ("prefill_resources", "decode_resources"):
             for name, amount in getattr(self, field).items():
                 _check_resource(field, name, amount)
         return self
 
+    def tp_of(self, pool: Literal["prefill", "decode"]) -> int:
+        """Ranks (GPUs) of each worker of `pool` ('decode' also names the colocated pool)."""
+        asked = self.prefill_tp if pool == "prefill" else self.decode_tp
+        return asked if asked is not None else self.engine.parallel.tensor_parallel_size
+
     def worker_config(self, template: W, worker_id: str, transport: str, **update: object) -> W:
-        """One worker's config: the pool's template with this worker's id and the cluster's engine and
-        transport (the transport resolved for the cluster's hardware)."""
-        return template.model_copy(update={"worker_id": worker_id, "engine": self.engine, "transport": transport,
+        """One worker's config: the pool's template with this worker's id, the cluster's engine (with
+        the pool's tensor-parallel size) and transport (resolved for the cluster's hardware)."""
+        pool: Literal["prefill", "decode"] = "prefill" if isinstance(template, PrefillWorkerConfig) else "decode"
+        parallel = self.engine.parallel.model_copy(update={"tensor_parallel_size": self.tp_of(pool)})
+        engine = self.engine.model_copy(update={"parallel": parallel})
+        return template.model_copy(update={"worker_id": worker_id, "engine": engine, "transport": transport,
                                            **update})
 
     def resolved_transport(self, has_gpus: bool) -> str:

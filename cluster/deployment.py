@@ -25,11 +25,12 @@ class Deployment:
         if config.mode == "disaggregated":
             self.prefill = WorkerPool(
                 "prefill", PrefillWorker, self._prefill_config, config.num_prefill, gpus,
-                resources=config.prefill_resources,
+                resources=config.prefill_resources, ranks=config.tp_of("prefill"),
             )
         kind = "decode" if config.mode == "disaggregated" else "colocated"
         self.decode = WorkerPool(
-            kind, DecodeWorker, self._decode_config, config.num_decode, gpus, resources=config.decode_resources
+            kind, DecodeWorker, self._decode_config, config.num_decode, gpus, resources=config.decode_resources,
+            ranks=config.tp_of("decode"),
         )
 
     def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:

@@ -6,7 +6,9 @@ with the new one.
 
 Placement: every worker asks for the pool's `resources` (Ray custom resources such as
 `{"pdserve_decode": 1}`, from ClusterConfig), so it lands only on nodes that offer them. With
-GPUs each worker has a placement-group bundle `{"GPU": num_gpus, **resources}`.
+GPUs each worker has a placement-group bundle `{"GPU": num_gpus, **resources}`, times `ranks` for
+a tensor-parallel worker: one bundle holds all its ranks, so they share a node (the worker actor
+is rank 0 and starts the others in that bundle: cluster/ranks.py).
 
 Worker states, as routers see them (`router_handles`):
 
@@ -28,6 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.ranks import RayRanks
 from kvtransfer import NCCL_WORKER_ENV
 from protocol.clients import DecodeClient, PrefillClient, RetiringDecodeClient, WorkerClient
 
@@ -47,8 +50,11 @@ class WorkerPool:
         num_gpus: float,
         env: dict[str, str] | None = None,
         resources: dict[str, float] | None = None,
+        ranks: int = 1,
     ) -> None:
+        """ranks: tensor-parallel ranks per worker, each with num_gpus and resources of its own."""
         self.kind = kind
+        self.ranks = ranks
         self.worker_cls = worker_cls
         self.make_config = make_config
         self.num_workers = num_workers  # serving workers wanted
@@ -67,7 +73,7 @@ class WorkerPool:
 
     @property
     def _bundle(self) -> dict[str, float]:
-        return {"GPU": self.num_gpus, **self.resources}
+        return {"GPU": self.num_gpus * self.ranks, **{k: v * self.ranks for k, v in self.resources.items()}}
 
     def start(self) -> None:
         if self.num_gpus > 0:
@@ -92,8 +98,11 @@ class WorkerPool:
         if self.num_gpus > 0:
             group, index = self._bundle_of[worker_id] = self._free_bundles.pop(0)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, index)
+        kwargs: dict[str, Any] = {}
+        if self.ranks > 1:
+            kwargs["start_ranks"] = RayRanks(self._bundle_of.get(worker_id), self.num_gpus, self.resources, self.env)
         actor_cls = ray.remote(self.worker_cls)
-        self.handles[worker_id] = actor_cls.options(**options).remote(self.make_config(worker_id))
+        self.handles[worker_id] = actor_cls.options(**options).remote(self.make_config(worker_id), **kwargs)
         return worker_id
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:

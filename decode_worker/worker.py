@@ -41,6 +41,8 @@ from pydantic import Field
 from engine import EngineCore, StepOutput
 from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
+from engine.parallel import RankStarter
+from engine.parallel.local import LocalRanks
 from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
 from kvtransfer import transport_options as kv_transport_options
@@ -101,10 +103,12 @@ class Outbox:
 
 
 class DecodeWorker(TransferEndpoint):
-    def __init__(self, config: DecodeWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: DecodeWorkerConfig, transport_options: dict[str, Any] | None = None,
+                 start_ranks: RankStarter = LocalRanks) -> None:
+        """start_ranks: how the other ranks of a tensor-parallel worker start (Ray actors in a cluster)."""
         self.config = config
         self.worker_id = config.worker_id
-        engine = EngineCore(config.engine)
+        engine = EngineCore(config.engine, start_ranks=start_ranks)
         self.block_size = engine.pool.block_size
         self.layout = KvLayout.from_kv(engine.runner.kv_caches)
         draft = engine.draft_kv  # a draft model's cache: a prefill worker may send a prompt's KV for it
@@ -483,6 +487,8 @@ class DecodeWorker(TransferEndpoint):
             self._reaper.cancel()
         await self.channel.close()
         self.loop.stop()
+        if not self.loop.is_alive:
+            self.loop.engine.close()  # the other ranks of a tensor-parallel worker
         self._receive_thread.shutdown(wait=False)
         self.transport.close()
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from deploy.schema import ServeAppConfig
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvtransfer.netaddr import free_port
 from router.core import GrpcServerConfig, RouterConfig
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
@@ -53,6 +53,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for field in ("max_num_seqs", "max_num_batched_tokens"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=_default(SchedulerConfig, field),
                             help=_help(SchedulerConfig, field))
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int,
+                        default=_default(ParallelConfig, "tensor_parallel_size"),
+                        help=_help(ParallelConfig, "tensor_parallel_size"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--prefill", type=int, default=None, help="prefill workers: disaggregated mode")
     serve.add_argument("--decode", type=int, default=_default(ClusterConfig, "num_decode"),
                        help="decode workers (or colocated workers)")
+    for pool in ("prefill", "decode"):
+        serve.add_argument(f"--{pool}-tp", type=int, default=None, help=_help(ClusterConfig, f"{pool}_tp"))
     serve.add_argument("--transport", default=_default(ClusterConfig, "transport"), help=_help(ClusterConfig, "transport"))
     serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto', or host:port)")
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
@@ -113,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The values of add_engine_flags' flags, by engine option name (engine.llm.engine_config's keywords)."""
     names = ("model", "dtype", "device", "load_format", "max_model_len", "attention_backend", "enforce_eager", "block_size",
-             "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
+             "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
     return {n: getattr(args, n) for n in names}
 
 
@@ -129,6 +134,8 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
         mode="disaggregated" if args.prefill else "colocated",
         num_prefill=args.prefill or 1,
         num_decode=args.decode,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         transport=args.transport,
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)

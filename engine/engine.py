@@ -49,8 +49,9 @@ from engine.cuda_graphs import graph_max_rows
 from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError
 from engine.models import ArchConfig
-from engine.parallel import TensorParallel
+from engine.parallel import RankSet, RankStarter, TensorParallel
 from engine.parallel.follower import Stop
+from engine.parallel.local import LocalRanks
 from engine.pinned import upload
 from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_device, resolve_dtype, resolve_model_dir
 from engine.request import Request, RequestStatus
@@ -126,22 +127,19 @@ class _Inflight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 tp: TensorParallel | None = None) -> None:
-        """tp: rank 0's place in a tensor-parallel worker whose other ranks run engine/parallel/follower.py
-        (config.parallel.tensor_parallel_size ranks in all)."""
+                 start_ranks: RankStarter = LocalRanks) -> None:
+        """With config.parallel.tensor_parallel_size N > 1 this is rank 0 of N: `start_ranks` starts
+        the others (engine/parallel/follower.py), on this machine by default; close() stops them."""
         self.config = config = config or EngineConfig()
         self.clock = clock
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model.model)
-        if (config.parallel.tensor_parallel_size > 1) != (tp is not None and tp.shard.size > 1) or (
-                tp is not None and tp.shard.size != config.parallel.tensor_parallel_size):
-            raise ValueError(
-                f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs a group of that many ranks "
-                f"(got {tp.shard.size if tp is not None else 'none'}): start the worker through pdserve or "
-                "engine.LLM, which start the other ranks"
-            )
-        self.tp = tp if tp is not None and tp.shard.size > 1 else None
+        self.ranks: RankSet | None = None
+        self.tp: TensorParallel | None = None
+        if config.parallel.tensor_parallel_size > 1:
+            self.ranks = start_ranks(config, self.device)
+            self.tp = TensorParallel.of(self.ranks.group)
         parts = build_parts(config, self.model_dir, self.device, self.dtype, self.tp)
         arch = parts.arch
         self.arch: ArchConfig = arch
@@ -184,10 +182,18 @@ class EngineCore:
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
 
     def close(self) -> None:
-        """Release the other ranks of a tensor-parallel worker (they leave their loops); idempotent."""
+        """Stop the other ranks of a tensor-parallel worker (they leave their loops); idempotent."""
         if self.runner.leader is not None:
             self.runner.leader.send(Stop())
             self.runner.leader = None
+        if self.ranks is not None:
+            self.ranks.join()
+            self.ranks = None
+
+    @property
+    def ranks_alive(self) -> bool:
+        """False once a rank of this tensor-parallel worker has died: the worker cannot step again."""
+        return self.ranks is None or self.ranks.is_alive()
 
     # ---- control
     @property

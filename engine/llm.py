@@ -17,9 +17,6 @@ from engine.config import (
     SpeculativeConfig,
 )
 from engine.engine import EngineCore
-from engine.parallel import TensorParallel
-from engine.parallel.local import LocalRanks
-from engine.rank import resolve_device
 from engine.output_processor import CompletionOutput, RequestOutput, TextState
 from engine.tokenizer import Tokenizer
 
@@ -55,13 +52,7 @@ class LLM:
     def __init__(self, model: str = "default", **options: Any) -> None:
         """options: engine_config's; tensor_parallel_size=N starts ranks 1..N-1 on this machine
         (engine/parallel/local.py): call close() to stop them."""
-        config = engine_config(model, **options)
-        self._ranks: LocalRanks | None = None
-        tp = None
-        if config.parallel.tensor_parallel_size > 1:
-            self._ranks = LocalRanks(config, resolve_device(config.model.device))
-            tp = TensorParallel.of(self._ranks.group)
-        self.engine = EngineCore(config, tp=tp)
+        self.engine = EngineCore(engine_config(model, **options))
         has_tokenizer = (self.engine.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(self.engine.model_dir) if has_tokenizer else None
         self._ids = itertools.count()
@@ -69,9 +60,6 @@ class LLM:
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine; idempotent."""
         self.engine.close()
-        if self._ranks is not None:
-            self._ranks.join()
-            self._ranks = None
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -58,7 +58,7 @@ class TransferEndpoint:
         return await self._call(check)
 
     async def health(self) -> bool:
-        return self._error is None and self.loop.is_alive
+        return self._error is None and self.loop.is_alive and self.loop.engine.ranks_alive
 
     # ---- fault injection (chaos tests)
     async def arm_fault(self, rule: bytes | None) -> None:

@@ -24,6 +24,8 @@ import torch
 
 from engine import EngineCore, SpeculativeConfig, StepOutput
 from engine.loop import EngineLoop
+from engine.parallel import RankStarter
+from engine.parallel.local import LocalRanks
 from engine.validation import InvalidRequestError
 from kvtransfer import KvLayout, create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
@@ -43,13 +45,16 @@ log = logging.getLogger(__name__)
 
 
 class PrefillWorker(TransferEndpoint):
-    def __init__(self, config: PrefillWorkerConfig, transport_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: PrefillWorkerConfig, transport_options: dict[str, Any] | None = None,
+                 start_ranks: RankStarter = LocalRanks) -> None:
+        """start_ranks: how the other ranks of a tensor-parallel worker start (Ray actors in a cluster)."""
         self.config = config
         self.worker_id = config.worker_id
         # NOTE: built before the engine, which sizes its KV cache from the memory left.
         self.draft = DraftKv(config) if config.engine.speculative.method == "draft" else None
         # A prefill worker never drafts: its engine runs without a proposer (and its memory).
-        engine = EngineCore(config.engine.model_copy(update={"speculative": SpeculativeConfig()}))
+        engine = EngineCore(config.engine.model_copy(update={"speculative": SpeculativeConfig()}),
+                            start_ranks=start_ranks)
         self.block_size = engine.pool.block_size
         self.max_seq_tokens = engine.max_seq_tokens
         host = resolve_host(config.host)
@@ -329,6 +334,8 @@ class PrefillWorker(TransferEndpoint):
     async def shutdown(self) -> None:
         await self.channel.close()
         self.loop.stop()
+        if not self.loop.is_alive:
+            self.loop.engine.close()  # the other ranks of a tensor-parallel worker
         self.transport.close()
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
 
 from engine.parallel.group import GroupAddress, TPGroup, host_store
 from engine.parallel.shard import Shard, TPShard, check_tensor_parallel, local_arch
@@ -20,5 +22,27 @@ class TensorParallel(NamedTuple):
         return cls(TPShard(group.rank, group.size), group)
 
 
-__all__ = ["GroupAddress", "Shard", "TPGroup", "TPShard", "TensorParallel", "check_tensor_parallel", "host_store",
+class RankSet(Protocol):
+    """Ranks 1..N-1 of one worker, started; `group` is rank 0's place in their group."""
+
+    group: TPGroup
+
+    def is_alive(self) -> bool:
+        """False once any rank has died (the group is then aborted: rank 0 cannot go on)."""
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        """After rank 0 sent Stop: wait for the ranks to leave, and close the groups."""
+
+
+class RankStarter(Protocol):
+    """Starts the other ranks of a worker of config.parallel.tensor_parallel_size ranks, rank 0 being
+    on `device`: engine/parallel/local.py on this machine, cluster/ranks.py as Ray actors."""
+
+    def __call__(self, config: EngineConfig, device: torch.device) -> RankSet: ...
+
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+__all__ = ["RankSet", "RankStarter", "GroupAddress", "Shard", "TPGroup", "TPShard", "TensorParallel", "check_tensor_parallel", "host_store",
            "local_arch"]

@@ -62,6 +62,9 @@ class LocalRanks:
         if device.type == "cuda":
             threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True).start()
 
+    def is_alive(self) -> bool:
+        return all(w.is_alive() for w in self._workers)
+
     def _watch(self) -> None:
         """A rank process that dies takes the group down: rank 0's pending collectives fail instead of
         waiting forever for it (NCCL's abort, from this side thread)."""

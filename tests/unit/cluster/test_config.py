@@ -42,3 +42,16 @@ def test_a_template_may_not_set_what_the_cluster_sets(pool, field):
 def test_unknown_template_fields_are_refused():
     with pytest.raises(ValidationError, match="kv_messages"):
         ClusterConfig.model_validate({"prefill": {"kv_messages": 8}})
+
+
+def test_each_pool_gets_its_tensor_parallel_size():
+    cluster = ClusterConfig.model_validate({"engine": {"parallel": {"tensor_parallel_size": 2}}, "decode_tp": 4})
+    decode = cluster.worker_config(cluster.decode, "colocated-0", "gloo")
+    assert (cluster.tp_of("prefill"), cluster.tp_of("decode")) == (2, 4)
+    assert decode.engine.parallel.tensor_parallel_size == 4
+    assert decode.engine.model == cluster.engine.model  # everything else is the cluster's engine
+
+
+def test_disaggregated_tensor_parallel_workers_are_refused_naming_the_sizes():
+    with pytest.raises(ValidationError, match="prefill_tp=2, decode_tp=1: tensor-parallel workers serve colocated"):
+        ClusterConfig.model_validate({"mode": "disaggregated", "prefill_tp": 2})

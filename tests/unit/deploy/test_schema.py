@@ -27,3 +27,8 @@ def test_a_bad_dispatch_block_names_the_field() -> None:
         ServeAppConfig.model_validate({"dispatch": {"local_prefill": {"max_short_prompt_tokens": -1}}})
     with pytest.raises(pydantic.ValidationError, match="unknown_field"):
         ServeAppConfig.model_validate({"dispatch": {"unknown_field": 1}})
+
+
+def test_serve_flags_set_each_pools_tensor_parallel_size():
+    cluster = app_config(build_parser().parse_args(["serve", "--tp", "2", "--decode-tp", "4"])).cluster
+    assert cluster.engine.parallel.tensor_parallel_size == 2 and cluster.tp_of("decode") == 4

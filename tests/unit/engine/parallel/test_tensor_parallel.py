@@ -87,8 +87,15 @@ def test_sizes_that_do_not_divide_name_the_field(hf_checkpoints: Callable[[str],
         check_tensor_parallel(dataclasses.replace(arch, intermediate_size=130), 4)
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(model), device="cpu", num_blocks=8, tensor_parallel_size=8)  # before any rank starts
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs a group of that many ranks"):
-        EngineCore(engine_config(str(model), device="cpu", num_blocks=8, tensor_parallel_size=2))
+
+
+
+def test_an_engine_starts_its_ranks_and_close_stops_them(hf_checkpoints: Callable[[str], Path]) -> None:
+    engine = EngineCore(engine_config(str(hf_checkpoints("llama")), device="cpu", num_blocks=8, tensor_parallel_size=2))
+    ranks = engine.ranks
+    assert ranks is not None and ranks.is_alive() and engine.ranks_alive
+    engine.close()
+    assert not ranks.is_alive() and engine.ranks is None
 
 
 def test_each_rank_holds_its_part(hf_checkpoints: Callable[[str], Path]) -> None:
