@@ -168,7 +168,8 @@ def test_engine_flags_reach_pdserve_serve_unchanged():
 
     options = {"model": "/m", "dtype": "bfloat16", "device": "cuda", "load_format": "dummy", "max_model_len": 4300,
                "attention_backend": "triton", "enforce_eager": True, "block_size": 16, "num_blocks": None,
-               "gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+               "gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
+               "tensor_parallel_size": 2}
     parsed = engine_options(build_parser().parse_args(["serve", *serve_flags(options)]))
     assert parsed == options
 
