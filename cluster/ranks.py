@@ -74,6 +74,8 @@ class RayRankSet:
         self.group, self._handles, self._runs = group, handles, runs
         self._closing = threading.Event()
         self._dead = threading.Event()
+        if group.ring_writer is not None:
+            group.ring_writer.readers_alive = self.is_alive
         threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True).start()
 
     def is_alive(self) -> bool:

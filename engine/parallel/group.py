@@ -1,16 +1,20 @@
 """The process groups of one tensor-parallel worker, made without a default process group (as the
 KV pairs are), over a TCPStore that rank 0 hosts.
 
-Two groups of the same ranks:
+Two groups of the same ranks, and a ring:
   device  NCCL on CUDA, gloo on the CPU: the model's all-reduces and all-gathers, and the tensors
           of a step's hand-off (input tokens still on rank 0's device);
-  host    gloo: rank 0's step messages (pickled; one broadcast when they fit HEADER_BYTES).
-The host group's timeout is long: a follower waits there for the next step however idle the worker
-is; a rank that dies closes its TCP connections, which fails the others' host ops at once.
+  host    gloo: what the ranks agree on while they build (the KV block count);
+  ring    shared memory (engine/parallel/ring.py), rank 0 to the others: each step message,
+          pickled. Measured against a broadcast over the host group (bench/results/tp_handoff_cpu.json):
+          lower latency at every size, and a fraction of rank 0's host time per step.
+Every rank of a worker is on one node (a placement-group bundle), so the ring's file is theirs.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import threading
 from dataclasses import dataclass
@@ -20,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupAddress", "TPGroup", "HEADER_BYTES"]
+from engine.parallel.ring import RingReader, RingWriter
 
-HEADER_BYTES = 1 << 16  # a step message up to this size (less 8) is one broadcast; larger ones two
+__all__ = ["GroupAddress", "TPGroup"]
+
 _IDLE_TIMEOUT = timedelta(days=30)
 
 
@@ -53,6 +58,11 @@ class TPGroup:
             store = dist.TCPStore(address.host, address.port, is_master=False, wait_for_workers=False,
                                   timeout=timedelta(seconds=timeout_s))
         self._store = store
+        self.ring_writer: RingWriter | None = None
+        self._ring_reader: RingReader | None = None
+        if rank == 0:
+            self.ring_writer = RingWriter(size - 1)
+            store.set(f"{prefix}/ring", json.dumps([self.ring_writer.name, os.getpid()]))
         self.host_group = self._gloo(dist.PrefixStore(f"{prefix}/host", store), address.host, _IDLE_TIMEOUT)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -63,7 +73,9 @@ class TPGroup:
         else:
             self.device_group = self._gloo(dist.PrefixStore(f"{prefix}/device", store), address.host,
                                            timedelta(seconds=timeout_s))
-        self._header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        if rank > 0:
+            name, writer_pid = json.loads(store.get(f"{prefix}/ring"))  # NOTE: set before rank 0 built a group
+            self._ring_reader = RingReader(name, size - 1, rank - 1, writer_pid)
         self._aborted = threading.Event()
 
     def _gloo(self, store: dist.PrefixStore, host: str, timeout: timedelta) -> Any:
@@ -92,30 +104,15 @@ class TPGroup:
         self.device_group.broadcast([tensor], options).wait()
         return tensor
 
-    # ---- rank 0's messages (host group)
+    # ---- rank 0's messages (the ring)
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0 passes `obj`; every rank returns it. Blocks a follower until rank 0 sends."""
-        header = self._header
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        if self.rank == 0:
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            size = len(payload)
-            head = min(size, HEADER_BYTES - 8)
-            header[:8] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
-            header[8 : 8 + head] = torch.frombuffer(bytearray(payload[:head]), dtype=torch.uint8)
-        self.host_group.broadcast([header], options).wait()
-        size = int(header[:8].view(torch.int64).item())
-        head = min(size, HEADER_BYTES - 8)
-        if size <= head:
-            return obj if self.rank == 0 else pickle.loads(header[8 : 8 + size].numpy().tobytes())
-        rest = torch.empty(size - head, dtype=torch.uint8)
-        if self.rank == 0:
-            rest.copy_(torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8))
-        self.host_group.broadcast([rest], options).wait()
-        if self.rank == 0:
+        """Rank 0 passes `obj`; every rank returns it. A follower waits until rank 0 sends (RingClosed
+        once rank 0's process is gone)."""
+        if self.ring_writer is not None:
+            self.ring_writer.write(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
             return obj
-        return pickle.loads(header[8 : 8 + head].numpy().tobytes() + rest.numpy().tobytes())
+        assert self._ring_reader is not None
+        return pickle.loads(self._ring_reader.read())
 
     def min_int(self, value: int) -> int:
         """The smallest `value` any rank passes (e.g. the KV blocks every rank can hold)."""
@@ -133,6 +130,10 @@ class TPGroup:
                 group.shutdown()
             except (RuntimeError, AttributeError):
                 pass
+        for ring in (self.ring_writer, self._ring_reader):
+            if ring is not None:
+                ring.close()
+        self.ring_writer = self._ring_reader = None
 
     def abort(self) -> None:
         """Tear the device group down without waiting for peers (a rank died). NCCL's abort may block

@@ -58,6 +58,8 @@ class LocalRanks:
                 thread.start()
                 self._workers.append(thread)
         self.group = TPGroup(address, 0, size, device, store=store)
+        assert self.group.ring_writer is not None
+        self.group.ring_writer.readers_alive = self.is_alive
         self._closing = threading.Event()
         if device.type == "cuda":
             threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True).start()
