@@ -63,6 +63,9 @@ class TPGroup:
         if rank == 0:
             self.ring_writer = RingWriter(size - 1)
             store.set(f"{prefix}/ring", json.dumps([self.ring_writer.name, os.getpid()]))
+        else:
+            name, writer_pid = json.loads(store.get(f"{prefix}/ring"))
+            self._ring_reader = RingReader(name, size - 1, rank - 1, writer_pid)
         self.host_group = self._gloo(dist.PrefixStore(f"{prefix}/host", store), address.host, _IDLE_TIMEOUT)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -73,9 +76,9 @@ class TPGroup:
         else:
             self.device_group = self._gloo(dist.PrefixStore(f"{prefix}/device", store), address.host,
                                            timedelta(seconds=timeout_s))
-        if rank > 0:
-            name, writer_pid = json.loads(store.get(f"{prefix}/ring"))  # NOTE: set before rank 0 built a group
-            self._ring_reader = RingReader(name, size - 1, rank - 1, writer_pid)
+        if rank == 0:
+            assert self.ring_writer is not None
+            self.ring_writer.unlink()  # NOTE: every rank mapped it before joining the groups: nothing can leak it now
         self._aborted = threading.Event()
 
     def _gloo(self, store: dist.PrefixStore, host: str, timeout: timedelta) -> Any:

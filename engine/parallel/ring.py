@@ -82,7 +82,8 @@ class _Ring:
 
 
 class RingWriter(_Ring):
-    """Rank 0's end; `name` (a file under /dev/shm) is what readers map; close() removes it."""
+    """Rank 0's end; `name` (a file under /dev/shm) is what readers map; `unlink` removes it once
+    they have."""
 
     def __init__(self, num_readers: int) -> None:
         size = self.size_for(num_readers)
@@ -115,13 +116,17 @@ class RingWriter(_Ring):
             _I64.pack_into(self.buf, at, seq)  # NOTE: last: publishes the slot
             self._seq += 1
 
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
+    def unlink(self) -> None:
+        """Remove the file once every reader has mapped it (the mappings stay); idempotent."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+        self.unlink()
 
 
 class RingReader(_Ring):
