@@ -86,11 +86,6 @@ class ClusterConfig(BaseModel):
             if fixed:
                 raise ValueError(f"{name}.{sorted(fixed)[0]} is set by the cluster for each worker; set it on the "
                                  "ClusterConfig itself (engine, transport), or leave it out (worker_id)")
-        if self.mode == "disaggregated" and max(self.tp_of("prefill"), self.tp_of("decode")) > 1:
-            raise ValueError(
-                f"prefill_tp={self.tp_of('prefill')}, decode_tp={self.tp_of('decode')}: tensor-parallel workers serve "
-                "colocated only for now (the KV push between workers moves one rank's heads); use mode='colocated'"
-            )
         for field in ("prefill_resources", "decode_resources"):
             for name, amount in getattr(self, field).items():
                 _check_resource(field, name, amount)

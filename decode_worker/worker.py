@@ -44,6 +44,7 @@ from engine.loop import EngineLoop
 from engine.parallel import RankStarter
 from engine.parallel.local import LocalRanks
 from engine.validation import InvalidRequestError
+from kvtransfer.ranked import RankedKv, RankTable, model_layout
 from kvtransfer import KvLayout, TransferHandle, create_transport, scatter_blocks
 from kvtransfer import transport_options as kv_transport_options
 from protocol.api import WorkerStatsMsg
@@ -110,14 +111,16 @@ class DecodeWorker(TransferEndpoint):
         self.worker_id = config.worker_id
         engine = EngineCore(config.engine, start_ranks=start_ranks)
         self.block_size = engine.pool.block_size
-        self.layout = KvLayout.from_kv(engine.runner.kv_caches)
+        self.layout = model_layout(engine.runner.kv_caches, engine.arch.num_kv_heads)
         draft = engine.draft_kv  # a draft model's cache: a prefill worker may send a prompt's KV for it
         self.draft_layout, self.draft_fingerprint = (KvLayout.from_kv(draft[0]), draft[1]) if draft else (None, None)
         host = resolve_host(config.host)
-        self.transport = create_transport(
-            config.transport, self.worker_id, self.layout, engine.device,
-            **kv_transport_options(config.transport, host, transport_options),
-        )
+        options = kv_transport_options(config.transport, host, transport_options)
+        self.transport = create_transport(config.transport, self.worker_id, self.layout, engine.device, **options)
+        # Every rank's share of each receive (kvtransfer/ranked.py); with TP=1 this transport alone.
+        self.kv = RankedKv(self.worker_id, self.transport, engine.runner.kv_caches, engine.arch.num_kv_heads,
+                           engine.tp.group if engine.tp is not None else None, config.transport, options,
+                           config.pair_timeout_s)
         self.num_draft_kv_adopted = 0  # prompts whose draft KV came from the prefill worker (engine thread writes)
         self.is_draining = False  # retiring: no new leases or requests; what runs finishes
         self.leases: dict[str, Lease] = {}
@@ -273,20 +276,18 @@ class DecodeWorker(TransferEndpoint):
             lease_id=lease_id, decode_worker_id=self.worker_id, block_ids=blocks, expires_at=lease.expires_at
         ).encode()
 
-    async def transport_address(self) -> tuple[str, int]:
-        address = await asyncio.to_thread(self.transport.address)
-        return address.host, address.port
+    async def transport_address(self) -> list[Any]:
+        """Where each rank of this worker hosts its pairs (a RankTable, on the wire)."""
+        return self.kv.table.to_wire()
 
-    async def accept_pair(self, prefill_worker_id: str) -> None:
+    async def accept_pair(self, prefill_worker_id: str, prefill: list[Any]) -> None:
         """The decode side (rank 0, hosting the store) of forming a pair; the prefill side calls
         `pair` at the same time. A stale pair with the same peer is dropped first.
         NOTE: the epoch moves on before the drop: a transfer of the stale pair that fails while the
         new one forms (the drop fails it) must not drop the new pair."""
         self._pair_epochs[prefill_worker_id] = self._pair_epochs.get(prefill_worker_id, 0) + 1
-        if self.transport.is_paired(prefill_worker_id):
-            self.transport.drop(prefill_worker_id)
-        address = await asyncio.to_thread(self.transport.address)
-        await asyncio.to_thread(self.transport.pair, prefill_worker_id, address, 0, self.config.pair_timeout_s)
+        self.kv.drop(prefill_worker_id)
+        await asyncio.to_thread(self.kv.pair, RankTable.from_wire(prefill), False, self.config.pair_timeout_s)
 
     async def kv_incoming(self, ready: bytes) -> bytes:
         """Accepts a lease's KV and returns at once: its receives are posted on the receive thread
@@ -305,7 +306,7 @@ class DecodeWorker(TransferEndpoint):
             await self._refused(lease, msg, reason)
             return KvAcceptMsg(accepted=False, reason=reason).encode()
         assert lease is not None
-        if not self.transport.is_paired(msg.prefill_worker_id):  # a failed transfer dropped the pair
+        if not self.kv.is_paired(msg.prefill_worker_id):  # a failed transfer dropped the pair
             reason = f"{self.worker_id!r} is not paired with {msg.prefill_worker_id!r}"
             await self._refused(lease, msg, reason)
             return KvAcceptMsg(accepted=False, reason=reason, is_unpaired=True).encode()
@@ -330,22 +331,20 @@ class DecodeWorker(TransferEndpoint):
     def _post_receives(self, msg: KvReadyMsg, takes_draft: bool) -> _Receives:  # the receive thread
         """The receives of one KvReady, in the order its sender sends: the KV, then the draft's KV."""
         device = self.loop.engine.device
-        layout = self.layout
         peer = msg.prefill_worker_id
-        buf = torch.empty(layout.buffer_shape(msg.num_blocks), dtype=layout.torch_dtype, device=device)
-        handles = [self.transport.recv(peer, buf)]
+        handles = [self.kv.recv(peer, msg.lease_id, msg.num_blocks)]  # every rank's heads, kept under the lease id
         draft = None
         if takes_draft:
             assert self.draft_layout is not None
             shape = self.draft_layout.buffer_shape(msg.num_blocks)
             draft = torch.empty(shape, dtype=self.draft_layout.torch_dtype, device=device)
             handles.append(self.transport.recv(peer, draft))
-        return _Receives(buf, draft, handles)
+        return _Receives(draft, handles)
 
     def _takes_draft(self, offer: DraftKvOffer | None) -> bool:
         """Whether a draft's KV offered with a prompt is for this worker's draft (same layout and
         weights); otherwise this worker's draft computes the prompt itself."""
-        if offer is None or self.draft_layout is None:
+        if offer is None or self.draft_layout is None or self.kv.tp > 1:
             return False
         try:
             same_layout = KvLayout.from_ints(offer.layout) == self.draft_layout
@@ -376,21 +375,23 @@ class DecodeWorker(TransferEndpoint):
                 refused = str(err)
         if refused is not None and failure is None and not lease.is_aborted:
             await self._drop_lease(lease)
+            self.kv.forget(lease.lease_id)
             self._deliver_error(request.request_id, lease.router_id, refused)
             return
         if failure is not None or lease.is_aborted:
             await self._drop_lease(lease)
+            self.kv.forget(lease.lease_id)
             if failure is not None and self._pair_epochs.get(msg.prefill_worker_id, 0) == epoch:
-                self.transport.drop(msg.prefill_worker_id)  # never waits on a dead peer; re-pairs later
+                self.kv.drop(msg.prefill_worker_id)  # never waits on a dead peer; re-pairs later
             if not lease.is_aborted:
                 self._deliver_error(request.request_id, lease.router_id, f"KV transfer {failure}")
             return
 
         assert receives is not None
-        buf, draft, first_token = receives.buffer, receives.draft, msg.first_token
+        draft, first_token = receives.draft, msg.first_token
 
         def join(engine: EngineCore) -> None:
-            scatter_blocks(engine.runner.kv_caches, lease.block_ids[: msg.num_blocks], buf)
+            self.kv.scatter(lease.lease_id, lease.block_ids[: msg.num_blocks])
             engine.add_prefilled(
                 request.request_id, request.prompt_token_ids, first_token, request.params,
                 lease.lease_id, request.num_prior_output_tokens,
@@ -490,6 +491,7 @@ class DecodeWorker(TransferEndpoint):
         if not self.loop.is_alive:
             self.loop.engine.close()  # the other ranks of a tensor-parallel worker
         self._receive_thread.shutdown(wait=False)
+        self.kv.close()
         self.transport.close()
 
 
@@ -535,7 +537,6 @@ def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:
 class _Receives(NamedTuple):
     """One KvReady's receives, posted (decode worker's receive thread), in the order they are sent."""
 
-    buffer: torch.Tensor  # the prompt's KV
     draft: torch.Tensor | None  # the draft's KV of the prompt, when accepted
     handles: list[TransferHandle]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvtransfer import Transport
+from kvtransfer.ranked import RankedKv
 from protocol.clients import DecodeClient
 from protocol.messages import KvReadyMsg
 
@@ -43,7 +43,8 @@ class Handshake:
 
 
 class Pairs:
-    def __init__(self, transport: Transport, worker_id: str, pair_timeout_s: float) -> None:
+    def __init__(self, transport: RankedKv, worker_id: str, pair_timeout_s: float) -> None:
+        """transport: every rank's pairs with a decode worker (kvtransfer/ranked.py)."""
         self.transport = transport
         self.worker_id = worker_id
         self.pair_timeout_s = pair_timeout_s
@@ -84,12 +85,12 @@ class Pairs:
         if self.transport.is_paired(decode_id):
             return
         timeout = self.pair_timeout_s
-        address = await asyncio.wait_for(decode.transport_address(), timeout)
+        table = await asyncio.wait_for(decode.transport_address(), timeout)
         # NOTE: both sides' pair() are bounded by `timeout`; the extra second lets the peer's own
         # timeout error, which names the cause, arrive first.
         await asyncio.wait_for(asyncio.gather(
-            decode.accept_pair(self.worker_id),
-            asyncio.to_thread(self.transport.pair, decode_id, address, 1, timeout),
+            decode.accept_pair(self.worker_id, self.transport.table),
+            asyncio.to_thread(self.transport.pair, table, True, timeout),
         ), timeout + 1.0)
         self._epochs[decode_id] = self._epochs.get(decode_id, 0) + 1
 

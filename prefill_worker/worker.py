@@ -27,7 +27,8 @@ from engine.loop import EngineLoop
 from engine.parallel import RankStarter
 from engine.parallel.local import LocalRanks
 from engine.validation import InvalidRequestError
-from kvtransfer import KvLayout, create_transport, gather_blocks
+from kvtransfer.ranked import RankedKv, model_layout
+from kvtransfer import create_transport, gather_blocks
 from kvtransfer import transport_options as kv_transport_options
 from kvtransfer.endpoint import TransferEndpoint, wait_transfer
 from kvtransfer.netaddr import resolve_host
@@ -51,18 +52,24 @@ class PrefillWorker(TransferEndpoint):
         self.config = config
         self.worker_id = config.worker_id
         # NOTE: built before the engine, which sizes its KV cache from the memory left.
-        self.draft = DraftKv(config) if config.engine.speculative.method == "draft" else None
+        # NOTE: a tensor-parallel prefill worker sends no draft KV (the decode worker's draft computes the prompt).
+        self.draft = DraftKv(config) if (config.engine.speculative.method == "draft"
+                                         and config.engine.parallel.tensor_parallel_size == 1) else None
         # A prefill worker never drafts: its engine runs without a proposer (and its memory).
         engine = EngineCore(config.engine.model_copy(update={"speculative": SpeculativeConfig()}),
                             start_ranks=start_ranks)
         self.block_size = engine.pool.block_size
         self.max_seq_tokens = engine.max_seq_tokens
         host = resolve_host(config.host)
-        self.transport = create_transport(
-            config.transport, self.worker_id, KvLayout.from_kv(engine.runner.kv_caches), engine.device,
-            **kv_transport_options(config.transport, host, transport_options),
-        )
-        self.pairs = Pairs(self.transport, self.worker_id, config.pair_timeout_s)
+        options = kv_transport_options(config.transport, host, transport_options)
+        kv = engine.runner.kv_caches
+        self.transport = create_transport(config.transport, self.worker_id, model_layout(kv, engine.arch.num_kv_heads),
+                                          engine.device, **options)
+        # Every rank's share of each push (kvtransfer/ranked.py); with TP=1 this transport alone.
+        self.kv = RankedKv(self.worker_id, self.transport, kv, engine.arch.num_kv_heads,
+                           engine.tp.group if engine.tp is not None else None, config.transport, options,
+                           config.pair_timeout_s)
+        self.pairs = Pairs(self.kv, self.worker_id, config.pair_timeout_s)
         # The routers' request channel, listening from the first channel_address call; the decode
         # worker a call names comes as a reference (its pickled actor handle), loaded by self.refs.
         self.refs = Refs()
@@ -90,14 +97,16 @@ class PrefillWorker(TransferEndpoint):
             job = self.jobs.get(out.request_id)  # NOTE: a racy read; the event loop owns `jobs`
             if (job is not None and out.kv_block_ids and out.finish_reason != "abort"
                     and self._finish_reason(job, out) is None):
-                gathered[out.request_id] = self._gather(out.kv_block_ids[: self._num_blocks(job)])
+                gathered[out.request_id] = self._gather(out.request_id, out.kv_block_ids[: self._num_blocks(job)])
                 prompts.append((out.request_id, job.task.request.prompt_token_ids))
         drafts = self.draft.claim(prompts) if self.draft is not None else []
         self._aio.call_soon_threadsafe(self._resolve, outputs, gathered)
         if self.draft is not None:
             self.draft.compute(drafts, self._aio)
 
-    def _gather(self, blocks: list[int]) -> Gathered:  # engine thread
+    def _gather(self, request_id: str, blocks: list[int]) -> Gathered:  # engine thread
+        """Rank 0's heads of the blocks into one buffer (timed); the other ranks gather theirs."""
+        self.kv.gather_ranks(request_id, blocks)
         kv = self.loop.engine.runner.kv_caches
         if not kv.is_cuda:
             return Gathered(gather_blocks(kv, blocks), None, None)
@@ -230,7 +239,7 @@ class PrefillWorker(TransferEndpoint):
         try:
             if job.gathered is None:
                 raise RuntimeError("the prompt's KV was not gathered")
-            handles.append(self.transport.send(decode_id, job.gathered.buffer))
+            handles.append(self.kv.send(decode_id, request.request_id, job.gathered.buffer))
             if handshake.takes_draft:  # NOTE: last on the pair, the lock held until it is issued
                 assert self.draft is not None
                 buf = await self.draft.buffer(request.request_id, ready.num_blocks, self.config.transfer_timeout_s)
@@ -273,6 +282,8 @@ class PrefillWorker(TransferEndpoint):
             self.push_log.ended(failed=job.state is JobState.FAILED)
         if self.draft is not None:
             self.draft.forget(rid)
+        if JobState.PUSHING not in job.history:
+            self.kv.forget(rid)  # NOTE: the other ranks' gathered buffers, when no push took them
         # NOTE: not awaited: later engine commands (an integrity check, the next prompt) queue behind it.
         self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
 
@@ -333,6 +344,7 @@ class PrefillWorker(TransferEndpoint):
 
     async def shutdown(self) -> None:
         await self.channel.close()
+        self.kv.close()
         self.loop.stop()
         if not self.loop.is_alive:
             self.loop.engine.close()  # the other ranks of a tensor-parallel worker

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, TypeVar
 
-from kvtransfer import PairAddress
+from kvtransfer.ranked import RankTable
 from protocol.api import WorkerStatsMsg
 from protocol.channel import Call, ChannelAddress, ChannelClient, Refs
 from protocol.messages import (
@@ -102,12 +102,12 @@ class DecodeClient(WorkerClient):
     async def kv_incoming(self, ready: KvReadyMsg) -> KvAcceptMsg:
         return KvAcceptMsg.decode(await invoke(self.target.kv_incoming, ready.encode()))
 
-    async def transport_address(self) -> PairAddress:
-        host, port = await invoke(self.target.transport_address)
-        return PairAddress(host, port)
+    async def transport_address(self) -> RankTable:
+        """Where each of the worker's ranks pairs (kvtransfer/ranked.py)."""
+        return RankTable.from_wire(await invoke(self.target.transport_address))
 
-    async def accept_pair(self, prefill_worker_id: str) -> None:
-        await invoke(self.target.accept_pair, prefill_worker_id)
+    async def accept_pair(self, prefill_worker_id: str, prefill: RankTable) -> None:
+        await invoke(self.target.accept_pair, prefill_worker_id, prefill.to_wire())
 
     async def drain(self) -> None:
         await invoke(self.target.drain)

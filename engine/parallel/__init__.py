@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 from engine.parallel.group import GroupAddress, TPGroup, host_store
-from engine.parallel.shard import Shard, TPShard, check_tensor_parallel, local_arch
+from engine.parallel.shard import Shard, TPShard, check_tensor_parallel, kv_head_range, local_arch
 
 
 class TensorParallel(NamedTuple):
@@ -44,5 +44,5 @@ class RankStarter(Protocol):
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-__all__ = ["RankSet", "RankStarter", "GroupAddress", "Shard", "TPGroup", "TPShard", "TensorParallel", "check_tensor_parallel", "host_store",
+__all__ = ["RankSet", "RankStarter", "GroupAddress", "Shard", "TPGroup", "TPShard", "TensorParallel", "check_tensor_parallel", "host_store", "kv_head_range",
            "local_arch"]

@@ -60,6 +60,7 @@ class TPGroup:
         self._store = store
         self.ring_writer: RingWriter | None = None
         self._ring_reader: RingReader | None = None
+        self._send_lock = threading.Lock()
         if rank == 0:
             self.ring_writer = RingWriter(size - 1)
             store.set(f"{prefix}/ring", json.dumps([self.ring_writer.name, os.getpid()]))
@@ -80,6 +81,23 @@ class TPGroup:
             assert self.ring_writer is not None
             self.ring_writer.unlink()  # NOTE: every rank mapped it before joining the groups: nothing can leak it now
         self._aborted = threading.Event()
+        self._store_lock = threading.Lock()  # NOTE: a TCPStore object runs one operation at a time
+
+    # ---- reports from the ranks to rank 0 (the store): what a side thread of a rank finished
+    def report(self, key: str, value: str) -> None:
+        with self._store_lock:
+            self._store.set(f"report/{key}", value)
+
+    def reports(self, keys: list[str]) -> list[str] | None:
+        """The values of every key once all are reported (then forgotten), else None; never blocks."""
+        full = [f"report/{k}" for k in keys]
+        with self._store_lock:
+            if not self._store.check(full):
+                return None
+            values = [self._store.get(k).decode() for k in full]
+            for k in full:
+                self._store.delete_key(k)
+        return values
 
     def _gloo(self, store: dist.PrefixStore, host: str, timeout: timedelta) -> Any:
         options = dist.ProcessGroupGloo._Options()
@@ -112,7 +130,9 @@ class TPGroup:
         """Rank 0 passes `obj`; every rank returns it. A follower waits until rank 0 sends (RingClosed
         once rank 0's process is gone)."""
         if self.ring_writer is not None:
-            self.ring_writer.write(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            with self._send_lock:  # NOTE: the engine thread's steps and other threads' RankCalls share the ring
+                self.ring_writer.write(payload)
             return obj
         assert self._ring_reader is not None
         return pickle.loads(self._ring_reader.read())

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:  # NOTE: engine.models imports this module
     from engine.models.arch import ArchConfig
 
-__all__ = ["Shard", "TPShard", "check_tensor_parallel", "local_arch"]
+__all__ = ["Shard", "TPShard", "check_tensor_parallel", "kv_head_range", "local_arch"]
 
 
 class Shard(NamedTuple):
@@ -27,6 +27,15 @@ class Shard(NamedTuple):
     start: int
     stop: int
     full: int
+
+
+def kv_head_range(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
+    """The model KV heads [start, stop) rank `rank` of `size` holds."""
+    if num_kv_heads >= size:
+        part = num_kv_heads // size
+        return rank * part, (rank + 1) * part
+    head = rank * num_kv_heads // size  # the KV head this rank's query heads attend
+    return head, head + 1
 
 
 def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
@@ -64,11 +73,7 @@ class TPShard:
         return self.rows(arch.num_heads)
 
     def kv_heads(self, arch: ArchConfig) -> tuple[int, int]:
-        k = arch.num_kv_heads
-        if k >= self.size:
-            return self.rows(k)
-        head = self.rank * k // self.size  # the KV head this rank's query heads attend
-        return head, head + 1
+        return kv_head_range(self.rank, self.size, arch.num_kv_heads)
 
     def padded_vocab(self, vocab_size: int) -> int:
         return -(-vocab_size // self.size) * self.size

@@ -10,6 +10,7 @@ import asyncio
 import os
 import random
 import signal
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,36 @@ def test_killing_one_rank_under_load_moves_its_requests_and_loses_nothing(ray_cl
     assert tokens == offline
     assert len(replaced) == 1, replaced  # the worker whose rank died, whole
     assert set(held.values()) == {0}, held
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_disaggregated_across_layouts_equals_colocated(ray_cluster: None, prefill_tp: int, decode_tp: int) -> None:
+    """Every prompt through the prefill worker (rule 'remote'): each decode rank receives its KV
+    heads from the prefill ranks that hold them."""
+    from router import DispatcherConfig, LocalPrefillConfig
+
+    prompts = _prompts(8)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+    config = ClusterConfig(engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=1, num_decode=1,
+                           prefill_tp=prefill_tp, decode_tp=decode_tp, transport="gloo")
+
+    async def serve() -> tuple[list[list[int]], dict[str, int], dict[str, Any]]:
+        deployment = Deployment(config)
+        await deployment.start()
+        try:
+            dispatcher = Dispatcher("router-tp", deployment.workers(), poll_timeout_s=0.5,
+                                    config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
+            tokens = await asyncio.wait_for(
+                asyncio.gather(*(_generate(dispatcher, f"req-{i}", p, params) for i, p in enumerate(prompts))), 240)
+            await dispatcher.close()
+            stats = {i: await h.stats.remote() for i, h in deployment.prefill.handles.items()}  # type: ignore[union-attr]
+            return tokens, await deployment.held_blocks(), stats
+        finally:
+            deployment.shutdown()
+
+    tokens, held, stats = asyncio.run(serve())
+    assert tokens == offline
+    assert set(held.values()) == {0}, held
+    pushed = sum(s.push_totals.num_pushed for s in stats.values())
+    assert pushed == len(prompts), stats  # every prompt crossed between the layouts

@@ -50,8 +50,3 @@ def test_each_pool_gets_its_tensor_parallel_size():
     assert (cluster.tp_of("prefill"), cluster.tp_of("decode")) == (2, 4)
     assert decode.engine.parallel.tensor_parallel_size == 4
     assert decode.engine.model == cluster.engine.model  # everything else is the cluster's engine
-
-
-def test_disaggregated_tensor_parallel_workers_are_refused_naming_the_sizes():
-    with pytest.raises(ValidationError, match="prefill_tp=2, decode_tp=1: tensor-parallel workers serve colocated"):
-        ClusterConfig.model_validate({"mode": "disaggregated", "prefill_tp": 2})

@@ -1,0 +1,400 @@
+"""KV transfer between workers of any tensor-parallel layouts: a prefill worker of TP=a pushes to a
+decode worker of TP=b, one message per (prefill rank, decode rank) that share KV heads, each
+decode rank receiving exactly the heads it owns; nothing is gathered on rank 0.
+
+`RankedKv` is rank 0's view of its worker's KV transfers over all its ranks. Rank 0 moves its own
+heads over its own transport (the worker's `transport`, paired under the worker ids); each other
+rank k has a transport of its own (peer ids `<worker>#r<k>`), made, paired, and driven by rank
+0's RankCalls (engine/parallel/follower.py), which run in order with the steps: a gather there
+follows the step that computed the KV, a scatter precedes any step reading it. A rank's side
+threads report what finished through its group's store (TPGroup.report); rank 0's handles poll it.
+
+Routes: for each decode rank, the heads it owns, each from the lowest prefill rank holding it
+(`routes`); with TP=1 on both sides that is one route of every head, the push as it always was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from engine.parallel import TPGroup, kv_head_range
+from engine.parallel.follower import RankCall
+from kvtransfer.layout import KvLayout, gather_blocks, scatter_blocks
+from kvtransfer.transport import PairAddress, TransferError, TransferHandle, Transport, create_transport
+
+__all__ = ["RankTable", "RankedKv", "Route", "model_layout", "routes"]
+
+
+class Route(NamedTuple):
+    """Model KV heads [start, stop) go from prefill rank `src` to decode rank `dst`."""
+
+    src: int
+    dst: int
+    start: int
+    stop: int
+
+
+def routes(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[Route]:
+    out: list[Route] = []
+    holders = [kv_head_range(s, src_tp, num_kv_heads) for s in range(src_tp)]
+    for dst in range(dst_tp):
+        d0, d1 = kv_head_range(dst, dst_tp, num_kv_heads)
+        for head in range(d0, d1):
+            src = next(s for s, (h0, h1) in enumerate(holders) if h0 <= head < h1)
+            if out and out[-1].dst == dst and out[-1].src == src and out[-1].stop == head:
+                out[-1] = out[-1]._replace(stop=head + 1)
+            else:
+                out.append(Route(src, dst, head, head + 1))
+    return out
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """What a worker tells a peer it pairs with: its ranks and where each one's transport meets."""
+
+    worker_id: str
+    addresses: tuple[PairAddress, ...]  # one per rank
+
+    @property
+    def tp(self) -> int:
+        return len(self.addresses)
+
+    def rank_id(self, rank: int) -> str:
+        return self.worker_id if rank == 0 else f"{self.worker_id}#r{rank}"
+
+    def to_wire(self) -> list[Any]:
+        return [self.worker_id, [[a.host, a.port] for a in self.addresses]]
+
+    @classmethod
+    def from_wire(cls, wire: Sequence[Any]) -> RankTable:
+        worker_id, addresses = wire
+        return cls(str(worker_id), tuple(PairAddress(str(h), int(p)) for h, p in addresses))
+
+
+class _RankHandle(TransferHandle):
+    """Rank 0's own transfers and what the other ranks report under `keys`."""
+
+    def __init__(self, what: str, own: list[TransferHandle], group: TPGroup | None, keys: list[str]) -> None:
+        self._what, self._own, self._group, self._keys = what, own, group, keys
+        self._reported: list[str] | None = [] if not keys else None
+        self._error: BaseException | None = None
+
+    def _poll(self) -> bool:
+        if self._reported is None and self._group is not None:
+            self._reported = self._group.reports(self._keys)
+        return self._reported is not None and all(h.done() for h in self._own)
+
+    def done(self) -> bool:
+        return self._poll()
+
+    def wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        for handle in self._own:
+            if not handle.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        while not self._poll():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(2e-4)
+        failed = [r for r in self._reported or [] if r != "ok"]
+        if failed:
+            raise TransferError(f"{self._what} failed on another rank: {failed[0]}")
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        if not self._poll():
+            return None
+        own = next((h.error for h in self._own if h.error is not None), None)
+        if own is not None:
+            return own
+        failed = [r for r in self._reported or [] if r != "ok"]
+        return TransferError(f"{self._what} failed on another rank: {failed[0]}") if failed else None
+
+
+class RankedKv:
+    """Rank 0's KV transfers over every rank of its worker (TP=1: its transport alone)."""
+
+    def __init__(self, worker_id: str, transport: Transport, kv: torch.Tensor, num_kv_heads: int,
+                 group: TPGroup | None, kind: str, options: dict[str, Any], timeout_s: float) -> None:
+        """kv: rank 0's cache; num_kv_heads: the model's; kind/options: how the other ranks build
+        their transports (the worker's transport's)."""
+        self.worker_id, self.transport, self.kv, self.num_kv_heads = worker_id, transport, kv, num_kv_heads
+        self.group = group
+        self.tp = group.size if group is not None else 1
+        self._tokens = itertools.count()
+        self._peers: dict[str, tuple[RankTable, list[Route], bool]] = {}  # peer worker -> table, routes, we send
+        self._received: dict[str, list[tuple[Route, torch.Tensor]]] = {}
+        addresses = [transport.address()]
+        if self.tp > 1:
+            assert group is not None
+            token = self._token("address")
+            self._call(_init_rank, worker_id, transport.layout.to_ints().tolist(), kind, options, token)
+            reported = self._await([f"{token}/{k}" for k in range(1, self.tp)], timeout_s, "the ranks' transports")
+            addresses += [PairAddress(*_host_port(r)) for r in reported]
+        self.table = RankTable(worker_id, tuple(addresses))
+
+    # ---- pairing
+    def pair(self, peer: RankTable, sends: bool, timeout_s: float) -> None:
+        """Form every rank pair with `peer` (blocking, as Transport.pair). sends: this is the prefill
+        side (it joins each pair: rank 1); the decode side hosts them (rank 0) at its own addresses."""
+        plan = routes(self.num_kv_heads, self.tp, peer.tp) if sends else routes(self.num_kv_heads, peer.tp, self.tp)
+        mine: dict[int, list[tuple[str, PairAddress, int]]] = {}
+        for route in plan:
+            my_rank, peer_rank = (route.src, route.dst) if sends else (route.dst, route.src)
+            address = peer.addresses[peer_rank] if sends else self.table.addresses[my_rank]
+            pair = (peer.rank_id(peer_rank), address, 1 if sends else 0)
+            if pair not in mine.setdefault(my_rank, []):
+                mine[my_rank].append(pair)
+        self._peers[peer.worker_id] = (peer, plan, sends)
+        token = self._token("pair")
+        followers = [k for k in mine if k > 0]
+        for k in followers:
+            self._call(_rank_pair, k, mine[k], timeout_s, token)
+        for peer_id, address, rank in mine.get(0, []):
+            self.transport.pair(peer_id, address, rank, timeout_s)
+        for value in self._await([f"{token}/{k}" for k in followers], timeout_s + 1.0, f"pairing with {peer.worker_id}"):
+            if value != "ok":
+                raise TransferError(f"pairing a rank of {self.worker_id!r} with {peer.worker_id!r} failed: {value}")
+
+    def is_paired(self, peer_id: str) -> bool:
+        return peer_id in self._peers and self.transport.is_paired(peer_id)
+
+    def drop(self, peer_id: str) -> None:
+        """Drop every rank pair with `peer_id` (never blocks; unknown peers are ignored)."""
+        known = self._peers.pop(peer_id, None)
+        self.transport.drop(peer_id)
+        if known is None:
+            return
+        peer, plan, sends = known
+        for route in plan:
+            my_rank, peer_rank = (route.src, route.dst) if sends else (route.dst, route.src)
+            if my_rank == 0:
+                self.transport.drop(peer.rank_id(peer_rank))
+        if self.tp > 1:
+            self._call(_rank_drop, [peer.rank_id(k) for k in range(peer.tp)])
+
+    # ---- the prefill side
+    def gather_ranks(self, key: str, block_ids: list[int]) -> None:
+        """The other ranks gather their heads of `block_ids` (engine thread, right after the step
+        that computed them); rank 0 gathers its own (gather_blocks) and passes it to `send`."""
+        if self.tp > 1:
+            self._call(_rank_gather, key, list(block_ids))
+
+    def send(self, peer_id: str, key: str, own: torch.Tensor) -> TransferHandle:
+        """Start every rank's sends of `key` to `peer_id` (own: rank 0's gathered buffer)."""
+        peer, plan, _ = self._peers[peer_id]
+        h0, _ = kv_head_range(0, self.tp, self.num_kv_heads)
+        handles = [self.transport.send(peer.rank_id(r.dst), _heads(own, r.start - h0, r.stop - h0))
+                   for r in plan if r.src == 0]
+        by_rank: dict[int, list[tuple[str, int, int]]] = {}
+        for r in plan:
+            if r.src > 0:
+                by_rank.setdefault(r.src, []).append((peer.rank_id(r.dst), r.start, r.stop))
+        token = self._token("send")
+        for k, sends in by_rank.items():
+            self._call(_rank_send, key, k, sends, token)
+        if self.tp > 1:
+            self._call(_rank_forget, key)  # NOTE: ranks without a route drop their gathered buffer
+        return _RankHandle(f"KV push of {key} to {peer_id!r}", handles, self.group,
+                           [f"{token}/{k}" for k in by_rank])
+
+    # ---- the decode side
+    def recv(self, peer_id: str, key: str, num_blocks: int) -> TransferHandle:
+        """Post every rank's receives of `key` from `peer_id` (num_blocks blocks)."""
+        peer, plan, _ = self._peers[peer_id]
+        layout = self.transport.layout
+        own: list[tuple[Route, torch.Tensor]] = []
+        handles = []
+        for r in plan:
+            if r.dst == 0:
+                buf = torch.empty(_shape(layout, num_blocks, r.stop - r.start), dtype=layout.torch_dtype,
+                                  device=self.kv.device)
+                handles.append(self.transport.recv(peer.rank_id(r.src), buf))
+                own.append((r, buf))
+        self._received[key] = own
+        by_rank: dict[int, list[tuple[str, int, int]]] = {}
+        for r in plan:
+            if r.dst > 0:
+                by_rank.setdefault(r.dst, []).append((peer.rank_id(r.src), r.start, r.stop))
+        token = self._token("recv")
+        for k, recvs in by_rank.items():
+            self._call(_rank_recv, key, k, recvs, num_blocks, token)
+        return _RankHandle(f"KV receive of {key} from {peer_id!r}", handles, self.group,
+                           [f"{token}/{k}" for k in by_rank])
+
+    def scatter(self, key: str, block_ids: list[int]) -> None:
+        """Engine thread: every rank writes what it received for `key` into `block_ids`."""
+        h0, _ = kv_head_range(0, self.tp, self.num_kv_heads)
+        for route, buf in self._received.pop(key, []):
+            _scatter_heads(self.kv, route.start - h0, route.stop - h0, block_ids, buf)
+        if self.tp > 1:
+            self._call(_rank_scatter, key, list(block_ids))
+
+    def forget(self, key: str) -> None:
+        """A transfer that will not be scattered (failed, aborted): every rank drops its buffers."""
+        self._received.pop(key, None)
+        if self.tp > 1:
+            self._call(_rank_forget, key)
+
+    def close(self) -> None:
+        if self.tp > 1:
+            self._call(_rank_close)
+
+    # ---- plumbing
+    def _token(self, what: str) -> str:
+        return f"{self.worker_id}/{what}/{next(self._tokens)}"
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        assert self.group is not None
+        self.group.broadcast_object(RankCall(fn, args))
+
+    def _await(self, keys: list[str], timeout_s: float, what: str) -> list[str]:
+        assert self.group is not None or not keys
+        deadline = time.monotonic() + timeout_s
+        while keys:
+            values = self.group.reports(keys)  # type: ignore[union-attr]
+            if values is not None:
+                return values
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.worker_id}: {what} did not answer within {timeout_s:.0f} s")
+            time.sleep(1e-3)
+        return []
+
+
+def model_layout(kv: torch.Tensor, num_kv_heads: int) -> KvLayout:
+    """The layout two workers compare when they pair: the cache's, with the MODEL's KV heads (each
+    rank holds some of them; messages carry the heads of their route)."""
+    return dataclasses.replace(KvLayout.from_kv(kv), num_kv_heads=num_kv_heads)
+
+
+def _shape(layout: KvLayout, num_blocks: int, heads: int) -> tuple[int, ...]:
+    shape = list(layout.buffer_shape(num_blocks))
+    shape[4] = heads
+    return tuple(shape)
+
+
+def _scatter_heads(kv: torch.Tensor, lo: int, hi: int, block_ids: list[int], buf: torch.Tensor) -> None:
+    """scatter_blocks into heads [lo, hi) of kv [layers, 2, blocks, block_size, heads, head_dim]."""
+    if lo == 0 and hi == kv.shape[4]:
+        scatter_blocks(kv, block_ids, buf)
+        return
+    index = torch.tensor(block_ids, dtype=torch.long).to(kv.device, non_blocking=True)
+    kv[:, :, :, :, lo:hi].index_copy_(2, index, buf)  # NOTE: a strided view: written in place
+
+
+def _heads(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """A contiguous buffer of heads [lo, hi) of a gathered buffer (itself when that is all of them)."""
+    return buf if lo == 0 and hi == buf.shape[4] else buf[:, :, :, :, lo:hi].contiguous()
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, port = value.rsplit(":", 1)
+    return host, int(port)
+
+
+# ---- what the other ranks run (RankCalls: fn(follower, *args), on the follower's loop thread)
+def _state(f: Any) -> dict[str, Any]:
+    return f.__dict__.setdefault("kv_transfer", {"gathered": {}, "received": {}})
+
+
+def _own_heads(f: Any) -> tuple[int, int]:
+    return kv_head_range(f.group.rank, f.group.size, f.parts.arch.num_kv_heads)
+
+
+def _report_when_done(f: Any, handles: list[TransferHandle], key: str, timeout_s: float = 600.0) -> None:
+    def wait() -> None:
+        value = "ok"
+        for handle in handles:
+            try:
+                if not handle.wait(timeout_s):
+                    value = "timed out"
+            except Exception as err:  # noqa: BLE001 - reported to rank 0
+                value = str(err)
+        f.group.report(key, value)
+
+    threading.Thread(target=wait, name=f"kv-report-{f.group.rank}", daemon=True).start()
+
+
+def _init_rank(f: Any, worker_id: str, layout_ints: list[int], kind: str, options: dict[str, Any], token: str) -> None:
+    rank = f.group.rank
+    transport = create_transport(kind, f"{worker_id}#r{rank}", KvLayout.from_ints(layout_ints), f.device, **options)
+    _state(f)["transport"] = transport
+    address = transport.address()
+    f.group.report(f"{token}/{rank}", f"{address.host}:{address.port}")
+
+
+def _rank_pair(f: Any, rank: int, pairs: list[tuple[str, PairAddress, int]], timeout_s: float, token: str) -> None:
+    if f.group.rank != rank:
+        return
+
+    def pair() -> None:
+        value = "ok"
+        try:
+            for peer_id, address, side in pairs:
+                _state(f)["transport"].pair(peer_id, address, side, timeout_s)
+        except Exception as err:  # noqa: BLE001 - reported to rank 0
+            value = f"{type(err).__name__}: {err}"
+        f.group.report(f"{token}/{rank}", value)
+
+    threading.Thread(target=pair, name=f"kv-pair-{rank}", daemon=True).start()  # NOTE: pair() blocks
+
+
+def _rank_drop(f: Any, peer_ids: list[str]) -> None:
+    for peer_id in peer_ids:
+        _state(f)["transport"].drop(peer_id)
+
+
+def _rank_gather(f: Any, key: str, block_ids: list[int]) -> None:
+    _state(f)["gathered"][key] = gather_blocks(f.kv, block_ids)
+
+
+def _rank_send(f: Any, key: str, rank: int, sends: list[tuple[str, int, int]], token: str) -> None:
+    if f.group.rank != rank:
+        return
+    state = _state(f)
+    buf = state["gathered"].pop(key)
+    h0, _ = _own_heads(f)
+    handles = [state["transport"].send(peer_id, _heads(buf, lo - h0, hi - h0)) for peer_id, lo, hi in sends]
+    _report_when_done(f, handles, f"{token}/{rank}")
+
+
+def _rank_recv(f: Any, key: str, rank: int, recvs: list[tuple[str, int, int]], num_blocks: int, token: str) -> None:
+    if f.group.rank != rank:
+        return
+    state = _state(f)
+    transport = state["transport"]
+    bufs, handles = [], []
+    for peer_id, lo, hi in recvs:
+        buf = torch.empty(_shape(transport.layout, num_blocks, hi - lo), dtype=transport.layout.torch_dtype,
+                          device=f.device)
+        handles.append(transport.recv(peer_id, buf))
+        bufs.append((lo, hi, buf))
+    state["received"][key] = bufs
+    _report_when_done(f, handles, f"{token}/{rank}")
+
+
+def _rank_scatter(f: Any, key: str, block_ids: list[int]) -> None:
+    h0, _ = _own_heads(f)
+    for lo, hi, buf in _state(f)["received"].pop(key, []):
+        _scatter_heads(f.kv, lo - h0, hi - h0, block_ids, buf)
+
+
+def _rank_forget(f: Any, key: str) -> None:
+    state = _state(f)
+    state["gathered"].pop(key, None)
+    state["received"].pop(key, None)
+
+
+def _rank_close(f: Any) -> None:
+    transport = _state(f).pop("transport", None)
+    if transport is not None:
+        transport.close()
