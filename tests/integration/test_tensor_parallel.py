@@ -98,7 +98,7 @@ def test_killing_one_rank_under_load_moves_its_requests_and_loses_nothing(ray_cl
     assert set(held.values()) == {0}, held
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (4, 2)])  # 4: KV heads replicated
 def test_disaggregated_across_layouts_equals_colocated(ray_cluster: None, prefill_tp: int, decode_tp: int) -> None:
     """Every prompt through the prefill worker (rule 'remote'): each decode rank receives its KV
     heads from the prefill ranks that hold them."""
