@@ -189,9 +189,15 @@ class RankedKv:
         if self.tp > 1:
             self._call(_rank_gather, key, list(block_ids))
 
+    def _peer(self, peer_id: str) -> tuple[RankTable, list[Route], bool]:
+        known = self._peers.get(peer_id)
+        if known is None:  # NOTE: a ValueError, as a transport's send/recv of an unpaired peer
+            raise ValueError(f"{self.worker_id!r} is not paired with {peer_id!r}")
+        return known
+
     def send(self, peer_id: str, key: str, own: torch.Tensor) -> TransferHandle:
         """Start every rank's sends of `key` to `peer_id` (own: rank 0's gathered buffer)."""
-        peer, plan, _ = self._peers[peer_id]
+        peer, plan, _ = self._peer(peer_id)
         h0, _ = kv_head_range(0, self.tp, self.num_kv_heads)
         handles = [self.transport.send(peer.rank_id(r.dst), _heads(own, r.start - h0, r.stop - h0))
                    for r in plan if r.src == 0]
@@ -210,7 +216,7 @@ class RankedKv:
     # ---- the decode side
     def recv(self, peer_id: str, key: str, num_blocks: int) -> TransferHandle:
         """Post every rank's receives of `key` from `peer_id` (num_blocks blocks)."""
-        peer, plan, _ = self._peers[peer_id]
+        peer, plan, _ = self._peer(peer_id)
         layout = self.transport.layout
         own: list[tuple[Route, torch.Tensor]] = []
         handles = []
