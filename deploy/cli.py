@@ -25,7 +25,7 @@ from deploy.schema import ServeAppConfig
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvtransfer.netaddr import free_port
 from router.core import GrpcServerConfig, RouterConfig
-from router.dispatch import DispatcherConfig, LocalPrefillConfig
+from router.dispatch import DispatcherConfig, LocalPrefillConfig, SloConfig
 
 APP_NAME = "pdserve"
 
@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--local-prefill-max-tokens", type=int,
                        default=_default(LocalPrefillConfig, "max_short_prompt_tokens"),
                        help="prompts shorter than this skip the prefill workers under 'short_or_cached' (0: none)")
+    serve.add_argument("--slo-ttft-ms", type=float, default=None, help=_help(SloConfig, "ttft_ms"))
+    serve.add_argument("--slo-tpot-ms", type=float, default=None,
+                       help=_help(SloConfig, "tpot_ms") + " With --local-prefill-rule slo, the router prefills each "
+                       "prompt where its first token comes sooner without breaking it.")
     serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
     serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
 
@@ -140,7 +144,7 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
     local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)
-    dispatch = DispatcherConfig(local_prefill=local)
+    dispatch = DispatcherConfig(local_prefill=local, slo=SloConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms))
     return ServeAppConfig(cluster=cluster, router=router, dispatch=dispatch,
                           num_router_replicas=args.num_router_replicas,
                           grpc=GrpcServerConfig(host=args.host, port=args.grpc_port))

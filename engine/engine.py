@@ -59,6 +59,7 @@ from engine.runner import TokenPatch
 from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
+from engine.step_rates import StepRates
 from engine.validation import InvalidRequestError, validate_prompt
 
 
@@ -76,11 +77,18 @@ class EngineStats:
     num_spec_verifications: int = 0  # request-steps that verified drafted tokens
     num_spec_rejections: int = 0  # verifications that rejected a drafted token
     num_spec_emitted_tokens: int = 0  # tokens the verifications produced
+    # Speed and queue (engine/step_rates.py; 0.0: not measured yet), for the router's prefill choice.
+    num_queued_prompt_tokens: int = 0  # prompt tokens admitted or waiting, not computed yet
+    decode_step_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    kv_bytes_per_token: int = 0  # the whole worker's (every rank's heads)
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> dict[str, int | float]:
         """The figures every worker reports of its engine (its stats, `pdserve status`)."""
         return {"num_waiting": self.num_waiting, "num_running": self.num_running, "num_blocks": self.num_blocks,
-                "num_free_blocks": self.num_free_blocks}
+                "num_free_blocks": self.num_free_blocks, "num_queued_prompt_tokens": self.num_queued_prompt_tokens,
+                "decode_step_s": self.decode_step_s, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "kv_bytes_per_token": self.kv_bytes_per_token}
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -179,6 +187,8 @@ class EngineCore:
         # others (a batch past disable_above_batch_size) run asynchronously when this is on.
         self.async_scheduling = self.device.type == "cuda" if asked is None else asked
         self._inflight: _Inflight | None = None
+        self.rates = StepRates()
+        self._step_counts = (0, 0)
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
 
     def close(self) -> None:
@@ -337,6 +347,18 @@ class EngineCore:
 
     # ---- the step
     def step(self) -> list[StepOutput]:
+        start = self.clock()
+        self._step_counts = (0, 0)
+        outputs = self._step()
+        self.rates.observe(self.clock() - start, *self._step_counts)
+        return outputs
+
+    def _count(self, out: SchedulerOutput) -> None:
+        """The step's prompt tokens and decode rows, for `rates`."""
+        prompts = [s for s in out.scheduled if s.request.num_computed_tokens < s.request.num_prompt_tokens]
+        self._step_counts = (sum(s.num_new_tokens for s in prompts), len(out.scheduled) - len(prompts))
+
+    def _step(self) -> list[StepOutput]:
         if self.async_scheduling and not self._drafts_now():
             return self._step_async()
         if self._inflight is not None:
@@ -346,6 +368,7 @@ class EngineCore:
             return self._resolve(prev)[0]
         self._draft()
         out = self.scheduler.schedule()
+        self._count(out)
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         sampled = self._execute(out)
@@ -358,6 +381,7 @@ class EngineCore:
         if prev is not None and prev.needs_tokens_first:
             outputs, prev = self._resolve(prev)[0], None
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset())
+        self._count(out)
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         pending, sampling = None, []
@@ -658,6 +682,13 @@ class EngineCore:
             num_spec_verifications=self.spec_counters.num_verifications,
             num_spec_rejections=self.spec_counters.num_rejections,
             num_spec_emitted_tokens=self.spec_counters.num_emitted_tokens,
+            num_queued_prompt_tokens=sum(
+                r.num_prompt_tokens - r.num_computed_tokens for r in (*self.scheduler.waiting, *self.scheduler.running)
+                if r.num_computed_tokens < r.num_prompt_tokens),
+            decode_step_s=self.rates.decode_step_s,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            kv_bytes_per_token=self.block_bytes * (self.tp.shard.size if self.tp is not None else 1)
+            // self.pool.block_size,
         )
 
     # ---- invariants

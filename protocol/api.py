@@ -41,6 +41,11 @@ class WorkerStatsMsg(Msg):
     num_free_blocks: int
     num_cached_blocks: int = 0  # held by nobody, kept for prefix-cache hits
     num_channels: int = 0  # routers connected over the request channel
+    # speed and queue (engine/step_rates.py; 0.0: not measured yet): the router's prefill choice reads them
+    num_queued_prompt_tokens: int = 0
+    decode_step_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
     # decode workers
     num_leases: int = 0  # open leases (reserved or receiving)
     num_undelivered: int = 0  # token rows not yet taken by their routers

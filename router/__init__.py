@@ -9,6 +9,7 @@ from router.dispatch import (
     LocalPrefillConfig,
     NoCapacityError,
     RequestFailedError,
+    SloConfig,
     Workers,
 )
 from router.http_app import build_http_app
@@ -25,6 +26,7 @@ __all__ = [
     "RouterConfig",
     "RouterCore",
     "RouterMetrics",
+    "SloConfig",
     "Workers",
     "build_http_app",
 ]

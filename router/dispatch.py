@@ -54,7 +54,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import SamplingParams
 from engine.validation import InvalidRequestError
@@ -100,7 +100,8 @@ class LocalPrefillConfig(BaseModel):
     rule: str = Field(
         "short_or_cached",
         description="The prefill rule: 'short_or_cached' (short prompts, and prompts a decode worker mostly "
-        "holds in its prefix cache), or 'remote' (every prompt through a prefill worker).",
+        "holds in its prefix cache), 'remote' (every prompt through a prefill worker), or 'slo' (where the first "
+        "token comes sooner without breaking the TPOT SLO, from the workers' measured speed: router/policy.py).",
     )
     max_short_prompt_tokens: int = Field(
         192, ge=0, le=1 << 20,
@@ -119,6 +120,15 @@ class LocalPrefillConfig(BaseModel):
         if rule not in prefill_rule_names():
             raise ValueError(f"local_prefill.rule {rule!r} is unknown; known: {', '.join(prefill_rule_names())}")
         return rule
+
+
+class SloConfig(BaseModel):
+    """The service levels the router steers to (router.policy's 'slo' prefill rule reads them)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, p90 target (ms).")
+    tpot_ms: float | None = Field(None, gt=0, description="Time per output token after the first, p90 target (ms).")
 
 
 class DispatcherConfig(BaseModel):
@@ -151,6 +161,13 @@ class DispatcherConfig(BaseModel):
         default_factory=LocalPrefillConfig,
         description="Disaggregated mode: which requests skip the prefill workers (prefilled on their decode worker).",
     )
+    slo: SloConfig = Field(default_factory=SloConfig, description="The SLOs the router steers to.")
+
+    @model_validator(mode="after")
+    def _slo_rule_has_slos(self) -> DispatcherConfig:
+        if self.local_prefill.rule == "slo" and self.slo.tpot_ms is None:
+            raise ValueError("local_prefill.rule 'slo' needs slo.tpot_ms (pdserve serve --slo-tpot-ms)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -261,9 +278,11 @@ class Dispatcher:
         self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
         self.policy = policy or CacheAwarePolicy(loads=self.loads.loads)
         local = self.config.local_prefill
+        tpot_ms = self.config.slo.tpot_ms
         self.prefill_rule = prefill_rule or create_prefill_rule(
             local.rule, max_short_prompt_tokens=local.max_short_prompt_tokens,
-            min_cached_fraction=local.min_cached_fraction,
+            min_cached_fraction=local.min_cached_fraction, loads=self.loads.loads,
+            tpot_s=tpot_ms / 1e3 if tpot_ms is not None else None,
         )
 
     def num_streaming(self) -> dict[str, int]:

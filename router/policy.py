@@ -43,6 +43,12 @@ class WorkerLoad:
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    role: str = ""  # "prefill" or "decode" (a colocated worker reports "decode")
+    num_queued_prompt_tokens: int = 0
+    decode_step_s: float = 0.0  # 0.0: not measured yet (engine/step_rates.py)
+    prefill_tokens_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
+    push_bytes_per_s: float = 0.0  # a prefill worker's pushes so far (0.0: none yet)
 
 
 class DispatchPolicy(Protocol):
@@ -138,8 +144,11 @@ class LoadTracker:
         rows = await asyncio.gather(*(asyncio.wait_for(self.fetch(i), 2.0) for i in ids), return_exceptions=True)
         for worker_id, row in zip(ids, rows):
             if isinstance(row, WorkerStatsMsg):
+                push = row.push_totals
                 self.loads[worker_id] = WorkerLoad(
-                    worker_id, row.num_running, row.num_waiting, row.num_free_blocks, row.num_blocks
+                    worker_id, row.num_running, row.num_waiting, row.num_free_blocks, row.num_blocks, row.role,
+                    row.num_queued_prompt_tokens, row.decode_step_s, row.prefill_tokens_per_s, row.kv_bytes_per_token,
+                    push.push_bytes / push.push_seconds if push.push_seconds > 0 else 0.0,
                 )
 
     async def _refresh_forever(self) -> None:
@@ -309,3 +318,60 @@ class ShortOrCachedRule:
 
     def forget(self, decode_id: str) -> None:
         self.prefix.forget(decode_id)
+
+
+@register_prefill_rule
+class SloRule(ShortOrCachedRule):
+    """Conditional disaggregation per request, against the TPOT SLO (and the TTFT it predicts): the
+    prompt goes where its first token comes sooner.
+
+    remote  (prompt tokens queued at the prefill worker + this prompt) / its prefill rate
+            + the push (the prompt's KV bytes / the worker's measured push bandwidth);
+    local   a decode worker prefills in chunks alongside its running batch without breaking the
+            TPOT SLO: each step may add (tpot - its decode step time) x its prefill rate prompt tokens,
+            so (its queued prompt tokens + the uncached part of this prompt) / that chunk steps, each
+            one TPOT long. A worker whose decode step alone exceeds the SLO cannot take it.
+    The decode workers whose local estimate beats the best remote one are returned, soonest first.
+    Until a side has measured its speed (a fresh cluster), short_or_cached decides.
+    """
+
+    name: ClassVar[str] = "slo"
+
+    def __init__(self, loads: Mapping[str, WorkerLoad] | None = None, tpot_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.loads: Mapping[str, WorkerLoad] = loads if loads is not None else {}
+        if tpot_s is None or tpot_s <= 0:
+            raise ValueError("the 'slo' prefill rule needs a TPOT SLO (slo.tpot_ms, --slo-tpot-ms)")
+        self.tpot_s = tpot_s
+
+    def remote_ttft_s(self, num_tokens: int) -> float | None:
+        """The soonest first token through a prefill worker (None: none has measured its speed)."""
+        best = None
+        for load in self.loads.values():
+            if load.role != "prefill" or load.prefill_tokens_per_s <= 0:
+                continue
+            push = (num_tokens * load.kv_bytes_per_token / load.push_bytes_per_s) if load.push_bytes_per_s > 0 else 0.0
+            ttft = (load.num_queued_prompt_tokens + num_tokens) / load.prefill_tokens_per_s + push
+            best = ttft if best is None else min(best, ttft)
+        return best
+
+    def local_ttft_s(self, decode_id: str, num_uncached: int) -> float | None:
+        """A decode worker's first token when it prefills alongside its batch within the TPOT SLO
+        (inf: its decode step alone breaks the SLO; None: not measured yet)."""
+        load = self.loads.get(decode_id)
+        if load is None or load.prefill_tokens_per_s <= 0 or (load.num_running and load.decode_step_s <= 0):
+            return None
+        budget_s = self.tpot_s - (load.decode_step_s if load.num_running else 0.0)
+        if budget_s <= 0:
+            return math.inf
+        chunk = budget_s * load.prefill_tokens_per_s  # prompt tokens a step may add
+        return math.ceil((load.num_queued_prompt_tokens + num_uncached) / chunk) * self.tpot_s
+
+    def local_workers(self, prompt: Sequence[int], decode_ids: Sequence[str]) -> tuple[list[str], int]:
+        remote = self.remote_ttft_s(len(prompt))
+        matches = self.prefix.longest_matches(prompt, decode_ids)
+        local = {d: self.local_ttft_s(d, len(prompt) - matches[d] * self.prefix.block_size) for d in decode_ids}
+        if remote is None or any(v is None for v in local.values()):
+            return super().local_workers(prompt, decode_ids)
+        better = sorted((t, d) for d, t in local.items() if t is not None and t <= remote)
+        return [d for _, d in better], 0

@@ -32,3 +32,10 @@ def test_a_bad_dispatch_block_names_the_field() -> None:
 def test_serve_flags_set_each_pools_tensor_parallel_size():
     cluster = app_config(build_parser().parse_args(["serve", "--tp", "2", "--decode-tp", "4"])).cluster
     assert cluster.engine.parallel.tensor_parallel_size == 2 and cluster.tp_of("decode") == 4
+
+
+def test_slo_flags_reach_the_dispatcher():
+    args = build_parser().parse_args(["serve", "--prefill", "1", "--slo-tpot-ms", "40", "--slo-ttft-ms", "1000",
+                                      "--local-prefill-rule", "slo"])
+    dispatch = app_config(args).dispatch
+    assert (dispatch.slo.tpot_ms, dispatch.slo.ttft_ms, dispatch.local_prefill.rule) == (40, 1000, "slo")
