@@ -134,7 +134,8 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
             return ServeAppConfig.model_validate(json.load(f))
     options = engine_options(args)
     cluster = ClusterConfig(
-        engine=engine_config(options.pop("model"), **options),
+        # NOTE: the TPOT SLO is also the engines' inter-token latency budget (SchedulerConfig.itl_budget_ms)
+        engine=engine_config(options.pop("model"), itl_budget_ms=args.slo_tpot_ms, **options),
         mode="disaggregated" if args.prefill else "colocated",
         num_prefill=args.prefill or 1,
         num_decode=args.decode,

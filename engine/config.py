@@ -90,6 +90,13 @@ class SchedulerConfig(_Frozen):
     enable_chunked_prefill: bool = Field(
         True, description="Split prompts longer than the step's remaining budget across steps."
     )
+    itl_budget_ms: float | None = Field(
+        None, gt=0,
+        description="Inter-token latency budget: while requests decode, a step adds prompt tokens (chunks of prompts "
+        "being prefilled, new prompts) only as many as the engine's measured prefill rate fits in the room its "
+        "measured decode step time leaves in this budget (at least one block's worth, so prompts progress); "
+        "None: the token budget alone. `pdserve serve --slo-tpot-ms` sets it to the TPOT SLO.",
+    )
     async_scheduling: bool | None = Field(
         None,
         description="Queue step N+1 on the device before reading step N's sampled tokens, so the host's "

@@ -353,6 +353,16 @@ class EngineCore:
         self.rates.observe(self.clock() - start, *self._step_counts)
         return outputs
 
+    def _prompt_budget(self) -> int | None:
+        """The prompt tokens a step may add beside decoding requests within the ITL budget
+        (SchedulerConfig.itl_budget_ms), from the measured rates; None: no cap (or none measured)."""
+        budget_ms = self.config.scheduler.itl_budget_ms
+        rates = self.rates
+        if budget_ms is None or rates.decode_step_s <= 0 or rates.prefill_tokens_per_s <= 0:
+            return None
+        room_s = budget_ms / 1e3 - rates.decode_step_s
+        return max(self.pool.block_size, int(room_s * rates.prefill_tokens_per_s))
+
     def _count(self, out: SchedulerOutput) -> None:
         """The step's prompt tokens and decode rows, for `rates`."""
         prompts = [s for s in out.scheduled if s.request.num_computed_tokens < s.request.num_prompt_tokens]
@@ -367,7 +377,7 @@ class EngineCore:
             prev, self._inflight = self._inflight, None
             return self._resolve(prev)[0]
         self._draft()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(prompt_budget=self._prompt_budget())
         self._count(out)
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
@@ -380,7 +390,7 @@ class EngineCore:
         outputs: list[StepOutput] = []
         if prev is not None and prev.needs_tokens_first:
             outputs, prev = self._resolve(prev)[0], None
-        out = self.scheduler.schedule(prev.ending if prev is not None else frozenset())
+        out = self.scheduler.schedule(prev.ending if prev is not None else frozenset(), self._prompt_budget())
         self._count(out)
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")

@@ -78,17 +78,24 @@ class Scheduler:
         return request
 
     # ---- schedule
-    def schedule(self, skip: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+    def schedule(self, skip: frozenset[str] | set[str] = frozenset(), prompt_budget: int | None = None) -> SchedulerOutput:
         """The step's batch. `skip`: ids of running requests left out of this step (asynchronous
-        scheduling: those whose in-flight token ends them by length)."""
+        scheduling: those whose in-flight token ends them by length). `prompt_budget`: the most
+        prompt tokens (prefill chunks, new prompts) the step may compute while some running request
+        decodes (the inter-token latency budget); None: the token budget alone."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget, skip)
+        prompts = None
+        if prompt_budget is not None and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            prompts = [max(1, prompt_budget)]
+        budget = self._schedule_running(out, budget, skip, prompts)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget if prompts is None else min(budget, prompts[0]))
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, skip: frozenset[str] | set[str]) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, skip: frozenset[str] | set[str],
+                          prompts: list[int] | None = None) -> int:
+        """prompts: [prompt tokens left to the step] (consumed here), or None: no separate cap."""
         index = 0
         running, scheduled, block_size = self.running, out.scheduled, self.block_size
         while index < len(running) and budget > 0:
@@ -98,6 +105,12 @@ class Scheduler:
                 continue
             num_tokens, num_computed = len(request.token_ids), request.num_computed_tokens
             num_new = min(num_tokens - num_computed, budget)
+            if prompts is not None and num_computed < request.num_prompt_tokens:
+                num_new = min(num_new, prompts[0])
+                if num_new == 0:
+                    index += 1  # NOTE: no prompt room left this step; it continues in the next
+                    continue
+                prompts[0] -= num_new
             if request.draft is None and num_computed + num_new <= len(request.block_ids) * block_size:
                 # NOTE: the common decode step: no draft, and its blocks hold the new positions
                 will_sample = num_computed + num_new == num_tokens

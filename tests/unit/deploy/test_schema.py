@@ -37,5 +37,7 @@ def test_serve_flags_set_each_pools_tensor_parallel_size():
 def test_slo_flags_reach_the_dispatcher():
     args = build_parser().parse_args(["serve", "--prefill", "1", "--slo-tpot-ms", "40", "--slo-ttft-ms", "1000",
                                       "--local-prefill-rule", "slo"])
-    dispatch = app_config(args).dispatch
+    config = app_config(args)
+    dispatch = config.dispatch
     assert (dispatch.slo.tpot_ms, dispatch.slo.ttft_ms, dispatch.local_prefill.rule) == (40, 1000, "slo")
+    assert config.cluster.engine.scheduler.itl_budget_ms == 40  # the engines' inter-token latency budget
