@@ -16,11 +16,13 @@ DECODE_CONTEXTS = (256, 1024, 4096)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs to lay out (one worker each)")
+    parser.add_argument("--gpus", type=int, required=True,
+                        help="GPUs to lay out (workers of the sizes the profiles were measured on)")
     parser.add_argument("--slo-ttft-ms", type=float, required=True, help="time to first token, per request")
     parser.add_argument("--slo-tpot-ms", type=float, required=True, help="time per output token, per request")
-    parser.add_argument("--profile", type=Path, required=True,
-                        help="a StepProfile JSON; measured on this machine's engine (the engine flags) when absent")
+    parser.add_argument("--profile", type=Path, nargs="+", required=True,
+                        help="StepProfile JSON files, one per worker size (tensor_parallel_size); a path that does not "
+                        "exist is measured on this machine's engine (the engine flags, --tp included) and written there")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(1000, 4000), metavar=("MIN", "MAX"))
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(100, 300), metavar=("MIN", "MAX"))
     parser.add_argument("--samples", type=Path, default=None,
@@ -43,11 +45,24 @@ def _samples(path: Path | None) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _profile(args: argparse.Namespace, engine_options: dict[str, Any]) -> Any:
+def _profiles(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[int, Any]:
+    """The profiles by worker size; two of one size are refused, naming both files."""
+    out: dict[int, Any] = {}
+    where: dict[int, Path] = {}
+    for path in args.profile:
+        profile = _profile(path, engine_options)
+        size = profile.tensor_parallel_size
+        if size in out:
+            raise ValueError(f"--profile: {where[size]} and {path} are both of workers of {size} GPUs; give one per size")
+        out[size], where[size] = profile, path
+    return out
+
+
+def _profile(path: Path, engine_options: dict[str, Any]) -> Any:
     from cluster.planner import StepProfile
 
-    if args.profile.is_file():
-        return StepProfile.model_validate_json(args.profile.read_text())
+    if path.is_file():
+        return StepProfile.model_validate_json(path.read_text())
     from cluster.planner.measure import measure
     from engine.engine import EngineCore
     from engine.llm import engine_config
@@ -58,9 +73,11 @@ def _profile(args: argparse.Namespace, engine_options: dict[str, Any]) -> Any:
     batches = [b for b in DECODE_BATCHES if b <= engine.config.scheduler.max_num_seqs]
     contexts = [c for c in DECODE_CONTEXTS
                 if max(batches) * (c + 32) <= engine.capacity_tokens and c + 32 <= engine.max_seq_tokens] or [64]
-    print(f"measuring a step profile on {engine.device} (written to {args.profile}) ...", flush=True)
+    print(f"measuring a step profile on {engine.device} (written to {path}) ...", flush=True)
     profile = measure(engine, [n for n in PREFILL_TOKENS if n <= longest] or [longest], batches, contexts)
-    args.profile.write_text(profile.model_dump_json(indent=2) + "\n")
+    profile = profile.model_copy(update={"tensor_parallel_size": engine.config.parallel.tensor_parallel_size})
+    engine.close()
+    path.write_text(profile.model_dump_json(indent=2) + "\n")
     return profile
 
 
@@ -70,14 +87,14 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     from deploy.schema import ServeAppConfig
     from engine.llm import engine_config
 
-    profile = _profile(args, engine_options)
+    profiles = _profiles(args, engine_options)
     workload = Workload(prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens),
                         samples=_samples(args.samples), num_requests=args.num_requests)
     slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    plans = plan(args.gpus, profile, workload, slo)
-    print(f"{'layout':<14}{'goodput req/s':>14}  why")
+    plans = plan(args.gpus, profiles, workload, slo)
+    print(f"{'layout':<20}{'goodput req/s':>14}  why")
     for p in plans:
-        print(f"{p.layout.name:<14}{p.goodput:>14.2f}  {p.why}")
+        print(f"{p.layout.name:<20}{p.goodput:>14.2f}  {p.why}")
     best = plans[0]
     print(f"best: {best.layout.name}; attainment by rate: "
           + ", ".join(f"{pt.rate:.3g}: {100 * pt.attainment:.1f}%" for pt in best.points))
@@ -87,6 +104,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             engine=engine_config(options.pop("model"), **options),
             mode="colocated" if best.layout.num_prefill == 0 else "disaggregated",
             num_prefill=max(best.layout.num_prefill, 1), num_decode=best.layout.num_decode,
+            prefill_tp=best.layout.prefill_tp, decode_tp=best.layout.decode_tp,
         )
         args.out.write_text(ServeAppConfig(cluster=cluster).model_dump_json(indent=2, exclude_defaults=True) + "\n")
         print(f"wrote {args.out}: pdserve serve --config {args.out}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.planner.profile import StepProfile
-from cluster.planner.simulate import Layout, Timing, simulate
+from cluster.planner.simulate import Layout, Profiles, Timing, by_size, simulate
 from cluster.planner.workload import SLO, Workload, requests
 
 ATTAINMENT = 0.9
@@ -45,12 +45,21 @@ class LayoutPlan:
                 f"({100 * p.missed_ttft:.0f}% missed TTFT, {100 * p.missed_tpot:.0f}% missed TPOT)")
 
 
-def layouts(num_gpus: int) -> list[Layout]:
-    """N colocated replicas, and every xPyD with x + y = N."""
-    return [Layout(0, num_gpus)] + [Layout(p, num_gpus - p) for p in range(1, num_gpus)]
+def layouts(num_gpus: int, worker_sizes: tuple[int, ...] = (1,)) -> list[Layout]:
+    """Colocated replicas, and every xPyD, that use all N GPUs with workers of the given sizes
+    (tensor-parallel GPUs per worker; prefill and decode workers may differ)."""
+    out = [Layout(0, num_gpus // t, 1, t) for t in worker_sizes if num_gpus % t == 0]
+    for a in worker_sizes:
+        for b in worker_sizes:
+            for x in range(1, num_gpus // a + 1):
+                rest = num_gpus - x * a
+                if rest > 0 and rest % b == 0:
+                    out.append(Layout(x, rest // b, a, b))
+    return out
 
 
-def rate_point(layout: Layout, profile: StepProfile, workload: Workload, slo: SLO, rate: float) -> RatePoint:
+def rate_point(layout: Layout, profile: StepProfile | Profiles, workload: Workload, slo: SLO,
+               rate: float) -> RatePoint:
     timings: list[Timing] = simulate(layout, profile, requests(workload, rate))
     n = len(timings)
     ttft_ok = [t.ttft_s * 1e3 <= slo.ttft_ms for t in timings]
@@ -59,7 +68,7 @@ def rate_point(layout: Layout, profile: StepProfile, workload: Workload, slo: SL
     return RatePoint(rate, both / n, 1 - sum(ttft_ok) / n, 1 - sum(tpot_ok) / n)
 
 
-def goodput(layout: Layout, profile: StepProfile, workload: Workload, slo: SLO, start_rate: float = 0.25,
+def goodput(layout: Layout, profile: StepProfile | Profiles, workload: Workload, slo: SLO, start_rate: float = 0.25,
             max_rate: float = 1e4, bisections: int = 7) -> LayoutPlan:
     points = [rate_point(layout, profile, workload, slo, start_rate)]
     if points[0].attainment < ATTAINMENT:
@@ -81,9 +90,11 @@ def goodput(layout: Layout, profile: StepProfile, workload: Workload, slo: SLO, 
     return LayoutPlan(layout, low, sorted(points, key=lambda p: p.rate))
 
 
-def plan(num_gpus: int, profile: StepProfile, workload: Workload, slo: SLO) -> list[LayoutPlan]:
-    """Every layout on num_gpus GPUs, best goodput first (ties: colocated, then fewer prefill workers)."""
+def plan(num_gpus: int, profile: StepProfile | Profiles, workload: Workload, slo: SLO) -> list[LayoutPlan]:
+    """Every layout on num_gpus GPUs with workers of the sizes profiled, best goodput first (ties:
+    colocated, then fewer prefill workers, then smaller workers)."""
     if num_gpus < 1:
         raise ValueError(f"num_gpus is {num_gpus}; plan for at least 1 GPU")
-    plans = [goodput(layout, profile, workload, slo) for layout in layouts(num_gpus)]
-    return sorted(plans, key=lambda p: (-p.goodput, p.layout.num_prefill))
+    sizes = by_size(profile)
+    plans = [goodput(layout, sizes, workload, slo) for layout in layouts(num_gpus, tuple(sorted(sizes)))]
+    return sorted(plans, key=lambda p: (-p.goodput, p.layout.num_prefill, p.layout.decode_tp, p.layout.prefill_tp))

@@ -24,7 +24,8 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 class StepProfile(BaseModel):
-    """One GPU's step times. JSON: what `pdserve plan --profile` reads."""
+    """One worker's step times (a worker of tensor_parallel_size GPUs). JSON: what `pdserve plan
+    --profile` reads, one file per worker size."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -38,6 +39,7 @@ class StepProfile(BaseModel):
     push_ms_per_token: float = Field(0.0, ge=0.0, description="Disaggregated: the KV push, per prompt token.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences one worker runs at once.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="A colocated step's token budget.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs of the worker these times were measured on.")
 
     @model_validator(mode="after")
     def _check(self) -> Self:

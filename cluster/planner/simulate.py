@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,14 +27,28 @@ from cluster.planner.workload import Request
 class Layout(NamedTuple):
     num_prefill: int  # 0: colocated
     num_decode: int  # or colocated replicas
+    prefill_tp: int = 1  # GPUs per prefill worker
+    decode_tp: int = 1  # GPUs per decode (or colocated) worker
 
     @property
     def name(self) -> str:
-        return f"{self.num_decode} colocated" if self.num_prefill == 0 else f"{self.num_prefill}P{self.num_decode}D"
+        def tp(n: int) -> str:
+            return f"(TP{n})" if n > 1 else ""
+
+        if self.num_prefill == 0:
+            return f"{self.num_decode} colocated{' TP' + str(self.decode_tp) if self.decode_tp > 1 else ''}"
+        return f"{self.num_prefill}P{tp(self.prefill_tp)}{self.num_decode}D{tp(self.decode_tp)}"
 
     @property
     def num_gpus(self) -> int:
-        return self.num_prefill + self.num_decode
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+
+Profiles = Mapping[int, StepProfile]  # by the worker size (tensor_parallel_size) each was measured on
+
+
+def by_size(profiles: StepProfile | Profiles) -> Profiles:
+    return {profiles.tensor_parallel_size: profiles} if isinstance(profiles, StepProfile) else profiles
 
 
 class Timing(NamedTuple):
@@ -50,10 +64,15 @@ class _Seq:
     context: int
 
 
-def simulate(layout: Layout, profile: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
+def simulate(layout: Layout, profiles: StepProfile | Profiles, reqs: Sequence[Request]) -> list[Timing]:
+    """profiles: one per worker size the layout uses (a single profile: its own size)."""
+    sizes = by_size(profiles)
+    missing = sorted({layout.decode_tp, *([layout.prefill_tp] if layout.num_prefill else [])} - set(sizes))
+    if missing:
+        raise ValueError(f"layout {layout.name} needs a profile of workers of {missing[0]} GPUs; have {sorted(sizes)}")
     if layout.num_prefill == 0:
-        return _colocated(layout.num_decode, profile, reqs)
-    return _disaggregated(layout, profile, reqs)
+        return _colocated(layout.num_decode, sizes[layout.decode_tp], reqs)
+    return _disaggregated(layout, sizes[layout.prefill_tp], sizes[layout.decode_tp], reqs)
 
 
 def _colocated(num_replicas: int, profile: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
@@ -115,7 +134,8 @@ def _decoded(running: list[_Seq], t: float, reqs: Sequence[Request], out: list[T
     return still
 
 
-def _disaggregated(layout: Layout, profile: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
+def _disaggregated(layout: Layout, profile: StepProfile, decode: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
+    """profile: the prefill workers'; decode: the decode workers'."""
     free = [0.0] * layout.num_prefill  # when each prefill worker is next free (a heap)
     ready: list[list[tuple[float, int, float]]] = [[] for _ in range(layout.num_decode)]
     timings: list[Timing | None] = [None] * len(reqs)
@@ -129,7 +149,7 @@ def _disaggregated(layout: Layout, profile: StepProfile, reqs: Sequence[Request]
         landed = first + profile.push_ms_per_token * r.prompt / 1e3
         ready[i % layout.num_decode].append((landed, i, first))
     for queue in ready:
-        _run_decode(profile, reqs, sorted(queue), timings)
+        _run_decode(decode, reqs, sorted(queue), timings)
     return timings  # type: ignore[return-value]
 
 

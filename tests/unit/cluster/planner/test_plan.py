@@ -96,3 +96,39 @@ def test_pdserve_plan_prints_every_layout_and_writes_the_best_config(tmp_path, c
     config = ServeAppConfig.model_validate(json.loads(out.read_text()))
     assert config.cluster.mode == "disaggregated"
     assert (config.cluster.num_prefill, config.cluster.num_decode) == (1, 1)
+
+
+def test_layouts_use_every_gpu_with_the_worker_sizes_profiled():
+    names = {layout.name for layout in layouts(4, (1, 2))}
+    assert names == {"4 colocated", "2 colocated TP2", "3P1D", "2P2D", "1P3D", "2P1D(TP2)", "1P(TP2)2D",
+                     "1P(TP2)1D(TP2)"}
+    assert all(layout.num_gpus == 4 for layout in layouts(4, (1, 2)))
+
+
+def test_a_tpot_slo_only_a_tensor_parallel_worker_meets_picks_it():
+    # TP=1 decode steps take 30 ms, TP=2 ones 15 ms: under a 20 ms TPOT SLO only TP=2 workers count
+    one, two = flat(50.0, 30.0), flat(25.0, 15.0, tensor_parallel_size=2)
+    plans = plan(2, {1: one, 2: two}, PREFILL_HEAVY, SLO(ttft_ms=2000, tpot_ms=20))
+    assert plans[0].layout == Layout(0, 1, 1, 2) and plans[0].goodput > 0
+    assert all(p.goodput == 0 for p in plans if p.layout.decode_tp == 1)
+    with pytest.raises(ValueError, match="needs a profile of workers of 2 GPUs"):
+        simulate(Layout(0, 1, 1, 2), one, requests(PREFILL_HEAVY, 1.0))
+
+
+def test_pdserve_plan_takes_a_profile_per_worker_size_and_writes_their_sizes(tmp_path, capsys):
+    from deploy.cli import main
+
+    paths = [tmp_path / "tp1.json", tmp_path / "tp2.json"]
+    paths[0].write_text(flat(50.0, 30.0).model_dump_json())
+    paths[1].write_text(flat(25.0, 15.0, tensor_parallel_size=2).model_dump_json())
+    out = tmp_path / "serve.json"
+    code = main(["plan", "--gpus", "2", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "20", "--profile", *map(str, paths),
+                 "--prompt-tokens", "1000", "1000", "--output-tokens", "50", "50", "--num-requests", "200",
+                 "--out", str(out), "--device", "cpu"])
+    assert code == 0 and "best: 1 colocated TP2" in capsys.readouterr().out
+    cluster = ServeAppConfig.model_validate(json.loads(out.read_text())).cluster
+    assert (cluster.mode, cluster.num_decode, cluster.decode_tp) == ("colocated", 1, 2)
+    paths[1].write_text(flat(25.0, 15.0).model_dump_json())  # both of size 1 now
+    with pytest.raises(ValueError, match="tp1.json and .*tp2.json are both of workers of 1 GPUs"):
+        main(["plan", "--gpus", "2", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "20", "--profile", *map(str, paths),
+              "--device", "cpu"])
