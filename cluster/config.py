@@ -15,6 +15,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.autoscaler import AutoscalerConfig
 from decode_worker import DecodeWorkerConfig
 from engine import EngineConfig
 from kvtransfer.endpoint import EndpointConfig
@@ -48,6 +49,9 @@ class ClusterConfig(BaseModel):
         None, ge=1, le=64,
         description="GPUs (tensor-parallel ranks) of each decode (or colocated) worker; None: "
         "engine.parallel.tensor_parallel_size.",
+    )
+    autoscaler: AutoscalerConfig | None = Field(
+        None, description="Size the pools against the SLOs while serving (cluster/autoscaler.py); None: fixed sizes.",
     )
     transport: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="KV transport between workers: 'auto' is nccl with GPUs, gloo without."

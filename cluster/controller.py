@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
+from cluster.autoscaler import Autoscaler, autoscale_once
 from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
 from cluster.pools import WorkerPool
@@ -19,9 +20,17 @@ log = logging.getLogger(__name__)
 
 
 class ClusterController:
-    def __init__(self, config: ClusterConfig, health_interval_s: float = 1.0) -> None:
+    def __init__(self, config: ClusterConfig, health_interval_s: float = 1.0, autoscale_interval_s: float = 1.0) -> None:
         self.config = config
         self.health_interval_s = health_interval_s
+        self.autoscale_interval_s = autoscale_interval_s
+        self.autoscaler: Autoscaler | None = None
+        if config.autoscaler is not None:
+            disaggregated = config.mode == "disaggregated"
+            self.autoscaler = Autoscaler(
+                config.autoscaler, {"prefill": config.tp_of("prefill"), "decode": config.tp_of("decode")},
+                frozenset({"prefill", "decode"}) if disaggregated else frozenset())
+        self._autoscaling: asyncio.Task[None] | None = None
         self.deployment = Deployment(config)
         self.version = 0
         self.num_replaced = 0
@@ -34,6 +43,8 @@ class ClusterController:
         self.version += 1
         self._ready.set()
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+        if self.autoscaler is not None:
+            self._autoscaling = asyncio.get_running_loop().create_task(self._autoscale())
 
     async def wait_ready(self) -> int:
         await self._ready.wait()
@@ -60,6 +71,29 @@ class ClusterController:
                     task = asyncio.get_running_loop().create_task(self._publish_when_ready(pool, new_id))
                     self._watchers.add(task)
                     task.add_done_callback(self._watchers.discard)
+
+    async def _autoscale(self) -> None:
+        """Every interval, one autoscaler round (cluster/autoscaler.py) over the workers' stats."""
+        assert self.autoscaler is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.autoscale_interval_s)
+            try:
+                stats = [s for s in await self.stats() if isinstance(s, WorkerStatsMsg)]
+                sizes = {"prefill" if p is self.deployment.prefill else "decode": p.num_workers
+                         for p in self.deployment.pools}
+                decision = await autoscale_once(self.autoscaler, loop.time(), sizes, stats, self.resize)
+                if decision is not None:
+                    log.warning("autoscaler: %s -> %d workers (%s)", decision.pool, decision.num_workers, decision.why)
+            except Exception as err:  # noqa: BLE001 - the next round tries again
+                log.warning("autoscaler round failed: %s", err)
+
+    async def decisions(self) -> list[tuple[float, str, int, str]]:
+        """The autoscaler's decisions, oldest first: (seconds ago, pool, its new size, why)."""
+        if self.autoscaler is None:
+            return []
+        now = asyncio.get_running_loop().time()
+        return [(now - d.at_s, d.pool, d.num_workers, d.why) for d in self.autoscaler.decisions]
 
     async def _publish_when_ready(self, pool: WorkerPool, worker_id: str, max_starts: int = 3) -> None:
         for start in range(max_starts):
@@ -101,6 +135,7 @@ class ClusterController:
         return out
 
     async def shutdown(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.cancel()
+        for task in (self._supervisor, self._autoscaling):
+            if task is not None:
+                task.cancel()
         self.deployment.shutdown()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.autoscaler import AutoscalerConfig
 from cluster.config import ClusterConfig
 from deploy.schema import ServeAppConfig
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--slo-tpot-ms", type=float, default=None,
                        help=_help(SloConfig, "tpot_ms") + " With --local-prefill-rule slo, the router prefills each "
                        "prompt where its first token comes sooner without breaking it.")
+    serve.add_argument("--autoscale-max-gpus", type=int, default=None,
+                       help="size the pools against --slo-ttft-ms and --slo-tpot-ms while serving, within this many "
+                       "GPUs (cluster/autoscaler.py); default: fixed pool sizes")
     serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
     serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
 
@@ -126,6 +130,15 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names}
 
 
+def _autoscaler(args: argparse.Namespace) -> AutoscalerConfig | None:
+    if args.autoscale_max_gpus is None:
+        return None
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise SystemExit("pdserve serve: --autoscale-max-gpus sizes the pools against the SLOs: give --slo-ttft-ms "
+                         "and --slo-tpot-ms too")
+    return AutoscalerConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, max_gpus=args.autoscale_max_gpus)
+
+
 def app_config(args: argparse.Namespace) -> ServeAppConfig:
     from engine.llm import engine_config
 
@@ -141,6 +154,7 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
         num_decode=args.decode,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        autoscaler=_autoscaler(args),
         transport=args.transport,
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
@@ -271,6 +285,7 @@ def status_command(args: argparse.Namespace) -> int:
                   f"({APP_NAME!r}): start one with `pdserve serve`", file=sys.stderr)
             return 1
         rows = controller.stats.remote().result(timeout_s=30)
+        decisions = controller.decisions.remote().result(timeout_s=30)
     finally:
         ray.shutdown()
     print(f"{'worker':<16}{'role':>8}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}{'pushing':>8}"
@@ -282,6 +297,10 @@ def status_command(args: argparse.Namespace) -> int:
         kv = f"{row.num_blocks - row.num_free_blocks}/{row.num_blocks}"
         print(f"{row.worker_id:<16}{row.role:>8}{row.num_running:>8}{row.num_waiting:>8}{kv:>12}{row.num_leases:>8}"
               f"{row.num_pushing:>8}{row.num_channels:>10}  {'ok' if row.is_healthy else 'FAILED'}")
+    if decisions:
+        print("autoscaler decisions (latest last):")
+        for ago_s, pool, num_workers, why in decisions[-10:]:
+            print(f"  {ago_s:7.0f} s ago  {pool} -> {num_workers} workers: {why}")
     return 0
 
 

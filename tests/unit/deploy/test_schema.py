@@ -41,3 +41,11 @@ def test_slo_flags_reach_the_dispatcher():
     dispatch = config.dispatch
     assert (dispatch.slo.tpot_ms, dispatch.slo.ttft_ms, dispatch.local_prefill.rule) == (40, 1000, "slo")
     assert config.cluster.engine.scheduler.itl_budget_ms == 40  # the engines' inter-token latency budget
+
+
+def test_autoscale_flags_size_the_pools_against_the_slos():
+    args = ["serve", "--prefill", "1", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "40", "--autoscale-max-gpus", "4"]
+    autoscaler = app_config(build_parser().parse_args(args)).cluster.autoscaler
+    assert autoscaler is not None and (autoscaler.ttft_ms, autoscaler.tpot_ms, autoscaler.max_gpus) == (1000, 40, 4)
+    with pytest.raises(SystemExit, match="give --slo-ttft-ms and --slo-tpot-ms too"):
+        app_config(build_parser().parse_args(["serve", "--autoscale-max-gpus", "4"]))

@@ -1,0 +1,163 @@
+"""The joint prefill/decode autoscaler: from the workers' stats against the SLOs, one change at a time
+to the pools' sizes, within per-pool bounds and a GPU budget, without flapping.
+
+Per pool, a pressure in [0, inf) where 1 means "at the SLO":
+  prefill  the longest predicted prefill queue wait (queued prompt tokens / measured prefill rate)
+           over the TTFT SLO's share for queueing (`ttft_queue_share`);
+  decode   the larger of the KV use (held / all blocks) over `max_kv_use`, and the measured decode
+           step time over the TPOT SLO.
+A pool above `scale_up_at` for `sustain_s` grows by one worker (when the budget allows; otherwise, in
+disaggregated mode, the other pool gives one up if it is below `scale_down_at`: a role moving, done
+as a drain then a start of the other kind); a pool below `scale_down_at` for `sustain_s` shrinks by
+one (never under its minimum). After any change, nothing changes for `cooldown_s`: the hysteresis
+between the two thresholds and the cooldown are what keep it from flapping. Every decision, and
+why, is kept (`decisions`) for `pdserve status`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from protocol.api import WorkerStatsMsg
+
+__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "pressures"]
+
+
+class AutoscalerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttft_ms: float = Field(gt=0, description="The TTFT SLO the prefill pool is sized for.")
+    tpot_ms: float = Field(gt=0, description="The TPOT SLO the decode pool is sized for.")
+    max_gpus: int = Field(ge=1, description="Most GPUs all pools may take together.")
+    min_prefill: int = Field(1, ge=0)
+    max_prefill: int = Field(64, ge=0)
+    min_decode: int = Field(1, ge=1)
+    max_decode: int = Field(64, ge=1)
+    ttft_queue_share: float = Field(0.5, gt=0, le=1, description="Of the TTFT SLO, what queueing may take.")
+    max_kv_use: float = Field(0.9, gt=0, le=1, description="Decode KV use that counts as full.")
+    scale_up_at: float = Field(1.0, gt=0, description="Pressure above which a pool grows.")
+    scale_down_at: float = Field(0.3, ge=0, description="Pressure below which a pool shrinks.")
+    sustain_s: float = Field(10.0, ge=0, description="How long a pressure must last before it moves anything.")
+    cooldown_s: float = Field(30.0, ge=0, description="No change for this long after one.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalerConfig:
+        if self.scale_down_at >= self.scale_up_at:
+            raise ValueError(f"scale_down_at ({self.scale_down_at}) must be below scale_up_at ({self.scale_up_at}): "
+                             "the gap between them is what keeps the autoscaler from flapping")
+        return self
+
+
+@dataclass(frozen=True)
+class Decision:
+    at_s: float
+    pool: str  # "prefill" or "decode"
+    num_workers: int  # the pool's new size
+    why: str
+
+
+def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig) -> dict[str, float | None]:
+    """Per pool, its pressure (None: no worker of it reported a measured speed yet)."""
+    prefill = [s for s in stats if s.role == "prefill" and s.prefill_tokens_per_s > 0]
+    decode = [s for s in stats if s.role == "decode" and s.num_blocks > 0]
+    out: dict[str, float | None] = {"prefill": None, "decode": None}
+    if prefill:
+        wait_s = max(s.num_queued_prompt_tokens / s.prefill_tokens_per_s for s in prefill)
+        out["prefill"] = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
+    if decode:
+        kv = max((s.num_blocks - s.num_free_blocks) / s.num_blocks for s in decode) / config.max_kv_use
+        step = max(s.decode_step_s for s in decode) / (config.tpot_ms / 1e3)
+        out["decode"] = max(kv, step)
+    return out
+
+
+class Autoscaler:
+    def __init__(self, config: AutoscalerConfig, gpus_per_worker: Mapping[str, int],
+                 shrinkable: frozenset[str] = frozenset({"prefill", "decode"})) -> None:
+        """gpus_per_worker: per pool, a worker's GPUs (its tensor-parallel size). shrinkable: the pools
+        that can drain a worker (a colocated pool cannot refuse the router's requests, so it only grows)."""
+        self.config = config
+        self.gpus_per_worker = dict(gpus_per_worker)
+        self.shrinkable = shrinkable
+        self.decisions: deque[Decision] = deque(maxlen=100)
+        self._since: dict[tuple[str, str], float] = {}  # (pool, "up"/"down") -> when the condition began
+        self._last_change_s = -float("inf")
+        self._moving_to: str | None = None  # a pool that waits for the worker another pool just gave up
+
+    def decide(self, now_s: float, sizes: Mapping[str, int], stats: Sequence[WorkerStatsMsg]) -> Decision | None:
+        """The one change to make now, if any. sizes: each pool's serving workers now."""
+        c = self.config
+        levels = pressures(stats, c)
+        if self._moving_to is not None:  # NOTE: the second half of a role move: no sustain, no cooldown
+            pool, self._moving_to = self._moving_to, None
+            decision = self._change(now_s, pool, "up", sizes, levels)
+            if decision is not None and decision.pool == pool:
+                self._last_change_s = now_s
+                self.decisions.append(decision)
+                return decision
+        wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
+        for pool, level in levels.items():
+            if pool not in sizes:
+                continue
+            for direction, held in (("up", level is not None and level > c.scale_up_at),
+                                    ("down", level is not None and level < c.scale_down_at)):
+                key = (pool, direction)
+                if not held:
+                    self._since.pop(key, None)
+                    continue
+                start = self._since.setdefault(key, now_s)
+                if now_s - start >= c.sustain_s:
+                    assert level is not None
+                    wants.append((level - c.scale_up_at if direction == "up" else c.scale_down_at - level,
+                                  pool, direction))
+        if not wants or now_s - self._last_change_s < c.cooldown_s:
+            return None
+        for _, pool, direction in sorted(wants, reverse=True):
+            decision = self._change(now_s, pool, direction, sizes, levels)
+            if decision is not None:
+                self._last_change_s = now_s
+                self._since.clear()
+                self.decisions.append(decision)
+                return decision
+        return None
+
+    def _change(self, now_s: float, pool: str, direction: str, sizes: Mapping[str, int],
+                levels: Mapping[str, float | None]) -> Decision | None:
+        c = self.config
+        low, high = (c.min_prefill, c.max_prefill) if pool == "prefill" else (c.min_decode, c.max_decode)
+        level = levels[pool]
+        if direction == "down":
+            if sizes[pool] - 1 < low or pool not in self.shrinkable:
+                return None
+            return Decision(now_s, pool, sizes[pool] - 1, f"{pool} pressure {level:.2f} < {c.scale_down_at} for "
+                            f"{c.sustain_s:.0f} s")
+        if sizes[pool] + 1 > high:
+            return None
+        used = sum(n * self.gpus_per_worker.get(p, 1) for p, n in sizes.items())
+        if used + self.gpus_per_worker.get(pool, 1) <= c.max_gpus:
+            return Decision(now_s, pool, sizes[pool] + 1, f"{pool} pressure {level:.2f} > {c.scale_up_at} for "
+                            f"{c.sustain_s:.0f} s")
+        other = "decode" if pool == "prefill" else "prefill"
+        other_level = levels.get(other)
+        other_low = c.min_decode if other == "decode" else c.min_prefill
+        if (other in sizes and other in self.shrinkable and other_level is not None and other_level < c.scale_down_at
+                and sizes[other] > other_low):
+            # NOTE: at the GPU budget: the idle pool gives a worker up first; the next decision grows this one
+            self._moving_to = pool
+            return Decision(now_s, other, sizes[other] - 1, f"{pool} pressure {level:.2f} > {c.scale_up_at} at the "
+                            f"GPU budget ({c.max_gpus}); {other} pressure {other_level:.2f} gives a worker up")
+        return None
+
+
+async def autoscale_once(autoscaler: Autoscaler, now_s: float, sizes: Mapping[str, int],
+                         stats: Sequence[WorkerStatsMsg], resize: object) -> Decision | None:
+    """One round of the controller's loop: decide, then apply with `resize(pool, num_workers)` (an
+    async callable: the pool drains what it retires)."""
+    decision = autoscaler.decide(now_s, sizes, stats)
+    if decision is not None:
+        await resize(decision.pool, decision.num_workers)  # type: ignore[operator]
+    return decision

@@ -1,0 +1,111 @@
+"""The joint autoscaler's decisions on synthetic stats against a clock: a rate step grows the pool
+under pressure once it lasted, one change per cooldown; pressure between the thresholds never moves
+anything (no flapping); an idle pool shrinks to its minimum and no further; at the GPU budget the
+idle pool gives a worker up and the pressed one takes it at once (a role moving); unmeasured workers
+move nothing; tensor-parallel workers count their GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.autoscaler import Autoscaler, AutoscalerConfig, autoscale_once, pressures
+from protocol.api import WorkerStatsMsg
+
+CONFIG = AutoscalerConfig(ttft_ms=1000, tpot_ms=40, max_gpus=4, sustain_s=10, cooldown_s=30)
+
+
+def prefill(queued: int, rate: float = 10_000.0) -> WorkerStatsMsg:
+    # queueing may take 0.5 s of the 1 s TTFT SLO: 5,000 queued tokens at 10k tokens/s is pressure 1
+    return WorkerStatsMsg(worker_id="p", role="prefill", pid=1, is_healthy=True, num_waiting=0, num_running=0,
+                          num_blocks=100, num_free_blocks=100, num_queued_prompt_tokens=queued,
+                          prefill_tokens_per_s=rate)
+
+
+def decode(step_s: float = 0.004, free: int = 90) -> WorkerStatsMsg:
+    return WorkerStatsMsg(worker_id="d", role="decode", pid=2, is_healthy=True, num_waiting=0, num_running=4,
+                          num_blocks=100, num_free_blocks=free, decode_step_s=step_s)
+
+
+def run(scaler: Autoscaler, sizes: dict[str, int], stats_at, until_s: float) -> list[tuple[float, str, int]]:
+    changes = []
+    for t in range(int(until_s) + 1):
+        decision = scaler.decide(float(t), sizes, stats_at(t))
+        if decision is not None:
+            sizes[decision.pool] = decision.num_workers
+            changes.append((float(t), decision.pool, decision.num_workers))
+    return changes
+
+
+def test_pressures_are_one_at_the_slo():
+    levels = pressures([prefill(5_000), decode(step_s=0.040, free=55)], CONFIG)
+    assert levels["prefill"] == pytest.approx(1.0) and levels["decode"] == pytest.approx(1.0)
+    assert pressures([prefill(5_000, rate=0.0)], CONFIG)["prefill"] is None  # not measured yet
+
+
+def test_a_rate_step_grows_the_pressed_pool_once_per_cooldown():
+    scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    changes = run(scaler, {"prefill": 1, "decode": 1}, lambda t: [prefill(20_000), decode()], until_s=45)
+    assert changes == [(10.0, "prefill", 2), (40.0, "prefill", 3)]  # sustained 10 s; then the 30 s cooldown
+    assert "prefill pressure 4.00 > 1.0" in scaler.decisions[0].why
+
+
+def test_pressure_between_the_thresholds_never_moves_anything():
+    scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    wobble = lambda t: [prefill(4_500 if t % 2 else 2_000), decode(step_s=0.030 if t % 3 else 0.015)]  # noqa: E731
+    assert run(scaler, {"prefill": 2, "decode": 2}, wobble, until_s=300) == []
+
+
+def test_a_brief_spike_moves_nothing():
+    scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    spiky = lambda t: [prefill(50_000 if t % 8 == 0 else 2_000), decode(step_s=0.020)]  # noqa: E731
+    assert run(scaler, {"prefill": 1, "decode": 2}, spiky, until_s=200) == []
+
+
+def test_an_idle_pool_shrinks_to_its_minimum_and_no_further():
+    scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    changes = run(scaler, {"prefill": 1, "decode": 3}, lambda t: [prefill(2_000), decode(step_s=0.002, free=99)],
+                  until_s=200)
+    assert changes == [(10.0, "decode", 2), (40.0, "decode", 1)]
+
+
+def test_at_the_gpu_budget_the_idle_pool_gives_a_worker_to_the_pressed_one():
+    scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    changes = run(scaler, {"prefill": 1, "decode": 3}, lambda t: [prefill(20_000), decode(step_s=0.002, free=99)],
+                  until_s=12)
+    assert changes == [(10.0, "decode", 2), (11.0, "prefill", 2)]  # the move completes on the next round
+    assert "at the GPU budget (4)" in scaler.decisions[0].why
+
+
+def test_tensor_parallel_workers_count_their_gpus():
+    pressed = lambda t: [prefill(2_000), decode(step_s=0.080)]  # noqa: E731
+    scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 2})  # 1 + 2 GPUs used; another TP=2 decode: 5 > 4
+    assert run(scaler, {"prefill": 1, "decode": 1}, pressed, until_s=60) == []
+    roomier = Autoscaler(CONFIG.model_copy(update={"max_gpus": 5}), {"prefill": 1, "decode": 2})
+    assert run(roomier, {"prefill": 1, "decode": 1}, pressed, until_s=60) == [(10.0, "decode", 2)]
+
+
+def test_the_controller_round_applies_the_decision():
+    scaler = Autoscaler(CONFIG.model_copy(update={"sustain_s": 0.0}), {"prefill": 1, "decode": 1})
+    resized = []
+
+    async def resize(pool: str, num_workers: int) -> None:
+        resized.append((pool, num_workers))
+
+    decision = asyncio.run(autoscale_once(scaler, 0.0, {"prefill": 1, "decode": 1}, [prefill(20_000), decode()],
+                                          resize))
+    assert decision is not None and resized == [("prefill", 2)]
+
+
+def test_thresholds_that_overlap_are_refused():
+    with pytest.raises(ValueError, match="must be below scale_up_at"):
+        AutoscalerConfig(ttft_ms=1, tpot_ms=1, max_gpus=2, scale_up_at=0.5, scale_down_at=0.5)
+
+
+def test_a_colocated_pool_only_grows():
+    scaler = Autoscaler(CONFIG, {"decode": 1}, shrinkable=frozenset())
+    idle = lambda t: [decode(step_s=0.001, free=99)]  # noqa: E731
+    assert run(scaler, {"decode": 3}, idle, until_s=100) == []
+    busy = lambda t: [decode(step_s=0.080)]  # noqa: E731
+    assert run(scaler, {"decode": 1}, busy, until_s=20) == [(10.0, "decode", 2)]
