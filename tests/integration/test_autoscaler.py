@@ -1,0 +1,79 @@
+"""The autoscaler on a local Ray cluster (gloo, CPU) under a rate step: light load, a burst of long
+prompts that queues at the single prefill worker past the TTFT SLO (measured there: ~30k prompt
+tokens/s, so 80k tokens queue for seconds), light load again. The prefill pool
+grows while the burst lasts and shrinks back after it, at most two changes per step; every request
+completes with the offline engine's tokens and no block is held at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from cluster.autoscaler import AutoscalerConfig
+from cluster.config import ClusterConfig
+from cluster.controller import ClusterController
+from engine import LLM, SamplingParams
+from engine.llm import engine_config
+from router import Dispatcher, DispatcherConfig, LocalPrefillConfig
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENGINE = dict(device="cpu", block_size=8, num_blocks=16384)
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: None) -> None:
+    rng = random.Random(2)
+    light = [[rng.randrange(4, 2048) for _ in range(20)] for _ in range(6)]
+    burst = [[rng.randrange(4, 2048) for _ in range(1000)] for _ in range(80)]
+    after = [[rng.randrange(4, 2048) for _ in range(20)] for _ in range(8)]
+    prompts = light + burst + after
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, PARAMS)]
+    scaling = AutoscalerConfig(ttft_ms=100, tpot_ms=5000, max_gpus=3, max_prefill=2, sustain_s=1.0, cooldown_s=3.0)
+    config = ClusterConfig(engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=1, num_decode=1,
+                           transport="gloo", autoscaler=scaling)
+
+    async def run() -> tuple[list[list[int]], list[tuple[float, str, int, str]], dict[str, int], list[int]]:
+        controller = ClusterController(config, autoscale_interval_s=0.25)
+        await controller.start()
+        dispatcher = Dispatcher("router-as", controller.deployment.workers(), poll_timeout_s=0.5,
+                                config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
+        sizes: list[int] = []
+
+        async def follow() -> None:  # what a served router does: take the controller's worker set
+            while True:
+                await asyncio.sleep(0.25)
+                dispatcher.set_workers(controller.deployment.workers())
+                sizes.append(controller.deployment.prefill.num_workers)  # type: ignore[union-attr]
+
+        follower = asyncio.get_running_loop().create_task(follow())
+
+        async def one(i: int, prompt: list[int], delay_s: float) -> list[int]:
+            await asyncio.sleep(delay_s)
+            return [t async for out in dispatcher.generate(f"r{i}", prompt, PARAMS) for t in out.new_token_ids]
+
+        try:
+            tasks = [one(i, p, 0.5 * i) for i, p in enumerate(light)]  # 3 s of light load
+            # 80,000 prompt tokens at once: seconds of a CPU prefill worker's work, past the TTFT SLO's share
+            tasks += [one(len(light) + i, p, 3.0) for i, p in enumerate(burst)]
+            start = 3.0 + 10.0  # then quiet, then light load again
+            tasks += [one(len(light) + len(burst) + i, p, start + 0.5 * i) for i, p in enumerate(after)]
+            tokens = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+            await asyncio.sleep(6.0)  # the quiet after: the pool shrinks back
+            decisions = await controller.decisions()
+            held = await controller.held_blocks()
+        finally:
+            follower.cancel()
+            await dispatcher.close()
+            await controller.shutdown()
+        return tokens, decisions, held, sizes
+
+    tokens, decisions, held, sizes = asyncio.run(run())
+    assert tokens == offline  # nothing lost, nothing changed, through every resize
+    moves = [(pool, n) for _, pool, n, _ in decisions]
+    assert moves == [("prefill", 2), ("prefill", 1)], decisions  # grew for the burst, shrank after: once each way
+    assert 2 in sizes and sizes[-1] == 1
+    assert set(held.values()) == {0}, held
