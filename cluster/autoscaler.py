@@ -7,8 +7,8 @@ Per pool, a pressure in [0, inf) where 1 means "at the SLO":
   decode   the larger of the KV use (held / all blocks) over `max_kv_use`, and the measured decode
            step time over the TPOT SLO.
 A pool above `scale_up_at` for `sustain_s` grows by one worker (when the budget allows; otherwise, in
-disaggregated mode, the other pool gives one up if it is below `scale_down_at`: a role moving, done
-as a drain then a start of the other kind); a pool below `scale_down_at` for `sustain_s` shrinks by
+disaggregated mode, a worker of the other pool changes role to it if that pool is below
+`scale_down_at`: drained, it flips in place, keeping its engine: cluster/flex_worker.py); a pool below `scale_down_at` for `sustain_s` shrinks by
 one (never under its minimum). After any change, nothing changes for `cooldown_s`: the hysteresis
 between the two thresholds and the cooldown are what keep it from flapping. Every decision, and
 why, is kept (`decisions`) for `pdserve status`.
@@ -58,6 +58,7 @@ class Decision:
     pool: str  # "prefill" or "decode"
     num_workers: int  # the pool's new size
     why: str
+    flip_to: str | None = None  # a worker of `pool` changes role to this pool (which grows by one)
 
 
 def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig) -> dict[str, float | None]:
@@ -86,19 +87,11 @@ class Autoscaler:
         self.decisions: deque[Decision] = deque(maxlen=100)
         self._since: dict[tuple[str, str], float] = {}  # (pool, "up"/"down") -> when the condition began
         self._last_change_s = -float("inf")
-        self._moving_to: str | None = None  # a pool that waits for the worker another pool just gave up
 
     def decide(self, now_s: float, sizes: Mapping[str, int], stats: Sequence[WorkerStatsMsg]) -> Decision | None:
         """The one change to make now, if any. sizes: each pool's serving workers now."""
         c = self.config
         levels = pressures(stats, c)
-        if self._moving_to is not None:  # NOTE: the second half of a role move: no sustain, no cooldown
-            pool, self._moving_to = self._moving_to, None
-            decision = self._change(now_s, pool, "up", sizes, levels)
-            if decision is not None and decision.pool == pool:
-                self._last_change_s = now_s
-                self.decisions.append(decision)
-                return decision
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
             if pool not in sizes:
@@ -146,18 +139,18 @@ class Autoscaler:
         other_low = c.min_decode if other == "decode" else c.min_prefill
         if (other in sizes and other in self.shrinkable and other_level is not None and other_level < c.scale_down_at
                 and sizes[other] > other_low):
-            # NOTE: at the GPU budget: the idle pool gives a worker up first; the next decision grows this one
-            self._moving_to = pool
+            # NOTE: at the GPU budget: a worker of the idle pool changes role
             return Decision(now_s, other, sizes[other] - 1, f"{pool} pressure {level:.2f} > {c.scale_up_at} at the "
-                            f"GPU budget ({c.max_gpus}); {other} pressure {other_level:.2f} gives a worker up")
+                            f"GPU budget ({c.max_gpus}); {other} pressure {other_level:.2f}: a {other} worker becomes "
+                            f"a {pool} worker", flip_to=pool)
         return None
 
 
 async def autoscale_once(autoscaler: Autoscaler, now_s: float, sizes: Mapping[str, int],
-                         stats: Sequence[WorkerStatsMsg], resize: object) -> Decision | None:
-    """One round of the controller's loop: decide, then apply with `resize(pool, num_workers)` (an
-    async callable: the pool drains what it retires)."""
+                         stats: Sequence[WorkerStatsMsg], apply: object) -> Decision | None:
+    """One round of the controller's loop: decide, then `await apply(decision)` (the controller
+    resizes the pool, or moves a worker between pools: it drains what it retires or moves)."""
     decision = autoscaler.decide(now_s, sizes, stats)
     if decision is not None:
-        await resize(decision.pool, decision.num_workers)  # type: ignore[operator]
+        await apply(decision)  # type: ignore[operator]
     return decision

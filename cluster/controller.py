@@ -10,7 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
-from cluster.autoscaler import Autoscaler, autoscale_once
+from cluster.autoscaler import Autoscaler, Decision, autoscale_once
 from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
 from cluster.pools import WorkerPool
@@ -82,11 +82,25 @@ class ClusterController:
                 stats = [s for s in await self.stats() if isinstance(s, WorkerStatsMsg)]
                 sizes = {"prefill" if p is self.deployment.prefill else "decode": p.num_workers
                          for p in self.deployment.pools}
-                decision = await autoscale_once(self.autoscaler, loop.time(), sizes, stats, self.resize)
+                decision = await autoscale_once(self.autoscaler, loop.time(), sizes, stats, self._apply)
                 if decision is not None:
                     log.warning("autoscaler: %s -> %d workers (%s)", decision.pool, decision.num_workers, decision.why)
             except Exception as err:  # noqa: BLE001 - the next round tries again
                 log.warning("autoscaler round failed: %s", err)
+
+    async def _apply(self, decision: Decision) -> None:
+        if decision.flip_to is None:
+            await self.resize(decision.pool, decision.num_workers)
+            return
+        source = self.deployment.prefill if decision.pool == "prefill" else self.deployment.decode
+        target = self.deployment.decode if decision.pool == "prefill" else self.deployment.prefill
+        assert source is not None and target is not None
+        if source.ranks != target.ranks:  # NOTE: workers of other sizes cannot change role in place
+            await self.resize(decision.pool, decision.num_workers)
+            await self.resize(decision.flip_to, target.num_workers + 1)
+            return
+        serving = [i for i in source.handles if i not in source.starting and i not in source.retiring]
+        await self.flip(serving[-1], decision.flip_to)  # the newest
 
     async def decisions(self) -> list[tuple[float, str, int, str]]:
         """The autoscaler's decisions, oldest first: (seconds ago, pool, its new size, why)."""
@@ -119,6 +133,21 @@ class ClusterController:
             await asyncio.sleep(2 * router_refresh_s)  # every router has polled the new version
 
         return await pool.resize(num_workers, publish)
+
+    async def flip(self, worker_id: str, to_kind: str, router_refresh_s: float = 1.0) -> None:
+        """Moves a serving worker to the other pool in place ("prefill" -> "decode" or back): drained,
+        it changes role keeping its engine (cluster/flex_worker.py), and rejoins; routers follow the
+        version within `router_refresh_s`."""
+        pools = {"prefill": self.deployment.prefill, "decode": self.deployment.decode}
+        target, source = pools.get(to_kind), pools.get("decode" if to_kind == "prefill" else "prefill")
+        if target is None or source is None or self.config.mode != "disaggregated":
+            raise ValueError(f"to_kind must be 'prefill' or 'decode' in disaggregated mode, got {to_kind!r}")
+
+        async def publish() -> None:
+            self.version += 1
+            await asyncio.sleep(2 * router_refresh_s)  # every router has polled the new version
+
+        await source.hand_over(worker_id, target, self.deployment.role_config(to_kind, worker_id), publish)
 
     async def held_blocks(self) -> dict[str, int]:
         return await self.deployment.held_blocks()

@@ -10,8 +10,9 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.pools import WorkerPool
-from decode_worker import DecodeWorker, DecodeWorkerConfig
-from prefill_worker import PrefillWorker, PrefillWorkerConfig
+from cluster.flex_worker import FlexWorker
+from decode_worker import DecodeWorkerConfig
+from prefill_worker import PrefillWorkerConfig
 from router import Workers
 
 
@@ -24,17 +25,21 @@ class Deployment:
         self.prefill: WorkerPool | None = None
         if config.mode == "disaggregated":
             self.prefill = WorkerPool(
-                "prefill", PrefillWorker, self._prefill_config, config.num_prefill, gpus,
+                "prefill", FlexWorker, self._prefill_config, config.num_prefill, gpus,
                 resources=config.prefill_resources, ranks=config.tp_of("prefill"),
             )
         kind = "decode" if config.mode == "disaggregated" else "colocated"
         self.decode = WorkerPool(
-            kind, DecodeWorker, self._decode_config, config.num_decode, gpus, resources=config.decode_resources,
+            kind, FlexWorker, self._decode_config, config.num_decode, gpus, resources=config.decode_resources,
             ranks=config.tp_of("decode"),
         )
 
     def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:
         return self.config.worker_config(self.config.prefill, worker_id, self.transport)
+
+    def role_config(self, kind: str, worker_id: str) -> PrefillWorkerConfig | DecodeWorkerConfig:
+        """A worker's config for role `kind` ("prefill" or "decode"), e.g. when it changes role."""
+        return self._prefill_config(worker_id) if kind == "prefill" else self._decode_config(worker_id)
 
     def _decode_config(self, worker_id: str) -> DecodeWorkerConfig:
         # NOTE: freeze_gc: a Ray actor, the process is the worker's alone

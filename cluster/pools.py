@@ -232,7 +232,7 @@ class WorkerPool:
         self.retiring.update(victims)
         self.num_workers -= len(victims)
         for worker_id in victims:  # NOTE: first, so that even a router with a stale set leases elsewhere
-            if hasattr(self.worker_cls, "drain"):
+            if self.kind != "prefill":
                 try:
                     await asyncio.wait_for(self.handles[worker_id].drain.remote(), 10.0)
                 except Exception as err:  # noqa: BLE001 - a dead worker needs no draining
@@ -255,6 +255,42 @@ class WorkerPool:
         self._release_grown_groups()
         log.info("%s pool retired %s", self.kind, victims)
         return victims
+
+    async def hand_over(
+        self, worker_id: str, to: WorkerPool, config: Any, publish: Publish | None = None, *,
+        drain_timeout_s: float = 300.0, poll_interval_s: float = 0.1, settle_s: float = 0.5,
+    ) -> None:
+        """Moves a serving worker to pool `to` in place (cluster/flex_worker.py): it is drained as
+        `resize` drains a worker it retires (no new work, idle twice in a row, nothing held), then
+        changes role under `config` keeping its engine, and joins `to`; `publish` runs after each
+        change of the routers' view. Both pools' workers must have the same GPUs (ranks)."""
+        if to.ranks != self.ranks or to.num_gpus != self.num_gpus:
+            raise ValueError(f"a {self.kind} worker of {self.ranks} rank(s) x {self.num_gpus} GPU cannot become a "
+                             f"{to.kind} worker of {to.ranks} x {to.num_gpus}: the pools' worker sizes differ")
+        async with self._resizing, to._resizing:
+            serving = [i for i in self.handles if i not in self.starting and i not in self.retiring]
+            if worker_id not in serving:
+                raise ValueError(f"{worker_id} is not a serving worker of the {self.kind} pool")
+            if len(serving) <= 1:
+                raise ValueError(f"{worker_id} is the {self.kind} pool's last serving worker")
+            self.retiring.add(worker_id)
+            self.num_workers -= 1
+            if self.kind != "prefill":
+                await asyncio.wait_for(self.handles[worker_id].drain.remote(), 10.0)
+            await _call(publish)
+            if not await self._wait_idle(worker_id, drain_timeout_s, poll_interval_s):
+                log.warning("%s was not idle after %.0f s; changing its role anyway", worker_id, drain_timeout_s)
+            await asyncio.sleep(settle_s)  # NOTE: its last token batch may still be on its way to a router
+            handle = self.handles.pop(worker_id)
+            self.retiring.discard(worker_id)
+            await _call(publish)
+            await handle.flip.remote(config)
+            if worker_id in self._bundle_of:
+                to._bundle_of[worker_id] = self._bundle_of.pop(worker_id)
+            to.handles[worker_id] = handle
+            to.num_workers += 1
+            await _call(publish)
+        log.info("%s moved from the %s pool to the %s pool", worker_id, self.kind, to.kind)
 
     async def _wait_idle(self, worker_id: str, timeout_s: float, poll_interval_s: float) -> bool:
         """True once the worker was idle on two checks in a row (the second one catches a request

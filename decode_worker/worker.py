@@ -105,11 +105,12 @@ class Outbox:
 
 class DecodeWorker(TransferEndpoint):
     def __init__(self, config: DecodeWorkerConfig, transport_options: dict[str, Any] | None = None,
-                 start_ranks: RankStarter = LocalRanks) -> None:
-        """start_ranks: how the other ranks of a tensor-parallel worker start (Ray actors in a cluster)."""
+                 start_ranks: RankStarter = LocalRanks, engine: EngineCore | None = None) -> None:
+        """start_ranks: how the other ranks of a tensor-parallel worker start (Ray actors in a cluster).
+        engine: one already built (a worker changing role keeps its weights, cache and ranks)."""
         self.config = config
         self.worker_id = config.worker_id
-        engine = EngineCore(config.engine, start_ranks=start_ranks)
+        engine = engine if engine is not None else EngineCore(config.engine, start_ranks=start_ranks)
         self.block_size = engine.pool.block_size
         self.layout = model_layout(engine.runner.kv_caches, engine.arch.num_kv_heads)
         draft = engine.draft_kv  # a draft model's cache: a prefill worker may send a prompt's KV for it
@@ -123,6 +124,7 @@ class DecodeWorker(TransferEndpoint):
                            config.pair_timeout_s)
         self.num_draft_kv_adopted = 0  # prompts whose draft KV came from the prefill worker (engine thread writes)
         self.is_draining = False  # retiring: no new leases or requests; what runs finishes
+        self.num_requests = 0  # requests that joined this worker's batch, since start
         self.leases: dict[str, Lease] = {}
         self.lease_of_request: dict[str, str] = {}
         self.router_of_request: dict[str, str] = {}  # requests in the engine -> who polls their tokens
@@ -250,10 +252,13 @@ class DecodeWorker(TransferEndpoint):
         try:
             if msg.params.grammar is not None:
                 await asyncio.to_thread(self.loop.prepare, msg.params)
-            return await self._call(admit)
+            result = await self._call(admit)
         except Exception:
             self.router_of_request.pop(msg.request_id, None)
             raise
+        if not isinstance(result, LocalPrefillReplyMsg) or result.accepted:
+            self.num_requests += 1
+        return result
 
     # ---- control: the lease protocol
     async def reserve(self, request: bytes) -> bytes | None:
@@ -403,6 +408,7 @@ class DecodeWorker(TransferEndpoint):
                 self.num_draft_kv_adopted += 1
 
         self.router_of_request[request.request_id] = lease.router_id
+        self.num_requests += 1
         self._forget_lease(lease)
         try:
             await self._call(join)
@@ -480,15 +486,16 @@ class DecodeWorker(TransferEndpoint):
             num_leases=len(self.leases), num_undelivered=sum(len(box.outputs) for box in self.outboxes.values()),
             is_draining=self.is_draining, num_preemptions=s.num_preemptions,
             num_spec_draft_tokens=s.num_spec_draft_tokens, num_spec_accepted_tokens=s.num_spec_accepted_tokens,
-            num_draft_kv_adopted=self.num_draft_kv_adopted,
+            num_draft_kv_adopted=self.num_draft_kv_adopted, num_requests=self.num_requests,
         )
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, keep_engine: bool = False) -> None:
+        """keep_engine: leave the engine (and its ranks) for the role that follows."""
         if self._reaper is not None:
             self._reaper.cancel()
         await self.channel.close()
         self.loop.stop()
-        if not self.loop.is_alive:
+        if not self.loop.is_alive and not keep_engine:
             self.loop.engine.close()  # the other ranks of a tensor-parallel worker
         self._receive_thread.shutdown(wait=False)
         self.kv.close()

@@ -47,17 +47,20 @@ log = logging.getLogger(__name__)
 
 class PrefillWorker(TransferEndpoint):
     def __init__(self, config: PrefillWorkerConfig, transport_options: dict[str, Any] | None = None,
-                 start_ranks: RankStarter = LocalRanks) -> None:
-        """start_ranks: how the other ranks of a tensor-parallel worker start (Ray actors in a cluster)."""
+                 start_ranks: RankStarter = LocalRanks, engine: EngineCore | None = None) -> None:
+        """start_ranks: how the other ranks of a tensor-parallel worker start (Ray actors in a cluster).
+        engine: one already built (a worker changing role keeps its weights, cache and ranks; it sends no
+        draft KV then, whose model it would have had to load first)."""
         self.config = config
         self.worker_id = config.worker_id
         # NOTE: built before the engine, which sizes its KV cache from the memory left.
         # NOTE: a tensor-parallel prefill worker sends no draft KV (the decode worker's draft computes the prompt).
-        self.draft = DraftKv(config) if (config.engine.speculative.method == "draft"
+        self.draft = DraftKv(config) if (config.engine.speculative.method == "draft" and engine is None
                                          and config.engine.parallel.tensor_parallel_size == 1) else None
         # A prefill worker never drafts: its engine runs without a proposer (and its memory).
-        engine = EngineCore(config.engine.model_copy(update={"speculative": SpeculativeConfig()}),
-                            start_ranks=start_ranks)
+        if engine is None:
+            engine = EngineCore(config.engine.model_copy(update={"speculative": SpeculativeConfig()}),
+                                start_ranks=start_ranks)
         self.block_size = engine.pool.block_size
         self.max_seq_tokens = engine.max_seq_tokens
         host = resolve_host(config.host)
@@ -342,11 +345,12 @@ class PrefillWorker(TransferEndpoint):
             push_totals=self.push_log.totals, jobs_ended={state.value: n for state, n in self.num_ended.items()},
         )
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, keep_engine: bool = False) -> None:
+        """keep_engine: leave the engine (and its ranks) for the role that follows."""
         await self.channel.close()
         self.kv.close()
         self.loop.stop()
-        if not self.loop.is_alive:
+        if not self.loop.is_alive and not keep_engine:
             self.loop.engine.close()  # the other ranks of a tensor-parallel worker
         self.transport.close()
 

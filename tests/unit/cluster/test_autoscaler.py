@@ -1,7 +1,7 @@
 """The joint autoscaler's decisions on synthetic stats against a clock: a rate step grows the pool
 under pressure once it lasted, one change per cooldown; pressure between the thresholds never moves
 anything (no flapping); an idle pool shrinks to its minimum and no further; at the GPU budget the
-idle pool gives a worker up and the pressed one takes it at once (a role moving); unmeasured workers
+idle pool's worker changes role to the pressed one (one decision); unmeasured workers
 move nothing; tensor-parallel workers count their GPUs."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def run(scaler: Autoscaler, sizes: dict[str, int], stats_at, until_s: float) -> 
         decision = scaler.decide(float(t), sizes, stats_at(t))
         if decision is not None:
             sizes[decision.pool] = decision.num_workers
+            if decision.flip_to is not None:
+                sizes[decision.flip_to] += 1
             changes.append((float(t), decision.pool, decision.num_workers))
     return changes
 
@@ -70,12 +72,12 @@ def test_an_idle_pool_shrinks_to_its_minimum_and_no_further():
     assert changes == [(10.0, "decode", 2), (40.0, "decode", 1)]
 
 
-def test_at_the_gpu_budget_the_idle_pool_gives_a_worker_to_the_pressed_one():
+def test_at_the_gpu_budget_a_worker_of_the_idle_pool_changes_role():
     scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
-    changes = run(scaler, {"prefill": 1, "decode": 3}, lambda t: [prefill(20_000), decode(step_s=0.002, free=99)],
-                  until_s=12)
-    assert changes == [(10.0, "decode", 2), (11.0, "prefill", 2)]  # the move completes on the next round
-    assert "at the GPU budget (4)" in scaler.decisions[0].why
+    sizes = {"prefill": 1, "decode": 3}
+    changes = run(scaler, sizes, lambda t: [prefill(20_000), decode(step_s=0.002, free=99)], until_s=12)
+    assert changes == [(10.0, "decode", 2)] and sizes == {"prefill": 2, "decode": 2}
+    assert scaler.decisions[0].flip_to == "prefill" and "at the GPU budget (4)" in scaler.decisions[0].why
 
 
 def test_tensor_parallel_workers_count_their_gpus():
@@ -88,14 +90,14 @@ def test_tensor_parallel_workers_count_their_gpus():
 
 def test_the_controller_round_applies_the_decision():
     scaler = Autoscaler(CONFIG.model_copy(update={"sustain_s": 0.0}), {"prefill": 1, "decode": 1})
-    resized = []
+    applied = []
 
-    async def resize(pool: str, num_workers: int) -> None:
-        resized.append((pool, num_workers))
+    async def apply(decision) -> None:  # type: ignore[no-untyped-def]
+        applied.append((decision.pool, decision.num_workers, decision.flip_to))
 
     decision = asyncio.run(autoscale_once(scaler, 0.0, {"prefill": 1, "decode": 1}, [prefill(20_000), decode()],
-                                          resize))
-    assert decision is not None and resized == [("prefill", 2)]
+                                          apply))
+    assert decision is not None and applied == [("prefill", 2, None)]
 
 
 def test_thresholds_that_overlap_are_refused():

@@ -1,0 +1,72 @@
+"""A worker changes role in place under load (cluster/flex_worker.py, WorkerPool.hand_over): on a
+local Ray cluster (gloo, CPU), 2 prefill + 1 decode workers serve a stream of requests while
+prefill-1 is drained, flips to decode keeping its engine, and joins the decode pool; every request
+completes with the offline engine's tokens, the flipped worker then decodes requests of its own, and
+no block is held anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.controller import ClusterController
+from engine import LLM, SamplingParams
+from engine.llm import engine_config
+from router import Dispatcher, DispatcherConfig, LocalPrefillConfig
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENGINE = dict(device="cpu", block_size=8, num_blocks=1024)
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def test_a_prefill_worker_becomes_a_decode_worker_under_load(ray_cluster: None) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(20, 200))] for _ in range(40)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, PARAMS)]
+    config = ClusterConfig(engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=2, num_decode=1,
+                           transport="gloo")
+
+    async def run() -> tuple[list[list[int]], str, dict[str, int], dict[str, int], list[str], list[str]]:
+        controller = ClusterController(config)
+        await controller.start()
+        dispatcher = Dispatcher("router-flip", controller.deployment.workers(), poll_timeout_s=0.5,
+                                config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
+
+        async def follow() -> None:  # what a served router does: take the controller's worker set
+            while True:
+                await asyncio.sleep(0.25)
+                dispatcher.set_workers(controller.deployment.workers())
+
+        follower = asyncio.get_running_loop().create_task(follow())
+
+        async def one(i: int, delay_s: float) -> list[int]:
+            await asyncio.sleep(delay_s)
+            return [t async for out in dispatcher.generate(f"r{i}", prompts[i], PARAMS) for t in out.new_token_ids]
+
+        try:
+            first = [asyncio.ensure_future(one(i, 0.1 * i)) for i in range(20)]  # under load while it flips
+            await asyncio.sleep(0.5)
+            assert not all(t.done() for t in first)
+            await controller.flip("prefill-1", "decode", router_refresh_s=0.25)
+            second = [asyncio.ensure_future(one(20 + i, 0.05 * i)) for i in range(20)]
+            tokens = await asyncio.wait_for(asyncio.gather(*first, *second), 240)
+            role = await controller.deployment.decode.handles["prefill-1"].role_name.remote()
+            stats = {s.worker_id: s.num_requests for s in await controller.stats() if not isinstance(s, str)}
+            held = await controller.held_blocks()
+            pools = (sorted(controller.deployment.prefill.handles), sorted(controller.deployment.decode.handles))  # type: ignore[union-attr]
+        finally:
+            follower.cancel()
+            await dispatcher.close()
+            await controller.shutdown()
+        return tokens, role, stats, held, *pools
+
+    tokens, role, stats, held, prefill_ids, decode_ids = asyncio.run(run())
+    assert tokens == offline  # nothing lost or changed across the flip
+    assert role == "decode" and prefill_ids == ["prefill-0"] and decode_ids == ["decode-0", "prefill-1"]
+    assert stats["prefill-1"] > 0, stats  # it decoded requests of its own after the flip
+    assert set(held.values()) == {0}, held
