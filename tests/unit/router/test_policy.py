@@ -81,7 +81,7 @@ def test_load_tracker_refreshes_and_drops_gone_workers():
         tracker = LoadTracker(fetch, interval_s=0.01)
         tracker.track(["a", "dead"])
         await asyncio.sleep(0.1)
-        assert tracker.loads["a"] == WorkerLoad("a", 2, 1, 7, 9) and "dead" not in tracker.loads
+        assert tracker.loads["a"] == WorkerLoad("a", 2, 1, 7, 9, "decode") and "dead" not in tracker.loads
         tracker.track(["b"])
         await asyncio.sleep(0.1)
         assert set(tracker.loads) == {"b"}
