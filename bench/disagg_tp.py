@@ -2,7 +2,9 @@
 decode worker of TP=b (each rank on a GPU of its own: NCCL takes one rank per GPU, so 2->1 and 1->2
 need three GPUs), every prompt through the prefill worker; their greedy tokens against the offline
 engine at TP=1 (float32, the embedded model's real weights: dummy weights differ per rank), and
-the pushes as the prefill worker recorded them (bytes, seconds).
+the pushes as the prefill worker recorded them (bytes, seconds) after a first request formed the rank
+pairs (`push_seconds` sums each push's time from its answer to its sends done, with the others in
+flight: requests go at once).
 
     python -m bench.disagg_tp --layouts 2:1 1:2
 """
@@ -71,18 +73,26 @@ def main() -> None:
                 async def one(i: int, p: list[int]) -> list[int]:
                     return [t async for out in dispatcher.generate(f"r{i}", p, params) for t in out.new_token_ids]
 
+                prefill = list(deployment.prefill.handles.values())  # type: ignore[union-attr]
+                # NOTE: a first request forms every rank pair (NCCL sets up a communicator per pair); the
+                # timed pushes come after, their figures the difference of the push totals
+                warm = await asyncio.wait_for(one(-1, prompts[0]), 120)
+                await asyncio.sleep(0.5)
+                before = (await prefill[0].stats.remote()).push_totals
                 t = time.perf_counter()
                 tokens = await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 120)
                 elapsed = time.perf_counter() - t
                 await dispatcher.close()
                 await asyncio.sleep(0.5)
-                stats = [await h.stats.remote() for h in deployment.prefill.handles.values()]  # type: ignore[union-attr]
+                stats = [await h.stats.remote() for h in prefill]
                 held = await deployment.held_blocks()
             finally:
                 deployment.shutdown()
-            totals = stats[0].push_totals
+            after = stats[0].push_totals
+            totals = after.model_copy(update={f: getattr(after, f) - getattr(before, f) for f in (
+                "num_pushed", "num_failed", "push_bytes", "push_seconds")})
             return {"prefill_tp": p_tp, "decode_tp": d_tp, "ready_s": ready_s, "serve_s": elapsed,
-                    "tokens_equal_offline": tokens == offline,
+                    "tokens_equal_offline": tokens == offline and warm == offline[0],
                     "num_equal": sum(a == b for a, b in zip(tokens, offline)), "num_requests": len(prompts),
                     "num_pushed": totals.num_pushed, "num_push_failed": totals.num_failed,
                     "push_bytes": totals.push_bytes, "push_seconds": totals.push_seconds,
