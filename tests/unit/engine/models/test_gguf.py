@@ -180,3 +180,15 @@ def test_a_gguf_model_serves_structured_outputs(hf_checkpoints, tmp_path, make_l
     spec = GrammarSpec(kind="regex", text="(cat|dog)-[0-9]{3}")
     outs = llm.generate(["a", "b"], SamplingParams(max_tokens=20, temperature=1.0, grammar=spec))
     assert all(re.fullmatch("(cat|dog)-[0-9]{3}", o.outputs[0].text) for o in outs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_gguf_model_shards_across_tensor_parallel_ranks(arch, gguf_files, make_llm, one_torch_thread):
+    """Each rank keeps its slice of each dequantized tensor (llama's q/k rows unpermuted first)."""
+    path = str(gguf_files(arch))
+    llm = make_llm(path, num_blocks=32, tensor_parallel_size=2)
+    try:
+        sharded = _greedy(llm)
+    finally:
+        llm.close()
+    assert sharded == _greedy(make_llm(path, num_blocks=32))
