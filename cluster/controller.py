@@ -99,8 +99,7 @@ class ClusterController:
             await self.resize(decision.pool, decision.num_workers)
             await self.resize(decision.flip_to, target.num_workers + 1)
             return
-        serving = [i for i in source.handles if i not in source.starting and i not in source.retiring]
-        await self.flip(serving[-1], decision.flip_to)  # the newest
+        await self.flip(source.serving_ids()[-1], decision.flip_to)  # the newest
 
     async def decisions(self) -> list[tuple[float, str, int, str]]:
         """The autoscaler's decisions, oldest first: (seconds ago, pool, its new size, why)."""

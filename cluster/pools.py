@@ -105,6 +105,10 @@ class WorkerPool:
         self.handles[worker_id] = actor_cls.options(**options).remote(self.make_config(worker_id), **kwargs)
         return worker_id
 
+    def serving_ids(self) -> list[str]:
+        """Workers routers use for new work (neither starting nor retiring), oldest first."""
+        return [i for i in self.handles if i not in self.starting and i not in self.retiring]
+
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         await asyncio.wait_for(asyncio.gather(*(h.health.remote() for h in self.handles.values())), timeout_s)
 
@@ -125,7 +129,7 @@ class WorkerPool:
     async def find_dead(self, timeout_s: float = 5.0) -> list[str]:
         """Serving workers that do not answer a health check (Ray reports them dead, or they hang).
         Starting and retiring workers are `resize`'s to watch, not the supervisor's to replace."""
-        ids = [i for i in self.handles if i not in self.starting and i not in self.retiring]
+        ids = self.serving_ids()
         results = await asyncio.gather(
             *(asyncio.wait_for(self.handles[i].health.remote(), timeout_s) for i in ids), return_exceptions=True
         )
@@ -185,7 +189,7 @@ class WorkerPool:
         if num_workers < 1:
             raise ValueError(f"num_workers is {num_workers}; a pool needs at least 1 worker")
         async with self._resizing:
-            serving = [i for i in self.handles if i not in self.starting and i not in self.retiring]
+            serving = self.serving_ids()
             if num_workers > len(serving):
                 return await self._grow(num_workers - len(serving), publish, ready_timeout_s)
             if num_workers < len(serving):
@@ -229,6 +233,23 @@ class WorkerPool:
         self, victims: list[str], publish: Publish | None, drain_timeout_s: float, poll_interval_s: float,
         settle_s: float,
     ) -> list[str]:
+        handles = await self._drain_out(victims, publish, drain_timeout_s, poll_interval_s, settle_s)
+        for worker_id, handle in handles.items():
+            try:
+                await asyncio.wait_for(handle.shutdown.remote(), 10.0)
+            except Exception as err:  # noqa: BLE001 - killed below either way
+                log.warning("shutting down %s failed: %s", worker_id, err)
+            self._retire(worker_id, handle)
+        self._release_grown_groups()
+        log.info("%s pool retired %s", self.kind, victims)
+        return victims
+
+    async def _drain_out(
+        self, victims: list[str], publish: Publish | None, drain_timeout_s: float, poll_interval_s: float,
+        settle_s: float,
+    ) -> dict[str, Any]:
+        """Steps 1-3 of `resize`'s shrink: the victims leave the routers' view with nothing left on
+        them; returns their handles, no longer in the pool."""
         self.retiring.update(victims)
         self.num_workers -= len(victims)
         for worker_id in victims:  # NOTE: first, so that even a router with a stale set leases elsewhere
@@ -246,15 +267,7 @@ class WorkerPool:
         handles = {i: self.handles.pop(i) for i in victims}
         self.retiring.difference_update(victims)
         await _call(publish)
-        for worker_id, handle in handles.items():
-            try:
-                await asyncio.wait_for(handle.shutdown.remote(), 10.0)
-            except Exception as err:  # noqa: BLE001 - killed below either way
-                log.warning("shutting down %s failed: %s", worker_id, err)
-            self._retire(worker_id, handle)
-        self._release_grown_groups()
-        log.info("%s pool retired %s", self.kind, victims)
-        return victims
+        return handles
 
     async def hand_over(
         self, worker_id: str, to: WorkerPool, config: Any, publish: Publish | None = None, *,
@@ -268,23 +281,17 @@ class WorkerPool:
             raise ValueError(f"a {self.kind} worker of {self.ranks} rank(s) x {self.num_gpus} GPU cannot become a "
                              f"{to.kind} worker of {to.ranks} x {to.num_gpus}: the pools' worker sizes differ")
         async with self._resizing, to._resizing:
-            serving = [i for i in self.handles if i not in self.starting and i not in self.retiring]
+            serving = self.serving_ids()
             if worker_id not in serving:
                 raise ValueError(f"{worker_id} is not a serving worker of the {self.kind} pool")
             if len(serving) <= 1:
                 raise ValueError(f"{worker_id} is the {self.kind} pool's last serving worker")
-            self.retiring.add(worker_id)
-            self.num_workers -= 1
-            if self.kind != "prefill":
-                await asyncio.wait_for(self.handles[worker_id].drain.remote(), 10.0)
-            await _call(publish)
-            if not await self._wait_idle(worker_id, drain_timeout_s, poll_interval_s):
-                log.warning("%s was not idle after %.0f s; changing its role anyway", worker_id, drain_timeout_s)
-            await asyncio.sleep(settle_s)  # NOTE: its last token batch may still be on its way to a router
-            handle = self.handles.pop(worker_id)
-            self.retiring.discard(worker_id)
-            await _call(publish)
-            await handle.flip.remote(config)
+            handle = (await self._drain_out([worker_id], publish, drain_timeout_s, poll_interval_s, settle_s))[worker_id]
+            try:
+                await handle.flip.remote(config)  # NOTE: refuses a worker that still holds anything
+            except Exception:
+                self._retire(worker_id, handle)  # neither pool's: it goes, its GPUs back to this pool
+                raise
             if worker_id in self._bundle_of:
                 to._bundle_of[worker_id] = self._bundle_of.pop(worker_id)
             to.handles[worker_id] = handle

@@ -217,6 +217,7 @@ class DecodeWorker(TransferEndpoint):
         await self._admit(msg, lambda e: e.add_request(
             msg.request_id, msg.prompt_token_ids, msg.params, num_prior_output_tokens=msg.num_prior_output_tokens
         ))
+        self.num_requests += 1
         return arrived
 
     async def prefill_locally(self, local: bytes) -> bytes:
@@ -241,7 +242,9 @@ class DecodeWorker(TransferEndpoint):
             return reply
 
         reply = await self._admit(request, admit)
-        if not reply.accepted:
+        if reply.accepted:
+            self.num_requests += 1
+        else:
             self.router_of_request.pop(request.request_id, None)
         return reply.encode()
 
@@ -252,13 +255,10 @@ class DecodeWorker(TransferEndpoint):
         try:
             if msg.params.grammar is not None:
                 await asyncio.to_thread(self.loop.prepare, msg.params)
-            result = await self._call(admit)
+            return await self._call(admit)
         except Exception:
             self.router_of_request.pop(msg.request_id, None)
             raise
-        if not isinstance(result, LocalPrefillReplyMsg) or result.accepted:
-            self.num_requests += 1
-        return result
 
     # ---- control: the lease protocol
     async def reserve(self, request: bytes) -> bytes | None:

@@ -49,11 +49,20 @@ from engine.cuda_graphs import graph_max_rows
 from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError
 from engine.models import ArchConfig
-from engine.parallel import RankSet, RankStarter, TensorParallel
+from engine.parallel import RankSet, RankStarter, TensorParallel, check_tensor_parallel
 from engine.parallel.follower import Stop
 from engine.parallel.local import LocalRanks
 from engine.pinned import upload
-from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_device, resolve_dtype, resolve_model_dir
+from engine.rank import (
+    build_cache,
+    build_parts,
+    build_runner,
+    checkpoint_arch,
+    max_model_len,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_dir,
+)
 from engine.request import Request, RequestStatus
 from engine.runner import TokenPatch
 from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
@@ -146,6 +155,8 @@ class EngineCore:
         self.ranks: RankSet | None = None
         self.tp: TensorParallel | None = None
         if config.parallel.tensor_parallel_size > 1:
+            # NOTE: before any rank starts: a size that does not divide the model is named at once
+            check_tensor_parallel(checkpoint_arch(self.model_dir), config.parallel.tensor_parallel_size)
             self.ranks = start_ranks(config, self.device)
             self.tp = TensorParallel.of(self.ranks.group)
         parts = build_parts(config, self.model_dir, self.device, self.dtype, self.tp)
@@ -363,11 +374,6 @@ class EngineCore:
         room_s = budget_ms / 1e3 - rates.decode_step_s
         return max(self.pool.block_size, int(room_s * rates.prefill_tokens_per_s))
 
-    def _count(self, out: SchedulerOutput) -> None:
-        """The step's prompt tokens and decode rows, for `rates`."""
-        prompts = [s for s in out.scheduled if s.request.num_computed_tokens < s.request.num_prompt_tokens]
-        self._step_counts = (sum(s.num_new_tokens for s in prompts), len(out.scheduled) - len(prompts))
-
     def _step(self) -> list[StepOutput]:
         if self.async_scheduling and not self._drafts_now():
             return self._step_async()
@@ -378,7 +384,7 @@ class EngineCore:
             return self._resolve(prev)[0]
         self._draft()
         out = self.scheduler.schedule(prompt_budget=self._prompt_budget())
-        self._count(out)
+        self._step_counts = (out.num_prompt_tokens, out.num_decode_rows)  # for `rates`
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         sampled = self._execute(out)
@@ -391,7 +397,7 @@ class EngineCore:
         if prev is not None and prev.needs_tokens_first:
             outputs, prev = self._resolve(prev)[0], None
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset(), self._prompt_budget())
-        self._count(out)
+        self._step_counts = (out.num_prompt_tokens, out.num_decode_rows)  # for `rates`
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         pending, sampling = None, []

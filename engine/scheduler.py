@@ -36,6 +36,12 @@ class ScheduledRequest(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclas
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # of the scheduled tokens, prompt ones (prefills and chunks)
+    num_prompt_rows: int = 0  # scheduled requests computing prompt tokens
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self.scheduled) - self.num_prompt_rows
 
     @property
     def num_batched_tokens(self) -> int:
@@ -85,17 +91,17 @@ class Scheduler:
         decodes (the inter-token latency budget); None: the token budget alone."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        prompts = None
+        prompt_left = None
         if prompt_budget is not None and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
-            prompts = [max(1, prompt_budget)]
-        budget = self._schedule_running(out, budget, skip, prompts)
+            prompt_left = max(1, prompt_budget)
+        budget, prompt_left = self._schedule_running(out, budget, skip, prompt_left)
         if not out.preempted:
-            self._schedule_waiting(out, budget if prompts is None else min(budget, prompts[0]))
+            self._schedule_waiting(out, budget if prompt_left is None else min(budget, prompt_left))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, skip: frozenset[str] | set[str],
-                          prompts: list[int] | None = None) -> int:
-        """prompts: [prompt tokens left to the step] (consumed here), or None: no separate cap."""
+                          prompt_left: int | None) -> tuple[int, int | None]:
+        """Returns what is left of the token budget and of the prompt budget (None: no separate cap)."""
         index = 0
         running, scheduled, block_size = self.running, out.scheduled, self.block_size
         while index < len(running) and budget > 0:
@@ -105,12 +111,16 @@ class Scheduler:
                 continue
             num_tokens, num_computed = len(request.token_ids), request.num_computed_tokens
             num_new = min(num_tokens - num_computed, budget)
-            if prompts is not None and num_computed < request.num_prompt_tokens:
-                num_new = min(num_new, prompts[0])
-                if num_new == 0:
-                    index += 1  # NOTE: no prompt room left this step; it continues in the next
-                    continue
-                prompts[0] -= num_new
+            is_prompt = num_computed < len(request.prompt_token_ids)
+            if is_prompt:
+                if prompt_left is not None:
+                    num_new = min(num_new, prompt_left)
+                    if num_new == 0:
+                        index += 1  # NOTE: no prompt room left this step; it continues in the next
+                        continue
+                    prompt_left -= num_new
+                out.num_prompt_tokens += num_new
+                out.num_prompt_rows += 1
             if request.draft is None and num_computed + num_new <= len(request.block_ids) * block_size:
                 # NOTE: the common decode step: no draft, and its blocks hold the new positions
                 will_sample = num_computed + num_new == num_tokens
@@ -133,8 +143,11 @@ class Scheduler:
                 budget -= num_new + num_spec
                 index += 1
                 continue
+            if is_prompt:  # NOTE: preempted, not scheduled
+                out.num_prompt_tokens -= num_new
+                out.num_prompt_rows -= 1
             break  # the request itself was preempted: nothing after it can run either
-        return budget
+        return budget, prompt_left
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -161,6 +174,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
+            out.num_prompt_tokens += num_new
+            out.num_prompt_rows += 1
             budget -= num_new
 
     def _prefix_hits(self, request: Request) -> list[int]:

@@ -131,8 +131,9 @@ class RankedKv:
         self.group = group
         self.tp = group.size if group is not None else 1
         self._tokens = itertools.count()
-        self._peers: dict[str, tuple[RankTable, list[Route], bool]] = {}  # peer worker -> table, routes, we send
-        self._received: dict[str, list[tuple[Route, torch.Tensor]]] = {}
+        self.own_heads = kv_head_range(0, self.tp, num_kv_heads)
+        self._peers: dict[str, _Peer] = {}
+        self._received: dict[str, list[tuple[int, int, torch.Tensor]]] = {}  # key -> (heads start, stop, buffer)
         addresses = [transport.address()]
         if self.tp > 1:
             assert group is not None
@@ -147,20 +148,17 @@ class RankedKv:
         """Form every rank pair with `peer` (blocking, as Transport.pair). sends: this is the prefill
         side (it joins each pair: rank 1); the decode side hosts them (rank 0) at its own addresses."""
         plan = routes(self.num_kv_heads, self.tp, peer.tp) if sends else routes(self.num_kv_heads, peer.tp, self.tp)
-        mine: dict[int, list[tuple[str, PairAddress, int]]] = {}
-        for route in plan:
-            my_rank, peer_rank = (route.src, route.dst) if sends else (route.dst, route.src)
-            address = peer.addresses[peer_rank] if sends else self.table.addresses[my_rank]
-            pair = (peer.rank_id(peer_rank), address, 1 if sends else 0)
-            if pair not in mine.setdefault(my_rank, []):
-                mine[my_rank].append(pair)
-        self._peers[peer.worker_id] = (peer, plan, sends)
+        known = _Peer(peer, _by_rank(plan, sends))
+        self._peers[peer.worker_id] = known
         token = self._token("pair")
-        followers = [k for k in mine if k > 0]
+        pairs = {rank: [(peer.rank_id(p), peer.addresses[p] if sends else self.table.addresses[rank], int(sends))
+                        for p in sorted({p for p, _, _ in mine})]
+                 for rank, mine in known.routes.items()}
+        followers = [k for k in pairs if k > 0]
         for k in followers:
-            self._call(_rank_pair, k, mine[k], timeout_s, token)
-        for peer_id, address, rank in mine.get(0, []):
-            self.transport.pair(peer_id, address, rank, timeout_s)
+            self._call(_rank_pair, k, pairs[k], timeout_s, token)
+        for peer_id, address, side in pairs.get(0, []):
+            self.transport.pair(peer_id, address, side, timeout_s)
         for value in self._await([f"{token}/{k}" for k in followers], timeout_s + 1.0, f"pairing with {peer.worker_id}"):
             if value != "ok":
                 raise TransferError(f"pairing a rank of {self.worker_id!r} with {peer.worker_id!r} failed: {value}")
@@ -174,13 +172,24 @@ class RankedKv:
         self.transport.drop(peer_id)
         if known is None:
             return
-        peer, plan, sends = known
-        for route in plan:
-            my_rank, peer_rank = (route.src, route.dst) if sends else (route.dst, route.src)
-            if my_rank == 0:
-                self.transport.drop(peer.rank_id(peer_rank))
+        for p, _, _ in known.routes.get(0, []):
+            self.transport.drop(known.table.rank_id(p))
         if self.tp > 1:
-            self._call(_rank_drop, [peer.rank_id(k) for k in range(peer.tp)])
+            self._call(_rank_drop, [known.table.rank_id(k) for k in range(known.table.tp)])
+
+    def _peer(self, peer_id: str) -> _Peer:
+        known = self._peers.get(peer_id)
+        if known is None:  # NOTE: a ValueError, as a transport's send/recv of an unpaired peer
+            raise ValueError(f"{self.worker_id!r} is not paired with {peer_id!r}")
+        return known
+
+    def _followers(self, fn: Any, key: str, known: _Peer, what: str, *args: Any) -> list[str]:
+        """RankCall `fn` for every other rank with routes to `known`; returns the report keys."""
+        token = self._token(what)
+        for rank, mine in known.routes.items():
+            if rank > 0:
+                self._call(fn, key, rank, [(known.table.rank_id(p), lo, hi) for p, lo, hi in mine], *args, token)
+        return [f"{token}/{rank}" for rank in known.routes if rank > 0]
 
     # ---- the prefill side
     def gather_ranks(self, key: str, block_ids: list[int]) -> None:
@@ -189,59 +198,30 @@ class RankedKv:
         if self.tp > 1:
             self._call(_rank_gather, key, list(block_ids))
 
-    def _peer(self, peer_id: str) -> tuple[RankTable, list[Route], bool]:
-        known = self._peers.get(peer_id)
-        if known is None:  # NOTE: a ValueError, as a transport's send/recv of an unpaired peer
-            raise ValueError(f"{self.worker_id!r} is not paired with {peer_id!r}")
-        return known
-
     def send(self, peer_id: str, key: str, own: torch.Tensor) -> TransferHandle:
         """Start every rank's sends of `key` to `peer_id` (own: rank 0's gathered buffer)."""
-        peer, plan, _ = self._peer(peer_id)
-        h0, _ = kv_head_range(0, self.tp, self.num_kv_heads)
-        handles = [self.transport.send(peer.rank_id(r.dst), _heads(own, r.start - h0, r.stop - h0))
-                   for r in plan if r.src == 0]
-        by_rank: dict[int, list[tuple[str, int, int]]] = {}
-        for r in plan:
-            if r.src > 0:
-                by_rank.setdefault(r.src, []).append((peer.rank_id(r.dst), r.start, r.stop))
-        token = self._token("send")
-        for k, sends in by_rank.items():
-            self._call(_rank_send, key, k, sends, token)
+        known = self._peer(peer_id)
+        h0 = self.own_heads[0]
+        handles = [self.transport.send(known.table.rank_id(p), _heads(own, lo - h0, hi - h0))
+                   for p, lo, hi in known.routes.get(0, [])]
+        keys = self._followers(_rank_send, key, known, "send")
         if self.tp > 1:
             self._call(_rank_forget, key)  # NOTE: ranks without a route drop their gathered buffer
-        return _RankHandle(f"KV push of {key} to {peer_id!r}", handles, self.group,
-                           [f"{token}/{k}" for k in by_rank])
+        return _RankHandle(f"KV push of {key} to {peer_id!r}", handles, self.group, keys)
 
     # ---- the decode side
     def recv(self, peer_id: str, key: str, num_blocks: int) -> TransferHandle:
         """Post every rank's receives of `key` from `peer_id` (num_blocks blocks)."""
-        peer, plan, _ = self._peer(peer_id)
-        layout = self.transport.layout
-        own: list[tuple[Route, torch.Tensor]] = []
-        handles = []
-        for r in plan:
-            if r.dst == 0:
-                buf = torch.empty(_shape(layout, num_blocks, r.stop - r.start), dtype=layout.torch_dtype,
-                                  device=self.kv.device)
-                handles.append(self.transport.recv(peer.rank_id(r.src), buf))
-                own.append((r, buf))
-        self._received[key] = own
-        by_rank: dict[int, list[tuple[str, int, int]]] = {}
-        for r in plan:
-            if r.dst > 0:
-                by_rank.setdefault(r.dst, []).append((peer.rank_id(r.src), r.start, r.stop))
-        token = self._token("recv")
-        for k, recvs in by_rank.items():
-            self._call(_rank_recv, key, k, recvs, num_blocks, token)
-        return _RankHandle(f"KV receive of {key} from {peer_id!r}", handles, self.group,
-                           [f"{token}/{k}" for k in by_rank])
+        known = self._peer(peer_id)
+        bufs, handles = _post(self.transport, [(known.table.rank_id(p), lo, hi) for p, lo, hi in known.routes.get(0, [])],
+                              num_blocks, self.kv.device)
+        self._received[key] = bufs
+        keys = self._followers(_rank_recv, key, known, "recv", num_blocks)
+        return _RankHandle(f"KV receive of {key} from {peer_id!r}", handles, self.group, keys)
 
     def scatter(self, key: str, block_ids: list[int]) -> None:
         """Engine thread: every rank writes what it received for `key` into `block_ids`."""
-        h0, _ = kv_head_range(0, self.tp, self.num_kv_heads)
-        for route, buf in self._received.pop(key, []):
-            _scatter_heads(self.kv, route.start - h0, route.stop - h0, block_ids, buf)
+        _scatter_all(self.kv, self.own_heads[0], self._received.pop(key, []), block_ids)
         if self.tp > 1:
             self._call(_rank_scatter, key, list(block_ids))
 
@@ -274,6 +254,40 @@ class RankedKv:
                 raise TimeoutError(f"{self.worker_id}: {what} did not answer within {timeout_s:.0f} s")
             time.sleep(1e-3)
         return []
+
+
+class _Peer(NamedTuple):
+    """A paired worker: its table, and per rank of this side its routes (peer rank, heads start, stop)."""
+
+    table: RankTable
+    routes: dict[int, list[tuple[int, int, int]]]
+
+
+def _by_rank(plan: list[Route], sends: bool) -> dict[int, list[tuple[int, int, int]]]:
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for r in plan:
+        mine, theirs = (r.src, r.dst) if sends else (r.dst, r.src)
+        out.setdefault(mine, []).append((theirs, r.start, r.stop))
+    return out
+
+
+def _post(transport: Transport, recvs: list[tuple[str, int, int]], num_blocks: int,
+          device: torch.device) -> tuple[list[tuple[int, int, torch.Tensor]], list[TransferHandle]]:
+    """Post a rank's receives (peer id, heads start, stop): its buffers and handles."""
+    layout = transport.layout
+    bufs, handles = [], []
+    for peer_id, lo, hi in recvs:
+        buf = torch.empty(_shape(layout, num_blocks, hi - lo), dtype=layout.torch_dtype, device=device)
+        handles.append(transport.recv(peer_id, buf))
+        bufs.append((lo, hi, buf))
+    return bufs, handles
+
+
+def _scatter_all(kv: torch.Tensor, first_head: int, received: list[tuple[int, int, torch.Tensor]],
+                 block_ids: list[int]) -> None:
+    """A rank's received buffers into its cache (its heads start at model head `first_head`)."""
+    for lo, hi, buf in received:
+        _scatter_heads(kv, lo - first_head, hi - first_head, block_ids, buf)
 
 
 def model_layout(kv: torch.Tensor, num_kv_heads: int) -> KvLayout:
@@ -377,21 +391,13 @@ def _rank_recv(f: Any, key: str, rank: int, recvs: list[tuple[str, int, int]], n
     if f.group.rank != rank:
         return
     state = _state(f)
-    transport = state["transport"]
-    bufs, handles = [], []
-    for peer_id, lo, hi in recvs:
-        buf = torch.empty(_shape(transport.layout, num_blocks, hi - lo), dtype=transport.layout.torch_dtype,
-                          device=f.device)
-        handles.append(transport.recv(peer_id, buf))
-        bufs.append((lo, hi, buf))
+    bufs, handles = _post(state["transport"], recvs, num_blocks, f.device)
     state["received"][key] = bufs
     _report_when_done(f, handles, f"{token}/{rank}")
 
 
 def _rank_scatter(f: Any, key: str, block_ids: list[int]) -> None:
-    h0, _ = _own_heads(f)
-    for lo, hi, buf in _state(f)["received"].pop(key, []):
-        _scatter_heads(f.kv, lo - h0, hi - h0, block_ids, buf)
+    _scatter_all(f.kv, _own_heads(f)[0], _state(f)["received"].pop(key, []), block_ids)
 
 
 def _rank_forget(f: Any, key: str) -> None:

@@ -9,10 +9,8 @@ its KV heads), or Stop.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
-
 
 import torch
 
@@ -51,9 +49,7 @@ class Follower:
         self.kv = build_cache(config, self.parts, device, dtype, model_len, tp)
         capacity = self.kv.shape[2] * config.cache.block_size
         self.runner: ModelRunner = build_runner(config, self.parts, self.kv, device, min(model_len, capacity), tp)
-        self.num_steps = 0
         self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
 
     def run(self) -> None:
         """Serve rank 0's messages until Stop; a failed group (rank 0 died) ends it with `error` set."""
@@ -63,7 +59,6 @@ class Follower:
                 if isinstance(message, ForwardStep):
                     patch = receive_step(self.group, message, self.device)
                     self.runner.forward(message.seqs, patch)
-                    self.num_steps += 1
                 elif isinstance(message, RankCall):
                     message.fn(self, *message.args)
                 elif isinstance(message, Stop):
@@ -73,16 +68,3 @@ class Follower:
         except BaseException as err:  # noqa: BLE001 - kept for the owner, then the loop ends
             log.exception("tensor-parallel rank %d stopped", self.group.rank)
             self.error = err
-
-    def start(self) -> Follower:
-        """Run on a daemon thread."""
-        self._thread = threading.Thread(target=self.run, name=f"tp-rank-{self.group.rank}", daemon=True)
-        self._thread.start()
-        return self
-
-    def join(self, timeout_s: float) -> bool:
-        """True once the loop has ended."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True

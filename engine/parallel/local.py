@@ -15,8 +15,6 @@ import torch
 from engine.config import EngineConfig
 from engine.parallel.follower import Follower
 from engine.parallel.group import GroupAddress, TPGroup, host_store
-from engine.parallel.shard import check_tensor_parallel
-from engine.rank import checkpoint_arch, resolve_model_dir
 
 __all__ = ["LocalRanks"]
 log = logging.getLogger(__name__)
@@ -37,26 +35,25 @@ class LocalRanks:
 
     def __init__(self, config: EngineConfig, device: torch.device, host: str = "127.0.0.1") -> None:
         size = config.parallel.tensor_parallel_size
-        check_tensor_parallel(checkpoint_arch(resolve_model_dir(config.model.model)), size)  # before any rank starts
         store = host_store(host)
         address = GroupAddress(host, int(store.port))
         self._workers: list[Any] = []
+        config_json = config.model_dump_json()
         for rank in range(1, size):
+            worker: Any
             if device.type == "cuda":
                 index = (device.index or 0) + rank
-                if device.type == "cuda" and index >= torch.cuda.device_count():
+                if index >= torch.cuda.device_count():
                     raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs from {device}; "
                                      f"{torch.cuda.device_count()} are visible")
-                process = multiprocessing.get_context("spawn").Process(
-                    target=_rank_main, args=(config.model_dump_json(), address, rank, size, f"cuda:{index}" if device.type == "cuda" else "cpu"),
+                worker = multiprocessing.get_context("spawn").Process(
+                    target=_rank_main, args=(config_json, address, rank, size, f"cuda:{index}"),
                     name=f"tp-rank-{rank}", daemon=True)
-                process.start()
-                self._workers.append(process)
             else:
-                thread = threading.Thread(target=_rank_main, args=(config.model_dump_json(), address, rank, size,
-                                                                   "cpu"), name=f"tp-rank-{rank}", daemon=True)
-                thread.start()
-                self._workers.append(thread)
+                worker = threading.Thread(target=_rank_main, args=(config_json, address, rank, size, "cpu"),
+                                          name=f"tp-rank-{rank}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
         self.group = TPGroup(address, 0, size, device, store=store)
         assert self.group.ring_writer is not None
         self.group.ring_writer.readers_alive = self.is_alive

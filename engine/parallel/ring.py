@@ -97,7 +97,6 @@ class RingWriter(_Ring):
             _SLOT.pack_into(self.buf, self.slots_at + s * SLOT_BYTES, -1, 0, 0)
         self.name = path
         self._seq = 0
-        self.pid = os.getpid()
         self.readers_alive = lambda: True  # set by the owner: False once a reader's process is gone
 
     def write(self, payload: bytes) -> None:
