@@ -1,7 +1,7 @@
 """A rank other than 0 of a tensor-parallel worker: builds its parts as rank 0 does (engine/rank.py),
 then runs what rank 0 hands it, in order, until rank 0 says stop or the group fails.
 
-Messages (over the host group, engine/parallel/group.py): a runner.ForwardStep (run the same
+Messages (over the shared-memory ring, TPGroup.broadcast_object): a runner.ForwardStep (run the same
 forward; its logits are rank 0's business), a RankCall (a function of this rank's parts: moving
 its KV heads), or Stop.
 """
