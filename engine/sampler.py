@@ -65,7 +65,9 @@ and the shared generator, and decides what a sampled EOS or stop token means.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -109,7 +111,13 @@ def draw_seed(seed: int, output_position: int) -> int:
     Neighbouring seeds and positions give unrelated streams. NOTE: torch's CPU generator keeps only
     the low 32 bits of a seed (CUDA's Philox keeps all 64): the mix spreads every input bit into them.
     """
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ output_position)
+    return _splitmix64(_seed_mix(seed) ^ output_position)
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_mix(seed: int) -> int:
+    """A request's seed mixed once (a request draws with it every step)."""
+    return _splitmix64(seed & _MASK64)
 
 
 class SamplingRow(NamedTuple):  # NOTE: a NamedTuple (cheap to build): one a request a step
@@ -140,9 +148,10 @@ class SampleResult:
 
 @dataclass(frozen=True)
 class PendingSample:
-    """A draw queued on the device and not yet read: `Sampler.launch`'s, for `Sampler.finish`."""
+    """A draw queued on the device and not yet read: `Sampler.launch`'s (or `Sampler.drawn`'s), for
+    `Sampler.finish`."""
 
-    raw: torch.Tensor  # [rows, vocab] float32: the logits, for logprobs
+    raw: torch.Tensor | None  # [rows, vocab] float32: the logits, for logprobs; None: no row asks
     token_ids: torch.Tensor  # [rows] int64 on the device
     rows: Sequence[SamplingRow]
     # NOTE: queued right behind the draw, so reading it waits for the draw alone, not for the next
@@ -197,13 +206,15 @@ class _Extended(Sequence[int]):
 class Sampler:
     """Samples one token per row of a batch of logits, each row with its own SamplingParams.
 
-    `fused`: `__call__` draws the rows with a temperature and nothing else random (no seed, top-k,
-    top-p or min-p) in one Triton kernel (engine/sampling_kernels.py): the same exponential race,
-    its noise counted by (one seed a row from the shared generator, token id) rather than drawn in
-    sequence. `verify` verifies in one kernel and one read when every row is such a row without
-    penalties, logprobs or a min_tokens still to reach (`_verifies_fused`): the same rejection
-    sampling, its uniforms and noise counted the same way. Other rows and `sample_with_probs` take
-    the torch path either way.
+    `fused` (CUDA): `__call__` draws the random rows without top-k, top-p or min-p in one Triton
+    kernel (engine/sampling_kernels.py `race`): the same exponential race, a seeded row's noise the
+    very values its torch generator would draw (so its tokens are the torch path's), an unseeded
+    row's keyed by one seed a row from the shared generator. The torch path's seeded rows (truncated
+    ones, `sample_with_probs`, a seeded verification) take their noise from one kernel for all rows
+    (`keyed_noise`) rather than a generator a row. `verify` verifies in one kernel and one read when
+    every row is unseeded, without truncation, penalties, logprobs or a min_tokens still to reach
+    (`_verifies_fused`): the same rejection sampling, its uniforms and noise counted by (the row's
+    seed, token id).
     """
 
     def __init__(self, eos_token_ids: Sequence[int], fused: bool = False) -> None:
@@ -222,8 +233,47 @@ class Sampler:
     def finish(self, pending: PendingSample) -> SampleResult:
         """Reads a launched draw's tokens (the host waits for the device here) and its logprobs."""
         token_ids = pending.download.read()
+        if pending.raw is None:
+            return SampleResult(token_ids=token_ids, logprobs=[None] * len(token_ids),
+                                top_logprobs=[None] * len(token_ids))
         logprobs, top_logprobs = _gather_logprobs(pending.raw, pending.token_ids, pending.rows)
         return SampleResult(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    @staticmethod
+    def drawn(token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
+        """A draw done on the device by the draw graphs (`device_draw`'s rows): its tokens [rows] int64,
+        copied to the host behind the draw."""
+        return PendingSample(None, token_ids, rows, Download(token_ids))
+
+    @staticmethod
+    def device_draw(rows: Sequence[SamplingRow], keys: random.Random) -> tuple[list[int], list[float]] | None:
+        """Each row's noise key (int64 bits) and 1/T (0: greedy) for a draw on the device by the race
+        kernel alone (the draw graphs, engine/cuda_graphs.py), which gives `__call__`'s token for a
+        row that is greedy or has a temperature and nothing more: no logprobs, penalties, grammar,
+        truncation or min_tokens still to reach. A seeded row's key is its `draw_seed`, another's
+        from `keys`. None when a row needs more."""
+        row_keys: list[int] = []
+        inv_temps: list[float] = []
+        for row in rows:
+            params = row.params
+            if (
+                params.logprobs is not None
+                or params.grammar is not None
+                or len(row.output_token_ids) < params.min_tokens
+                or params.top_k > 0
+                or params.top_p < 1.0
+                or params.min_p > 0.0
+                or has_penalty(params)
+            ):
+                return None
+            if params.is_greedy:
+                row_keys.append(0)
+                inv_temps.append(0.0)
+            else:
+                key = _draw_key(row)
+                row_keys.append(keys.getrandbits(63) if key is None else _as_int64(key))
+                inv_temps.append(1.0 / params.temperature)
+        return row_keys, inv_temps
 
     def launch(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None,
@@ -276,9 +326,12 @@ class Sampler:
         min_tokens masks apply first, as on the torch path."""
         device = logits.device
         penalized = _apply_penalties(_apply_min_tokens(logits, rows, self.eos_token_ids), rows)
-        temperature = upload([row.params.temperature for row in rows], torch.float32, device)
-        seeds = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
-        return self._kernel_module().race(penalized, temperature, seeds)
+        inv_temp = upload([1.0 / row.params.temperature for row in rows], torch.float32, device)
+        return self._kernel_module().race(penalized, inv_temp, _row_keys(rows, device, generator))
+
+    def _noise_kernels(self) -> ModuleType | None:
+        """engine.sampling_kernels where seeded rows' noise comes from its kernel (fused), else None."""
+        return self._kernel_module() if self.fused else None
 
     def _kernel_module(self) -> ModuleType:
         """engine.sampling_kernels, imported on first use."""
@@ -306,8 +359,8 @@ class Sampler:
         probs = _truncated_probs(penalized_random, [rows[i].params for i in random_rows])
         return raw, penalized.argmax(dim=-1), random_rows, probs
 
-    @staticmethod
     def _race_into(
+        self,
         token_ids: torch.Tensor,
         random_rows: list[int],
         probs: torch.Tensor,
@@ -315,7 +368,7 @@ class Sampler:
         generator: torch.Generator | None,
     ) -> torch.Tensor:
         """token_ids [n] with the random rows' entries replaced by their race over probs [random, vocab]."""
-        raced = _exponential_race(probs, [_draw_key(rows[i]) for i in random_rows], generator)
+        raced = _exponential_race(probs, [_draw_key(rows[i]) for i in random_rows], generator, self._noise_kernels())
         if len(random_rows) == len(rows):
             return raced
         return token_ids.index_copy(0, upload(random_rows, torch.long, token_ids.device), raced)
@@ -381,7 +434,8 @@ class Sampler:
             assert probs is not None
             index = upload([local[pos] for pos in seeded_positions], torch.long, logits.device)
             keys = [_draw_key(expanded[pos]) for pos in seeded_positions]
-            for pos, token in zip(seeded_positions, _exponential_race(probs[index], keys, None).tolist()):
+            raced = _exponential_race(probs[index], keys, None, self._noise_kernels())
+            for pos, token in zip(seeded_positions, raced.tolist()):
                 chosen[pos] = token
         num_accepted = [0] * len(rows)
         token_ids: list[list[int]] = [[] for _ in rows]
@@ -485,10 +539,9 @@ class Sampler:
 
 
 def _fusable(params: SamplingParams) -> bool:
-    """A row the fused kernel draws: random, unseeded, no truncation (top-k, top-p, min-p)."""
+    """A row the fused kernel draws: random, no truncation (top-k, top-p, min-p)."""
     return (
         not params.is_greedy
-        and params.seed is None
         and params.top_k <= 0
         and params.top_p >= 1.0
         and params.min_p == 0.0
@@ -496,11 +549,13 @@ def _fusable(params: SamplingParams) -> bool:
 
 
 def _verifies_fused(vr: VerifyRow) -> bool:
-    """A row the fused verification takes: `_fusable`, no penalty, no logprobs, and min_tokens met
-    at its first position (so at every one: no EOS mask applies)."""
+    """A row the fused verification takes: `_fusable`, unseeded (a seeded row's token is its own race's,
+    not rejection sampling's), no penalty, no logprobs, and min_tokens met at its first position (so
+    at every one: no EOS mask applies)."""
     params = vr.row.params
     return (
         _fusable(params)
+        and params.seed is None
         and not has_penalty(params)
         and params.logprobs is None
         and len(vr.row.output_token_ids) >= params.min_tokens
@@ -642,21 +697,52 @@ def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return probs
 
 
+def _row_keys(rows: Sequence[SamplingRow], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """[rows] int64: each row's 64-bit noise key as int64 bits, `_draw_key` for seeded rows, one
+    drawn from `generator` for the others. Uploads only what the host knows; draws only when asked."""
+    keys = [_draw_key(row) for row in rows]
+    seeded = [i for i, key in enumerate(keys) if key is not None]
+    if len(seeded) == len(rows):
+        return upload([_as_int64(key) for key in keys], torch.long, device)  # type: ignore[arg-type]
+    drawn = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
+    if seeded:
+        index_and_keys = upload([*seeded, *(_as_int64(keys[i]) for i in seeded)], torch.long, device)  # type: ignore[arg-type]
+        drawn.index_copy_(0, index_and_keys[: len(seeded)], index_and_keys[len(seeded) :])
+    return drawn
+
+
+def _as_int64(key: int) -> int:
+    """A 64-bit key as the int64 with its bits."""
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
 def _draw_key(row: SamplingRow) -> int | None:
     """The draw seed of a seeded row's token; None for rows that share the caller's generator."""
     seed = row.params.seed
     return None if seed is None else draw_seed(seed, row.output_position)
 
 
-def _exponential_race(probs: torch.Tensor, keys: Sequence[int | None], shared: torch.Generator | None) -> torch.Tensor:
+def _exponential_race(
+    probs: torch.Tensor, keys: Sequence[int | None], shared: torch.Generator | None, kernels: ModuleType | None = None
+) -> torch.Tensor:
     """One token per row of probs [n, vocab] (unnormalized is fine) -> [n] int64.
 
     A row with a key (`draw_seed`) draws its noise from a generator seeded with it alone; the
-    others share `shared` (torch's default generator when None).
+    others share `shared` (torch's default generator when None). With `kernels`
+    (engine.sampling_kernels, CUDA), the keyed rows' noise, the same values, comes from one launch.
     """
     noise = torch.empty_like(probs)  # [n, vocab]
     shared_rows = [i for i, key in enumerate(keys) if key is None]
-    if len(shared_rows) < len(keys):
+    keyed_rows = [i for i, key in enumerate(keys) if key is not None]
+    if keyed_rows and kernels is not None:
+        keyed_noise = kernels.keyed_noise(
+            upload([_as_int64(keys[i]) for i in keyed_rows], torch.long, probs.device), probs.shape[1]  # type: ignore[arg-type]
+        )
+        if len(keyed_rows) == len(keys):
+            noise = keyed_noise
+        else:
+            noise.index_copy_(0, upload(keyed_rows, torch.long, probs.device), keyed_noise)
+    elif keyed_rows:
         # NOTE: one generator re-seeded per row: a draw reads its seed when it is issued, also on CUDA.
         keyed = torch.Generator(device=probs.device)
         for i, key in enumerate(keys):

@@ -1,19 +1,25 @@
 """The Triton kernels behind the sampler's fused paths (engine/sampler.py, `Sampler(fused=True)`),
-for rows with no top-k, top-p, min-p or seed: `race`, the exponential race over temperature-scaled
-logits in one pass over the logits, and `verify`, speculative decoding's rejection sampling of
-such rows in one launch. Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET test
-asks for it).
+for rows with no top-k, top-p or min-p: `race`, the exponential race over temperature-scaled logits
+in one pass over the logits, `keyed_noise`, the race's noise of seeded rows for the sampler's torch
+path, and `verify`, speculative decoding's rejection sampling of unseeded rows in one launch.
+Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET test asks for it).
 
 The unfused draw reads and writes [rows, vocab] float32 about seven times (scale, softmax, noise,
-clamp, divide, argmax); this one reads the logits once and writes [rows, chunks] pairs. Per token
-i of a row with temperature T and Philox stream s (one int64 seed a row):
+clamp, divide, argmax); `race` reads the logits once and writes [rows, chunks] pairs. Per token i
+of a row with temperature T and 64-bit key s (a seeded row's `draw_seed(seed, n)`, another row's
+drawn from the engine's generator):
 
-    u_i = uniform(s, i) in [0, 1),  E_i = -log(u_i) ~ Exponential(1),
-    token = argmax_i (x_i / T - log E_i) = argmax_i (softmax(x / T)_i / E_i)
+    E_i = torch_exponential(s, i),  token = argmax_i (x_i / T - log E_i) = argmax_i (softmax(x / T)_i / E_i)
 
-which is the sampler's exponential race (exact sampling from softmax(x / T)) with the noise drawn
-by counter (s, i) rather than by a generator's sequence: a row's token does not depend on how the
-vocabulary is split into chunks or on the other rows.
+the sampler's exponential race (exact sampling from softmax(x / T)). `torch_exponential(s, i)` is
+the value torch's CUDA `exponential_` writes at element i of a [vocab] tensor from a generator
+freshly seeded with s (`torch.Generator("cuda").manual_seed(s)`), which is how the sampler's torch
+path draws a seeded row's noise: its Philox4x32-10 uniform (key s, counter (call, 0, thread, 0), as
+curand_init(s, thread, 0) and the call-th curand_uniform4 give it, torch's grid of `threads`
+threads striding the tensor, four uniforms a call), mapped to (0, 1] and through torch's -log. So a
+seeded row's token here is the torch path's token for the same (seed, position) on a GPU, up to
+the rounding of a near-tie, and a row's token never depends on the chunking of the vocabulary or
+on the other rows.
 
 `verify`, per row of drafts d_0..d_{K-1} (q_k their draft distributions, point masses for n-gram
 drafts) and target distributions p_0..p_K (softmax(x / T) at the K + 1 positions), one program a
@@ -31,7 +37,9 @@ last token from a second pass at position m: two passes a row, whatever K.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -39,6 +47,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+from triton.language.random import philox
 
 from engine.pinned import upload
 
@@ -55,24 +65,77 @@ _VERIFY_BLOCK = 2048
 _VERIFY_WARPS = 16
 
 
+# torch's CUDA random fills (ATen's DistributionTemplates.h): blocks of 256 threads, at most as many
+# blocks as the device keeps resident (SMs x 2048 / 256), each thread striding the tensor.
+_TORCH_BLOCK = 256
+_TORCH_CALL = 4  # uniforms a Philox call gives (curand_uniform4)
+_UNIFORM_SCALE = tl.constexpr(2.3283064365386963e-10)  # 2**-32: curand_uniform maps x to x * 2**-32 + 2**-33, in (0, 1]
+_NEAR_ONE = tl.constexpr(0.99999994)  # 1 - 2**-24: from here torch takes log(u) = -2**-24 (float32 epsilon / 2)
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # NOTE: the interpreter (CPU tests) has no libdevice
+
+    @triton.jit
+    def _logf(x):
+        return tl.log(x)
+
+else:
+
+    @triton.jit
+    def _logf(x):
+        """CUDA's __logf (the fast one): torch's exponential_ takes the log of its uniforms with it,
+        bit for bit (bench/diag/noise_variants.py; CUDA's accurate logf differs in the last bits)."""
+        return libdevice.fast_logf(x)
+
+
+
+@functools.cache
+def torch_threads(numel: int, device: torch.device) -> int:
+    """Threads of torch's CUDA random fill of `numel` floats on `device`: element i is drawn by thread
+    i mod threads, from its (i div threads)-th uniform. On the CPU (the interpreter) a grid that
+    covers the tensor, as torch's does on a GPU for a vocabulary up to 2048 x 8 x its SMs / 8."""
+    blocks = triton.cdiv(numel, _TORCH_BLOCK)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        blocks = min(blocks, props.multi_processor_count * (props.max_threads_per_multi_processor // _TORCH_BLOCK))
+    return blocks * _TORCH_BLOCK
+
+
+@triton.jit
+def _torch_exponential(key, cols, threads):
+    """E ~ Exponential(1) at elements `cols` of torch's CUDA `exponential_` from a generator seeded
+    with `key` (int64 bits of the 64-bit seed), its fill run by `threads` threads."""
+    thread = cols % threads
+    uniform = cols // threads  # the thread's uniform: call uniform // 4, word uniform % 4
+    call = (uniform // 4).to(tl.uint32)
+    zero = call * 0
+    w0, w1, w2, w3 = philox(key, call, zero, thread.to(tl.uint32), zero)
+    word = uniform % 4
+    x = tl.where(word == 0, w0, tl.where(word == 1, w1, tl.where(word == 2, w2, w3)))
+    # NOTE: x * 2**-32 is exact, so FMA or not, the sum rounds once, as in curand_uniform
+    u = x.to(tl.float32) * _UNIFORM_SCALE + _UNIFORM_SCALE / 2
+    log_u = tl.where(u >= _NEAR_ONE, -(1.0 - _NEAR_ONE), _logf(u))
+    return -log_u  # in [2**-24, 23]: never 0, never inf
+
+
 @triton.jit
 def _race_kernel(
-    logits_ptr, inv_temp_ptr, seed_ptr, best_ptr, index_ptr, stride, vocab, num_chunks,
+    logits_ptr, inv_temp_ptr, key_ptr, best_ptr, index_ptr, stride, vocab, num_chunks, threads,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (rows, chunks): the best score of chunk c of row r, and the smallest index holding it."""
+    """Grid (rows, chunks): the best score of chunk c of row r, and the smallest index holding it.
+    A row of inverse temperature 0 (greedy) scores its logits alone."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
-    seed = tl.load(seed_ptr + row)
+    noisy = inv_temp > 0
+    key = tl.load(key_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < vocab
         x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        u = tl.maximum(tl.rand(seed, cols), 1.0e-30)  # NOTE: u = 0 would give E = inf: a lost race either way
-        score = x * inv_temp - tl.log(-tl.log(u))
+        score = tl.where(noisy, x * inv_temp - tl.log(_torch_exponential(key, cols, threads)), x)
         better = ok & (score > best)  # NaN scores never win
         best = tl.where(better, score, best)
         best_index = tl.where(better, cols, best_index)
@@ -83,25 +146,49 @@ def _race_kernel(
 
 
 def race(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, chunk: int = _CHUNK, block: int = _BLOCK
+    logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, chunk: int = _CHUNK, block: int = _BLOCK,
+    threads: int | None = None,
 ) -> torch.Tensor:
-    """logits [rows, vocab] (any float dtype), temperature [rows] (> 0), seeds [rows] int64 -> one
-    token per row [rows] int64, drawn from softmax(logits / T). chunk (a multiple of block) and
-    block: powers of two; only the speed depends on them (tests make them small)."""
+    """logits [rows, vocab] (any float dtype), inv_temp [rows] float32 (1 / T; 0: greedy, the argmax),
+    keys [rows] int64 (a 64-bit key's bits) -> one token per row [rows] int64, drawn from
+    softmax(logits / T). chunk (a multiple of block) and block: powers of two; only the speed depends
+    on them (tests make them small). threads: torch's fill's (`torch_threads`, the default). Nothing
+    here reads the device or the host's clock: a CUDA graph may capture it."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_chunks = triton.cdiv(vocab, chunk)
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    inv_temp = (1.0 / temperature).to(torch.float32)
+    threads = threads or torch_threads(vocab, logits.device)
     _race_kernel[(rows, num_chunks)](
-        logits, inv_temp, seeds, best, index, logits.stride(0), vocab, num_chunks, CHUNK=chunk, BLOCK=block
+        logits, inv_temp, keys, best, index, logits.stride(0), vocab, num_chunks, threads, CHUNK=chunk, BLOCK=block
     )
+    if num_chunks == 1:
+        return index.view(rows).clamp_max(vocab - 1).to(torch.long)
     winner = best.argmax(dim=1, keepdim=True)  # [rows, 1]: the first chunk holding the row's best
     # NOTE: only a row of NaN or -inf logits has no winner (index 2**31 - 1): it gets the last id,
     # a valid token, as torch's argmax gives some index for such a row.
     return index.gather(1, winner).squeeze(1).clamp_max(vocab - 1).to(torch.long)
+
+
+@triton.jit
+def _noise_kernel(key_ptr, out_ptr, vocab, threads, BLOCK: tl.constexpr):
+    """Grid (rows, blocks): row r's noise at one block of the vocabulary."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(key_ptr + row)
+    tl.store(out_ptr + row * vocab + cols, _torch_exponential(key, cols, threads), mask=cols < vocab)
+
+
+def keyed_noise(keys: torch.Tensor, vocab: int, block: int = _BLOCK, threads: int | None = None) -> torch.Tensor:
+    """keys [rows] int64 (a 64-bit key's bits) -> [rows, vocab] float32: row r what torch's CUDA
+    `exponential_` writes into a [vocab] tensor from a generator seeded with keys[r], in one launch."""
+    rows = keys.shape[0]
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=keys.device)
+    threads = threads or torch_threads(vocab, keys.device)
+    _noise_kernel[(rows, triton.cdiv(vocab, block))](keys, out, vocab, threads, BLOCK=block)
+    return out
 
 
 # ---- speculative verification: rejection sampling (Leviathan et al., 2023) in one launch

@@ -42,7 +42,7 @@ def test_fused_draw_follows_softmax_over_temperature(vocab: int, temperature: fl
         logits[top] = torch.randn(10, device="cuda", generator=gen) * 2
     seeds = torch.randint(0, 1 << 62, (num_draws,), device="cuda", generator=gen)
     tokens = sampling_kernels.race(
-        logits.expand(num_draws, vocab), torch.full((num_draws,), temperature, device="cuda"), seeds
+        logits.expand(num_draws, vocab), torch.full((num_draws,), 1 / temperature, device="cuda"), seeds
     )
     expected = torch.softmax(logits / temperature, dim=0)
     support = {i: p for i, p in enumerate(expected.tolist()) if p > 0}
@@ -55,7 +55,7 @@ def test_fused_draw_tends_to_the_argmax_at_a_real_vocabulary() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(64, 151_936, device="cuda", generator=gen).to(torch.bfloat16)
     seeds = torch.randint(0, 1 << 62, (64,), device="cuda", generator=gen)
-    tokens = sampling_kernels.race(logits, torch.full((64,), 1e-4, device="cuda"), seeds)
+    tokens = sampling_kernels.race(logits, torch.full((64,), 1e4, device="cuda"), seeds)
     # NOTE: bf16 rounds 151,936 normal draws onto few values near the top: a row's maximum is often
     # held by several tokens, any of which the race may pick. Each pick must hold its row's maximum.
     top = logits.float().max(dim=1).values
@@ -129,3 +129,44 @@ def test_fused_verify_emits_the_target_distribution(
     joint: dict[object, float] = {(a, b): pa * pb for a, pa in accepted.items() for b, pb in p1.items()}
     pairs = _counts([(key(t[0]), key(t[1])) for t in result.token_ids if len(t) >= 2])  # type: ignore[misc]
     assert sum(pairs.values()) > num_rows / 10 and chi_square_p_value(pairs, joint) > MIN_P_VALUE
+
+
+# ---- seeded rows: the kernels' noise is torch's CUDA generator's
+@pytest.mark.parametrize("vocab", [8_192, 151_936, 600_000])
+def test_keyed_noise_is_torch_cuda_exponential(vocab: int) -> None:
+    """`keyed_noise` equals, bit for bit, what torch's `exponential_` writes from a generator seeded
+    with the key (600,000 entries: more than torch's grid has threads, so threads draw several uniforms)."""
+    from engine import sampling_kernels
+    from engine.sampler import _as_int64
+
+    keys = [0, 1, 2**40 + 7, 2**63 + 5, 2**64 - 1]
+    noise = sampling_kernels.keyed_noise(torch.tensor([_as_int64(k) for k in keys], device="cuda"), vocab)
+    for i, key in enumerate(keys):
+        want = torch.empty(vocab, device="cuda").exponential_(generator=torch.Generator("cuda").manual_seed(key))
+        differ = noise[i] != want
+        assert not bool(differ.any()), f"key {key}: {int(differ.sum())} of {vocab} differ"
+
+
+def test_seeded_tokens_of_the_kernel_are_the_torch_paths() -> None:
+    """Sampler(fused=True) draws seeded rows (no truncation) in the race kernel; Sampler(fused=False)
+    with a generator a row: the same tokens for the same (seed, output position), but where the two
+    best scores are within rounding of each other (a near-tie)."""
+    from engine import sampling_kernels
+    from engine.sampler import _as_int64, _draw_key
+
+    vocab, num = 151_936, 512
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(num, vocab, device="cuda", generator=gen) * 3
+    rows = [SamplingRow(SamplingParams(max_tokens=8, temperature=0.6 + (i % 5) * 0.2, seed=1000 + i),
+                        [1, 2], [7] * (i % 9)) for i in range(num)]
+    fused = Sampler([EOS], fused=True)(logits, rows).token_ids
+    plain = Sampler([EOS], fused=False)(logits, rows).token_ids
+    differ = [i for i in range(num) if fused[i] != plain[i]]
+    assert len(differ) <= num // 100, f"rows {differ} differ"
+    for i in differ:  # each a near-tie: the torch path's scores of the two tokens within 1e-5
+        t = rows[i].params.temperature
+        probs = torch.softmax(logits[i] / t, dim=0)
+        key = torch.tensor([_as_int64(_draw_key(rows[i]))], device="cuda")
+        noise = sampling_kernels.keyed_noise(key, vocab)[0]
+        a, b = float(probs[fused[i]] / noise[fused[i]]), float(probs[plain[i]] / noise[plain[i]])
+        assert abs(a - b) <= 1e-5 * max(a, b), f"row {i}: {a} vs {b} is no near-tie"

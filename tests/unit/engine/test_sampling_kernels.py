@@ -37,7 +37,7 @@ def test_race_follows_softmax_over_temperature(vocab: int, temperature: float, c
     num_draws = 1500  # one interpreted program a draw: about 7 ms each
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * 2
     tokens = sampling_kernels.race(
-        logits.expand(num_draws, vocab), torch.full((num_draws,), temperature), _seeds(num_draws, 1), chunk, block
+        logits.expand(num_draws, vocab), torch.full((num_draws,), 1 / temperature), _seeds(num_draws, 1), chunk, block
     )
     assert tokens.dtype == torch.long and tokens.shape == (num_draws,)
     counts: dict[object, int] = {}
@@ -67,8 +67,22 @@ def test_race_does_not_depend_on_chunks_or_other_rows() -> None:
 def test_race_tends_to_the_argmax_as_temperature_falls() -> None:
     vocab, rows = 40, 8
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)).to(torch.float16)
-    tokens = sampling_kernels.race(logits, torch.full((rows,), 1e-4), _seeds(rows, 5), 16, 8)
+    tokens = sampling_kernels.race(logits, torch.full((rows,), 1e4), _seeds(rows, 5), 16, 8)
     assert torch.equal(tokens, logits.float().argmax(dim=1))
+
+
+def test_race_takes_the_argmax_of_greedy_rows() -> None:
+    """Inverse temperature 0 marks a greedy row: its logits' argmax (the first index of a tie), no
+    noise; the sampled rows beside it draw as they would alone."""
+    vocab, rows = 40, 6
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8))
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
+    inv_temp = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 2.0])
+    seeds = _seeds(rows, 9)
+    tokens = sampling_kernels.race(logits, inv_temp, seeds, 16, 8).tolist()
+    assert tokens[0] == 3 and tokens[2] == int(logits[2].argmax()) and tokens[4] == int(logits[4].argmax())
+    for i in (1, 3, 5):
+        assert tokens[i] == sampling_kernels.race(logits[i : i + 1], inv_temp[i : i + 1], seeds[i : i + 1], 16, 8).item()
 
 
 def _row(**params: object) -> SamplingRow:
@@ -83,18 +97,55 @@ def test_fused_sampler_keeps_the_other_rows_as_the_unfused_one_gives_them(monkey
     rows = [
         _row(temperature=0.0),
         _row(temperature=0.8),  # fused
-        _row(temperature=0.8, seed=11),
         _row(temperature=0.8, top_k=3),
         _row(temperature=1.2),  # fused
-        _row(temperature=0.9, seed=12, top_p=0.5),
     ]
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(6))
     fused = Sampler([EOS], fused=True)(logits, rows, torch.Generator().manual_seed(0)).token_ids
-    plain = Sampler([EOS], fused=False)(logits, rows, torch.Generator().manual_seed(0)).token_ids
-    assert fused[0] == plain[0] == int(logits[0].argmax())
-    assert fused[2] == plain[2] and fused[5] == plain[5], "seeded rows draw by their own key on either path"
-    top3 = set(logits[3].topk(3).indices.tolist())
-    assert fused[3] in top3 and all(0 <= t < vocab for t in fused)
+    assert fused[0] == int(logits[0].argmax())
+    top3 = set(logits[2].topk(3).indices.tolist())
+    assert fused[2] in top3 and all(0 <= t < vocab for t in fused)
+
+
+def test_seeded_rows_draw_the_same_noise_in_the_kernel_and_on_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded row without truncation is drawn by the race kernel; with top_k = vocab (no truncation,
+    but not a row the kernel takes) by the torch path over `keyed_noise`: the same key (seed, output
+    position), the same noise, so the same token, row by row, whatever else is in the batch."""
+    monkeypatch.setattr(sampling_kernels, "_CHUNK", 16)
+    monkeypatch.setattr(sampling_kernels, "_BLOCK", 8)
+    vocab, num = 40, 24
+    logits = torch.randn(num, vocab, generator=torch.Generator().manual_seed(7)) * 2
+    outputs = [list(range(i % 5)) for i in range(num)]
+    in_kernel = [_row(temperature=0.9, seed=100 + i, output=outputs[i]) for i in range(num)]
+    on_torch_path = [_row(temperature=0.9, seed=100 + i, top_k=vocab, output=outputs[i]) for i in range(num)]
+    sampler = Sampler([EOS], fused=True)
+    a = sampler(logits, in_kernel, torch.Generator().manual_seed(0)).token_ids
+    b = sampler(logits, on_torch_path, torch.Generator().manual_seed(1)).token_ids
+    assert a == b
+    mixed = [row if i % 2 else _row(temperature=0.7) for i, row in enumerate(in_kernel)]
+    c = sampler(logits, mixed, torch.Generator().manual_seed(2)).token_ids
+    assert c[1::2] == a[1::2], "a seeded row's token does not depend on the unseeded rows beside it"
+    assert len(set(a)) > 5, "different seeds draw different tokens"
+
+
+def test_keyed_noise_is_philox_4x32_10_as_curand_reads_it() -> None:
+    """Random123's known answer for Philox4x32-10 at key 0, counter 0 (words 6627e8d5 e169c58d ...),
+    mapped as curand_uniform does (x * 2**-32 + 2**-33) and through -log: element 0 is the first
+    word of thread 0's first call, and with 4 threads element 4 is that call's second word."""
+    import math
+
+    def exponential(word: int) -> float:
+        return -math.log(word * 2.0**-32 + 2.0**-33)
+
+    key = torch.zeros(1, dtype=torch.long)
+    wide = sampling_kernels.keyed_noise(key, 64, block=16, threads=64)
+    narrow = sampling_kernels.keyed_noise(key, 16, block=16, threads=4)
+    assert wide[0, 0].item() == pytest.approx(exponential(0x6627E8D5), rel=1e-6)
+    assert narrow[0, 0].item() == pytest.approx(exponential(0x6627E8D5), rel=1e-6)
+    assert narrow[0, 4].item() == pytest.approx(exponential(0xE169C58D), rel=1e-6)
+    assert narrow[0, 8].item() == pytest.approx(exponential(0xBC57AC4C), rel=1e-6)
+    assert narrow[0, 12].item() == pytest.approx(exponential(0x9B00DBD8), rel=1e-6)
+    assert wide[0, 1].item() != wide[0, 0].item(), "thread 1 has its own counter"
 
 
 def test_fused_sampler_draws_from_the_penalized_logits() -> None:
