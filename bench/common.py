@@ -94,6 +94,30 @@ def random_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int
     return [[rng.randrange(vocab_size) for _ in range(num_tokens)] for _ in range(num_prompts)]
 
 
+def decode_window(engine: EngineCore, num_requests: int) -> tuple[float, int, int, dict[str, list[int]]]:
+    """Steps the engine until done. The decode window starts at the step after every one of its
+    `num_requests` requests has its first token (device synchronised): (its seconds, tokens decoded
+    in it, its steps, every request's tokens by id)."""
+    tokens: dict[str, list[int]] = {}
+    start = None
+    num_tokens = num_steps = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        for o in outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if start is None:
+            if len(tokens) == num_requests:
+                synchronize(engine.device)
+                start = time.perf_counter()
+            continue
+        num_tokens += sum(len(o.new_token_ids) for o in outputs)
+        num_steps += 1
+    synchronize(engine.device)
+    if start is None:
+        raise RuntimeError(f"only {len(tokens)} of {num_requests} requests produced a token")
+    return time.perf_counter() - start, num_tokens, num_steps, tokens
+
+
 def check_no_leak(engine: EngineCore) -> None:
     """Raises if a request is still live or a KV block is still held after a run."""
     engine.check_integrity()

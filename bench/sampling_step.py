@@ -19,7 +19,6 @@ parameters, vocabulary 8,192), random weights.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -29,8 +28,8 @@ from typing import Any
 
 import torch
 
-from bench.common import base_parser, build_engine, check_no_leak, environment, random_prompts, save_plot
-from bench.common import synchronize, title, write_results
+from bench.common import base_parser, build_engine, check_no_leak, decode_window, environment, random_prompts
+from bench.common import save_plot, synchronize, title, write_results
 from engine import EngineCore, SamplingParams
 from engine.sampler import SamplingRow
 
@@ -61,23 +60,7 @@ def run(engine: EngineCore, prompts: list[list[int]], mode: str, max_tokens: int
     """All requests at once; the decode window's steps and seconds, and each request's tokens."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params_for(mode, i, max_tokens))
-    tokens: dict[str, list[int]] = {}
-    started: set[str] = set()
-    start = None
-    num_steps = 0
-    while engine.has_unfinished():
-        outputs = engine.step()
-        for o in outputs:
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if start is None:
-            started.update(o.request_id for o in outputs)
-            if len(started) == len(prompts):
-                synchronize(engine.device)
-                start = time.perf_counter()
-            continue
-        num_steps += 1
-    synchronize(engine.device)
-    wall = time.perf_counter() - start if start is not None else 0.0
+    wall, _, num_steps, tokens = decode_window(engine, len(prompts))
     check_no_leak(engine)
     return {"decode_s": wall, "num_steps": num_steps, "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))]}
 

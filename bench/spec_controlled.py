@@ -24,20 +24,18 @@ otherwise rounding, not the proposer, would set the acceptance.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
 import statistics
-import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from bench.common import base_parser, build_engine, check_no_leak, environment, random_prompts, save_plot
-from bench.common import synchronize, title, write_results
+from bench.common import base_parser, build_engine, check_no_leak, decode_window, environment, random_prompts
+from bench.common import save_plot, title, write_results
 from bench.spec_decode import predicted_tokens_per_step
 from engine import EngineCore, SamplingParams, SpeculativeConfig
 from engine.request import Draft
@@ -103,24 +101,7 @@ def run(engine: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
-    tokens: dict[str, list[int]] = {}
-    start = None
-    started: set[str] = set()
-    decoded = 0
-    while engine.has_unfinished():
-        outputs = engine.step()
-        for o in outputs:
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if start is None:
-            started.update(o.request_id for o in outputs)
-            if len(started) == len(prompts):
-                synchronize(engine.device)
-                start = time.perf_counter()
-            continue
-        decoded += sum(len(o.new_token_ids) for o in outputs)
-    synchronize(engine.device)
-    assert start is not None
-    wall = time.perf_counter() - start
+    wall, decoded, _, tokens = decode_window(engine, len(prompts))
     check_no_leak(engine)
     return wall / (decoded / len(prompts)) * 1e3, [tokens[f"{tag}-{i}"] for i in range(len(prompts))]
 

@@ -22,7 +22,9 @@ A seeded row's E for the token at output position n (counted over the request's 
 its token depends on (seed, n) and its distribution, never on the other rows, their order, how
 many draws came before, or which worker drew them. A request moved to another worker, with the
 tokens it had generated recomputed (`num_prior_output_tokens`), so continues the very stream of a
-fault-free run. Greedy rows draw nothing.
+fault-free run. Greedy rows draw nothing. With `fused` (CUDA) the kernels compute those very noise
+values themselves (engine/sampling_kernels.py), and a decode step whose rows `device_draw` admits
+is drawn in the draw graphs right after its forward (engine/cuda_graphs.py), with the same kernel.
 
 Speculative decoding (Leviathan et al., 2023) adds two entry points:
 
