@@ -24,8 +24,8 @@
 #   nccl_kill (nvidia-h200-x2): the decode worker killed mid-transfer over NCCL (bench.nccl_kill).
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
-#   spec    (one GPU): the GPU tests, trains the target/draft pair (~1 minute), then bench.spec_decode on it
-#           (batch 1 at K = 4..7 side by side) with a profile of a batch-1 step, plain and speculative.
+#   spec    (one GPU): the GPU tests, trains the target/draft pair (4 minutes), then bench.spec_decode on it
+#           at T = 1 and T = 0 (batch 1 at K = 4 and 6 side by side; the large batch).
 #           spec_bench: the same without the GPU tests.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
@@ -105,10 +105,13 @@ case "$part" in
     ;;
   spec|spec_bench)
     [ "$part" = spec ] && run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu
-    run 150 python3 -m bench.train_models --out /tmp/pair --size gpu --set max_target_steps=250 \
-      --set max_draft_steps=600 --quiet
-    run 360 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
-      --text /tmp/pair/held_out.txt --ks 4 6 --batch1-ks 5 6 7 --repeats 11 --dtype bfloat16 --profile --out "$out"
+    run 330 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes 4 --quiet
+    cp /tmp/pair/summary.json "$out/pair_summary_gpu.json"
+    for t in 1.0 0.0; do
+      run 150 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
+        --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 6 --repeats 5 --temperature "$t" --dtype bfloat16 \
+        --out "$out/t$t"
+    done
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
