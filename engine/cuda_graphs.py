@@ -40,25 +40,15 @@ it ends (inputs, the hidden-state output, the attention workspace, the KV cache)
 the pool. On a device other than CUDA nothing is captured and `run` calls the same code eagerly
 on the static buffers (CPU tests check the padding and staging that way).
 
-The draw (`run_and_draw`, when built with the sampling kernels): a second set of graphs, one per
-captured size up to `HEAD_LOGITS_BYTES` of logits, computes the logits of a decode step's rows from
-the static hidden states and draws one token a row (engine/sampling_kernels.py `race`: greedy rows
-take the argmax, the others the keyed exponential race) into a static token buffer. Each row's key
-and 1/T ride in the same upload as the step's inputs, so a step whose rows need nothing else of
-the sampler (the engine decides which) costs two replays and no sampler launches on the host. Its
-logits live in the draw graphs' own pool and are never read outside.
-
-Knows nothing of scheduling or sampling parameters; asks the attention backend for its graph mode
+Knows nothing of scheduling or sampling; asks the attention backend for its graph mode
 (`supports_cuda_graphs`, `graph_mode`).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -267,27 +257,9 @@ def capture_graphs(
     return graphs
 
 
-HEAD_LOGITS_BYTES = 32 << 20  # the draw graphs' largest logits (float32 and the model's dtype), in their pool
-
-
-class DrawRows(NamedTuple):
-    """A decode step's draw on the device (`DecodeGraphs.run_and_draw`), one entry a row: the row's
-    noise key (a 64-bit key's int64 bits) and 1/T (0: greedy)."""
-
-    keys: Sequence[int]
-    inv_temps: Sequence[float]
-
-
-def draw_sizes(sizes: Sequence[int], vocab_size: int, logit_bytes: int = 6) -> list[int]:
-    """The captured sizes a draw graph serves: those whose logits fit HEAD_LOGITS_BYTES (the smallest always)."""
-    fit = [size for size in sizes if size * vocab_size * logit_bytes <= HEAD_LOGITS_BYTES]
-    return fit or [min(sizes)]
-
-
 class DecodeGraphs:
     """Static device buffers, one CUDA graph per captured row count, and the step that fills and
-    replays them. Owned by a ModelRunner; shares its staging buffer. With `draw_kernels`
-    (engine.sampling_kernels), also the draw graphs (`run_and_draw`)."""
+    replays them. Owned by a ModelRunner; shares its staging buffer."""
 
     def __init__(
         self,
@@ -298,7 +270,6 @@ class DecodeGraphs:
         max_rows: int,
         max_context: int,
         max_multi_row_keys: int = DEFAULT_MAX_MULTI_ROW_KEYS,
-        draw_kernels: ModuleType | None = None,
     ) -> None:
         if max_context < 1:
             raise ValueError(f"max_context={max_context} must be at least 1")
@@ -324,14 +295,6 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_size, weight.shape[1], dtype=weight.dtype, device=device)  # [rows, hidden]
         self._metadata = {size: self._metadata_for(size) for size in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.kernels = draw_kernels
-        vocab_size = model.arch.vocab_size
-        self.draw_sizes = draw_sizes(self.sizes, vocab_size) if draw_kernels is not None else []
-        largest_draw = max(self.draw_sizes, default=0)
-        self.draw_params = torch.zeros(2, largest_draw, dtype=torch.long, device=device)  # keys, 1/T float32 bits
-        self.drawn = torch.zeros(largest_draw, dtype=torch.long, device=device)  # the draw graphs' tokens
-        self._draw_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.num_draws = 0  # steps drawn by run_and_draw
         self.num_replays = 0  # graph steps run (CPU: eager runs of the same code)
         self.num_padding_rows = 0  # padding rows computed by those steps
 
@@ -357,20 +320,10 @@ class DecodeGraphs:
         )
         self.hidden[:size].copy_(hidden)
 
-    def _draw_body(self, size: int) -> None:
-        """The draw's captured work: logits of the first `size` static hidden rows, one token a row."""
-        assert self.kernels is not None
-        logits = self.model.compute_logits(self.hidden[:size])
-        inv_temp = self.draw_params[1, :size].to(torch.int32).view(torch.float32)
-        self.drawn[:size].copy_(self.kernels.race(logits, inv_temp, self.draw_params[0, :size]))
-
     def capture(self) -> None:
-        """One graph per size, largest first, in one shared pool, and the draw graphs in their own
-        (CUDA); nothing elsewhere."""
+        """One graph per size, largest first, in one shared pool (CUDA); nothing elsewhere."""
         if self.is_cuda:
             self._graphs = capture_graphs(self.sizes, self._body, self.device)
-            if self.draw_sizes:
-                self._draw_graphs = capture_graphs(self.draw_sizes, self._draw_body, self.device)
 
     @torch.inference_mode()
     def run(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor | None:
@@ -380,49 +333,9 @@ class DecodeGraphs:
         layout = plan_graph_step(seqs, self.sizes, self.max_context, self.block_size, self.max_multi_row_keys)
         if layout is None:
             return None
-        staged = self._replay(seqs, patch, layout, None)
-        if layout.logit_rows is None:
-            return self.hidden[: layout.num_rows]
-        return self.hidden.index_select(0, staged[layout.num_table_end :])
-
-    @torch.inference_mode()
-    def run_and_draw(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None, draw: DrawRows) -> torch.Tensor | None:
-        """Runs a graph-eligible step whose every row returns logits and fits a draw graph, then its
-        draw; returns the tokens [rows] int64 (a view of the static buffer: read or copy it before the
-        next step's draw), or None if the step is not such a step (nothing was done)."""
-        if not self.draw_sizes:
-            return None
-        layout = plan_graph_step(seqs, self.draw_sizes, self.max_context, self.block_size, self.max_multi_row_keys)
-        if layout is None or layout.logit_rows is not None or layout.num_rows != len(seqs):
-            return None  # NOTE: also a step of several rows a sequence (a verification): one token a row here
-        if len(draw.keys) != layout.num_rows or len(draw.inv_temps) != layout.num_rows:
-            raise ValueError(f"a draw needs one key and one 1/T a row: {layout.num_rows} rows, "
-                             f"{len(draw.keys)} keys, {len(draw.inv_temps)} inverse temperatures")
-        self._replay(seqs, patch, layout, draw)
-        g = layout.graph_size
-        if self.is_cuda:
-            self._draw_graphs[g].replay()
-        else:
-            self._draw_body(g)
-        self.num_draws += 1
-        return self.drawn[: layout.num_rows]
-
-    def _replay(
-        self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None, layout: GraphStepLayout, draw: DrawRows | None
-    ) -> torch.Tensor:
-        """Stages the step (and its draw's keys and 1/T after the layout's values: padding rows greedy,
-        key 0), replays its forward graph; the staged values on the device."""
         g, cols = layout.graph_size, layout.num_block_cols
-        num_values = layout.num_values + (2 * g if draw is not None else 0)
-        host = self.staging.host(num_values)
-        fill_graph_step(host, seqs, layout, self.block_size)
-        if draw is not None:
-            pad = [0] * (g - layout.num_rows)
-            inv_temp_bits = array("i", array("f", draw.inv_temps).tobytes())  # NOTE: float32 bits, as int32
-            host[layout.num_values :] = [*draw.keys, *pad, *inv_temp_bits, *pad]
-        staged = self.staging.upload(num_values)  # [num_values] int64 on the device
-        if draw is not None:
-            self.draw_params[:, :g].copy_(staged[layout.num_values :].view(2, g))
+        fill_graph_step(self.staging.host(layout.num_values), seqs, layout, self.block_size)
+        staged = self.staging.upload(layout.num_values)  # [num_values] int64 on the device
         self.tokens[:, :g].copy_(staged[: 3 * g].view(3, g))
         self.seq_lens[:g].copy_(staged[3 * g : 4 * g])
         self.block_tables[:g, :cols].copy_(staged[4 * g : layout.num_table_end].view(g, cols))
@@ -434,4 +347,6 @@ class DecodeGraphs:
             self._body(g)
         self.num_replays += 1
         self.num_padding_rows += g - layout.num_rows
-        return staged
+        if layout.logit_rows is None:
+            return self.hidden[: layout.num_rows]
+        return self.hidden.index_select(0, staged[layout.num_table_end :])

@@ -37,7 +37,6 @@ meets one after asynchronous steps only reads the step in flight.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig, SamplingParams
-from engine.cuda_graphs import DrawRows, graph_max_rows
+from engine.cuda_graphs import graph_max_rows
 from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError
 from engine.models import ArchConfig
@@ -189,7 +188,6 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
-        self._draw_keys = random.Random(config.model.seed)  # keys of unseeded rows drawn by the draw graphs
         # Blocks held outside running requests, by key: a prefill's finished request awaiting its
         # push (key = request id) or a decode worker's lease (key = lease id).
         self.held: dict[str, list[int]] = {}
@@ -404,9 +402,8 @@ class EngineCore:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         pending, sampling = None, []
         if out.scheduled:
+            logits = self._forward(out, prev)
             sampling = [s for s in out.scheduled if s.will_sample]
-            rows = [_row(s.request) for s in sampling]
-            logits, drawn = self._forward(out, prev, self._device_draw(out, rows))
             mask = None
             if self._constrains(sampling):
                 if prev is not None:
@@ -415,11 +412,8 @@ class EngineCore:
                     (outputs, mask), prev = self._resolve(prev, sampling), None
                 else:
                     mask = self._mask(sampling)
-            if drawn is not None:
-                pending = self.sampler.drawn(drawn, rows)
-            elif sampling:
-                assert logits is not None
-                pending = self.sampler.launch(logits, rows, self.generator, mask)
+            if sampling:
+                pending = self.sampler.launch(logits, [_row(s.request) for s in sampling], self.generator, mask)
         if prev is not None:
             outputs = self._resolve(prev)[0]
         if out.scheduled:
@@ -430,19 +424,8 @@ class EngineCore:
         """Whether a request of the draw follows a grammar."""
         return bool(self.grammars) and any(s.request.request_id in self.grammars for s in sampling)
 
-    def _device_draw(self, out: SchedulerOutput, rows: Sequence[SamplingRow]) -> DrawRows | None:
-        """The draw of a decode step whose every row the draw graphs can draw (`Sampler.device_draw`),
-        or None."""
-        if not self.runner.draws or len(rows) != len(out.scheduled):
-            return None
-        draw = Sampler.device_draw(rows, self._draw_keys)
-        return DrawRows(*draw) if draw is not None else None
-
-    def _forward(
-        self, out: SchedulerOutput, prev: _Inflight | None, draw: DrawRows | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Queues the step's forward; reads nothing back. Its logits, or with `draw` (when the draw
-        graphs serve the step) its tokens on the device instead: (logits, None) or (None, tokens)."""
+    def _forward(self, out: SchedulerOutput, prev: _Inflight | None) -> torch.Tensor:
+        """Queues the step's forward; reads nothing back. Its logits."""
         patch = None
         if prev is not None:
             rows = {s.request.request_id: i for i, s in enumerate(prev.sampling)}
@@ -461,11 +444,7 @@ class EngineCore:
             if dst:
                 assert prev.pending is not None
                 patch = TokenPatch(prev.pending.token_ids, dst, src)
-        if draw is not None:
-            drawn = self.runner.execute_and_draw(out.scheduled, patch, draw)
-            if drawn is not None:
-                return None, drawn
-        return self.runner.execute(out.scheduled, patch), None
+        return self.runner.execute(out.scheduled, patch)
 
     def _book(self, out: SchedulerOutput, sampling: list[ScheduledRequest], pending: PendingSample | None) -> _Inflight:
         """A launched step's KV counts and commits, and its placeholders; after the previous step's
@@ -553,12 +532,7 @@ class EngineCore:
         """One _Sampled per sampling request, in scheduled order."""
         if not out.scheduled:
             return []
-        rows = [_row(s.request) for s in out.scheduled if s.will_sample]
-        logits, drawn = self._forward(out, None, self._device_draw(out, rows))
-        if drawn is not None:
-            return [_Sampled([t], None, None) for t in self.sampler.finish(self.sampler.drawn(drawn, rows)).token_ids]
-        assert logits is not None
-        return self._sample(out, logits)
+        return self._sample(out, self.runner.execute(out.scheduled))
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
         sampling = [s for s in out.scheduled if s.will_sample]

@@ -99,9 +99,5 @@ def build_runner(config: EngineConfig, parts: RankParts, kv: torch.Tensor, devic
     runner = ModelRunner(parts.model, kv, parts.backend, device, leader)
     if cuda_graphs_enabled(config.model, device, parts.backend):
         # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
-        # The draw graphs serve the fused sampler's rows on one rank (a TP step's logits gather).
-        kernels = None
-        if config.model.fused_ops and tp is None:
-            from engine import sampling_kernels as kernels  # NOTE: imports triton
-        runner.capture_decode_graphs(graph_max_rows(config), max_seq_tokens, draw_kernels=kernels)
+        runner.capture_decode_graphs(graph_max_rows(config), max_seq_tokens)
     return runner

@@ -15,14 +15,13 @@ verifications, short prompts: engine/cuda_graphs.py) replay CUDA graphs once
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.cuda_graphs import DecodeGraphs, DrawRows
+from engine.cuda_graphs import DecodeGraphs
 from engine.models import LlamaForCausalLM
 from engine.parallel import TPGroup
 from engine.pinned import upload
@@ -154,14 +153,12 @@ class ModelRunner:
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
-    def capture_decode_graphs(self, max_rows: int, max_context: int, draw_kernels: ModuleType | None = None) -> None:
+    def capture_decode_graphs(self, max_rows: int, max_context: int) -> None:
         """Captures CUDA graphs of steps of up to max_rows one-query rows (engine/cuda_graphs.py)
-        whose contexts are at most max_context tokens, and with `draw_kernels`
-        (engine.sampling_kernels) the draw graphs of `execute_and_draw`; call once, after the KV
-        cache exists, before any step."""
+        whose contexts are at most max_context tokens; call once, after the KV cache exists, before
+        any step."""
         assert self.graphs is None, "graphs are captured once"
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.staging, max_rows, max_context,
-                              draw_kernels=draw_kernels)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.staging, max_rows, max_context)
         graphs.capture()
         self.graphs = graphs
 
@@ -236,23 +233,6 @@ class ModelRunner:
             patch.apply(ids)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         return self.model.compute_logits(hidden.index_select(0, logit_rows))
-
-    @property
-    def draws(self) -> bool:
-        """Whether `execute_and_draw` can serve a step (draw graphs captured, one rank)."""
-        return self.graphs is not None and bool(self.graphs.draw_sizes) and self.leader is None
-
-    def execute_and_draw(
-        self, scheduled: Sequence[ScheduledRequest], patch: TokenPatch | None, draw: DrawRows
-    ) -> torch.Tensor | None:
-        """A decode step (one sampling row a request, none verifying) and its draw on the device in
-        graphs (engine/cuda_graphs.py `run_and_draw`): the tokens [rows] int64 in scheduled order,
-        or None when no draw graph serves the step (then nothing was run: call `execute`)."""
-        if not self.draws or any(s.num_spec_tokens for s in scheduled):
-            return None
-        assert self.graphs is not None
-        seqs, _ = _forward_seqs(scheduled, patch_drafts=True)  # NOTE: no drafts: nothing verifies
-        return self.graphs.run_and_draw(seqs, patch, draw)
 
     def execute(
         self, scheduled: Sequence[ScheduledRequest], patch: TokenPatch | None = None

@@ -23,8 +23,7 @@ its token depends on (seed, n) and its distribution, never on the other rows, th
 many draws came before, or which worker drew them. A request moved to another worker, with the
 tokens it had generated recomputed (`num_prior_output_tokens`), so continues the very stream of a
 fault-free run. Greedy rows draw nothing. With `fused` (CUDA) the kernels compute those very noise
-values themselves (engine/sampling_kernels.py), and a decode step whose rows `device_draw` admits
-is drawn in the draw graphs right after its forward (engine/cuda_graphs.py), with the same kernel.
+values themselves (engine/sampling_kernels.py).
 
 Speculative decoding (Leviathan et al., 2023) adds two entry points:
 
@@ -69,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -150,10 +148,9 @@ class SampleResult:
 
 @dataclass(frozen=True)
 class PendingSample:
-    """A draw queued on the device and not yet read: `Sampler.launch`'s (or `Sampler.drawn`'s), for
-    `Sampler.finish`."""
+    """A draw queued on the device and not yet read: `Sampler.launch`'s, for `Sampler.finish`."""
 
-    raw: torch.Tensor | None  # [rows, vocab] float32: the logits, for logprobs; None: no row asks
+    raw: torch.Tensor  # [rows, vocab] float32: the logits, for logprobs
     token_ids: torch.Tensor  # [rows] int64 on the device
     rows: Sequence[SamplingRow]
     # NOTE: queued right behind the draw, so reading it waits for the draw alone, not for the next
@@ -235,47 +232,8 @@ class Sampler:
     def finish(self, pending: PendingSample) -> SampleResult:
         """Reads a launched draw's tokens (the host waits for the device here) and its logprobs."""
         token_ids = pending.download.read()
-        if pending.raw is None:
-            return SampleResult(token_ids=token_ids, logprobs=[None] * len(token_ids),
-                                top_logprobs=[None] * len(token_ids))
         logprobs, top_logprobs = _gather_logprobs(pending.raw, pending.token_ids, pending.rows)
         return SampleResult(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
-
-    @staticmethod
-    def drawn(token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
-        """A draw done on the device by the draw graphs (`device_draw`'s rows): its tokens [rows] int64,
-        copied to the host behind the draw."""
-        return PendingSample(None, token_ids, rows, Download(token_ids))
-
-    @staticmethod
-    def device_draw(rows: Sequence[SamplingRow], keys: random.Random) -> tuple[list[int], list[float]] | None:
-        """Each row's noise key (int64 bits) and 1/T (0: greedy) for a draw on the device by the race
-        kernel alone (the draw graphs, engine/cuda_graphs.py), which gives `__call__`'s token for a
-        row that is greedy or has a temperature and nothing more: no logprobs, penalties, grammar,
-        truncation or min_tokens still to reach. A seeded row's key is its `draw_seed`, another's
-        from `keys`. None when a row needs more."""
-        row_keys: list[int] = []
-        inv_temps: list[float] = []
-        for row in rows:
-            params = row.params
-            if (
-                params.logprobs is not None
-                or params.grammar is not None
-                or len(row.output_token_ids) < params.min_tokens
-                or params.top_k > 0
-                or params.top_p < 1.0
-                or params.min_p > 0.0
-                or has_penalty(params)
-            ):
-                return None
-            if params.is_greedy:
-                row_keys.append(0)
-                inv_temps.append(0.0)
-            else:
-                key = _draw_key(row)
-                row_keys.append(keys.getrandbits(63) if key is None else _as_int64(key))
-                inv_temps.append(1.0 / params.temperature)
-        return row_keys, inv_temps
 
     def launch(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None,

@@ -122,12 +122,10 @@ def _race_kernel(
     logits_ptr, inv_temp_ptr, key_ptr, best_ptr, index_ptr, stride, vocab, num_chunks, threads,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (rows, chunks): the best score of chunk c of row r, and the smallest index holding it.
-    A row of inverse temperature 0 (greedy) scores its logits alone."""
+    """Grid (rows, chunks): the best score of chunk c of row r, and the smallest index holding it."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
-    noisy = inv_temp > 0
     key = tl.load(key_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
@@ -135,7 +133,7 @@ def _race_kernel(
         cols = start + tl.arange(0, BLOCK)
         ok = cols < vocab
         x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        score = tl.where(noisy, x * inv_temp - tl.log(_torch_exponential(key, cols, threads)), x)
+        score = x * inv_temp - tl.log(_torch_exponential(key, cols, threads))
         better = ok & (score > best)  # NaN scores never win
         best = tl.where(better, score, best)
         best_index = tl.where(better, cols, best_index)
@@ -149,11 +147,10 @@ def race(
     logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, chunk: int = _CHUNK, block: int = _BLOCK,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """logits [rows, vocab] (any float dtype), inv_temp [rows] float32 (1 / T; 0: greedy, the argmax),
-    keys [rows] int64 (a 64-bit key's bits) -> one token per row [rows] int64, drawn from
-    softmax(logits / T). chunk (a multiple of block) and block: powers of two; only the speed depends
-    on them (tests make them small). threads: torch's fill's (`torch_threads`, the default). Nothing
-    here reads the device or the host's clock: a CUDA graph may capture it."""
+    """logits [rows, vocab] (any float dtype), inv_temp [rows] float32 (1 / T, > 0), keys [rows]
+    int64 (a 64-bit key's bits) -> one token per row [rows] int64, drawn from softmax(logits / T).
+    chunk (a multiple of block) and block: powers of two; only the speed depends on them (tests make
+    them small). threads: torch's fill's (`torch_threads`, the default)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()

@@ -204,9 +204,7 @@ def test_graphs_need_a_graph_capable_backend():
 
 
 # ---- the graph path against the eager one (Triton interpreter)
-def _eager_and_graphed(
-    max_rows: int, seed: int, draw_kernels: object = None
-) -> tuple[ModelRunner, ModelRunner, ArchConfig]:
+def _eager_and_graphed(max_rows: int, seed: int) -> tuple[ModelRunner, ModelRunner, ArchConfig]:
     """Two runners of the default model on one interpreted Triton backend, over equal KV caches of
     24 blocks of 4: one eager, one through the graph path (rows up to max_rows, contexts up to 64)."""
     from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
@@ -222,7 +220,7 @@ def _eager_and_graphed(
     backend = TritonAttention(spec, config)
     eager = ModelRunner(model, allocate_kv_tensors(arch, 24, 4, torch.float32, cpu), backend, cpu)
     graphed = ModelRunner(model, eager.kv_caches.clone(), backend, cpu)
-    graphed.capture_decode_graphs(max_rows=max_rows, max_context=64, draw_kernels=draw_kernels)  # type: ignore[arg-type]
+    graphed.capture_decode_graphs(max_rows=max_rows, max_context=64)
     return eager, graphed, arch
 
 
@@ -286,49 +284,3 @@ def test_graph_rows_of_prompts_and_verifications_equal_the_eager_prefill_kernel(
         torch.testing.assert_close(graphed.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5, msg=f"KV, step {step}")
     assert graphs.num_replays == 3, "every step fits the 16-row graph"
     assert graphs.num_padding_rows == (16 - 14) + (8 - 5) + (8 - 7)
-
-
-def test_a_draw_graph_step_draws_the_samplers_tokens(interpreted_kernels):
-    """`run_and_draw` (the draw graphs' work, run eagerly on the CPU): a decode step's forward, then
-    in the draw the tokens `Sampler(fused=True)` draws from the same logits, row by row (greedy,
-    seeded and unseeded rows, the unseeded with the keys the draw was given), the padding row of the
-    size-4 graph left out; a step of several rows a sequence is not drawn (None, nothing run)."""
-    import random
-
-    from engine.cuda_graphs import DrawRows
-    from engine.sampler import Sampler, SamplingRow
-    from engine.config import SamplingParams
-    from tests.interpreted import import_interpreted
-
-    kernels = import_interpreted("engine.sampling_kernels", "_race_kernel")
-    eager, graphed, arch = _eager_and_graphed(max_rows=4, seed=2, draw_kernels=kernels)
-    graphs = graphed.graphs
-    assert graphs is not None and graphs.draw_sizes == [1, 2, 4]
-    tables = [[5, 0, 11, 2, 17, 8], [3, 14, 9, 21, 6, 12], [19, 1, 22, 7, 15, 4]]
-    tokens = [torch.randint(2, arch.vocab_size, (n,)).tolist() for n in (5, 9, 12)]
-    graphed.forward([ForwardSeq(t, 0, b, 1) for t, b in zip(tokens, tables)])
-    params = [SamplingParams(max_tokens=32, temperature=0.0), SamplingParams(max_tokens=32, temperature=0.8, seed=5),
-              SamplingParams(max_tokens=32, temperature=1.3)]
-    outputs: list[list[int]] = [[], [], []]
-    sampler, keys = Sampler([0], fused=True), random.Random(0)
-    for step in range(4):
-        seqs = [decode(tokens[i][-1], len(tokens[i]) - 1, tables[i]) for i in range(3)]
-        rows = [SamplingRow(params[i], tokens[i], outputs[i]) for i in range(3)]
-        draw = Sampler.device_draw(rows, keys)
-        assert draw is not None
-        drawn = graphs.run_and_draw(seqs, None, DrawRows(*draw))
-        assert drawn is not None and drawn.shape == (3,)
-        logits = graphed.model.compute_logits(graphs.hidden[:3])
-        inv_temp = torch.tensor(draw[1], dtype=torch.float32)
-        want = kernels.race(logits, inv_temp, torch.tensor(draw[0]))  # the draw's own keys (unseeded rows)
-        assert drawn.tolist() == want.tolist(), f"step {step}"
-        assert drawn[:2].tolist() == sampler(logits[:2], rows[:2]).token_ids, "greedy and seeded: the sampler's own"
-        for i, t in enumerate(drawn.tolist()):
-            tokens[i].append(t)
-            outputs[i].append(t)
-    assert graphs.num_draws == 4 and graphs.num_padding_rows == 4
-    verification = [ForwardSeq(tokens[0][-2:], len(tokens[0]) - 2, tables[0], 2)]
-    assert graphs.run_and_draw(verification, None, DrawRows([0], [0.0])) is None
-    assert graphs.num_replays == 4, "nothing ran"
-    with pytest.raises(ValueError, match="one key and one 1/T a row"):
-        graphs.run_and_draw([decode(3, 20, tables[0])], None, DrawRows([0, 1], [0.0, 0.0]))

@@ -71,20 +71,6 @@ def test_race_tends_to_the_argmax_as_temperature_falls() -> None:
     assert torch.equal(tokens, logits.float().argmax(dim=1))
 
 
-def test_race_takes_the_argmax_of_greedy_rows() -> None:
-    """Inverse temperature 0 marks a greedy row: its logits' argmax (the first index of a tie), no
-    noise; the sampled rows beside it draw as they would alone."""
-    vocab, rows = 40, 6
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8))
-    logits[0, 3] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
-    inv_temp = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 2.0])
-    seeds = _seeds(rows, 9)
-    tokens = sampling_kernels.race(logits, inv_temp, seeds, 16, 8).tolist()
-    assert tokens[0] == 3 and tokens[2] == int(logits[2].argmax()) and tokens[4] == int(logits[4].argmax())
-    for i in (1, 3, 5):
-        assert tokens[i] == sampling_kernels.race(logits[i : i + 1], inv_temp[i : i + 1], seeds[i : i + 1], 16, 8).item()
-
-
 def _row(**params: object) -> SamplingRow:
     output = params.pop("output", ())
     return SamplingRow(SamplingParams(max_tokens=16, **params), [1, 2], list(output))  # type: ignore[arg-type]
