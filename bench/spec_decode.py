@@ -39,6 +39,7 @@ from bench.common import (
     base_parser,
     build_engine,
     check_no_leak,
+    decode_window,
     environment,
     label_bars,
     random_prompts,
@@ -113,31 +114,11 @@ def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingPara
 
     gc.callbacks.append(on_gc)
     try:
-        start, num_tokens, num_steps = _run_steps(engine, len(prompts))
+        wall_s, num_tokens, num_steps, _ = decode_window(engine, len(prompts))
     finally:
         gc.callbacks.remove(on_gc)
-    synchronize(engine.device)
-    wall_s = time.perf_counter() - start if start is not None else 0.0
     check_no_leak(engine)
     return {"decode_s": wall_s, "num_decode_tokens": num_tokens, "num_decode_steps": num_steps, "gc_s": gc_s[0]}
-
-
-def _run_steps(engine: EngineCore, num_requests: int) -> tuple[float | None, int, int]:
-    """Steps until done; (decode start time, decode tokens, decode steps)."""
-    started: set[str] = set()
-    num_tokens = num_steps = 0
-    start = None
-    while engine.has_unfinished():
-        outputs = engine.step()
-        if start is None:
-            started.update(o.request_id for o in outputs)
-            if len(started) == num_requests:
-                synchronize(engine.device)
-                start = time.perf_counter()
-            continue
-        num_tokens += sum(len(o.new_token_ids) for o in outputs)
-        num_steps += 1
-    return start, num_tokens, num_steps
 
 
 def draft_shape(engine: EngineCore) -> dict[str, Any] | None:

@@ -695,13 +695,13 @@ def _exponential_race(
     shared_rows = [i for i, key in enumerate(keys) if key is None]
     keyed_rows = [i for i, key in enumerate(keys) if key is not None]
     if keyed_rows and kernels is not None:
-        keyed_noise = kernels.keyed_noise(
-            upload([_as_int64(keys[i]) for i in keyed_rows], torch.long, probs.device), probs.shape[1]  # type: ignore[arg-type]
-        )
-        if len(keyed_rows) == len(keys):
+        n = len(keyed_rows)
+        rows_and_keys = upload([*keyed_rows, *(_as_int64(keys[i]) for i in keyed_rows)], torch.long, probs.device)  # type: ignore[arg-type]
+        keyed_noise = kernels.keyed_noise(rows_and_keys[n:], probs.shape[1])
+        if n == len(keys):
             noise = keyed_noise
         else:
-            noise.index_copy_(0, upload(keyed_rows, torch.long, probs.device), keyed_noise)
+            noise.index_copy_(0, rows_and_keys[:n], keyed_noise)
     elif keyed_rows:
         # NOTE: one generator re-seeded per row: a draw reads its seed when it is issued, also on CUDA.
         keyed = torch.Generator(device=probs.device)
