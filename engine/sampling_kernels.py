@@ -68,7 +68,6 @@ _VERIFY_WARPS = 16
 # torch's CUDA random fills (ATen's DistributionTemplates.h): blocks of 256 threads, at most as many
 # blocks as the device keeps resident (SMs x 2048 / 256), each thread striding the tensor.
 _TORCH_BLOCK = 256
-_TORCH_CALL = 4  # uniforms a Philox call gives (curand_uniform4)
 _UNIFORM_SCALE = tl.constexpr(2.3283064365386963e-10)  # 2**-32: curand_uniform maps x to x * 2**-32 + 2**-33, in (0, 1]
 _NEAR_ONE = tl.constexpr(0.99999994)  # 1 - 2**-24: from here torch takes log(u) = -2**-24 (float32 epsilon / 2)
 
@@ -85,7 +84,6 @@ else:
         """CUDA's __logf (the fast one): torch's exponential_ takes the log of its uniforms with it,
         bit for bit (bench/diag/noise_variants.py; CUDA's accurate logf differs in the last bits)."""
         return libdevice.fast_logf(x)
-
 
 
 @functools.cache
@@ -105,7 +103,7 @@ def _torch_exponential(key, cols, threads):
     """E ~ Exponential(1) at elements `cols` of torch's CUDA `exponential_` from a generator seeded
     with `key` (int64 bits of the 64-bit seed), its fill run by `threads` threads."""
     thread = cols % threads
-    uniform = cols // threads  # the thread's uniform: call uniform // 4, word uniform % 4
+    uniform = cols // threads  # the thread's uniform: its Philox call uniform // 4 (curand_uniform4), word uniform % 4
     call = (uniform // 4).to(tl.uint32)
     zero = call * 0
     w0, w1, w2, w3 = philox(key, call, zero, thread.to(tl.uint32), zero)
