@@ -42,7 +42,7 @@ def _help(model: type, field: str) -> str:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (model, dtype, device, KV cache, batching), defaults and help from its configs;
     `serve`, `generate` and bench/goodput.py share them."""
-    for field, kind in (("model", str), ("dtype", str), ("device", str), ("load_format", str),
+    for field, kind in (("model", str), ("dtype", str), ("device", str), ("load_format", str), ("quantization", str),
                         ("max_model_len", int), ("attention_backend", str)):
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=_default(ModelConfig, field),
                             help=_help(ModelConfig, field))
@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The values of add_engine_flags' flags, by engine option name (engine.llm.engine_config's keywords)."""
-    names = ("model", "dtype", "device", "load_format", "max_model_len", "attention_backend", "enforce_eager", "block_size",
-             "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+    names = ("model", "dtype", "device", "load_format", "quantization", "max_model_len", "attention_backend",
+             "enforce_eager", "block_size", "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
     return {n: getattr(args, n) for n in names}
 
 

@@ -72,7 +72,7 @@ def build_parts(config: EngineConfig, model_dir: Path, device: torch.device, dty
                 tp: TensorParallel | None) -> RankParts:
     """tp: this rank's part only (the model checks the sizes divide before allocating anything)."""
     m = config.model
-    model, arch = build_model(model_dir, dtype, device, m.load_format, m.seed, m.fused_ops, tp)
+    model, arch = build_model(model_dir, dtype, device, m.load_format, m.seed, m.fused_ops, tp, m.quantization)
     local = model.local_arch
     spec = AttentionSpec(local.num_heads, local.num_kv_heads, local.head_dim, local.head_dim**-0.5,
                          local.sliding_window)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.rope import apply_rotary
+from engine.quant.fp8 import Fp8Matmul, Fp8Path
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -62,10 +63,12 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 class DecoderOps:
     """The elementwise ops one model uses: Triton's on CUDA (when `triton` is true), else the reference."""
 
-    def __init__(self, triton: bool) -> None:
+    def __init__(self, triton: bool, fp8_path: Fp8Path | None = None) -> None:
+        """fp8_path: how FP8 projections multiply (None: the model has none)."""
         if triton and not HAS_TRITON:
             raise ValueError("fused Triton ops were asked for but triton is not installed; set fused_ops=False")
         self.triton = triton
+        self.fp8 = Fp8Matmul(fp8_path, triton_quant=triton) if fp8_path is not None else None
         if triton:
             # NOTE: imported only here: importing triton decides, once per process, whether its
             # kernels are compiled or interpreted (TRITON_INTERPRET), which tests set later.
@@ -86,6 +89,14 @@ class DecoderOps:
         if self.triton:
             return self._kernels.norm_rope(x, cos, sin, weight, eps)
         return norm_rope_ref(x, cos, sin, weight, eps)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias; an FP8 weight (with its scales) multiplies on the FP8 path."""
+        if weight_scale is None:
+            return F.linear(x, weight, bias)
+        assert self.fp8 is not None, "an FP8 weight in a model built without fp8_path"
+        return self.fp8(x, weight, weight_scale, bias)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.triton:

@@ -22,6 +22,7 @@ from engine.models.arch import ArchConfig
 from engine.models.fused_ops import DecoderOps, rms_norm_ref
 from engine.models.rope import RotaryEmbedding
 from engine.parallel import Shard, TensorParallel, TPShard, local_arch
+from engine.quant.fp8 import Fp8Path
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +43,7 @@ def fused_linears(owner: nn.Module, name: str, parts: dict[str, int], in_feature
     total = sum(parts.values())
     owner.register_buffer(f"{name}_weight", torch.empty(total, in_features), persistent=False)
     owner.register_buffer(f"{name}_bias", torch.zeros(total) if bias else None, persistent=False)
+    owner.register_buffer(f"{name}_weight_scale", None, persistent=False)  # FP8: engine/quant/convert.py
     start = 0
     for part, rows in parts.items():
         linear = nn.Linear(in_features, rows, bias=bias, device="meta")
@@ -52,12 +54,19 @@ def fused_linears(owner: nn.Module, name: str, parts: dict[str, int], in_feature
         start += rows
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+def linear_layer(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """An nn.Linear with a `weight_scale` buffer: None, or its FP8 weight's scales (engine/quant/)."""
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    linear.register_buffer("weight_scale", None, persistent=False)
+    return linear
+
+
+def row_parallel(linear: nn.Linear, x: torch.Tensor, ops: DecoderOps, tp: TensorParallel | None) -> torch.Tensor:
     """linear(x) where each rank holds some of linear's input columns: partial sums, all-reduced,
     then the bias once."""
     if tp is None:
-        return linear(x)
-    out = tp.group.all_reduce(F.linear(x, linear.weight))
+        return ops.linear(x, linear.weight, linear.weight_scale, linear.bias)
+    out = tp.group.all_reduce(ops.linear(x, linear.weight, linear.weight_scale, None))
     return out if linear.bias is None else out + linear.bias
 
 
@@ -69,7 +78,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
         fused_linears(self, "qkv", parts, hidden, arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=arch.o_bias)
+        self.o_proj = linear_layer(self.q_size, hidden, arch.o_bias)
         self.qk_norm = arch.qk_norm
         self.eps = arch.rms_norm_eps
         if arch.qk_norm:
@@ -87,7 +96,7 @@ class Attention(nn.Module):
         tp: TensorParallel | None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [tokens, q_size + 2 * kv_size]
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_weight_scale, self.qkv_bias)  # [tokens, q_size + 2 * kv_size]
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
@@ -95,7 +104,7 @@ class Attention(nn.Module):
         q = ops.norm_rope(q, cos, sin, self.q_norm.weight if self.qk_norm else None, self.eps)
         k = ops.norm_rope(k, cos, sin, self.k_norm.weight if self.qk_norm else None, self.eps)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return row_parallel(self.o_proj, out.reshape(tokens, self.q_size), tp)
+        return row_parallel(self.o_proj, out.reshape(tokens, self.q_size), ops, tp)
 
 
 class MLP(nn.Module):
@@ -103,10 +112,11 @@ class MLP(nn.Module):
         super().__init__()
         hidden, inter = arch.hidden_size, arch.intermediate_size
         fused_linears(self, "gate_up", {"gate_proj": inter, "up_proj": inter}, hidden, arch.mlp_bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=arch.mlp_bias)
+        self.down_proj = linear_layer(inter, hidden, arch.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: DecoderOps, tp: TensorParallel | None) -> torch.Tensor:
-        return row_parallel(self.down_proj, ops.silu_and_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)), tp)
+        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_weight_scale, self.gate_up_bias)
+        return row_parallel(self.down_proj, ops.silu_and_mul(gate_up), ops, tp)
 
 
 class DecoderLayer(nn.Module):
@@ -155,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fp8_path: Fp8Path | None = None  # set when the projections are FP8 (engine/quant/convert.py)
         self.ops = DecoderOps(triton=False)  # `use_fused_ops` switches to the Triton kernels
         if self.tp is not None:
             self._mark_shards(shard)
@@ -193,8 +204,9 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def use_fused_ops(self, enabled: bool) -> None:
-        """Triton kernels for RMSNorm (+ residual), q/k norm + rotary and SwiGLU: CUDA only."""
-        self.ops = DecoderOps(triton=enabled)
+        """Triton kernels for RMSNorm (+ residual), q/k norm + rotary, SwiGLU and FP8 activation
+        quantization: CUDA only."""
+        self.ops = DecoderOps(triton=enabled, fp8_path=self.fp8_path)
 
     def forward(
         self,

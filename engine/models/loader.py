@@ -9,6 +9,7 @@ ones that are not.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ from engine.models.fused_ops import HAS_TRITON
 from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import Shard, TensorParallel
+from engine.quant import convert_to_fp8
+from engine.quant.checkpoint import SCALE_SUFFIXES, CheckpointQuant, channel_scales, checkpoint_quant
+from engine.quant.fp8 import FP8, fp8_path, quantize_rows
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -43,12 +47,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def copy_checked(param: torch.nn.Parameter, source: Any, where: str, implied_by: str,
-                 dtype: torch.dtype, device: torch.device) -> None:
-    """param <- source (cast and moved), or a ValueError naming `where` (the file and tensor), both
-    shapes, and what implied param's (`implied_by`). source: a tensor, or a safetensors slice, of
-    which only the part a tensor-parallel rank holds is read (the parameter's `shard`,
-    engine/parallel/shard.py); vocabulary padding rows past the checkpoint's are zeroed."""
+def read_checked(param: torch.Tensor, source: Any, where: str, implied_by: str) -> torch.Tensor:
+    """The part of `source` that `param` holds, or a ValueError naming `where` (the file and tensor),
+    both shapes, and what implied param's (`implied_by`). source: a tensor, or a safetensors slice,
+    of which only the part a tensor-parallel rank holds is read (the parameter's `shard`,
+    engine/parallel/shard.py); rows of a vocabulary padded past the checkpoint's are left out."""
     shard: Shard | None = getattr(param, "shard", None)
     shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
     expected = list(param.shape)
@@ -57,29 +60,102 @@ def copy_checked(param: torch.nn.Parameter, source: Any, where: str, implied_by:
     if shape != tuple(expected):
         raise ValueError(f"{where} has shape {shape}, {implied_by} implies {tuple(expected)}")
     if shard is None:
-        tensor, target = (source if isinstance(source, torch.Tensor) else source[:]), param
-    else:
-        stop = min(shard.stop, shard.full)
-        index = slice(shard.start, stop)
-        tensor = source[index] if shard.dim == 0 else source[:, index]
-        target = param if stop - shard.start == param.shape[shard.dim] else param[: stop - shard.start]
+        return source if isinstance(source, torch.Tensor) else source[:]
+    index = slice(shard.start, min(shard.stop, shard.full))
+    return source[index] if shard.dim == 0 else source[:, index]
+
+
+def copy_checked(param: torch.Tensor, source: Any, where: str, implied_by: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """param <- read_checked(source) cast and moved; vocabulary padding rows are zeroed. An FP8
+    weight (engine/quant/convert.py) from a source of another dtype is quantized per row, its
+    scales written to `param.fp8_scale`; from an FP8 source it is copied as is (scales: the caller)."""
+    tensor = read_checked(param, source, where, implied_by).to(device)
+    target = param if tensor.shape == param.shape else param[: tensor.shape[0]]
     with torch.no_grad():
         if target is not param:
             param.zero_()
-        target.copy_(tensor.to(device=device, dtype=dtype))
+        if param.dtype == FP8 and tensor.dtype != FP8:
+            q, scale = quantize_rows(tensor)
+            target.copy_(q)
+            param.fp8_scale.copy_(scale.view(-1))  # type: ignore[attr-defined]
+        else:
+            target.copy_(tensor.to(dtype=param.dtype if param.dtype == FP8 else dtype))
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+class CheckpointReader:
+    """Every tensor of a checkpoint's safetensors files, by name (a scale may sit in another file
+    than its weight); open until `close`."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._stack = ExitStack()
+        self._where: dict[str, tuple[str, Any]] = {}
+        for file in files:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for name in handle.keys():
+                self._where[name] = (file.name, handle)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def where(self, name: str) -> str:
+        return f"{self._where[name][0]}: tensor {name}"
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._where[name][1].get_tensor(name)
+
+    def slice(self, name: str) -> Any:
+        return self._where[name][1].get_slice(name)
+
+    def is_fp8(self, name: str) -> bool:
+        return self.slice(name).get_dtype() == "F8_E4M3"
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _load_fp8_weight(param: torch.nn.Parameter, reader: CheckpointReader, name: str, quant: CheckpointQuant,
+                     device: torch.device) -> None:
+    """An FP8 linear's weight and scales from a checkpoint that stores it in FP8 (`quant`'s format)."""
+    scales = name + "_scale"
+    if not reader.has(scales):
+        raise ValueError(f"{reader.where(name)} is float8_e4m3fn ({quant.format}) but its scale tensor "
+                         f"{scales} is missing from the checkpoint")
+    copy_checked(param, reader.slice(name), reader.where(name), "config.json", FP8, device)
+    scale = param.fp8_scale  # type: ignore[attr-defined]
+    shard: Shard | None = getattr(scale, "shard", None)
+    full = channel_scales(reader.tensor(scales), shard.full if shard is not None else scale.shape[0],
+                          reader.where(scales))
+    copy_checked(scale, full, reader.where(scales), "config.json", torch.float32, device)
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 quant: CheckpointQuant) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or name not in params:
-                    continue
-                source = f.get_slice(name) if hasattr(params[name], "shard") else f.get_tensor(name)
-                copy_checked(params[name], source, f"{file.name}: tensor {name}", "config.json", dtype, device)
-                loaded.add(name)
+    reader = CheckpointReader(safetensors_files(model_dir))
+    try:
+        for name in reader.names():
+            if name.endswith(_IGNORED_SUFFIXES) or name.endswith(SCALE_SUFFIXES) or name not in params:
+                continue  # NOTE: scales are read with their weights
+            param = params[name]
+            if reader.is_fp8(name) and not quant.is_fp8:
+                raise ValueError(f"{reader.where(name)} is float8_e4m3fn but config.json has no quantization_config "
+                                 "saying how it is scaled")
+            if param.dtype == FP8 and reader.is_fp8(name):
+                _load_fp8_weight(param, reader, name, quant, device)
+            else:
+                if reader.is_fp8(name):
+                    raise ValueError(f"{reader.where(name)} is float8_e4m3fn, but {name} is not a linear "
+                                     "pdserve runs in FP8")
+                source = reader.slice(name) if hasattr(param, "shard") else reader.tensor(name)
+                copy_checked(param, source, reader.where(name), "config.json", dtype, device)
+            loaded.add(name)
+    finally:
+        reader.close()
     tied = {"lm_head.weight"} if model.arch.tie_word_embeddings else set()
     if tied and "lm_head.weight" in loaded:
         loaded.add("model.embed_tokens.weight")
@@ -87,6 +163,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors the model needs: {shown}")
+
+
+def read_checkpoint_quant(model_dir: Path) -> CheckpointQuant:
+    path = model_dir / "config.json"
+    return checkpoint_quant(json.loads(path.read_text()), str(path))
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
@@ -98,18 +179,25 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
+            elif param.dtype == FP8:
+                w = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
+                copy_checked(param, w, name, "the model", param.dtype, param.device)  # quantized per row
             else:
                 param.normal_(0.0, 0.02, generator=gen)
 
 
 def build_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0,
-    fused_ops: bool = True, tp: TensorParallel | None = None,
+    fused_ops: bool = True, tp: TensorParallel | None = None, quantization: str = "auto",
 ) -> tuple[LlamaForCausalLM, ArchConfig]:
     """model_dir: an HF checkpoint directory, a .gguf file, or a directory holding one .gguf (whose
     metadata, not a config.json, gives the architecture). fused_ops: the Triton elementwise kernels
     where they run (CUDA with triton installed). tp: build (and read) only this rank's part; dummy
-    weights then differ per rank (each draws its own part)."""
+    weights then differ per rank (each draws its own part). quantization: 'fp8' runs the decoder's
+    projections in FP8 (engine/quant/), quantizing other weights per row as they load; 'auto' does
+    so when the checkpoint is FP8 and otherwise keeps `dtype`."""
+    if quantization not in ("auto", "fp8"):
+        raise ValueError(f"quantization is {quantization!r}; known: 'auto', 'fp8'")
     model_dir = Path(model_dir)
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None and load_format == "safetensors":
@@ -118,6 +206,7 @@ def build_model(
         )
     gguf = GGUFMetadata.open(gguf_path) if gguf_path is not None else None
     arch = arch_from_gguf(gguf) if gguf is not None else load_arch(model_dir)
+    quant = CheckpointQuant() if gguf is not None else read_checkpoint_quant(model_dir)
     # fail before allocating
     files = [] if load_format == "dummy" or gguf is not None else safetensors_files(model_dir)
     previous = torch.get_default_dtype()
@@ -127,12 +216,14 @@ def build_model(
             model = LlamaForCausalLM(arch, tp)
     finally:
         torch.set_default_dtype(previous)
+    if quantization == "fp8" or quant.is_fp8:
+        convert_to_fp8(model, fp8_path(device, dtype))
     if gguf is not None and load_format != "dummy":
         from engine.models.gguf_weights import load_gguf_weights  # NOTE: imports the gguf package
 
         load_gguf_weights(model, gguf, dtype, device)
     elif files:
-        load_weights(model, model_dir, dtype, device)
+        load_weights(model, model_dir, dtype, device, quant)
     else:
         init_dummy_weights(model, seed)
     model.eval()

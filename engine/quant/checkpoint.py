@@ -1,0 +1,91 @@
+"""What a checkpoint's `quantization_config` (in config.json) says its weights are, checked.
+
+Known: no config (bfloat16/float16/float32 weights); `compressed-tensors` FP8 as llm-compressor
+writes it (format `float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale`
+per channel [out, 1] or per tensor; activations dynamic per token or a static `input_scale`); . Anything
+else is refused with the field that is not supported, transformers' block-scaled `fp8` among them
+(one scale per 128x128 tile; the GEMMs here take one per output channel).
+Knows nothing of tensors (loading: load.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Format = Literal["none", "compressed-tensors"]
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """format: how the linears' weights are stored."""
+
+    format: Format = "none"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.format != "none"
+
+
+def _check(value: Any, allowed: tuple[Any, ...], field: str, source: str) -> None:
+    if value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{source}: quantization_config.{field} is {value!r}; pdserve loads {shown}")
+
+
+def _compressed_tensors(config: dict[str, Any], source: str) -> CheckpointQuant:
+    _check(config.get("format"), ("float-quantized",), "format", source)
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"{source}: quantization_config.config_groups is empty; nothing says how weights are stored")
+    for name, group in groups.items():
+        where = f"config_groups.{name}"
+        weights = group.get("weights") or {}
+        _check(weights.get("num_bits"), (8,), f"{where}.weights.num_bits", source)
+        _check(weights.get("type"), ("float",), f"{where}.weights.type", source)
+        _check(weights.get("strategy"), ("channel", "tensor"), f"{where}.weights.strategy", source)
+        _check(weights.get("symmetric", True), (True,), f"{where}.weights.symmetric", source)
+        activations = group.get("input_activations")
+        if activations is not None:
+            _check(activations.get("num_bits"), (8,), f"{where}.input_activations.num_bits", source)
+            _check(activations.get("type"), ("float",), f"{where}.input_activations.type", source)
+        if group.get("output_activations") is not None:
+            raise ValueError(f"{source}: quantization_config.{where}.output_activations is set; pdserve does not "
+                             "quantize outputs")
+    return CheckpointQuant("compressed-tensors")
+
+
+def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant:
+    """The storage format config.json (parsed, `raw_config`; named `source` in errors) declares."""
+    config = raw_config.get("quantization_config")
+    if config is None:
+        return CheckpointQuant()
+    method = config.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(config, source)
+    if method == "fp8":
+        raise ValueError(
+            f"{source}: quantization_config.quant_method is 'fp8' (transformers' block-scaled FP8, weight_block_size "
+            f"{config.get('weight_block_size')}), which pdserve does not load yet: its FP8 GEMMs take one scale per "
+            "output channel, and requantizing would round every weight twice. Use a compressed-tensors FP8 checkpoint "
+            "(llm-compressor's FP8_DYNAMIC scheme), or the bfloat16 checkpoint with quantization='fp8'")
+    raise ValueError(f"{source}: quantization_config.quant_method is {method!r}; pdserve loads "
+                     "'compressed-tensors' (FP8) and 'fp8' checkpoints")
+
+
+SCALE_SUFFIXES = (".weight_scale", ".input_scale")
+"""Checkpoint tensors that belong to a quantized linear's weight (read with it, never alone).
+NOTE: a static `input_scale` is read past: activations are scaled per token, dynamically."""
+
+
+def channel_scales(scale: torch.Tensor, rows: int, where: str) -> torch.Tensor:
+    """A compressed-tensors weight_scale (per channel [rows, 1] or [rows]; per tensor [1] or [])
+    -> [rows] float32."""
+    if scale.numel() == 1:
+        return scale.float().reshape(1).expand(rows).contiguous()
+    if tuple(scale.shape) in ((rows, 1), (rows,)):
+        return scale.float().reshape(rows)
+    raise ValueError(f"{where} has shape {tuple(scale.shape)}; a per-channel scale of {rows} output rows is "
+                     f"({rows}, 1) and a per-tensor scale has one element")

@@ -1,0 +1,75 @@
+"""FP8 (E4M3) W8A8 linears: per-output-channel weight scales, dynamic per-token activation scales.
+
+A quantized linear holds `weight` [out, in] float8_e4m3fn and `weight_scale` [out] float32, with
+weight ~= weight.float() * weight_scale[:, None]. Its input is quantized row by row as it arrives
+(`quantize_rows`: scale = max|row| / 448, values divided by it and rounded to nearest even), and
+
+    y = (x_q @ weight.T) * x_scale * weight_scale (+ bias)
+
+with float32 accumulation. Two paths compute it: `scaled_mm` (torch._scaled_mm, row-wise scales;
+CUDA with compute capability 8.9+ and bfloat16 activations) and `reference` (everywhere else: the
+same quantized operands multiplied in float32, slowly). Knows nothing of checkpoints (checkpoint.py)
+or of which modules are quantized (convert.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-10
+"""The smallest scale: an all-zero row quantizes to zeros instead of dividing by zero."""
+
+Fp8Path = Literal["scaled_mm", "reference"]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, n] -> (q [rows, n] float8_e4m3fn, scale [rows, 1] float32), q * scale ~= x.
+    The rounding every path shares (the Triton kernel equals it bit for bit)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [rows, n] with scale [rows] or [rows, 1] -> q * scale in `dtype` (references, tests)."""
+    return (q.float() * scale.float().reshape(-1, 1)).to(dtype)
+
+
+def fp8_path(device: torch.device, dtype: torch.dtype) -> Fp8Path:
+    """The path a model on `device` with activations of `dtype` runs."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 9):
+        return "scaled_mm"
+    return "reference"
+
+
+class Fp8Matmul:
+    """y = x @ W.T for FP8 weights, on one path; `triton_quant`: activations quantized by one Triton
+    kernel (CUDA) instead of PyTorch's five."""
+
+    def __init__(self, path: Fp8Path, triton_quant: bool) -> None:
+        self.path = path
+        self.triton_quant = triton_quant
+        if triton_quant:
+            from engine.quant import fp8_kernels  # NOTE: imports triton; only CUDA models (and interpreted tests) do
+
+            self._quantize = fp8_kernels.quantize_rows
+        else:
+            self._quantize = quantize_rows
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        rows = x.reshape(-1, x.shape[-1])
+        x_q, x_scale = self._quantize(rows)
+        if self.path == "scaled_mm":
+            # NOTE: weight.t() of a row-major [out, in] tensor is the column-major operand cuBLASLt wants
+            out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                                   bias=bias, out_dtype=x.dtype)
+        else:
+            out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.view(1, -1)
+            out = (out if bias is None else out + bias.float()).to(x.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])

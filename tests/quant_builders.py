@@ -1,0 +1,138 @@
+"""Builders of FP8 test checkpoints and of the reference they are compared against.
+
+The reference is transformers' own model with each decoder projection's weight replaced by its
+dequantized FP8 value and each projection's input rounded through FP8 per token (the W8A8
+definition, written here from the definition, not from engine/quant/). The checkpoints are written
+in the formats llm-compressor (compressed-tensors) and transformers (block-scaled `fp8`) publish.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8 = torch.float8_e4m3fn
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x rounded to scale * (an E4M3 value): saturating at +-448, to nearest even."""
+    return ((x.float() / scale).clamp(-448, 448).to(FP8).float() * scale).to(x.dtype)
+
+
+def per_row_scale(x: torch.Tensor, headroom: float = 1.0) -> torch.Tensor:
+    """[rows, 1]: the row's max magnitude maps to 448 / headroom."""
+    return (x.float().abs().amax(-1, keepdim=True) * headroom / 448).clamp(min=1e-10)
+
+
+def is_projection(name: str) -> bool:
+    return any(f".{p}." in name for p in PROJECTIONS) and name.endswith(".weight")
+
+
+def fp8_round_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [..., n] rounded through FP8 with one scale per token for each of `groups` equal parts of n."""
+    parts = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+    return fp8_round(parts, per_row_scale(parts)).reshape(x.shape)
+
+
+def fp8_reference(model: Any, weights: dict[str, torch.Tensor] | None = None, tensor_parallel: int = 1) -> Any:
+    """`model` (transformers, float32) made W8A8: each projection's input rounded through FP8 with a
+    per-token scale; its weight `weights[name]` (the checkpoint's dequantized values) or, without
+    `weights`, rounded through FP8 with a per-row scale. tensor_parallel: o_proj's and down_proj's
+    inputs (split by columns across that many ranks) get a scale per token per rank."""
+    for name, module in model.named_modules():
+        part = name.rsplit(".", 1)[-1]
+        if part not in PROJECTIONS:
+            continue
+        with torch.no_grad():
+            w = module.weight
+            w.copy_(weights[f"{name}.weight"] if weights is not None else fp8_round(w, per_row_scale(w)))
+        groups = tensor_parallel if part in ("o_proj", "down_proj") else 1
+        module.register_forward_pre_hook(lambda m, args, g=groups: (fp8_round_groups(args[0], g),))
+    return model
+
+
+def _copy_side_files(src: Path, out: Path, quantization_config: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def write_compressed_tensors(src: Path, out: Path, strategy: str = "channel", headroom: float = 1.25,
+                             scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """An llm-compressor FP8 checkpoint of `src` (weights `strategy` 'channel' or 'tensor', dynamic
+    per-token activations), scales with `headroom` (so they are not the ones pdserve would pick).
+    Returns the projections' dequantized weights, by name."""
+    tensors = load_file(str(next(src.glob("*.safetensors"))))
+    written, dequantized = {}, {}
+    for name, w in tensors.items():
+        if not is_projection(name):
+            written[name] = w
+            continue
+        scale = per_row_scale(w, headroom)
+        if strategy == "tensor":
+            scale = scale.max().reshape(1)
+        scale = scale.to(scale_dtype)
+        q = (w.float() / scale.float()).clamp(-448, 448).to(FP8)
+        written[name], written[name + "_scale"] = q, scale
+        dequantized[name] = q.float() * scale.float()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(written, str(out / "model.safetensors"))
+    group = {"targets": ["Linear"], "output_activations": None,
+             "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                   "dynamic": True}}
+    _copy_side_files(src, out, {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                "config_groups": {"group_0": group}, "ignore": ["lm_head"],
+                                "quantization_status": "compressed"})
+    return dequantized
+
+
+def write_fp8_block(src: Path, out: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """A transformers `fp8` checkpoint of `src`: weights in `block`-sized tiles, each with its own
+    `weight_scale_inv` (partial tiles at the edges). Returns the dequantized weights, by name."""
+    tensors = load_file(str(next(src.glob("*.safetensors"))))
+    written, dequantized = {}, {}
+    br, bc = block
+    for name, w in tensors.items():
+        if not is_projection(name):
+            written[name] = w
+            continue
+        rows, cols = w.shape
+        tiles = torch.zeros(-(-rows // br), -(-cols // bc))
+        for i in range(tiles.shape[0]):
+            for j in range(tiles.shape[1]):
+                tiles[i, j] = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc].abs().max() / 448
+        scale = tiles.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        q = (w / scale).clamp(-448, 448).to(FP8)
+        written[name], written[name + "_scale_inv"] = q, tiles
+        dequantized[name] = q.float() * scale
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(written, str(out / "model.safetensors"))
+    _copy_side_files(src, out, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "weight_block_size": list(block)})
+    return dequantized
+
+
+def agrees_until_a_flip(got: list[int], want: list[int], deviations: list[float], exact: float,
+                        bound: float = 0.5) -> bool:
+    """Greedy tokens `got` against `want`, with each step's logprob deviation: True when every step
+    deviates at most `exact` (all tokens then equal). An FP8 activation that rounds the other way
+    (a different order of float32 sums puts it across a rounding boundary) moves that step's logprobs,
+    and later ones, by up to ~0.5 on the random test models; so tokens must be equal before the first
+    step that deviates more than `exact`, and that step's deviation must stay within `bound`."""
+    for step, (g, w, d) in enumerate(zip(got, want, deviations, strict=True)):
+        if d > exact:
+            assert d <= bound, f"step {step}: logprobs deviate by {d}"
+            return False
+        assert g == w, f"step {step}: token {g}, reference {w}, logprobs within {exact}"
+    return True

@@ -1,0 +1,40 @@
+"""The Triton activation quantization (engine/quant/fp8_kernels.py) equals `fp8.quantize_rows` bit
+for bit under Triton's CPU interpreter: values over ten decades (E4M3 subnormals included), odd
+widths, a zero row, float32/float16/bfloat16 inputs, a strided view. NOTE: imported under
+TRITON_INTERPRET (tests/interpreted.py says how, and why this skips otherwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quant.fp8 import quantize_rows
+from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
+
+fp8_kernels = import_interpreted("engine.quant.fp8_kernels", "_quantize_rows_kernel")
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("width", [7, 100, 4096])
+def test_kernel_equals_reference_bit_for_bit(dtype: torch.dtype, width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    magnitudes = torch.logspace(-8 if dtype != torch.float16 else -4, 2, width)
+    x = (torch.randn(4, width, generator=gen) * magnitudes[torch.randperm(width, generator=gen)]).to(dtype)
+    x[2] = 0.0
+    q, scale = fp8_kernels.quantize_rows(x)
+    want_q, want_scale = quantize_rows(x)
+    assert q.dtype == want_q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    assert not q[2].float().any()
+    # subnormal E4M3 codes (exponent field 0) were exercised
+    assert ((q.view(torch.uint8) & 0x78) == 0).logical_and(q.float() != 0).any() or width == 7
+
+
+def test_kernel_reads_a_strided_view() -> None:
+    whole = torch.randn(3, 96)
+    view = whole[:, 16:80]  # rows 96 apart, 64 wide
+    q, scale = fp8_kernels.quantize_rows(view)
+    want_q, want_scale = quantize_rows(view.contiguous())
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
