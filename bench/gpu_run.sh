@@ -31,15 +31,20 @@
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
 #   scale8  (nvidia-h200-x8): 2P6D vs 8 colocated, then bench.kv_pairs.
+#   quant   (one GPU): the FP8 GPU tests, then bench.quantized (bfloat16 vs FP8 projections at the
+#           Llama-3.1-8B shape: decode steps vs the floor, offline ISL/OSL 1000/1000; $REQUESTS requests,
+#           default 1024, 0 for the decode figures alone).
+#   quality (one GPU): trains the gpu-size pair ($MINUTES, default 4), then bench.quant_quality on its target.
 #   throughput, http, goodput, scale4, scale4b and scale8 also carry router/proto/pdserve_pb2*.py (generated here by
 #   `python -m router.proto.codegen`; the GPU machines have no grpcio-tools).
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
-tar -xJf .raybundle/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
+bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
+tar -xJf "$bundle/site.tar.xz" -C /tmp && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
@@ -51,6 +56,17 @@ case "$part" in
     run 150 python3 -m bench.batching --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 --out "$out"
     run 90 python3 -m bench.profile_step --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16 \
       --batches 1,64,256 --top 0 --steps 10 --out "$out"
+    ;;
+  quant)
+    run 200 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_quant_gpu.py
+    run 560 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --requests "${REQUESTS:-1024}" --out "$out"
+    ;;
+  quality)
+    run 400 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-4}"
+    run 150 python3 -m bench.quant_quality --checkpoint /tmp/pair/target --held-out /tmp/pair/held_out.txt \
+      --dtype bfloat16 --out "$out"
+    cp /tmp/pair/summary.json "$out/quality_pair_summary.json"
     ;;
   engine)
     run 240 python3 -m pytest -q -s -p no:cacheprovider --durations=8 tests/gpu

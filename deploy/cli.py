@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The values of add_engine_flags' flags, by engine option name (engine.llm.engine_config's keywords)."""
     names = ("model", "dtype", "device", "load_format", "quantization", "max_model_len", "attention_backend",
-             "enforce_eager", "block_size", "num_blocks", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+             "enforce_eager", "block_size", "num_blocks", "gpu_memory_utilization", "max_num_seqs",
+             "max_num_batched_tokens", "tensor_parallel_size")
     return {n: getattr(args, n) for n in names}
 
 

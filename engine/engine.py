@@ -37,6 +37,7 @@ meets one after asynchronous steps only reads the step in flight.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.step_rates import StepRates
 from engine.validation import InvalidRequestError, validate_prompt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,9 @@ class EngineCore:
         parts = build_parts(config, self.model_dir, self.device, self.dtype, self.tp)
         arch = parts.arch
         self.arch: ArchConfig = arch
+        fp8 = parts.model.fp8_path
+        self.weights = f"fp8 projections on the {fp8} path" if fp8 is not None else str(self.dtype).removeprefix("torch.")
+        log.info("pdserve engine: %s on %s, weights %s", config.model.model, self.device, self.weights)
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.max_model_len = max_model_len(arch, config.model.max_model_len)
         block_size = config.cache.block_size

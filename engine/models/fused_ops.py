@@ -68,7 +68,7 @@ class DecoderOps:
         if triton and not HAS_TRITON:
             raise ValueError("fused Triton ops were asked for but triton is not installed; set fused_ops=False")
         self.triton = triton
-        self.fp8 = Fp8Matmul(fp8_path, triton_quant=triton) if fp8_path is not None else None
+        self.fp8 = Fp8Matmul(fp8_path, triton=triton) if fp8_path is not None else None
         if triton:
             # NOTE: imported only here: importing triton decides, once per process, whether its
             # kernels are compiled or interpreted (TRITON_INTERPRET), which tests set later.

@@ -6,9 +6,10 @@ weight ~= weight.float() * weight_scale[:, None]. Its input is quantized row by 
 
     y = (x_q @ weight.T) * x_scale * weight_scale (+ bias)
 
-with float32 accumulation. Two paths compute it: `scaled_mm` (torch._scaled_mm, row-wise scales;
-CUDA with compute capability 8.9+ and bfloat16 activations) and `reference` (everywhere else: the
-same quantized operands multiplied in float32, slowly). Knows nothing of checkpoints (checkpoint.py)
+with float32 accumulation. Two paths compute it: `cuda` (CUDA with compute capability 8.9+ and
+bfloat16 activations: up to fp8_kernels.SMALL_MATMUL_MAX_ROWS rows one Triton kernel, quantization
+included; more rows the Triton quantization, then torch._scaled_mm with row-wise scales) and
+`reference` (everywhere else: the same quantized operands multiplied in float32, slowly). Knows nothing of checkpoints (checkpoint.py)
 or of which modules are quantized (convert.py).
 """
 
@@ -23,7 +24,7 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-10
 """The smallest scale: an all-zero row quantizes to zeros instead of dividing by zero."""
 
-Fp8Path = Literal["scaled_mm", "reference"]
+Fp8Path = Literal["cuda", "reference"]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,30 +43,35 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def fp8_path(device: torch.device, dtype: torch.dtype) -> Fp8Path:
     """The path a model on `device` with activations of `dtype` runs."""
     if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 9):
-        return "scaled_mm"
+        return "cuda"
     return "reference"
 
 
 class Fp8Matmul:
-    """y = x @ W.T for FP8 weights, on one path; `triton_quant`: activations quantized by one Triton
-    kernel (CUDA) instead of PyTorch's five."""
+    """y = x @ W.T for FP8 weights, on one path; `triton`: the Triton kernels (CUDA) where they serve:
+    the activation quantization, and the whole product of a few rows."""
 
-    def __init__(self, path: Fp8Path, triton_quant: bool) -> None:
+    def __init__(self, path: Fp8Path, triton: bool) -> None:
         self.path = path
-        self.triton_quant = triton_quant
-        if triton_quant:
+        self._quantize = quantize_rows
+        self._small_matmul = None
+        self._small_max_rows = 0
+        if triton:
             from engine.quant import fp8_kernels  # NOTE: imports triton; only CUDA models (and interpreted tests) do
 
             self._quantize = fp8_kernels.quantize_rows
-        else:
-            self._quantize = quantize_rows
+            if path == "cuda":
+                self._small_matmul = fp8_kernels.small_matmul
+                self._small_max_rows = fp8_kernels.SMALL_MATMUL_MAX_ROWS
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= self._small_max_rows:
+            return self._small_matmul(rows, weight, weight_scale, bias).reshape(*x.shape[:-1], weight.shape[0])
         x_q, x_scale = self._quantize(rows)
-        if self.path == "scaled_mm":
+        if self.path == "cuda":
             # NOTE: weight.t() of a row-major [out, in] tensor is the column-major operand cuBLASLt wants
             out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                                    bias=bias, out_dtype=x.dtype)

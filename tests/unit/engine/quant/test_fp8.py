@@ -49,12 +49,12 @@ def test_reference_path_equals_dequantized_matmul() -> None:
     gen = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(5, 64, generator=gen), torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
     wq, ws = quantize_rows(w)
-    got = Fp8Matmul("reference", triton_quant=False)(x, wq, ws.view(-1), b)
+    got = Fp8Matmul("reference", triton=False)(x, wq, ws.view(-1), b)
     xq, xs = quantize_rows(x)
     want = dequantize_rows(xq, xs, torch.float64) @ dequantize_rows(wq, ws, torch.float64).T + b.double()
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     assert got.dtype == x.dtype
-    three = Fp8Matmul("reference", triton_quant=False)(x.view(5, 1, 64), wq, ws.view(-1), None)
+    three = Fp8Matmul("reference", triton=False)(x.view(5, 1, 64), wq, ws.view(-1), None)
     assert three.shape == (5, 1, 48)
 
 
@@ -78,7 +78,7 @@ def test_models_quantized_at_load_match_w8a8_transformers(hf_checkpoints, make_l
     for arch in ARCHITECTURES:
         path = hf_checkpoints(arch)
         llm = make_llm(str(path), quantization="fp8", device="cpu", num_blocks=64)
-        assert llm.engine.runner.model.fp8_path == "reference"
+        assert llm.engine.weights == "fp8 projections on the reference path"
         c, t = _compare(llm, fp8_reference(load_hf_model(path)))
         close, total = close + c, total + t
     assert close >= 0.8 * total, f"only {close} of {total} sequences within 2e-4"

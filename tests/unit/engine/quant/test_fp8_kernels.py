@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quant.fp8 import quantize_rows
+from engine.quant.fp8 import Fp8Matmul, quantize_rows
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
 fp8_kernels = import_interpreted("engine.quant.fp8_kernels", "_quantize_rows_kernel")
@@ -38,3 +38,16 @@ def test_kernel_reads_a_strided_view() -> None:
     q, scale = fp8_kernels.quantize_rows(view)
     want_q, want_scale = quantize_rows(view.contiguous())
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 48, 300), (2, 100, 1024), (5, 40, 520)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_matmul_equals_reference_path(rows: int, n: int, k: int, bias: bool) -> None:
+    """The one-launch product of a few rows: quantization inside, float32 sums in another order."""
+    gen = torch.Generator().manual_seed(rows * n)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    wq, ws = quantize_rows(w)
+    got = fp8_kernels.small_matmul(x, wq, ws.view(-1), b, (16, 256, 4, 2))
+    want = Fp8Matmul("reference", triton=False)(x, wq, ws.view(-1), b)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
