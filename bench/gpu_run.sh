@@ -31,10 +31,11 @@
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
 #   scale8  (nvidia-h200-x8): 2P6D vs 8 colocated, then bench.kv_pairs.
-#   quant   (one GPU): the FP8 GPU tests, then bench.quantized (bfloat16 vs FP8 projections at the
-#           Llama-3.1-8B shape: decode steps vs the floor, offline ISL/OSL 1000/1000; $REQUESTS requests,
-#           default 1024, 0 for the decode figures alone).
-#   quality (one GPU): trains the gpu-size pair ($MINUTES, default 4), then bench.quant_quality on its target.
+#   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
+#           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
+#           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
+#   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
+#           (bfloat16, FP8 projections, FP8 KV, both).
 #   throughput, http, goodput, scale4, scale4b and scale8 also carry router/proto/pdserve_pb2*.py (generated here by
 #   `python -m router.proto.codegen`; the GPU machines have no grpcio-tools).
 #
@@ -60,10 +61,10 @@ case "$part" in
   quant)
     run 200 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_quant_gpu.py
     run 560 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-      --requests "${REQUESTS:-1024}" --out "$out"
+      --variants ${VARIANTS:-bfloat16 fp8+fp8-kv} --max-num-seqs 512 --requests "${REQUESTS:-1024}" --out "$out"
     ;;
   quality)
-    run 400 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-4}"
+    run 400 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-3}"
     run 150 python3 -m bench.quant_quality --checkpoint /tmp/pair/target --held-out /tmp/pair/held_out.txt \
       --dtype bfloat16 --out "$out"
     cp /tmp/pair/summary.json "$out/quality_pair_summary.json"

@@ -21,7 +21,8 @@ from bench.train_models import held_out_windows, pack
 from engine import LLM
 from engine.attention import AttentionMetadata
 
-VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}}
+VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
+            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 
 
 @torch.inference_mode()

@@ -33,7 +33,8 @@ from bench.tensor_parallel import offline
 from engine import LLM
 
 TRT_LLM_FP8_8B_1000_1000 = {"NVIDIA H200": 17_700, "NVIDIA H100 80GB HBM3": 15_200}
-VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}}
+VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
+            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:

@@ -50,6 +50,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=_default(CacheConfig, field),
                             help=_help(CacheConfig, field))
     parser.add_argument("--gpu-memory-utilization", type=float, default=_default(CacheConfig, "gpu_memory_utilization"))
+    parser.add_argument("--kv-cache-dtype", default=_default(CacheConfig, "kv_cache_dtype"),
+                        help=_help(CacheConfig, "kv_cache_dtype"))
     parser.add_argument("--enforce-eager", action="store_true", help=_help(ModelConfig, "enforce_eager"))
     for field in ("max_num_seqs", "max_num_batched_tokens"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=_default(SchedulerConfig, field),
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The values of add_engine_flags' flags, by engine option name (engine.llm.engine_config's keywords)."""
     names = ("model", "dtype", "device", "load_format", "quantization", "max_model_len", "attention_backend",
-             "enforce_eager", "block_size", "num_blocks", "gpu_memory_utilization", "max_num_seqs",
+             "enforce_eager", "block_size", "num_blocks", "gpu_memory_utilization", "kv_cache_dtype", "max_num_seqs",
              "max_num_batched_tokens", "tensor_parallel_size")
     return {n: getattr(args, n) for n in names}
 

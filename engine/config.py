@@ -87,6 +87,12 @@ class CacheConfig(_Frozen):
         None, ge=2, description="Fixed number of KV blocks; overrides the memory-based sizing (tests, benchmarks)."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse full KV blocks of identical prompt prefixes.")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="'fp8': the paged cache holds K and V as FP8 E4M3 (half of bfloat16's bytes: twice the tokens, "
+        "half the bytes a prefill worker pushes), stored with a unit scale (values as they are, saturating at "
+        "+-448) and read by the attention kernels directly; 'auto': the model's dtype.",
+    )
 
 
 class SchedulerConfig(_Frozen):

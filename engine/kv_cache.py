@@ -190,6 +190,11 @@ class BlockPool:
             raise IntegrityError("the hash map and the blocks' hashes disagree")
 
 
+def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for CacheConfig.kv_cache_dtype `name` in a model of `dtype`."""
+    return torch.float8_e4m3fn if name == "fp8" else dtype
+
+
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of one block over all layers."""
     element = torch.empty((), dtype=dtype).element_size()

@@ -16,7 +16,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionSpec, create_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graphs_enabled, graph_max_rows
-from engine.kv_cache import allocate_kv_tensors, bytes_per_block
+from engine.kv_cache import allocate_kv_tensors, bytes_per_block, kv_cache_dtype
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, LlamaForCausalLM, build_model
 from engine.models.arch import load_arch
 from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
@@ -77,18 +77,20 @@ def build_parts(config: EngineConfig, model_dir: Path, device: torch.device, dty
     spec = AttentionSpec(local.num_heads, local.num_kv_heads, local.head_dim, local.head_dim**-0.5,
                          local.sliding_window)
     backend = create_backend(m.attention_backend, spec, device)
-    return RankParts(model, arch, local, backend, bytes_per_block(local, config.cache.block_size, dtype))
+    kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+    return RankParts(model, arch, local, backend, bytes_per_block(local, config.cache.block_size, kv_dtype))
 
 
 def build_cache(config: EngineConfig, parts: RankParts, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, tp: TensorParallel | None, extra_bytes_per_block: int = 0) -> torch.Tensor:
     """The KV cache; with tensor parallelism every rank gets the fewest blocks any rank can hold
     (block ids mean the same on every rank)."""
-    num_blocks = num_kv_blocks(parts.model, parts.local_arch, parts.backend, config, dtype, device, max_model_len,
+    kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+    num_blocks = num_kv_blocks(parts.model, parts.local_arch, parts.backend, config, kv_dtype, device, max_model_len,
                                extra_bytes_per_block)
     if tp is not None:
         num_blocks = tp.group.min_int(num_blocks)
-    return allocate_kv_tensors(parts.local_arch, num_blocks, config.cache.block_size, dtype, device)
+    return allocate_kv_tensors(parts.local_arch, num_blocks, config.cache.block_size, kv_dtype, device)
 
 
 def build_runner(config: EngineConfig, parts: RankParts, kv: torch.Tensor, device: torch.device,

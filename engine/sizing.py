@@ -21,8 +21,8 @@ def num_kv_blocks(
     max_model_len: int,
     extra_bytes_per_block: int = 0,
 ) -> int:
-    """`extra_bytes_per_block`: memory that grows with each block beside the target's KV (a draft
-    model's KV for the same tokens); the budget is shared out with it."""
+    """`dtype`: the cache's (kv_cache_dtype). `extra_bytes_per_block`: memory that grows with each
+    block beside the target's KV (a draft model's KV for the same tokens); the budget is shared out with it."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks

@@ -136,3 +136,25 @@ def agrees_until_a_flip(got: list[int], want: list[int], deviations: list[float]
             return False
         assert g == w, f"step {step}: token {g}, reference {w}, logprobs within {exact}"
     return True
+
+
+HF_ATTENTION_MODULES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fp8_kv_reference(monkeypatch: Any) -> None:
+    """transformers' eager attention (of every test architecture) fed K (after rotary) and V rounded
+    through FP8 E4M3 with a unit scale (saturating at +-448): what an FP8 KV cache holds."""
+    import importlib
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return x.float().clamp(-448, 448).to(FP8).to(x.dtype)
+
+    for name in HF_ATTENTION_MODULES:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        eager = module.eager_attention_forward
+
+        def patched(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                    _eager: Any = eager, **kwargs: Any) -> Any:
+            return _eager(attn, query, rounded(key), rounded(value), *args, **kwargs)
+
+        monkeypatch.setattr(module, "eager_attention_forward", patched)

@@ -97,10 +97,26 @@ def _fits(cls: object, device: torch.device) -> bool:
     return bool(getattr(cls, "supports_cuda" if device.type == "cuda" else "supports_cpu"))
 
 
+FP8_KV_MAX = 448.0
+"""An FP8 (E4M3) cache stores K and V with a unit scale: values saturate at +-448."""
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `cache_dtype` stores it: cast, or for FP8 clamped to +-448 and rounded to
+    nearest even (the Triton store kernel rounds alike)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store the new tokens' K/V into their paged slots."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        # NOTE: as raw bytes when FP8: torch's CPU index_copy_ has no float8 kernel
+        rows, values = cache.view(-1, num_kv_heads, head_dim), to_cache(new, cache.dtype)
+        if cache.element_size() == 1:
+            rows, values = rows.view(torch.uint8), values.view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, values)

@@ -20,6 +20,8 @@ def gather_context(cache: torch.Tensor, block_table: list[int], seq_len: int) ->
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     ids = torch.tensor(block_table[:num_blocks], device=cache.device, dtype=torch.long)
+    if cache.element_size() == 1:  # NOTE: FP8 as raw bytes: torch's CPU index_select has no float8 kernel
+        return cache.view(torch.uint8).index_select(0, ids).view(cache.dtype).flatten(0, 1)[:seq_len]
     return cache.index_select(0, ids).flatten(0, 1)[:seq_len]
 
 
@@ -83,12 +85,14 @@ class TorchAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        exact_cache = k_cache.dtype == k.dtype
         out = torch.empty_like(q)
         for i, seq_len in enumerate(meta.seq_lens):
             start, stop = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            if stop - start == seq_len > 1 and self.spec.sliding_window is None and q.is_cuda:
-                # A whole prompt with no cached prefix: its K/V are the new ones; let torch's fused
-                # causal kernel (flash attention on GPUs) do it without a score matrix.
+            if stop - start == seq_len > 1 and self.spec.sliding_window is None and q.is_cuda and exact_cache:
+                # A whole prompt with no cached prefix: its K/V are the new ones (as the cache holds
+                # them, unless the cache rounds them: FP8); let torch's fused causal kernel (flash
+                # attention on GPUs) do it without a score matrix.
                 out[start:stop] = _causal_sdpa(q[start:stop], k[start:stop], v[start:stop], self.spec.scale)
                 continue
             ks = gather_context(k_cache, meta.block_tables[i], seq_len)

@@ -11,7 +11,7 @@ Layouts (every last dimension contiguous):
 | --- | --- | --- |
 | q, out | [num_tokens, num_heads, head_dim] | fp16 / bf16 / fp32 |
 | k, v (new tokens) | [num_tokens, num_kv_heads, head_dim] | fp16 / bf16 / fp32 |
-| k_cache, v_cache | [num_blocks, block_size, num_kv_heads, head_dim] | fp16 / bf16 / fp32 |
+| k_cache, v_cache | [num_blocks, block_size, num_kv_heads, head_dim] | fp16 / bf16 / fp32 / fp8 (E4M3) |
 | slot_mapping | [num_tokens], block_id * block_size + offset; < 0 skips the token | int64 |
 | block_tables | [num_seqs, max_blocks] | int32 |
 | seq_lens | [num_seqs], context length after the step | int32 |
@@ -20,7 +20,9 @@ Layouts (every last dimension contiguous):
 Query heads of one KV head are processed together: row r of a tile is query head
 kv_head * GROUP + r (decode) so K/V are read once per KV head, and the rows form the M of `tl.dot`,
 padded to at least 16. Scores are kept in the log2 domain (scale * log2(e) folded in) and every
-sum is float32.
+sum is float32. An FP8 cache (unit scale, engine/attention/base.py) is read as FP8 and converted to
+the queries' dtype in registers (exact: E4M3 values are bfloat16 and float16 values); the store
+kernel saturates at +-448 and rounds to nearest even, as `to_cache` does.
 """
 
 from __future__ import annotations
@@ -37,14 +39,32 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def check_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"{name} has dtype {t.dtype}; the Triton attention takes float16, bfloat16 or float32")
+def check_dtype(name: str, t: torch.Tensor, cache: bool = False) -> None:
+    allowed = (torch.float16, torch.bfloat16, torch.float32) + ((torch.float8_e4m3fn,) if cache else ())
+    if t.dtype not in allowed:
+        raise ValueError(f"{name} has dtype {t.dtype}; the Triton attention takes "
+                         f"{', '.join(str(a).removeprefix('torch.') for a in allowed)}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension; strides {t.stride()}")
 
 
 # ---- store_kv
+@triton.jit
+def _to_cache(x, cache_ptr):
+    """x as the cache stores it (base.to_cache): FP8 saturated at +-448 and rounded to nearest even on
+    E4M3's grid here (|x| + m - m, m = 1.5 * 2^(exponent + 20): engine/quant/fp8_kernels.py), so the
+    conversion is exact under Triton's interpreter too; other dtypes cast."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        y = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        a = tl.abs(y)
+        exponent = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
+        m = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        r = (a + m) - m
+        r = (r.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
+        return r.to(tl.float8e4nv)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -66,8 +86,8 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + h * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + d
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, _to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(v_dst, _to_cache(v, v_cache_ptr), mask=mask)
 
 
 def store_kv(
@@ -78,7 +98,7 @@ def store_kv(
     if num_tokens == 0:
         return
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t)
+        check_dtype(name, t, cache=name.endswith("cache"))
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -3,7 +3,8 @@ activation quantization equals the torch reference bit for bit at real widths; t
 one-launch Triton kernel for 1-2 rows, torch._scaled_mm above) equals the reference path on the
 same FP8 operands (float32 accumulation both; bfloat16 output); a bfloat16 model's greedy tokens
 with FP8 projections on the cuda path (CUDA graphs on) equal the reference path's on the same GPU
-up to the first near-tie."""
+up to the first near-tie; so do the Triton attention kernels over an FP8 KV cache against the torch
+backend's."""
 
 from __future__ import annotations
 
@@ -60,5 +61,23 @@ def test_fp8_model_on_cuda_path_equals_reference_path(hf_checkpoints, make_llm) 
         got, want = a.outputs[0], b.outputs[0]
         for step, top in enumerate(want.top_logprobs):
             if top[0][1] - top[1][1] < 0.3:  # bfloat16 activations: rounding moves logprobs by ~0.1
+                break
+            assert got.token_ids[step] == want.token_ids[step], f"step {step}"
+
+
+def test_fp8_kv_cache_on_triton_equals_torch_backend(hf_checkpoints, make_llm) -> None:
+    """The Triton kernels compiled over an FP8 cache (store, decode with CUDA graphs, prefill) against
+    the torch backend over the same FP8 cache, bfloat16 activations, FP8 projections too."""
+    path = str(hf_checkpoints("llama3"))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[0, 17, 400, 33, 1021, 7], list(range(40, 90))]
+    options = dict(device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", num_blocks=64)
+    fast = make_llm(path, attention_backend="triton", **options)
+    slow = make_llm(path, attention_backend="torch", **options)
+    assert fast.engine.runner.kv_caches.dtype == torch.float8_e4m3fn
+    for a, b in zip(fast.generate(prompts, params), slow.generate(prompts, params)):
+        got, want = a.outputs[0], b.outputs[0]
+        for step, top in enumerate(want.top_logprobs):
+            if top[0][1] - top[1][1] < 0.3:
                 break
             assert got.token_ids[step] == want.token_ids[step], f"step {step}"

@@ -166,10 +166,10 @@ def test_a_server_that_never_answers_is_stopped_by_sigint(tmp_path: Path):
 def test_engine_flags_reach_pdserve_serve_unchanged():
     from deploy.cli import build_parser, engine_options
 
-    options = {"model": "/m", "dtype": "bfloat16", "device": "cuda", "load_format": "dummy", "max_model_len": 4300,
-               "attention_backend": "triton", "enforce_eager": True, "block_size": 16, "num_blocks": None,
-               "gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
-               "tensor_parallel_size": 2}
+    options = {"model": "/m", "dtype": "bfloat16", "device": "cuda", "load_format": "dummy", "quantization": "fp8",
+               "max_model_len": 4300, "attention_backend": "triton", "enforce_eager": True, "block_size": 16,
+               "num_blocks": None, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "fp8", "max_num_seqs": 64,
+               "max_num_batched_tokens": 2048, "tensor_parallel_size": 2}
     parsed = engine_options(build_parser().parse_args(["serve", *serve_flags(options)]))
     assert parsed == options
 

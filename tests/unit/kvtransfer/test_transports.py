@@ -61,6 +61,9 @@ def test_send_before_recv_also_arrives(builder: Builder) -> None:
          "block_size: this worker has 32, the peer has 16"),
         ("dtype", KvLayout(2, 16, 2, 8, "float16"), "dtype: this worker has float32, the peer has float16",
          "dtype: this worker has float16, the peer has float32"),
+        ("kv_cache_dtype fp8", KvLayout(2, 16, 2, 8, "float8_e4m3fn"),
+         "dtype: this worker has float32, the peer has float8_e4m3fn",
+         "dtype: this worker has float8_e4m3fn, the peer has float32"),
     ],
 )
 def test_layout_mismatch_fails_pairing_on_both_sides(
@@ -216,3 +219,17 @@ def test_nccl_handle_polls_its_event_against_the_deadline_and_fails_once_dropped
     assert stuck.done() and isinstance(stuck.error, TransferError)
     with pytest.raises(TransferError, match="dropped its pair"):
         stuck.wait(1.0)
+
+
+def test_moves_fp8_blocks(builder: Builder) -> None:
+    """An FP8 cache's blocks (kv_cache_dtype='fp8') move as their bytes, half of bfloat16's."""
+    layout = KvLayout(2, 16, 2, 8, "float8_e4m3fn")
+    a, b = builder.make("prefill-0", layout=layout, index=0), builder.make("decode-0", layout=layout, index=1)
+    assert pair_both(a, b) == [None, None]
+    kv_a = (torch.randn(2, 2, 8, 16, 2, 8) * 100).to(torch.float8_e4m3fn).to(builder.device(0))
+    buf = gather_blocks(kv_a, [6, 2])
+    landing = torch.empty_like(buf, device=builder.device(1))
+    recv = b.recv(a.self_id, landing)
+    assert a.send(b.self_id, buf).wait(WAIT_S) and recv.wait(WAIT_S) and recv.error is None
+    assert landing.dtype == torch.float8_e4m3fn and landing.nbytes == buf.numel()
+    assert torch.equal(landing.cpu().view(torch.uint8), kv_a[:, :, [6, 2]].cpu().view(torch.uint8))

@@ -85,15 +85,18 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
     seed: int = 0,
+    cache_dtype: torch.dtype | None = None,
+    kv_magnitude: float = 1.0,
 ) -> Batch:
-    """A step's batch over a NaN-poisoned cache whose blocks are handed out in random order."""
+    """A step's batch over a NaN-poisoned cache (of `cache_dtype`, default `dtype`) whose blocks are
+    handed out in random order; K and V are standard normals times `kv_magnitude`, q divided by it."""
     g = torch.Generator().manual_seed(seed)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
+    def randn(*shape: int, times: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * times).to(dtype)
 
     num_blocks = sum(-(-seq_len // block_size) for _, seq_len in seqs) + 3  # + spare blocks, never read
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=cache_dtype or dtype)
     v_cache = k_cache.clone()
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables: list[list[int]] = []
@@ -105,7 +108,8 @@ def make_batch(
         slot = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
         prefix = seq_len - num_new
         write_kv(
-            randn(prefix, num_kv_heads, head_dim), randn(prefix, num_kv_heads, head_dim), k_cache, v_cache,
+            randn(prefix, num_kv_heads, head_dim, times=kv_magnitude),
+            randn(prefix, num_kv_heads, head_dim, times=kv_magnitude), k_cache, v_cache,
             torch.tensor(slot[:prefix], dtype=torch.long),
         )  # fmt: skip
         tables.append(table)
@@ -127,24 +131,26 @@ def make_batch(
     num_tokens = starts[-1]
     spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, window)
     return Batch(
-        spec, randn(num_tokens, num_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim),
-        randn(num_tokens, num_kv_heads, head_dim), k_cache, v_cache, meta,
+        spec, randn(num_tokens, num_heads, head_dim, times=1 / kv_magnitude),
+        randn(num_tokens, num_kv_heads, head_dim, times=kv_magnitude),
+        randn(num_tokens, num_kv_heads, head_dim, times=kv_magnitude), k_cache, v_cache, meta,
     )  # fmt: skip
 
 
-def check_against_reference(batch: Batch, config: TritonAttentionConfig = SMALL) -> torch.Tensor:
-    """Runs both backends on copies of the cache; outputs match, caches are bit-identical (NaN where
-    nothing was written). Returns the Triton output."""
+def check_against_reference(batch: Batch, config: TritonAttentionConfig = SMALL, magnitude: float = 1.0) -> torch.Tensor:
+    """Runs both backends on copies of the cache; outputs match (to the tolerance times the values'
+    `magnitude`), caches are bit-identical (NaN where nothing was written). Returns the Triton output."""
     b = batch
     ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
     want = TorchAttention(b.spec).forward(b.q, b.k, b.v, ref_k, ref_v, b.meta)
     got_k, got_v = b.k_cache.clone(), b.v_cache.clone()
     got = TritonAttention(b.spec, config).forward(b.q, b.k, b.v, got_k, got_v, b.meta)
-    torch.testing.assert_close(got_k, ref_k, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(got_v, ref_v, atol=0, rtol=0, equal_nan=True)
+    for got_cache, ref_cache in ((got_k, ref_k), (got_v, ref_v)):  # bit for bit (NaN where nothing was written)
+        assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     assert got.shape == want.shape and got.dtype == want.dtype
     assert not got.isnan().any(), "a NaN slot was read, or a row was never written"
-    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[b.q.dtype])
+    tolerance = TOLERANCE[b.q.dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance["atol"] * magnitude, rtol=tolerance["rtol"])
     return got
 
 
@@ -156,6 +162,17 @@ MIXED = [(1, 1), (1, 16), (1, 17), (1, 31), (5, 21), (2, 9), (13, 13), (8, 8), (
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_mixed_batch_matches_reference(dtype, group):
     check_against_reference(make_batch(MIXED, num_heads=2 * group, num_kv_heads=2, dtype=dtype, seed=group))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache_matches_reference(dtype):
+    """An FP8 cache: stored saturated (K and V up to ~4 standard deviations of 150 pass 448) and rounded
+    as the reference stores it, bit for bit; read as FP8 by decode and prefill alike."""
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, dtype=dtype, seed=11, cache_dtype=torch.float8_e4m3fn,
+                       kv_magnitude=150.0)
+    assert batch.k.float().abs().max() > 448
+    check_against_reference(batch, magnitude=150.0)
+    assert batch.k_cache.dtype == torch.float8_e4m3fn
 
 
 def test_k_and_v_as_strided_views_of_a_fused_qkv_projection():
