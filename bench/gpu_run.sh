@@ -65,8 +65,8 @@ case "$part" in
     ;;
   quality)
     run 400 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-3}"
-    run 150 python3 -m bench.quant_quality --checkpoint /tmp/pair/target --held-out /tmp/pair/held_out.txt \
-      --dtype bfloat16 --out "$out"
+    run 200 python3 -m bench.quant_quality --checkpoint /tmp/pair/target --held-out /tmp/pair/held_out.txt \
+      --dtype bfloat16 --variants bfloat16 fp8 fp8-kv fp8+fp8-kv --out "$out"
     cp /tmp/pair/summary.json "$out/quality_pair_summary.json"
     ;;
   engine)
