@@ -11,7 +11,7 @@ its own process, so one's memory never crowds the next):
 TensorRT-LLM's published FP8 figures for Llama-3.1-8B at ISL 1000 / OSL 1000 (17.7k output tok/s
 on an H200, 15.2k on an H100) are written beside (2) as the goal, not measured here.
 
-    python -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --variants bfloat16 fp8
+    python -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --variants bfloat16 fp8 w4a16
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from engine import LLM
 
 TRT_LLM_FP8_8B_1000_1000 = {"NVIDIA H200": 17_700, "NVIDIA H100 80GB HBM3": 15_200}
 VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
-            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "w4a16": {}}
+"""w4a16: --awq-model (a 4-bit AutoAWQ checkpoint or shape) instead of --model."""
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
@@ -50,7 +51,8 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def one_variant(args: Any, variant: str) -> dict[str, Any]:
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+    model = args.awq_model if variant == "w4a16" else args.model
+    llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_num_seqs=max(args.batches + [args.max_num_seqs]), max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, **VARIANTS[variant])
     engine = llm.engine
@@ -79,6 +81,7 @@ def one_variant(args: Any, variant: str) -> dict[str, Any]:
 def main() -> None:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--awq-model", default="bench/shapes/llama-3.1-8b-awq", help="the w4a16 variant's model")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)

@@ -49,7 +49,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.cuda_graphs import graph_max_rows
 from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError
-from engine.models import ArchConfig
+from engine.models import ArchConfig, check_quantized_parallel
 from engine.parallel import RankSet, RankStarter, TensorParallel, check_tensor_parallel
 from engine.parallel.follower import Stop
 from engine.parallel.local import LocalRanks
@@ -160,13 +160,16 @@ class EngineCore:
         if config.parallel.tensor_parallel_size > 1:
             # NOTE: before any rank starts: a size that does not divide the model is named at once
             check_tensor_parallel(checkpoint_arch(self.model_dir), config.parallel.tensor_parallel_size)
+            check_quantized_parallel(self.model_dir, config.parallel.tensor_parallel_size)
             self.ranks = start_ranks(config, self.device)
             self.tp = TensorParallel.of(self.ranks.group)
         parts = build_parts(config, self.model_dir, self.device, self.dtype, self.tp)
         arch = parts.arch
         self.arch: ArchConfig = arch
-        fp8 = parts.model.fp8_path
-        self.weights = f"fp8 projections on the {fp8} path" if fp8 is not None else str(self.dtype).removeprefix("torch.")
+        model = parts.model
+        self.weights = (f"fp8 projections on the {model.fp8_path} path" if model.fp8_path is not None
+                        else f"4-bit projections on the {model.int4_path} path" if model.int4_path is not None
+                        else str(self.dtype).removeprefix("torch."))
         log.info("pdserve engine: %s on %s, weights %s", config.model.model, self.device, self.weights)
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.max_model_len = max_model_len(arch, config.model.max_model_len)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.models.rope import apply_rotary
 from engine.quant.fp8 import Fp8Matmul, Fp8Path
+from engine.quant.int4 import Int4Matmul, Int4Path
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -63,12 +64,13 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 class DecoderOps:
     """The elementwise ops one model uses: Triton's on CUDA (when `triton` is true), else the reference."""
 
-    def __init__(self, triton: bool, fp8_path: Fp8Path | None = None) -> None:
-        """fp8_path: how FP8 projections multiply (None: the model has none)."""
+    def __init__(self, triton: bool, fp8_path: Fp8Path | None = None, int4_path: Int4Path | None = None) -> None:
+        """fp8_path, int4_path: how FP8 and 4-bit projections multiply (None: the model has none)."""
         if triton and not HAS_TRITON:
             raise ValueError("fused Triton ops were asked for but triton is not installed; set fused_ops=False")
         self.triton = triton
         self.fp8 = Fp8Matmul(fp8_path, triton=triton) if fp8_path is not None else None
+        self.int4 = Int4Matmul(int4_path, triton=triton) if int4_path is not None else None
         if triton:
             # NOTE: imported only here: importing triton decides, once per process, whether its
             # kernels are compiled or interpreted (TRITON_INTERPRET), which tests set later.
@@ -92,9 +94,12 @@ class DecoderOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T + bias; an FP8 weight (with its scales) multiplies on the FP8 path."""
+        """x @ weight.T + bias; an FP8 or 4-bit (uint8) weight, with its scales, on its own path."""
         if weight_scale is None:
             return F.linear(x, weight, bias)
+        if weight.dtype == torch.uint8:
+            assert self.int4 is not None, "a 4-bit weight in a model built without int4_path"
+            return self.int4(x, weight, weight_scale, bias)
         assert self.fp8 is not None, "an FP8 weight in a model built without fp8_path"
         return self.fp8(x, weight, weight_scale, bias)
 

@@ -23,6 +23,7 @@ from engine.models.fused_ops import DecoderOps, rms_norm_ref
 from engine.models.rope import RotaryEmbedding
 from engine.parallel import Shard, TensorParallel, TPShard, local_arch
 from engine.quant.fp8 import Fp8Path
+from engine.quant.int4 import Int4Path
 
 
 class RMSNorm(nn.Module):
@@ -165,7 +166,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.fp8_path: Fp8Path | None = None  # set when the projections are FP8 (engine/quant/convert.py)
+        # set when the projections are FP8 or 4-bit (engine/quant/convert.py)
+        self.fp8_path: Fp8Path | None = None
+        self.int4_path: Int4Path | None = None
         self.ops = DecoderOps(triton=False)  # `use_fused_ops` switches to the Triton kernels
         if self.tp is not None:
             self._mark_shards(shard)
@@ -204,9 +207,9 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def use_fused_ops(self, enabled: bool) -> None:
-        """Triton kernels for RMSNorm (+ residual), q/k norm + rotary, SwiGLU and FP8 activation
-        quantization: CUDA only."""
-        self.ops = DecoderOps(triton=enabled, fp8_path=self.fp8_path)
+        """Triton kernels for RMSNorm (+ residual), q/k norm + rotary, SwiGLU and the quantized
+        projections': CUDA only."""
+        self.ops = DecoderOps(triton=enabled, fp8_path=self.fp8_path, int4_path=self.int4_path)
 
     def forward(
         self,

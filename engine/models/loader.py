@@ -21,7 +21,8 @@ from engine.models.fused_ops import HAS_TRITON
 from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import Shard, TensorParallel
-from engine.quant import convert_to_fp8
+from engine.quant import convert_to_fp8, convert_to_int4, int4_path
+from engine.quant.int4 import pack_nibbles, unpack_awq_columns
 from engine.quant.checkpoint import SCALE_SUFFIXES, CheckpointQuant, channel_scales, checkpoint_quant
 from engine.quant.fp8 import FP8, fp8_path, quantize_rows
 
@@ -69,16 +70,19 @@ def copy_checked(param: torch.Tensor, source: Any, where: str, implied_by: str,
                  dtype: torch.dtype, device: torch.device) -> None:
     """param <- read_checked(source) cast and moved; vocabulary padding rows are zeroed. An FP8
     weight (engine/quant/convert.py) from a source of another dtype is quantized per row, its
-    scales written to `param.fp8_scale`; from an FP8 source it is copied as is (scales: the caller)."""
+    scales written to `param.quant_scale`; from an FP8 source it is copied as is (scales: the caller)."""
     tensor = read_checked(param, source, where, implied_by).to(device)
     target = param if tensor.shape == param.shape else param[: tensor.shape[0]]
     with torch.no_grad():
         if target is not param:
             param.zero_()
+        if param.dtype == torch.uint8:
+            raise ValueError(f"{where} is a {tensor.dtype} tensor, but the model's 4-bit weights load from the "
+                             "checkpoint's 4-bit tensors only (qweight, qzeros, scales)")
         if param.dtype == FP8 and tensor.dtype != FP8:
             q, scale = quantize_rows(tensor)
             target.copy_(q)
-            param.fp8_scale.copy_(scale.view(-1))  # type: ignore[attr-defined]
+            param.quant_scale.copy_(scale.view(-1))  # type: ignore[attr-defined]
         else:
             target.copy_(tensor.to(dtype=param.dtype if param.dtype == FP8 else dtype))
 
@@ -125,11 +129,35 @@ def _load_fp8_weight(param: torch.nn.Parameter, reader: CheckpointReader, name: 
         raise ValueError(f"{reader.where(name)} is float8_e4m3fn ({quant.format}) but its scale tensor "
                          f"{scales} is missing from the checkpoint")
     copy_checked(param, reader.slice(name), reader.where(name), "config.json", FP8, device)
-    scale = param.fp8_scale  # type: ignore[attr-defined]
+    scale = param.quant_scale  # type: ignore[attr-defined]
     shard: Shard | None = getattr(scale, "shard", None)
     full = channel_scales(reader.tensor(scales), shard.full if shard is not None else scale.shape[0],
                           reader.where(scales))
     copy_checked(scale, full, reader.where(scales), "config.json", torch.float32, device)
+
+
+def _load_awq_weight(param: torch.nn.Parameter, reader: CheckpointReader, prefix: str, quant: CheckpointQuant,
+                     device: torch.device) -> None:
+    """A 4-bit weight (engine/quant/int4.py) from AWQ's qweight, qzeros and scales of `prefix`."""
+    names = {part: f"{prefix}.{part}" for part in ("qweight", "qzeros", "scales")}
+    for part, name in names.items():
+        if not reader.has(name):
+            raise ValueError(f"{reader.where(names['qweight'])} is 4-bit (awq) but its {part} tensor {name} is "
+                             "missing from the checkpoint")
+    out, inp, group = param.shape[0], param.shape[1] * 2, quant.group_size
+    expected = {"qweight": (inp, out // 8), "qzeros": (inp // group, out // 8), "scales": (inp // group, out)}
+    tensors = {}
+    for part, name in names.items():
+        tensor = reader.tensor(name)
+        if tuple(tensor.shape) != expected[part]:
+            raise ValueError(f"{reader.where(name)} has shape {tuple(tensor.shape)}; config.json (group_size {group}) "
+                             f"implies {expected[part]}")
+        tensors[part] = tensor.to(device)
+    q = unpack_awq_columns(tensors["qweight"]).t()  # [out, in]
+    zeros = unpack_awq_columns(tensors["qzeros"]).t()  # [out, groups]
+    with torch.no_grad():
+        param.copy_(pack_nibbles(q))
+        param.quant_scale.copy_(torch.stack((tensors["scales"].t().to(torch.float16), zeros.to(torch.float16)), -1))
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device,
@@ -139,6 +167,13 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
     reader = CheckpointReader(safetensors_files(model_dir))
     try:
         for name in reader.names():
+            if name.endswith(".qweight") and name.removesuffix(".qweight") + ".weight" in params:
+                weight = name.removesuffix(".qweight") + ".weight"
+                if params[weight].dtype != torch.uint8:
+                    raise ValueError(f"{reader.where(name)} is 4-bit, but config.json has no awq quantization_config")
+                _load_awq_weight(params[weight], reader, name.removesuffix(".qweight"), quant, device)
+                loaded.add(weight)
+                continue
             if name.endswith(_IGNORED_SUFFIXES) or name.endswith(SCALE_SUFFIXES) or name not in params:
                 continue  # NOTE: scales are read with their weights
             param = params[name]
@@ -170,6 +205,12 @@ def read_checkpoint_quant(model_dir: Path) -> CheckpointQuant:
     return checkpoint_quant(json.loads(path.read_text()), str(path))
 
 
+def check_quantized_parallel(model_dir: Path, tensor_parallel_size: int) -> None:
+    """Before any rank starts: a ValueError when the checkpoint's weights cannot be split so."""
+    if tensor_parallel_size > 1 and find_gguf(model_dir) is None and read_checkpoint_quant(model_dir).is_int4:
+        raise ValueError("4-bit (awq) checkpoints do not run tensor-parallel yet; use tensor_parallel_size=1")
+
+
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights at the real shape (vLLM's load_format='dummy'): normals for matrices, ones for norms."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -179,6 +220,10 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
+            elif param.dtype == torch.uint8:  # 4-bit: uniform values about a zero point of 8, std ~0.02
+                param.random_(0, 256, generator=gen)
+                param.quant_scale[..., 0].fill_(0.0043)  # type: ignore[attr-defined]
+                param.quant_scale[..., 1].fill_(8.0)  # type: ignore[attr-defined]
             elif param.dtype == FP8:
                 w = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
                 copy_checked(param, w, name, "the model", param.dtype, param.device)  # quantized per row
@@ -216,7 +261,13 @@ def build_model(
             model = LlamaForCausalLM(arch, tp)
     finally:
         torch.set_default_dtype(previous)
-    if quantization == "fp8" or quant.is_fp8:
+    if quant.is_int4 and quantization == "fp8":
+        raise ValueError(f"{str(model_dir)!r} is a 4-bit (awq) checkpoint; quantization='fp8' would need its "
+                         "bfloat16 weights: use quantization='auto'")
+    if quant.is_int4:
+        check_quantized_parallel(model_dir, tp.shard.size if tp is not None else 1)
+        convert_to_int4(model, quant.group_size, int4_path(device, dtype))
+    elif quantization == "fp8" or quant.is_fp8:
         convert_to_fp8(model, fp8_path(device, dtype))
     if gguf is not None and load_format != "dummy":
         from engine.models.gguf_weights import load_gguf_weights  # NOTE: imports the gguf package

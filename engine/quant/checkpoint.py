@@ -1,7 +1,8 @@
 """What a checkpoint's `quantization_config` (in config.json) says its weights are, checked.
 
-Known: no config (bfloat16/float16/float32 weights); `compressed-tensors` FP8 as llm-compressor
-writes it (format `float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale`
+Known: no config (bfloat16/float16/float32 weights); `awq` as AutoAWQ writes it (4-bit, zero
+points, GEMM layout: `<linear>.qweight` int32 [in, out / 8], `.qzeros` int32 [in / group, out / 8],
+`.scales` float16 [in / group, out]); `compressed-tensors` FP8 as llm-compressor writes it (format `float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale`
 per channel [out, 1] or per tensor; activations dynamic per token or a static `input_scale`); . Anything
 else is refused with the field that is not supported, transformers' block-scaled `fp8` among them
 (one scale per 128x128 tile; the GEMMs here take one per output channel).
@@ -15,18 +16,23 @@ from typing import Any, Literal
 
 import torch
 
-Format = Literal["none", "compressed-tensors"]
+Format = Literal["none", "compressed-tensors", "awq"]
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
-    """format: how the linears' weights are stored."""
+    """format: how the linears' weights are stored; group_size: input columns a 4-bit scale covers."""
 
     format: Format = "none"
+    group_size: int = 0
 
     @property
     def is_fp8(self) -> bool:
-        return self.format != "none"
+        return self.format == "compressed-tensors"
+
+    @property
+    def is_int4(self) -> bool:
+        return self.format == "awq"
 
 
 def _check(value: Any, allowed: tuple[Any, ...], field: str, source: str) -> None:
@@ -57,6 +63,22 @@ def _compressed_tensors(config: dict[str, Any], source: str) -> CheckpointQuant:
     return CheckpointQuant("compressed-tensors")
 
 
+def _awq(config: dict[str, Any], source: str) -> CheckpointQuant:
+    bits = config.get("bits", config.get("w_bit"))
+    group = config.get("group_size", config.get("q_group_size"))
+    _check(bits, (4,), "bits", source)
+    _check(config.get("zero_point", True), (True,), "zero_point", source)
+    _check(str(config.get("version", "gemm")).lower(), ("gemm",), "version", source)
+    if not isinstance(group, int) or group < 8 or group % 8:
+        raise ValueError(f"{source}: quantization_config.group_size is {group!r}; pdserve loads a positive multiple "
+                         "of 8 (e.g. 128)")
+    if config.get("modules_to_not_convert"):
+        raise ValueError(f"{source}: quantization_config.modules_to_not_convert is "
+                         f"{config['modules_to_not_convert']!r}; pdserve loads AWQ checkpoints whose every "
+                         "decoder projection is 4-bit")
+    return CheckpointQuant("awq", group)
+
+
 def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant:
     """The storage format config.json (parsed, `raw_config`; named `source` in errors) declares."""
     config = raw_config.get("quantization_config")
@@ -65,6 +87,8 @@ def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant
     method = config.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors(config, source)
+    if method == "awq":
+        return _awq(config, source)
     if method == "fp8":
         raise ValueError(
             f"{source}: quantization_config.quant_method is 'fp8' (transformers' block-scaled FP8, weight_block_size "
@@ -72,10 +96,10 @@ def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant
             "output channel, and requantizing would round every weight twice. Use a compressed-tensors FP8 checkpoint "
             "(llm-compressor's FP8_DYNAMIC scheme), or the bfloat16 checkpoint with quantization='fp8'")
     raise ValueError(f"{source}: quantization_config.quant_method is {method!r}; pdserve loads "
-                     "'compressed-tensors' (FP8) and 'fp8' checkpoints")
+                     "'compressed-tensors' (FP8) and 'awq' (4-bit, GEMM layout) checkpoints")
 
 
-SCALE_SUFFIXES = (".weight_scale", ".input_scale")
+SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".qzeros", ".scales")
 """Checkpoint tensors that belong to a quantized linear's weight (read with it, never alone).
 NOTE: a static `input_scale` is read past: activations are scaled per token, dynamically."""
 

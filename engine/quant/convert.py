@@ -1,26 +1,28 @@
-"""Gives a model's projections FP8 storage before its weights load.
+"""Gives a model's projections quantized storage before its weights load.
 
-Each decoder layer's q/k/v, o, gate/up and down projections get `weight` float8_e4m3fn [out, in]
-and a buffer `weight_scale` float32 [out] (fp8.py says what they mean); the fused qkv and gate_up
-tensors (`<name>_weight`, `<name>_weight_scale`) hold their parts as views, as in bfloat16. The
-embedding, lm_head and norms stay in the model's dtype. A tensor-parallel rank's scales follow its
-weight rows (column-parallel) or are whole (row-parallel: its columns share the rows' scales).
+Each decoder layer's q/k/v, o, gate/up and down projections get a quantized `weight` and a buffer
+`weight_scale`: FP8 (fp8.py: float8_e4m3fn [out, in] and float32 [out]) or 4-bit (int4.py: uint8
+[out, in / 2] and float16 [out, in / group, 2]); the fused qkv and gate_up tensors
+(`<name>_weight`, `<name>_weight_scale`) hold their parts as views, as in bfloat16. The embedding,
+lm_head and norms stay in the model's dtype. A tensor-parallel rank's FP8 scales follow its weight
+rows (column-parallel) or are whole (row-parallel: its columns share the rows' scales).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from engine.parallel import Shard
 from engine.quant.fp8 import FP8, Fp8Path
+from engine.quant.int4 import Int4Path
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
-
-def _fp8_weight(weight: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(torch.empty(weight.shape, dtype=FP8, device=weight.device), requires_grad=False)
+Storage = Callable[[torch.Tensor], torch.Tensor]  # a bfloat16 weight [out, in] -> its quantized twin, empty
 
 
 def _row_scale_shard(weight: nn.Parameter) -> Shard | None:
@@ -29,44 +31,64 @@ def _row_scale_shard(weight: nn.Parameter) -> Shard | None:
 
 
 def _set_scale(linear: nn.Module, scale: torch.Tensor, shard: Shard | None) -> None:
-    """`weight.fp8_scale` is the same tensor: loaders that fill the weight fill its scale."""
+    """`weight.quant_scale` is the same tensor: loaders that fill the weight fill its scale."""
     if shard is not None:
         scale.shard = shard  # type: ignore[attr-defined]
     linear.register_buffer("weight_scale", scale, persistent=False)
-    linear.weight.fp8_scale = scale
+    linear.weight.quant_scale = scale
 
 
-def convert_to_fp8(model: nn.Module, path: Fp8Path) -> None:
-    """Every decoder layer's projections FP8 (uninitialized: loaders fill weight and weight_scale),
-    multiplied on `path` (model.fp8_path)."""
-    model.fp8_path = path
+def _set_weight(linear: nn.Module, weight: torch.Tensor) -> None:
+    shard = getattr(linear.weight, "shard", None)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if shard is not None:
+        linear.weight.shard = shard
+
+
+def _convert(model: nn.Module, weight_of: Storage, scale_of: Storage) -> None:
     for layer in model.model.layers:  # type: ignore[union-attr]
         for owner in (layer.self_attn, layer.mlp):
             for fused, parts in _FUSED.items():
                 if not hasattr(owner, f"{fused}_weight"):
                     continue
                 whole = getattr(owner, f"{fused}_weight")
-                weight = torch.empty(whole.shape, dtype=FP8, device=whole.device)
-                scale = torch.ones(whole.shape[0], dtype=torch.float32, device=whole.device)
+                weight, scale = weight_of(whole), scale_of(whole)
                 owner.register_buffer(f"{fused}_weight", weight, persistent=False)
                 owner.register_buffer(f"{fused}_weight_scale", scale, persistent=False)
                 start = 0
                 for part in parts:
                     linear = getattr(owner, part)
                     rows = linear.weight.shape[0]
-                    shard = getattr(linear.weight, "shard", None)
-                    linear.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
-                    if shard is not None:
-                        linear.weight.shard = shard
+                    _set_weight(linear, weight[start : start + rows])
                     _set_scale(linear, scale[start : start + rows], _row_scale_shard(linear.weight))
                     start += rows
             for name in ("o_proj", "down_proj"):
                 linear = getattr(owner, name, None)
                 if linear is None:
                     continue
-                shard = getattr(linear.weight, "shard", None)
-                linear.weight = _fp8_weight(linear.weight)
-                if shard is not None:
-                    linear.weight.shard = shard
-                _set_scale(linear, torch.ones(linear.weight.shape[0], dtype=torch.float32, device=linear.weight.device),
-                           _row_scale_shard(linear.weight))
+                scale = scale_of(linear.weight)
+                _set_weight(linear, weight_of(linear.weight))
+                _set_scale(linear, scale, _row_scale_shard(linear.weight))
+
+
+def convert_to_fp8(model: nn.Module, path: Fp8Path) -> None:
+    """Every decoder layer's projections FP8 (uninitialized: loaders fill weight and weight_scale),
+    multiplied on `path` (model.fp8_path)."""
+    model.fp8_path = path
+    _convert(model, lambda w: torch.empty(w.shape, dtype=FP8, device=w.device),
+             lambda w: torch.ones(w.shape[0], dtype=torch.float32, device=w.device))
+
+
+def convert_to_int4(model: nn.Module, group_size: int, path: Int4Path) -> None:
+    """Every decoder layer's projections 4-bit with `group_size` input columns a scale (uninitialized),
+    multiplied on `path` (model.int4_path)."""
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        for name in QUANTIZED_LINEARS:
+            linear = getattr(layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp,
+                             name)
+            if linear.weight.shape[1] % group_size:
+                raise ValueError(f"a 4-bit group of {group_size} columns does not divide {name}'s "
+                                 f"{linear.weight.shape[1]} input columns")
+    model.int4_path = path
+    _convert(model, lambda w: torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device),
+             lambda w: torch.empty(w.shape[0], w.shape[1] // group_size, 2, dtype=torch.float16, device=w.device))

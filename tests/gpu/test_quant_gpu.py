@@ -4,7 +4,7 @@ one-launch Triton kernel for 1-2 rows, torch._scaled_mm above) equals the refere
 same FP8 operands (float32 accumulation both; bfloat16 output); a bfloat16 model's greedy tokens
 with FP8 projections on the cuda path (CUDA graphs on) equal the reference path's on the same GPU
 up to the first near-tie; so do the Triton attention kernels over an FP8 KV cache against the torch
-backend's."""
+backend's, and 4-bit (AWQ) projections on the cuda path against the reference path."""
 
 from __future__ import annotations
 
@@ -75,6 +75,39 @@ def test_fp8_kv_cache_on_triton_equals_torch_backend(hf_checkpoints, make_llm) -
     fast = make_llm(path, attention_backend="triton", **options)
     slow = make_llm(path, attention_backend="torch", **options)
     assert fast.engine.runner.kv_caches.dtype == torch.float8_e4m3fn
+    for a, b in zip(fast.generate(prompts, params), slow.generate(prompts, params)):
+        got, want = a.outputs[0], b.outputs[0]
+        for step, top in enumerate(want.top_logprobs):
+            if top[0][1] - top[1][1] < 0.3:
+                break
+            assert got.token_ids[step] == want.token_ids[step], f"step {step}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 300])
+def test_int4_cuda_path_equals_reference_path(rows: int) -> None:
+    from engine.quant.int4 import Int4Matmul, pack_nibbles
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
+    q = torch.randint(0, 16, (1536, 4096), device="cuda", generator=gen)
+    scale = torch.stack((torch.rand(1536, 32, device="cuda", generator=gen).half() * 0.01,
+                         torch.randint(0, 16, (1536, 32), device="cuda", generator=gen).half()), -1)
+    fast = Int4Matmul("cuda", triton=True)(x, pack_nibbles(q), scale, None)
+    slow = Int4Matmul("reference", triton=False)(x, pack_nibbles(q), scale, None)
+    torch.testing.assert_close(fast.float(), slow.float(), atol=0.05, rtol=1e-2)
+
+
+def test_awq_model_on_cuda_equals_reference_path(hf_checkpoints, make_llm, tmp_path) -> None:
+    from tests.quant_builders import write_awq
+
+    write_awq(hf_checkpoints("qwen2"), tmp_path / "awq", group=32)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[0, 17, 400, 33, 1021, 7], list(range(40, 90))]
+    fast = make_llm(str(tmp_path / "awq"), device="cuda", dtype="bfloat16", num_blocks=64)
+    assert fast.engine.weights == "4-bit projections on the cuda path"
+    slow = make_llm(str(tmp_path / "awq"), device="cuda", dtype="bfloat16", num_blocks=64, enforce_eager=True)
+    slow.engine.runner.model.ops.int4.path = "reference"
+    slow.engine.runner.model.ops.int4._small_max_rows = 0
     for a, b in zip(fast.generate(prompts, params), slow.generate(prompts, params)):
         got, want = a.outputs[0], b.outputs[0]
         for step, top in enumerate(want.top_logprobs):

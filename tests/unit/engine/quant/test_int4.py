@@ -1,0 +1,112 @@
+"""4-bit weight-only (W4A16) projections from AutoAWQ checkpoints against transformers with the
+checkpoint's dequantized weights (activations are not quantized, so float32 agrees to float32
+sums: tokens equal, logprobs within 2e-4), on every test architecture; the unpacking against the
+format's definition; the Triton kernel against the reference path under the interpreter
+(test_int4_kernels.py); malformed checkpoints refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.quant.int4 import Int4Matmul, dequantize, pack_nibbles, unpack_awq_columns, unpack_nibbles
+from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
+from tests.quant_builders import _awq_pack, dequantized_reference, write_awq
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[0, 17, 400, 33, 1021, 7, 99, 1500, 250], [0, 5, 6, 7], list(range(40, 70))]
+
+
+def test_awq_unpacking_inverts_autoawq_packing() -> None:
+    values = torch.randint(0, 16, (6, 40))
+    assert torch.equal(unpack_awq_columns(_awq_pack(values)), values.to(unpack_awq_columns(_awq_pack(values)).dtype))
+    assert torch.equal(unpack_nibbles(pack_nibbles(values)), values.to(torch.uint8))
+
+
+def test_reference_path_is_dequantize_then_matmul() -> None:
+    q, x = torch.randint(0, 16, (24, 64)), torch.randn(3, 64)
+    scale = torch.stack((torch.rand(24, 2).half(), torch.randint(0, 16, (24, 2)).half()), -1)
+    w = dequantize(pack_nibbles(q), scale, torch.float32)
+    want = (q.view(24, 2, 32).float() - scale[..., 1:].float()) * scale[..., :1].float()
+    assert torch.equal(w, want.view(24, 64))
+    torch.testing.assert_close(Int4Matmul("reference", triton=False)(x, pack_nibbles(q), scale, None), x @ w.T)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_awq_checkpoints_equal_transformers_on_their_dequantized_weights(arch, hf_checkpoints, tmp_path, make_llm):
+    src = hf_checkpoints(arch)
+    weights = write_awq(src, tmp_path / "awq", group=32)
+    llm = make_llm(str(tmp_path / "awq"), num_blocks=64)  # 'auto': 4-bit because config.json says so
+    assert llm.engine.weights == "4-bit projections on the reference path"
+    assert llm.engine.runner.model.model.layers[0].mlp.gate_up_weight.dtype == torch.uint8
+    reference = dequantized_reference(load_hf_model(src), weights)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        want, want_logprobs = hf_greedy(reference, prompt, 24)
+        assert out.outputs[0].token_ids == want
+        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
+            ids = torch.tensor([t for t, _ in top])
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=2e-4, rtol=0)
+
+
+def _awq_checkpoint(hf_checkpoints, tmp_path):
+    write_awq(hf_checkpoints("llama"), tmp_path / "awq", group=32)
+    return tmp_path / "awq"
+
+
+def test_missing_awq_part_is_named(hf_checkpoints, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from engine import LLM
+
+    path = _awq_checkpoint(hf_checkpoints, tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.o_proj.qzeros"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj\.qweight is 4-bit \(awq\) but its qzeros tensor .* is missing"):
+        LLM(str(path), device="cpu", num_blocks=16)
+
+
+def test_wrong_awq_shape_is_named(hf_checkpoints, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from engine import LLM
+
+    path = _awq_checkpoint(hf_checkpoints, tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.scales"] = torch.ones(2, 64, dtype=torch.float16)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"down_proj\.scales has shape \(2, 64\); config\.json \(group_size 32\) "
+                                         r"implies \(4, 64\)"):
+        LLM(str(path), device="cpu", num_blocks=16)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("bits", 3, r"quantization_config\.bits is 3; pdserve loads 4"),
+    ("version", "gemv", r"quantization_config\.version is 'gemv'; pdserve loads 'gemm'"),
+    ("zero_point", False, r"quantization_config\.zero_point is False"),
+    ("group_size", 12, r"quantization_config\.group_size is 12"),
+])
+def test_unsupported_awq_config_is_named(field, value, message, hf_checkpoints, tmp_path) -> None:
+    from engine import LLM
+
+    path = _awq_checkpoint(hf_checkpoints, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"][field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), device="cpu", num_blocks=16)
+
+
+def test_awq_refuses_fp8_and_tensor_parallel(hf_checkpoints, tmp_path) -> None:
+    from engine import LLM
+
+    path = _awq_checkpoint(hf_checkpoints, tmp_path)
+    with pytest.raises(ValueError, match="4-bit \\(awq\\) checkpoint; quantization='fp8'"):
+        LLM(str(path), device="cpu", num_blocks=16, quantization="fp8")
+    with pytest.raises(ValueError, match="do not run tensor-parallel yet"):
+        LLM(str(path), device="cpu", num_blocks=16, tensor_parallel_size=2)
