@@ -35,7 +35,7 @@
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
 #           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
-#           (bfloat16, FP8 projections, FP8 KV, both).
+#           (bfloat16, FP8 projections, FP8 KV, both, 4-bit AWQ by round-to-nearest).
 #   throughput, http, goodput, scale4, scale4b and scale8 also carry router/proto/pdserve_pb2*.py (generated here by
 #   `python -m router.proto.codegen`; the GPU machines have no grpcio-tools).
 #
@@ -66,7 +66,7 @@ case "$part" in
   quality)
     run 400 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-3}"
     run 200 python3 -m bench.quant_quality --checkpoint /tmp/pair/target --held-out /tmp/pair/held_out.txt \
-      --dtype bfloat16 --variants bfloat16 fp8 fp8-kv fp8+fp8-kv --out "$out"
+      --dtype bfloat16 --variants bfloat16 fp8 fp8-kv fp8+fp8-kv w4a16-rtn --out "$out"
     cp /tmp/pair/summary.json "$out/quality_pair_summary.json"
     ;;
   engine)

@@ -9,6 +9,7 @@ each window one prefill through LlamaForCausalLM with the engine's attention bac
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,15 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from bench.awq_rtn import write_awq_rtn
 from bench.common import base_parser, device_name, model_label, write_results
 from bench.train_models import held_out_windows, pack
 from engine import LLM
 from engine.attention import AttentionMetadata
 
 VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
-            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "w4a16-rtn": {}}
+"""w4a16-rtn: the checkpoint written in AutoAWQ's format by round-to-nearest, --group columns a scale (bench/awq_rtn.py)."""
 
 
 @torch.inference_mode()
@@ -52,12 +55,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=262_144)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--group", type=int, default=128, help="w4a16-rtn's input columns a scale")
     args = parser.parse_args()
     tokenizer = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))
     windows = held_out_windows(pack(tokenizer, [args.held_out.read_text()], args.max_tokens), args.seq_len)
     runs: list[dict[str, Any]] = []
     for variant in args.variants:
-        llm = LLM(str(args.checkpoint), dtype=args.dtype, device=args.device, enforce_eager=True,
+        checkpoint = args.checkpoint
+        if variant == "w4a16-rtn":
+            checkpoint = Path(tempfile.mkdtemp()) / "awq"
+            write_awq_rtn(args.checkpoint, checkpoint, args.group)
+        llm = LLM(str(checkpoint), dtype=args.dtype, device=args.device, enforce_eager=True,
                   num_blocks=-(-args.seq_len // 16) + 1, max_model_len=args.seq_len + 1, **VARIANTS[variant])
         nll = sum(window_nll(llm, w) for w in windows)
         tokens = windows.shape[0] * args.seq_len

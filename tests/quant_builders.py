@@ -160,45 +160,13 @@ def fp8_kv_reference(monkeypatch: Any) -> None:
         monkeypatch.setattr(module, "eager_attention_forward", patched)
 
 
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i of an int32 holds column AWQ_PACK_ORDER[i]
-
-
-def _awq_pack(values: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] of 4-bit values -> AutoAWQ's int32 [rows, cols / 8]."""
-    rows, cols = values.shape
-    grouped = values.to(torch.int64).view(rows, cols // 8, 8)
-    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for i, column in enumerate(AWQ_PACK_ORDER):
-        packed |= grouped[:, :, column] << (4 * i)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
 def write_awq(src: Path, out: Path, group: int = 32) -> dict[str, torch.Tensor]:
-    """An AutoAWQ (GEMM) checkpoint of `src`: each projection round-to-nearest 4-bit with a scale and
-    zero point per `group` input columns, packed as AutoAWQ packs (qweight [in, out / 8], qzeros
-    [in / group, out / 8], scales float16 [in / group, out]). Returns the dequantized weights, by name."""
-    tensors = load_file(str(next(src.glob("*.safetensors"))))
-    written, dequantized = {}, {}
-    for name, w in tensors.items():
-        if not is_projection(name):
-            written[name] = w
-            continue
-        rows, cols = w.shape
-        g = w.float().view(rows, cols // group, group)
-        low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = ((high - low) / 15).clamp(min=1e-8).to(torch.float16)  # [rows, groups]
-        zero = (-low / scale.float()).round().clamp(0, 15)
-        q = (g / scale.float()[:, :, None] + zero[:, :, None]).round().clamp(0, 15)  # [rows, groups, group]
-        prefix = name.removesuffix(".weight")
-        written[prefix + ".qweight"] = _awq_pack(q.view(rows, cols).t().contiguous())
-        written[prefix + ".qzeros"] = _awq_pack(zero.t().contiguous())
-        written[prefix + ".scales"] = scale.t().contiguous()
-        dequantized[name] = ((q - zero[:, :, None]) * scale.float()[:, :, None]).view(rows, cols)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(written, str(out / "model.safetensors"))
-    _copy_side_files(src, out, {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                "version": "gemm", "modules_to_not_convert": None})
-    return dequantized
+    """An AutoAWQ (GEMM) checkpoint of `src`, round-to-nearest 4-bit per `group` input columns, as
+    bench/awq_rtn.py writes it (AutoAWQ's packing: qweight [in, out / 8], qzeros [in / group, out / 8],
+    scales float16 [in / group, out]). Returns the dequantized weights, by name."""
+    from bench.awq_rtn import write_awq_rtn
+
+    return write_awq_rtn(src, out, group)
 
 
 def dequantized_reference(model: Any, weights: dict[str, torch.Tensor]) -> Any:

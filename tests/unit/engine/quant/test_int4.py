@@ -14,7 +14,8 @@ import torch
 from engine import SamplingParams
 from engine.quant.int4 import Int4Matmul, dequantize, pack_nibbles, unpack_awq_columns, unpack_nibbles
 from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
-from tests.quant_builders import _awq_pack, dequantized_reference, write_awq
+from bench.awq_rtn import awq_pack
+from tests.quant_builders import dequantized_reference, write_awq
 
 pytest.importorskip("transformers")
 
@@ -23,7 +24,7 @@ PROMPTS = [[0, 17, 400, 33, 1021, 7, 99, 1500, 250], [0, 5, 6, 7], list(range(40
 
 def test_awq_unpacking_inverts_autoawq_packing() -> None:
     values = torch.randint(0, 16, (6, 40))
-    assert torch.equal(unpack_awq_columns(_awq_pack(values)), values.to(unpack_awq_columns(_awq_pack(values)).dtype))
+    assert torch.equal(unpack_awq_columns(awq_pack(values)), values.to(unpack_awq_columns(awq_pack(values)).dtype))
     assert torch.equal(unpack_nibbles(pack_nibbles(values)), values.to(torch.uint8))
 
 
