@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from bench.awq_rtn import write_awq_rtn
+from bench.int4_rtn import write_int4_rtn
 from bench.common import base_parser, device_name, model_label, write_results
 from bench.train_models import held_out_windows, pack
 from engine import LLM
@@ -25,7 +25,7 @@ from engine.attention import AttentionMetadata
 
 VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
             "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "w4a16-rtn": {}}
-"""w4a16-rtn: the checkpoint written in AutoAWQ's format by round-to-nearest, --group columns a scale (bench/awq_rtn.py)."""
+"""w4a16-rtn: the checkpoint written in AutoAWQ's format by round-to-nearest, --group columns a scale (bench/int4_rtn.py)."""
 
 
 @torch.inference_mode()
@@ -64,7 +64,7 @@ def main() -> None:
         checkpoint = args.checkpoint
         if variant == "w4a16-rtn":
             checkpoint = Path(tempfile.mkdtemp()) / "awq"
-            write_awq_rtn(args.checkpoint, checkpoint, args.group)
+            write_int4_rtn(args.checkpoint, checkpoint, args.group)
         llm = LLM(str(checkpoint), dtype=args.dtype, device=args.device, enforce_eager=True,
                   num_blocks=-(-args.seq_len // 16) + 1, max_model_len=args.seq_len + 1, **VARIANTS[variant])
         nll = sum(window_nll(llm, w) for w in windows)

@@ -160,13 +160,14 @@ def fp8_kv_reference(monkeypatch: Any) -> None:
         monkeypatch.setattr(module, "eager_attention_forward", patched)
 
 
-def write_awq(src: Path, out: Path, group: int = 32) -> dict[str, torch.Tensor]:
-    """An AutoAWQ (GEMM) checkpoint of `src`, round-to-nearest 4-bit per `group` input columns, as
-    bench/awq_rtn.py writes it (AutoAWQ's packing: qweight [in, out / 8], qzeros [in / group, out / 8],
-    scales float16 [in / group, out]). Returns the dequantized weights, by name."""
-    from bench.awq_rtn import write_awq_rtn
+def write_int4(src: Path, out: Path, group: int = 32, fmt: str = "awq") -> dict[str, torch.Tensor]:
+    """A 4-bit checkpoint of `src`, round-to-nearest per `group` input columns, as bench/int4_rtn.py
+    writes it: AutoAWQ's GEMM packing (qweight [in, out / 8], qzeros [in / group, out / 8]) or GPTQ's
+    (qweight [in / 8, out], qzeros stored minus one, g_idx); scales float16 [in / group, out].
+    Returns the dequantized weights, by name."""
+    from bench.int4_rtn import write_int4_rtn
 
-    return write_awq_rtn(src, out, group)
+    return write_int4_rtn(src, out, group, fmt)
 
 
 def dequantized_reference(model: Any, weights: dict[str, torch.Tensor]) -> Any:

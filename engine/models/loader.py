@@ -22,7 +22,7 @@ from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import Shard, TensorParallel
 from engine.quant import convert_to_fp8, convert_to_int4, int4_path
-from engine.quant.int4 import pack_nibbles, unpack_awq_columns
+from engine.quant.int4 import pack_nibbles, unpack_awq_columns, unpack_gptq_columns, unpack_gptq_rows
 from engine.quant.checkpoint import SCALE_SUFFIXES, CheckpointQuant, channel_scales, checkpoint_quant
 from engine.quant.fp8 import FP8, fp8_path, quantize_rows
 
@@ -136,16 +136,17 @@ def _load_fp8_weight(param: torch.nn.Parameter, reader: CheckpointReader, name: 
     copy_checked(scale, full, reader.where(scales), "config.json", torch.float32, device)
 
 
-def _load_awq_weight(param: torch.nn.Parameter, reader: CheckpointReader, prefix: str, quant: CheckpointQuant,
-                     device: torch.device) -> None:
-    """A 4-bit weight (engine/quant/int4.py) from AWQ's qweight, qzeros and scales of `prefix`."""
+def _load_int4_weight(param: torch.nn.Parameter, reader: CheckpointReader, prefix: str, quant: CheckpointQuant,
+                      device: torch.device) -> None:
+    """A 4-bit weight (engine/quant/int4.py) from AWQ's or GPTQ's qweight, qzeros and scales of `prefix`."""
     names = {part: f"{prefix}.{part}" for part in ("qweight", "qzeros", "scales")}
     for part, name in names.items():
         if not reader.has(name):
-            raise ValueError(f"{reader.where(names['qweight'])} is 4-bit (awq) but its {part} tensor {name} is "
-                             "missing from the checkpoint")
+            raise ValueError(f"{reader.where(names['qweight'])} is 4-bit ({quant.format}) but its {part} tensor "
+                             f"{name} is missing from the checkpoint")
     out, inp, group = param.shape[0], param.shape[1] * 2, quant.group_size
-    expected = {"qweight": (inp, out // 8), "qzeros": (inp // group, out // 8), "scales": (inp // group, out)}
+    qweight_shape = (inp, out // 8) if quant.format == "awq" else (inp // 8, out)
+    expected = {"qweight": qweight_shape, "qzeros": (inp // group, out // 8), "scales": (inp // group, out)}
     tensors = {}
     for part, name in names.items():
         tensor = reader.tensor(name)
@@ -153,8 +154,15 @@ def _load_awq_weight(param: torch.nn.Parameter, reader: CheckpointReader, prefix
             raise ValueError(f"{reader.where(name)} has shape {tuple(tensor.shape)}; config.json (group_size {group}) "
                              f"implies {expected[part]}")
         tensors[part] = tensor.to(device)
-    q = unpack_awq_columns(tensors["qweight"]).t()  # [out, in]
-    zeros = unpack_awq_columns(tensors["qzeros"]).t()  # [out, groups]
+    if quant.format == "awq":
+        q, zeros = unpack_awq_columns(tensors["qweight"]).t(), unpack_awq_columns(tensors["qzeros"]).t()
+    else:
+        g_idx = f"{prefix}.g_idx"
+        if reader.has(g_idx) and not torch.equal(reader.tensor(g_idx).long(), torch.arange(inp) // group):
+            raise ValueError(f"{reader.where(g_idx)} does not map input column k to group k // {group}: an act-order "
+                             "checkpoint (desc_act) whose config.json says otherwise")
+        q, zeros = unpack_gptq_rows(tensors["qweight"]).t(), unpack_gptq_columns(tensors["qzeros"]).t()
+    zeros = zeros + quant.zero_offset  # [out, groups]; q: [out, in]
     with torch.no_grad():
         param.copy_(pack_nibbles(q))
         param.quant_scale.copy_(torch.stack((tensors["scales"].t().to(torch.float16), zeros.to(torch.float16)), -1))
@@ -170,8 +178,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
             if name.endswith(".qweight") and name.removesuffix(".qweight") + ".weight" in params:
                 weight = name.removesuffix(".qweight") + ".weight"
                 if params[weight].dtype != torch.uint8:
-                    raise ValueError(f"{reader.where(name)} is 4-bit, but config.json has no awq quantization_config")
-                _load_awq_weight(params[weight], reader, name.removesuffix(".qweight"), quant, device)
+                    raise ValueError(f"{reader.where(name)} is 4-bit, but config.json has no awq or gptq "
+                                     "quantization_config")
+                _load_int4_weight(params[weight], reader, name.removesuffix(".qweight"), quant, device)
                 loaded.add(weight)
                 continue
             if name.endswith(_IGNORED_SUFFIXES) or name.endswith(SCALE_SUFFIXES) or name not in params:
@@ -208,7 +217,7 @@ def read_checkpoint_quant(model_dir: Path) -> CheckpointQuant:
 def check_quantized_parallel(model_dir: Path, tensor_parallel_size: int) -> None:
     """Before any rank starts: a ValueError when the checkpoint's weights cannot be split so."""
     if tensor_parallel_size > 1 and find_gguf(model_dir) is None and read_checkpoint_quant(model_dir).is_int4:
-        raise ValueError("4-bit (awq) checkpoints do not run tensor-parallel yet; use tensor_parallel_size=1")
+        raise ValueError("4-bit (awq, gptq) checkpoints do not run tensor-parallel yet; use tensor_parallel_size=1")
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
@@ -262,7 +271,7 @@ def build_model(
     finally:
         torch.set_default_dtype(previous)
     if quant.is_int4 and quantization == "fp8":
-        raise ValueError(f"{str(model_dir)!r} is a 4-bit (awq) checkpoint; quantization='fp8' would need its "
+        raise ValueError(f"{str(model_dir)!r} is a 4-bit ({quant.format}) checkpoint; quantization='fp8' would need its "
                          "bfloat16 weights: use quantization='auto'")
     if quant.is_int4:
         check_quantized_parallel(model_dir, tp.shard.size if tp is not None else 1)

@@ -2,7 +2,10 @@
 
 Known: no config (bfloat16/float16/float32 weights); `awq` as AutoAWQ writes it (4-bit, zero
 points, GEMM layout: `<linear>.qweight` int32 [in, out / 8], `.qzeros` int32 [in / group, out / 8],
-`.scales` float16 [in / group, out]); `compressed-tensors` FP8 as llm-compressor writes it (format `float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale`
+`.scales` float16 [in / group, out]); `gptq` as gptqmodel writes it (4-bit, `desc_act` off,
+checkpoint_format 'gptq' with zero points stored minus one, or 'gptq_v2': `.qweight` int32
+[in / 8, out] packed along the input, `.qzeros` int32 [in / group, out / 8], `.scales` float16
+[in / group, out], `.g_idx`); `compressed-tensors` FP8 as llm-compressor writes it (format `float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale`
 per channel [out, 1] or per tensor; activations dynamic per token or a static `input_scale`); . Anything
 else is refused with the field that is not supported, transformers' block-scaled `fp8` among them
 (one scale per 128x128 tile; the GEMMs here take one per output channel).
@@ -16,15 +19,17 @@ from typing import Any, Literal
 
 import torch
 
-Format = Literal["none", "compressed-tensors", "awq"]
+Format = Literal["none", "compressed-tensors", "awq", "gptq"]
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
-    """format: how the linears' weights are stored; group_size: input columns a 4-bit scale covers."""
+    """format: how the linears' weights are stored; group_size: input columns a 4-bit scale covers;
+    zero_offset: what to add to a stored zero point (GPTQ's 'gptq' format stores it minus one)."""
 
     format: Format = "none"
     group_size: int = 0
+    zero_offset: int = 0
 
     @property
     def is_fp8(self) -> bool:
@@ -32,7 +37,7 @@ class CheckpointQuant:
 
     @property
     def is_int4(self) -> bool:
-        return self.format == "awq"
+        return self.format in ("awq", "gptq")
 
 
 def _check(value: Any, allowed: tuple[Any, ...], field: str, source: str) -> None:
@@ -65,18 +70,32 @@ def _compressed_tensors(config: dict[str, Any], source: str) -> CheckpointQuant:
 
 def _awq(config: dict[str, Any], source: str) -> CheckpointQuant:
     bits = config.get("bits", config.get("w_bit"))
-    group = config.get("group_size", config.get("q_group_size"))
     _check(bits, (4,), "bits", source)
     _check(config.get("zero_point", True), (True,), "zero_point", source)
     _check(str(config.get("version", "gemm")).lower(), ("gemm",), "version", source)
-    if not isinstance(group, int) or group < 8 or group % 8:
-        raise ValueError(f"{source}: quantization_config.group_size is {group!r}; pdserve loads a positive multiple "
-                         "of 8 (e.g. 128)")
+    group = _group_size(config, source, "group_size", "q_group_size")
     if config.get("modules_to_not_convert"):
         raise ValueError(f"{source}: quantization_config.modules_to_not_convert is "
                          f"{config['modules_to_not_convert']!r}; pdserve loads AWQ checkpoints whose every "
                          "decoder projection is 4-bit")
     return CheckpointQuant("awq", group)
+
+
+def _group_size(config: dict[str, Any], source: str, *keys: str) -> int:
+    group = next((config[k] for k in keys if k in config), None)
+    if not isinstance(group, int) or group < 8 or group % 8:
+        raise ValueError(f"{source}: quantization_config.{keys[0]} is {group!r}; pdserve loads a positive multiple "
+                         "of 8 (e.g. 128)")
+    return group
+
+
+def _gptq(config: dict[str, Any], source: str) -> CheckpointQuant:
+    _check(config.get("bits"), (4,), "bits", source)
+    _check(config.get("desc_act", False), (False,), "desc_act", source)
+    checkpoint_format = config.get("checkpoint_format", "gptq")
+    _check(checkpoint_format, ("gptq", "gptq_v2"), "checkpoint_format", source)
+    return CheckpointQuant("gptq", _group_size(config, source, "group_size"),
+                           zero_offset=1 if checkpoint_format == "gptq" else 0)
 
 
 def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant:
@@ -89,6 +108,8 @@ def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant
         return _compressed_tensors(config, source)
     if method == "awq":
         return _awq(config, source)
+    if method == "gptq":
+        return _gptq(config, source)
     if method == "fp8":
         raise ValueError(
             f"{source}: quantization_config.quant_method is 'fp8' (transformers' block-scaled FP8, weight_block_size "
@@ -96,10 +117,10 @@ def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant
             "output channel, and requantizing would round every weight twice. Use a compressed-tensors FP8 checkpoint "
             "(llm-compressor's FP8_DYNAMIC scheme), or the bfloat16 checkpoint with quantization='fp8'")
     raise ValueError(f"{source}: quantization_config.quant_method is {method!r}; pdserve loads "
-                     "'compressed-tensors' (FP8) and 'awq' (4-bit, GEMM layout) checkpoints")
+                     "'compressed-tensors' (FP8), 'awq' (4-bit, GEMM layout) and 'gptq' (4-bit, no act-order) checkpoints")
 
 
-SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".qzeros", ".scales")
+SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".qzeros", ".scales", ".g_idx")
 """Checkpoint tensors that belong to a quantized linear's weight (read with it, never alone).
 NOTE: a static `input_scale` is read past: activations are scaled per token, dynamically."""
 

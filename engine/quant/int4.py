@@ -1,4 +1,4 @@
-"""4-bit weight-only (W4A16) linears with group-wise scales and zero points, as AWQ writes them.
+"""4-bit weight-only (W4A16) linears with group-wise scales and zero points, as AWQ and GPTQ write them.
 
 A quantized linear holds `weight` uint8 [out, in / 2] (two 4-bit values q a byte: input column 2j
 in the low nibble, 2j + 1 in the high one) and `weight_scale` float16 [out, in / group, 2], the
@@ -42,6 +42,18 @@ def unpack_awq_columns(packed: torch.Tensor) -> torch.Tensor:
     columns = torch.empty_like(nibbles)
     columns[:, :, list(AWQ_ORDER)] = nibbles  # nibble i is column AWQ_ORDER[i] of its 8
     return columns.reshape(packed.shape[0], -1)
+
+
+def unpack_gptq_rows(packed: torch.Tensor) -> torch.Tensor:
+    """A GPTQ int32 tensor [rows / 8, cols] (row 8i + j in bits 4j of row i) -> values [rows, cols]."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nibbles = (packed.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & 0xF  # [rows / 8, 8, cols]
+    return nibbles.reshape(-1, packed.shape[1])
+
+
+def unpack_gptq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """A GPTQ int32 tensor [rows, cols / 8] (column 8c + j in bits 4j) -> values [rows, cols]."""
+    return unpack_gptq_rows(packed.t()).t()
 
 
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -98,9 +98,9 @@ def test_int4_cuda_path_equals_reference_path(rows: int) -> None:
 
 
 def test_awq_model_on_cuda_equals_reference_path(hf_checkpoints, make_llm, tmp_path) -> None:
-    from tests.quant_builders import write_awq
+    from tests.quant_builders import write_int4
 
-    write_awq(hf_checkpoints("qwen2"), tmp_path / "awq", group=32)
+    write_int4(hf_checkpoints("qwen2"), tmp_path / "awq", group=32)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [[0, 17, 400, 33, 1021, 7], list(range(40, 90))]
     fast = make_llm(str(tmp_path / "awq"), device="cuda", dtype="bfloat16", num_blocks=64)

@@ -1,5 +1,5 @@
-"""4-bit weight-only (W4A16) projections from AutoAWQ checkpoints against transformers with the
-checkpoint's dequantized weights (activations are not quantized, so float32 agrees to float32
+"""4-bit weight-only (W4A16) projections from AutoAWQ and GPTQ (gptqmodel's 'gptq' format) checkpoints
+against transformers with the checkpoint's dequantized weights (activations are not quantized, so float32 agrees to float32
 sums: tokens equal, logprobs within 2e-4), on every test architecture; the unpacking against the
 format's definition; the Triton kernel against the reference path under the interpreter
 (test_int4_kernels.py); malformed checkpoints refused by name."""
@@ -12,20 +12,26 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.quant.int4 import Int4Matmul, dequantize, pack_nibbles, unpack_awq_columns, unpack_nibbles
+from bench.int4_rtn import awq_pack, gptq_pack_columns, gptq_pack_rows
+from engine.quant.int4 import (Int4Matmul, dequantize, pack_nibbles, unpack_awq_columns, unpack_gptq_columns,
+                               unpack_gptq_rows, unpack_nibbles)
 from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
-from bench.awq_rtn import awq_pack
-from tests.quant_builders import dequantized_reference, write_awq
+from tests.quant_builders import dequantized_reference, write_int4
 
 pytest.importorskip("transformers")
 
 PROMPTS = [[0, 17, 400, 33, 1021, 7, 99, 1500, 250], [0, 5, 6, 7], list(range(40, 70))]
 
 
-def test_awq_unpacking_inverts_autoawq_packing() -> None:
-    values = torch.randint(0, 16, (6, 40))
-    assert torch.equal(unpack_awq_columns(awq_pack(values)), values.to(unpack_awq_columns(awq_pack(values)).dtype))
+def test_unpacking_inverts_autoawq_and_gptq_packing() -> None:
+    values = torch.randint(0, 16, (16, 40))
+    assert torch.equal(unpack_awq_columns(awq_pack(values)).long(), values)
+    assert torch.equal(unpack_gptq_rows(gptq_pack_rows(values)).long(), values)
+    assert torch.equal(unpack_gptq_columns(gptq_pack_columns(values)).long(), values)
     assert torch.equal(unpack_nibbles(pack_nibbles(values)), values.to(torch.uint8))
+    # the formats' definitions, spelled out: AWQ's nibble i is column AWQ_ORDER[i]; GPTQ's bits 4j are row j
+    assert int(awq_pack(torch.arange(8).view(1, 8))) == 0x75316420
+    assert int(gptq_pack_rows(torch.arange(8).view(8, 1))) == 0x76543210
 
 
 def test_reference_path_is_dequantize_then_matmul() -> None:
@@ -37,11 +43,13 @@ def test_reference_path_is_dequantize_then_matmul() -> None:
     torch.testing.assert_close(Int4Matmul("reference", triton=False)(x, pack_nibbles(q), scale, None), x @ w.T)
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_awq_checkpoints_equal_transformers_on_their_dequantized_weights(arch, hf_checkpoints, tmp_path, make_llm):
+def test_int4_checkpoints_equal_transformers_on_their_dequantized_weights(arch, fmt, hf_checkpoints, tmp_path,
+                                                                          make_llm):
     src = hf_checkpoints(arch)
-    weights = write_awq(src, tmp_path / "awq", group=32)
-    llm = make_llm(str(tmp_path / "awq"), num_blocks=64)  # 'auto': 4-bit because config.json says so
+    weights = write_int4(src, tmp_path / fmt, group=32, fmt=fmt)
+    llm = make_llm(str(tmp_path / fmt), num_blocks=64)  # 'auto': 4-bit because config.json says so
     assert llm.engine.weights == "4-bit projections on the reference path"
     assert llm.engine.runner.model.model.layers[0].mlp.gate_up_weight.dtype == torch.uint8
     reference = dequantized_reference(load_hf_model(src), weights)
@@ -54,9 +62,9 @@ def test_awq_checkpoints_equal_transformers_on_their_dequantized_weights(arch, h
             torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=2e-4, rtol=0)
 
 
-def _awq_checkpoint(hf_checkpoints, tmp_path):
-    write_awq(hf_checkpoints("llama"), tmp_path / "awq", group=32)
-    return tmp_path / "awq"
+def _awq_checkpoint(hf_checkpoints, tmp_path, fmt="awq"):
+    write_int4(hf_checkpoints("llama"), tmp_path / fmt, group=32, fmt=fmt)
+    return tmp_path / fmt
 
 
 def test_missing_awq_part_is_named(hf_checkpoints, tmp_path) -> None:
@@ -100,6 +108,36 @@ def test_unsupported_awq_config_is_named(field, value, message, hf_checkpoints, 
     config["quantization_config"][field] = value
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
+        LLM(str(path), device="cpu", num_blocks=16)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("desc_act", True, r"quantization_config\.desc_act is True; pdserve loads False"),
+    ("checkpoint_format", "marlin", r"quantization_config\.checkpoint_format is 'marlin'"),
+    ("bits", 8, r"quantization_config\.bits is 8; pdserve loads 4"),
+])
+def test_unsupported_gptq_config_is_named(field, value, message, hf_checkpoints, tmp_path) -> None:
+    from engine import LLM
+
+    path = _awq_checkpoint(hf_checkpoints, tmp_path, "gptq")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"][field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), device="cpu", num_blocks=16)
+
+
+def test_gptq_act_order_indices_are_refused(hf_checkpoints, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from engine import LLM
+
+    path = _awq_checkpoint(hf_checkpoints, tmp_path, "gptq")
+    tensors = load_file(str(path / "model.safetensors"))
+    g_idx = tensors["model.layers.0.mlp.up_proj.g_idx"]
+    tensors["model.layers.0.mlp.up_proj.g_idx"] = g_idx.flip(0).contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"up_proj\.g_idx does not map input column k to group k // 32"):
         LLM(str(path), device="cpu", num_blocks=16)
 
 
