@@ -178,3 +178,24 @@ def dequantized_reference(model: Any, weights: dict[str, torch.Tensor]) -> Any:
         for name, w in weights.items():
             params[name].copy_(w)
     return model
+
+
+def count_close_sequences(llm: Any, reference: Any, prompts: list[list[int]], num_new: int,
+                          exact: float = 2e-4) -> int:
+    """Greedy runs of `prompts` on the engine `llm` against transformers' `reference`
+    (tests.builders.hf_greedy), each checked by agrees_until_a_flip; how many agreed within `exact`
+    all along."""
+    from engine import SamplingParams
+    from tests.builders import hf_greedy
+
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True, logprobs=5)
+    close = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        want, want_logprobs = hf_greedy(reference, prompt, num_new)
+        got = out.outputs[0]
+        deviations = []
+        for top, ref in zip(got.top_logprobs, want_logprobs):
+            ids = torch.tensor([t for t, _ in top])
+            deviations.append(float((torch.tensor([v for _, v in top]) - ref[ids]).abs().max()))
+        close += agrees_until_a_flip(got.token_ids, want, deviations, exact)
+    return close

@@ -45,14 +45,6 @@ def per_call_s(fn: Callable[[], object], calls: int = 50) -> float:
     return statistics.median(times[3:])
 
 
-def swapped(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """(W x^T)^T through torch._scaled_mm with x padded to 16 rows: cuBLAS sees the weight's rows as M."""
-    m = x.shape[0]
-    xq, xs = fp8_kernels.quantize_rows_padded(x, -(-m // 16) * 16)
-    out_t = torch._scaled_mm(wq, xq.t(), scale_a=ws.view(-1, 1), scale_b=xs.view(1, -1), out_dtype=torch.bfloat16)
-    return out_t[:, :m].t().contiguous()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
@@ -75,14 +67,11 @@ def main() -> None:
                                                                          out_dtype=torch.bfloat16)),
                 "quantize_us": 1e6 * per_call_s(lambda: fp8_kernels.quantize_rows(x)),
                 "fp8_matmul_us": 1e6 * per_call_s(lambda: fast(x, wq, ws, None)),
-                "swapped_us": (1e6 * per_call_s(lambda: swapped(x, wq, ws)) if m <= 64 else None),
                 "small_matmul_us": (1e6 * per_call_s(lambda: fp8_kernels.small_matmul(x, wq, ws, None))
                                     if m <= fp8_kernels.SMALL_MATMUL_MAX_ROWS else None),
                 "bf16_floor_us": 1e6 * n * k * 2 / bandwidth, "fp8_floor_us": 1e6 * n * k / bandwidth,
             }
             rows_out.append(row)
-            if m <= 64:
-                row["swapped_vs_fp8_matmul_max_abs"] = float((swapped(x, wq, ws).float() - fast(x, wq, ws, None).float()).abs().max())
             if m <= fp8_kernels.SMALL_MATMUL_MAX_ROWS:
                 small = fp8_kernels.small_matmul(x, wq, ws, None).float()
                 row["small_vs_fp8_matmul_max_abs"] = float((small - fast(x, wq, ws, None).float()).abs().max())

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.quant.fp8_kernels import round_e4m3
+
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 
 
@@ -51,17 +53,10 @@ def check_dtype(name: str, t: torch.Tensor, cache: bool = False) -> None:
 # ---- store_kv
 @triton.jit
 def _to_cache(x, cache_ptr):
-    """x as the cache stores it (base.to_cache): FP8 saturated at +-448 and rounded to nearest even on
-    E4M3's grid here (|x| + m - m, m = 1.5 * 2^(exponent + 20): engine/quant/fp8_kernels.py), so the
-    conversion is exact under Triton's interpreter too; other dtypes cast."""
+    """x as the cache stores it (base.to_cache): FP8 saturated at +-448 and rounded to nearest even
+    (round_e4m3, so the conversion is exact under Triton's interpreter too); other dtypes cast."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        y = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
-        a = tl.abs(y)
-        exponent = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
-        m = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-        r = (a + m) - m
-        r = (r.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
-        return r.to(tl.float8e4nv)
+        return round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)).to(tl.float8e4nv)
     return x.to(cache_ptr.dtype.element_ty)
 
 

@@ -11,6 +11,19 @@ from engine.quant.fp8 import FP8, FP8_MAX, MIN_SCALE
 
 
 @triton.jit
+def round_e4m3(y):
+    """float32 values within +-448 rounded to E4M3's grid (3 mantissa bits; spacing 2^-9 below 2^-6)
+    to nearest even, sign kept, so that a conversion to E4M3 after it is exact on every backend
+    (Triton's interpreter rounds some values wrongly): |y| + m - m with m = 1.5 * 2^(exponent + 20)
+    leaves |y| rounded at float32's spacing around m, which is E4M3's spacing around |y|."""
+    a = tl.abs(y)
+    exponent = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
+    m = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + m) - m
+    return (r.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, fp8_max, min_scale,
                           BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -19,15 +32,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, fp8_ma
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0) / fp8_max, min_scale)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-    # Round to E4M3's grid (3 mantissa bits; spacing 2^-9 below 2^-6) to nearest even here, so the
-    # conversion below is exact on every backend: |y| + m - m with m = 1.5 * 2^(exponent + 20)
-    # leaves |y| rounded at float32's spacing around m, which is E4M3's spacing around |y|.
-    a = tl.abs(y)
-    exponent = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # 121: the exponent field of 2^-6
-    m = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (a + m) - m
-    r = (r.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
-    tl.store(q_ptr + row * stride_q + cols, r.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + row, scale)
 
 
@@ -41,28 +46,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block,
                                        num_warps=min(32, max(4, block // 512)))
     return q, scale
-
-
-def quantize_rows_padded(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows into `rows` (>= x's) rows; the rows past x's are left unwritten (garbage)."""
-    m, n = x.shape
-    q = torch.empty(rows, n, dtype=FP8, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if m:
-        block = triton.next_power_of_2(n)
-        _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block,
-                                    num_warps=min(32, max(4, block // 512)))
-    return q, scale
-
-
-@triton.jit
-def _round_e4m3(y):
-    """float32 values within +-448 rounded to E4M3's grid, to nearest even (see _quantize_rows_kernel)."""
-    a = tl.abs(y)
-    exponent = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
-    m = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (a + m) - m
-    return (r.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -93,7 +76,7 @@ def _small_matmul_kernel(
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -fp8_max), fp8_max)
-        xq = _round_e4m3(y)  # [BLOCK_M, BLOCK_K]
+        xq = round_e4m3(y)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += xq[:, None, :] * w.to(tl.float32)[None, :, :]
     w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)

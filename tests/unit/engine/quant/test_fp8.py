@@ -25,8 +25,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.quant.fp8 import FP8, Fp8Matmul, dequantize_rows, quantize_rows
-from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
-from tests.quant_builders import agrees_until_a_flip, fp8_reference, write_compressed_tensors, write_fp8_block
+from tests.builders import ARCHITECTURES, load_hf_model
+from tests.quant_builders import count_close_sequences, fp8_reference, write_compressed_tensors, write_fp8_block
 
 pytest.importorskip("transformers")
 
@@ -59,18 +59,8 @@ def test_reference_path_equals_dequantized_matmul() -> None:
 
 
 def _compare(llm: LLM, reference: object) -> tuple[int, int]:
-    """(sequences whose logprobs all agree within 2e-4, sequences); tests/quant_builders.agrees_until_a_flip."""
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
-    close = 0
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        want, want_logprobs = hf_greedy(reference, prompt, NUM_NEW)
-        got = out.outputs[0]
-        deviations = []
-        for top, ref in zip(got.top_logprobs, want_logprobs):
-            ids = torch.tensor([t for t, _ in top])
-            deviations.append(float((torch.tensor([v for _, v in top]) - ref[ids]).abs().max()))
-        close += agrees_until_a_flip(got.token_ids, want, deviations, exact=2e-4)
-    return close, len(PROMPTS)
+    """(sequences whose logprobs all agree within 2e-4, sequences)."""
+    return count_close_sequences(llm, reference, PROMPTS, NUM_NEW), len(PROMPTS)
 
 
 def test_models_quantized_at_load_match_w8a8_transformers(hf_checkpoints, make_llm) -> None:

@@ -20,27 +20,17 @@ import torch
 
 from engine import SamplingParams
 from kvtransfer import gather_blocks, scatter_blocks
-from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
-from tests.quant_builders import agrees_until_a_flip, fp8_kv_reference, fp8_reference
+from tests.builders import ARCHITECTURES, load_hf_model
+from tests.quant_builders import count_close_sequences, fp8_kv_reference, fp8_reference
 
 pytest.importorskip("transformers")
 
 PROMPTS = [[0, 17, 400, 33, 1021, 7, 99, 1500, 250], [0, 5, 6, 7], list(range(40, 70))]
 NUM_NEW = 24
-GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
 
 
 def _close_sequences(llm, reference) -> int:
-    close = 0
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
-        want, want_logprobs = hf_greedy(reference, prompt, NUM_NEW)
-        got = out.outputs[0]
-        deviations = []
-        for top, ref in zip(got.top_logprobs, want_logprobs):
-            ids = torch.tensor([t for t, _ in top])
-            deviations.append(float((torch.tensor([v for _, v in top]) - ref[ids]).abs().max()))
-        close += agrees_until_a_flip(got.token_ids, want, deviations, exact=2e-4)
-    return close
+    return count_close_sequences(llm, reference, PROMPTS, NUM_NEW)
 
 
 @pytest.mark.parametrize("weights", ["float32", "fp8"])
