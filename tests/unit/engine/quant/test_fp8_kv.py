@@ -6,7 +6,9 @@
   the tokens of a fresh computation with the same FP8 cache;
 - the cache holds twice bfloat16's tokens in the same bytes (four times float32's);
 - a prompt prefilled on one engine, its FP8 blocks moved as kvtransfer moves them, decodes on
-  another to the colocated tokens.
+  another to the colocated tokens;
+- speculative decoding (n-gram and a draft model) over an FP8 cache gives the plain tokens;
+  tensor parallelism over FP8 caches gives TP=1's.
 Tolerances: tests/quant_builders.agrees_until_a_flip (an FP8 rounding that float32 sums put on the
 other side of a boundary).
 """
@@ -21,7 +23,7 @@ import torch
 from engine import SamplingParams
 from kvtransfer import gather_blocks, scatter_blocks
 from tests.builders import ARCHITECTURES, load_hf_model
-from tests.quant_builders import count_close_sequences, fp8_kv_reference, fp8_reference
+from tests.quant_builders import agrees_until_a_flip, count_close_sequences, fp8_kv_reference, fp8_reference
 
 pytest.importorskip("transformers")
 
@@ -101,3 +103,40 @@ def test_fp8_blocks_moved_between_engines_decode_to_the_colocated_tokens(hf_chec
         while decode.has_unfinished():
             tokens += [t for o in decode.step() for t in o.new_token_ids]
         assert tokens == want[i]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_over_an_fp8_cache_gives_the_plain_tokens(method, make_llm):
+    """Verification writes the drafted tokens' K/V into the FP8 cache and rolls rejected ones back:
+    greedy output equals plain decoding over the same FP8 cache (the draft model keeps its own cache
+    in the model's dtype)."""
+    from engine.config import SpeculativeConfig
+
+    rng = random.Random(5)
+    motif = [rng.randrange(4, 2048) for _ in range(6)]
+    prompts = [motif * 4 + [rng.randrange(4, 2048) for _ in range(n)] for n in (3, 9, 14)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(block_size=4, kv_cache_dtype="fp8").generate(prompts, params)]
+    spec = (SpeculativeConfig(method="ngram", num_draft_tokens=3) if method == "ngram"
+            else SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3))
+    llm = make_llm(block_size=4, kv_cache_dtype="fp8", speculative=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.stats().num_spec_draft_tokens > 0
+
+
+def test_tensor_parallel_over_an_fp8_cache(hf_checkpoints, make_llm):
+    """TP=2: each rank's FP8 cache holds its KV heads; TP=1's tokens up to a flip (another order of
+    float32 sums can move a K or V value across an E4M3 rounding boundary)."""
+    path = str(hf_checkpoints("qwen3"))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = make_llm(path, kv_cache_dtype="fp8", num_blocks=64).generate(PROMPTS, params)
+    llm = make_llm(path, kv_cache_dtype="fp8", num_blocks=64, tensor_parallel_size=2)
+    assert llm.engine.runner.kv_caches.dtype == torch.float8_e4m3fn
+    two = llm.generate(PROMPTS, params)
+    llm.close()
+    close = 0
+    for a, b in zip(two, one, strict=True):
+        got, want = a.outputs[0], b.outputs[0]
+        close += agrees_until_a_flip(got.token_ids, want.token_ids,
+                                     [abs(x - y) for x, y in zip(got.logprobs, want.logprobs)], exact=1e-4)
+    assert close >= 2, f"only {close} of {len(PROMPTS)} sequences within 1e-4"
