@@ -23,7 +23,8 @@ class ModelConfig(_Frozen):
     """Which checkpoint to run and in what precision."""
 
     model: str = Field(DEFAULT_MODEL, description=(
-        "HF checkpoint directory, a GGUF file (llama/qwen2/qwen3, dequantized at load; or a directory "
+        "HF checkpoint directory, a GGUF file (llama/qwen2/qwen3; Q4_0 projections stay 4-bit, the rest is "
+        "dequantized at load; or a directory "
         "holding one .gguf and no safetensors), or 'default' for the embedded model."
     ))
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(

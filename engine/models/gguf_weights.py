@@ -1,9 +1,11 @@
-"""Loads a GGUF file's tensors into a LlamaForCausalLM, dequantized at load.
+"""Loads a GGUF file's tensors into a LlamaForCausalLM.
 
-Every type `gguf.quants.dequantize` knows (F32, F16, BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants
-Q2_K..Q6_K, the IQ and TQ types, MXFP4) becomes the model's dtype as it is read: the engine holds
-no quantized weights and runs no quantized kernels, so a Q4_K file takes as much memory as its
-float16 original. Knows llama.cpp's tensor names and its Q/K row permutation of `llama` models;
+A file whose every decoder projection is Q4_0 loads those onto the 4-bit path (engine/quant/int4.py:
+Q4_0's blocks of 32 are d * (q - 8), exactly a 4-bit group with scale d and zero point 8), a
+quarter of the float16 bytes. Every other tensor, and every tensor of any other file, of a type
+`gguf.quants.dequantize` knows (F32, F16, BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K,
+the IQ and TQ types, MXFP4) becomes the model's dtype as it is read, so a Q4_K file takes as much
+memory as its float16 original. Knows llama.cpp's tensor names and its Q/K row permutation of `llama` models;
 knows nothing of the metadata (gguf_file.py).
 """
 
@@ -20,6 +22,7 @@ from engine.models.arch import ArchConfig
 from engine.models.gguf_file import GGUFMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import copy_checked
+from engine.quant.int4 import pack_nibbles
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -95,6 +98,42 @@ def _gguf_version() -> str:
     return version("gguf")
 
 
+_PROJECTIONS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"))
+Q4_0_GROUP = 32
+
+
+def q4_0_projections(meta: GGUFMetadata) -> bool:
+    """True when every decoder projection of the file is Q4_0 (they then load on the 4-bit path)."""
+    types = [t.tensor_type for t in meta.reader.tensors if (hf_name(t.name) or "").endswith(_PROJECTIONS)]
+    return bool(types) and all(t == GGMLQuantizationType.Q4_0 for t in types)
+
+
+def read_q4_0(meta: GGUFMetadata, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_0 matrix as (q [out, in] uint8 in [0, 15], d [out, in / 32] float16): value = d * (q - 8).
+    A block is d (float16) then 16 bytes: byte j holds element j (low nibble) and j + 16 (high)."""
+    data = np.asarray(meta.reader.tensors[index].data)  # [out, in / 32 * 18] bytes
+    blocks = data.reshape(data.shape[0], -1, 18)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    qs = blocks[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(data.shape[0], -1)
+    return q, d
+
+
+def _load_q4_0(param: torch.nn.Parameter, meta: GGUFMetadata, index: int, permute_heads: int | None,
+               where: str) -> None:
+    q, d = read_q4_0(meta, index)
+    if permute_heads is not None:
+        q, d = unpermute_rows(q, permute_heads), unpermute_rows(d, permute_heads)
+    if (q.shape[0], q.shape[1] // 2) != tuple(param.shape):
+        raise ValueError(f"{where} has shape {(q.shape[0], q.shape[1])}, the GGUF metadata implies "
+                         f"{(param.shape[0], param.shape[1] * 2)}")
+    scale = torch.stack((torch.from_numpy(d.copy()), torch.full(d.shape, 8.0, dtype=torch.float16)), -1)
+    with torch.no_grad():
+        param.copy_(pack_nibbles(torch.from_numpy(q.copy())).to(param.device))
+        param.quant_scale.copy_(scale.to(param.device))  # type: ignore[attr-defined]
+
+
 def load_gguf_weights(
     model: LlamaForCausalLM, meta: GGUFMetadata, dtype: torch.dtype, device: torch.device
 ) -> None:
@@ -109,13 +148,19 @@ def load_gguf_weights(
                 f"{meta.source}: tensor {tensor.name} has no place in a {arch.architecture} model; "
                 "the file holds a feature the engine does not implement"
             )
+        where = f"{meta.source}: tensor {tensor.name} ({name})"
+        if params[name].dtype == torch.uint8:  # 4-bit: q4_0_projections held
+            heads = (arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
+                     if name.endswith("k_proj.weight") else None)
+            _load_q4_0(params[name], meta, index, heads if is_llama else None, where)
+            loaded.add(name)
+            continue
         values = read_tensor(meta, index)
         if is_llama and name.endswith(("q_proj.weight", "q_proj.bias")):
             values = unpermute_rows(values, arch.num_heads)
         elif is_llama and name.endswith(("k_proj.weight", "k_proj.bias")):
             values = unpermute_rows(values, arch.num_kv_heads)
-        copy_checked(params[name], torch.from_numpy(values), f"{meta.source}: tensor {tensor.name} ({name})",
-                     "the GGUF metadata", dtype, device)
+        copy_checked(params[name], torch.from_numpy(values), where, "the GGUF metadata", dtype, device)
         loaded.add(name)
     tied = {"lm_head.weight"} if arch.tie_word_embeddings else set()
     missing = sorted(set(params) - loaded - tied)

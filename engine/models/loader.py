@@ -278,6 +278,11 @@ def build_model(
         convert_to_int4(model, quant.group_size, int4_path(device, dtype))
     elif quantization == "fp8" or quant.is_fp8:
         convert_to_fp8(model, fp8_path(device, dtype))
+    elif gguf is not None and load_format != "dummy" and (tp is None or tp.shard.size == 1):
+        from engine.models.gguf_weights import Q4_0_GROUP, q4_0_projections  # NOTE: imports the gguf package
+
+        if q4_0_projections(gguf):
+            convert_to_int4(model, Q4_0_GROUP, int4_path(device, dtype))
     if gguf is not None and load_format != "dummy":
         from engine.models.gguf_weights import load_gguf_weights  # NOTE: imports the gguf package
 

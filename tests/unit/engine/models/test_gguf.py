@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from engine import SamplingParams
 from engine.models import build_model
 from engine.models.gguf_weights import unpermute_rows
+from engine.quant.int4 import dequantize
 from engine.tokenizer import Tokenizer
 from tests.builders import DEFAULT_MODEL_DIR, hf_greedy, load_hf_model
 from tests.gguf_builders import permute, write_gguf
@@ -60,11 +61,11 @@ def test_f32_greedy_tokens_equal_transformers(arch, hf_checkpoints, gguf_files, 
     assert got == [hf_greedy(hf, p, NUM_NEW)[0] for p in PROMPTS], f"{arch}: GGUF tokens differ from transformers"
 
 
-def _round_to_q8_0(model) -> None:
+def _round_to(model, qtype: Q = Q.Q8_0) -> None:
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 2:
-                rounded = gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), Q.Q8_0), Q.Q8_0)
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), qtype), qtype)
                 param.copy_(torch.from_numpy(rounded))
 
 
@@ -77,7 +78,7 @@ def test_q8_0_dequantized_at_load(arch, hf_checkpoints, gguf_files, make_llm):
         top = out.outputs[0].top_logprobs[0]
         got_ids, got_vals = torch.tensor([t for t, _ in top]), torch.tensor([v for _, v in top])
         torch.testing.assert_close(got_vals, ref[got_ids], atol=Q8_0_LOGPROB_ATOL, rtol=0)
-    _round_to_q8_0(hf)
+    _round_to(hf)
     want = [hf_greedy(hf, p, NUM_NEW)[0] for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outs] == want, f"{arch}: Q8_0 tokens differ from HF on Q8_0 weights"
 
@@ -88,9 +89,27 @@ def test_each_quantizable_type_loads_as_its_dequantized_values(qtype, hf_checkpo
     model, _ = build_model(path, torch.float32, torch.device("cpu"))
     weight = load_hf_model(hf_checkpoints("qwen3")).model.layers[1].mlp.down_proj.weight.detach().numpy()
     want = gguf.quants.dequantize(gguf.quants.quantize(weight, qtype), qtype)
-    got = model.model.layers[1].mlp.down_proj.weight.detach().numpy()
+    down = model.model.layers[1].mlp.down_proj
+    if qtype == Q.Q4_0:  # the projections stay 4-bit (test_q4_0_projections_stay_4_bit)
+        got = dequantize(down.weight, down.weight_scale, torch.float32).numpy()
+    else:
+        got = down.weight.detach().numpy()
     np.testing.assert_array_equal(got, want)
     assert not np.array_equal(got, weight) or qtype == Q.F32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_q4_0_projections_stay_4_bit(arch, hf_checkpoints, gguf_files, make_llm):
+    """Q4_0 blocks are exactly 4-bit groups of 32 (scale d, zero point 8): the projections load onto
+    the 4-bit path (a quarter of float16's bytes) and give HF's tokens on Q4_0-rounded weights (llama:
+    through llama.cpp's q/k row permutation, undone on the 4-bit rows and their scales)."""
+    llm = make_llm(str(gguf_files(arch, Q.Q4_0)), num_blocks=32)
+    assert llm.engine.weights == "4-bit projections on the reference path"
+    gate_up = llm.engine.runner.model.model.layers[0].mlp.gate_up_weight
+    assert gate_up.dtype == torch.uint8 and gate_up.shape == (256, 32)  # [2 x 128, 64 / 2]
+    hf = load_hf_model(hf_checkpoints(arch))
+    _round_to(hf, Q.Q4_0)
+    assert _greedy(llm) == [hf_greedy(hf, p, NUM_NEW)[0] for p in PROMPTS]
 
 
 def test_unpermute_inverts_llama_cpp_permute():
