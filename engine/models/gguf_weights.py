@@ -21,8 +21,7 @@ from gguf.quants import dequantize
 from engine.models.arch import ArchConfig
 from engine.models.gguf_file import GGUFMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import copy_checked
-from engine.quant.int4 import pack_nibbles
+from engine.models.loader import copy_checked, copy_int4
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -125,13 +124,14 @@ def _load_q4_0(param: torch.nn.Parameter, meta: GGUFMetadata, index: int, permut
     q, d = read_q4_0(meta, index)
     if permute_heads is not None:
         q, d = unpermute_rows(q, permute_heads), unpermute_rows(d, permute_heads)
-    if (q.shape[0], q.shape[1] // 2) != tuple(param.shape):
-        raise ValueError(f"{where} has shape {(q.shape[0], q.shape[1])}, the GGUF metadata implies "
-                         f"{(param.shape[0], param.shape[1] * 2)}")
-    scale = torch.stack((torch.from_numpy(d.copy()), torch.full(d.shape, 8.0, dtype=torch.float16)), -1)
-    with torch.no_grad():
-        param.copy_(pack_nibbles(torch.from_numpy(q.copy())).to(param.device))
-        param.quant_scale.copy_(scale.to(param.device))  # type: ignore[attr-defined]
+    shard = getattr(param, "shard", None)
+    expected = [param.shape[0], param.shape[1] * 2]
+    if shard is not None:
+        expected[shard.dim] = shard.full
+    if list(q.shape) != expected:
+        raise ValueError(f"{where} has shape {tuple(q.shape)}, the GGUF metadata implies {tuple(expected)}")
+    scales = torch.from_numpy(d.copy()).to(param.device)
+    copy_int4(param, torch.from_numpy(q.copy()).to(param.device), scales, torch.full_like(scales, 8.0), Q4_0_GROUP)
 
 
 def load_gguf_weights(

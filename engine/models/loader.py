@@ -144,7 +144,10 @@ def _load_int4_weight(param: torch.nn.Parameter, reader: CheckpointReader, prefi
         if not reader.has(name):
             raise ValueError(f"{reader.where(names['qweight'])} is 4-bit ({quant.format}) but its {part} tensor "
                              f"{name} is missing from the checkpoint")
+    shard: Shard | None = getattr(param, "shard", None)
     out, inp, group = param.shape[0], param.shape[1] * 2, quant.group_size
+    if shard is not None:  # the checkpoint's tensors are whole
+        out, inp = (shard.full, inp) if shard.dim == 0 else (out, shard.full)
     qweight_shape = (inp, out // 8) if quant.format == "awq" else (inp // 8, out)
     expected = {"qweight": qweight_shape, "qzeros": (inp // group, out // 8), "scales": (inp // group, out)}
     tensors = {}
@@ -163,9 +166,23 @@ def _load_int4_weight(param: torch.nn.Parameter, reader: CheckpointReader, prefi
                              "checkpoint (desc_act) whose config.json says otherwise")
         q, zeros = unpack_gptq_rows(tensors["qweight"]).t(), unpack_gptq_columns(tensors["qzeros"]).t()
     zeros = zeros + quant.zero_offset  # [out, groups]; q: [out, in]
+    copy_int4(param, q, tensors["scales"].t(), zeros, group)
+
+
+def copy_int4(param: torch.nn.Parameter, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group: int) -> None:
+    """A 4-bit weight param <- the whole checkpoint tensor's values q [out, in] (in [0, 15]), scales and
+    zero points [out, in / group], of which a tensor-parallel rank keeps its `shard` (rows; or columns,
+    whole groups: engine/quant/convert.py checks that a rank's columns are)."""
+    shard: Shard | None = getattr(param, "shard", None)
+    if shard is not None and shard.dim == 0:
+        q, scales, zeros = q[shard.start : shard.stop], scales[shard.start : shard.stop], zeros[shard.start : shard.stop]
+    elif shard is not None:
+        q = q[:, shard.start : shard.stop]
+        scales, zeros = (t[:, shard.start // group : shard.stop // group] for t in (scales, zeros))
     with torch.no_grad():
         param.copy_(pack_nibbles(q))
-        param.quant_scale.copy_(torch.stack((tensors["scales"].t().to(torch.float16), zeros.to(torch.float16)), -1))
+        param.quant_scale.copy_(torch.stack((scales.to(torch.float16), zeros.to(torch.float16)), -1))
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device,
@@ -215,9 +232,20 @@ def read_checkpoint_quant(model_dir: Path) -> CheckpointQuant:
 
 
 def check_quantized_parallel(model_dir: Path, tensor_parallel_size: int) -> None:
-    """Before any rank starts: a ValueError when the checkpoint's weights cannot be split so."""
-    if tensor_parallel_size > 1 and find_gguf(model_dir) is None and read_checkpoint_quant(model_dir).is_int4:
-        raise ValueError("4-bit (awq, gptq) checkpoints do not run tensor-parallel yet; use tensor_parallel_size=1")
+    """Before any rank starts: a ValueError when the checkpoint's 4-bit groups would straddle the ranks'
+    columns of o_proj or down_proj."""
+    if tensor_parallel_size == 1 or find_gguf(model_dir) is not None:
+        return
+    quant = read_checkpoint_quant(model_dir)
+    if not quant.is_int4:
+        return
+    arch = load_arch(model_dir)
+    for name, columns in (("o_proj", arch.num_heads * arch.head_dim), ("down_proj", arch.intermediate_size)):
+        if (columns // tensor_parallel_size) % quant.group_size:
+            raise ValueError(
+                f"tensor_parallel_size {tensor_parallel_size} gives each rank {columns // tensor_parallel_size} of "
+                f"{name}'s {columns} input columns, not whole 4-bit groups of {quant.group_size}; use a size whose "
+                "share is a multiple of the group size")
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
@@ -274,11 +302,10 @@ def build_model(
         raise ValueError(f"{str(model_dir)!r} is a 4-bit ({quant.format}) checkpoint; quantization='fp8' would need its "
                          "bfloat16 weights: use quantization='auto'")
     if quant.is_int4:
-        check_quantized_parallel(model_dir, tp.shard.size if tp is not None else 1)
         convert_to_int4(model, quant.group_size, int4_path(device, dtype))
     elif quantization == "fp8" or quant.is_fp8:
         convert_to_fp8(model, fp8_path(device, dtype))
-    elif gguf is not None and load_format != "dummy" and (tp is None or tp.shard.size == 1):
+    elif gguf is not None and load_format != "dummy":
         from engine.models.gguf_weights import Q4_0_GROUP, q4_0_projections  # NOTE: imports the gguf package
 
         if q4_0_projections(gguf):

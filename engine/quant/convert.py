@@ -5,7 +5,8 @@ Each decoder layer's q/k/v, o, gate/up and down projections get a quantized `wei
 [out, in / 2] and float16 [out, in / group, 2]); the fused qkv and gate_up tensors
 (`<name>_weight`, `<name>_weight_scale`) hold their parts as views, as in bfloat16. The embedding,
 lm_head and norms stay in the model's dtype. A tensor-parallel rank's FP8 scales follow its weight
-rows (column-parallel) or are whole (row-parallel: its columns share the rows' scales).
+rows (column-parallel) or are whole (row-parallel: its columns share the rows' scales); its 4-bit
+scales follow its rows, or its columns' whole groups.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def convert_to_int4(model: nn.Module, group_size: int, path: Int4Path) -> None:
             linear = getattr(layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp,
                              name)
             if linear.weight.shape[1] % group_size:
-                raise ValueError(f"a 4-bit group of {group_size} columns does not divide {name}'s "
-                                 f"{linear.weight.shape[1]} input columns")
+                raise ValueError(f"4-bit groups of {group_size} columns do not divide the {linear.weight.shape[1]} "
+                                 f"input columns of {name} this rank holds; with tensor parallelism, use a size "
+                                 "whose share is a multiple of the group size")
     model.int4_path = path
     _convert(model, lambda w: torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device),
              lambda w: torch.empty(w.shape[0], w.shape[1] // group_size, 2, dtype=torch.float16, device=w.device))

@@ -112,6 +112,16 @@ def test_q4_0_projections_stay_4_bit(arch, hf_checkpoints, gguf_files, make_llm)
     assert _greedy(llm) == [hf_greedy(hf, p, NUM_NEW)[0] for p in PROMPTS]
 
 
+def test_q4_0_projections_split_across_tensor_parallel_ranks(hf_checkpoints, gguf_files, make_llm):
+    path = str(gguf_files("llama", Q.Q4_0))
+    one = make_llm(path, num_blocks=32).generate(PROMPTS, GREEDY)
+    llm = make_llm(path, num_blocks=32, tensor_parallel_size=2)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    two = llm.generate(PROMPTS, GREEDY)
+    llm.close()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
 def test_unpermute_inverts_llama_cpp_permute():
     rows = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
     permuted = permute(rows, 4, 4)

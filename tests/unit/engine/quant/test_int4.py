@@ -141,11 +141,34 @@ def test_gptq_act_order_indices_are_refused(hf_checkpoints, tmp_path) -> None:
         LLM(str(path), device="cpu", num_blocks=16)
 
 
-def test_awq_refuses_fp8_and_tensor_parallel(hf_checkpoints, tmp_path) -> None:
+def test_awq_refuses_fp8_on_top(hf_checkpoints, tmp_path) -> None:
     from engine import LLM
 
     path = _awq_checkpoint(hf_checkpoints, tmp_path)
     with pytest.raises(ValueError, match="4-bit \\(awq\\) checkpoint; quantization='fp8'"):
         LLM(str(path), device="cpu", num_blocks=16, quantization="fp8")
-    with pytest.raises(ValueError, match="do not run tensor-parallel yet"):
-        LLM(str(path), device="cpu", num_blocks=16, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_tensor_parallel_splits_rows_and_whole_groups(fmt, hf_checkpoints, tmp_path, make_llm) -> None:
+    """TP=2: q/k/v and gate/up keep their rows' values and scales, o and down their columns' (whole
+    groups of 32): TP=1's tokens and logprobs (float32 sums in another order)."""
+    path = str(_awq_checkpoint(hf_checkpoints, tmp_path, fmt))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = make_llm(path, num_blocks=64).generate(PROMPTS, params)
+    llm = make_llm(path, num_blocks=64, tensor_parallel_size=2)
+    assert llm.engine.runner.model.model.layers[0].self_attn.o_proj.weight.shape == (64, 16)  # 32 of 64 columns
+    two = llm.generate(PROMPTS, params)
+    llm.close()
+    for a, b in zip(two, one, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-4)
+
+
+def test_tensor_parallel_that_splits_a_group_is_named(hf_checkpoints, tmp_path) -> None:
+    from engine import LLM
+
+    write_int4(hf_checkpoints("llama"), tmp_path / "g64", group=64)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 gives each rank 32 of o_proj's 64 input columns, "
+                                         r"not whole 4-bit groups of 64"):
+        LLM(str(tmp_path / "g64"), device="cpu", num_blocks=16, tensor_parallel_size=2)
