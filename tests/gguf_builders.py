@@ -81,8 +81,10 @@ def _write_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, config: dict) -> Non
 def write_gguf(
     hf_dir: Path, out: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     edit: Callable[[dict[str, np.ndarray]], None] | None = None, architecture: str | None = None,
+    raw: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
 ) -> Path:
-    """qtype: the type of every 2-D tensor (1-D tensors stay F32, as in llama.cpp)."""
+    """qtype: the type of every 2-D tensor (1-D tensors stay F32, as in llama.cpp). raw: tensors (by
+    GGUF name) written as the given bytes of the given type instead (types gguf cannot quantize)."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = architecture or _GGUF_ARCH[config["architectures"][0]]
     tensors = gguf_tensors(hf_dir, config)
@@ -107,7 +109,9 @@ def write_gguf(
     writer.add_file_type(int(qtype))
     _write_tokenizer(writer, hf_dir, config)
     for name, value in tensors.items():
-        if value.ndim == 2 and qtype != GGMLQuantizationType.F32:
+        if raw is not None and name in raw:
+            writer.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
+        elif value.ndim == 2 and qtype != GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, value)
@@ -116,3 +120,23 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# Bytes per 256-value block, where its float16 super-block scales sit (d, then dmin if any), and
+# the value they get (random sub-block scales and values then make weights of ~0.02 mean size).
+_K_QUANT_LAYOUT = {GGMLQuantizationType.Q4_K: (144, (0, 2), 1e-4), GGMLQuantizationType.Q5_K: (176, (0, 2), 5e-5),
+                   GGMLQuantizationType.Q6_K: (210, (208,), 2e-5)}
+
+
+def random_k_quant(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Random blocks of a K-quant type (which the gguf package reads but cannot write) for a
+    [rows, cols] matrix: random bytes, with the float16 super-block scales set to small values so
+    the weights are ~0.02 in size. -> uint8 [rows, cols / 256 * block bytes]."""
+    size, scale_offsets, d = _K_QUANT_LAYOUT[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for offset in scale_offsets:
+        blocks[..., offset : offset + 2] = np.full(blocks.shape[:2], d, dtype=np.float16).view(np.uint8).reshape(
+            *blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+

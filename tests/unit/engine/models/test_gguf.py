@@ -17,8 +17,8 @@ from engine.models import build_model
 from engine.models.gguf_weights import unpermute_rows
 from engine.quant.int4 import dequantize
 from engine.tokenizer import Tokenizer
-from tests.builders import DEFAULT_MODEL_DIR, hf_greedy, load_hf_model
-from tests.gguf_builders import permute, write_gguf
+from tests.builders import DEFAULT_MODEL_DIR, hf_greedy, load_hf_model, make_hf_checkpoint
+from tests.gguf_builders import permute, random_k_quant, write_gguf
 
 pytest.importorskip("transformers")
 
@@ -120,6 +120,38 @@ def test_q4_0_projections_split_across_tensor_parallel_ranks(hf_checkpoints, ggu
     two = llm.generate(PROMPTS, GREEDY)
     llm.close()
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+_GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                     "ffn_down": "mlp.down_proj"}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_k_quants_dequantized_at_load_give_transformers_tokens(qtype, tmp_path, make_llm):
+    """K-quant projections (random blocks: the gguf package reads K-quants but cannot write them) are
+    dequantized at load to the values gguf's own reader gives: transformers on those values gives the
+    same greedy tokens, logprobs within 2e-4 (float32)."""
+    hf_dir = make_hf_checkpoint("qwen3", tmp_path / "hf", hidden_size=256, intermediate_size=512, head_dim=64)
+    hf = load_hf_model(hf_dir)
+    params = dict(hf.named_parameters())
+    raw = {}
+    for layer in range(len(hf.model.layers)):
+        for gguf_part, hf_part in _GGUF_PROJECTIONS.items():
+            weight = params[f"model.layers.{layer}.{hf_part}.weight"]
+            blocks = random_k_quant(weight.shape[0], weight.shape[1], qtype, seed=layer * 10 + len(raw))
+            raw[f"blk.{layer}.{gguf_part}.weight"] = (blocks, qtype)
+            with torch.no_grad():
+                weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()))
+    llm = make_llm(str(write_gguf(hf_dir, tmp_path / "k.gguf", raw=raw)), num_blocks=32)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # dequantized
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        want, want_logprobs = hf_greedy(hf, prompt, NUM_NEW)
+        assert out.outputs[0].token_ids == want
+        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
+            ids = torch.tensor([t for t, _ in top])
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=2e-4, rtol=0)
 
 
 def test_unpermute_inverts_llama_cpp_permute():
