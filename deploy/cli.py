@@ -300,6 +300,9 @@ def status_command(args: argparse.Namespace) -> int:
         kv = f"{row.num_blocks - row.num_free_blocks}/{row.num_blocks}"
         print(f"{row.worker_id:<16}{row.role:>8}{row.num_running:>8}{row.num_waiting:>8}{kv:>12}{row.num_leases:>8}"
               f"{row.num_pushing:>8}{row.num_channels:>10}  {'ok' if row.is_healthy else 'FAILED'}")
+    for row in rows:
+        if not isinstance(row, str) and row.weights:
+            print(f"engine of {row.worker_id}: weights {row.weights}, KV cache {row.kv_cache_dtype}")
     if decisions:
         print("autoscaler decisions (latest last):")
         for ago_s, pool, num_workers, why in decisions[-10:]:

@@ -94,6 +94,8 @@ class EngineStats:
     decode_step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     kv_bytes_per_token: int = 0  # the whole worker's (every rank's heads)
+    weights: str = ""  # how its projections are stored and multiplied (EngineCore.weights)
+    kv_cache_dtype: str = ""
 
     def load(self) -> dict[str, int | float]:
         """The figures every worker reports of its engine (its stats, `pdserve status`)."""
@@ -714,6 +716,7 @@ class EngineCore:
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             kv_bytes_per_token=self.block_bytes * (self.tp.shard.size if self.tp is not None else 1)
             // self.pool.block_size,
+            weights=self.weights, kv_cache_dtype=str(self.runner.kv_caches.dtype).removeprefix("torch."),
         )
 
     # ---- invariants

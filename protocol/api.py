@@ -46,6 +46,8 @@ class WorkerStatsMsg(Msg):
     decode_step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     kv_bytes_per_token: int = 0
+    weights: str = ""  # e.g. "bfloat16", "fp8 projections on the cuda path" (engine.EngineCore.weights)
+    kv_cache_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
     # decode workers
     num_leases: int = 0  # open leases (reserved or receiving)
     num_undelivered: int = 0  # token rows not yet taken by their routers

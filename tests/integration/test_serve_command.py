@@ -163,6 +163,7 @@ def test_curl_sse_stream_and_status(server):
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "prefill-0" in status.stdout and "decode-0" in status.stdout
+    assert "engine of decode-0: weights float32, KV cache float32" in status.stdout, status.stdout
     assert " INFO " not in status.stderr and "object at 0x" not in status.stderr, status.stderr  # a table only
     # The router replica reached the decode worker over the request channel (protocol/channel.py),
     # not through Ray calls: the worker counts one router connected.

@@ -68,7 +68,7 @@ def test_models_quantized_at_load_match_w8a8_transformers(hf_checkpoints, make_l
     for arch in ARCHITECTURES:
         path = hf_checkpoints(arch)
         llm = make_llm(str(path), quantization="fp8", device="cpu", num_blocks=64)
-        assert llm.engine.weights == "fp8 projections on the reference path"
+        assert llm.engine.weights == llm.engine.stats().weights == "fp8 projections on the reference path"
         c, t = _compare(llm, fp8_reference(load_hf_model(path)))
         close, total = close + c, total + t
     assert close >= 0.8 * total, f"only {close} of {total} sequences within 2e-4"

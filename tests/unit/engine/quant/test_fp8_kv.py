@@ -44,6 +44,7 @@ def test_models_with_fp8_kv_match_transformers_reading_fp8_kv(weights, hf_checkp
         options = {"quantization": "fp8"} if weights == "fp8" else {}
         llm = make_llm(str(path), kv_cache_dtype="fp8", num_blocks=64, **options)
         assert llm.engine.runner.kv_caches.dtype == torch.float8_e4m3fn
+        assert llm.engine.stats().kv_cache_dtype == "float8_e4m3fn"  # what workers report (pdserve status)
         reference = load_hf_model(path)
         close += _close_sequences(llm, fp8_reference(reference) if weights == "fp8" else reference)
     total = len(ARCHITECTURES) * len(PROMPTS)
