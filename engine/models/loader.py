@@ -23,7 +23,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.parallel import Shard, TensorParallel
 from engine.quant import convert_to_fp8, convert_to_int4, int4_path
 from engine.quant.int4 import pack_nibbles, unpack_awq_columns, unpack_gptq_columns, unpack_gptq_rows
-from engine.quant.checkpoint import SCALE_SUFFIXES, CheckpointQuant, channel_scales, checkpoint_quant
+from engine.quant.checkpoint import (SCALE_SUFFIXES, CheckpointQuant, channel_scales, checkpoint_quant,
+                                     dequantize_blocks)
 from engine.quant.fp8 import FP8, fp8_path, quantize_rows
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -203,6 +204,16 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
             if name.endswith(_IGNORED_SUFFIXES) or name.endswith(SCALE_SUFFIXES) or name not in params:
                 continue  # NOTE: scales are read with their weights
             param = params[name]
+            if reader.is_fp8(name) and quant.format == "fp8-block":
+                scales = name + "_scale_inv"
+                if not reader.has(scales):
+                    raise ValueError(f"{reader.where(name)} is float8_e4m3fn (fp8-block) but its scale tensor "
+                                     f"{scales} is missing from the checkpoint")
+                weight = dequantize_blocks(reader.tensor(name).to(device), reader.tensor(scales).to(device),
+                                           quant.block, reader.where(scales))
+                copy_checked(param, weight, reader.where(name), "config.json", dtype, device)
+                loaded.add(name)
+                continue
             if reader.is_fp8(name) and not quant.is_fp8:
                 raise ValueError(f"{reader.where(name)} is float8_e4m3fn but config.json has no quantization_config "
                                  "saying how it is scaled")

@@ -7,8 +7,9 @@ checkpoint_format 'gptq' with zero points stored minus one, or 'gptq_v2': `.qwei
 [in / 8, out] packed along the input, `.qzeros` int32 [in / group, out / 8], `.scales` float16
 [in / group, out], `.g_idx`); `compressed-tensors` FP8 as llm-compressor writes it (format `float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale`
 per channel [out, 1] or per tensor; activations dynamic per token or a static `input_scale`); . Anything
-else is refused with the field that is not supported, transformers' block-scaled `fp8` among them
-(one scale per 128x128 tile; the GEMMs here take one per output channel).
+else is refused with the field that is not supported. transformers' block-scaled `fp8`
+(`<linear>.weight` float8_e4m3fn with `.weight_scale_inv` per `weight_block_size` tile) loads
+dequantized: the GEMMs here take one scale per output channel, not per tile.
 Knows nothing of tensors (loading: load.py).
 """
 
@@ -19,17 +20,20 @@ from typing import Any, Literal
 
 import torch
 
-Format = Literal["none", "compressed-tensors", "awq", "gptq"]
+Format = Literal["none", "compressed-tensors", "fp8-block", "awq", "gptq"]
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
     """format: how the linears' weights are stored; group_size: input columns a 4-bit scale covers;
-    zero_offset: what to add to a stored zero point (GPTQ's 'gptq' format stores it minus one)."""
+    zero_offset: what to add to a stored zero point (GPTQ's 'gptq' format stores it minus one).
+    fp8-block weights are dequantized as they load (their GEMM would need a scale per tile): the
+    model runs them in its dtype, or, with quantization='fp8', requantized per channel."""
 
     format: Format = "none"
     group_size: int = 0
     zero_offset: int = 0
+    block: tuple[int, int] = (0, 0)  # fp8-block: (rows, columns) one weight_scale_inv covers
 
     @property
     def is_fp8(self) -> bool:
@@ -111,16 +115,16 @@ def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant
     if method == "gptq":
         return _gptq(config, source)
     if method == "fp8":
-        raise ValueError(
-            f"{source}: quantization_config.quant_method is 'fp8' (transformers' block-scaled FP8, weight_block_size "
-            f"{config.get('weight_block_size')}), which pdserve does not load yet: its FP8 GEMMs take one scale per "
-            "output channel, and requantizing would round every weight twice. Use a compressed-tensors FP8 checkpoint "
-            "(llm-compressor's FP8_DYNAMIC scheme), or the bfloat16 checkpoint with quantization='fp8'")
+        block = config.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"{source}: quantization_config.weight_block_size is {block!r}; pdserve loads transformers' "
+                             "block-scaled fp8 with [rows, columns] of positive integers (e.g. [128, 128])")
+        return CheckpointQuant("fp8-block", block=(block[0], block[1]))
     raise ValueError(f"{source}: quantization_config.quant_method is {method!r}; pdserve loads "
                      "'compressed-tensors' (FP8), 'awq' (4-bit, GEMM layout) and 'gptq' (4-bit, no act-order) checkpoints")
 
 
-SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".qzeros", ".scales", ".g_idx")
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".qzeros", ".scales", ".g_idx")
 """Checkpoint tensors that belong to a quantized linear's weight (read with it, never alone).
 NOTE: a static `input_scale` is read past: activations are scaled per token, dynamically."""
 
@@ -134,3 +138,16 @@ def channel_scales(scale: torch.Tensor, rows: int, where: str) -> torch.Tensor:
         return scale.float().reshape(rows)
     raise ValueError(f"{where} has shape {tuple(scale.shape)}; a per-channel scale of {rows} output rows is "
                      f"({rows}, 1) and a per-tensor scale has one element")
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], where: str) -> torch.Tensor:
+    """A block-scaled FP8 weight q [out, in] with scale_inv [ceil(out / rows), ceil(in / columns)] ->
+    float32 (each value times its tile's scale, exactly)."""
+    (rows, cols), (out, inp) = block, q.shape
+    expected = (-(-out // rows), -(-inp // cols))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"{where} has shape {tuple(scale_inv.shape)}; weight_block_size {list(block)} over a "
+                         f"({out}, {inp}) weight implies {expected}")
+    scale = scale_inv.float().repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :inp]
+    return q.float() * scale
+

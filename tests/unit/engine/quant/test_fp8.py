@@ -5,6 +5,8 @@
   (weights rounded through FP8 per row, or the checkpoint's own FP8 values; each projection's input
   rounded through FP8 per token), quantized at load from float32 checkpoints and read from
   compressed-tensors FP8 checkpoints (per-channel and per-tensor scales, bfloat16 scales);
+- transformers' block-scaled fp8 checkpoints loaded dequantized (exactly) against transformers on
+  those values, or requantized per channel with quantization='fp8';
 - every malformed checkpoint refused with the tensor and the format named.
 
 Tolerance: an activation whose float32 value lies within rounding of an FP8 rounding boundary can
@@ -25,8 +27,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.quant.fp8 import FP8, Fp8Matmul, dequantize_rows, quantize_rows
-from tests.builders import ARCHITECTURES, load_hf_model
-from tests.quant_builders import count_close_sequences, fp8_reference, write_compressed_tensors, write_fp8_block
+from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
+from tests.quant_builders import (count_close_sequences, dequantized_reference, fp8_reference,
+                                  write_compressed_tensors, write_fp8_block)
 
 pytest.importorskip("transformers")
 
@@ -186,11 +189,52 @@ def test_unknown_quantization_is_named(field, value, message, hf_checkpoints, tm
         LLM(str(path), device="cpu", num_blocks=16)
 
 
-def test_block_scaled_fp8_is_refused_before_loading(hf_checkpoints, tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_block_scaled_fp8_loads_dequantized(arch, hf_checkpoints, tmp_path, make_llm) -> None:
+    """transformers' block-scaled fp8 (a scale per 16x24 tile here, partial tiles at the edges):
+    each weight times its tile's scale, exactly, in the model's dtype; transformers on those values
+    gives the same tokens, logprobs within 2e-4 (activations are not quantized: no flips)."""
+    src = hf_checkpoints(arch)
+    dequantized = write_fp8_block(src, tmp_path / "blk", (16, 24))
+    llm = make_llm(str(tmp_path / "blk"), num_blocks=64)
+    assert llm.engine.weights == "float32"
+    gate = llm.engine.runner.model.model.layers[1].mlp.gate_proj.weight
+    assert torch.equal(gate, dequantized["model.layers.1.mlp.gate_proj.weight"])
+    reference = dequantized_reference(load_hf_model(src), dequantized)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        want, want_logprobs = hf_greedy(reference, prompt, NUM_NEW)
+        assert out.outputs[0].token_ids == want
+        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
+            ids = torch.tensor([t for t, _ in top])
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=2e-4, rtol=0)
+
+
+def test_block_scaled_fp8_with_quantization_fp8_requantizes_per_channel(hf_checkpoints, tmp_path, make_llm):
+    dequantized = write_fp8_block(hf_checkpoints("llama"), tmp_path / "blk", (16, 24))
+    llm = make_llm(str(tmp_path / "blk"), num_blocks=16, quantization="fp8")
+    down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    want_q, want_scale = quantize_rows(dequantized["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(down.weight.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(down.weight_scale, want_scale.view(-1))
+
+
+def test_block_scaled_fp8_errors_are_named(hf_checkpoints, tmp_path) -> None:
     write_fp8_block(hf_checkpoints("llama"), tmp_path / "blk", (16, 24))
-    with pytest.raises(ValueError, match=r"quant_method is 'fp8' \(transformers' block-scaled FP8, weight_block_size "
-                                         r"\[16, 24\]\), which pdserve does not load yet"):
-        LLM(str(tmp_path / "blk"), device="cpu", num_blocks=16)
+    path = tmp_path / "blk"
+    _edit(path, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight_scale_inv": torch.ones(5, 5)}))
+    with pytest.raises(ValueError, match=r"k_proj\.weight_scale_inv has shape \(5, 5\); weight_block_size \[16, 24\] "
+                                         r"over a \(32, 64\) weight implies \(2, 3\)"):
+        LLM(str(path), device="cpu", num_blocks=16)
+    _edit(path, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight_scale_inv"))
+    with pytest.raises(ValueError, match=r"k_proj\.weight is float8_e4m3fn \(fp8-block\) but its scale tensor "
+                                         r".*weight_scale_inv is missing"):
+        LLM(str(path), device="cpu", num_blocks=16)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [128]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization_config\.weight_block_size is \[128\]"):
+        LLM(str(path), device="cpu", num_blocks=16)
 
 
 def test_unknown_quantization_option_is_named(hf_checkpoints) -> None:
