@@ -25,7 +25,8 @@ from engine.attention import AttentionMetadata
 
 VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
             "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "w4a16-rtn": {}}
-"""w4a16-rtn: the checkpoint written in AutoAWQ's format by round-to-nearest, --group columns a scale (bench/int4_rtn.py)."""
+"""w4a16-rtn: the checkpoint written in AutoAWQ's format by round-to-nearest, --group columns a scale
+(bench/int4_rtn.py)."""
 
 
 @torch.inference_mode()

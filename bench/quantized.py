@@ -114,7 +114,8 @@ def write(args: Any, runs: list[dict[str, Any]]) -> None:
             for row, ref in zip(r["decode"], base["decode"]):
                 row["speedup_vs_bfloat16"] = ref["step_s"] / row["step_s"]
             if "offline" in r:
-                r["offline"]["speedup_vs_bfloat16"] = r["offline"]["output_tok_per_s"] / base["offline"]["output_tok_per_s"]
+                tok_per_s = r["offline"]["output_tok_per_s"]
+                r["offline"]["speedup_vs_bfloat16"] = tok_per_s / base["offline"]["output_tok_per_s"]
             r["kv_capacity_vs_bfloat16"] = r["kv_capacity_tokens"] / base["kv_capacity_tokens"]
     env = {**runs[0]["env"], "device_name": runs[0]["device_name"], "torch_version": torch.__version__}
     env["model"].update(dtype=args.dtype, load_format=args.load_format)
@@ -129,7 +130,8 @@ def write(args: Any, runs: list[dict[str, Any]]) -> None:
             xs = [row["batch"] for row in r["decode"]]
             ax.plot(xs, [row["step_s"] * 1e3 for row in r["decode"]], marker="o", label=f"{r['variant']} step")
             if r["copy_bandwidth_gbs"]:
-                ax.plot(xs, [row["floor_s"] * 1e3 for row in r["decode"]], linestyle="--", label=f"{r['variant']} floor")
+                ax.plot(xs, [row["floor_s"] * 1e3 for row in r["decode"]], linestyle="--",
+                        label=f"{r['variant']} floor")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (decoding sequences)")
         ax.set_ylabel(f"ms per decode step (context {args.context})")

@@ -41,7 +41,8 @@ class ModelConfig(_Frozen):
         "per-token activation scales; engine/quant/), quantized at load from a bfloat16 checkpoint or read from "
         "an FP8 compressed-tensors one (llm-compressor's; transformers' block-scaled 'fp8' loads dequantized and is "
         "requantized per channel). 'auto': FP8 when the checkpoint's config.json says it "
-        "is, 4-bit weight-only for an AutoAWQ or GPTQ checkpoint, else `dtype`. On CUDA GPUs of compute capability 8.9+ "
+        "is, 4-bit weight-only for an AutoAWQ or GPTQ checkpoint, else `dtype`. On CUDA GPUs of compute "
+        "capability 8.9+ "
         "(Ada, Hopper) with bfloat16 FP8 runs Triton kernels and torch._scaled_mm; elsewhere a reference path "
         "computes the same numbers slowly (the engine logs which).",
     )

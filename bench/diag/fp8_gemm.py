@@ -1,6 +1,7 @@
 """Where an FP8 projection's time goes at the Llama-3.1-8B shapes, by rows (tokens): bfloat16
 F.linear, torch._scaled_mm on pre-quantized operands, the Triton activation quantization alone, and
-the whole Fp8Matmul, and the one-launch small_matmul (Triton; quantization inside); each 50 calls captured in one CUDA graph, median of 10 replays, per call.
+the whole Fp8Matmul, and the one-launch small_matmul (Triton; quantization inside); each 50 calls
+captured in one CUDA graph, median of 10 replays, per call.
 The floor: the weight bytes / measured copy bandwidth.
 
     python -m bench.diag.fp8_gemm --out DIR
@@ -63,8 +64,8 @@ def main() -> None:
             row = {
                 "shape": name, "n": n, "k": k, "rows": m,
                 "bf16_linear_us": 1e6 * per_call_s(lambda: torch.nn.functional.linear(x, w)),
-                "scaled_mm_us": 1e6 * per_call_s(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
-                                                                         out_dtype=torch.bfloat16)),
+                "scaled_mm_us": 1e6 * per_call_s(lambda: torch._scaled_mm(
+                    xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)),
                 "quantize_us": 1e6 * per_call_s(lambda: fp8_kernels.quantize_rows(x)),
                 "fp8_matmul_us": 1e6 * per_call_s(lambda: fast(x, wq, ws, None)),
                 "small_matmul_us": (1e6 * per_call_s(lambda: fp8_kernels.small_matmul(x, wq, ws, None))

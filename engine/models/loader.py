@@ -177,7 +177,8 @@ def copy_int4(param: torch.nn.Parameter, q: torch.Tensor, scales: torch.Tensor, 
     whole groups: engine/quant/convert.py checks that a rank's columns are)."""
     shard: Shard | None = getattr(param, "shard", None)
     if shard is not None and shard.dim == 0:
-        q, scales, zeros = q[shard.start : shard.stop], scales[shard.start : shard.stop], zeros[shard.start : shard.stop]
+        rows = slice(shard.start, shard.stop)
+        q, scales, zeros = q[rows], scales[rows], zeros[rows]
     elif shard is not None:
         q = q[:, shard.start : shard.stop]
         scales, zeros = (t[:, shard.start // group : shard.stop // group] for t in (scales, zeros))
@@ -310,8 +311,8 @@ def build_model(
     finally:
         torch.set_default_dtype(previous)
     if quant.is_int4 and quantization == "fp8":
-        raise ValueError(f"{str(model_dir)!r} is a 4-bit ({quant.format}) checkpoint; quantization='fp8' would need its "
-                         "bfloat16 weights: use quantization='auto'")
+        raise ValueError(f"{str(model_dir)!r} is a 4-bit ({quant.format}) checkpoint; quantization='fp8' would need "
+                         "its bfloat16 weights: use quantization='auto'")
     if quant.is_int4:
         convert_to_int4(model, quant.group_size, int4_path(device, dtype))
     elif quantization == "fp8" or quant.is_fp8:

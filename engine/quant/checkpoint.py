@@ -5,12 +5,13 @@ points, GEMM layout: `<linear>.qweight` int32 [in, out / 8], `.qzeros` int32 [in
 `.scales` float16 [in / group, out]); `gptq` as gptqmodel writes it (4-bit, `desc_act` off,
 checkpoint_format 'gptq' with zero points stored minus one, or 'gptq_v2': `.qweight` int32
 [in / 8, out] packed along the input, `.qzeros` int32 [in / group, out / 8], `.scales` float16
-[in / group, out], `.g_idx`); `compressed-tensors` FP8 as llm-compressor writes it (format `float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale`
-per channel [out, 1] or per tensor; activations dynamic per token or a static `input_scale`); . Anything
-else is refused with the field that is not supported. transformers' block-scaled `fp8`
-(`<linear>.weight` float8_e4m3fn with `.weight_scale_inv` per `weight_block_size` tile) loads
-dequantized: the GEMMs here take one scale per output channel, not per tile.
-Knows nothing of tensors (loading: load.py).
+[in / group, out], `.g_idx`); `compressed-tensors` FP8 as llm-compressor writes it (format
+`float-quantized`: `<linear>.weight` float8_e4m3fn with `<linear>.weight_scale` per channel
+[out, 1] or per tensor; activations dynamic per token or a static `input_scale`). transformers'
+block-scaled `fp8` (`<linear>.weight` float8_e4m3fn with `.weight_scale_inv` per
+`weight_block_size` tile) loads dequantized: the GEMMs here take one scale per output channel, not
+per tile. Anything else is refused with the field that is not supported. Knows nothing of tensors
+but their scales (loading: engine/models/loader.py).
 """
 
 from __future__ import annotations
@@ -117,11 +118,13 @@ def checkpoint_quant(raw_config: dict[str, Any], source: str) -> CheckpointQuant
     if method == "fp8":
         block = config.get("weight_block_size")
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ValueError(f"{source}: quantization_config.weight_block_size is {block!r}; pdserve loads transformers' "
-                             "block-scaled fp8 with [rows, columns] of positive integers (e.g. [128, 128])")
+            raise ValueError(f"{source}: quantization_config.weight_block_size is {block!r}; pdserve loads "
+                             "transformers' block-scaled fp8 with [rows, columns] of positive integers "
+                             "(e.g. [128, 128])")
         return CheckpointQuant("fp8-block", block=(block[0], block[1]))
-    raise ValueError(f"{source}: quantization_config.quant_method is {method!r}; pdserve loads "
-                     "'compressed-tensors' (FP8), 'awq' (4-bit, GEMM layout) and 'gptq' (4-bit, no act-order) checkpoints")
+    raise ValueError(f"{source}: quantization_config.quant_method is {method!r}; pdserve loads 'compressed-tensors' "
+                     "(FP8), 'fp8' (block-scaled), 'awq' (4-bit, GEMM layout) and 'gptq' (4-bit, no act-order) "
+                     "checkpoints")
 
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".qzeros", ".scales", ".g_idx")

@@ -9,8 +9,8 @@ weight ~= weight.float() * weight_scale[:, None]. Its input is quantized row by 
 with float32 accumulation. Two paths compute it: `cuda` (CUDA with compute capability 8.9+ and
 bfloat16 activations: up to fp8_kernels.SMALL_MATMUL_MAX_ROWS rows one Triton kernel, quantization
 included; more rows the Triton quantization, then torch._scaled_mm with row-wise scales) and
-`reference` (everywhere else: the same quantized operands multiplied in float32, slowly). Knows nothing of checkpoints (checkpoint.py)
-or of which modules are quantized (convert.py).
+`reference` (everywhere else: the same quantized operands multiplied in float32, slowly). Knows
+nothing of checkpoints (checkpoint.py) or of which modules are quantized (convert.py).
 """
 
 from __future__ import annotations

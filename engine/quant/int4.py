@@ -9,7 +9,8 @@ in the low nibble, 2j + 1 in the high one) and `weight_scale` float16 [out, in /
 exact in float32 (s a float16, z an integer in [0, 15]). Activations stay in the model's dtype.
 Two paths: `cuda` (int4_kernels: up to SMALL_MATMUL_MAX_ROWS rows a CUDA-core kernel, more rows
 tensor-core tiles with the weight dequantized to the activations' dtype in registers) and
-`reference` (dequantize to the activations' dtype, then multiply; any device). Knows nothing of checkpoints (checkpoint.py) or modules (convert.py).
+`reference` (dequantize to the activations' dtype, then multiply; any device). Knows nothing of
+checkpoints (checkpoint.py) or modules (convert.py).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def test_fp8_tensor_without_quantization_config_is_named(hf_checkpoints, tmp_pat
 
 @pytest.mark.parametrize("field, value, message", [
     ("quant_method", "bitsandbytes", r"quant_method is 'bitsandbytes'; pdserve loads 'compressed-tensors' \(FP8\), "
-                                     r"'awq' .* and 'gptq'"),
+                                     r"'fp8' \(block-scaled\), 'awq' .* and 'gptq'"),
     ("format", "pack-quantized", r"quantization_config\.format is 'pack-quantized'"),
     ("num_bits", 4, r"config_groups\.group_0\.weights\.num_bits is 4"),
     ("strategy", "group", r"config_groups\.group_0\.weights\.strategy is 'group'"),

@@ -87,7 +87,8 @@ def test_fp8_blocks_moved_between_engines_decode_to_the_colocated_tokens(hf_chec
     path = str(hf_checkpoints("llama3"))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[0], PROMPTS[2]]
-    want = [o.outputs[0].token_ids for o in make_llm(path, kv_cache_dtype="fp8", block_size=8).generate(prompts, params)]
+    colocated = make_llm(path, kv_cache_dtype="fp8", block_size=8)
+    want = [o.outputs[0].token_ids for o in colocated.generate(prompts, params)]
     prefill = make_llm(path, kv_cache_dtype="fp8", block_size=8).engine
     decode = make_llm(path, kv_cache_dtype="fp8", block_size=8).engine
     for i, prompt in enumerate(prompts):

@@ -1,8 +1,8 @@
-"""4-bit weight-only (W4A16) projections from AutoAWQ and GPTQ (gptqmodel's 'gptq' format) checkpoints
-against transformers with the checkpoint's dequantized weights (activations are not quantized, so float32 agrees to float32
-sums: tokens equal, logprobs within 2e-4), on every test architecture; the unpacking against the
-format's definition; the Triton kernel against the reference path under the interpreter
-(test_int4_kernels.py); malformed checkpoints refused by name."""
+"""4-bit weight-only (W4A16) projections from AutoAWQ and GPTQ (gptqmodel's 'gptq' format)
+checkpoints against transformers with the checkpoint's dequantized weights (activations are not
+quantized, so float32 agrees to float32 sums: tokens equal, logprobs within 2e-4), on every test
+architecture; the unpacking against the formats' definitions; tensor parallelism; malformed
+checkpoints refused by name. The Triton kernels: test_int4_kernels.py."""
 
 from __future__ import annotations
 
