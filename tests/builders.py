@@ -89,3 +89,18 @@ def hf_greedy(model: Any, prompt: list[int], num_tokens: int) -> tuple[list[int]
         logprobs.append(torch.log_softmax(logits, -1))
         ids.append(int(logits.argmax()))
     return ids[len(prompt):], logprobs
+
+
+def assert_greedy_equals_hf(llm: Any, model: Any, prompts: list[list[int]], num_tokens: int,
+                            atol: float = 2e-4) -> None:
+    """The engine `llm`'s greedy tokens for `prompts` equal transformers' `model`'s (hf_greedy), and
+    its top-5 logprobs are within `atol` of the reference's at every step."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        want, want_logprobs = hf_greedy(model, prompt, num_tokens)
+        assert out.outputs[0].token_ids == want
+        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
+            ids = torch.tensor([t for t, _ in top])
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=atol, rtol=0)

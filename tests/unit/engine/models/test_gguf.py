@@ -17,7 +17,7 @@ from engine.models import build_model
 from engine.models.gguf_weights import unpermute_rows
 from engine.quant.int4 import dequantize
 from engine.tokenizer import Tokenizer
-from tests.builders import DEFAULT_MODEL_DIR, hf_greedy, load_hf_model, make_hf_checkpoint
+from tests.builders import DEFAULT_MODEL_DIR, assert_greedy_equals_hf, hf_greedy, load_hf_model, make_hf_checkpoint
 from tests.gguf_builders import permute, random_k_quant, write_gguf
 
 pytest.importorskip("transformers")
@@ -145,13 +145,7 @@ def test_k_quants_dequantized_at_load_give_transformers_tokens(qtype, tmp_path, 
                 weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()))
     llm = make_llm(str(write_gguf(hf_dir, tmp_path / "k.gguf", raw=raw)), num_blocks=32)
     assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # dequantized
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        want, want_logprobs = hf_greedy(hf, prompt, NUM_NEW)
-        assert out.outputs[0].token_ids == want
-        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
-            ids = torch.tensor([t for t, _ in top])
-            torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=2e-4, rtol=0)
+    assert_greedy_equals_hf(llm, hf, PROMPTS, NUM_NEW)
 
 
 def test_unpermute_inverts_llama_cpp_permute():

@@ -27,7 +27,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.quant.fp8 import FP8, Fp8Matmul, dequantize_rows, quantize_rows
-from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
+from tests.builders import ARCHITECTURES, assert_greedy_equals_hf, load_hf_model
 from tests.quant_builders import (count_close_sequences, dequantized_reference, fp8_reference,
                                   write_compressed_tensors, write_fp8_block)
 
@@ -201,13 +201,7 @@ def test_block_scaled_fp8_loads_dequantized(arch, hf_checkpoints, tmp_path, make
     gate = llm.engine.runner.model.model.layers[1].mlp.gate_proj.weight
     assert torch.equal(gate, dequantized["model.layers.1.mlp.gate_proj.weight"])
     reference = dequantized_reference(load_hf_model(src), dequantized)
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        want, want_logprobs = hf_greedy(reference, prompt, NUM_NEW)
-        assert out.outputs[0].token_ids == want
-        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
-            ids = torch.tensor([t for t, _ in top])
-            torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=2e-4, rtol=0)
+    assert_greedy_equals_hf(llm, reference, PROMPTS, NUM_NEW)
 
 
 def test_block_scaled_fp8_with_quantization_fp8_requantizes_per_channel(hf_checkpoints, tmp_path, make_llm):

@@ -15,7 +15,7 @@ from engine import SamplingParams
 from bench.int4_rtn import awq_pack, gptq_pack_columns, gptq_pack_rows
 from engine.quant.int4 import (Int4Matmul, dequantize, pack_nibbles, unpack_awq_columns, unpack_gptq_columns,
                                unpack_gptq_rows, unpack_nibbles)
-from tests.builders import ARCHITECTURES, hf_greedy, load_hf_model
+from tests.builders import ARCHITECTURES, assert_greedy_equals_hf, load_hf_model
 from tests.quant_builders import dequantized_reference, write_int4
 
 pytest.importorskip("transformers")
@@ -52,14 +52,7 @@ def test_int4_checkpoints_equal_transformers_on_their_dequantized_weights(arch, 
     llm = make_llm(str(tmp_path / fmt), num_blocks=64)  # 'auto': 4-bit because config.json says so
     assert llm.engine.weights == "4-bit projections on the reference path"
     assert llm.engine.runner.model.model.layers[0].mlp.gate_up_weight.dtype == torch.uint8
-    reference = dequantized_reference(load_hf_model(src), weights)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        want, want_logprobs = hf_greedy(reference, prompt, 24)
-        assert out.outputs[0].token_ids == want
-        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
-            ids = torch.tensor([t for t, _ in top])
-            torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=2e-4, rtol=0)
+    assert_greedy_equals_hf(llm, dequantized_reference(load_hf_model(src), weights), PROMPTS, 24)
 
 
 def _awq_checkpoint(hf_checkpoints, tmp_path, fmt="awq"):
