@@ -13,6 +13,10 @@ import os
 import platform
 import random
 import re
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -85,6 +89,43 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     result = fn()
     synchronize(device)
     return time.perf_counter() - start, result
+
+
+def graph_seconds(fn: Callable[[], Any], device: torch.device, count: int) -> float:
+    """Device time of `count` calls of `fn` captured in one CUDA graph (after 3 eager calls on the
+    capture stream): the median of 10 replays, 3 more discarded."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(count):
+            fn()
+    times = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[3:])
+
+
+def run_in_processes(module: str, values: Sequence[object], timeout_s: float) -> list[dict[str, Any]]:
+    """For each value, one after another: `python -m module <this process's arguments> --one VALUE
+    --one-out FILE` in a process of its own (so one run's memory never crowds the next); the JSON
+    records the children wrote to FILE, in order."""
+    records = []
+    for value in values:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, "-m", module, *sys.argv[1:], "--one", str(value), "--one-out", f.name],
+                           check=True, timeout=timeout_s)
+            records.append(json.loads(Path(f.name).read_text()))
+    return records
 
 
 # ---- workloads

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import base_parser, device_name, model_label, write_results
+from bench.common import base_parser, device_name, model_label, run_in_processes, write_results
 from bench.offline_throughput import copy_bandwidth, decode_step_times
 from bench.tensor_parallel import offline
 from engine import LLM
@@ -98,13 +96,7 @@ def main() -> None:
         Path(args.one_out).write_text(json.dumps(one_variant(args, args.one)))
         sys.stdout.flush()
         os._exit(0)  # NOTE: the figures are written; no teardown may hold them back
-    runs = []
-    for variant in args.variants:
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, "-m", "bench.quantized", *sys.argv[1:], "--one", variant,
-                            "--one-out", f.name], check=True, timeout=args.variant_timeout_s)
-            runs.append(json.loads(Path(f.name).read_text()))
-    write(args, runs)
+    write(args, run_in_processes("bench.quantized", args.variants, args.variant_timeout_s))
 
 
 def write(args: Any, runs: list[dict[str, Any]]) -> None:

@@ -18,17 +18,15 @@ import json
 import multiprocessing
 import os
 import random
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import base_parser, device_name, model_label, synchronize, write_results
+from bench.common import (base_parser, device_name, graph_seconds, model_label, run_in_processes, synchronize,
+                          write_results)
 from bench.offline_throughput import copy_bandwidth, decode_step_times
 from engine import LLM, SamplingParams
 from engine.parallel import TPGroup
@@ -39,25 +37,7 @@ def allreduce_seconds(group: TPGroup, rows: int, hidden: int, count: int, dtype:
     """Device time of `count` all-reduces of [rows, hidden], captured in one CUDA graph (median of 10
     replays); every rank calls it at once."""
     x = torch.zeros(rows, hidden, dtype=getattr(torch, dtype), device=group.device)
-    stream = torch.cuda.Stream(group.device)
-    stream.wait_stream(torch.cuda.current_stream(group.device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            group.all_reduce(x)
-    torch.cuda.synchronize(group.device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(count):
-            group.all_reduce(x)
-    times = []
-    for _ in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times[3:])
+    return graph_seconds(lambda: group.all_reduce(x), group.device, count)
 
 
 def _follower_allreduce(follower: Any, *args: Any) -> None:
@@ -148,13 +128,7 @@ def main() -> None:
         for child in multiprocessing.active_children():
             child.kill()  # the other ranks
         os._exit(0)  # NOTE: the figures are written; no teardown may hold them back
-    runs = []
-    for tp in args.tp:
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, "-m", "bench.tensor_parallel", *sys.argv[1:], "--one", str(tp),
-                            "--one-out", f.name], check=True, timeout=args.size_timeout_s)
-            runs.append(json.loads(Path(f.name).read_text()))
-    write(args, runs)
+    write(args, run_in_processes("bench.tensor_parallel", args.tp, args.size_timeout_s))
 
 
 def write(args: Any, runs: list[dict[str, Any]]) -> None:

@@ -168,7 +168,7 @@ class EngineCore:
         parts = build_parts(config, self.model_dir, self.device, self.dtype, self.tp)
         arch = parts.arch
         self.arch: ArchConfig = arch
-        model = parts.model
+        model, self.kv_dtype = parts.model, parts.kv_dtype
         self.weights = (f"fp8 projections on the {model.fp8_path} path" if model.fp8_path is not None
                         else f"4-bit projections on the {model.int4_path} path" if model.int4_path is not None
                         else str(self.dtype).removeprefix("torch."))
@@ -187,7 +187,7 @@ class EngineCore:
             )
         )
         extra_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
-        kv = build_cache(config, parts, self.device, self.dtype, self.max_model_len, self.tp, extra_bytes)
+        kv = build_cache(config, parts, self.device, self.max_model_len, self.tp, extra_bytes)
         num_blocks = kv.shape[2]
         if self.proposer is not None:
             self.proposer.bind(num_blocks, min(self.max_model_len, num_blocks * block_size))
@@ -716,7 +716,7 @@ class EngineCore:
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             kv_bytes_per_token=self.block_bytes * (self.tp.shard.size if self.tp is not None else 1)
             // self.pool.block_size,
-            weights=self.weights, kv_cache_dtype=str(self.runner.kv_caches.dtype).removeprefix("torch."),
+            weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
         )
 
     # ---- invariants

@@ -65,6 +65,7 @@ class RankParts:
     arch: ArchConfig  # the whole model's
     local_arch: ArchConfig  # this rank's heads and rows (the whole model's without tensor parallelism)
     backend: AttentionBackend
+    kv_dtype: torch.dtype  # the cache's (CacheConfig.kv_cache_dtype)
     block_bytes: int  # this rank's KV bytes per block
 
 
@@ -78,19 +79,18 @@ def build_parts(config: EngineConfig, model_dir: Path, device: torch.device, dty
                          local.sliding_window)
     backend = create_backend(m.attention_backend, spec, device)
     kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-    return RankParts(model, arch, local, backend, bytes_per_block(local, config.cache.block_size, kv_dtype))
+    return RankParts(model, arch, local, backend, kv_dtype, bytes_per_block(local, config.cache.block_size, kv_dtype))
 
 
-def build_cache(config: EngineConfig, parts: RankParts, device: torch.device, dtype: torch.dtype,
-                max_model_len: int, tp: TensorParallel | None, extra_bytes_per_block: int = 0) -> torch.Tensor:
+def build_cache(config: EngineConfig, parts: RankParts, device: torch.device, max_model_len: int,
+                tp: TensorParallel | None, extra_bytes_per_block: int = 0) -> torch.Tensor:
     """The KV cache; with tensor parallelism every rank gets the fewest blocks any rank can hold
     (block ids mean the same on every rank)."""
-    kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-    num_blocks = num_kv_blocks(parts.model, parts.local_arch, parts.backend, config, kv_dtype, device, max_model_len,
-                               extra_bytes_per_block)
+    num_blocks = num_kv_blocks(parts.model, parts.local_arch, parts.backend, config, parts.kv_dtype, device,
+                               max_model_len, extra_bytes_per_block)
     if tp is not None:
         num_blocks = tp.group.min_int(num_blocks)
-    return allocate_kv_tensors(parts.local_arch, num_blocks, config.cache.block_size, kv_dtype, device)
+    return allocate_kv_tensors(parts.local_arch, num_blocks, config.cache.block_size, parts.kv_dtype, device)
 
 
 def build_runner(config: EngineConfig, parts: RankParts, kv: torch.Tensor, device: torch.device,

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from bench.common import graph_seconds
 from bench.offline_throughput import copy_bandwidth
 from engine.quant import fp8_kernels
 from engine.quant.fp8 import Fp8Matmul, quantize_rows
@@ -25,25 +25,15 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def per_call_s(fn: Callable[[], object], calls: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times[3:])
+    return graph_seconds(fn, torch.device("cuda"), calls) / calls
+
+
+def quantized_weights() -> Iterator[tuple[str, int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per shape: (name, out, in, a bfloat16 weight of std 0.02, its FP8 values, their scales [out])."""
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_rows(w)
+        yield name, n, k, w, wq, ws.view(-1)
 
 
 def main() -> None:
@@ -54,10 +44,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     fast = Fp8Matmul("cuda", triton=True)
     rows_out = []
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq, ws = quantize_rows(w)
-        ws = ws.view(-1)
+    for name, n, k, w, wq, ws in quantized_weights():
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = fp8_kernels.quantize_rows(x)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from bench.diag.fp8_gemm import SHAPES, per_call_s
+from bench.diag.fp8_gemm import per_call_s, quantized_weights
 from bench.offline_throughput import copy_bandwidth
 from engine.quant import fp8_kernels
-from engine.quant.fp8 import Fp8Matmul, quantize_rows
+from engine.quant.fp8 import Fp8Matmul
 
 
 def main() -> None:
@@ -29,10 +29,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     cublas = Fp8Matmul("cuda", triton=True)
     results = []
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq, ws = quantize_rows(w)
-        ws = ws.view(-1)
+    for name, n, k, _, wq, ws in quantized_weights():
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = cublas(x, wq, ws, None).float()

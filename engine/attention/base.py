@@ -12,6 +12,8 @@ from typing import Callable, ClassVar, Protocol
 
 import torch
 
+from engine.quant.fp8 import FP8, FP8_MAX
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -97,15 +99,11 @@ def _fits(cls: object, device: torch.device) -> bool:
     return bool(getattr(cls, "supports_cuda" if device.type == "cuda" else "supports_cpu"))
 
 
-FP8_KV_MAX = 448.0
-"""An FP8 (E4M3) cache stores K and V with a unit scale: values saturate at +-448."""
-
-
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as a cache of `cache_dtype` stores it: cast, or for FP8 clamped to +-448 and rounded to
-    nearest even (the Triton store kernel rounds alike)."""
-    if cache_dtype == torch.float8_e4m3fn:
-        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(cache_dtype)
+    """x as a cache of `cache_dtype` stores it: cast, or for FP8 (E4M3, a unit scale) clamped to
+    +-448 and rounded to nearest even (the Triton store kernel rounds alike)."""
+    if cache_dtype == FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return x.to(cache_dtype)
 
 

@@ -5,8 +5,8 @@ Q4_0's blocks of 32 are d * (q - 8), exactly a 4-bit group with scale d and zero
 quarter of the float16 bytes. Every other tensor, and every tensor of any other file, of a type
 `gguf.quants.dequantize` knows (F32, F16, BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K,
 the IQ and TQ types, MXFP4) becomes the model's dtype as it is read, so a Q4_K file takes as much
-memory as its float16 original. Knows llama.cpp's tensor names and its Q/K row permutation of `llama` models;
-knows nothing of the metadata (gguf_file.py).
+memory as its float16 original. Knows llama.cpp's tensor names and its Q/K row permutation of
+`llama` models; knows nothing of the metadata (gguf_file.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from gguf.quants import dequantize
 from engine.models.arch import ArchConfig
 from engine.models.gguf_file import GGUFMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import copy_checked, copy_int4
+from engine.models.loader import checkpoint_shape, copy_checked, copy_int4
+from engine.quant.convert import QUANTIZED_LINEARS
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -97,8 +98,7 @@ def _gguf_version() -> str:
     return version("gguf")
 
 
-_PROJECTIONS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj"))
+_PROJECTIONS = tuple(f"{p}.weight" for p in QUANTIZED_LINEARS)
 Q4_0_GROUP = 32
 
 
@@ -124,12 +124,8 @@ def _load_q4_0(param: torch.nn.Parameter, meta: GGUFMetadata, index: int, permut
     q, d = read_q4_0(meta, index)
     if permute_heads is not None:
         q, d = unpermute_rows(q, permute_heads), unpermute_rows(d, permute_heads)
-    shard = getattr(param, "shard", None)
-    expected = [param.shape[0], param.shape[1] * 2]
-    if shard is not None:
-        expected[shard.dim] = shard.full
-    if list(q.shape) != expected:
-        raise ValueError(f"{where} has shape {tuple(q.shape)}, the GGUF metadata implies {tuple(expected)}")
+    if q.shape != checkpoint_shape(param):
+        raise ValueError(f"{where} has shape {q.shape}, the GGUF metadata implies {checkpoint_shape(param)}")
     scales = torch.from_numpy(d.copy()).to(param.device)
     copy_int4(param, torch.from_numpy(q.copy()).to(param.device), scales, torch.full_like(scales, 8.0), Q4_0_GROUP)
 

@@ -49,6 +49,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole checkpoint tensor `param` holds (part of, with tensor parallelism: its
+    `shard`, engine/parallel/shard.py); a 4-bit weight's (uint8, two values a byte) unpacked."""
+    shape = list(param.shape)
+    if param.dtype == torch.uint8:
+        shape[-1] *= 2
+    shard: Shard | None = getattr(param, "shard", None)
+    if shard is not None:
+        shape[shard.dim] = shard.full
+    return tuple(shape)
+
+
 def read_checked(param: torch.Tensor, source: Any, where: str, implied_by: str) -> torch.Tensor:
     """The part of `source` that `param` holds, or a ValueError naming `where` (the file and tensor),
     both shapes, and what implied param's (`implied_by`). source: a tensor, or a safetensors slice,
@@ -56,11 +68,8 @@ def read_checked(param: torch.Tensor, source: Any, where: str, implied_by: str) 
     engine/parallel/shard.py); rows of a vocabulary padded past the checkpoint's are left out."""
     shard: Shard | None = getattr(param, "shard", None)
     shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
-    expected = list(param.shape)
-    if shard is not None:
-        expected[shard.dim] = shard.full
-    if shape != tuple(expected):
-        raise ValueError(f"{where} has shape {shape}, {implied_by} implies {tuple(expected)}")
+    if shape != checkpoint_shape(param):
+        raise ValueError(f"{where} has shape {shape}, {implied_by} implies {checkpoint_shape(param)}")
     if shard is None:
         return source if isinstance(source, torch.Tensor) else source[:]
     index = slice(shard.start, min(shard.stop, shard.full))
@@ -72,14 +81,14 @@ def copy_checked(param: torch.Tensor, source: Any, where: str, implied_by: str,
     """param <- read_checked(source) cast and moved; vocabulary padding rows are zeroed. An FP8
     weight (engine/quant/convert.py) from a source of another dtype is quantized per row, its
     scales written to `param.quant_scale`; from an FP8 source it is copied as is (scales: the caller)."""
+    if param.dtype == torch.uint8:
+        raise ValueError(f"{where} is not 4-bit, but the model's 4-bit weights load from the checkpoint's 4-bit "
+                         "tensors only (qweight, qzeros, scales)")
     tensor = read_checked(param, source, where, implied_by).to(device)
     target = param if tensor.shape == param.shape else param[: tensor.shape[0]]
     with torch.no_grad():
         if target is not param:
             param.zero_()
-        if param.dtype == torch.uint8:
-            raise ValueError(f"{where} is a {tensor.dtype} tensor, but the model's 4-bit weights load from the "
-                             "checkpoint's 4-bit tensors only (qweight, qzeros, scales)")
         if param.dtype == FP8 and tensor.dtype != FP8:
             q, scale = quantize_rows(tensor)
             target.copy_(q)
@@ -145,10 +154,7 @@ def _load_int4_weight(param: torch.nn.Parameter, reader: CheckpointReader, prefi
         if not reader.has(name):
             raise ValueError(f"{reader.where(names['qweight'])} is 4-bit ({quant.format}) but its {part} tensor "
                              f"{name} is missing from the checkpoint")
-    shard: Shard | None = getattr(param, "shard", None)
-    out, inp, group = param.shape[0], param.shape[1] * 2, quant.group_size
-    if shard is not None:  # the checkpoint's tensors are whole
-        out, inp = (shard.full, inp) if shard.dim == 0 else (out, shard.full)
+    (out, inp), group = checkpoint_shape(param), quant.group_size
     qweight_shape = (inp, out // 8) if quant.format == "awq" else (inp // 8, out)
     expected = {"qweight": qweight_shape, "qzeros": (inp // group, out // 8), "scales": (inp // group, out)}
     tensors = {}
@@ -205,7 +211,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
             if name.endswith(_IGNORED_SUFFIXES) or name.endswith(SCALE_SUFFIXES) or name not in params:
                 continue  # NOTE: scales are read with their weights
             param = params[name]
-            if reader.is_fp8(name) and quant.format == "fp8-block":
+            if not reader.is_fp8(name):
+                source = reader.slice(name) if hasattr(param, "shard") else reader.tensor(name)
+                copy_checked(param, source, reader.where(name), "config.json", dtype, device)
+            elif quant.format == "fp8-block":
                 scales = name + "_scale_inv"
                 if not reader.has(scales):
                     raise ValueError(f"{reader.where(name)} is float8_e4m3fn (fp8-block) but its scale tensor "
@@ -213,19 +222,14 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
                 weight = dequantize_blocks(reader.tensor(name).to(device), reader.tensor(scales).to(device),
                                            quant.block, reader.where(scales))
                 copy_checked(param, weight, reader.where(name), "config.json", dtype, device)
-                loaded.add(name)
-                continue
-            if reader.is_fp8(name) and not quant.is_fp8:
+            elif not quant.is_fp8:
                 raise ValueError(f"{reader.where(name)} is float8_e4m3fn but config.json has no quantization_config "
                                  "saying how it is scaled")
-            if param.dtype == FP8 and reader.is_fp8(name):
-                _load_fp8_weight(param, reader, name, quant, device)
+            elif param.dtype != FP8:
+                raise ValueError(f"{reader.where(name)} is float8_e4m3fn, but {name} is not a linear pdserve runs "
+                                 "in FP8")
             else:
-                if reader.is_fp8(name):
-                    raise ValueError(f"{reader.where(name)} is float8_e4m3fn, but {name} is not a linear "
-                                     "pdserve runs in FP8")
-                source = reader.slice(name) if hasattr(param, "shard") else reader.tensor(name)
-                copy_checked(param, source, reader.where(name), "config.json", dtype, device)
+                _load_fp8_weight(param, reader, name, quant, device)
             loaded.add(name)
     finally:
         reader.close()
@@ -313,18 +317,17 @@ def build_model(
     if quant.is_int4 and quantization == "fp8":
         raise ValueError(f"{str(model_dir)!r} is a 4-bit ({quant.format}) checkpoint; quantization='fp8' would need "
                          "its bfloat16 weights: use quantization='auto'")
-    if quant.is_int4:
-        convert_to_int4(model, quant.group_size, int4_path(device, dtype))
+    read_gguf = gguf is not None and load_format != "dummy"
+    if read_gguf:
+        from engine.models.gguf_weights import Q4_0_GROUP, load_gguf_weights, q4_0_projections  # NOTE: imports gguf
+    int4_group = quant.group_size if quant.is_int4 else None
+    if read_gguf and quantization != "fp8" and q4_0_projections(gguf):
+        int4_group = Q4_0_GROUP
+    if int4_group is not None:
+        convert_to_int4(model, int4_group, int4_path(device, dtype))
     elif quantization == "fp8" or quant.is_fp8:
         convert_to_fp8(model, fp8_path(device, dtype))
-    elif gguf is not None and load_format != "dummy":
-        from engine.models.gguf_weights import Q4_0_GROUP, q4_0_projections  # NOTE: imports the gguf package
-
-        if q4_0_projections(gguf):
-            convert_to_int4(model, Q4_0_GROUP, int4_path(device, dtype))
-    if gguf is not None and load_format != "dummy":
-        from engine.models.gguf_weights import load_gguf_weights  # NOTE: imports the gguf package
-
+    if read_gguf:
         load_gguf_weights(model, gguf, dtype, device)
     elif files:
         load_weights(model, model_dir, dtype, device, quant)

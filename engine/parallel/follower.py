@@ -46,7 +46,7 @@ class Follower:
         tp = TensorParallel.of(group)
         self.parts = build_parts(config, resolve_model_dir(config.model.model), device, dtype, tp)
         model_len = max_model_len(self.parts.arch, config.model.max_model_len)
-        self.kv = build_cache(config, self.parts, device, dtype, model_len, tp)
+        self.kv = build_cache(config, self.parts, device, model_len, tp)
         capacity = self.kv.shape[2] * config.cache.block_size
         self.runner: ModelRunner = build_runner(config, self.parts, self.kv, device, min(model_len, capacity), tp)
         self.error: BaseException | None = None

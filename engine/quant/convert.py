@@ -83,14 +83,13 @@ def convert_to_fp8(model: nn.Module, path: Fp8Path) -> None:
 def convert_to_int4(model: nn.Module, group_size: int, path: Int4Path) -> None:
     """Every decoder layer's projections 4-bit with `group_size` input columns a scale (uninitialized),
     multiplied on `path` (model.int4_path)."""
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        for name in QUANTIZED_LINEARS:
-            linear = getattr(layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp,
-                             name)
-            if linear.weight.shape[1] % group_size:
-                raise ValueError(f"4-bit groups of {group_size} columns do not divide the {linear.weight.shape[1]} "
-                                 f"input columns of {name} this rank holds; with tensor parallelism, use a size "
-                                 "whose share is a multiple of the group size")
+
+    def scales(w: torch.Tensor) -> torch.Tensor:
+        if w.shape[1] % group_size:
+            raise ValueError(f"4-bit groups of {group_size} columns do not divide a projection's {w.shape[1]} input "
+                             "columns this rank holds; with tensor parallelism, use a size whose share is a multiple "
+                             "of the group size")
+        return torch.empty(w.shape[0], w.shape[1] // group_size, 2, dtype=torch.float16, device=w.device)
+
     model.int4_path = path
-    _convert(model, lambda w: torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device),
-             lambda w: torch.empty(w.shape[0], w.shape[1] // group_size, 2, dtype=torch.float16, device=w.device))
+    _convert(model, lambda w: torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device), scales)
