@@ -149,9 +149,10 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
         with open(args.config) as f:
             return ServeAppConfig.model_validate(json.load(f))
     options = engine_options(args)
+    slo = SloConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     cluster = ClusterConfig(
-        # NOTE: the TPOT SLO is also the engines' inter-token latency budget (SchedulerConfig.itl_budget_ms)
-        engine=engine_config(options.pop("model"), itl_budget_ms=args.slo_tpot_ms, **options),
+        # NOTE: a share of the TPOT SLO is the engines' inter-token latency budget (SchedulerConfig.itl_budget_ms)
+        engine=engine_config(options.pop("model"), itl_budget_ms=slo.step_budget_ms, **options),
         mode="disaggregated" if args.prefill else "colocated",
         num_prefill=args.prefill or 1,
         num_decode=args.decode,
@@ -162,7 +163,7 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     )
     router = RouterConfig(model_name=args.model, api_key=args.api_key)
     local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)
-    dispatch = DispatcherConfig(local_prefill=local, slo=SloConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms))
+    dispatch = DispatcherConfig(local_prefill=local, slo=slo)
     return ServeAppConfig(cluster=cluster, router=router, dispatch=dispatch,
                           num_router_replicas=args.num_router_replicas,
                           grpc=GrpcServerConfig(host=args.host, port=args.grpc_port))

@@ -113,7 +113,8 @@ class SchedulerConfig(_Frozen):
         description="Inter-token latency budget: while requests decode, a step adds prompt tokens (chunks of prompts "
         "being prefilled, new prompts) only as many as the engine's measured prefill rate fits in the room its "
         "measured decode step time leaves in this budget (at least one block's worth, so prompts progress); "
-        "None: the token budget alone. `pdserve serve --slo-tpot-ms` sets it to the TPOT SLO.",
+        "None: the token budget alone. `pdserve serve --slo-tpot-ms` sets it to a share of the TPOT SLO "
+        "(router.dispatch.SloConfig.step_budget_ms).",
     )
     async_scheduling: bool | None = Field(
         None,

@@ -122,6 +122,12 @@ class LocalPrefillConfig(BaseModel):
         return rule
 
 
+STEP_SHARE = 0.8
+"""Of the TPOT SLO, what a step that adds prompt tokens may take. A request's TPOT is the mean of its
+inter-token latencies and the SLO holds at p90: steps kept at the SLO itself would leave a request
+that decodes beside a long run of chunked prompts no room for the measured step times' error."""
+
+
 class SloConfig(BaseModel):
     """The service levels the router steers to (router.policy's 'slo' prefill rule reads them)."""
 
@@ -129,6 +135,13 @@ class SloConfig(BaseModel):
 
     ttft_ms: float | None = Field(None, gt=0, description="Time to first token, p90 target (ms).")
     tpot_ms: float | None = Field(None, gt=0, description="Time per output token after the first, p90 target (ms).")
+
+    @property
+    def step_budget_ms(self) -> float | None:
+        """The longest step that adds prompt tokens beside decoding requests (the engines'
+        SchedulerConfig.itl_budget_ms, and the step the 'slo' rule's local estimate counts): STEP_SHARE
+        of the TPOT SLO. None without a TPOT SLO."""
+        return None if self.tpot_ms is None else STEP_SHARE * self.tpot_ms
 
 
 class DispatcherConfig(BaseModel):
@@ -278,11 +291,11 @@ class Dispatcher:
         self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
         self.policy = policy or CacheAwarePolicy(loads=self.loads.loads)
         local = self.config.local_prefill
-        tpot_ms = self.config.slo.tpot_ms
+        step_ms = self.config.slo.step_budget_ms
         self.prefill_rule = prefill_rule or create_prefill_rule(
             local.rule, max_short_prompt_tokens=local.max_short_prompt_tokens,
             min_cached_fraction=local.min_cached_fraction, loads=self.loads.loads,
-            tpot_s=tpot_ms / 1e3 if tpot_ms is not None else None,
+            step_s=step_ms / 1e3 if step_ms is not None else None, clock=self.loads.clock,
         )
 
     def num_streaming(self) -> dict[str, int]:

@@ -25,7 +25,8 @@ import asyncio
 import itertools
 import logging
 import math
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -49,6 +50,7 @@ class WorkerLoad:
     prefill_tokens_per_s: float = 0.0
     kv_bytes_per_token: int = 0
     push_bytes_per_s: float = 0.0  # a prefill worker's pushes so far (0.0: none yet)
+    fetched_at: float = 0.0  # time.monotonic() when the stats call that reported this went out
 
 
 class DispatchPolicy(Protocol):
@@ -125,9 +127,11 @@ class PrefixIndex:
 class LoadTracker:
     """The workers' last reported load, refreshed every `interval_s` by one stats() call each."""
 
-    def __init__(self, fetch: Callable[[str], Awaitable[WorkerStatsMsg]], interval_s: float = 0.25) -> None:
+    def __init__(self, fetch: Callable[[str], Awaitable[WorkerStatsMsg]], interval_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.fetch = fetch
         self.interval_s = interval_s
+        self.clock = clock
         self.loads: dict[str, WorkerLoad] = {}
         self._task: asyncio.Task[None] | None = None
         self.worker_ids: list[str] = []
@@ -141,6 +145,7 @@ class LoadTracker:
 
     async def refresh(self) -> None:
         ids = list(self.worker_ids)
+        fetched_at = self.clock()
         rows = await asyncio.gather(*(asyncio.wait_for(self.fetch(i), 2.0) for i in ids), return_exceptions=True)
         for worker_id, row in zip(ids, rows):
             if isinstance(row, WorkerStatsMsg):
@@ -148,7 +153,7 @@ class LoadTracker:
                 self.loads[worker_id] = WorkerLoad(
                     worker_id, row.num_running, row.num_waiting, row.num_free_blocks, row.num_blocks, row.role,
                     row.num_queued_prompt_tokens, row.decode_step_s, row.prefill_tokens_per_s, row.kv_bytes_per_token,
-                    push.push_bytes / push.push_seconds if push.push_seconds > 0 else 0.0,
+                    push.push_bytes / push.push_seconds if push.push_seconds > 0 else 0.0, fetched_at,
                 )
 
     async def _refresh_forever(self) -> None:
@@ -327,51 +332,88 @@ class SloRule(ShortOrCachedRule):
 
     remote  (prompt tokens queued at the prefill worker + this prompt) / its prefill rate
             + the push (the prompt's KV bytes / the worker's measured push bandwidth);
-    local   a decode worker prefills in chunks alongside its running batch without breaking the
-            TPOT SLO: each step may add (tpot - its decode step time) x its prefill rate prompt tokens,
-            so (its queued prompt tokens + the uncached part of this prompt) / that chunk steps, each
-            one TPOT long. A worker whose decode step alone exceeds the SLO cannot take it.
+    local   a decode worker prefills in chunks alongside its running batch within the engines' step
+            budget `step_s` (SloConfig.step_budget_ms: a share of the TPOT SLO): each step may add
+            (step_s - its decode step time) x its prefill rate prompt tokens, so (its queued prompt
+            tokens + the uncached part of this prompt) / that chunk steps, each step_s long. A worker
+            whose decode step alone exceeds the budget cannot take it.
     The decode workers whose local estimate beats the best remote one are returned, soonest first.
+    A worker's queue is its last report plus the prompt tokens this rule sent it since that report
+    was asked for (requests arriving together would otherwise all see the same queue and go one
+    way); a prompt sent remote is counted at the prefill worker with the soonest estimate.
     Until a side has measured its speed (a fresh cluster), short_or_cached decides.
     """
 
     name: ClassVar[str] = "slo"
+    MAX_ROUTED = 10_000  # prompts remembered per worker between its reports (bounds a silent worker's)
 
-    def __init__(self, loads: Mapping[str, WorkerLoad] | None = None, tpot_s: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, loads: Mapping[str, WorkerLoad] | None = None, step_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.loads: Mapping[str, WorkerLoad] = loads if loads is not None else {}
-        if tpot_s is None or tpot_s <= 0:
+        if step_s is None or step_s <= 0:
             raise ValueError("the 'slo' prefill rule needs a TPOT SLO (slo.tpot_ms, --slo-tpot-ms)")
-        self.tpot_s = tpot_s
+        self.step_s = step_s
+        self.clock = clock  # NOTE: the LoadTracker's clock: WorkerLoad.fetched_at is compared with it
+        self._routed: dict[str, deque[tuple[float, int]]] = {}  # worker id -> (when, prompt tokens) sent
 
-    def remote_ttft_s(self, num_tokens: int) -> float | None:
-        """The soonest first token through a prefill worker (None: none has measured its speed)."""
+    def queued_tokens(self, load: WorkerLoad) -> int:
+        """The prompt tokens queued at a worker: its last report and what was sent since it was asked for."""
+        routed = self._routed.get(load.worker_id)
+        if not routed:
+            return load.num_queued_prompt_tokens
+        while routed and routed[0][0] < load.fetched_at:
+            routed.popleft()
+        return load.num_queued_prompt_tokens + sum(n for _, n in routed)
+
+    def _remote(self, num_tokens: int) -> tuple[float, str] | None:
+        """The soonest first token through a prefill worker, and which (None: none has measured its speed)."""
         best = None
         for load in self.loads.values():
             if load.role != "prefill" or load.prefill_tokens_per_s <= 0:
                 continue
             push = (num_tokens * load.kv_bytes_per_token / load.push_bytes_per_s) if load.push_bytes_per_s > 0 else 0.0
-            ttft = (load.num_queued_prompt_tokens + num_tokens) / load.prefill_tokens_per_s + push
-            best = ttft if best is None else min(best, ttft)
+            ttft = (self.queued_tokens(load) + num_tokens) / load.prefill_tokens_per_s + push
+            if best is None or ttft < best[0]:
+                best = (ttft, load.worker_id)
         return best
 
+    def remote_ttft_s(self, num_tokens: int) -> float | None:
+        best = self._remote(num_tokens)
+        return None if best is None else best[0]
+
     def local_ttft_s(self, decode_id: str, num_uncached: int) -> float | None:
-        """A decode worker's first token when it prefills alongside its batch within the TPOT SLO
-        (inf: its decode step alone breaks the SLO; None: not measured yet)."""
+        """A decode worker's first token when it prefills alongside its batch within the step budget
+        (inf: its decode step alone breaks the budget; None: not measured yet)."""
         load = self.loads.get(decode_id)
         if load is None or load.prefill_tokens_per_s <= 0 or (load.num_running and load.decode_step_s <= 0):
             return None
-        budget_s = self.tpot_s - (load.decode_step_s if load.num_running else 0.0)
-        if budget_s <= 0:
+        room_s = self.step_s - (load.decode_step_s if load.num_running else 0.0)
+        if room_s <= 0:
             return math.inf
-        chunk = budget_s * load.prefill_tokens_per_s  # prompt tokens a step may add
-        return math.ceil((load.num_queued_prompt_tokens + num_uncached) / chunk) * self.tpot_s
+        chunk = room_s * load.prefill_tokens_per_s  # prompt tokens a step may add
+        return math.ceil((self.queued_tokens(load) + num_uncached) / chunk) * self.step_s
 
     def local_workers(self, prompt: Sequence[int], decode_ids: Sequence[str]) -> tuple[list[str], int]:
-        remote = self.remote_ttft_s(len(prompt))
-        matches = self.prefix.longest_matches(prompt, decode_ids)
-        local = {d: self.local_ttft_s(d, len(prompt) - matches[d] * self.prefix.block_size) for d in decode_ids}
+        remote = self._remote(len(prompt))
+        uncached = {d: len(prompt) - m * self.prefix.block_size
+                    for d, m in self.prefix.longest_matches(prompt, decode_ids).items()}
+        local = {d: self.local_ttft_s(d, uncached[d]) for d in decode_ids}
         if remote is None or any(v is None for v in local.values()):
             return super().local_workers(prompt, decode_ids)
-        better = sorted((t, d) for d, t in local.items() if t is not None and t <= remote)
+        better = sorted((t, d) for d, t in local.items() if t is not None and t <= remote[0])
+        if better:
+            self._sent(better[0][1], uncached[better[0][1]])
+        else:
+            self._sent(remote[1], len(prompt))
         return [d for _, d in better], 0
+
+    def forget(self, decode_id: str) -> None:
+        super().forget(decode_id)
+        self._routed.pop(decode_id, None)
+
+    def _sent(self, worker_id: str, num_tokens: int) -> None:
+        routed = self._routed.get(worker_id)
+        if routed is None:
+            routed = self._routed[worker_id] = deque(maxlen=self.MAX_ROUTED)
+        routed.append((self.clock(), num_tokens))

@@ -78,10 +78,11 @@ def test_load_tracker_refreshes_and_drops_gone_workers():
             return WorkerStatsMsg(worker_id=worker_id, role="decode", pid=1, is_healthy=True, num_running=2,
                                   num_waiting=1, num_free_blocks=7, num_blocks=9)
 
-        tracker = LoadTracker(fetch, interval_s=0.01)
+        tracker = LoadTracker(fetch, interval_s=0.01, clock=lambda: 5.0)
         tracker.track(["a", "dead"])
         await asyncio.sleep(0.1)
-        assert tracker.loads["a"] == WorkerLoad("a", 2, 1, 7, 9, "decode") and "dead" not in tracker.loads
+        expected = WorkerLoad("a", 2, 1, 7, 9, "decode", fetched_at=5.0)  # when the stats call went out
+        assert tracker.loads["a"] == expected and "dead" not in tracker.loads
         tracker.track(["b"])
         await asyncio.sleep(0.1)
         assert set(tracker.loads) == {"b"}

@@ -5,6 +5,8 @@ figures the rule reads: engine.step_rates and EngineStats."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -27,8 +29,8 @@ def _decode(worker_id: str = "d0", step_s: float = 0.02, rate: float = 5_000.0, 
                       decode_step_s=step_s, prefill_tokens_per_s=rate)
 
 
-def _rule(*loads: WorkerLoad, tpot_s: float = 0.04, **options: int) -> SloRule:
-    rule = create_prefill_rule("slo", loads={w.worker_id: w for w in loads}, tpot_s=tpot_s, block_size=16, **options)
+def _rule(*loads: WorkerLoad, step_s: float = 0.04, **options: Any) -> SloRule:
+    rule = create_prefill_rule("slo", loads={w.worker_id: w for w in loads}, step_s=step_s, block_size=16, **options)
     assert isinstance(rule, SloRule)
     return rule
 
@@ -64,6 +66,32 @@ def test_the_soonest_decode_worker_comes_first_and_only_those_that_beat_the_remo
     rule = _rule(_prefill(queued=20_000), _decode("d0", queued=3000), _decode("d1"), _decode("d2", step_s=0.039))
     # d1: 10 steps (0.4 s); d0: 40 steps (1.6 s); d2: 1,000 steps: slower than remote (2.1 s)
     assert rule.local_workers(PROMPT, ["d0", "d1", "d2"]) == (["d1", "d0"], 0)
+
+
+def test_prompts_sent_since_a_worker_last_reported_count_in_its_queue():
+    now = [10.0]
+    loads = {"p0": _prefill(), "d0": _decode()}
+    rule = _rule(*loads.values(), clock=lambda: now[0])
+    rule.loads = loads
+    # A burst against reports asked for at t=0: remote 0.1 s, 0.2 s, 0.3 s, 0.4 s (1,000 tokens more each)
+    # until local (0.4 s: 10 steps of 100 tokens) is no slower; then local takes one (its queue grows)
+    picks = [rule.local_workers(PROMPT, ["d0"])[0] for _ in range(5)]
+    assert picks == [[], [], [], ["d0"], []]
+    assert rule.queued_tokens(loads["p0"]) == 4000 and rule.queued_tokens(loads["d0"]) == 1000
+    # a report asked for after those were sent includes them: they are no longer added
+    now[0] = 11.0
+    loads["p0"] = WorkerLoad("p0", role="prefill", num_queued_prompt_tokens=2500, prefill_tokens_per_s=10_000.0,
+                             kv_bytes_per_token=1000, push_bytes_per_s=1e9, fetched_at=10.5)
+    assert rule.queued_tokens(loads["p0"]) == 2500
+    assert rule.remote_ttft_s(1000) == pytest.approx(0.351)
+
+
+def test_a_burst_without_fresh_reports_goes_one_way_only_as_far_as_the_estimates_allow():
+    rule = _rule(_prefill(), _decode("d0"), _decode("d1"))
+    picks = ["".join(rule.local_workers(PROMPT, ["d0", "d1"])[0][:1]) or "remote" for _ in range(12)]
+    # remote until its queue makes it as slow as a decode worker's 10 chunked steps (0.4 s), then each
+    # decode worker once, then remote again until 0.8 s (20 steps), ...
+    assert picks == ["remote"] * 3 + ["d0", "d1"] + ["remote"] * 4 + ["d0", "d1", "remote"]
 
 
 def test_until_speeds_are_measured_short_or_cached_decides():
@@ -113,5 +141,5 @@ def test_a_dispatcher_with_the_slo_rule_feeds_it_the_workers_loads():
     config = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="slo"), slo=SloConfig(tpot_ms=25))
     dispatcher = Dispatcher("router-0", Workers(prefill={}, decode={}), config=config)
     rule = dispatcher.prefill_rule
-    assert isinstance(rule, SloRule) and rule.tpot_s == 0.025
+    assert isinstance(rule, SloRule) and rule.step_s == pytest.approx(0.8 * 0.025)  # STEP_SHARE
     assert rule.loads is dispatcher.loads.loads  # what the load tracker refreshes from the workers' stats
