@@ -4,6 +4,10 @@ For each mode in turn this starts `pdserve serve` as a subprocess (its own local
 
   disagg     1 prefill + 1 decode worker; the prompt's KV goes over NCCL (gloo on the CPU)
   colocated  2 colocated replicas, each doing chunked prefill and decode on its own GPU
+  adaptive   starts as 1P1D and steers to the SLOs it is scored against (--slo-*): each prompt is
+             prefilled where its first token comes sooner (the 'slo' prefill rule: through the prefill
+             worker, or on the decode worker in chunks within the step budget), and the autoscaler may
+             move a worker between the pools (issue 24)
 
 waits for /v1/models, warms it up (a few prompts of the workload's lengths), sweeps Poisson request
 rates with loadgen/ (random token-id prompts, ignore_eos; per rate SECONDS_PER_RATE seconds of
@@ -112,6 +116,7 @@ class ModeSpec:
     description: str
     is_kv_transferred: bool  # prefill and decode on different workers: --transport applies
     num_workers: int  # one GPU each on a GPU machine
+    steers_to_slos: bool = False  # the server gets the SLOs the sweep scores against
 
 
 def disagg_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
@@ -124,18 +129,29 @@ def colocated_mode(name: str, num_replicas: int) -> ModeSpec:
                     False, num_replicas)
 
 
-MODES = {m.name: m for m in (disagg_mode("disagg", 1, 1), colocated_mode("colocated", 2))}
-MODE_NAMES = "disagg (1P1D), colocated (2 replicas), <P>p<D>d (e.g. 1p3d, 2p6d), colocated<N> (e.g. colocated4)"
+def adaptive_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
+    """Starts as PpDd and steers to the SLOs: the 'slo' prefill rule (each prompt prefilled where its first
+    token comes sooner, on a decode worker within the step budget or through the prefill workers), the
+    engines' ITL budget, and the autoscaler moving workers between the pools within the same GPUs."""
+    num = num_prefill + num_decode
+    return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode), "--local-prefill-rule", "slo",
+                           "--autoscale-max-gpus", str(num)),
+                    f"adaptive from {num_prefill}P{num_decode}D", True, num, steers_to_slos=True)
+
+
+MODES = {m.name: m for m in (disagg_mode("disagg", 1, 1), colocated_mode("colocated", 2), adaptive_mode("adaptive", 1, 1))}
+MODE_NAMES = ("disagg (1P1D), colocated (2 replicas), adaptive (from 1P1D, steering to the SLOs), <P>p<D>d "
+              "(e.g. 1p3d, 2p6d), colocated<N> (e.g. colocated4), adaptive<P>p<D>d")
 
 
 def mode_spec(name: str) -> ModeSpec:
     """A mode by name: the two of MODES, '<P>p<D>d' (P prefill + D decode workers) or 'colocated<N>'."""
     if name in MODES:
         return MODES[name]
-    if m := re.fullmatch(r"(\d+)p(\d+)d", name):
-        num_prefill, num_decode = int(m[1]), int(m[2])
+    if m := re.fullmatch(r"(adaptive)?(\d+)p(\d+)d", name):
+        num_prefill, num_decode = int(m[2]), int(m[3])
         if num_prefill >= 1 and num_decode >= 1:
-            return disagg_mode(name, num_prefill, num_decode)
+            return (adaptive_mode if m[1] else disagg_mode)(name, num_prefill, num_decode)
     if (m := re.fullmatch(r"colocated(\d+)", name)) and int(m[1]) >= 1:
         return colocated_mode(name, int(m[1]))
     raise ValueError(f"--modes: unknown mode {name!r}; choose from {MODE_NAMES}")
@@ -387,7 +403,8 @@ class Plan:
 
     def server_argv(self, mode: ModeSpec, port: int, grpc_port: int, exit_after_s: float) -> list[str]:
         transport = ["--transport", self.transport] if mode.is_kv_transferred else []
-        return [sys.executable, "-m", "deploy.cli", "serve", *mode.serve_flags, *self.engine_flags, *transport,
+        slos = ["--slo-ttft-ms", f"{self.slo_ttft_ms:g}", "--slo-tpot-ms", f"{self.slo_tpot_ms:g}"] if mode.steers_to_slos else []
+        return [sys.executable, "-m", "deploy.cli", "serve", *mode.serve_flags, *self.engine_flags, *transport, *slos,
                 "--port", str(port), "--grpc-port", str(grpc_port), "--exit-after", f"{exit_after_s:.0f}"]
 
     def server_env(self) -> dict[str, str]:

@@ -218,6 +218,26 @@ def test_only_the_disaggregated_mode_gets_the_transport():
     assert disagg[disagg.index("--transport") + 1] == "nccl" and "--prefill" in disagg
     assert "--transport" not in colocated and colocated[colocated.index("--decode") + 1] == "2"
     assert plan.server_env()["NCCL_NVLS_ENABLE"] == "0" and plan.server_env()["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert "--slo-tpot-ms" not in disagg and "--slo-tpot-ms" not in colocated  # static layouts: as they come
+
+
+def test_the_adaptive_mode_steers_to_the_slos_it_is_scored_against():
+    from bench.goodput import Plan, mode_spec
+
+    from deploy.cli import app_config, build_parser
+
+    plan = Plan(engine_flags=("--model", "m"), transport="nccl", model_name="m", vocab_size=10, is_cuda=True,
+                rates=(1.0,), seconds_per_rate=1.0, drain_s=1.0, input_len=(1, 2), output_len=(1, 2),
+                slo_ttft_ms=300.0, slo_tpot_ms=20.0, min_attainment=0.5, num_warmup=1, seed=0, start_timeout_s=1.0,
+                warmup_timeout_s=1.0, stop_timeout_s=1.0)
+    argv = plan.server_argv(MODES["adaptive"], 1, 2, 60.0)
+    config = app_config(build_parser().parse_args(argv[argv.index("serve"):]))
+    assert (config.dispatch.slo.ttft_ms, config.dispatch.slo.tpot_ms, config.dispatch.local_prefill.rule) == (300, 20, "slo")
+    cluster = config.cluster
+    assert (cluster.mode, cluster.num_prefill, cluster.num_decode) == ("disaggregated", 1, 1)
+    assert cluster.autoscaler is not None and cluster.autoscaler.max_gpus == 2
+    assert cluster.engine.scheduler.itl_budget_ms == pytest.approx(16.0)
+    assert mode_spec("adaptive2p2d").num_workers == 4 and mode_spec("adaptive2p2d").steers_to_slos
 
 
 def test_wait_gpus_free_reads_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -269,8 +289,8 @@ def test_mode_names_give_the_pool_sizes_and_bad_names_are_refused() -> None:
     assert mode_spec("2p6d").serve_flags == ("--prefill", "2", "--decode", "6") and mode_spec("2p6d").num_workers == 8
     assert mode_spec("colocated4").serve_flags == ("--colocated", "--decode", "4")
     assert _layout(mode_spec("1p3d")) == (1, 3) and _layout(mode_spec("colocated")) == (0, 2)
-    assert _layout(mode_spec("disagg")) == (1, 1)
-    for bad in ("0p2d", "2p0d", "colocated0", "3x3", "p2d"):
+    assert _layout(mode_spec("disagg")) == (1, 1) and _layout(mode_spec("adaptive")) == (1, 1)
+    for bad in ("adaptive0p2d", "0p2d", "2p0d", "colocated0", "3x3", "p2d"):
         with pytest.raises(ValueError, match="unknown mode"):
             mode_spec(bad)
 
