@@ -486,7 +486,21 @@ async def sweep(plan: Plan, result: ModeResult, server: ServerProcess, base_url:
 def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: Callable[[str], None],
              note: Callable[[str], None], checkpoint: Callable[[ModeResult], None] = lambda result: None) -> ModeResult:
     """Start, wait, warm up, sweep, stop: one mode, never raising; a failure is recorded in the result.
-    CHECKPOINT sees the result after each rate and before the server is stopped (to save what was measured)."""
+    CHECKPOINT sees the result after each rate and before the server is stopped (to save what was measured).
+    A start that failed because a port it was given was taken meanwhile (free_port's port is free when
+    asked, and Ray's own processes bind random ports) is tried once more with other ports."""
+    result = _run_mode_once(plan, mode, out_dir, deadline, echo, note, checkpoint)
+    if result.phase == "start" and result.status == "failed" and any(PORT_TAKEN in line for line in result.log_tail):
+        echo(f"{mode.name}: a port was taken before the server bound it; starting again on other ports")
+        result = _run_mode_once(plan, mode, out_dir, deadline, echo, note, checkpoint)
+    return result
+
+
+PORT_TAKEN = "Address already in use"
+
+
+def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: Callable[[str], None],
+                   note: Callable[[str], None], checkpoint: Callable[[ModeResult], None]) -> ModeResult:
     port, grpc_port = free_port(), free_port()
     exit_after = max(60.0, deadline - time.monotonic() + 60.0)
     argv = plan.server_argv(mode, port, grpc_port, exit_after)

@@ -30,8 +30,9 @@
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
-#   adaptive_slos (nvidia-h200-x2): the planner's step profile (pdserve plan, one GPU), then the adaptive mode
-#           at TTFT 1 s / TPOT 20 ms and TTFT 300 ms / TPOT 40 ms (subfolders tpot20, ttft300).
+#   plan_profile (one GPU): the planner's step profile (pdserve plan) with bench.goodput's engine flags.
+#   adaptive_slos (nvidia-h200-x2): the adaptive mode at TTFT 1 s / TPOT 20 ms and TTFT 300 ms / TPOT 40 ms
+#           (subfolders tpot20, ttft300).
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
 #   scale8  (nvidia-h200-x8): 2P6D vs 8 colocated, then bench.kv_pairs.
@@ -45,7 +46,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|adaptive_slos|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|adaptive_slos|plan_profile|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -120,12 +121,14 @@ case "$part" in
     run 580 python3 -m bench.goodput --modes "${MODES:-colocated,disagg,adaptive}" --rates "${RATES:-8,12,16,20,24,28,32}" \
       --seconds-per-rate 15 --budget-s 550 ${GOODPUT_FLAGS:-} --out "$out"
     ;;
-  adaptive_slos)
-    # the planner's step profile on one GPU (the engine flags bench.goodput serves with), then the adaptive
-    # mode steering to (and scored against) the two tighter SLO pairs
+  plan_profile)
+    # the planner's step profile on one GPU, with the engine flags bench.goodput serves with
     CUDA_VISIBLE_DEVICES=0 run 150 python3 -m deploy.cli plan --gpus 2 --slo-ttft-ms 1000 --slo-tpot-ms 40 \
       --profile "$out/profile_llama-3.1-8b.json" --model bench/shapes/llama-3.1-8b --load-format dummy \
       --dtype bfloat16 --max-model-len 4300
+    ;;
+  adaptive_slos)
+    # the adaptive mode steering to (and scored against) the two tighter SLO pairs
     run 215 python3 -m bench.goodput --modes adaptive --slo-ttft-ms 1000 --slo-tpot-ms 20 --rates "${RATES20:-8,12,16,20,24}" \
       --seconds-per-rate 15 --budget-s 200 --out "$out/tpot20"
     run 215 python3 -m bench.goodput --modes adaptive --slo-ttft-ms 300 --slo-tpot-ms 40 --rates "${RATES300:-4,8,12,16,20}" \

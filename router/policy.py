@@ -340,7 +340,9 @@ class SloRule(ShortOrCachedRule):
     The decode workers whose local estimate beats the best remote one are returned, soonest first.
     A worker's queue is its last report plus the prompt tokens this rule sent it since that report
     was asked for (requests arriving together would otherwise all see the same queue and go one
-    way); a prompt sent remote is counted at the prefill worker with the soonest estimate.
+    way); a prompt sent remote is counted at the prefill worker with the soonest estimate. A decode
+    worker that never prefilled (all went remote) has no prefill rate of its own: the fastest measured
+    one stands for it, or it would never be chosen and never measure one.
     Until a side has measured its speed (a fresh cluster), short_or_cached decides.
     """
 
@@ -382,16 +384,24 @@ class SloRule(ShortOrCachedRule):
         best = self._remote(num_tokens)
         return None if best is None else best[0]
 
+    def prefill_rate(self, load: WorkerLoad) -> float:
+        """A worker's prefill rate: its own measure, or (a decode worker that has not prefilled yet, so
+        never measured it) the fastest measured by any worker, serving the same model; 0.0: none yet."""
+        if load.prefill_tokens_per_s > 0:
+            return load.prefill_tokens_per_s
+        return max((w.prefill_tokens_per_s for w in self.loads.values()), default=0.0)
+
     def local_ttft_s(self, decode_id: str, num_uncached: int) -> float | None:
         """A decode worker's first token when it prefills alongside its batch within the step budget
         (inf: its decode step alone breaks the budget; None: not measured yet)."""
         load = self.loads.get(decode_id)
-        if load is None or load.prefill_tokens_per_s <= 0 or (load.num_running and load.decode_step_s <= 0):
+        rate = self.prefill_rate(load) if load is not None else 0.0
+        if load is None or rate <= 0 or (load.num_running and load.decode_step_s <= 0):
             return None
         room_s = self.step_s - (load.decode_step_s if load.num_running else 0.0)
         if room_s <= 0:
             return math.inf
-        chunk = room_s * load.prefill_tokens_per_s  # prompt tokens a step may add
+        chunk = room_s * rate  # prompt tokens a step may add
         return math.ceil((self.queued_tokens(load) + num_uncached) / chunk) * self.step_s
 
     def local_workers(self, prompt: Sequence[int], decode_ids: Sequence[str]) -> tuple[list[str], int]:

@@ -311,3 +311,23 @@ def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> 
     assert pairs["1p3d"]["ratio"] == pytest.approx(6.0 / 9.0)
     assert pairs["2p6d"]["colocated"] is None and pairs["2p6d"]["ratio"] is None  # no colocated8, no goodput
     assert out["scaling_1p1d_to_2p2d"] == pytest.approx(7.2 / 8.0)
+
+
+def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.MonkeyPatch):
+    import bench.goodput as goodput
+
+    from bench.goodput_report import ModeResult
+
+    def attempt(taken: bool) -> ModeResult:
+        result = ModeResult("adaptive", "", [])
+        result.phase = "start"
+        result.fail("ServerError: the server exited with code 1")
+        result.log_tail = ["OSError: [Errno 98] Address already in use"] if taken else ["ValueError: bad flag"]
+        return result
+
+    for outcomes, expected_calls in (([True, False], 2), ([False], 1), ([True, True], 2)):
+        calls = []
+        queue = list(outcomes)
+        monkeypatch.setattr(goodput, "_run_mode_once", lambda *a: calls.append(1) or attempt(queue.pop(0)))
+        result = goodput.run_mode(None, MODES["adaptive"], Path("."), 0.0, lambda m: None, lambda m: None)
+        assert len(calls) == expected_calls and result.status == "failed"

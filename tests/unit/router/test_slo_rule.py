@@ -94,6 +94,14 @@ def test_a_burst_without_fresh_reports_goes_one_way_only_as_far_as_the_estimates
     assert picks == ["remote"] * 3 + ["d0", "d1"] + ["remote"] * 4 + ["d0", "d1", "remote"]
 
 
+def test_a_decode_worker_that_never_prefilled_is_estimated_at_the_measured_prefill_rate():
+    # every prompt so far went remote, so d0 has a decode step time but no prefill rate of its own
+    rule = _rule(_prefill(queued=20_000), _decode(rate=0.0))
+    # 0.02 s of room at the prefill worker's 10,000 tokens/s: 200 tokens a step, 5 steps = 0.2 s
+    assert rule.local_ttft_s("d0", 1000) == pytest.approx(0.2)
+    assert rule.local_workers(PROMPT, ["d0"]) == (["d0"], 0)
+
+
 def test_until_speeds_are_measured_short_or_cached_decides():
     rule = _rule(_prefill(rate=0.0), _decode(), max_short_prompt_tokens=192)
     assert rule.local_workers(list(range(100)), ["d0"]) == (["d0"], 0)  # short
