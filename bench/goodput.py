@@ -85,7 +85,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -139,6 +139,17 @@ def adaptive_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
                     f"adaptive from {num_prefill}P{num_decode}D", True, num, steers_to_slos=True)
 
 
+def planned_adaptive_mode(name: str, layout: Any) -> ModeSpec:
+    """The adaptive mode started in the layout the planner picked (cluster.planner.Layout): xPyD steering
+    as adaptive_mode does, or colocated replicas whose engines keep to the step budget (no pools to move)."""
+    if layout.num_prefill == 0:
+        return ModeSpec(name, ("--colocated", "--decode", str(layout.num_decode)),
+                        f"adaptive: planned {layout.name}", False, layout.num_decode, steers_to_slos=True)
+    spec = adaptive_mode(name, layout.num_prefill, layout.num_decode)
+    return ModeSpec(spec.name, spec.serve_flags, f"adaptive: planned {layout.name}", True, spec.num_workers,
+                    steers_to_slos=True)
+
+
 MODES = {m.name: m for m in (disagg_mode("disagg", 1, 1), colocated_mode("colocated", 2), adaptive_mode("adaptive", 1, 1))}
 MODE_NAMES = ("disagg (1P1D), colocated (2 replicas), adaptive (from 1P1D, steering to the SLOs), <P>p<D>d "
               "(e.g. 1p3d, 2p6d), colocated<N> (e.g. colocated4), adaptive<P>p<D>d")
@@ -183,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup-timeout-s", type=float, default=150.0, help="Longest warm-up (first Triton compiles).")
     a("--stop-timeout-s", type=float, default=30.0, help="Longest wait after SIGINT before SIGTERM, then SIGKILL.")
     a("--seed", type=int, default=0, help="Seed of prompts and arrivals (rate k uses SEED + k, in both modes).")
+    a("--plan-profile", type=Path, default=None,
+      help="A StepProfile JSON (pdserve plan --profile): adaptive modes start in the layout the planner picks from it "
+      "for this workload and SLOs on their GPUs (default: 1P1D), and the pick and its predicted goodput are recorded.")
     a("--label", default="", help="A note for the title and the JSON (e.g. 'CPU SMOKE RUN').")
     return parser
 
@@ -645,21 +659,22 @@ def _compact_records(result: ModeResult) -> list[dict[str, Any]]:
     return out
 
 
-def results_record(plan: Plan, args: argparse.Namespace, results: dict[str, ModeResult]) -> dict[str, Any]:
+def results_record(plan: Plan, args: argparse.Namespace, results: dict[str, ModeResult],
+                   specs: Mapping[str, ModeSpec], planned: Mapping[str, Any] | None = None) -> dict[str, Any]:
     summaries = {name: mode_summary(r) for name, r in results.items()}
     return {
         "config": {
-            "modes": {name: mode_spec(name).description for name in results},
+            "modes": {name: specs[name].description for name in results},
             "engine_flags": list(plan.engine_flags), "transport": plan.transport, "rates": list(plan.rates),
             "seconds_per_rate": plan.seconds_per_rate, "drain_s": plan.drain_s, "input_len": list(plan.input_len),
             "output_len": list(plan.output_len), "ignore_eos": True, "arrivals": "Poisson",
             "prompts": "random token ids", "slo_ttft_ms": plan.slo_ttft_ms, "slo_tpot_ms": plan.slo_tpot_ms,
             "min_attainment": plan.min_attainment, "num_warmup": plan.num_warmup, "seed": plan.seed,
-            "budget_s": args.budget_s,
+            "budget_s": args.budget_s, **({"planner": planned} if planned else {}),
         },
         "modes": summaries,
         "comparison": compare(summaries),
-        "scaleout": scaleout(summaries, {name: _layout(mode_spec(name)) for name in results}),
+        "scaleout": scaleout(summaries, {name: _layout(specs[name]) for name in results}),
         "requests": {name: _compact_records(r) for name, r in results.items()},
     }
 
@@ -734,6 +749,27 @@ def replot(json_path: Path) -> Path:
     return png_path
 
 
+def plan_adaptive_modes(args: argparse.Namespace, specs: dict[str, ModeSpec]) -> dict[str, Any]:
+    """Each adaptive mode's layout, picked by the planner from --plan-profile for this run's workload and
+    SLOs on the mode's GPUs (specs updated in place); per mode the pick and every layout's prediction."""
+    from cluster.planner import SLO, StepProfile, Workload
+    from cluster.planner import plan as plan_layouts
+
+    profile = StepProfile.model_validate_json(args.plan_profile.read_text())
+    workload = Workload(prompt_tokens=parse_range(args.input_len), output_tokens=parse_range(args.output_len))
+    slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
+    out: dict[str, Any] = {}
+    for name, spec in list(specs.items()):
+        if not spec.steers_to_slos:
+            continue
+        plans = plan_layouts(spec.num_workers, {1: profile}, workload, slo)
+        specs[name] = planned_adaptive_mode(name, plans[0].layout)
+        out[name] = {"pick": plans[0].layout.name, "profile": str(args.plan_profile),
+                     "predicted": {"goodput": plans[0].goodput, "why": plans[0].why},
+                     "layouts": {p.layout.name: {"goodput": p.goodput, "why": p.why} for p in plans}}
+    return out
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # NOTE: unwinds through run_mode's `finally`, which stops the server
 
@@ -752,14 +788,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not names:
         raise SystemExit(f"--modes: none given; choose from {MODE_NAMES}")
     try:
-        specs = [mode_spec(m) for m in names]
+        specs = {m: mode_spec(m) for m in names}
     except ValueError as err:
         raise SystemExit(str(err)) from err
+    planned = plan_adaptive_modes(args, specs) if args.plan_profile is not None else {}
     args.out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(args.device)
     model_dir = resolve_model_dir(args.model)
     tee = Tee(args.out / "goodput_driver.log", t0)
-    problems = preflight(device, tee.echo, max(spec.num_workers for spec in specs))
+    problems = preflight(device, tee.echo, max(spec.num_workers for spec in specs.values()))
     if problems:
         tee.echo("goodput: cannot run:\n  " + "\n  ".join(problems))
         return 2
@@ -772,7 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{args.budget_s:g} s")
 
         def write_json(results: dict[str, ModeResult]) -> None:
-            doc = {"benchmark": "goodput", "environment": env, **results_record(plan, args, results)}
+            doc = {"benchmark": "goodput", "environment": env, **results_record(plan, args, results, specs, planned)}
             (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
         done: dict[str, ModeResult] = {}
@@ -782,11 +819,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_json(done)
 
         def run_one(name: str, deadline: float) -> ModeResult:
-            return run_mode(plan, mode_spec(name), args.out, deadline, tee.echo, tee.note,
+            return run_mode(plan, specs[name], args.out, deadline, tee.echo, tee.note,
                             checkpoint=lambda partial: write_json({**done, name: partial}))
 
+        if planned:
+            tee.echo("planner: " + "; ".join(f"{n}: {p['pick']} (predicted goodput {p['predicted']['goodput']:.2f} req/s)"
+                                             for n, p in planned.items()))
         results = run_modes(names, run_one, t0 + args.budget_s - FINAL_RESERVE_S, on_result=save)
-    record = results_record(plan, args, results)
+    record = results_record(plan, args, results, specs, planned)
     summaries, comparison = record["modes"], record["comparison"]
     json_path, png_path = write_results(
         args.out, "goodput", env, record,

@@ -68,7 +68,7 @@ def _profile(path: Path, engine_options: dict[str, Any]) -> Any:
     from engine.llm import engine_config
 
     options = dict(engine_options)
-    engine = EngineCore(engine_config(options.pop("model"), **options))
+    engine = EngineCore(engine_config(options.pop("model"), **options, async_scheduling=False))  # measure's need
     longest = min(engine.config.scheduler.max_num_batched_tokens, engine.max_seq_tokens - 1)
     batches = [b for b in DECODE_BATCHES if b <= engine.config.scheduler.max_num_seqs]
     contexts = [c for c in DECODE_CONTEXTS

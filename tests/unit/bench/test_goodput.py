@@ -331,3 +331,26 @@ def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.Monke
         monkeypatch.setattr(goodput, "_run_mode_once", lambda *a: calls.append(1) or attempt(queue.pop(0)))
         result = goodput.run_mode(None, MODES["adaptive"], Path("."), 0.0, lambda m: None, lambda m: None)
         assert len(calls) == expected_calls and result.status == "failed"
+
+
+def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path):
+    from bench.goodput import build_parser, mode_spec, plan_adaptive_modes
+
+    from tests.unit.cluster.planner.test_plan import flat
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(flat(50.0, 10.0).model_dump_json())
+    picks = {}
+    for tpot, expected in (("12", "1P1D"), ("1000", "2 colocated")):
+        args = build_parser().parse_args(["--modes", "colocated,adaptive", "--plan-profile", str(profile),
+                                          "--input-len", "1000", "--output-len", "50", "--slo-ttft-ms", "2000",
+                                          "--slo-tpot-ms", tpot])
+        specs = {m: mode_spec(m) for m in ("colocated", "adaptive")}
+        planned = plan_adaptive_modes(args, specs)
+        assert planned["adaptive"]["pick"] == expected and set(planned) == {"adaptive"}
+        assert specs["colocated"] == mode_spec("colocated")  # static modes as they were
+        picks[expected] = specs["adaptive"]
+    assert picks["1P1D"].serve_flags[:4] == ("--prefill", "1", "--decode", "1") and picks["1P1D"].is_kv_transferred
+    assert "--local-prefill-rule" in picks["1P1D"].serve_flags
+    colocated = picks["2 colocated"]
+    assert colocated.serve_flags == ("--colocated", "--decode", "2") and colocated.steers_to_slos

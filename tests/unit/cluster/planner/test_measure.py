@@ -22,3 +22,11 @@ def test_a_grid_the_cache_cannot_hold_is_refused(make_llm):
     engine = make_llm(num_blocks=16, block_size=8).engine
     with pytest.raises(ValueError, match="KV tokens"):
         measure(engine, (16,), (8,), (64,), repeats=1)
+
+
+def test_an_engine_that_steps_asynchronously_is_refused(make_llm):
+    # its step() returns once the next step is queued: the time would be the launch's, not the step's
+    engine = make_llm(num_blocks=256, block_size=8, async_scheduling=True).engine
+    with pytest.raises(ValueError, match="async_scheduling=False"):
+        measure(engine, (16,), (1,), (16,), repeats=1)
+    assert not engine.has_unfinished()
