@@ -31,8 +31,8 @@
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
 #   plan_profile (one GPU): the planner's step profile (pdserve plan) with bench.goodput's engine flags.
-#   planned (nvidia-h200-x2): the planner's profile, then per TTFT/TPOT pair of $SLOS (default "1000/40 1000/20")
-#           the adaptive mode started in the layout the planner picks (bench.goodput --plan-profile); one .tgz.
+#   planned (nvidia-h200-x2): the planner's profile, then per TTFT/TPOT pair of $SLOS (default "1000/40 1000/20 300/40")
+#           the adaptive mode started in the layout the planner picks (bench.goodput --plan-profile); a .tgz each.
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
 #   scale8  (nvidia-h200-x8): 2P6D vs 8 colocated, then bench.kv_pairs.
@@ -129,17 +129,18 @@ case "$part" in
     ;;
   planned)
     # the planner's profile (unless $PROFILE names one), then for each TTFT/TPOT pair of $SLOS the adaptive mode
-    # started in the layout the planner picks for it, steering to it; everything in one archive (few files return)
+    # started in the layout the planner picks for it, steering to it; an archive per pair (few files return)
     profile=${PROFILE:-$out/profile_llama-3.1-8b.json}
     [ -f "$profile" ] || CUDA_VISIBLE_DEVICES=0 run 150 python3 -m deploy.cli plan --gpus 2 --slo-ttft-ms 1000 \
       --slo-tpot-ms 40 --profile "$profile" --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --max-model-len 4300
-    for pair in ${SLOS:-1000/40 1000/20}; do
-      run 215 python3 -m bench.goodput --modes adaptive --plan-profile "$profile" --slo-ttft-ms "${pair%/*}" \
-        --slo-tpot-ms "${pair#*/}" --rates "${RATES:-8,12,16,20,24,28,32}" --seconds-per-rate 15 --budget-s 200 \
-        --out "$out/slo_${pair%/*}_${pair#*/}"
+    for pair in ${SLOS:-1000/40 1000/20 300/40}; do
+      name="slo_${pair%/*}_${pair#*/}"
+      run 180 python3 -m bench.goodput --modes adaptive --plan-profile "$profile" --slo-ttft-ms "${pair%/*}" \
+        --slo-tpot-ms "${pair#*/}" --rates "${RATES:-4,8,12,16,20,24,28}" --seconds-per-rate 15 --budget-s 165 \
+        --out "$out/$name"
+      tar -czf "$out/$name.tgz" -C "$out" "$name" && rm -rf "${out:?}/$name"
     done
-    tar -czf "$out/planned.tgz" -C "$out" --exclude planned.tgz . && find "$out" -mindepth 1 -not -name planned.tgz -delete
     ;;
   scale4)
     run 450 python3 -m bench.goodput --modes 1p1d,2p2d,colocated4 --rates 4,8,16,24,32 --budget-s 420 --out "$out"

@@ -74,7 +74,9 @@ def _profile(path: Path, engine_options: dict[str, Any]) -> Any:
     contexts = [c for c in DECODE_CONTEXTS
                 if max(batches) * (c + 32) <= engine.capacity_tokens and c + 32 <= engine.max_seq_tokens] or [64]
     print(f"measuring a step profile on {engine.device} (written to {path}) ...", flush=True)
-    profile = measure(engine, [n for n in PREFILL_TOKENS if n <= longest] or [longest], batches, contexts)
+    # NOTE: the grid ends at the longest step the engine makes (a chunk of that size is every long prompt's)
+    lengths = sorted({n for n in PREFILL_TOKENS if n < longest} | {longest})
+    profile = measure(engine, lengths, batches, contexts)
     profile = profile.model_copy(update={"tensor_parallel_size": engine.config.parallel.tensor_parallel_size})
     engine.close()
     path.write_text(profile.model_dump_json(indent=2) + "\n")

@@ -57,7 +57,13 @@ class StepProfile(BaseModel):
         return self
 
     def prefill_step_ms(self, tokens: int) -> float:
-        return _interpolate(self.prefill_tokens, self.prefill_ms, tokens) if tokens > 0 else 0.0
+        """Interpolated; a profile of one prefill length scales it in proportion (a constant would make
+        every prompt, however long, cost that one step)."""
+        if tokens <= 0:
+            return 0.0
+        if len(self.prefill_tokens) == 1:
+            return self.prefill_ms[0] * tokens / self.prefill_tokens[0]
+        return _interpolate(self.prefill_tokens, self.prefill_ms, tokens)
 
     def decode_step_ms(self, batch: int, context: float) -> float:
         if batch <= 0:

@@ -26,6 +26,9 @@ def test_interpolation_is_linear_between_points_and_extrapolates_the_end_segment
     assert p.prefill_step_ms(300) == pytest.approx(50.0)
     assert p.decode_step_ms(5, 50) == pytest.approx((1.5 + 7.5) / 2)
     assert p.decode_step_ms(0, 50) == 0.0 and p.prefill_step_ms(0) == 0.0
+    one = StepProfile(prefill_tokens=(128,), prefill_ms=(4.0,), decode_batches=(1,), decode_contexts=(0,),
+                      decode_ms=((1.0,),))
+    assert one.prefill_step_ms(2560) == pytest.approx(80.0)  # one length measured: in proportion
 
 
 def test_a_profile_with_mismatched_grids_is_refused_naming_them():
