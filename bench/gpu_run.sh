@@ -119,7 +119,7 @@ case "$part" in
     ;;
   adaptive)
     run 580 python3 -m bench.goodput --modes "${MODES:-colocated,disagg,adaptive}" --rates "${RATES:-8,12,16,20,24,28,32}" \
-      --seconds-per-rate 15 --budget-s 550 ${GOODPUT_FLAGS:-} --out "$out"
+      --seconds-per-rate 15 --budget-s "${BUDGET:-550}" ${GOODPUT_FLAGS:-} --out "$out"
     ;;
   plan_profile)
     # the planner's step profile on one GPU, with the engine flags bench.goodput serves with
