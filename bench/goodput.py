@@ -141,7 +141,8 @@ def adaptive_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
 
 def planned_adaptive_mode(name: str, layout: Any) -> ModeSpec:
     """The adaptive mode started in the layout the planner picked (cluster.planner.Layout): xPyD steering
-    as adaptive_mode does, or colocated replicas whose engines keep to the step budget (no pools to move)."""
+    as adaptive_mode does, or colocated replicas (the router gets the SLOs; colocated engines keep no step
+    budget, deploy.cli says why; no pools to move)."""
     if layout.num_prefill == 0:
         return ModeSpec(name, ("--colocated", "--decode", str(layout.num_decode)),
                         f"adaptive: planned {layout.name}", False, layout.num_decode, steers_to_slos=True)

@@ -138,9 +138,9 @@ class SloConfig(BaseModel):
 
     @property
     def step_budget_ms(self) -> float | None:
-        """The longest step that adds prompt tokens beside decoding requests (the engines'
-        SchedulerConfig.itl_budget_ms, and the step the 'slo' rule's local estimate counts): STEP_SHARE
-        of the TPOT SLO. None without a TPOT SLO."""
+        """The longest step that adds prompt tokens beside decoding requests on a decode worker (the
+        disaggregated engines' SchedulerConfig.itl_budget_ms, and the step the 'slo' rule's local
+        estimate counts): STEP_SHARE of the TPOT SLO. None without a TPOT SLO."""
         return None if self.tpot_ms is None else STEP_SHARE * self.tpot_ms
 
 

@@ -334,7 +334,7 @@ def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.Monke
 
 
 def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path):
-    from bench.goodput import build_parser, mode_spec, plan_adaptive_modes
+    from bench.goodput import Plan, build_parser, mode_spec, plan_adaptive_modes
 
     from tests.unit.cluster.planner.test_plan import flat
 
@@ -354,3 +354,14 @@ def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path
     assert "--local-prefill-rule" in picks["1P1D"].serve_flags
     colocated = picks["2 colocated"]
     assert colocated.serve_flags == ("--colocated", "--decode", "2") and colocated.steers_to_slos
+    from deploy.cli import app_config
+    from deploy.cli import build_parser as serve_parser
+
+    plan = Plan(engine_flags=("--model", "m"), transport="nccl", model_name="m", vocab_size=10, is_cuda=True,
+                rates=(1.0,), seconds_per_rate=1.0, drain_s=1.0, input_len=(1, 2), output_len=(1, 2),
+                slo_ttft_ms=300.0, slo_tpot_ms=20.0, min_attainment=0.5, num_warmup=1, seed=0, start_timeout_s=1.0,
+                warmup_timeout_s=1.0, stop_timeout_s=1.0)
+    argv = plan.server_argv(colocated, 1, 2, 60.0)
+    config = app_config(serve_parser().parse_args(argv[argv.index("serve"):]))
+    # the router has the SLOs; colocated engines keep no step budget (it lost its measurement there)
+    assert config.dispatch.slo.tpot_ms == 20 and config.cluster.engine.scheduler.itl_budget_ms is None

@@ -41,6 +41,8 @@ def test_slo_flags_reach_the_dispatcher():
     dispatch = config.dispatch
     assert (dispatch.slo.tpot_ms, dispatch.slo.ttft_ms, dispatch.local_prefill.rule) == (40, 1000, "slo")
     assert config.cluster.engine.scheduler.itl_budget_ms == pytest.approx(32)  # STEP_SHARE of the TPOT SLO
+    colocated = app_config(build_parser().parse_args(["serve", "--slo-tpot-ms", "40", "--slo-ttft-ms", "1000"]))
+    assert colocated.dispatch.slo.tpot_ms == 40 and colocated.cluster.engine.scheduler.itl_budget_ms is None
 
 
 def test_autoscale_flags_size_the_pools_against_the_slos():
