@@ -1,0 +1,160 @@
+"""Issue 24's two-GPU comparison, from measured `bench.goodput` runs: 2 colocated replicas, 1P1D and the
+adaptive modes under three TTFT/TPOT SLO pairs, with the planner's predictions beside them.
+
+Nothing is re-measured. A static layout (colocated, disagg) serves the same way whatever the SLOs, so its
+per-request records are scored against each pair. An adaptive run steered to one pair (the server had
+those SLOs) counts under that pair only. Per configuration and pair: SLO attainment per rate (requests
+that met both SLOs / requests planned), goodput = the highest rate of the sweep at which attainment
+was >= 90% and at every lower rate, and where attainment crosses 90% between two rates of the sweep
+(linear in between: the grid is 4 req/s apart). The planner's goodput per layout is computed here from
+the step profile measured on the same machine kind (pdserve plan's simulation; deterministic).
+
+    python -m bench.adaptive_report  # reads and writes bench/results/adaptive_2xh200*
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from bench.common import save_plot
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAIRS = ((1000.0, 40.0), (1000.0, 20.0), (300.0, 40.0))  # (TTFT ms, TPOT ms)
+ATTAINMENT = 0.9
+
+
+class Source(NamedTuple):
+    label: str
+    file: str
+    mode: str
+    steered: tuple[float, float] | None  # the SLO pair the server steered to; None: a static layout
+
+
+SOURCES = (
+    Source("2 colocated (run 1)", "adaptive_2xh200_static_run1.json", "colocated", None),
+    Source("2 colocated (run 2)", "adaptive_2xh200_1p1d_1000_40_and_colocated_run2.json", "colocated", None),
+    Source("1P1D", "adaptive_2xh200_static_run1.json", "disagg", None),
+    Source("adaptive from 1P1D", "adaptive_2xh200_1p1d_1000_40_and_colocated_run2.json", "adaptive", (1000.0, 40.0)),
+    Source("adaptive from 1P1D", "adaptive_2xh200_1p1d_1000_20.json", "adaptive", (1000.0, 20.0)),
+    Source("adaptive from 1P1D", "adaptive_2xh200_1p1d_300_40.json", "adaptive", (300.0, 40.0)),
+    Source("planned colocated + step budget", "adaptive_2xh200_planned_colocated_budget_1000_40.json", "adaptive",
+           (1000.0, 40.0)),
+    Source("planned colocated + step budget", "adaptive_2xh200_planned_colocated_budget_1000_20.json", "adaptive",
+           (1000.0, 20.0)),
+    Source("planned colocated + step budget", "adaptive_2xh200_planned_colocated_budget_300_40.json", "adaptive",
+           (300.0, 40.0)),
+)
+PROFILE = "planner_profile_llama-3.1-8b_nvidia-h200.json"
+
+
+def attainment_rows(run: dict[str, Any], mode: str, ttft_ms: float, tpot_ms: float) -> list[dict[str, Any]]:
+    """Per rate of the run: requests that completed and met both SLOs over all planned."""
+    rows = []
+    for at_rate in run["requests"][mode]:
+        records = at_rate["records"]
+        good = sum(1 for r in records if r["ok"] and r["ttft_ms"] <= ttft_ms
+                   and (r["tpot_ms"] is None or r["tpot_ms"] <= tpot_ms))
+        rows.append({"rate": at_rate["rate"], "attainment": good / len(records) if records else 0.0,
+                     "num_requests": len(records)})
+    return sorted(rows, key=lambda r: r["rate"])
+
+
+def goodput(rows: Sequence[dict[str, Any]]) -> tuple[float | None, float | None, bool]:
+    """(the highest rate at >= 90% with every lower rate too, where attainment crosses 90% after it
+    (interpolated; None if the sweep never fell under), whether the sweep fell under 90% at all)."""
+    best = None
+    for i, row in enumerate(rows):
+        if row["attainment"] < ATTAINMENT:
+            if best is None:
+                return None, None, True
+            prev = rows[i - 1]
+            frac = (prev["attainment"] - ATTAINMENT) / (prev["attainment"] - row["attainment"])
+            return best, prev["rate"] + frac * (row["rate"] - prev["rate"]), True
+        best = row["rate"]
+    return best, None, False
+
+
+def planner_goodput(profile_path: Path, workload: dict[str, Any], ttft_ms: float, tpot_ms: float) -> dict[str, Any]:
+    from cluster.planner import SLO, StepProfile, Workload, plan
+
+    profile = StepProfile.model_validate_json(profile_path.read_text())
+    load = Workload(prompt_tokens=tuple(workload["input_len"]), output_tokens=tuple(workload["output_len"]))
+    plans = plan(2, {1: profile}, load, SLO(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+    return {"pick": plans[0].layout.name, "layouts": {p.layout.name: {"goodput": p.goodput, "why": p.why}
+                                                      for p in plans}}
+
+
+def report(results: Path) -> dict[str, Any]:
+    runs: dict[str, dict[str, Any]] = {}
+    for s in SOURCES:
+        runs.setdefault(s.file, json.loads((results / s.file).read_text()))
+    first = runs[SOURCES[0].file]
+    workload = first["config"]
+    pairs = []
+    for ttft, tpot in PAIRS:
+        configs = []
+        for s in SOURCES:
+            if s.steered is not None and s.steered != (ttft, tpot):
+                continue
+            rows = attainment_rows(runs[s.file], s.mode, ttft, tpot)
+            best, crossing, fell = goodput(rows)
+            configs.append({"label": s.label, "file": s.file, "mode": s.mode, "steered": s.steered is not None,
+                            "rows": rows, "goodput": best, "crossing_90": crossing, "sweep_fell_under_90": fell})
+        pairs.append({"slo_ttft_ms": ttft, "slo_tpot_ms": tpot, "configs": configs,
+                      "planner": planner_goodput(results / PROFILE, workload, ttft, tpot)})
+    return {"benchmark": "adaptive_report", "environment": first["environment"],
+            "workload": {k: workload[k] for k in ("input_len", "output_len", "seconds_per_rate", "arrivals", "prompts",
+                                                  "engine_flags")},
+            "sources": [s._asdict() for s in SOURCES], "profile": PROFILE, "pairs": pairs}
+
+
+def plot(fig: Any, doc: dict[str, Any]) -> None:
+    axes = fig.subplots(1, len(doc["pairs"]), sharey=True)
+    styles = {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive from 1P1D": ("tab:green", "-"),
+              "planned colocated + step budget": ("tab:red", "--")}
+    for ax, pair in zip(axes, doc["pairs"]):
+        for c in pair["configs"]:
+            colour, line = next(v for k, v in styles.items() if c["label"].startswith(k))
+            marker = "o" if "run 2" not in c["label"] else "s"
+            ax.plot([r["rate"] for r in c["rows"]], [100 * r["attainment"] for r in c["rows"]], line, color=colour,
+                    marker=marker, label=f"{c['label']}: {c['goodput'] or 0:g}{'' if c['sweep_fell_under_90'] else '+'} req/s")
+        for name, p in pair["planner"]["layouts"].items():
+            colour = styles["2 colocated" if "colocated" in name else "1P1D"][0]
+            ax.axvline(p["goodput"], color=colour, linestyle=":", alpha=0.7)
+        ax.axhline(100 * ATTAINMENT, color="grey", linewidth=0.8)
+        ax.set_title(f"TTFT <= {pair['slo_ttft_ms']:g} ms, TPOT <= {pair['slo_tpot_ms']:g} ms\n"
+                     f"dotted: planner per layout (pick: {pair['planner']['pick']})", fontsize=9)
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_ylabel("requests meeting both SLOs (%)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    doc = report(args.results)
+    out = args.results / "adaptive_2xh200.json"
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    env = doc["environment"]
+    title = (f"issue 24 on {len(env['gpus'])}x {env['device_name']}: Llama-3.1-8B shape (dummy bf16), prompts "
+             f"{doc['workload']['input_len']}, outputs {doc['workload']['output_len']}, {env['date'][:10]}")
+    save_plot(out.with_suffix(".png"), lambda fig: plot(fig, doc), title)
+    for pair in doc["pairs"]:
+        predicted = ", ".join(f"{k} {v['goodput']:.2f}" for k, v in pair["planner"]["layouts"].items())
+        print(f"TTFT <= {pair['slo_ttft_ms']:g} ms, TPOT <= {pair['slo_tpot_ms']:g} ms (planner: {predicted})")
+        for c in pair["configs"]:
+            rows = ", ".join(f"{r['rate']:g}: {100 * r['attainment']:.0f}%" for r in c["rows"])
+            cross = f", crosses 90% near {c['crossing_90']:.1f}" if c["crossing_90"] is not None else ""
+            more = "" if c["sweep_fell_under_90"] else " (the sweep ended above 90%)"
+            print(f"  {c['label']:<34} goodput {c['goodput'] or 0:>4g}{cross}{more}  [{rows}]")
+    print(f"wrote {out} and its PNG")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

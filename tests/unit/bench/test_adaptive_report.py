@@ -1,0 +1,36 @@
+"""bench.adaptive_report: attainment re-scored from per-request records under each SLO pair, goodput as the
+highest rate of an unbroken run at >= 90%, the 90% crossing between two rates; and the committed report
+recomputes from the committed runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.adaptive_report import RESULTS, attainment_rows, goodput, report
+
+
+def _rec(ttft: float, tpot: float | None, ok: bool = True) -> dict:
+    return {"ok": ok, "ttft_ms": ttft if ok else None, "tpot_ms": tpot}
+
+
+def test_requests_are_scored_against_both_slos_and_failures_count_as_missed():
+    run = {"requests": {"m": [{"rate": 2.0, "records": [_rec(100, 10), _rec(900, 39), _rec(1100, 10), _rec(100, 41),
+                                                        _rec(0, None, ok=False), _rec(50, None)]}]}}
+    # met: the first two and the one-token answer (no TPOT); missed: late, slow, failed
+    assert attainment_rows(run, "m", 1000, 40) == [{"rate": 2.0, "attainment": 0.5, "num_requests": 6}]
+    assert attainment_rows(run, "m", 1000, 20)[0]["attainment"] == pytest.approx(2 / 6)
+
+
+def test_goodput_is_the_last_rate_of_the_unbroken_run_at_90_percent():
+    rows = [{"rate": r, "attainment": a} for r, a in ((4, 1.0), (8, 0.95), (12, 0.5), (16, 0.95))]
+    best, crossing, fell = goodput(rows)
+    assert best == 8 and fell and crossing == pytest.approx(8 + 4 * (0.05 / 0.45))
+    assert goodput([{"rate": 4, "attainment": 0.8}]) == (None, None, True)
+    assert goodput([{"rate": 4, "attainment": 0.95}]) == (4, None, False)
+
+
+def test_the_committed_report_recomputes_from_the_committed_runs():
+    committed = json.loads((RESULTS / "adaptive_2xh200.json").read_text())
+    assert json.loads(json.dumps(report(RESULTS))) == committed  # NOTE: through JSON: tuples become lists
