@@ -289,7 +289,7 @@ class Dispatcher:
         self._failed_until: dict[str, float] = {}  # worker id -> clock() until which it gets no new attempt
         # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker.
         self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
-        self.policy = policy or CacheAwarePolicy(loads=self.loads.loads)
+        self.policy = policy or CacheAwarePolicy(loads=self.loads.loads, clock=self.loads.clock)
         local = self.config.local_prefill
         step_ms = self.config.slo.step_budget_ms
         self.prefill_rule = prefill_rule or create_prefill_rule(
@@ -341,6 +341,8 @@ class Dispatcher:
         ids = [i for i in handles if self._failed_until.get(i, 0.0) <= now]
         if kind == "prefill":
             ids = self.policy.prefill_order(prompt, ids)
+        elif kind == "colocated":
+            ids = self.policy.colocated_order(prompt, ids)
         else:
             ids = self.policy.decode_order(len(prompt), ids)
         ids.sort(key=lambda i: i in avoid)  # stable: keeps the policy's order within each group
@@ -510,7 +512,10 @@ class Dispatcher:
         usable = await self._wait_for_workers("colocated", lambda: self.workers.decode, progress.failed_workers, prompt)
         worker_id, client = usable[0]
         self._place(attempt, client)
+        self.policy.on_sent(worker_id, prompt)
         await self._call_placed(worker_id, client.submit(attempt.request), "colocated worker")
+        if len(usable) > 1:  # NOTE: the prefix index only orders workers; with one, the prompt goes unhashed
+            self.policy.on_prompt(worker_id, prompt)
 
     def _place(self, attempt: _Attempt, client: DecodeClient) -> None:
         """The attempt now runs on the worker. NOTE: before the call: its first tokens may be polled

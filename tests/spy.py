@@ -1,5 +1,5 @@
 """Spy: a worker as the router sees it (a Ray actor handle, or the worker object in-process) that
-records the request ids of the protocol calls it is given (prefill, reserve, prefill_locally), so a
+records the request ids of the protocol calls it is given (prefill, reserve, prefill_locally, submit), so a
 test can tell which worker a request reached and by which path."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from protocol.messages import LocalPrefillMsg, PrefillTaskMsg, ReserveMsg
+from protocol.messages import GenerateRequestMsg, LocalPrefillMsg, PrefillTaskMsg, ReserveMsg
 from protocol.clients import invoke
 
 
@@ -17,6 +17,7 @@ class Spy:
         "prefill": lambda raw: PrefillTaskMsg.decode(raw).request.request_id,
         "reserve": lambda raw: ReserveMsg.decode(raw).request_id,
         "prefill_locally": lambda raw: LocalPrefillMsg.decode(raw).request.request_id,
+        "submit": lambda raw: GenerateRequestMsg.decode(raw).request_id,
     }
 
     def __init__(self, worker: Any, calls: dict[str, list[str]] | None = None) -> None:

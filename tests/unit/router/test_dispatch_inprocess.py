@@ -236,3 +236,44 @@ def test_layout_mismatch_fails_at_pairing_and_names_the_field(option, values, na
         await _shutdown([prefill, decode])
 
     asyncio.run(main())
+
+
+def test_colocated_workers_are_chosen_by_the_prompt_tokens_sent_them():
+    """Two colocated workers: each request is noted (its uncached tokens) at the worker it goes to
+    before the call, so requests arriving together spread by tokens; the tokens equal offline."""
+    from router.policy import CacheAwarePolicy
+    from tests.spy import Spy
+
+    class Noting(CacheAwarePolicy):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.noted: list[tuple[str, int]] = []
+
+        def on_sent(self, worker_id, prompt):
+            super().on_sent(worker_id, prompt)
+            self.noted.append((worker_id, len(prompt)))
+
+    prompts = _prompts(8, seed=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
+
+    async def main():
+        workers = {f"c{i}": Spy(DecodeWorker(DecodeWorkerConfig(worker_id=f"c{i}", engine=engine_config(**ENGINE)),
+                                              transport_options={})) for i in range(2)}
+        dispatcher = Dispatcher("r0", Workers.of(prefill={}, decode=workers), poll_timeout_s=0.2)
+        policy = Noting(loads=dispatcher.loads.loads, clock=dispatcher.loads.clock)
+        dispatcher.policy = policy
+        try:
+            tokens = await asyncio.wait_for(asyncio.gather(
+                *(_collect(dispatcher, str(i), p, params) for i, p in enumerate(prompts))), 120)
+        finally:
+            await dispatcher.close()
+        assert tokens == offline
+        submitted = {rid: w for w, spy in workers.items() for rid in spy.calls["submit"]}
+        assert len(policy.noted) == len(prompts) and all(submitted)  # every request noted once
+        assert sorted(w for w, _ in policy.noted) == sorted(submitted.values())
+        assert set(submitted.values()) == {"c0", "c1"}
+        assert await _held([s.worker for s in workers.values()]) == [0, 0]
+        await _shutdown([s.worker for s in workers.values()])
+
+    asyncio.run(main())

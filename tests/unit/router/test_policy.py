@@ -51,6 +51,40 @@ def test_decode_by_room_then_running_batch_then_free_blocks():
     assert policy.decode_order(10, ["d0", "d1", "d2"])[0] == "d2"
 
 
+def test_colocated_by_the_prompt_tokens_to_compute_before_this_prompt_not_by_request_counts():
+    now = [10.0]
+    # c0 runs fewer requests but has two 4,000-token prompts queued; c1 runs more with 1,500 queued
+    loads = {"c0": WorkerLoad("c0", num_running=2, num_waiting=2, num_queued_prompt_tokens=8000, fetched_at=9.9,
+                              num_free_blocks=500, num_blocks=1000),
+             "c1": WorkerLoad("c1", num_running=6, num_waiting=3, num_queued_prompt_tokens=1500, fetched_at=9.9,
+                              num_free_blocks=500, num_blocks=1000)}
+    policy = CacheAwarePolicy(loads=loads, clock=lambda: now[0])
+    prompt = list(range(3000))
+    assert policy.colocated_order(prompt, ["c0", "c1"]) == ["c1", "c0"]
+    assert policy.decode_order(len(prompt), ["c0", "c1"]) == ["c0", "c1"]  # by counts: the lease placement's order
+    # sent since the reports were asked for count: c1 holds 1,500 + 3,000, then + 4,000 = 8,500 > c0's 8,000
+    policy.on_sent("c1", prompt)
+    assert policy.sent.queued_tokens(loads["c1"]) == 4500
+    policy.on_sent("c1", list(range(5000, 9000)))
+    assert policy.colocated_order(prompt, ["c0", "c1"]) == ["c0", "c1"]  # 8,000 vs 8,500 queued
+    # a later report includes them: only what it says counts
+    loads["c1"] = WorkerLoad("c1", num_running=8, num_queued_prompt_tokens=2000, fetched_at=10.5,
+                             num_free_blocks=500, num_blocks=1000)
+    assert policy.colocated_order(prompt, ["c0", "c1"]) == ["c1", "c0"]
+
+
+def test_colocated_prefers_the_worker_believed_to_hold_the_prompt_s_prefix():
+    policy = CacheAwarePolicy(block_size=16)
+    history = list(range(100, 2100))  # a conversation's first 2,000 tokens went to c1
+    policy.on_prompt("c1", history)
+    follow_up = history + list(range(5000, 5100))
+    assert policy.colocated_order(follow_up, ["c0", "c1"])[0] == "c1"  # 100 uncached tokens against 2,100
+    policy.on_sent("c1", follow_up)
+    assert policy.sent.queued_tokens(WorkerLoad("c1")) == 2100 - 125 * 16  # only its uncached part is queued
+    full = WorkerLoad("c1", num_free_blocks=1, num_blocks=1000)
+    assert CacheAwarePolicy(loads={"c1": full}).colocated_order(follow_up, ["c1", "c0"])[0] == "c0"  # no room
+
+
 def test_ties_rotate():
     policy = CacheAwarePolicy()
     firsts = {policy.decode_order(1, ["a", "b", "c"])[0] for _ in range(3)}
