@@ -4,8 +4,10 @@ to the pools' sizes, within per-pool bounds and a GPU budget, without flapping.
 Per pool, a pressure in [0, inf) where 1 means "at the SLO":
   prefill  the longest predicted prefill queue wait (queued prompt tokens / measured prefill rate)
            over the TTFT SLO's share for queueing (`ttft_queue_share`);
-  decode   the larger of the KV use (held / all blocks) over `max_kv_use`, and the measured decode
-           step time over the TPOT SLO.
+  decode   the largest of the KV use (held / all blocks) over `max_kv_use`, the measured decode
+           step time over the TPOT SLO, and the requests running and waiting over the running
+           batch's cap (max_num_seqs): a decode worker whose batch is full and requests wait is
+           pressed though its steps are quick and its KV has room.
 A pool above `scale_up_at` for `sustain_s` grows by one worker (when the budget allows; otherwise, in
 disaggregated mode, a worker of the other pool changes role to it if that pool is below
 `scale_down_at`: drained, it flips in place, keeping its engine: cluster/flex_worker.py); a pool below `scale_down_at` for `sustain_s` shrinks by
@@ -72,7 +74,9 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig) -> dict
     if decode:
         kv = max((s.num_blocks - s.num_free_blocks) / s.num_blocks for s in decode) / config.max_kv_use
         step = max(s.decode_step_s for s in decode) / (config.tpot_ms / 1e3)
-        out["decode"] = max(kv, step)
+        # NOTE: past 1 only with requests waiting for a full batch (max_num_seqs): they wait in TPOT and TTFT
+        batch = max(((s.num_running + s.num_waiting) / s.max_num_seqs for s in decode if s.max_num_seqs), default=0.0)
+        out["decode"] = max(kv, step, batch)
     return out
 
 

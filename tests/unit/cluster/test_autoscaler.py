@@ -23,9 +23,11 @@ def prefill(queued: int, rate: float = 10_000.0) -> WorkerStatsMsg:
                           prefill_tokens_per_s=rate)
 
 
-def decode(step_s: float = 0.004, free: int = 90) -> WorkerStatsMsg:
-    return WorkerStatsMsg(worker_id="d", role="decode", pid=2, is_healthy=True, num_waiting=0, num_running=4,
-                          num_blocks=100, num_free_blocks=free, decode_step_s=step_s)
+def decode(step_s: float = 0.004, free: int = 90, running: int = 4, waiting: int = 0,
+           max_num_seqs: int = 0) -> WorkerStatsMsg:
+    return WorkerStatsMsg(worker_id="d", role="decode", pid=2, is_healthy=True, num_waiting=waiting,
+                          num_running=running, num_blocks=100, num_free_blocks=free, decode_step_s=step_s,
+                          max_num_seqs=max_num_seqs)
 
 
 def run(scaler: Autoscaler, sizes: dict[str, int], stats_at, until_s: float) -> list[tuple[float, str, int]]:
@@ -44,6 +46,18 @@ def test_pressures_are_one_at_the_slo():
     levels = pressures([prefill(5_000), decode(step_s=0.040, free=55)], CONFIG)
     assert levels["prefill"] == pytest.approx(1.0) and levels["decode"] == pytest.approx(1.0)
     assert pressures([prefill(5_000, rate=0.0)], CONFIG)["prefill"] is None  # not measured yet
+
+
+def test_a_full_batch_with_requests_waiting_presses_the_decode_pool():
+    # quick steps and KV to spare, but 64 of 64 sequences run and 16 more wait
+    full = decode(step_s=0.010, free=80, running=64, waiting=16, max_num_seqs=64)
+    assert pressures([prefill(0), full], CONFIG)["decode"] == pytest.approx(80 / 64)
+    assert pressures([decode(step_s=0.010, free=80, running=64, max_num_seqs=64)], CONFIG)["decode"] == 1.0
+    # at the GPU budget one of the idle prefill pool's workers becomes a decode worker
+    swamped = decode(step_s=0.010, free=80, running=64, waiting=40, max_num_seqs=64)
+    scaler = Autoscaler(CONFIG.model_copy(update={"max_gpus": 3}), {"prefill": 1, "decode": 1})
+    changes = run(scaler, {"prefill": 2, "decode": 1}, lambda t: [prefill(0), swamped], until_s=12)
+    assert changes == [(10.0, "prefill", 1)] and scaler.decisions[0].flip_to == "decode"
 
 
 def test_a_rate_step_grows_the_pressed_pool_once_per_cooldown():

@@ -141,6 +141,7 @@ def test_an_engine_reports_its_speed_and_queue(make_llm):
     assert stats.decode_step_s > 0 and stats.prefill_tokens_per_s > 0
     arch = engine.arch
     assert stats.kv_bytes_per_token == 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4  # float32
+    assert stats.load()["max_num_seqs"] == engine.config.scheduler.max_num_seqs > 0  # the autoscaler's batch cap
 
 
 def test_a_dispatcher_with_the_slo_rule_feeds_it_the_workers_loads():
