@@ -31,6 +31,16 @@ from loadgen.report import RateRun
 SLO_MS = SLO(ttft_ms=1000.0, tpot_ms=40.0)
 
 
+
+def _plan(slo_ttft_ms: float, slo_tpot_ms: float):
+    """A Plan whose server flags and SLOs a test reads (nothing is run)."""
+    from bench.goodput import Plan
+
+    return Plan(engine_flags=("--model", "m"), transport="nccl", model_name="m", vocab_size=10, is_cuda=True,
+                rates=(1.0,), seconds_per_rate=1.0, drain_s=1.0, input_len=(1, 2), output_len=(1, 2),
+                slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, min_attainment=0.5, num_warmup=1, seed=0,
+                start_timeout_s=1.0, warmup_timeout_s=1.0, stop_timeout_s=1.0)
+
 def record(i: int, ttft: float, tpot: float, num_tokens: int = 11, send: float = 0.0) -> RequestRecord:
     """A completed request sent at SEND whose first token came TTFT s later, then one every TPOT s."""
     chunks = tuple(send + ttft + k * tpot for k in range(num_tokens))
@@ -207,12 +217,7 @@ def test_error_lines_pick_the_last_lines_of_tracebacks():
 
 
 def test_only_the_disaggregated_mode_gets_the_transport():
-    from bench.goodput import Plan
-
-    plan = Plan(engine_flags=("--model", "m"), transport="nccl", model_name="m", vocab_size=10, is_cuda=True,
-                rates=(1.0,), seconds_per_rate=1.0, drain_s=1.0, input_len=(1, 2), output_len=(1, 2),
-                slo_ttft_ms=1.0, slo_tpot_ms=1.0, min_attainment=0.5, num_warmup=1, seed=0, start_timeout_s=1.0,
-                warmup_timeout_s=1.0, stop_timeout_s=1.0)
+    plan = _plan(slo_ttft_ms=1.0, slo_tpot_ms=1.0)
     disagg = plan.server_argv(MODES["disagg"], 1, 2, 60.0)
     colocated = plan.server_argv(MODES["colocated"], 1, 2, 60.0)
     assert disagg[disagg.index("--transport") + 1] == "nccl" and "--prefill" in disagg
@@ -222,14 +227,10 @@ def test_only_the_disaggregated_mode_gets_the_transport():
 
 
 def test_the_adaptive_mode_steers_to_the_slos_it_is_scored_against():
-    from bench.goodput import Plan, mode_spec
-
+    from bench.goodput import mode_spec
     from deploy.cli import app_config, build_parser
 
-    plan = Plan(engine_flags=("--model", "m"), transport="nccl", model_name="m", vocab_size=10, is_cuda=True,
-                rates=(1.0,), seconds_per_rate=1.0, drain_s=1.0, input_len=(1, 2), output_len=(1, 2),
-                slo_ttft_ms=300.0, slo_tpot_ms=20.0, min_attainment=0.5, num_warmup=1, seed=0, start_timeout_s=1.0,
-                warmup_timeout_s=1.0, stop_timeout_s=1.0)
+    plan = _plan(slo_ttft_ms=300.0, slo_tpot_ms=20.0)
     argv = plan.server_argv(MODES["adaptive"], 1, 2, 60.0)
     config = app_config(build_parser().parse_args(argv[argv.index("serve"):]))
     assert (config.dispatch.slo.ttft_ms, config.dispatch.slo.tpot_ms, config.dispatch.local_prefill.rule) == (300, 20, "slo")
@@ -334,7 +335,7 @@ def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.Monke
 
 
 def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path):
-    from bench.goodput import Plan, build_parser, mode_spec, plan_adaptive_modes
+    from bench.goodput import build_parser, mode_spec, plan_adaptive_modes
 
     from tests.unit.cluster.planner.test_plan import flat
 
@@ -357,10 +358,7 @@ def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path
     from deploy.cli import app_config
     from deploy.cli import build_parser as serve_parser
 
-    plan = Plan(engine_flags=("--model", "m"), transport="nccl", model_name="m", vocab_size=10, is_cuda=True,
-                rates=(1.0,), seconds_per_rate=1.0, drain_s=1.0, input_len=(1, 2), output_len=(1, 2),
-                slo_ttft_ms=300.0, slo_tpot_ms=20.0, min_attainment=0.5, num_warmup=1, seed=0, start_timeout_s=1.0,
-                warmup_timeout_s=1.0, stop_timeout_s=1.0)
+    plan = _plan(slo_ttft_ms=300.0, slo_tpot_ms=20.0)
     argv = plan.server_argv(colocated, 1, 2, 60.0)
     config = app_config(serve_parser().parse_args(argv[argv.index("serve"):]))
     # the router has the SLOs; colocated engines keep no step budget (it lost its measurement there)
