@@ -31,7 +31,6 @@ from loadgen.report import RateRun
 SLO_MS = SLO(ttft_ms=1000.0, tpot_ms=40.0)
 
 
-
 def _plan(slo_ttft_ms: float, slo_tpot_ms: float):
     """A Plan whose server flags and SLOs a test reads (nothing is run)."""
     from bench.goodput import Plan
