@@ -132,10 +132,11 @@ def colocated_mode(name: str, num_replicas: int) -> ModeSpec:
 def adaptive_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
     """Starts as PpDd and steers to the SLOs: the 'slo' prefill rule (each prompt prefilled where its first
     token comes sooner, on a decode worker within the step budget or through the prefill workers), the
-    engines' ITL budget, and the autoscaler moving workers between the pools within the same GPUs."""
+    engines' ITL budget, and the autoscaler moving workers between the pools within the same GPUs, down
+    to no prefill worker (the decode workers then serve as colocated ones)."""
     num = num_prefill + num_decode
     return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode), "--local-prefill-rule", "slo",
-                           "--autoscale-max-gpus", str(num)),
+                           "--autoscale-max-gpus", str(num), "--autoscale-min-prefill", "0"),
                     f"adaptive from {num_prefill}P{num_decode}D", True, num, steers_to_slos=True)
 
 

@@ -11,7 +11,8 @@ Per pool, a pressure in [0, inf) where 1 means "at the SLO":
 A pool above `scale_up_at` for `sustain_s` grows by one worker (when the budget allows; otherwise, in
 disaggregated mode, a worker of the other pool changes role to it if that pool is below
 `scale_down_at`: drained, it flips in place, keeping its engine: cluster/flex_worker.py); a pool below `scale_down_at` for `sustain_s` shrinks by
-one (never under its minimum). After any change, nothing changes for `cooldown_s`: the hysteresis
+one (never under its minimum), its worker moving to the other pool instead of leaving when that pool
+is above `scale_up_at` then. After any change, nothing changes for `cooldown_s`: the hysteresis
 between the two thresholds and the cooldown are what keep it from flapping. Every decision, and
 why, is kept (`decisions`) for `pdserve status`.
 """
@@ -35,7 +36,8 @@ class AutoscalerConfig(BaseModel):
     ttft_ms: float = Field(gt=0, description="The TTFT SLO the prefill pool is sized for.")
     tpot_ms: float = Field(gt=0, description="The TPOT SLO the decode pool is sized for.")
     max_gpus: int = Field(ge=1, description="Most GPUs all pools may take together.")
-    min_prefill: int = Field(1, ge=0)
+    min_prefill: int = Field(1, ge=0, description="0: the prefill pool may give all its workers to decoding; the "
+                             "decode workers then compute every prompt, as colocated workers do.")
     max_prefill: int = Field(64, ge=0)
     min_decode: int = Field(1, ge=1)
     max_decode: int = Field(64, ge=1)
@@ -63,10 +65,14 @@ class Decision:
     flip_to: str | None = None  # a worker of `pool` changes role to this pool (which grows by one)
 
 
-def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig) -> dict[str, float | None]:
-    """Per pool, its pressure (None: no worker of it reported a measured speed yet)."""
-    prefill = [s for s in stats if s.role == "prefill" and s.prefill_tokens_per_s > 0]
+def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig,
+              no_prefill_pool: bool = False) -> dict[str, float | None]:
+    """Per pool, its pressure (None: no worker of it reported a measured speed yet). With no prefill
+    worker (`no_prefill_pool`) the decode workers compute every prompt: their prompt queues are the
+    prefill pool's pressure then, so that it can grow back from none."""
     decode = [s for s in stats if s.role == "decode" and s.num_blocks > 0]
+    computing = decode if no_prefill_pool else [s for s in stats if s.role == "prefill"]
+    prefill = [s for s in computing if s.prefill_tokens_per_s > 0]
     out: dict[str, float | None] = {"prefill": None, "decode": None}
     if prefill:
         wait_s = max(s.num_queued_prompt_tokens / s.prefill_tokens_per_s for s in prefill)
@@ -95,7 +101,7 @@ class Autoscaler:
     def decide(self, now_s: float, sizes: Mapping[str, int], stats: Sequence[WorkerStatsMsg]) -> Decision | None:
         """The one change to make now, if any. sizes: each pool's serving workers now."""
         c = self.config
-        levels = pressures(stats, c)
+        levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0)
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
             if pool not in sizes:
@@ -127,9 +133,17 @@ class Autoscaler:
         c = self.config
         low, high = (c.min_prefill, c.max_prefill) if pool == "prefill" else (c.min_decode, c.max_decode)
         level = levels[pool]
+        other = "decode" if pool == "prefill" else "prefill"
+        other_level = levels.get(other)
         if direction == "down":
             if sizes[pool] - 1 < low or pool not in self.shrinkable:
                 return None
+            other_high = c.max_decode if other == "decode" else c.max_prefill
+            if other in sizes and other_level is not None and other_level > c.scale_up_at and sizes[other] < other_high:
+                # NOTE: the other pool is pressed: the idle worker moves to it rather than leaving
+                return Decision(now_s, pool, sizes[pool] - 1, f"{pool} pressure {level:.2f} < {c.scale_down_at} for "
+                                f"{c.sustain_s:.0f} s; {other} pressure {other_level:.2f}: a {pool} worker becomes a "
+                                f"{other} worker", flip_to=other)
             return Decision(now_s, pool, sizes[pool] - 1, f"{pool} pressure {level:.2f} < {c.scale_down_at} for "
                             f"{c.sustain_s:.0f} s")
         if sizes[pool] + 1 > high:
@@ -138,8 +152,6 @@ class Autoscaler:
         if used + self.gpus_per_worker.get(pool, 1) <= c.max_gpus:
             return Decision(now_s, pool, sizes[pool] + 1, f"{pool} pressure {level:.2f} > {c.scale_up_at} for "
                             f"{c.sustain_s:.0f} s")
-        other = "decode" if pool == "prefill" else "prefill"
-        other_level = levels.get(other)
         other_low = c.min_decode if other == "decode" else c.min_prefill
         if (other in sizes and other in self.shrinkable and other_level is not None and other_level < c.scale_down_at
                 and sizes[other] > other_low):

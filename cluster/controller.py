@@ -89,6 +89,25 @@ class ClusterController:
                 log.warning("autoscaler round failed: %s", err)
 
     async def _apply(self, decision: Decision) -> None:
+        try:
+            await self._change(decision)
+        finally:
+            await self._tell_decode_workers()
+
+    async def _tell_decode_workers(self) -> None:
+        """Whether the decode workers compute every prompt now (the prefill pool has none left):
+        DecodeWorker.computes_every_prompt."""
+        prefill, decode = self.deployment.prefill, self.deployment.decode
+        if prefill is None or decode is None:
+            return
+        every = prefill.num_workers == 0
+        for worker_id, handle in list(decode.handles.items()):
+            try:
+                await asyncio.wait_for(handle.computes_every_prompt.remote(every), 5.0)
+            except Exception as err:  # noqa: BLE001 - a dead worker is replaced (and told) by the supervisor
+                log.warning("telling %s whether it computes every prompt failed: %s", worker_id, err)
+
+    async def _change(self, decision: Decision) -> None:
         if decision.flip_to is None:
             await self.resize(decision.pool, decision.num_workers)
             return
@@ -111,6 +130,8 @@ class ClusterController:
     async def _publish_when_ready(self, pool: WorkerPool, worker_id: str, max_starts: int = 3) -> None:
         for start in range(max_starts):
             if await pool.await_replacement(worker_id):
+                if pool is self.deployment.decode:
+                    await self._tell_decode_workers()  # NOTE: before routers see it: it starts with the budget
                 self.version += 1
                 log.warning("replacement %s is serving", worker_id)
                 return

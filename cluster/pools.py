@@ -186,8 +186,9 @@ class WorkerPool:
         A worker still busy after `drain_timeout_s` is retired anyway (its requests then end with
         the router's "left the cluster" error) and a warning is logged.
         """
-        if num_workers < 1:
-            raise ValueError(f"num_workers is {num_workers}; a pool needs at least 1 worker")
+        least = 0 if self.kind == "prefill" else 1  # NOTE: with no prefill worker, decode workers compute every prompt
+        if num_workers < least:
+            raise ValueError(f"num_workers is {num_workers}; a {self.kind} pool needs at least {least} worker(s)")
         async with self._resizing:
             serving = self.serving_ids()
             if num_workers > len(serving):
@@ -276,7 +277,9 @@ class WorkerPool:
         """Moves a serving worker to pool `to` in place (cluster/flex_worker.py): it is drained as
         `resize` drains a worker it retires (no new work, idle twice in a row, nothing held), then
         changes role under `config` keeping its engine, and joins `to`; `publish` runs after each
-        change of the routers' view. Both pools' workers must have the same GPUs (ranks)."""
+        change of the routers' view. Both pools' workers must have the same GPUs (ranks). The prefill
+        pool may give its last worker (the decode workers then compute every prompt); the decode pool
+        may not."""
         if to.ranks != self.ranks or to.num_gpus != self.num_gpus:
             raise ValueError(f"a {self.kind} worker of {self.ranks} rank(s) x {self.num_gpus} GPU cannot become a "
                              f"{to.kind} worker of {to.ranks} x {to.num_gpus}: the pools' worker sizes differ")
@@ -284,7 +287,7 @@ class WorkerPool:
             serving = self.serving_ids()
             if worker_id not in serving:
                 raise ValueError(f"{worker_id} is not a serving worker of the {self.kind} pool")
-            if len(serving) <= 1:
+            if len(serving) <= 1 and self.kind != "prefill":
                 raise ValueError(f"{worker_id} is the {self.kind} pool's last serving worker")
             handle = (await self._drain_out([worker_id], publish, drain_timeout_s, poll_interval_s, settle_s))[worker_id]
             try:

@@ -109,8 +109,10 @@ class DecodeWorker(TransferEndpoint):
         """start_ranks: how the other ranks of a tensor-parallel worker start (Ray actors in a cluster).
         engine: one already built (a worker changing role keeps its weights, cache and ranks)."""
         self.config = config
+        self.computes_every = False  # computes_every_prompt: no prefill pool, whole requests come here
         self.worker_id = config.worker_id
         engine = engine if engine is not None else EngineCore(config.engine, start_ranks=start_ranks)
+        engine.itl_budget_ms = config.engine.scheduler.itl_budget_ms  # NOTE: a kept engine may have had it off
         self.block_size = engine.pool.block_size
         self.layout = model_layout(engine.runner.kv_caches, engine.arch.num_kv_heads)
         draft = engine.draft_kv  # a draft model's cache: a prefill worker may send a prompt's KV for it
@@ -478,6 +480,19 @@ class DecodeWorker(TransferEndpoint):
         tokens are still polled. Idempotent."""
         self.is_draining = True
 
+    async def computes_every_prompt(self, every: bool) -> None:
+        """True while the deployment has no prefill worker (its pool shrank to none): the routers send this
+        worker whole requests, as to a colocated one, and its steps drop the inter-token latency budget
+        (which keeps a disaggregated decode worker's own prefills from slowing the batch it decodes, but
+        starved colocated workers' prompts: deploy/cli.py says what it cost); False restores it."""
+        budget_ms = None if every else self.config.engine.scheduler.itl_budget_ms
+
+        def apply(engine: EngineCore) -> None:
+            engine.itl_budget_ms = budget_ms
+
+        await self._call(apply)
+        self.computes_every = every
+
     async def stats(self) -> WorkerStatsMsg:
         s = await self._call(lambda e: e.stats())
         return WorkerStatsMsg(
@@ -488,6 +503,7 @@ class DecodeWorker(TransferEndpoint):
             is_draining=self.is_draining, num_preemptions=s.num_preemptions,
             num_spec_draft_tokens=s.num_spec_draft_tokens, num_spec_accepted_tokens=s.num_spec_accepted_tokens,
             num_draft_kv_adopted=self.num_draft_kv_adopted, num_requests=self.num_requests,
+            computes_every_prompt=self.computes_every,
         )
 
     async def shutdown(self, keep_engine: bool = False) -> None:

@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--autoscale-max-gpus", type=int, default=None,
                        help="size the pools against --slo-ttft-ms and --slo-tpot-ms while serving, within this many "
                        "GPUs (cluster/autoscaler.py); default: fixed pool sizes")
+    serve.add_argument("--autoscale-min-prefill", type=int, default=_default(AutoscalerConfig, "min_prefill"),
+                       help=_help(AutoscalerConfig, "min_prefill"))
     serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
     serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
 
@@ -139,7 +141,8 @@ def _autoscaler(args: argparse.Namespace) -> AutoscalerConfig | None:
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise SystemExit("pdserve serve: --autoscale-max-gpus sizes the pools against the SLOs: give --slo-ttft-ms "
                          "and --slo-tpot-ms too")
-    return AutoscalerConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, max_gpus=args.autoscale_max_gpus)
+    return AutoscalerConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, max_gpus=args.autoscale_max_gpus,
+                            min_prefill=args.autoscale_min_prefill)
 
 
 def app_config(args: argparse.Namespace) -> ServeAppConfig:
@@ -303,8 +306,11 @@ def status_command(args: argparse.Namespace) -> int:
             print(f"{'?':<16}  unreachable: {row}")
             continue
         kv = f"{row.num_blocks - row.num_free_blocks}/{row.num_blocks}"
-        print(f"{row.worker_id:<16}{row.role:>8}{row.num_running:>8}{row.num_waiting:>8}{kv:>12}{row.num_leases:>8}"
+        role = "decode*" if row.computes_every_prompt else row.role
+        print(f"{row.worker_id:<16}{role:>8}{row.num_running:>8}{row.num_waiting:>8}{kv:>12}{row.num_leases:>8}"
               f"{row.num_pushing:>8}{row.num_channels:>10}  {'ok' if row.is_healthy else 'FAILED'}")
+    if any(not isinstance(row, str) and row.computes_every_prompt for row in rows):
+        print("decode*: no prefill worker is left; it computes every prompt it is sent, as a colocated worker")
     for row in rows:
         if not isinstance(row, str) and row.weights:
             print(f"engine of {row.worker_id}: weights {row.weights}, KV cache {row.kv_cache_dtype}")

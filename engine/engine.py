@@ -211,6 +211,9 @@ class EngineCore:
         self.async_scheduling = self.device.type == "cuda" if asked is None else asked
         self._inflight: _Inflight | None = None
         self.rates = StepRates()
+        # SchedulerConfig.itl_budget_ms, or None while this worker computes every prompt it serves (a decode
+        # worker with no prefill pool left: DecodeWorker.computes_every_prompt)
+        self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
         self._step_counts = (0, 0)
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
 
@@ -378,8 +381,8 @@ class EngineCore:
 
     def _prompt_budget(self) -> int | None:
         """The prompt tokens a step may add beside decoding requests within the ITL budget
-        (SchedulerConfig.itl_budget_ms), from the measured rates; None: no cap (or none measured)."""
-        budget_ms = self.config.scheduler.itl_budget_ms
+        (`itl_budget_ms`), from the measured rates; None: no cap (or none measured)."""
+        budget_ms = self.itl_budget_ms
         rates = self.rates
         if budget_ms is None or rates.decode_step_s <= 0 or rates.prefill_tokens_per_s <= 0:
             return None

@@ -58,6 +58,7 @@ class WorkerStatsMsg(Msg):
     num_spec_accepted_tokens: int = 0
     num_draft_kv_adopted: int = 0  # prompts whose draft KV came from a prefill worker
     num_requests: int = 0  # requests that joined its batch since start (submitted, prefilled here, or pushed)
+    computes_every_prompt: bool = False  # no prefill worker is left: it is sent whole requests (DecodeWorker)
     # prefill workers
     num_jobs: int = 0  # requests not ended here
     num_pushing: int = 0  # of them, pushing their KV

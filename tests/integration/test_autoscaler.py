@@ -77,3 +77,69 @@ def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: Non
     assert moves == [("prefill", 2), ("prefill", 1)], decisions  # grew for the burst, shrank after: once each way
     assert 2 in sizes and sizes[-1] == 1
     assert set(held.values()) == {0}, held
+
+
+def test_a_decode_heavy_load_turns_the_prefill_worker_into_a_decode_worker(ray_cluster: None) -> None:
+    """1P1D with a running batch of 1: a steady stream of long answers (20 a second, until the flip)
+    fills the decode worker's batch while the prefill worker idles; with min_prefill 0 the prefill worker
+    drains and becomes a decode worker (0P2D); both decode workers are then sent whole requests (as
+    colocated workers) without the step budget; every request gives the offline tokens, no block held."""
+    engine = dict(device="cpu", block_size=8, num_blocks=4096, max_num_seqs=1)  # NOTE: anything waiting presses
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rng = random.Random(3)
+    stream = [[rng.randrange(4, 2048) for _ in range(20)] for _ in range(160)]  # at most 8 s of arrivals
+    later = [[rng.randrange(4, 2048) for _ in range(20)] for _ in range(12)]
+    # NOTE: sustain 3 s: an idle prefill pool before the load arrives would otherwise just shrink
+    scaling = AutoscalerConfig(ttft_ms=5000, tpot_ms=5000, max_gpus=2, min_prefill=0, sustain_s=3.0, cooldown_s=3.0)
+    config = ClusterConfig(engine=engine_config(**engine, itl_budget_ms=4000.0), mode="disaggregated", num_prefill=1,
+                           num_decode=1, transport="gloo", autoscaler=scaling)
+
+    async def run():
+        controller = ClusterController(config, autoscale_interval_s=0.25)
+        await controller.start()
+        dispatcher = Dispatcher("router-flip", controller.deployment.workers(), poll_timeout_s=0.5,
+                                config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
+
+        async def follow() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                dispatcher.set_workers(controller.deployment.workers())
+
+        follower = asyncio.get_running_loop().create_task(follow())
+
+        async def one(rid: str, prompt: list[int]) -> list[int]:
+            return [t async for out in dispatcher.generate(rid, prompt, params) for t in out.new_token_ids]
+
+        sent: list[list[int]] = []
+        try:
+            first = []
+            for prompt in stream:  # until the prefill pool has given its worker away
+                if controller.deployment.prefill.num_workers == 0:  # type: ignore[union-attr]
+                    break
+                first.append(asyncio.ensure_future(one(f"s{len(sent)}", prompt)))
+                sent.append(prompt)
+                await asyncio.sleep(0.05)
+            for _ in range(160):  # the flip under way (drained, changed, joined the decode pool): at most 40 s more
+                if controller.deployment.decode.num_workers == 2:
+                    break
+                await asyncio.sleep(0.25)
+            await asyncio.sleep(2.5)  # every router has the new set (the controller publishes, then waits 2 s)
+            second = [asyncio.ensure_future(one(f"l{i}", p)) for i, p in enumerate(later)]
+            tokens = await asyncio.wait_for(asyncio.gather(*first, *second), 300)
+            stats = [s for s in await controller.stats() if not isinstance(s, str)]
+            decisions = await controller.decisions()
+            held = await controller.held_blocks()
+        finally:
+            follower.cancel()
+            await dispatcher.close()
+            await controller.shutdown()
+        return sent + later, tokens, stats, decisions, held
+
+    prompts, tokens, stats, decisions, held = asyncio.run(run())
+    assert tokens == [o.outputs[0].token_ids for o in LLM(**engine).generate(prompts, params)]  # nothing lost
+    assert [(pool, n) for _, pool, n, _ in decisions] == [("prefill", 0)], decisions
+    assert "becomes a decode worker" in decisions[0][3]
+    assert [s.role for s in stats] == ["decode", "decode"] and all(s.computes_every_prompt for s in stats)
+    flipped = next(s for s in stats if s.worker_id.startswith("prefill"))
+    assert flipped.num_requests > 0  # it decodes requests of its own now
+    assert set(held.values()) == {0}, held

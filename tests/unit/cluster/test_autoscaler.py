@@ -125,3 +125,38 @@ def test_a_colocated_pool_only_grows():
     assert run(scaler, {"decode": 3}, idle, until_s=100) == []
     busy = lambda t: [decode(step_s=0.080)]  # noqa: E731
     assert run(scaler, {"decode": 1}, busy, until_s=20) == [(10.0, "decode", 2)]
+
+
+def test_the_prefill_pool_may_give_its_last_worker_and_grow_back_from_none():
+    scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
+    scaler = Autoscaler(scaling, {"prefill": 1, "decode": 1})
+    swamped = decode(step_s=0.010, free=80, running=64, waiting=40, max_num_seqs=64)
+    sizes = {"prefill": 1, "decode": 1}
+    # decode-heavy: the idle prefill worker becomes a decode worker (1P1D -> 0P2D)
+    assert run(scaler, sizes, lambda t: [prefill(0), swamped], until_s=12) == [(10.0, "prefill", 0)]
+    assert sizes == {"prefill": 0, "decode": 2} and scaler.decisions[-1].flip_to == "decode"
+    # with no prefill worker the decode workers' prompt queues are the prefill pool's pressure
+    prompts = WorkerStatsMsg(worker_id="d", role="decode", pid=2, is_healthy=True, num_waiting=6, num_running=2,
+                             num_blocks=100, num_free_blocks=90, decode_step_s=0.004, prefill_tokens_per_s=10_000.0,
+                             num_queued_prompt_tokens=20_000, max_num_seqs=64)
+    assert pressures([prompts], scaling)["prefill"] is None  # a prefill pool exists: only its workers count
+    assert pressures([prompts], scaling, no_prefill_pool=True)["prefill"] == pytest.approx(4.0)
+    # a prompt-heavy step: a decode worker becomes a prefill worker again, after the cooldown
+    changes = run(scaler, sizes, lambda t: [prompts, prompts], until_s=60)
+    assert changes == [(40.0, "decode", 1)] and scaler.decisions[-1].flip_to == "prefill"
+    assert sizes == {"prefill": 1, "decode": 1}
+
+
+def test_an_idle_pool_gives_its_worker_to_a_pressed_pool_rather_than_letting_it_go():
+    # the prefill pool idles from the start; the decode pool is pressed only later: the shrink the idle
+    # pool earned first becomes a move, though the budget (4 GPUs) would let decode grow anew
+    scaler = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    swamped = decode(step_s=0.010, free=80, running=64, waiting=40, max_num_seqs=64)
+    stats_at = lambda t: [prefill(0), swamped if t >= 8 else decode()]  # noqa: E731
+    sizes = {"prefill": 2, "decode": 1}
+    assert run(scaler, sizes, stats_at, until_s=12) == [(10.0, "prefill", 1)]
+    assert scaler.decisions[-1].flip_to == "decode" and sizes == {"prefill": 1, "decode": 2}
+    # not pressed: the idle worker just leaves
+    calm = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    assert run(calm, {"prefill": 2, "decode": 1}, lambda t: [prefill(0), decode()], until_s=12) == [(10.0, "prefill", 1)]
+    assert calm.decisions[-1].flip_to is None
