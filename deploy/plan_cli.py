@@ -13,6 +13,7 @@ from typing import Any
 PREFILL_TOKENS = (128, 512, 1024, 2048, 4096, 8192)
 DECODE_BATCHES = (1, 8, 32, 128, 256)
 DECODE_CONTEXTS = (256, 1024, 4096)
+REPEATS = 3  # timed steps per figure (their median)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,20 +64,20 @@ def _profile(path: Path, engine_options: dict[str, Any]) -> Any:
 
     if path.is_file():
         return StepProfile.model_validate_json(path.read_text())
-    from cluster.planner.measure import measure
+    from cluster.planner.measure import decode_fits, measure
     from engine.engine import EngineCore
     from engine.llm import engine_config
 
     options = dict(engine_options)
     engine = EngineCore(engine_config(options.pop("model"), **options, async_scheduling=False))  # measure's need
     longest = min(engine.config.scheduler.max_num_batched_tokens, engine.max_seq_tokens - 1)
-    batches = [b for b in DECODE_BATCHES if b <= engine.config.scheduler.max_num_seqs]
-    contexts = [c for c in DECODE_CONTEXTS
-                if max(batches) * (c + 32) <= engine.capacity_tokens and c + 32 <= engine.max_seq_tokens] or [64]
+    most = engine.config.scheduler.max_num_seqs  # NOTE: the batch a busy worker runs: measured, not extrapolated
+    batches = sorted({b for b in DECODE_BATCHES if b < most} | {most})
+    contexts = [c for c in DECODE_CONTEXTS if decode_fits(engine, max(batches), c, REPEATS)] or [64]
     print(f"measuring a step profile on {engine.device} (written to {path}) ...", flush=True)
     # NOTE: the grid ends at the longest step the engine makes (a chunk of that size is every long prompt's)
     lengths = sorted({n for n in PREFILL_TOKENS if n < longest} | {longest})
-    profile = measure(engine, lengths, batches, contexts)
+    profile = measure(engine, lengths, batches, contexts, repeats=REPEATS)
     profile = profile.model_copy(update={"tensor_parallel_size": engine.config.parallel.tensor_parallel_size})
     engine.close()
     path.write_text(profile.model_dump_json(indent=2) + "\n")

@@ -2,10 +2,14 @@
 decode step's by batch and context. Random prompt tokens; each figure the median of `repeats`
 timed steps after a warm-up; the engine steps synchronously (a step reads its own sampled tokens, so
 its wall time is the whole step's). A profile measured with asynchronous steps (the CUDA default) timed
-the launches: on 2x H200 it predicted 89.5 req/s of 1P1D goodput where 12 was measured."""
+the launches: on 2x H200 it predicted 89.5 req/s of 1P1D goodput where 12 was measured. A decode
+figure times the whole batch: its requests get tokens enough to outlast the chunked prefill of the
+others (the 2x H200 profile's batch-32 steps at 4,096 tokens of context, measured before this, timed
+fewer sequences: 6.0 ms where the bytes read need more than 6.7 ms at the H200's peak bandwidth)."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -41,10 +45,26 @@ def prefill_ms(engine: EngineCore, length: int, repeats: int, rng: random.Random
     return statistics.median(times)
 
 
+def decode_tokens(engine: EngineCore, batch: int, context: int, repeats: int) -> int:
+    """The tokens each request of a decode figure asks for: the first prompts decode while the last are
+    still prefilled in chunks (a step's budget also carries the decode rows), and must outlast those
+    steps and the timed ones, or the timing would see a smaller batch."""
+    budget = engine.config.scheduler.max_num_batched_tokens
+    return math.ceil(batch * context / max(1, budget - batch)) + repeats + 8
+
+
+def decode_fits(engine: EngineCore, batch: int, context: int, repeats: int) -> bool:
+    """Whether the engine holds a decode figure of `batch` sequences of `context` tokens and their decoding."""
+    tokens = context + decode_tokens(engine, batch, context, repeats)
+    return tokens <= engine.max_seq_tokens and batch * tokens <= engine.capacity_tokens and (
+        batch <= engine.config.scheduler.max_num_seqs)
+
+
 def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: random.Random) -> float:
     """A decode step of `batch` sequences of about `context` tokens each."""
     vocab = engine.arch.vocab_size
-    params = SamplingParams(max_tokens=repeats + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_tokens(engine, batch, context, repeats), temperature=0.0,
+                            ignore_eos=True)
     for b in range(batch):
         engine.add_request(f"profile-decode-{batch}-{context}-{b}", _prompt(rng, context, vocab), params)
     steps = 0
@@ -54,6 +74,9 @@ def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: r
         if steps > 10_000:
             raise RuntimeError("the profile's prompts did not finish prefilling")
     engine.step()  # warm-up
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"the decode profile would time {len(engine.scheduler.running)} running sequences, "
+                           f"not {batch}: the cache or max_num_seqs holds fewer")
     times = [_timed_step(engine) for _ in range(repeats)]
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
@@ -76,12 +99,13 @@ def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: S
     if too_long:
         raise ValueError(f"prefill lengths {too_long} exceed {longest} tokens (one step's budget, and the longest "
                          "prompt the engine takes)")
-    if max(decode_contexts) + repeats + 16 > engine.max_seq_tokens:
-        raise ValueError(f"decode context {max(decode_contexts)} leaves no room to decode within "
-                         f"{engine.max_seq_tokens} tokens")
-    need = max(decode_batches) * (max(decode_contexts) + repeats + 16)
-    if need > engine.capacity_tokens:
-        raise ValueError(f"the decode grid needs {need} KV tokens; the cache holds {engine.capacity_tokens}")
+    batch, context = max(decode_batches), max(decode_contexts)
+    if not decode_fits(engine, batch, context, repeats):
+        need = context + decode_tokens(engine, batch, context, repeats)
+        raise ValueError(f"the decode grid's largest point ({batch} sequences of {context} tokens, each decoding to "
+                         f"{need}) needs {batch * need} KV tokens, {need} a sequence, {batch} sequences; the engine "
+                         f"holds {engine.capacity_tokens}, {engine.max_seq_tokens} a sequence, "
+                         f"{engine.config.scheduler.max_num_seqs} sequences")
     rng = random.Random(seed)
     prefill = [prefill_ms(engine, n, repeats, rng) for n in prefill_tokens]
     decode = [[decode_ms(engine, b, c, repeats, rng) for c in decode_contexts] for b in decode_batches]

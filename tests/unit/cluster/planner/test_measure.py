@@ -30,3 +30,23 @@ def test_an_engine_that_steps_asynchronously_is_refused(make_llm):
     with pytest.raises(ValueError, match="async_scheduling=False"):
         measure(engine, (16,), (1,), (16,), repeats=1)
     assert not engine.has_unfinished()
+
+
+def test_a_decode_figure_times_the_whole_batch_though_its_prompts_take_many_chunked_steps(make_llm, monkeypatch):
+    # 4 prompts of 128 tokens through 32-token steps: 16+ steps of prefill, during which the first
+    # prompts decode; they must still be running when the steps are timed
+    import cluster.planner.measure as measuring
+
+    engine = make_llm(num_blocks=256, block_size=8, max_num_batched_tokens=32).engine
+    timed_batches = []
+    timed_step = measuring._timed_step
+
+    def counting(e):
+        timed_batches.append(len(e.scheduler.running))
+        return timed_step(e)
+
+    monkeypatch.setattr(measuring, "_timed_step", counting)
+    profile = measure(engine, (16, 32), (1, 4), (128,), repeats=2)
+    assert timed_batches[-2:] == [4, 4] and timed_batches[-4:-2] == [1, 1]
+    assert measuring.decode_tokens(engine, 4, 128, 2) > 16  # more than the prompts' steps
+    assert len(profile.decode_ms) == 2 and not engine.has_unfinished()
