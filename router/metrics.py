@@ -60,6 +60,9 @@ class PrometheusMetrics:
         self.running = Gauge("pdserve:num_requests_running", "Requests in a worker's running batch.", gauge_labels,
                              registry=r)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting in a worker.", gauge_labels, registry=r)
+        self.role = Gauge("pdserve:worker_role", "1 for each worker's role now: prefill, decode, or decode_every_prompt "
+                          "(a decode worker computing every prompt: no prefill worker left).", [*gauge_labels, "role"],
+                          registry=r)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (0-1).",
                               gauge_labels, registry=r)
         self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions since the worker started.", gauge_labels,
@@ -117,8 +120,12 @@ class PrometheusMetrics:
                 rows = await asyncio.wait_for(self.worker_stats(), timeout_s)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a scrape never fails for one slow worker
                 rows = []
+            if rows:
+                self.role.clear()  # NOTE: a worker that changed role, or left, keeps no series of before
             for row in rows:
                 w = {**self._labels, "worker": row.worker_id}
+                role = "decode_every_prompt" if row.computes_every_prompt else row.role
+                self.role.labels(**w, role=role).set(1)
                 self.running.labels(**w).set(row.num_running)
                 self.waiting.labels(**w).set(row.num_waiting)
                 blocks = max(1, row.num_blocks)

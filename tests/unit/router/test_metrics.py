@@ -35,3 +35,24 @@ def test_push_bytes_from_the_answers_and_the_rest_from_the_workers_stats():
     assert 'pdserve:kv_pushes{model_name="m",worker="d0"}' not in lines
     assert lines['pdserve:kv_leases{model_name="m",worker="d0"}'] == 1
     assert lines['pdserve:kv_cache_usage_perc{model_name="m",worker="p0"}'] == 0.6
+
+
+def test_each_worker_s_role_now_and_not_before():
+    load = dict(pid=1, is_healthy=True, num_running=0, num_waiting=0, num_blocks=10, num_free_blocks=4)
+    rows = [WorkerStatsMsg(worker_id="prefill-0", role="prefill", **load),
+            WorkerStatsMsg(worker_id="decode-0", role="decode", **load)]
+
+    async def worker_stats():
+        return rows
+
+    metrics = PrometheusMetrics("m", worker_stats=worker_stats)
+    lines = _lines(asyncio.run(metrics.render()))
+    assert lines['pdserve:worker_role{model_name="m",role="prefill",worker="prefill-0"}'] == 1
+    assert lines['pdserve:worker_role{model_name="m",role="decode",worker="decode-0"}'] == 1
+    # prefill-0 became a decode worker and, with no prefill worker left, both compute every prompt
+    rows = [WorkerStatsMsg(worker_id=w, role="decode", computes_every_prompt=True, **load)
+            for w in ("prefill-0", "decode-0")]
+    lines = _lines(asyncio.run(metrics.render()))
+    roles = {k: v for k, v in lines.items() if k.startswith("pdserve:worker_role")}
+    assert roles == {'pdserve:worker_role{model_name="m",role="decode_every_prompt",worker="prefill-0"}': 1,
+                     'pdserve:worker_role{model_name="m",role="decode_every_prompt",worker="decode-0"}': 1}
