@@ -99,6 +99,7 @@ from deploy.cli import add_engine_flags, engine_options
 from engine.rank import resolve_device, resolve_model_dir
 from engine.models import load_arch
 from kvtransfer.netaddr import free_port
+from bench.rate_step import parse_schedule
 from loadgen.config import BenchConfig, parse_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transport", default="auto", help="KV transport of the disagg mode: auto (nccl with GPUs, gloo without).")
     a("--rates", default="2,4,8,12,16", help="Poisson request rates (req/s), comma-separated, in increasing order.")
     a("--seconds-per-rate", type=float, default=20.0, help="Seconds of arrivals at each rate.")
+    a("--schedule", default=None, help="RATE:SECONDS,... (e.g. 4:60,16:60,4:60): instead of the sweep, one continuous "
+      "run whose Poisson rate changes at those times, scored by bench/rate_step.py (transitions, attainment outside "
+      "them, lost requests), with each worker's role polled from /metrics.")
     a("--drain-s", type=float, default=None, help="Longest wait for requests after the arrivals end; default: "
       "the longest a request can take within both SLOs, TTFT + (max output - 1) x TPOT, + 1 s.")
     a("--input-len", default="1000:4000", help="Prompt tokens, N or MIN:MAX (uniform).")
@@ -416,6 +420,7 @@ class Plan:
     start_timeout_s: float
     warmup_timeout_s: float
     stop_timeout_s: float
+    schedule: tuple[tuple[float, float], ...] = ()  # a rate step instead of the sweep (bench/rate_step.py)
 
     def server_argv(self, mode: ModeSpec, port: int, grpc_port: int, exit_after_s: float) -> list[str]:
         transport = ["--transport", self.transport] if mode.is_kv_transferred else []
@@ -499,6 +504,80 @@ async def sweep(plan: Plan, result: ModeResult, server: ServerProcess, base_url:
             return
 
 
+async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_url: str, deadline: float,
+                   echo: Callable[[str], None], note: Callable[[str], None],
+                   checkpoint: Callable[[ModeResult], None]) -> None:
+    """The rate step of plan.schedule as one run, into RESULT.runs (one RateRun at the mean rate) and
+    RESULT.step (bench.rate_step.score, and each worker's role from /metrics every second)."""
+    from bench.rate_step import arrivals, score
+    from loadgen.cli import client_for
+    from loadgen.metrics import SLO, compute_metrics
+    from loadgen.report import RateRun, summary
+    from loadgen.runner import run_requests
+    from loadgen.workloads import build_workload
+
+    total_s = sum(seconds for _, seconds in plan.schedule)
+    window = total_s + plan.drain_s
+    if time.monotonic() + window + STOP_RESERVE_S > deadline:
+        result.skipped["schedule"] = "out of time"
+        return
+    result.phase = "schedule"
+    offsets = arrivals(plan.schedule, plan.seed)
+    config = plan.bench_config(base_url, 1.0).model_copy(
+        update={"num_prompts": len(offsets), "duration": window, "request_timeout": window + 10})
+    requests = build_workload(config, plan.seed)
+    roles: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    poller = asyncio.get_running_loop().create_task(_poll_roles(base_url.removesuffix("/v1") + "/metrics", roles, started))
+    try:
+        async with client_for(config) as client:
+            ran = await asyncio.wait_for(run_requests(requests, offsets, client.send, duration=window,
+                                                      max_concurrency=config.max_concurrency), window + 30)
+    finally:
+        poller.cancel()
+    result.phases_s[result.phase] = round(time.perf_counter() - started, 1)
+    metrics = compute_metrics(ran.records, ran.duration_s, SLO(plan.slo_ttft_ms, plan.slo_tpot_ms))
+    result.runs.append(RateRun(len(offsets) / total_s, plan.seed, ran.num_not_sent, ran.is_capped, metrics, ran.records))
+    records = [{"send_s": r.send_time, "ok": r.is_success, "ttft_ms": r.ttft * 1e3 if r.is_success else None,
+                "tpot_ms": r.tpot * 1e3 if r.is_success and r.tpot is not None else None} for r in ran.records]
+    result.step = {"schedule": [list(x) for x in plan.schedule], "roles": roles,
+                   **score(records, plan.schedule, plan.slo_ttft_ms, plan.slo_tpot_ms, ran.num_planned)}
+    checkpoint(result)
+    note(summary(result.runs[-1]))
+    step = result.step
+    echo(f"{result.mode} schedule {plan.schedule}: {100 * step['attainment_outside_transitions']:.0f}% within SLO "
+         f"outside transitions of {[t['seconds'] for t in step['transitions']]} s, {step['num_lost']} lost, "
+         f"{'met' if step['is_met'] else 'NOT met'}")
+    server.check_alive()
+
+
+def worker_roles(metrics_text: str) -> dict[str, str]:
+    """{worker: role} from a /metrics page's pdserve:worker_role series (those at 1)."""
+    out = {}
+    for labels, value in re.findall(r"^pdserve:worker_role\{([^}]*)\} (\S+)$", metrics_text, re.MULTILINE):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if float(value) == 1.0 and "worker" in pairs and "role" in pairs:
+            out[pairs["worker"]] = pairs["role"]
+    return out
+
+
+async def _poll_roles(metrics_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
+    """Every interval, each worker's role from the router's /metrics (pdserve:worker_role) into OUT, when it
+    changed: {"t_s": seconds since STARTED, "roles": {worker: role}}."""
+    def scrape() -> dict[str, str]:
+        with urllib.request.urlopen(metrics_url, timeout=5.0) as reply:  # noqa: S310 - the local server's URL
+            return worker_roles(reply.read().decode())
+
+    while True:
+        try:
+            now = await asyncio.to_thread(scrape)
+            if now and (not out or out[-1]["roles"] != now):
+                out.append({"t_s": round(time.perf_counter() - started, 1), "roles": now})
+        except (OSError, ValueError):  # NOTE: a slow scrape is skipped, the next one tries again
+            pass
+        await asyncio.sleep(interval_s)
+
+
 def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: Callable[[str], None],
              note: Callable[[str], None], checkpoint: Callable[[ModeResult], None] = lambda result: None) -> ModeResult:
     """Start, wait, warm up, sweep, stop: one mode, never raising; a failure is recorded in the result.
@@ -537,7 +616,8 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         timeout_s = min(plan.warmup_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S)
         asyncio.run(asyncio.wait_for(warm_up(plan, base_url + "/v1", timeout_s), timeout_s + 5))
         result.phases_s["warm-up"] = round(time.monotonic() - phase_started, 1)
-        asyncio.run(sweep(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint))
+        run = step_run if plan.schedule else sweep
+        asyncio.run(run(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint))
         result.status, result.phase = "ok", "done"
     except Exception as err:  # noqa: BLE001 - recorded; the next mode must still run
         result.fail(err)
@@ -723,6 +803,7 @@ def make_plan(args: argparse.Namespace, device: torch.device, model_dir: Path, s
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, min_attainment=args.min_attainment,
         num_warmup=max(1, args.num_warmup), seed=args.seed, start_timeout_s=args.start_timeout_s,
         warmup_timeout_s=args.warmup_timeout_s, stop_timeout_s=args.stop_timeout_s,
+        schedule=parse_schedule(args.schedule) if args.schedule else (),
     )
 
 

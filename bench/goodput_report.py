@@ -42,6 +42,7 @@ class ModeResult:
     skipped: dict[str, str] = field(default_factory=dict)  # rate -> why it was not run
     stopped: str = ""  # how the server ended
     log_tail: list[str] = field(default_factory=list)  # the server log's last lines, when it failed
+    step: dict[str, Any] | None = None  # a rate step's score and the workers' roles over it (bench/rate_step.py)
 
     def fail(self, err: BaseException | str) -> None:
         self.status = "failed"
@@ -107,6 +108,7 @@ def mode_summary(result: ModeResult) -> dict[str, Any]:
         "best": dict(best) if best is not None else None,
         "max_rate_at_90pct_slo": max_rate_within_slo(rows),
         "log_tail": result.log_tail,
+        **({"step": result.step} if result.step is not None else {}),
     }
 
 

@@ -30,6 +30,7 @@
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
+#   rate_step (nvidia-h200-x2): bench.goodput --schedule 4:60,16:60,4:60 for the adaptive mode and 2 colocated.
 #   plan_profile (one GPU): the planner's step profile (pdserve plan) with bench.goodput's engine flags.
 #   planned (nvidia-h200-x2): the planner's profile, then per TTFT/TPOT pair of $SLOS (default "1000/40 1000/20 300/40")
 #           the adaptive mode started in the layout the planner picks (bench.goodput --plan-profile); a .tgz each.
@@ -46,7 +47,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|planned|plan_profile|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -120,6 +121,12 @@ case "$part" in
   adaptive)
     run 580 python3 -m bench.goodput --modes "${MODES:-colocated,disagg,adaptive}" --rates "${RATES:-8,12,16,20,24,28,32}" \
       --seconds-per-rate 15 --budget-s "${BUDGET:-550}" ${GOODPUT_FLAGS:-} --out "$out"
+    ;;
+  rate_step)
+    # issue 24's rate step: 4 -> 16 -> 4 req/s, a minute each, for the adaptive mode (autoscaler down to no
+    # prefill worker) and 2 colocated replicas ($MODES), each worker's role polled from /metrics
+    run 580 python3 -m bench.goodput --modes "${MODES:-adaptive,colocated}" --schedule "${SCHEDULE:-4:60,16:60,4:60}" \
+      --budget-s 560 --out "$out"
     ;;
   plan_profile)
     # the planner's step profile on one GPU, with the engine flags bench.goodput serves with
