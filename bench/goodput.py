@@ -887,9 +887,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = make_plan(args, device, model_dir, Path(scratch))
         env = environment(args, device, model_dir, plan)
         stem = f"goodput_{device_slug(device)}"
-        tee.echo(f"goodput: {env['device_name']}, model {args.model} -> {plan.model_name}; modes {names}; rates "
-                 f"{list(plan.rates)} x {plan.seconds_per_rate:g} s (+ drain <= {plan.drain_s:g} s); budget "
-                 f"{args.budget_s:g} s")
+        load = (f"schedule {[f'{r:g}:{t:g}' for r, t in plan.schedule]} (req/s:s)" if plan.schedule
+                else f"rates {list(plan.rates)} x {plan.seconds_per_rate:g} s")
+        tee.echo(f"goodput: {env['device_name']}, model {args.model} -> {plan.model_name}; modes {names}; {load} "
+                 f"(+ drain <= {plan.drain_s:g} s); budget {args.budget_s:g} s")
 
         def write_json(results: dict[str, ModeResult]) -> None:
             doc = {"benchmark": "goodput", "environment": env, **results_record(plan, args, results, specs, planned)}

@@ -36,8 +36,9 @@ class AutoscalerConfig(BaseModel):
     ttft_ms: float = Field(gt=0, description="The TTFT SLO the prefill pool is sized for.")
     tpot_ms: float = Field(gt=0, description="The TPOT SLO the decode pool is sized for.")
     max_gpus: int = Field(ge=1, description="Most GPUs all pools may take together.")
-    min_prefill: int = Field(1, ge=0, description="0: the prefill pool may give all its workers to decoding; the "
-                             "decode workers then compute every prompt, as colocated workers do.")
+    min_prefill: int = Field(1, ge=0, description="0: the prefill pool may give its last worker to decoding (when the "
+                             "decode pool is pressed; it never just leaves); the decode workers then compute every "
+                             "prompt, as colocated workers do.")
     max_prefill: int = Field(64, ge=0)
     min_decode: int = Field(1, ge=1)
     max_decode: int = Field(64, ge=1)
@@ -144,6 +145,8 @@ class Autoscaler:
                 return Decision(now_s, pool, sizes[pool] - 1, f"{pool} pressure {level:.2f} < {c.scale_down_at} for "
                                 f"{c.sustain_s:.0f} s; {other} pressure {other_level:.2f}: a {pool} worker becomes a "
                                 f"{other} worker", flip_to=other)
+            if sizes[pool] == 1:  # NOTE: a pool's last worker goes only to the other pool (min_prefill 0), never away
+                return None
             return Decision(now_s, pool, sizes[pool] - 1, f"{pool} pressure {level:.2f} < {c.scale_down_at} for "
                             f"{c.sustain_s:.0f} s")
         if sizes[pool] + 1 > high:

@@ -135,6 +135,9 @@ def test_the_prefill_pool_may_give_its_last_worker_and_grow_back_from_none():
     # decode-heavy: the idle prefill worker becomes a decode worker (1P1D -> 0P2D)
     assert run(scaler, sizes, lambda t: [prefill(0), swamped], until_s=12) == [(10.0, "prefill", 0)]
     assert sizes == {"prefill": 0, "decode": 2} and scaler.decisions[-1].flip_to == "decode"
+    # idle but no pool pressed: the last prefill worker stays
+    calm = Autoscaler(scaling, {"prefill": 1, "decode": 1})
+    assert run(calm, {"prefill": 1, "decode": 1}, lambda t: [prefill(0), decode()], until_s=30) == []
     # with no prefill worker the decode workers' prompt queues are the prefill pool's pressure
     prompts = WorkerStatsMsg(worker_id="d", role="decode", pid=2, is_healthy=True, num_waiting=6, num_running=2,
                              num_blocks=100, num_free_blocks=90, decode_step_s=0.004, prefill_tokens_per_s=10_000.0,
