@@ -7,7 +7,9 @@ completes with the offline engine's tokens and no block is held at the end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -25,6 +27,30 @@ ENGINE = dict(device="cpu", block_size=8, num_blocks=16384)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
+@contextlib.asynccontextmanager
+async def _served(config: ClusterConfig, router_id: str, on_follow: Callable[[ClusterController], None] = lambda c: None):
+    """The cluster under its controller (autoscaling every 0.25 s) and a router following its worker set as a
+    served router does (every 0.25 s; `on_follow` sees the controller then); both stopped after."""
+    controller = ClusterController(config, autoscale_interval_s=0.25)
+    await controller.start()
+    dispatcher = Dispatcher(router_id, controller.deployment.workers(), poll_timeout_s=0.5,
+                            config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
+
+    async def follow() -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            dispatcher.set_workers(controller.deployment.workers())
+            on_follow(controller)
+
+    follower = asyncio.get_running_loop().create_task(follow())
+    try:
+        yield controller, dispatcher
+    finally:
+        follower.cancel()
+        await dispatcher.close()
+        await controller.shutdown()
+
+
 def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: None) -> None:
     rng = random.Random(2)
     light = [[rng.randrange(4, 2048) for _ in range(20)] for _ in range(6)]
@@ -37,25 +63,14 @@ def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: Non
                            transport="gloo", autoscaler=scaling)
 
     async def run() -> tuple[list[list[int]], list[tuple[float, str, int, str]], dict[str, int], list[int]]:
-        controller = ClusterController(config, autoscale_interval_s=0.25)
-        await controller.start()
-        dispatcher = Dispatcher("router-as", controller.deployment.workers(), poll_timeout_s=0.5,
-                                config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
         sizes: list[int] = []
+        async with _served(config, "router-as",
+                           lambda c: sizes.append(c.deployment.prefill.num_workers)) as (controller, dispatcher):
 
-        async def follow() -> None:  # what a served router does: take the controller's worker set
-            while True:
-                await asyncio.sleep(0.25)
-                dispatcher.set_workers(controller.deployment.workers())
-                sizes.append(controller.deployment.prefill.num_workers)  # type: ignore[union-attr]
+            async def one(i: int, prompt: list[int], delay_s: float) -> list[int]:
+                await asyncio.sleep(delay_s)
+                return [t async for out in dispatcher.generate(f"r{i}", prompt, PARAMS) for t in out.new_token_ids]
 
-        follower = asyncio.get_running_loop().create_task(follow())
-
-        async def one(i: int, prompt: list[int], delay_s: float) -> list[int]:
-            await asyncio.sleep(delay_s)
-            return [t async for out in dispatcher.generate(f"r{i}", prompt, PARAMS) for t in out.new_token_ids]
-
-        try:
             tasks = [one(i, p, 0.5 * i) for i, p in enumerate(light)]  # 3 s of light load
             # 80,000 prompt tokens at once: seconds of a CPU prefill worker's work, past the TTFT SLO's share
             tasks += [one(len(light) + i, p, 3.0) for i, p in enumerate(burst)]
@@ -65,10 +80,6 @@ def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: Non
             await asyncio.sleep(6.0)  # the quiet after: the pool shrinks back
             decisions = await controller.decisions()
             held = await controller.held_blocks()
-        finally:
-            follower.cancel()
-            await dispatcher.close()
-            await controller.shutdown()
         return tokens, decisions, held, sizes
 
     tokens, decisions, held, sizes = asyncio.run(run())
@@ -95,23 +106,12 @@ def test_a_decode_heavy_load_turns_the_prefill_worker_into_a_decode_worker(ray_c
                            num_decode=1, transport="gloo", autoscaler=scaling)
 
     async def run():
-        controller = ClusterController(config, autoscale_interval_s=0.25)
-        await controller.start()
-        dispatcher = Dispatcher("router-flip", controller.deployment.workers(), poll_timeout_s=0.5,
-                                config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
-
-        async def follow() -> None:
-            while True:
-                await asyncio.sleep(0.25)
-                dispatcher.set_workers(controller.deployment.workers())
-
-        follower = asyncio.get_running_loop().create_task(follow())
-
-        async def one(rid: str, prompt: list[int]) -> list[int]:
-            return [t async for out in dispatcher.generate(rid, prompt, params) for t in out.new_token_ids]
-
         sent: list[list[int]] = []
-        try:
+        async with _served(config, "router-flip") as (controller, dispatcher):
+
+            async def one(rid: str, prompt: list[int]) -> list[int]:
+                return [t async for out in dispatcher.generate(rid, prompt, params) for t in out.new_token_ids]
+
             first = []
             for prompt in stream:  # until the prefill pool has given its worker away
                 if controller.deployment.prefill.num_workers == 0:  # type: ignore[union-attr]
@@ -129,10 +129,6 @@ def test_a_decode_heavy_load_turns_the_prefill_worker_into_a_decode_worker(ray_c
             stats = [s for s in await controller.stats() if not isinstance(s, str)]
             decisions = await controller.decisions()
             held = await controller.held_blocks()
-        finally:
-            follower.cancel()
-            await dispatcher.close()
-            await controller.shutdown()
         return sent + later, tokens, stats, decisions, held
 
     prompts, tokens, stats, decisions, held = asyncio.run(run())
