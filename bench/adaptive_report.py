@@ -5,8 +5,10 @@ Nothing is re-measured. A static layout (colocated, disagg) serves the same way 
 per-request records are scored against each pair. An adaptive run steered to one pair (the server had
 those SLOs) counts under that pair only. Per configuration and pair: SLO attainment per rate (requests
 that met both SLOs / requests planned), goodput = the highest rate of the sweep at which attainment
-was >= 90% and at every lower rate, and where attainment crosses 90% between two rates of the sweep
-(linear in between: the grid is 4 req/s apart). The planner's goodput per layout is computed here from
+was >= 90% and at every lower rate, where attainment crosses 90% between two rates of the sweep
+(linear in between: the grid is 4 req/s apart), and how many requests were decoding at once (between
+their first token and their end, as the client saw them; every engine runs at most max_num_seqs, 64 in
+these runs). The planner's goodput per layout is computed here from
 the step profile measured on the same machine kind (pdserve plan's simulation; deterministic).
 
     python -m bench.adaptive_report  # reads and writes bench/results/adaptive_2xh200*
@@ -66,6 +68,19 @@ def attainment_rows(run: dict[str, Any], mode: str, ttft_ms: float, tpot_ms: flo
     return sorted(rows, key=lambda r: r["rate"])
 
 
+def decoding(run: dict[str, Any], mode: str, step_s: float = 0.5) -> list[dict[str, Any]]:
+    """Per rate: how many requests were between their first token and their end (as the client saw
+    them) every `step_s` over the arrivals' window, mean and most: a worker runs at most max_num_seqs."""
+    window_s = run["config"]["seconds_per_rate"]
+    out = []
+    for at_rate in run["requests"][mode]:
+        spans = [(r["send_s"] + r["ttft_ms"] / 1e3, r["send_s"] + r["e2e_ms"] / 1e3)
+                 for r in at_rate["records"] if r["ok"]]
+        counts = [sum(1 for a, b in spans if a <= k * step_s < b) for k in range(int(window_s / step_s))]
+        out.append({"rate": at_rate["rate"], "mean": round(sum(counts) / len(counts), 1), "most": max(counts)})
+    return sorted(out, key=lambda r: r["rate"])
+
+
 def goodput(rows: Sequence[dict[str, Any]]) -> tuple[float | None, float | None, bool]:
     """(the highest rate at >= 90% with every lower rate too, where attainment crosses 90% after it
     (interpolated; None if the sweep never fell under), whether the sweep fell under 90% at all)."""
@@ -106,7 +121,8 @@ def report(results: Path) -> dict[str, Any]:
             rows = attainment_rows(runs[s.file], s.mode, ttft, tpot)
             best, crossing, fell = goodput(rows)
             configs.append({"label": s.label, "file": s.file, "mode": s.mode, "steered": s.steered is not None,
-                            "rows": rows, "goodput": best, "crossing_90": crossing, "sweep_fell_under_90": fell})
+                            "rows": rows, "goodput": best, "crossing_90": crossing, "sweep_fell_under_90": fell,
+                            "decoding": decoding(runs[s.file], s.mode)})
         pairs.append({"slo_ttft_ms": ttft, "slo_tpot_ms": tpot, "configs": configs,
                       "planner": planner_goodput(results / PROFILE, workload, ttft, tpot)})
     return {"benchmark": "adaptive_report", "environment": first["environment"],
@@ -156,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cross = f", crosses 90% near {c['crossing_90']:.1f}" if c["crossing_90"] is not None else ""
             more = "" if c["sweep_fell_under_90"] else " (the sweep ended above 90%)"
             print(f"  {c['label']:<34} goodput {c['goodput'] or 0:>4g}{cross}{more}  [{rows}]")
+            print(f"  {'':<34} decoding at once (mean/most): "
+                  + ", ".join(f"{d['rate']:g}: {d['mean']:g}/{d['most']}" for d in c["decoding"]))
     print(f"wrote {out} and its PNG")
     return 0
 
