@@ -76,15 +76,11 @@ import asyncio
 import json
 import math
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -94,81 +90,27 @@ from typing import Any, TextIO
 import torch
 
 from bench.common import device_name, device_slug, model_label, save_plot, title, write_results
+from bench.goodput_modes import MODE_NAMES, ModeSpec, layout_of, mode_spec, plan_adaptive_modes
 from bench.goodput_report import ModeResult, compare, mode_summary, plot, scaleout, table
+from bench.rate_step import parse_schedule, step_run
+from bench.server_process import (
+    ROOT,
+    ServerError,
+    ServerProcess,
+    error_lines,
+    ray_log_tails,
+    ray_session_dir,
+    wait_gpus_free,
+)
 from deploy.cli import add_engine_flags, engine_options
 from engine.rank import resolve_device, resolve_model_dir
 from engine.models import load_arch
 from kvtransfer.netaddr import free_port
-from bench.rate_step import parse_schedule
 from loadgen.config import BenchConfig, parse_range
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "bench" / "shapes"
-ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception)(?:\([\w.]+\))?: .*$", re.MULTILINE)
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours actor names in its logs
 STOP_RESERVE_S = 15.0  # kept free at the end of a mode's share: stopping the server, collecting its logs
 FINAL_RESERVE_S = 10.0  # kept free at the end of the budget: the JSON and the plot
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    name: str
-    serve_flags: tuple[str, ...]  # `pdserve serve` flags that make the mode
-    description: str
-    is_kv_transferred: bool  # prefill and decode on different workers: --transport applies
-    num_workers: int  # one GPU each on a GPU machine
-    steers_to_slos: bool = False  # the server gets the SLOs the sweep scores against
-
-
-def disagg_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
-    return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode)),
-                    f"disagg {num_prefill} prefill + {num_decode} decode", True, num_prefill + num_decode)
-
-
-def colocated_mode(name: str, num_replicas: int) -> ModeSpec:
-    return ModeSpec(name, ("--colocated", "--decode", str(num_replicas)), f"colocated {num_replicas} replicas",
-                    False, num_replicas)
-
-
-def adaptive_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
-    """Starts as PpDd and steers to the SLOs: the 'slo' prefill rule (each prompt prefilled where its first
-    token comes sooner, on a decode worker within the step budget or through the prefill workers), the
-    engines' ITL budget, and the autoscaler moving workers between the pools within the same GPUs, down
-    to no prefill worker (the decode workers then serve as colocated ones)."""
-    num = num_prefill + num_decode
-    return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode), "--local-prefill-rule", "slo",
-                           "--autoscale-max-gpus", str(num), "--autoscale-min-prefill", "0"),
-                    f"adaptive from {num_prefill}P{num_decode}D", True, num, steers_to_slos=True)
-
-
-def planned_adaptive_mode(name: str, layout: Any) -> ModeSpec:
-    """The adaptive mode started in the layout the planner picked (cluster.planner.Layout): xPyD steering
-    as adaptive_mode does, or colocated replicas (the router gets the SLOs; colocated engines keep no step
-    budget, deploy.cli says why; no pools to move)."""
-    if layout.num_prefill == 0:
-        return ModeSpec(name, ("--colocated", "--decode", str(layout.num_decode)),
-                        f"adaptive: planned {layout.name}", False, layout.num_decode, steers_to_slos=True)
-    spec = adaptive_mode(name, layout.num_prefill, layout.num_decode)
-    return ModeSpec(spec.name, spec.serve_flags, f"adaptive: planned {layout.name}", True, spec.num_workers,
-                    steers_to_slos=True)
-
-
-MODES = {m.name: m for m in (disagg_mode("disagg", 1, 1), colocated_mode("colocated", 2), adaptive_mode("adaptive", 1, 1))}
-MODE_NAMES = ("disagg (1P1D), colocated (2 replicas), adaptive (from 1P1D, steering to the SLOs), <P>p<D>d "
-              "(e.g. 1p3d, 2p6d), colocated<N> (e.g. colocated4), adaptive<P>p<D>d")
-
-
-def mode_spec(name: str) -> ModeSpec:
-    """A mode by name: the two of MODES, '<P>p<D>d' (P prefill + D decode workers) or 'colocated<N>'."""
-    if name in MODES:
-        return MODES[name]
-    if m := re.fullmatch(r"(adaptive)?(\d+)p(\d+)d", name):
-        num_prefill, num_decode = int(m[2]), int(m[3])
-        if num_prefill >= 1 and num_decode >= 1:
-            return (adaptive_mode if m[1] else disagg_mode)(name, num_prefill, num_decode)
-    if (m := re.fullmatch(r"colocated(\d+)", name)) and int(m[1]) >= 1:
-        return colocated_mode(name, int(m[1]))
-    raise ValueError(f"--modes: unknown mode {name!r}; choose from {MODE_NAMES}")
 
 
 # ---- the command line
@@ -258,143 +200,6 @@ def servable_model_dir(model_dir: Path, scratch: Path) -> Path:
     vocab_size = load_arch(model_dir).vocab_size
     (dest / "tokenizer.json").write_text(json.dumps(id_only_tokenizer(vocab_size)))
     return dest
-
-
-# ---- the server process
-class ServerError(RuntimeError):
-    """The server could not start, died, or did not answer in time."""
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group PGID, from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat.parent.name))
-    return members
-
-
-class ServerProcess:
-    """`python -m deploy.cli serve ...` in a session of its own, its output into LOG_PATH."""
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = log_path.open("ab")
-        self.started = time.time()
-        self.proc = subprocess.Popen(list(argv), cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def check_alive(self) -> None:
-        code = self.proc.poll()
-        if code is not None:
-            raise ServerError(f"the server exited with code {code} (its log: {self.log_path.name})")
-
-    def wait_ready(self, url: str, timeout_s: float) -> None:
-        """Polls URL until it answers 200; raises ServerError if the server exits or TIMEOUT_S passes."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.check_alive()
-            try:
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise ServerError(f"no answer from {url} within {timeout_s:.0f} s")
-            time.sleep(1.0)
-
-    def stop(self, timeout_s: float) -> str:
-        """SIGINT (the CLI shuts Serve and Ray down), then SIGTERM, then SIGKILL; then SIGKILL for what is
-        left of its process group (Ray's processes). Returns how it went."""
-        code = self.proc.poll()
-        if code is not None:
-            how = f"had exited with code {code}"
-        else:
-            how = ""
-            for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-                started = time.monotonic()
-                self.proc.send_signal(sig)
-                try:
-                    code = self.proc.wait(wait_s)
-                except subprocess.TimeoutExpired:
-                    continue
-                how = f"stopped by {sig.name} in {time.monotonic() - started:.1f} s (exit code {code})"
-                break
-            how = how or "did not exit even after SIGKILL"
-        deadline = time.monotonic() + 10.0
-        while (left := _group_members(self.proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if left:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            how += f"; {len(left)} leftover process(es) of its group killed"
-        self._log.close()
-        return how
-
-
-def ray_session_dir(server_pid: int) -> Path | None:
-    """The Ray session whose driver was SERVER_PID (its logs/python-core-driver-*_<pid>.log)."""
-    root = Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp") / "ray"
-    sessions = sorted(root.glob("session_2*"), key=lambda p: p.stat().st_mtime, reverse=True)[:8]
-    for session in sessions:
-        if any((session / "logs").glob(f"python-core-driver-*_{server_pid}.log")):
-            return session
-    return None
-
-
-def ray_log_tails(session: Path, num_lines: int = 60, max_files: int = 14) -> str:
-    """The last lines of Ray's logs that say most (workers' stderr/stdout, Serve's), errors first."""
-    logs = session / "logs"
-    files = [p for pattern in ("worker-*.err", "worker-*.out", "serve/*.log", "raylet.err", "gcs_server.err")
-             for p in logs.glob(pattern) if p.stat().st_size > 0]
-
-    def rank(p: Path) -> tuple[int, float]:
-        text = p.read_bytes()[-200_000:]
-        return (0 if b"Traceback" in text or b"Error" in text else 1, -p.stat().st_mtime)
-
-    parts = []
-    for path in sorted(files, key=rank)[:max_files]:
-        lines = path.read_text(errors="replace").splitlines()[-num_lines:]
-        parts.append(f"---- {path.relative_to(logs)} (last {len(lines)} lines)\n" + "\n".join(lines))
-    return "\n".join(parts)
-
-
-def error_lines(text: str, limit: int = 8) -> list[str]:
-    """The distinct 'SomeError: message' lines of TEXT (the last lines of tracebacks), in order, at most LIMIT."""
-    found = dict.fromkeys(m.group(0)[:300] for m in ERROR_LINE.finditer(ANSI_ESCAPE.sub("", text)))
-    return list(found)[:limit]
-
-
-def wait_gpus_free(timeout_s: float, max_used_fraction: float = 0.05) -> str:
-    """Waits until nvidia-smi lists no compute process and every GPU has at most MAX_USED_FRACTION of its
-    memory in use (the last mode's workers are gone; a container may hide their pids, never their memory)."""
-    if shutil.which("nvidia-smi") is None:
-        return "no nvidia-smi"
-    deadline = time.monotonic() + timeout_s
-
-    def query(*args: str) -> str:
-        return subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], check=False,
-                              capture_output=True, text=True, timeout=20).stdout.strip()
-
-    while True:
-        apps = query("--query-compute-apps=pid")
-        memory = [tuple(float(x) for x in line.split(",")) for line in query("--query-gpu=memory.used,memory.total")
-                  .splitlines() if line.strip()]
-        is_free = not apps and all(used <= max_used_fraction * total for used, total in memory)
-        shown = ", ".join(f"{used / 1024:.1f}/{total / 1024:.0f} GiB" for used, total in memory)
-        if is_free:
-            return f"GPUs free ({shown})"
-        if time.monotonic() > deadline:
-            return f"GPUs still busy after {timeout_s:.0f} s ({shown}; processes: {apps or 'none listed'})"
-        time.sleep(1.0)
 
 
 # ---- one mode
@@ -502,80 +307,6 @@ async def sweep(plan: Plan, result: ModeResult, server: ServerProcess, base_url:
             for later in plan.rates[k + 1:]:
                 result.skipped[f"{later:g}"] = f"saturated: {row['slo_attainment']:.0%} within SLO at {rate:g} req/s"
             return
-
-
-async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_url: str, deadline: float,
-                   echo: Callable[[str], None], note: Callable[[str], None],
-                   checkpoint: Callable[[ModeResult], None]) -> None:
-    """The rate step of plan.schedule as one run, into RESULT.runs (one RateRun at the mean rate) and
-    RESULT.step (bench.rate_step.score, and each worker's role from /metrics every second)."""
-    from bench.rate_step import arrivals, score
-    from loadgen.cli import client_for
-    from loadgen.metrics import SLO, compute_metrics
-    from loadgen.report import RateRun, summary
-    from loadgen.runner import run_requests
-    from loadgen.workloads import build_workload
-
-    total_s = sum(seconds for _, seconds in plan.schedule)
-    window = total_s + plan.drain_s
-    if time.monotonic() + window + STOP_RESERVE_S > deadline:
-        result.skipped["schedule"] = "out of time"
-        return
-    result.phase = "schedule"
-    offsets = arrivals(plan.schedule, plan.seed)
-    config = plan.bench_config(base_url, 1.0).model_copy(
-        update={"num_prompts": len(offsets), "duration": window, "request_timeout": window + 10})
-    requests = build_workload(config, plan.seed)
-    roles: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    poller = asyncio.get_running_loop().create_task(_poll_roles(base_url.removesuffix("/v1") + "/metrics", roles, started))
-    try:
-        async with client_for(config) as client:
-            ran = await asyncio.wait_for(run_requests(requests, offsets, client.send, duration=window,
-                                                      max_concurrency=config.max_concurrency), window + 30)
-    finally:
-        poller.cancel()
-    result.phases_s[result.phase] = round(time.perf_counter() - started, 1)
-    metrics = compute_metrics(ran.records, ran.duration_s, SLO(plan.slo_ttft_ms, plan.slo_tpot_ms))
-    result.runs.append(RateRun(len(offsets) / total_s, plan.seed, ran.num_not_sent, ran.is_capped, metrics, ran.records))
-    records = [{"send_s": r.send_time, "ok": r.is_success, "ttft_ms": r.ttft * 1e3 if r.is_success else None,
-                "tpot_ms": r.tpot * 1e3 if r.is_success and r.tpot is not None else None} for r in ran.records]
-    result.step = {"schedule": [list(x) for x in plan.schedule], "roles": roles,
-                   **score(records, plan.schedule, plan.slo_ttft_ms, plan.slo_tpot_ms, ran.num_planned)}
-    checkpoint(result)
-    note(summary(result.runs[-1]))
-    step = result.step
-    echo(f"{result.mode} schedule {plan.schedule}: {100 * step['attainment_outside_transitions']:.0f}% within SLO "
-         f"outside transitions of {[t['seconds'] for t in step['transitions']]} s, {step['num_lost']} lost, "
-         f"{'met' if step['is_met'] else 'NOT met'}")
-    server.check_alive()
-
-
-def worker_roles(metrics_text: str) -> dict[str, str]:
-    """{worker: role} from a /metrics page's pdserve:worker_role series (those at 1)."""
-    out = {}
-    for labels, value in re.findall(r"^pdserve:worker_role\{([^}]*)\} (\S+)$", metrics_text, re.MULTILINE):
-        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        if float(value) == 1.0 and "worker" in pairs and "role" in pairs:
-            out[pairs["worker"]] = pairs["role"]
-    return out
-
-
-async def _poll_roles(metrics_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
-    """Every interval, each worker's role from the router's /metrics (pdserve:worker_role) into OUT, when it
-    changed: {"t_s": seconds since STARTED, "roles": {worker: role}}."""
-    def scrape() -> dict[str, str]:
-        with urllib.request.urlopen(metrics_url, timeout=5.0) as reply:  # noqa: S310 - the local server's URL
-            return worker_roles(reply.read().decode())
-
-    while True:
-        try:
-            now = await asyncio.to_thread(scrape)
-            if now and (not out or out[-1]["roles"] != now):
-                out.append({"t_s": round(time.perf_counter() - started, 1), "roles": now})
-        except (OSError, ValueError):  # NOTE: a slow scrape is skipped, the next one tries again
-            pass
-        await asyncio.sleep(interval_s)
 
 
 def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: Callable[[str], None],
@@ -756,16 +487,9 @@ def results_record(plan: Plan, args: argparse.Namespace, results: dict[str, Mode
         },
         "modes": summaries,
         "comparison": compare(summaries),
-        "scaleout": scaleout(summaries, {name: _layout(specs[name]) for name in results}),
+        "scaleout": scaleout(summaries, {name: layout_of(specs[name]) for name in results}),
         "requests": {name: _compact_records(r) for name, r in results.items()},
     }
-
-
-def _layout(spec: ModeSpec) -> tuple[int, int]:
-    """(prefill workers, decode workers); prefill 0 for a colocated mode."""
-    flags = spec.serve_flags
-    decode = int(flags[flags.index("--decode") + 1])
-    return (int(flags[flags.index("--prefill") + 1]), decode) if spec.is_kv_transferred else (0, decode)
 
 
 class Tee:
@@ -830,27 +554,6 @@ def replot(json_path: Path) -> Path:
     if not save_plot(png_path, draw, plot_title(doc["environment"], config)):
         raise SystemExit("replot needs matplotlib")
     return png_path
-
-
-def plan_adaptive_modes(args: argparse.Namespace, specs: dict[str, ModeSpec]) -> dict[str, Any]:
-    """Each adaptive mode's layout, picked by the planner from --plan-profile for this run's workload and
-    SLOs on the mode's GPUs (specs updated in place); per mode the pick and every layout's prediction."""
-    from cluster.planner import SLO, StepProfile, Workload
-    from cluster.planner import plan as plan_layouts
-
-    profile = StepProfile.model_validate_json(args.plan_profile.read_text())
-    workload = Workload(prompt_tokens=parse_range(args.input_len), output_tokens=parse_range(args.output_len))
-    slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    out: dict[str, Any] = {}
-    for name, spec in list(specs.items()):
-        if not spec.steers_to_slos:
-            continue
-        plans = plan_layouts(spec.num_workers, {1: profile}, workload, slo)
-        specs[name] = planned_adaptive_mode(name, plans[0].layout)
-        out[name] = {"pick": plans[0].layout.name, "profile": str(args.plan_profile),
-                     "predicted": {"goodput": plans[0].goodput, "why": plans[0].why},
-                     "layouts": {p.layout.name: {"goodput": p.goodput, "why": p.why} for p in plans}}
-    return out
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -48,7 +48,8 @@ from typing import Any
 import torch
 
 from bench.common import build_engine, environment, save_plot, synchronize, write_results
-from bench.goodput import SHAPES, ServerProcess, servable_model_dir, serve_flags, wait_gpus_free
+from bench.goodput import SHAPES, servable_model_dir, serve_flags
+from bench.server_process import ServerProcess, wait_gpus_free
 from bench.offline_throughput import nano_vllm_workload, run_engine
 from bench.ray_path_ttft import measure_server
 from engine import EngineCore, SamplingParams

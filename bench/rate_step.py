@@ -1,8 +1,9 @@
 """A rate step (issue 24: 4 -> 16 -> 4 req/s over three minutes on two GPUs): one continuous run whose
 Poisson arrival rate changes at set times, scored against the SLOs by when each request was sent.
 
-`bench.goodput --schedule 4:60,16:60,4:60` runs it instead of a sweep, for each mode; this module holds
-what is pure: the schedule, its arrival times, and the score. Per window of `window_s` seconds (by send
+`bench.goodput --schedule 4:60,16:60,4:60` runs it instead of a sweep, for each mode: this module holds
+the schedule, its arrival times, the score, and the run itself (`step_run`, with each worker's role
+read from the router's /metrics while it lasts). Per window of `window_s` seconds (by send
 time): the share of requests that met both SLOs. After each change of rate a transition lasts until
 the first window from which every window of that segment holds >= 90% (whole windows: a transition is
 a multiple of window_s); the run passes when every transition lasts at most `max_transition_s` and the
@@ -11,11 +12,20 @@ requests sent outside transitions meet the SLOs >= 90%, with none lost (every re
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Sequence
-from typing import Any
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from loadgen.arrivals import arrival_offsets
+
+if TYPE_CHECKING:
+    from bench.goodput import Plan
+    from bench.goodput_report import ModeResult
+    from bench.server_process import ServerProcess
 
 ATTAINMENT = 0.9
 
@@ -89,3 +99,78 @@ def score(records: Sequence[dict[str, Any]], schedule: Sequence[tuple[float, flo
         "attainment_outside_transitions": attainment, "num_lost": num_lost,
         "is_met": attainment >= ATTAINMENT and all(t["is_within_limit"] for t in transitions) and num_lost == 0,
     }
+
+
+# ---- the run (bench.goodput's, for a mode whose server is up)
+async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_url: str, deadline: float,
+                   echo: Callable[[str], None], note: Callable[[str], None],
+                   checkpoint: Callable[[ModeResult], None]) -> None:
+    """The rate step of plan.schedule as one run, into RESULT.runs (one RateRun at the mean rate) and
+    RESULT.step (bench.rate_step.score, and each worker's role from /metrics every second)."""
+    from bench.goodput import STOP_RESERVE_S
+    from loadgen.cli import client_for
+    from loadgen.metrics import SLO, compute_metrics
+    from loadgen.report import RateRun, summary
+    from loadgen.runner import run_requests
+    from loadgen.workloads import build_workload
+
+    total_s = sum(seconds for _, seconds in plan.schedule)
+    window = total_s + plan.drain_s
+    if time.monotonic() + window + STOP_RESERVE_S > deadline:
+        result.skipped["schedule"] = "out of time"
+        return
+    result.phase = "schedule"
+    offsets = arrivals(plan.schedule, plan.seed)
+    config = plan.bench_config(base_url, 1.0).model_copy(
+        update={"num_prompts": len(offsets), "duration": window, "request_timeout": window + 10})
+    requests = build_workload(config, plan.seed)
+    roles: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    poller = asyncio.get_running_loop().create_task(_poll_roles(base_url.removesuffix("/v1") + "/metrics", roles, started))
+    try:
+        async with client_for(config) as client:
+            ran = await asyncio.wait_for(run_requests(requests, offsets, client.send, duration=window,
+                                                      max_concurrency=config.max_concurrency), window + 30)
+    finally:
+        poller.cancel()
+    result.phases_s[result.phase] = round(time.perf_counter() - started, 1)
+    metrics = compute_metrics(ran.records, ran.duration_s, SLO(plan.slo_ttft_ms, plan.slo_tpot_ms))
+    result.runs.append(RateRun(len(offsets) / total_s, plan.seed, ran.num_not_sent, ran.is_capped, metrics, ran.records))
+    records = [{"send_s": r.send_time, "ok": r.is_success, "ttft_ms": r.ttft * 1e3 if r.is_success else None,
+                "tpot_ms": r.tpot * 1e3 if r.is_success and r.tpot is not None else None} for r in ran.records]
+    result.step = {"schedule": [list(x) for x in plan.schedule], "roles": roles,
+                   **score(records, plan.schedule, plan.slo_ttft_ms, plan.slo_tpot_ms, ran.num_planned)}
+    checkpoint(result)
+    note(summary(result.runs[-1]))
+    step = result.step
+    echo(f"{result.mode} schedule {plan.schedule}: {100 * step['attainment_outside_transitions']:.0f}% within SLO "
+         f"outside transitions of {[t['seconds'] for t in step['transitions']]} s, {step['num_lost']} lost, "
+         f"{'met' if step['is_met'] else 'NOT met'}")
+    server.check_alive()
+
+
+def worker_roles(metrics_text: str) -> dict[str, str]:
+    """{worker: role} from a /metrics page's pdserve:worker_role series (those at 1)."""
+    out = {}
+    for labels, value in re.findall(r"^pdserve:worker_role\{([^}]*)\} (\S+)$", metrics_text, re.MULTILINE):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if float(value) == 1.0 and "worker" in pairs and "role" in pairs:
+            out[pairs["worker"]] = pairs["role"]
+    return out
+
+
+async def _poll_roles(metrics_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
+    """Every interval, each worker's role from the router's /metrics (pdserve:worker_role) into OUT, when it
+    changed: {"t_s": seconds since STARTED, "roles": {worker: role}}."""
+    def scrape() -> dict[str, str]:
+        with urllib.request.urlopen(metrics_url, timeout=5.0) as reply:  # noqa: S310 - the local server's URL
+            return worker_roles(reply.read().decode())
+
+    while True:
+        try:
+            now = await asyncio.to_thread(scrape)
+            if now and (not out or out[-1]["roles"] != now):
+                out.append({"t_s": round(time.perf_counter() - started, 1), "roles": now})
+        except (OSError, ValueError):  # NOTE: a slow scrape is skipped, the next one tries again
+            pass
+        await asyncio.sleep(interval_s)

@@ -108,7 +108,8 @@ def serve_and_measure(args: argparse.Namespace) -> int:
     import random
     import tempfile
 
-    from bench.goodput import ServerProcess, servable_model_dir, serve_flags, wait_gpus_free
+    from bench.goodput import servable_model_dir, serve_flags
+    from bench.server_process import ServerProcess, wait_gpus_free
     from kvtransfer import NCCL_WORKER_ENV
     from kvtransfer.netaddr import free_port
 

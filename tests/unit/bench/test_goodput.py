@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 
 from bench.goodput import (
-    MODES,
-    ServerError,
-    ServerProcess,
     id_only_tokenizer,
     mode_share,
     num_prompts,
@@ -23,7 +20,9 @@ from bench.goodput import (
     servable_model_dir,
     serve_flags,
 )
+from bench.goodput_modes import MODES
 from bench.goodput_report import ModeResult, compare, max_rate_within_slo, mode_summary, rate_row, table
+from bench.server_process import ServerError, ServerProcess
 from loadgen.metrics import SLO, compute_metrics
 from loadgen.records import RequestRecord
 from loadgen.report import RateRun
@@ -203,7 +202,7 @@ def test_config_only_shape_gets_an_id_only_tokenizer(tmp_path: Path):
 
 
 def test_error_lines_pick_the_last_lines_of_tracebacks():
-    from bench.goodput import error_lines
+    from bench.server_process import error_lines
 
     text = ("Traceback (most recent call last):\n  File 'x.py', line 1\n"
             "ValueError: transport 'nccl' cannot run on cpu tensors\n"
@@ -226,7 +225,7 @@ def test_only_the_disaggregated_mode_gets_the_transport():
 
 
 def test_the_adaptive_mode_steers_to_the_slos_it_is_scored_against():
-    from bench.goodput import mode_spec
+    from bench.goodput_modes import mode_spec
     from deploy.cli import app_config, build_parser
 
     plan = _plan(slo_ttft_ms=300.0, slo_tpot_ms=20.0)
@@ -241,7 +240,7 @@ def test_the_adaptive_mode_steers_to_the_slos_it_is_scored_against():
 
 
 def test_wait_gpus_free_reads_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from bench.goodput import wait_gpus_free
+    from bench.server_process import wait_gpus_free
 
     used = tmp_path / "used_mib"
     used.write_text("120000")
@@ -284,12 +283,12 @@ def test_the_default_drain_cuts_off_no_request_that_meets_the_slos():
 
 
 def test_mode_names_give_the_pool_sizes_and_bad_names_are_refused() -> None:
-    from bench.goodput import _layout, mode_spec
+    from bench.goodput_modes import layout_of, mode_spec
 
     assert mode_spec("2p6d").serve_flags == ("--prefill", "2", "--decode", "6") and mode_spec("2p6d").num_workers == 8
     assert mode_spec("colocated4").serve_flags == ("--colocated", "--decode", "4")
-    assert _layout(mode_spec("1p3d")) == (1, 3) and _layout(mode_spec("colocated")) == (0, 2)
-    assert _layout(mode_spec("disagg")) == (1, 1) and _layout(mode_spec("adaptive")) == (1, 1)
+    assert layout_of(mode_spec("1p3d")) == (1, 3) and layout_of(mode_spec("colocated")) == (0, 2)
+    assert layout_of(mode_spec("disagg")) == (1, 1) and layout_of(mode_spec("adaptive")) == (1, 1)
     for bad in ("adaptive0p2d", "0p2d", "2p0d", "colocated0", "3x3", "p2d"):
         with pytest.raises(ValueError, match="unknown mode"):
             mode_spec(bad)
@@ -316,8 +315,6 @@ def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> 
 def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.MonkeyPatch):
     import bench.goodput as goodput
 
-    from bench.goodput_report import ModeResult
-
     def attempt(taken: bool) -> ModeResult:
         result = ModeResult("adaptive", "", [])
         result.phase = "start"
@@ -334,7 +331,8 @@ def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.Monke
 
 
 def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path):
-    from bench.goodput import build_parser, mode_spec, plan_adaptive_modes
+    from bench.goodput import build_parser
+    from bench.goodput_modes import mode_spec, plan_adaptive_modes
 
     from tests.unit.cluster.planner.test_plan import flat
 
@@ -367,7 +365,7 @@ def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path
 def test_the_rate_step_reads_each_worker_s_role_back_from_the_metrics_page():
     import asyncio
 
-    from bench.goodput import worker_roles
+    from bench.rate_step import worker_roles
     from protocol.api import WorkerStatsMsg
     from router.metrics import PrometheusMetrics
 
