@@ -5,6 +5,7 @@ in the layout the planner picks from a step profile."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +48,9 @@ def planned_adaptive_mode(name: str, layout: Any) -> ModeSpec:
     """The adaptive mode started in the layout the planner picked (cluster.planner.Layout): xPyD steering
     as adaptive_mode does, or colocated replicas (the router gets the SLOs; colocated engines keep no step
     budget, deploy.cli says why; no pools to move)."""
-    if layout.num_prefill == 0:
-        return ModeSpec(name, ("--colocated", "--decode", str(layout.num_decode)),
-                        f"adaptive: planned {layout.name}", False, layout.num_decode, steers_to_slos=True)
-    spec = adaptive_mode(name, layout.num_prefill, layout.num_decode)
-    return ModeSpec(spec.name, spec.serve_flags, f"adaptive: planned {layout.name}", True, spec.num_workers,
-                    steers_to_slos=True)
+    spec = (colocated_mode(name, layout.num_decode) if layout.num_prefill == 0
+            else adaptive_mode(name, layout.num_prefill, layout.num_decode))
+    return dataclasses.replace(spec, description=f"adaptive: planned {layout.name}", steers_to_slos=True)
 
 
 MODES = {m.name: m for m in (disagg_mode("disagg", 1, 1), colocated_mode("colocated", 2), adaptive_mode("adaptive", 1, 1))}

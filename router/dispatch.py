@@ -513,9 +513,9 @@ class Dispatcher:
         worker_id, client = usable[0]
         self._place(attempt, client)
         self.policy.on_sent(worker_id, prompt)
-        await self._call_placed(worker_id, client.submit(attempt.request), "colocated worker")
-        if len(usable) > 1:  # NOTE: the prefix index only orders workers; with one, the prompt goes unhashed
+        if len(usable) > 1:  # NOTE: hashed by colocated_order just now; with one worker it goes unhashed
             self.policy.on_prompt(worker_id, prompt)
+        await self._call_placed(worker_id, client.submit(attempt.request), "colocated worker")
 
     def _place(self, attempt: _Attempt, client: DecodeClient) -> None:
         """The attempt now runs on the worker. NOTE: before the call: its first tokens may be polled
