@@ -76,11 +76,13 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -348,7 +350,11 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         asyncio.run(asyncio.wait_for(warm_up(plan, base_url + "/v1", timeout_s), timeout_s + 5))
         result.phases_s["warm-up"] = round(time.monotonic() - phase_started, 1)
         run = step_run if plan.schedule else sweep
+        before = scrape_metrics(base_url) if mode.is_kv_transferred else ""
         asyncio.run(run(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint))
+        if mode.is_kv_transferred:
+            result.pushes = push_totals(scrape_metrics(base_url), before)
+            echo(f"{mode.name}: KV pushes while the rates ran: {result.pushes}")
         result.status, result.phase = "ok", "done"
     except Exception as err:  # noqa: BLE001 - recorded; the next mode must still run
         result.fail(err)
@@ -361,6 +367,33 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         echo(f"---- {log_path.name}: the server's last lines, then the errors in Ray's logs\n"
              + "\n".join(result.log_tail))
     return result
+
+
+def scrape_metrics(base_url: str) -> str:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10.0) as reply:  # noqa: S310 - the local server
+        return reply.read().decode()
+
+
+PUSH_SERIES = {"pdserve:kv_pushes": "num_pushed", "pdserve:kv_push_failures": "num_failed",
+               "pdserve:kv_push_seconds": "push_seconds"}
+
+
+def push_totals(after: str, before: str = "") -> dict[str, Any]:
+    """The prefill workers' KV pushes between two /metrics pages, summed over the workers: how many, how
+    many failed, their seconds (each from the first token to its sends done, pushes overlapping), the bytes
+    the router counted, and bytes / seconds: what one push moved a second as served."""
+    def sums(text: str) -> dict[str, float]:
+        out = dict.fromkeys([*PUSH_SERIES.values(), "push_bytes"], 0.0)
+        for name, value in re.findall(r"^(pdserve:kv_\w+?)(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+            key = "push_bytes" if name == "pdserve:kv_transfer_bytes" else PUSH_SERIES.get(name)
+            if key is not None:
+                out[key] += float(value)
+        return out
+
+    a, b = sums(after), sums(before)
+    totals = {k: a[k] - b[k] for k in a}
+    seconds = totals["push_seconds"]
+    return {**totals, "gb_per_s": totals["push_bytes"] / seconds / 1e9 if seconds > 0 else None}
 
 
 NOISE = ("GET / 499", "disconnected, cancelling request")  # the proxy's lines for /v1/models polls before it serves
@@ -574,15 +607,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not names:
         raise SystemExit(f"--modes: none given; choose from {MODE_NAMES}")
     try:
-        specs = {m: mode_spec(m) for m in names}
+        specs = {m: mode_spec(m, args.tensor_parallel_size) for m in names}
     except ValueError as err:
         raise SystemExit(str(err)) from err
-    planned = plan_adaptive_modes(args, specs) if args.plan_profile is not None else {}
+    planned = plan_adaptive_modes(args, specs, args.tensor_parallel_size) if args.plan_profile is not None else {}
     args.out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(args.device)
     model_dir = resolve_model_dir(args.model)
     tee = Tee(args.out / "goodput_driver.log", t0)
-    problems = preflight(device, tee.echo, max(spec.num_workers for spec in specs.values()))
+    problems = preflight(device, tee.echo, max(spec.num_gpus for spec in specs.values()))
     if problems:
         tee.echo("goodput: cannot run:\n  " + "\n  ".join(problems))
         return 2

@@ -19,55 +19,79 @@ class ModeSpec:
     serve_flags: tuple[str, ...]  # `pdserve serve` flags that make the mode
     description: str
     is_kv_transferred: bool  # prefill and decode on different workers: --transport applies
-    num_workers: int  # one GPU each on a GPU machine
+    num_workers: int
+    num_gpus: int  # the workers' GPUs: each worker has its pool's tensor-parallel size of them
     steers_to_slos: bool = False  # the server gets the SLOs the sweep scores against
 
 
-def disagg_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
-    return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode)),
-                    f"disagg {num_prefill} prefill + {num_decode} decode", True, num_prefill + num_decode)
+def _tp_flags(prefill_tp: int, decode_tp: int, tp: int) -> tuple[str, ...]:
+    """--prefill-tp/--decode-tp where a pool's size differs from the engine's --tp (which both pools take)."""
+    return (("--prefill-tp", str(prefill_tp)) if prefill_tp != tp else ()) + \
+        (("--decode-tp", str(decode_tp)) if decode_tp != tp else ())
 
 
-def colocated_mode(name: str, num_replicas: int) -> ModeSpec:
-    return ModeSpec(name, ("--colocated", "--decode", str(num_replicas)), f"colocated {num_replicas} replicas",
-                    False, num_replicas)
+def _tp_note(prefill_tp: int, decode_tp: int) -> str:
+    if prefill_tp == decode_tp:
+        return f" (TP{prefill_tp} each)" if prefill_tp > 1 else ""
+    return f" (P TP{prefill_tp}, D TP{decode_tp})"
 
 
-def adaptive_mode(name: str, num_prefill: int, num_decode: int) -> ModeSpec:
+def disagg_mode(name: str, num_prefill: int, num_decode: int, prefill_tp: int = 1, decode_tp: int = 1,
+                tp: int = 1) -> ModeSpec:
+    return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode),
+                           *_tp_flags(prefill_tp, decode_tp, tp)),
+                    f"disagg {num_prefill} prefill + {num_decode} decode{_tp_note(prefill_tp, decode_tp)}", True,
+                    num_prefill + num_decode, num_prefill * prefill_tp + num_decode * decode_tp)
+
+
+def colocated_mode(name: str, num_replicas: int, tp: int = 1) -> ModeSpec:
+    return ModeSpec(name, ("--colocated", "--decode", str(num_replicas)),
+                    f"colocated {num_replicas} replicas{f' (TP{tp} each)' if tp > 1 else ''}", False, num_replicas,
+                    num_replicas * tp)
+
+
+def adaptive_mode(name: str, num_prefill: int, num_decode: int, prefill_tp: int = 1, decode_tp: int = 1,
+                  tp: int = 1) -> ModeSpec:
     """Starts as PpDd and steers to the SLOs: the 'slo' prefill rule (each prompt prefilled where its first
     token comes sooner, on a decode worker within the step budget or through the prefill workers), the
     engines' ITL budget, and the autoscaler moving workers between the pools within the same GPUs, down
-    to no prefill worker (the decode workers then serve as colocated ones)."""
-    num = num_prefill + num_decode
-    return ModeSpec(name, ("--prefill", str(num_prefill), "--decode", str(num_decode), "--local-prefill-rule", "slo",
-                           "--autoscale-max-gpus", str(num), "--autoscale-min-prefill", "0"),
-                    f"adaptive from {num_prefill}P{num_decode}D", True, num, steers_to_slos=True)
+    to no prefill worker (the decode workers then serve as colocated ones; only between pools of one
+    worker size)."""
+    spec = disagg_mode(name, num_prefill, num_decode, prefill_tp, decode_tp, tp)
+    return dataclasses.replace(
+        spec, serve_flags=(*spec.serve_flags, "--local-prefill-rule", "slo", "--autoscale-max-gpus", str(spec.num_gpus),
+                           "--autoscale-min-prefill", "0"),
+        description=f"adaptive from {num_prefill}P{num_decode}D{_tp_note(prefill_tp, decode_tp)}", steers_to_slos=True)
 
 
-def planned_adaptive_mode(name: str, layout: Any) -> ModeSpec:
+def planned_adaptive_mode(name: str, layout: Any, tp: int = 1) -> ModeSpec:
     """The adaptive mode started in the layout the planner picked (cluster.planner.Layout): xPyD steering
     as adaptive_mode does, or colocated replicas (the router gets the SLOs; colocated engines keep no step
-    budget, deploy.cli says why; no pools to move)."""
-    spec = (colocated_mode(name, layout.num_decode) if layout.num_prefill == 0
-            else adaptive_mode(name, layout.num_prefill, layout.num_decode))
+    budget, deploy.cli says why; no pools to move). TP: the engine's --tp, which the layout's sizes override."""
+    spec = (colocated_mode(name, layout.num_decode, layout.decode_tp) if layout.num_prefill == 0
+            else adaptive_mode(name, layout.num_prefill, layout.num_decode, layout.prefill_tp, layout.decode_tp, tp))
+    if layout.num_prefill == 0 and layout.decode_tp != tp:
+        spec = dataclasses.replace(spec, serve_flags=(*spec.serve_flags, "--decode-tp", str(layout.decode_tp)))
     return dataclasses.replace(spec, description=f"adaptive: planned {layout.name}", steers_to_slos=True)
 
 
-MODES = {m.name: m for m in (disagg_mode("disagg", 1, 1), colocated_mode("colocated", 2), adaptive_mode("adaptive", 1, 1))}
 MODE_NAMES = ("disagg (1P1D), colocated (2 replicas), adaptive (from 1P1D, steering to the SLOs), <P>p<D>d "
-              "(e.g. 1p3d, 2p6d), colocated<N> (e.g. colocated4), adaptive<P>p<D>d")
+              "(e.g. 1p3d, 2p6d), colocated<N> (e.g. colocated4), adaptive<P>p<D>d; every worker of --tp GPUs, "
+              "or, for the split modes, a suffix -tp<A>x<B> for prefill workers of A GPUs and decode workers of B "
+              "(e.g. 2p1d-tp1x2)")
 
 
-def mode_spec(name: str) -> ModeSpec:
-    """A mode by name: the two of MODES, '<P>p<D>d' (P prefill + D decode workers) or 'colocated<N>'."""
-    if name in MODES:
-        return MODES[name]
-    if m := re.fullmatch(r"(adaptive)?(\d+)p(\d+)d", name):
+def mode_spec(name: str, tp: int = 1) -> ModeSpec:
+    """A mode by name: disagg, colocated, adaptive, '<P>p<D>d' (P prefill + D decode workers) or
+    'colocated<N>', each worker of TP GPUs (the engine's --tp), or '<P>p<D>d-tp<A>x<B>' with A and B."""
+    aliases = {"disagg": "1p1d", "colocated": "colocated2", "adaptive": "adaptive1p1d"}
+    if m := re.fullmatch(r"(adaptive)?(\d+)p(\d+)d(?:-tp(\d+)x(\d+))?", aliases.get(name, name)):
         num_prefill, num_decode = int(m[2]), int(m[3])
-        if num_prefill >= 1 and num_decode >= 1:
-            return (adaptive_mode if m[1] else disagg_mode)(name, num_prefill, num_decode)
-    if (m := re.fullmatch(r"colocated(\d+)", name)) and int(m[1]) >= 1:
-        return colocated_mode(name, int(m[1]))
+        prefill_tp, decode_tp = (int(m[4]), int(m[5])) if m[4] else (tp, tp)
+        if min(num_prefill, num_decode, prefill_tp, decode_tp) >= 1:
+            return (adaptive_mode if m[1] else disagg_mode)(name, num_prefill, num_decode, prefill_tp, decode_tp, tp)
+    if (m := re.fullmatch(r"colocated(\d+)", aliases.get(name, name))) and int(m[1]) >= 1:
+        return colocated_mode(name, int(m[1]), tp)
     raise ValueError(f"--modes: unknown mode {name!r}; choose from {MODE_NAMES}")
 
 
@@ -78,7 +102,7 @@ def layout_of(spec: ModeSpec) -> tuple[int, int]:
     return (int(flags[flags.index("--prefill") + 1]), decode) if spec.is_kv_transferred else (0, decode)
 
 
-def plan_adaptive_modes(args: argparse.Namespace, specs: dict[str, ModeSpec]) -> dict[str, Any]:
+def plan_adaptive_modes(args: argparse.Namespace, specs: dict[str, ModeSpec], tp: int = 1) -> dict[str, Any]:
     """Each adaptive mode's layout, picked by the planner from --plan-profile for this run's workload and
     SLOs on the mode's GPUs (specs updated in place); per mode the pick and every layout's prediction."""
     from cluster.planner import SLO, StepProfile, Workload
@@ -91,8 +115,8 @@ def plan_adaptive_modes(args: argparse.Namespace, specs: dict[str, ModeSpec]) ->
     for name, spec in list(specs.items()):
         if not spec.steers_to_slos:
             continue
-        plans = plan_layouts(spec.num_workers, {1: profile}, workload, slo)
-        specs[name] = planned_adaptive_mode(name, plans[0].layout)
+        plans = plan_layouts(spec.num_gpus, {profile.tensor_parallel_size: profile}, workload, slo)
+        specs[name] = planned_adaptive_mode(name, plans[0].layout, tp)
         out[name] = {"pick": plans[0].layout.name, "profile": str(args.plan_profile),
                      "predicted": {"goodput": plans[0].goodput, "why": plans[0].why},
                      "layouts": {p.layout.name: {"goodput": p.goodput, "why": p.why} for p in plans}}

@@ -43,6 +43,7 @@ class ModeResult:
     stopped: str = ""  # how the server ended
     log_tail: list[str] = field(default_factory=list)  # the server log's last lines, when it failed
     step: dict[str, Any] | None = None  # a rate step's score and the workers' roles over it (bench/rate_step.py)
+    pushes: dict[str, Any] | None = None  # the KV pushes of the rates run, from /metrics (bench.goodput.push_totals)
 
     def fail(self, err: BaseException | str) -> None:
         self.status = "failed"
@@ -109,6 +110,7 @@ def mode_summary(result: ModeResult) -> dict[str, Any]:
         "max_rate_at_90pct_slo": max_rate_within_slo(rows),
         "log_tail": result.log_tail,
         **({"step": result.step} if result.step is not None else {}),
+        **({"pushes": result.pushes} if result.pushes is not None else {}),
     }
 
 

@@ -37,6 +37,10 @@
 #   scale4  (nvidia-h200-x4): 1P1D, 2P2D and 4 colocated replicas (scaling 1P1D -> 2P2D), then
 #           bench.kv_pairs (several pairs moving KV at once). scale4b: 1P3D vs 4 colocated.
 #   scale8  (nvidia-h200-x8): 2P6D vs 8 colocated, then bench.kv_pairs.
+#   tp70b   (nvidia-h200-x4, needs_h200: 70B bfloat16 at TP=2 leaves an H100 no KV room): bench.goodput at the
+#           Llama-3.1-70B shape, every worker of $TP GPUs (default 2) unless a mode says -tp<A>x<B>, modes $MODES
+#           (default colocated2,1p1d), rates $RATES, 15 s each; $GOODPUT_FLAGS: more flags (--quantization fp8).
+#   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
 #           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
@@ -47,7 +51,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -159,6 +163,14 @@ case "$part" in
   scale8)
     run 450 python3 -m bench.goodput --modes 2p6d,colocated8 --rates 8,16,32,48 --budget-s 420 --out "$out"
     run 120 python3 -m bench.kv_pairs --out "$out"
+    ;;
+  tp70b)
+    run 585 python3 -m bench.goodput --model bench/shapes/llama-3.1-70b --tp "${TP:-2}" --max-model-len 4300 \
+      --modes "${MODES:-colocated2,1p1d}" --rates "${RATES:-1,2,3,4,6}" --seconds-per-rate 15 \
+      --start-timeout-s 300 --budget-s "${BUDGET:-565}" ${GOODPUT_FLAGS:-} --out "$out"
+    ;;
+  kv_pairs)
+    run 300 python3 -m bench.kv_pairs ${KV_FLAGS:-} --out "$out"
     ;;
   graphs)
     run 240 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/gpu

@@ -5,6 +5,7 @@ and the id-only tokenizer of config-only model shapes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -20,7 +21,7 @@ from bench.goodput import (
     servable_model_dir,
     serve_flags,
 )
-from bench.goodput_modes import MODES
+from bench.goodput_modes import mode_spec
 from bench.goodput_report import ModeResult, compare, max_rate_within_slo, mode_summary, rate_row, table
 from bench.server_process import ServerError, ServerProcess
 from loadgen.metrics import SLO, compute_metrics
@@ -55,7 +56,7 @@ def rate_run(rate: float, records: list[RequestRecord], duration_s: float, num_n
 
 
 def mode(name: str, runs: list[RateRun], status: str = "ok") -> ModeResult:
-    result = ModeResult(name, MODES[name].description, ["serve"], runs=runs)
+    result = ModeResult(name, mode_spec(name).description, ["serve"], runs=runs)
     result.status = status
     return result
 
@@ -216,8 +217,8 @@ def test_error_lines_pick_the_last_lines_of_tracebacks():
 
 def test_only_the_disaggregated_mode_gets_the_transport():
     plan = _plan(slo_ttft_ms=1.0, slo_tpot_ms=1.0)
-    disagg = plan.server_argv(MODES["disagg"], 1, 2, 60.0)
-    colocated = plan.server_argv(MODES["colocated"], 1, 2, 60.0)
+    disagg = plan.server_argv(mode_spec("disagg"), 1, 2, 60.0)
+    colocated = plan.server_argv(mode_spec("colocated"), 1, 2, 60.0)
     assert disagg[disagg.index("--transport") + 1] == "nccl" and "--prefill" in disagg
     assert "--transport" not in colocated and colocated[colocated.index("--decode") + 1] == "2"
     assert plan.server_env()["NCCL_NVLS_ENABLE"] == "0" and plan.server_env()["TORCH_NCCL_ENABLE_MONITORING"] == "0"
@@ -229,7 +230,7 @@ def test_the_adaptive_mode_steers_to_the_slos_it_is_scored_against():
     from deploy.cli import app_config, build_parser
 
     plan = _plan(slo_ttft_ms=300.0, slo_tpot_ms=20.0)
-    argv = plan.server_argv(MODES["adaptive"], 1, 2, 60.0)
+    argv = plan.server_argv(mode_spec("adaptive"), 1, 2, 60.0)
     config = app_config(build_parser().parse_args(argv[argv.index("serve"):]))
     assert (config.dispatch.slo.ttft_ms, config.dispatch.slo.tpot_ms, config.dispatch.local_prefill.rule) == (300, 20, "slo")
     cluster = config.cluster
@@ -289,9 +290,57 @@ def test_mode_names_give_the_pool_sizes_and_bad_names_are_refused() -> None:
     assert mode_spec("colocated4").serve_flags == ("--colocated", "--decode", "4")
     assert layout_of(mode_spec("1p3d")) == (1, 3) and layout_of(mode_spec("colocated")) == (0, 2)
     assert layout_of(mode_spec("disagg")) == (1, 1) and layout_of(mode_spec("adaptive")) == (1, 1)
-    for bad in ("adaptive0p2d", "0p2d", "2p0d", "colocated0", "3x3", "p2d"):
+    for bad in ("adaptive0p2d", "0p2d", "2p0d", "colocated0", "3x3", "p2d", "1p1d-tp0x2", "colocated2-tp2x2"):
         with pytest.raises(ValueError, match="unknown mode"):
             mode_spec(bad)
+
+
+def test_tensor_parallel_modes_count_every_rank_s_gpu() -> None:
+    """Issue 28's 4-GPU layouts of the 70B shape: workers of the engine's --tp, or per pool with -tp<A>x<B>."""
+    from bench.goodput_modes import mode_spec
+    from deploy.cli import app_config, build_parser
+
+    colocated = mode_spec("colocated2", tp=2)
+    assert colocated.num_gpus == 4 and colocated.num_workers == 2 and "TP2" in colocated.description
+    assert mode_spec("1p1d", tp=2).num_gpus == 4 and mode_spec("1p1d", tp=2).serve_flags == ("--prefill", "1", "--decode", "1")
+    hetero = mode_spec("2p1d-tp1x2", tp=2)
+    assert hetero.num_gpus == 4 and hetero.serve_flags == ("--prefill", "2", "--decode", "1", "--prefill-tp", "1")
+    assert mode_spec("2p1d-tp1x2").serve_flags[-2:] == ("--decode-tp", "2")  # engine TP 1: the decode pool differs
+    adaptive = mode_spec("adaptive1p1d", tp=2)
+    flags = adaptive.serve_flags
+    assert flags[flags.index("--autoscale-max-gpus") + 1] == "4" and adaptive.steers_to_slos
+    plan = _plan(1000.0, 40.0)
+    argv = plan.server_argv(hetero, 1, 2, 60.0)
+    cluster = app_config(build_parser().parse_args([*argv[argv.index("serve"):], "--tp", "2"])).cluster
+    assert (cluster.tp_of("prefill"), cluster.tp_of("decode"), cluster.num_prefill) == (1, 2, 2)
+
+
+def test_push_totals_are_the_prefill_workers_pushes_between_two_metrics_pages() -> None:
+    from bench.goodput import push_totals
+    from protocol.api import WorkerStatsMsg
+    from protocol.messages import PushTotalsMsg
+    from protocol.messages import PushTotalsMsg
+    from router.metrics import PrometheusMetrics
+
+    rows: list[WorkerStatsMsg] = []
+
+    async def stats() -> list[WorkerStatsMsg]:
+        return rows
+
+    def worker(name: str, num_pushed: int, seconds: float) -> WorkerStatsMsg:
+        return WorkerStatsMsg(worker_id=name, role="prefill", pid=1, is_healthy=True, num_waiting=0, num_running=0,
+                              num_blocks=8, num_free_blocks=8,
+                              push_totals=PushTotalsMsg(num_pushed=num_pushed, push_seconds=seconds))
+
+    metrics = PrometheusMetrics("m", stats)
+    rows[:] = [worker("p0", 2, 0.5)]
+    metrics.push_bytes.inc(1000)
+    before = asyncio.run(metrics.render()).decode()
+    rows[:] = [worker("p0", 5, 1.5), worker("p1", 1, 0.5)]
+    metrics.push_bytes.inc(4e9)
+    totals = push_totals(asyncio.run(metrics.render()).decode(), before)
+    assert (totals["num_pushed"], totals["push_seconds"], totals["push_bytes"]) == (4, 1.5, 4e9)
+    assert totals["gb_per_s"] == pytest.approx(4e9 / 1.5 / 1e9) and totals["num_failed"] == 0
 
 
 def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> None:
@@ -326,7 +375,7 @@ def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.Monke
         calls = []
         queue = list(outcomes)
         monkeypatch.setattr(goodput, "_run_mode_once", lambda *a: calls.append(1) or attempt(queue.pop(0)))
-        result = goodput.run_mode(None, MODES["adaptive"], Path("."), 0.0, lambda m: None, lambda m: None)
+        result = goodput.run_mode(None, mode_spec("adaptive"), Path("."), 0.0, lambda m: None, lambda m: None)
         assert len(calls) == expected_calls and result.status == "failed"
 
 
