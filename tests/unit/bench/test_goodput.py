@@ -319,7 +319,6 @@ def test_push_totals_are_the_prefill_workers_pushes_between_two_metrics_pages() 
     from bench.goodput import push_totals
     from protocol.api import WorkerStatsMsg
     from protocol.messages import PushTotalsMsg
-    from protocol.messages import PushTotalsMsg
     from router.metrics import PrometheusMetrics
 
     rows: list[WorkerStatsMsg] = []
