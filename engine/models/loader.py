@@ -277,9 +277,10 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
                 param.random_(0, 256, generator=gen)
                 param.quant_scale[..., 0].fill_(0.0043)  # type: ignore[attr-defined]
                 param.quant_scale[..., 1].fill_(8.0)  # type: ignore[attr-defined]
-            elif param.dtype == FP8:
-                w = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
-                copy_checked(param, w, name, "the model", param.dtype, param.device)  # quantized per row
+            elif param.dtype == FP8:  # quantized per row; a tensor-parallel rank's part only, as its others
+                q, scale = quantize_rows(torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen))
+                param.copy_(q)
+                param.quant_scale.copy_(scale.view(-1))  # type: ignore[attr-defined]
             else:
                 param.normal_(0.0, 0.02, generator=gen)
 

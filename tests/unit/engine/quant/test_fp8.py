@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.models import load_arch
 from engine.quant.fp8 import FP8, Fp8Matmul, dequantize_rows, quantize_rows
 from tests.builders import ARCHITECTURES, assert_greedy_equals_hf, load_hf_model
 from tests.quant_builders import (count_close_sequences, dequantized_reference, fp8_reference,
@@ -119,10 +120,15 @@ def test_quantized_at_load_holds_fp8_weights_and_scales(hf_checkpoints, make_llm
     assert torch.equal(attn.k_proj.weight_scale, want_scale.view(-1))
 
 
-def test_dummy_weights_quantize(hf_checkpoints, make_llm) -> None:
-    llm = make_llm(str(hf_checkpoints("llama")), quantization="fp8", load_format="dummy", device="cpu", num_blocks=16)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dummy_weights_quantize(tp: int, hf_checkpoints, make_llm) -> None:
+    """At TP=2 each rank draws and quantizes its own part (4x H200, the 70B shape: a rank's q_proj
+    was checked against the whole model's shape and refused)."""
+    llm = make_llm(str(hf_checkpoints("llama")), quantization="fp8", load_format="dummy", device="cpu", num_blocks=16,
+                   tensor_parallel_size=tp)
     down = llm.engine.runner.model.model.layers[1].mlp.down_proj
     assert down.weight.dtype == FP8 and (down.weight_scale > 0).all()
+    assert down.weight.shape[1] == load_arch(hf_checkpoints("llama")).intermediate_size // tp
     out = llm.generate([[0, 5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 3
 
