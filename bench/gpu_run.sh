@@ -40,6 +40,8 @@
 #   tp70b   (nvidia-h200-x4, needs_h200: 70B bfloat16 at TP=2 leaves an H100 no KV room): bench.goodput at the
 #           Llama-3.1-70B shape, every worker of $TP GPUs (default 2) unless a mode says -tp<A>x<B>, modes $MODES
 #           (default colocated2,1p1d), rates $RATES, 15 s each; $GOODPUT_FLAGS: more flags (--quantization fp8).
+#   plan_profile_70b (nvidia-h200-x4, needs_h200): the planner's step profiles at the 70B shape, bfloat16 TP=2
+#           (GPUs 0,1) beside FP8 TP=2 (GPUs 2,3), then FP8 TP=1 (GPU 0): the sizes of tp70b's layouts.
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -51,7 +53,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -168,6 +170,16 @@ case "$part" in
     run 585 python3 -m bench.goodput --model bench/shapes/llama-3.1-70b --tp "${TP:-2}" --max-model-len 4300 \
       --modes "${MODES:-colocated2,1p1d}" --rates "${RATES:-1,2,3,4,6}" --seconds-per-rate 15 \
       --start-timeout-s 300 --budget-s "${BUDGET:-565}" ${GOODPUT_FLAGS:-} --out "$out"
+    ;;
+  plan_profile_70b)
+    profile() {  # GPUS NAME FLAGS...
+      CUDA_VISIBLE_DEVICES=$1 run 200 python3 -m deploy.cli plan --gpus 4 --slo-ttft-ms 1000 --slo-tpot-ms 40 \
+        --profile "$out/profile_llama-3.1-70b_$2.json" --model bench/shapes/llama-3.1-70b --load-format dummy \
+        --dtype bfloat16 --max-model-len 4300 "${@:3}" > "$out/plan_$2.txt"
+    }
+    profile 0,1 bf16_tp2 --tp 2 & profile 2,3 fp8_tp2 --tp 2 --quantization fp8 & wait
+    profile 0 fp8_tp1 --quantization fp8
+    tail -n 30 "$out"/plan_*.txt
     ;;
   kv_pairs)
     run 300 python3 -m bench.kv_pairs ${KV_FLAGS:-} --out "$out"
