@@ -1,5 +1,6 @@
-"""Issue 24's two-GPU comparison, from measured `bench.goodput` runs: 2 colocated replicas, 1P1D and the
-adaptive modes under three TTFT/TPOT SLO pairs, with the planner's predictions beside them.
+"""Comparisons of measured `bench.goodput` runs under three TTFT/TPOT SLO pairs, by named set: issue 24's
+on two GPUs (2 colocated replicas, 1P1D and the adaptive modes, the planner's predictions beside them)
+and issue 28's 4-GPU layouts at the Llama-3.1-70B shape (bfloat16 and FP8).
 
 Nothing is re-measured. A static layout (colocated, disagg) serves the same way whatever the SLOs, so its
 per-request records are scored against each pair. An adaptive run steered to one pair (the server had
@@ -11,7 +12,8 @@ their first token and their end, as the client saw them; every engine runs at mo
 these runs). The planner's goodput per layout is computed here from
 the step profile measured on the same machine kind (pdserve plan's simulation; deterministic).
 
-    python -m bench.adaptive_report  # reads and writes bench/results/adaptive_2xh200*
+    python -m bench.adaptive_report --set adaptive_2xh200  # reads and writes bench/results/adaptive_2xh200*
+    python -m bench.adaptive_report --set tp70b_4xh200
 """
 
 from __future__ import annotations
@@ -36,7 +38,16 @@ class Source(NamedTuple):
     steered: tuple[float, float] | None  # the SLO pair the server steered to; None: a static layout
 
 
-SOURCES = (
+class ReportSet(NamedTuple):
+    sources: tuple[Source, ...]
+    profile: str | None  # the planner's step profile of the sources' worker size (1 GPU); None: no prediction
+    profile_note: str
+    num_gpus: int
+    title: str
+    styles: dict[str, tuple[str, str]]  # label prefix -> (colour, line style)
+
+
+SOURCES_24 = (
     Source("2 colocated (run 1)", "adaptive_2xh200_static_run1.json", "colocated", None),
     Source("2 colocated (run 2)", "adaptive_2xh200_1p1d_1000_40_and_colocated_run2.json", "colocated", None),
     Source("1P1D", "adaptive_2xh200_static_run1.json", "disagg", None),
@@ -50,10 +61,31 @@ SOURCES = (
     Source("planned colocated + step budget", "adaptive_2xh200_planned_colocated_budget_300_40.json", "adaptive",
            (300.0, 40.0)),
 )
-PROFILE = "planner_profile_llama-3.1-8b_nvidia-h200.json"
-PROFILE_NOTE = ("measured before measure.decode_tokens: its decode figures where the batch's chunked prefill took more "
-                "steps than a request's 11 tokens (8 x 4,096, 32 x 1,024 and 32 x 4,096) timed fewer sequences than "
-                "asked, so its decode steps are too fast there")
+SOURCES_28 = (
+    Source("2 colocated TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "colocated2", None),
+    Source("2 colocated TP2 (run b)", "goodput_70b_4xh200_bf16_b.json", "colocated2", None),
+    Source("1P1D TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "1p1d", None),
+    Source("1P1D TP2 (run b)", "goodput_70b_4xh200_bf16_b.json", "1p1d", None),
+    Source("adaptive from 1P1D TP2", "goodput_70b_4xh200_bf16_b.json", "adaptive1p1d", (1000.0, 40.0)),
+    Source("FP8 2 colocated TP2", "goodput_70b_4xh200_fp8.json", "colocated2", None),
+    Source("FP8 2P(TP1) 1D(TP2)", "goodput_70b_4xh200_fp8.json", "2p1d-tp1x2", None),
+)
+SETS = {
+    "adaptive_2xh200": ReportSet(
+        SOURCES_24, "planner_profile_llama-3.1-8b_nvidia-h200.json",
+        "measured before measure.decode_tokens: its decode figures where the batch's chunked prefill took more steps "
+        "than a request's 11 tokens (8 x 4,096, 32 x 1,024 and 32 x 4,096) timed fewer sequences than asked, so its "
+        "decode steps are too fast there", 2, "issue 24 on {gpus}: Llama-3.1-8B shape (dummy bf16)",
+        {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive from 1P1D": ("tab:green", "-"),
+         "planned colocated + step budget": ("tab:red", "--")}),
+    "tp70b_4xh200": ReportSet(
+        SOURCES_28, None, "no prediction: the TP=2 step profiles (bfloat16, FP8) did not finish within the 200 s the "
+        "call gave them; only FP8 TP=1's did (planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json), and no "
+        "layout measured here is made of TP=1 workers alone", 4, "issue 28 on {gpus}: Llama-3.1-70B shape (dummy)",
+        {"2 colocated TP2": ("tab:blue", "-"), "1P1D TP2": ("tab:orange", "-"),
+         "adaptive from 1P1D TP2": ("tab:green", "-"), "FP8 2 colocated TP2": ("tab:blue", "--"),
+         "FP8 2P(TP1) 1D(TP2)": ("tab:purple", "--")}),
+}
 
 
 def attainment_rows(run: dict[str, Any], mode: str, ttft_ms: float, tpot_ms: float) -> list[dict[str, Any]]:
@@ -96,26 +128,30 @@ def goodput(rows: Sequence[dict[str, Any]]) -> tuple[float | None, float | None,
     return best, None, False
 
 
-def planner_goodput(profile_path: Path, workload: dict[str, Any], ttft_ms: float, tpot_ms: float) -> dict[str, Any]:
+def planner_goodput(profile_path: Path | None, num_gpus: int, workload: dict[str, Any], ttft_ms: float,
+                    tpot_ms: float) -> dict[str, Any]:
     from cluster.planner import SLO, StepProfile, Workload, plan
 
+    if profile_path is None:
+        return {"pick": None, "layouts": {}}
     profile = StepProfile.model_validate_json(profile_path.read_text())
     load = Workload(prompt_tokens=tuple(workload["input_len"]), output_tokens=tuple(workload["output_len"]))
-    plans = plan(2, {1: profile}, load, SLO(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+    plans = plan(num_gpus, {1: profile}, load, SLO(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
     return {"pick": plans[0].layout.name, "layouts": {p.layout.name: {"goodput": p.goodput, "why": p.why}
                                                       for p in plans}}
 
 
-def report(results: Path) -> dict[str, Any]:
+def report(results: Path, name: str = "adaptive_2xh200") -> dict[str, Any]:
+    the_set = SETS[name]
     runs: dict[str, dict[str, Any]] = {}
-    for s in SOURCES:
+    for s in the_set.sources:
         runs.setdefault(s.file, json.loads((results / s.file).read_text()))
-    first = runs[SOURCES[0].file]
+    first = runs[the_set.sources[0].file]
     workload = first["config"]
     pairs = []
     for ttft, tpot in PAIRS:
         configs = []
-        for s in SOURCES:
+        for s in the_set.sources:
             if s.steered is not None and s.steered != (ttft, tpot):
                 continue
             rows = attainment_rows(runs[s.file], s.mode, ttft, tpot)
@@ -124,30 +160,31 @@ def report(results: Path) -> dict[str, Any]:
                             "rows": rows, "goodput": best, "crossing_90": crossing, "sweep_fell_under_90": fell,
                             "decoding": decoding(runs[s.file], s.mode)})
         pairs.append({"slo_ttft_ms": ttft, "slo_tpot_ms": tpot, "configs": configs,
-                      "planner": planner_goodput(results / PROFILE, workload, ttft, tpot)})
+                      "planner": planner_goodput(results / the_set.profile if the_set.profile else None,
+                                                 the_set.num_gpus, workload, ttft, tpot)})
     return {"benchmark": "adaptive_report", "environment": first["environment"],
             "workload": {k: workload[k] for k in ("input_len", "output_len", "seconds_per_rate", "arrivals", "prompts",
                                                   "engine_flags")},
-            "sources": [s._asdict() for s in SOURCES], "profile": PROFILE, "profile_note": PROFILE_NOTE,
+            "sources": [s._asdict() for s in the_set.sources], "profile": the_set.profile,
+            "profile_note": the_set.profile_note,
             "pairs": pairs}
 
 
-def plot(fig: Any, doc: dict[str, Any]) -> None:
+def plot(fig: Any, doc: dict[str, Any], styles: dict[str, tuple[str, str]]) -> None:
     axes = fig.subplots(1, len(doc["pairs"]), sharey=True)
-    styles = {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive from 1P1D": ("tab:green", "-"),
-              "planned colocated + step budget": ("tab:red", "--")}
     for ax, pair in zip(axes, doc["pairs"]):
         for c in pair["configs"]:
             colour, line = next(v for k, v in styles.items() if c["label"].startswith(k))
-            marker = "o" if "run 2" not in c["label"] else "s"
+            marker = "s" if "run 2" in c["label"] or "run b" in c["label"] else "o"
             ax.plot([r["rate"] for r in c["rows"]], [100 * r["attainment"] for r in c["rows"]], line, color=colour,
                     marker=marker, label=f"{c['label']}: {c['goodput'] or 0:g}{'' if c['sweep_fell_under_90'] else '+'} req/s")
         for name, p in pair["planner"]["layouts"].items():
             colour = styles["2 colocated" if "colocated" in name else "1P1D"][0]
             ax.axvline(p["goodput"], color=colour, linestyle=":", alpha=0.7)
         ax.axhline(100 * ATTAINMENT, color="grey", linewidth=0.8)
-        ax.set_title(f"TTFT <= {pair['slo_ttft_ms']:g} ms, TPOT <= {pair['slo_tpot_ms']:g} ms\n"
-                     f"dotted: planner per layout (pick: {pair['planner']['pick']})", fontsize=9)
+        planner = f"dotted: planner per layout (pick: {pair['planner']['pick']})" if pair["planner"]["pick"] else \
+            "no planner prediction"
+        ax.set_title(f"TTFT <= {pair['slo_ttft_ms']:g} ms, TPOT <= {pair['slo_tpot_ms']:g} ms\n{planner}", fontsize=9)
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.legend(fontsize=7, loc="lower left")
     axes[0].set_ylabel("requests meeting both SLOs (%)")
@@ -156,14 +193,16 @@ def plot(fig: Any, doc: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--set", choices=sorted(SETS), default="adaptive_2xh200")
     args = parser.parse_args(argv)
-    doc = report(args.results)
-    out = args.results / "adaptive_2xh200.json"
+    doc = report(args.results, args.set)
+    out = args.results / f"{args.set}.json"
     out.write_text(json.dumps(doc, indent=1) + "\n")
     env = doc["environment"]
-    title = (f"issue 24 on {len(env['gpus'])}x {env['device_name']}: Llama-3.1-8B shape (dummy bf16), prompts "
-             f"{doc['workload']['input_len']}, outputs {doc['workload']['output_len']}, {env['date'][:10]}")
-    save_plot(out.with_suffix(".png"), lambda fig: plot(fig, doc), title)
+    gpus = f"{len(env['gpus'])}x {env['gpus'][0] if env['gpus'] else env['device_name']}"
+    title = (f"{SETS[args.set].title.format(gpus=gpus)}, prompts {doc['workload']['input_len']}, outputs "
+             f"{doc['workload']['output_len']}, {env['date'][:10]}")
+    save_plot(out.with_suffix(".png"), lambda fig: plot(fig, doc, SETS[args.set].styles), title)
     for pair in doc["pairs"]:
         predicted = ", ".join(f"{k} {v['goodput']:.2f}" for k, v in pair["planner"]["layouts"].items())
         print(f"TTFT <= {pair['slo_ttft_ms']:g} ms, TPOT <= {pair['slo_tpot_ms']:g} ms (planner: {predicted})")
