@@ -214,7 +214,10 @@ class EngineCore:
         # SchedulerConfig.itl_budget_ms, or None while this worker computes every prompt it serves (a decode
         # worker with no prefill pool left: DecodeWorker.computes_every_prompt)
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
-        self._step_counts = (0, 0)
+        # for `rates`: (prompt tokens, decode rows) of the work the step call now running waited for (None: it
+        # waited for none), and of the steps launched but not yet waited for (asynchronous scheduling)
+        self._step_counts: tuple[int, int] | None = None
+        self._unwaited = (0, 0)
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
 
     def close(self) -> None:
@@ -374,11 +377,22 @@ class EngineCore:
     # ---- the step
     def step(self) -> list[StepOutput]:
         start = self.clock()
-        self._step_counts = (0, 0)
+        self._step_counts = None
         outputs = self._step()
-        self.rates.observe(self.clock() - start, *self._step_counts)
+        if self._step_counts is not None:
+            self.rates.observe(self.clock() - start, *self._step_counts)
         return outputs
 
+    def _waited(self, prev: _Inflight | None, launched: tuple[int, int]) -> None:
+        """For `rates`: a call's time is the device's work it waited for. A synchronous call waits for its
+        own step; an asynchronous one for the steps launched before it (reading prev's tokens waits for
+        them all; a step that samples nothing is not read, so its work counts with the next one read),
+        not for the step it launches. Without this, a decode-only step's call that waited for a prefill
+        step was timed as a decode step (4x H200, 70B: the decode step read 45 ms against a 25 ms TPOT)."""
+        if prev is not None and prev.pending is not None:
+            self._step_counts, self._unwaited = self._unwaited, launched
+        else:
+            self._unwaited = (self._unwaited[0] + launched[0], self._unwaited[1] + launched[1]) if prev else launched
     def _prompt_budget(self) -> int | None:
         """The prompt tokens a step may add beside decoding requests within the ITL budget
         (`itl_budget_ms`), from the measured rates; None: no cap (or none measured)."""
@@ -396,10 +410,11 @@ class EngineCore:
             # From asynchronous steps to a drafting one: this call only reads the step in flight
             # (its outputs), so drafting starts from every token in place.
             prev, self._inflight = self._inflight, None
+            self._waited(prev, (0, 0))
             return self._resolve(prev)[0]
         self._draft()
         out = self.scheduler.schedule(prompt_budget=self._prompt_budget())
-        self._step_counts = (out.num_prompt_tokens, out.num_decode_rows)  # for `rates`
+        self._step_counts, self._unwaited = (out.num_prompt_tokens, out.num_decode_rows), (0, 0)  # for `rates`
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         sampled = self._execute(out)
@@ -408,11 +423,12 @@ class EngineCore:
     def _step_async(self) -> list[StepOutput]:
         """The module docstring's four stages; returns the previous step's outputs."""
         prev, self._inflight = self._inflight, None
+        reads = prev  # this call reads its tokens, so waits for it
         outputs: list[StepOutput] = []
         if prev is not None and prev.needs_tokens_first:
             outputs, prev = self._resolve(prev)[0], None
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset(), self._prompt_budget())
-        self._step_counts = (out.num_prompt_tokens, out.num_decode_rows)  # for `rates`
+        self._waited(reads, (out.num_prompt_tokens, out.num_decode_rows) if out.scheduled else (0, 0))
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         pending, sampling = None, []

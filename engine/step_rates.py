@@ -1,9 +1,9 @@
 """What an engine measures of its own speed, for the router's choice of where to prefill a prompt
 (router/policy.py's SloRule): the time of a step that only decodes, and the prompt tokens a second
 it computes in steps that prefill (their time less the decode part). Exponentially weighted, from
-the wall time of each `EngineCore.step` call (with asynchronous scheduling a call's time is the
-step period, and the counts are of the step it launched: one step apart, which the weighting
-smooths). 0.0 means not measured yet."""
+the wall time of each `EngineCore.step` call and the counts of the steps it waited for (with
+asynchronous scheduling the steps launched before it, not the one it launches: EngineCore._waited).
+0.0 means not measured yet."""
 
 from __future__ import annotations
 
