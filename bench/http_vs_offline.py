@@ -5,7 +5,7 @@ workload, and what the router adds to time to first token. One GPU, one run:
    lengths uniform in [100, 1024], seed 0, temperature 0.6, ignore EOS; bench.offline_throughput's),
    output tokens/s; then TTFT of --num-ttft lone 512-token prompts (add_request -> first token).
 2. The engine is freed; `pdserve serve --colocated --decode 1` (one worker on the GPU, Ray Serve
-   router and HTTP proxy in front) serves the same model; after the offline engine's warm-up (the
+   router replicas in front) serves the same model; after the offline engine's warm-up (the
    workload cut to 16 output tokens, all at once), the same 256 requests are sent at once as
    streaming completions (token-id prompts, loadgen's client) and output tokens/s = the server's
    usage tokens / the run's duration; then the same lone-prompt TTFTs over HTTP (client send ->
@@ -14,13 +14,10 @@ workload, and what the router adds to time to first token. One GPU, one run:
 Reported: HTTP / offline throughput (goal >= 90%) and median TTFT HTTP - offline (goal <= 5 ms),
 for each server variant asked for (--variants), one after another on the same GPU:
 
-- `proxy`: clients -> Serve's HTTP proxy actor -> the router replica (Serve's default);
-- `proxy-r4`: the same with 4 router replicas;
-- `direct`: Serve's direct ingress (`pdserve serve --ingress direct`, its default with one router
-  replica): the router replica runs the HTTP server itself and clients connect to it, without the
-  proxy hop;
-- `tput`: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress, and the router's code on the replica's
-  own event loop instead of a thread of its own);
+- `r1`, `r2`, `r4`: 1, 2 or 4 router replicas (`--num-router-replicas`), each serving --port itself
+  (router/http_server.py; the kernel spreads the client's connections over them). Serve's proxy,
+  Serve's direct ingress (one replica per port) and its throughput-optimized settings were measured
+  here before (http_vs_offline_*_channel, _worker_cpu) and are no longer ways to serve.
 
 Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
 the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
@@ -72,12 +69,7 @@ def offline_ttfts(engine: EngineCore, prompts: list[list[int]]) -> list[float]:
 
 
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serve flags, extra environment)
-    "proxy": (["--ingress", "proxy"], {}),
-    "proxy-r4": (["--ingress", "proxy", "--num-router-replicas", "4"], {}),
-    "direct": (["--ingress", "direct"], {}),  # pdserve serve's default with one router replica
-    # Serve's throughput-optimized settings: direct ingress, user code on the replica's own event
-    # loop (not a thread of its own), gRPC between Serve's actors, the GC frozen after start.
-    "tput": (["--ingress", "direct"], {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
+    f"r{n}": (["--num-router-replicas", str(n)], {}) for n in (1, 2, 4)
 }
 
 
@@ -168,7 +160,7 @@ def main() -> None:
     parser.add_argument("--ttft-len", type=int, default=512)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--clip", type=int, default=None, help="cut prompts and outputs to this many tokens (smoke)")
-    parser.add_argument("--variants", default="proxy,tput", help=f"comma-separated, of {sorted(VARIANTS)}")
+    parser.add_argument("--variants", default="r1,r2", help=f"comma-separated, of {sorted(VARIANTS)}")
     parser.add_argument("--out", type=Path, help="where the results go (required unless --replot)")
     parser.add_argument("--replot", type=Path, default=None, help="redraw the PNG of this result JSON and exit")
     args = parser.parse_args()
@@ -214,7 +206,7 @@ def main() -> None:
             extra_flags, extra_env = VARIANTS[name]
             # a variant named again (ABBA orders) is recorded as name_2, name_3...
             key = name if names.index(name) == position else f"{name}_{names[:position + 1].count(name)}"
-            port = free_port()  # with --ingress direct, the router replica's own port
+            port = free_port()  # the router replicas' own port
             argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, *extra_flags,
                     "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
             server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}

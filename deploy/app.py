@@ -44,4 +44,5 @@ def build_app(args: dict[str, Any] | ServeAppConfig) -> Application:
     ingress = serve.deployment(serve.ingress()(RouterIngress), name="Router",
                                num_replicas=config.num_router_replicas, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=max(100, config.router.max_in_flight))
-    return ingress.bind(controller, config.router, str(model_dir), max_model_len, config.dispatch, grpc=config.grpc)
+    return ingress.bind(controller, config.router, str(model_dir), max_model_len, config.dispatch, grpc=config.grpc,
+                        http=config.http)

@@ -25,7 +25,7 @@ from cluster.config import ClusterConfig
 from deploy.schema import ServeAppConfig
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvtransfer.netaddr import free_port
-from router.core import GrpcServerConfig, RouterConfig
+from router.core import ListenAddress, RouterConfig
 from router.dispatch import DispatcherConfig, LocalPrefillConfig, SloConfig
 
 APP_NAME = "pdserve"
@@ -81,13 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: open)")
-    serve.add_argument("--num-router-replicas", type=int, default=_default(ServeAppConfig, "num_router_replicas"))
-    serve.add_argument(
-        "--ingress", choices=["auto", "direct", "proxy"], default="auto",
-        help="'direct': clients reach the router replica's own HTTP server on --port (Serve's direct ingress; one "
-        "router replica, a local cluster); 'proxy': through Serve's HTTP proxy; 'auto': direct when those hold "
-        "(direct saves the proxy's hop).",
-    )
+    serve.add_argument("--num-router-replicas", type=int, default=_default(ServeAppConfig, "num_router_replicas"),
+                       help="router processes; those of a node all serve --port and --grpc-port (SO_REUSEPORT)")
     serve.add_argument("--local-prefill-rule", default=_default(LocalPrefillConfig, "rule"),
                        help=_help(LocalPrefillConfig, "rule"))
     serve.add_argument("--local-prefill-max-tokens", type=int,
@@ -173,7 +168,8 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
     dispatch = DispatcherConfig(local_prefill=local, slo=slo)
     return ServeAppConfig(cluster=cluster, router=router, dispatch=dispatch,
                           num_router_replicas=args.num_router_replicas,
-                          grpc=GrpcServerConfig(host=args.host, port=args.grpc_port))
+                          http=ListenAddress(host=args.host, port=args.port),
+                          grpc=ListenAddress(host=args.host, port=args.grpc_port))
 
 
 def _token_auth_for(address: str | None) -> None:
@@ -198,15 +194,9 @@ def serve_command(args: argparse.Namespace) -> int:
     for port, flag in ((args.port, "--port"), (args.grpc_port, "--grpc-port")):
         _check_port_free(args.host, port, flag)  # NOTE: before Ray starts: its failure would come 25 s later
     ensure_generated()
-    direct = _direct_ingress(args, config)
-    proxy_port = args.port
-    if direct:
-        # NOTE: read by every Serve process of the local cluster ray.init starts below (they inherit
-        # this environment): the router replica binds exactly --port; Serve's proxy, which direct
-        # ingress keeps on the head node, gets a free port of its own on the same host.
-        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(args.port),
-                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(args.port + 1))
-        proxy_port = free_port(args.host)
+    # NOTE: the router replicas serve --port themselves (router/http_server.py); Serve's HTTP proxy, which
+    # Serve always starts, gets a free port of its own on the same host.
+    proxy_port = free_port(args.host)
     started = time.monotonic()
     # NOTE: "local" starts a new cluster even when another one runs on this machine.
     # NOTE: Ray's and Serve's own start-up lines (token auth, "ready at" Serve's proxy port...) off: the
@@ -222,8 +212,9 @@ def serve_command(args: argparse.Namespace) -> int:
         pools = f"{c.num_prefill} prefill + {c.num_decode} decode" if c.mode == "disaggregated" else f"{c.num_decode} colocated"
         print(f"pdserve: serving {config.router.model_name!r} with {pools} worker(s), "
               f"ready in {time.monotonic() - started:.1f} s", flush=True)
-        route = "to the router replica; Serve's proxy also on :" + str(proxy_port) if direct else "through Serve's proxy"
-        print(f"  HTTP  http://{args.host}:{args.port}/v1  (OpenAI API; /health, /metrics; {route})", flush=True)
+        routers = f"{config.num_router_replicas} router replica{'s' if config.num_router_replicas > 1 else ''}"
+        print(f"  HTTP  http://{args.host}:{args.port}/v1  (OpenAI API; /health, /metrics; served by {routers}; "
+              f"Serve's proxy also on :{proxy_port})", flush=True)
         print(f"  Ray   {context.address_info['gcs_address']}  (pdserve status --address ...)", flush=True)
         print(f"  gRPC  {args.host}:{args.grpc_port}  (pdserve.v1.Generation, reflection on)", flush=True)
         _wait(stop, args.exit_after)
@@ -247,17 +238,6 @@ def _check_port_free(host: str, port: int, flag: str) -> None:
         except OSError as err:
             raise SystemExit(f"pdserve serve: {host}:{port} is in use ({err.strerror}): stop what listens there, "
                              f"or pass {flag} with a free port") from None
-
-
-def _direct_ingress(args: argparse.Namespace, config: ServeAppConfig) -> bool:
-    """Whether the router replica serves HTTP itself (`--ingress`). Direct needs one router replica
-    (each replica binds a port of its own) and a cluster this command starts (Serve reads the
-    setting from its processes' environment)."""
-    possible = config.num_router_replicas == 1 and args.address is None
-    if args.ingress == "direct" and not possible:
-        raise SystemExit("--ingress direct needs --num-router-replicas 1 and a local cluster (no --address); "
-                         "use --ingress proxy")
-    return args.ingress == "direct" or (args.ingress == "auto" and possible)
 
 
 def _wait(done: threading.Event, exit_after: float | None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import ClusterConfig
-from router.core import GrpcServerConfig, RouterConfig
+from router.core import ListenAddress, RouterConfig
 from router.dispatch import DispatcherConfig
 
 
@@ -21,7 +21,11 @@ class ServeAppConfig(BaseModel):
         "prefill workers (local_prefill).",
     )
     num_router_replicas: int = Field(1, ge=1, le=64, description="Serve replicas of the router (HTTP and gRPC).")
-    grpc: GrpcServerConfig | None = Field(
+    http: ListenAddress | None = Field(
+        None, description="Each router replica serves the HTTP API itself on this address (`pdserve serve` sets it; "
+        "the replicas of a node share it); None: only through Serve's HTTP proxy.",
+    )
+    grpc: ListenAddress | None = Field(
         None, description="Each router replica serves gRPC itself on this address (`pdserve serve` sets it: Serve's "
         "gRPC proxy binds every interface); None: only through Serve's gRPC proxy, if grpc_options configure it.",
     )

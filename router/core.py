@@ -69,13 +69,14 @@ class RouterConfig(BaseModel):
     )
 
 
-class GrpcServerConfig(BaseModel):
-    """Where a router replica serves gRPC itself (router/grpc_server.py)."""
+class ListenAddress(BaseModel):
+    """Where each router replica serves a front end itself (router/http_server.py, router/grpc_server.py);
+    the replicas of a node share the port (SO_REUSEPORT: the kernel spreads new connections over them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host: str = Field("127.0.0.1", min_length=1, description="Address the gRPC server binds ('0.0.0.0': every one).")
-    port: int = Field(9000, ge=1, le=65535, description="Its port, shared by the router replicas of a node.")
+    host: str = Field("127.0.0.1", min_length=1, description="Address the server binds ('0.0.0.0': every one).")
+    port: int = Field(ge=1, le=65535, description="Its port, shared by the router replicas of a node.")
 
 
 @dataclass(frozen=True)

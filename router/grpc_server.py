@@ -17,12 +17,12 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from router import grpc_service  # noqa: F401 - NOTE: first: it generates router/proto's modules when missing
-from router.core import GrpcServerConfig
+from router.core import ListenAddress
 from router.proto import pdserve_pb2 as pb
 from router.proto import pdserve_pb2_grpc as pbg
 
 
-async def start_grpc_server(servicer: Any, config: GrpcServerConfig) -> grpc.aio.Server:
+async def start_grpc_server(servicer: Any, config: ListenAddress) -> grpc.aio.Server:
     """Serves pdserve.v1.Generation (and reflection) on config.host:port with `servicer`'s async
     `Generate` and `Complete` (RouterIngress's, the methods Serve's proxy calls too); raises OSError
     naming the address when it cannot be bound."""

@@ -40,7 +40,8 @@ UNAUTHENTICATED_ROUTES = ("/health",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 
-def build_http_app(core: RouterCore) -> FastAPI:
+def build_http_app(core: RouterCore, router_id: str = "router") -> FastAPI:
+    """router_id: named by /health, so that a client can tell which router replica answered."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Gate, core=core)
 
@@ -62,7 +63,7 @@ def build_http_app(core: RouterCore) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response('{"status":"ok"}', media_type="application/json")
+        return Response(json.dumps({"status": "ok", "router": router_id}), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

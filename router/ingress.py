@@ -1,5 +1,7 @@
 """RouterIngress: the body of the router's Ray Serve replicas. One Dispatcher and RouterCore per
-replica, serving the OpenAI HTTP API (FastAPI, built at replica start) and the gRPC service.
+replica, serving the OpenAI HTTP API (FastAPI, built at replica start) and the gRPC service, on
+servers of its own where given addresses (`pdserve serve`: every replica of a node on the same
+ports) and to Serve's proxies.
 
 It is handed a controller handle (anything whose `workers()` returns (version, prefill handles,
 decode handles)) and follows worker replacements by polling that version. Knows nothing of how
@@ -17,13 +19,14 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from router import grpc_service
-from router.core import GrpcServerConfig, RouterConfig, RouterCore
+from router.core import ListenAddress, RouterConfig, RouterCore
 from protocol.api import WorkerStatsMsg
 from router.dispatch import Dispatcher, DispatcherConfig, Workers
 from router.channels import WorkerChannels
 from router.follow import WorkerSetFollower
 from router.grpc_server import start_grpc_server
 from router.http_app import build_http_app
+from router.http_server import start_http_server
 from router.metrics import PrometheusMetrics
 
 log = logging.getLogger(__name__)
@@ -32,25 +35,33 @@ log = logging.getLogger(__name__)
 class RouterIngress:
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors
         self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int,
-        dispatch: DispatcherConfig | None = None, refresh_s: float = 1.0, grpc: GrpcServerConfig | None = None,
+        dispatch: DispatcherConfig | None = None, refresh_s: float = 1.0, grpc: ListenAddress | None = None,
+        http: ListenAddress | None = None,
     ) -> None:
+        from ray.actor import ActorHandle
+
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
+        # NOTE: first, what __del__ closes: Serve calls it after a constructor that raised too.
+        # The workers' per-request calls and token batches over the request channel (a direct socket
+        # per worker); Ray actor handles are the ones given one.
+        self.channels = WorkerChannels(lambda target: isinstance(target, ActorHandle))
+        self.grpc_server: Any = None
+        self.http_server: Any = None
         self.dispatcher = Dispatcher(
             self.router_id, Workers(prefill={}, decode={}), config=dispatch,
             on_prefill_result=lambda result: self.core.on_prefill_result(result),
         )
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
-        # The workers' per-request calls and token batches over the request channel (a direct socket
-        # per worker); Ray actor handles are the ones given one.
-        from ray.actor import ActorHandle
-
-        self.channels = WorkerChannels(lambda target: isinstance(target, ActorHandle))
+        self.http_app = build_http_app(self.core, self.router_id)  # NOTE: `app` is Serve's wrapper's property
         self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s,
                                           wrap=self.channels.wrap)
         await self.follower.start()
         # its own gRPC server where asked (`pdserve serve`), else Serve's gRPC proxy: both call Generate/Complete
-        self.grpc_server = None if grpc is None else await start_grpc_server(self, grpc)
+        if grpc is not None:
+            self.grpc_server = await start_grpc_server(self, grpc)
+        if http is not None:
+            self.http_server = await start_http_server(self.http_app, http)
         # A replica's process is this router's alone (Serve starts one per replica): its startup
         # objects (the tokenizer, Ray, Serve, pydantic's schemas) leave the garbage collector's reach,
         # whose full passes over them hold the GIL for tens of ms mid-stream.
@@ -65,9 +76,11 @@ class RouterIngress:
         return [r for r in rows if isinstance(r, WorkerStatsMsg)]
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_http_app(self.core)
+        return self.http_app
 
     async def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        if self.http_server is not None:
+            await self.http_server.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
         self.channels.close()

@@ -1,6 +1,6 @@
 """`pdserve serve` as a user runs it: a subprocess that starts its own local Ray cluster and Serve,
 then the real `openai` client, a real gRPC client, curl's SSE stream and `pdserve status` against it.
-Disaggregated (1 prefill + 1 decode over gloo), with an API key."""
+Disaggregated (1 prefill + 1 decode over gloo), with an API key, two router replicas on one port."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ class Server:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PDSERVE_API_KEY": KEY}
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--prefill", "1", "--decode", "1", "--transport", "gloo",
                "--device", "cpu", "--num-blocks", "512", "--block-size", "8",
-               "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--exit-after", "600"]
+               "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--exit-after", "600",
+               "--num-router-replicas", "2"]
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=ignore)
@@ -102,12 +103,12 @@ def test_openai_client_completions_and_chat(server):
 
 def test_http_and_grpc_listen_on_loopback_only(server):
     """The default --host 127.0.0.1 holds for every port (Serve's own gRPC proxy would bind every
-    interface, '[::]:port'; router/grpc_server.py binds the host), and by default (one router
-    replica) --port is served by the router replica itself, Serve's proxy on a port of its own."""
+    interface, '[::]:port'; router/grpc_server.py binds the host), and --port is served by the router
+    replicas themselves, both of them, Serve's proxy on a port of its own."""
     import psutil
 
     http_line = next(line for line in server.output if line.strip().startswith("HTTP "))
-    assert "to the router replica" in http_line, http_line  # direct ingress: one router replica, a local cluster
+    assert "served by 2 router replicas" in http_line, http_line
     proxy_port = int(http_line.split("Serve's proxy also on :")[1].split(")")[0])
     ports = (server.port, server.grpc_port, proxy_port)
     listening: dict[int, set[str]] = {}
@@ -117,8 +118,23 @@ def test_http_and_grpc_listen_on_loopback_only(server):
             listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip.removeprefix("::ffff:"))  # v4-mapped
             owners.setdefault(conn.laddr.port, set()).add(psutil.Process(conn.pid).name() if conn.pid else "?")
     assert listening == {port: {"127.0.0.1"} for port in ports}
-    # --port is the router replica's own server (no proxy hop); the proxy listens elsewhere.
+    # --port is the router replicas' own servers (no proxy hop); the proxy listens elsewhere.
     assert any("Router" in name for name in owners[server.port]), owners
+    pids = {conn.pid for conn in psutil.net_connections(kind="tcp")
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port in (server.port, server.grpc_port)}
+    assert len(pids) == 2, pids  # each router replica listens on both ports
+
+
+def test_new_connections_reach_both_router_replicas(server):
+    """The kernel spreads new connections to --port over the replicas (SO_REUSEPORT); /health names the
+    replica that answered. 24 connections all on one of two replicas: odds 2 in 2^24 if spread evenly."""
+    import urllib.request
+
+    routers = set()
+    for _ in range(24):  # NOTE: urllib opens a new connection each time
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as reply:
+            routers.add(json.loads(reply.read())["router"])
+    assert len(routers) == 2 and all(r.startswith("router-") for r in routers), routers
 
 
 def test_grpc_streaming_client_with_reflection(server):
@@ -165,11 +181,12 @@ def test_curl_sse_stream_and_status(server):
     assert "prefill-0" in status.stdout and "decode-0" in status.stdout
     assert "engine of decode-0: weights float32, KV cache float32" in status.stdout, status.stdout
     assert " INFO " not in status.stderr and "object at 0x" not in status.stderr, status.stderr  # a table only
-    # The router replica reached the decode worker over the request channel (protocol/channel.py),
-    # not through Ray calls: the worker counts one router connected.
+    # The router replicas reached the decode worker over the request channel (protocol/channel.py),
+    # not through Ray calls: the worker counts the routers connected (each replica opens its own channel
+    # when it first calls the worker: one or both, as the connections fell).
     header, *rows = status.stdout.splitlines()
     decode_row = next(row.split() for row in rows if row.startswith("decode-0"))
-    assert header.split()[-2] == "channels" and decode_row[-2] == "1", status.stdout
+    assert header.split()[-2] == "channels" and decode_row[-2] in ("1", "2"), status.stdout
 
 
 def test_a_long_prompt_goes_through_the_prefill_worker_over_its_channel(server):
@@ -194,7 +211,9 @@ def test_a_long_prompt_goes_through_the_prefill_worker_over_its_channel(server):
     header, *rows = status.stdout.splitlines()
     assert header.split()[-2] == "channels", status.stdout
     channels = {row.split()[0]: row.split()[-2] for row in rows if row.strip()}  # routers connected to each
-    assert channels.get("prefill-0") == "1" and channels.get("decode-0") == "1", status.stdout
+    # NOTE: a router replica opens a worker's channel when it first calls it: the one that served this
+    # prompt at least
+    assert channels.get("prefill-0") in ("1", "2") and channels.get("decode-0") in ("1", "2"), status.stdout
 
 
 def test_sigint_stops_a_server_started_with_sigint_ignored(server):

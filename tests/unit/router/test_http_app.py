@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -16,17 +15,18 @@ from typing import Any, TypeVar
 
 import openai
 import pytest
-import uvicorn
 
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams, Tokenizer
 from engine.llm import engine_config
 from engine.models import DEFAULT_MODEL_DIR
 from kvtransfer import LocalHub
+from kvtransfer.netaddr import free_port
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from router import Dispatcher, DispatcherConfig, LocalPrefillConfig, NoCapacityError, RequestFailedError, Workers
-from router.core import RouterConfig, RouterCore
+from router.core import ListenAddress, RouterConfig, RouterCore
 from router.http_app import build_http_app
+from router.http_server import start_http_server
 
 ENGINE = dict(device="cpu", block_size=8, num_blocks=256)
 API_KEY = "test-key"
@@ -40,24 +40,16 @@ T = TypeVar("T")
 
 
 class Server:
-    """uvicorn on its own event loop in a thread; the workers and the Dispatcher live on that loop."""
+    """The router replica's HTTP server (router/http_server.py) on its own event loop in a thread; the
+    workers and the Dispatcher live on that loop."""
 
     def __init__(self, core: RouterCore, workers: list[Any]) -> None:
         self.core, self.workers = core, workers
         self.loop = asyncio.new_event_loop()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_http_app(core), log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.loop.run_until_complete, args=(self.server.serve(sockets=[sock]),), daemon=True
-        )
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
+        self.port = free_port()
+        self.server = self.call(start_http_server(build_http_app(core), ListenAddress(port=self.port)))
         self.url = f"http://127.0.0.1:{self.port}"
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 10) -> T:
@@ -90,9 +82,10 @@ class Server:
         self.call(self.core.dispatcher.close())
         for w in self.workers:
             self.call(w.shutdown())
-        self.server.should_exit = True
+        self.call(self.server.stop(2.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-        assert not self.thread.is_alive(), "uvicorn did not stop"
+        assert not self.thread.is_alive(), "the server's loop did not stop"
         self.loop.close()
 
 
