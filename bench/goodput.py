@@ -375,13 +375,14 @@ def scrape_metrics(base_url: str) -> str:
 
 
 PUSH_SERIES = {"pdserve:kv_pushes": "num_pushed", "pdserve:kv_push_failures": "num_failed",
-               "pdserve:kv_push_seconds": "push_seconds"}
+               "pdserve:kv_push_seconds": "push_seconds", "pdserve:kv_push_send_device_seconds": "send_device_seconds"}
 
 
 def push_totals(after: str, before: str = "") -> dict[str, Any]:
     """The prefill workers' KV pushes between two /metrics pages, summed over the workers: how many, how
     many failed, their seconds (each from the first token to its sends done, pushes overlapping), the bytes
-    the router counted, and bytes / seconds: what one push moved a second as served."""
+    the router counted, and bytes / seconds: what one push moved a second as served; bytes / the sends'
+    seconds on the device: the wire's bandwidth (with TP, all rank pairs over rank 0's time)."""
     def sums(text: str) -> dict[str, float]:
         out = dict.fromkeys([*PUSH_SERIES.values(), "push_bytes"], 0.0)
         for name, value in re.findall(r"^(pdserve:kv_\w+?)(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE):
@@ -392,8 +393,9 @@ def push_totals(after: str, before: str = "") -> dict[str, Any]:
 
     a, b = sums(after), sums(before)
     totals = {k: a[k] - b[k] for k in a}
-    seconds = totals["push_seconds"]
-    return {**totals, "gb_per_s": totals["push_bytes"] / seconds / 1e9 if seconds > 0 else None}
+    seconds, device = totals["push_seconds"], totals["send_device_seconds"]
+    return {**totals, "gb_per_s": totals["push_bytes"] / seconds / 1e9 if seconds > 0 else None,
+            "device_gb_per_s": totals["push_bytes"] / device / 1e9 if device > 0 else None}
 
 
 NOISE = ("GET / 499", "disconnected, cancelling request")  # the proxy's lines for /v1/models polls before it serves

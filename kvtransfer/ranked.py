@@ -95,6 +95,12 @@ class _RankHandle(TransferHandle):
     def done(self) -> bool:
         return self._poll()
 
+    def device_seconds(self) -> float | None:
+        """Rank 0's own transfers on the device, the longest (the other ranks' pairs run at the same time,
+        untimed here); None where rank 0 has no route or its transport does not time them."""
+        times = [h.device_seconds() for h in self._own]
+        return max(times) if times and None not in times else None  # type: ignore[type-var]
+
     def wait(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         for handle in self._own:

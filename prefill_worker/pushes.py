@@ -26,6 +26,7 @@ class PushLog:
         self.totals = t.model_copy(update={
             "num_pushed": t.num_pushed + 1, "push_bytes": t.push_bytes + record.push_bytes,
             "push_seconds": t.push_seconds + record.push_s,
+            "send_device_seconds": t.send_device_seconds + record.send_device_s,
         })
 
     def ended(self, failed: bool) -> None:

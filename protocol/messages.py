@@ -169,6 +169,7 @@ class PushTotalsMsg(Msg):
     num_cancelled: int = 0  # their requests aborted (a client that left) before the push finished
     push_bytes: int = 0
     push_seconds: float = 0.0  # summed, each from the first token to its sends done
+    send_device_seconds: float = 0.0  # summed: each push's first send on the device (with TP, rank 0's longest)
 
 
 class TokenOutputMsg(NamedTuple):

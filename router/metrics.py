@@ -79,6 +79,9 @@ class PrometheusMetrics:
         self.push_seconds = Gauge(
             "pdserve:kv_push_seconds", "The finished pushes' seconds (first token -> sends done), summed since start.",
             gauge_labels, registry=r)
+        self.push_send_device_seconds = Gauge(
+            "pdserve:kv_push_send_device_seconds", "The finished pushes' sends on the device (CUDA events; with tensor "
+            "parallelism rank 0's), summed since start; 0 where not timed.", gauge_labels, registry=r)
         self.spec_drafts = Gauge("pdserve:spec_decode_num_draft_tokens", "Drafted tokens verified, since start.",
                                  gauge_labels, registry=r)
         self.spec_accepted = Gauge("pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted, since start.",
@@ -137,6 +140,7 @@ class PrometheusMetrics:
                     self.push_failures.labels(**w).set(totals.num_failed)
                     self.push_cancellations.labels(**w).set(totals.num_cancelled)
                     self.push_seconds.labels(**w).set(totals.push_seconds)
+                    self.push_send_device_seconds.labels(**w).set(totals.send_device_seconds)
                 else:
                     self.leases.labels(**w).set(row.num_leases)
                     self.spec_drafts.labels(**w).set(row.num_spec_draft_tokens)

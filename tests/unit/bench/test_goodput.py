@@ -327,9 +327,9 @@ def test_push_totals_are_the_prefill_workers_pushes_between_two_metrics_pages() 
         return rows
 
     def worker(name: str, num_pushed: int, seconds: float) -> WorkerStatsMsg:
+        totals = PushTotalsMsg(num_pushed=num_pushed, push_seconds=seconds, send_device_seconds=seconds / 100)
         return WorkerStatsMsg(worker_id=name, role="prefill", pid=1, is_healthy=True, num_waiting=0, num_running=0,
-                              num_blocks=8, num_free_blocks=8,
-                              push_totals=PushTotalsMsg(num_pushed=num_pushed, push_seconds=seconds))
+                              num_blocks=8, num_free_blocks=8, push_totals=totals)
 
     metrics = PrometheusMetrics("m", stats)
     rows[:] = [worker("p0", 2, 0.5)]
@@ -340,6 +340,7 @@ def test_push_totals_are_the_prefill_workers_pushes_between_two_metrics_pages() 
     totals = push_totals(asyncio.run(metrics.render()).decode(), before)
     assert (totals["num_pushed"], totals["push_seconds"], totals["push_bytes"]) == (4, 1.5, 4e9)
     assert totals["gb_per_s"] == pytest.approx(4e9 / 1.5 / 1e9) and totals["num_failed"] == 0
+    assert totals["send_device_seconds"] == pytest.approx(0.015) and totals["device_gb_per_s"] == pytest.approx(4e9 / 0.015 / 1e9)
 
 
 def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> None:

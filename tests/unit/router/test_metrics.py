@@ -18,7 +18,8 @@ def _lines(text: bytes) -> dict[str, float]:
 def test_push_bytes_from_the_answers_and_the_rest_from_the_workers_stats():
     async def worker_stats():
         load = dict(pid=1, is_healthy=True, num_running=0, num_waiting=0, num_blocks=10, num_free_blocks=4)
-        totals = PushTotalsMsg(num_pushed=7, num_failed=2, num_cancelled=3, push_bytes=9000, push_seconds=0.035)
+        totals = PushTotalsMsg(num_pushed=7, num_failed=2, num_cancelled=3, push_bytes=9000, push_seconds=0.035,
+                               send_device_seconds=0.006)
         return [WorkerStatsMsg(worker_id="p0", role="prefill", push_totals=totals, **load),
                 WorkerStatsMsg(worker_id="d0", role="decode", num_leases=1, **load)]
 
@@ -31,6 +32,7 @@ def test_push_bytes_from_the_answers_and_the_rest_from_the_workers_stats():
     assert lines['pdserve:kv_pushes{model_name="m",worker="p0"}'] == 7
     assert lines['pdserve:kv_push_failures{model_name="m",worker="p0"}'] == 2
     assert lines['pdserve:kv_push_seconds{model_name="m",worker="p0"}'] == 0.035
+    assert lines['pdserve:kv_push_send_device_seconds{model_name="m",worker="p0"}'] == 0.006
     assert lines['pdserve:kv_push_cancellations{model_name="m",worker="p0"}'] == 3
     assert 'pdserve:kv_pushes{model_name="m",worker="d0"}' not in lines
     assert lines['pdserve:kv_leases{model_name="m",worker="d0"}'] == 1
