@@ -25,13 +25,13 @@ KEY = "test-key"
 
 
 class Server:
-    def __init__(self, ignore_sigint: bool = False) -> None:
+    def __init__(self, ignore_sigint: bool = False, num_router_replicas: int = 2) -> None:
         self.port, self.grpc_port = free_port(), free_port()
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PDSERVE_API_KEY": KEY}
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--prefill", "1", "--decode", "1", "--transport", "gloo",
                "--device", "cpu", "--num-blocks", "512", "--block-size", "8",
                "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--exit-after", "600",
-               "--num-router-replicas", "2"]
+               "--num-router-replicas", str(num_router_replicas)]
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=ignore)
@@ -220,7 +220,7 @@ def test_sigint_stops_a_server_started_with_sigint_ignored(server):
     """A background job of a non-interactive script inherits SIGINT as ignored; the server installs
     its own handler, so SIGINT still stops it, and cleanly (exit code 0, its Ray cluster gone)."""
     del server  # NOTE: after the module's server is up: one Ray start at a time on a 2-core machine
-    s = Server(ignore_sigint=True)
+    s = Server(ignore_sigint=True, num_router_replicas=1)  # NOTE: the fewest processes beside the module's server
     try:
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(180) == 0  # NOTE: its Serve and Ray shutdown, beside the module's server, on 2 busy cores
