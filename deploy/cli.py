@@ -213,6 +213,8 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"pdserve: serving {config.router.model_name!r} with {pools} worker(s), "
               f"ready in {time.monotonic() - started:.1f} s", flush=True)
         routers = f"{config.num_router_replicas} router replica{'s' if config.num_router_replicas > 1 else ''}"
+        if args.address:  # NOTE: a replica serves the port of the node it runs on
+            routers += " on the nodes they run on"
         print(f"  HTTP  http://{args.host}:{args.port}/v1  (OpenAI API; /health, /metrics; served by {routers}; "
               f"Serve's proxy also on :{proxy_port})", flush=True)
         print(f"  Ray   {context.address_info['gcs_address']}  (pdserve status --address ...)", flush=True)
