@@ -113,6 +113,25 @@ def decoding(run: dict[str, Any], mode: str, step_s: float = 0.5) -> list[dict[s
     return sorted(out, key=lambda r: r["rate"])
 
 
+def ttft_fit(run: dict[str, Any], mode: str) -> dict[str, float] | None:
+    """At the sweep's lowest rate (the least queueing): TTFT = a + b x prompt tokens by least squares over
+    the requests that completed; 1/b is the prompt tokens a second the prefill reached, a what a request
+    waited apart from its prompt (dispatch, a step in progress, the first token's way back). It reads
+    the prefill's speed only where that rate leaves the prefill mostly idle (queueing bends it: the 8B
+    runs' lowest rate, 8 req/s, gives intercepts below zero)."""
+    at_rate = min(run["requests"][mode], key=lambda r: r["rate"])
+    points = [(r["in"], r["ttft_ms"]) for r in at_rate["records"] if r["ok"]]
+    if len(points) < 3:
+        return None
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return {"rate": at_rate["rate"], "intercept_ms": round(my - b * mx, 1),
+            "prompt_tokens_per_s": round(1e3 / b) if b > 0 else None}
+
+
 def goodput(rows: Sequence[dict[str, Any]]) -> tuple[float | None, float | None, bool]:
     """(the highest rate at >= 90% with every lower rate too, where attainment crosses 90% after it
     (interpolated; None if the sweep never fell under), whether the sweep fell under 90% at all)."""
@@ -158,7 +177,7 @@ def report(results: Path, name: str = "adaptive_2xh200") -> dict[str, Any]:
             best, crossing, fell = goodput(rows)
             configs.append({"label": s.label, "file": s.file, "mode": s.mode, "steered": s.steered is not None,
                             "rows": rows, "goodput": best, "crossing_90": crossing, "sweep_fell_under_90": fell,
-                            "decoding": decoding(runs[s.file], s.mode)})
+                            "decoding": decoding(runs[s.file], s.mode), "ttft_fit": ttft_fit(runs[s.file], s.mode)})
         pairs.append({"slo_ttft_ms": ttft, "slo_tpot_ms": tpot, "configs": configs,
                       "planner": planner_goodput(results / the_set.profile if the_set.profile else None,
                                                  the_set.num_gpus, workload, ttft, tpot)})
@@ -213,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {c['label']:<34} goodput {c['goodput'] or 0:>4g}{cross}{more}  [{rows}]")
             print(f"  {'':<34} decoding at once (mean/most): "
                   + ", ".join(f"{d['rate']:g}: {d['mean']:g}/{d['most']}" for d in c["decoding"]))
+            if (fit := c["ttft_fit"]) is not None:
+                print(f"  {'':<34} TTFT at {fit['rate']:g} req/s: {fit['intercept_ms']:g} ms + prompt tokens at "
+                      f"{fit['prompt_tokens_per_s']} a second")
     print(f"wrote {out} and its PNG")
     return 0
 
