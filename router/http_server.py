@@ -23,6 +23,7 @@ from router.core import ListenAddress
 
 __all__ = ["HttpServer", "start_http_server"]
 
+log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 
 
@@ -40,6 +41,12 @@ class _Server(uvicorn.Server):
 class HttpServer:
     def __init__(self, server: _Server, task: asyncio.Task[None]) -> None:
         self._server, self._task = server, task
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not self._server.should_exit and not task.cancelled():
+            log.error("the router's HTTP server stopped on its own (%r): this replica no longer serves its port; "
+                      "the node's other replicas still do", task.exception())
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Stops accepting, lets open responses end for up to timeout_s, then closes the rest."""
@@ -50,6 +57,8 @@ class HttpServer:
             self._server.force_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 1.0)
+        except Exception as err:  # noqa: BLE001 - it had failed already (logged then); stopping goes on
+            log.warning("the router's HTTP server ended with %r", err)
 
 
 def _socket(address: ListenAddress) -> socket.socket:
