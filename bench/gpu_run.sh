@@ -13,7 +13,8 @@
 #           streams vs the offline engine and the router's TTFT overhead (carry the proto files).
 #   http    (one GPU): 256 HTTP streams vs the offline engine and the router's TTFT overhead, for each
 #           server variant ($VARIANTS, default r1,r2,r2,r1: 1 and 2 router replicas in ABBA order; $MODEL, e.g.
-#           bench/shapes/qwen3-0.6b-vocab2048, issue 29's fast engine), with the
+#           bench/shapes/qwen3-0.6b-vocab2048, issue 29's fast engine; $WORKERS colocated workers, e.g. 2 on
+#           nvidia-h100-x2 against one offline engine), with the
 #           CPU each process spent (carry the proto files).
 #   pair    (two GPUs): NCCL transport and prefill worker GPU tests, 1P1D over NCCL vs colocated (tokens, TTFT
 #           and the second token in bench.disagg's two modes, colocated and disaggregated; KV push bandwidth vs raw
@@ -95,7 +96,8 @@ case "$part" in
     run 190 python3 -m bench.http_vs_offline --out "$out"
     ;;
   http)
-    run 590 python3 -m bench.http_vs_offline --variants "${VARIANTS:-r1,r2,r2,r1}" ${MODEL:+--model "$MODEL"} --out "$out"
+    run 590 python3 -m bench.http_vs_offline --variants "${VARIANTS:-r1,r2,r2,r1}" ${MODEL:+--model "$MODEL"} \
+      --workers "${WORKERS:-1}" --out "$out"
     ;;
   pair)
     run 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kvtransfer tests/unit/prefill_worker

@@ -19,6 +19,9 @@ for each server variant asked for (--variants), one after another on the same GP
   Serve's direct ingress (one replica per port) and its throughput-optimized settings were measured
   here before (http_vs_offline_*_channel, _worker_cpu) and are no longer ways to serve.
 
+With --workers N (issue 29's two GPUs: goal 1.9x), N colocated workers serve N times the workload
+against the one offline engine's rate.
+
 Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
 the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
 TTFT over the lone prompts (its Prometheus histogram: request admitted -> first token at the
@@ -160,6 +163,9 @@ def main() -> None:
     parser.add_argument("--ttft-len", type=int, default=512)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--clip", type=int, default=None, help="cut prompts and outputs to this many tokens (smoke)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="colocated workers (one GPU each) behind the endpoint; the HTTP run sends this many times "
+                        "the offline workload (other prompts, drawn the same way) against one offline engine")
     parser.add_argument("--variants", default="r1,r2", help=f"comma-separated, of {sorted(VARIANTS)}")
     parser.add_argument("--out", type=Path, help="where the results go (required unless --replot)")
     parser.add_argument("--replot", type=Path, default=None, help="redraw the PNG of this result JSON and exit")
@@ -186,10 +192,15 @@ def main() -> None:
     ttft_prompts = [[rng.randrange(vocab) for _ in range(args.ttft_len)] for _ in range(args.num_ttft + 2)]
     # others for the Ray-path probes: prompts the server has seen would hit its prefix cache
     ray_path_prompts = [[rng.randrange(vocab) for _ in range(args.ttft_len)] for _ in range(args.num_ttft + 2)]
+    # N workers: N x the workload, the offline one first (nano-vllm's stream of prompts goes on)
+    http_prompts, http_max_tokens = nano_vllm_workload(args.num_seqs * args.workers, 0)
+    http_prompts = [[t % vocab for t in p][: args.clip] for p in http_prompts]
+    http_max_tokens = [min(m, args.clip or m) for m in http_max_tokens]
     # Warm-up on the whole workload, cut short: a cold Triton cache compiles kernels during the first
     # pass over these prompt lengths (a first full run measured 12.6k tok/s against 18.7k after).
     run_engine(engine, prompts, [min(m, 16) for m in max_tokens])
-    record: dict[str, Any] = {"ttft_len": args.ttft_len, "offline": run_engine(engine, prompts, max_tokens)}
+    record: dict[str, Any] = {"ttft_len": args.ttft_len, "workers": args.workers,
+                              "offline": run_engine(engine, prompts, max_tokens)}
     record["offline"]["ttft_s"] = offline_ttfts(engine, ttft_prompts)[2:]
     print("offline", {k: v for k, v in record["offline"].items() if k != "ttft_s"}, flush=True)
     env = environment(engine, opts)
@@ -207,14 +218,14 @@ def main() -> None:
             # a variant named again (ABBA orders) is recorded as name_2, name_3...
             key = name if names.index(name) == position else f"{name}_{names[:position + 1].count(name)}"
             port = free_port()  # the router replicas' own port
-            argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, *extra_flags,
-                    "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
+            argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", str(args.workers), *flags,
+                    *extra_flags, "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
             server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}
             server = ServerProcess(argv, server_env, args.out / f"server_http_vs_offline_{key}.log")
             try:
                 server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
-                http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, prompts,
-                                             max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
+                http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, http_prompts,
+                                             http_max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
                 if position == 0:
                     http["ray_path"] = measure_server(server.log_path, ray_path_prompts, Path(scratch))
             finally:
