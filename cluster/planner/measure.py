@@ -3,13 +3,14 @@ decode step's by batch and context. Random prompt tokens; each figure the median
 timed steps after a warm-up; the engine steps synchronously (a step reads its own sampled tokens, so
 its wall time is the whole step's). A profile measured with asynchronous steps (the CUDA default) timed
 the launches: on 2x H200 it predicted 89.5 req/s of 1P1D goodput where 12 was measured. A decode
-figure times the whole batch: its requests get tokens enough to outlast the chunked prefill of the
-others (the 2x H200 profile's batch-32 steps at 4,096 tokens of context, measured before this, timed
-fewer sequences: 6.0 ms where the bytes read need more than 6.7 ms at the H200's peak bandwidth)."""
+figure's sequences join as a disaggregated decode worker's do, their prompts' KV taken as already in
+their blocks (EngineCore.reserve and add_prefilled; a decode step reads it whatever it holds), so the
+whole batch decodes from its first step and no prompt is computed (prefilling every point's prompts
+took 564k prompt tokens at the 70B shape's grid: about a minute at the 8.9k tokens/s a TP=2 worker
+prefilled on 4x H200, where two TP=2 profiles did not finish in 200 s, for reasons not taken apart)."""
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -45,34 +46,30 @@ def prefill_ms(engine: EngineCore, length: int, repeats: int, rng: random.Random
     return statistics.median(times)
 
 
-def decode_tokens(engine: EngineCore, batch: int, context: int, repeats: int) -> int:
-    """The tokens each request of a decode figure asks for: the first prompts decode while the last are
-    still prefilled in chunks (a step's budget also carries the decode rows), and must outlast those
-    steps and the timed ones, or the timing would see a smaller batch."""
-    budget = engine.config.scheduler.max_num_batched_tokens
-    return math.ceil(batch * context / max(1, budget - batch)) + repeats + 8
+def decode_tokens(repeats: int) -> int:
+    """The tokens each request of a decode figure asks for: more than the warm-up and the timed steps,
+    or the timing would see a smaller batch."""
+    return repeats + 8
 
 
 def decode_fits(engine: EngineCore, batch: int, context: int, repeats: int) -> bool:
     """Whether the engine holds a decode figure of `batch` sequences of `context` tokens and their decoding."""
-    tokens = context + decode_tokens(engine, batch, context, repeats)
+    tokens = context + decode_tokens(repeats)
     return tokens <= engine.max_seq_tokens and batch * tokens <= engine.capacity_tokens and (
         batch <= engine.config.scheduler.max_num_seqs)
 
 
 def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: random.Random) -> float:
-    """A decode step of `batch` sequences of about `context` tokens each."""
+    """A decode step of `batch` sequences of `context` tokens each."""
     vocab = engine.arch.vocab_size
-    params = SamplingParams(max_tokens=decode_tokens(engine, batch, context, repeats), temperature=0.0,
+    params = SamplingParams(max_tokens=decode_tokens(repeats), temperature=0.0,
                             ignore_eos=True)
+    num_blocks = -(-context // engine.pool.block_size)
     for b in range(batch):
-        engine.add_request(f"profile-decode-{batch}-{context}-{b}", _prompt(rng, context, vocab), params)
-    steps = 0
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()  # the prompts
-        steps += 1
-        if steps > 10_000:
-            raise RuntimeError("the profile's prompts did not finish prefilling")
+        rid = f"profile-decode-{batch}-{context}-{b}"
+        if engine.reserve(rid, num_blocks) is None:
+            raise RuntimeError(f"the cache holds fewer than {batch} sequences of {context} tokens")
+        engine.add_prefilled(rid, _prompt(rng, context, vocab), rng.randrange(vocab), params, lease_key=rid)
     engine.step()  # warm-up
     if len(engine.scheduler.running) != batch:
         raise RuntimeError(f"the decode profile would time {len(engine.scheduler.running)} running sequences, "
@@ -101,7 +98,7 @@ def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: S
                          "prompt the engine takes)")
     batch, context = max(decode_batches), max(decode_contexts)
     if not decode_fits(engine, batch, context, repeats):
-        need = context + decode_tokens(engine, batch, context, repeats)
+        need = context + decode_tokens(repeats)
         raise ValueError(f"the decode grid's largest point ({batch} sequences of {context} tokens, each decoding to "
                          f"{need}) needs {batch * need} KV tokens, {need} a sequence, {batch} sequences; the engine "
                          f"holds {engine.capacity_tokens}, {engine.max_seq_tokens} a sequence, "

@@ -3,6 +3,8 @@ positive times, and the engine left with nothing running and no block held."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from cluster.planner.measure import measure
@@ -32,21 +34,29 @@ def test_an_engine_that_steps_asynchronously_is_refused(make_llm):
     assert not engine.has_unfinished()
 
 
-def test_a_decode_figure_times_the_whole_batch_though_its_prompts_take_many_chunked_steps(make_llm, monkeypatch):
-    # 4 prompts of 128 tokens through 32-token steps: 16+ steps of prefill, during which the first
-    # prompts decode; they must still be running when the steps are timed
+def test_a_decode_figure_times_the_whole_batch_and_computes_no_prompt(make_llm, monkeypatch):
+    # 4 sequences of 128 tokens with 32-token steps: their prompts computed would take 16+ steps; taken as
+    # already in their blocks (as a decode worker takes a pushed prompt), the batch decodes at once
     import cluster.planner.measure as measuring
 
     engine = make_llm(num_blocks=256, block_size=8, max_num_batched_tokens=32).engine
-    timed_batches = []
+    timed_batches, prompt_tokens = [], []
     timed_step = measuring._timed_step
+    schedule = engine.scheduler.schedule
 
     def counting(e):
         timed_batches.append(len(e.scheduler.running))
         return timed_step(e)
 
+    def scheduled(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        prompt_tokens.append(out.num_prompt_tokens)
+        return out
+
     monkeypatch.setattr(measuring, "_timed_step", counting)
-    profile = measure(engine, (16, 32), (1, 4), (128,), repeats=2)
+    profile = measuring.measure(engine, (16, 32), (1, 4), (128,), repeats=2)
     assert timed_batches[-2:] == [4, 4] and timed_batches[-4:-2] == [1, 1]
-    assert measuring.decode_tokens(engine, 4, 128, 2) > 16  # more than the prompts' steps
+    engine.scheduler.schedule = scheduled
+    measuring.decode_ms(engine, 4, 128, 2, random.Random(0))
+    assert sum(prompt_tokens) == 0 and len(prompt_tokens) >= 3  # warm-up and timed steps, no prompt
     assert len(profile.decode_ms) == 2 and not engine.has_unfinished()
