@@ -82,7 +82,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -102,6 +101,7 @@ from bench.server_process import (
     error_lines,
     ray_log_tails,
     ray_session_dir,
+    scrape_metrics,
     wait_gpus_free,
 )
 from deploy.cli import add_engine_flags, engine_options
@@ -369,11 +369,6 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
     return result
 
 
-def scrape_metrics(base_url: str) -> str:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=10.0) as reply:  # noqa: S310 - the local server
-        return reply.read().decode()
-
-
 PUSH_SERIES = {"pdserve:kv_pushes": "num_pushed", "pdserve:kv_push_failures": "num_failed",
                "pdserve:kv_push_seconds": "push_seconds", "pdserve:kv_push_send_device_seconds": "send_device_seconds"}
 
@@ -420,17 +415,17 @@ def _stop(server: ServerProcess, plan: Plan, result: ModeResult, echo: Callable[
     echo(f"{result.mode}: server {result.stopped}")
 
 
-def run_modes(names: Sequence[str], run_one: Callable[[str, float], ModeResult], end: float,
+def run_modes(specs: Mapping[str, ModeSpec], run_one: Callable[[str, float], ModeResult], end: float,
               on_result: Callable[[dict[str, ModeResult]], None] = lambda results: None) -> dict[str, ModeResult]:
     """RUN_ONE(name, deadline) for each mode, in order, each with an equal share of the time left before END;
     a mode that raises anyway is recorded as failed and the next one runs. ON_RESULT sees the results so far."""
     results: dict[str, ModeResult] = {}
-    for i, name in enumerate(names):
-        deadline = mode_share(time.monotonic(), end, len(names) - i)
+    for i, (name, spec) in enumerate(specs.items()):
+        deadline = mode_share(time.monotonic(), end, len(specs) - i)
         try:
             results[name] = run_one(name, deadline)
         except Exception as err:  # noqa: BLE001 - the driver's own bug must not cost the other mode
-            results[name] = ModeResult(name, mode_spec(name).description, [])
+            results[name] = ModeResult(name, spec.description, [])
             results[name].fail(err)
         on_result(results)
     return results
@@ -647,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if planned:
             tee.echo("planner: " + "; ".join(f"{n}: {p['pick']} (predicted goodput {p['predicted']['goodput']:.2f} req/s)"
                                              for n, p in planned.items()))
-        results = run_modes(names, run_one, t0 + args.budget_s - FINAL_RESERVE_S, on_result=save)
+        results = run_modes(specs, run_one, t0 + args.budget_s - FINAL_RESERVE_S, on_result=save)
     record = results_record(plan, args, results, specs, planned)
     summaries, comparison = record["modes"], record["comparison"]
     json_path, png_path = write_results(

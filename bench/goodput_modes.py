@@ -44,10 +44,11 @@ def disagg_mode(name: str, num_prefill: int, num_decode: int, prefill_tp: int = 
                     num_prefill + num_decode, num_prefill * prefill_tp + num_decode * decode_tp)
 
 
-def colocated_mode(name: str, num_replicas: int, tp: int = 1) -> ModeSpec:
-    return ModeSpec(name, ("--colocated", "--decode", str(num_replicas)),
-                    f"colocated {num_replicas} replicas{f' (TP{tp} each)' if tp > 1 else ''}", False, num_replicas,
-                    num_replicas * tp)
+def colocated_mode(name: str, num_replicas: int, worker_tp: int = 1, tp: int = 1) -> ModeSpec:
+    """Replicas of WORKER_TP GPUs each (--decode-tp where it differs from the engine's --tp)."""
+    return ModeSpec(name, ("--colocated", "--decode", str(num_replicas), *_tp_flags(tp, worker_tp, tp)),
+                    f"colocated {num_replicas} replicas{f' (TP{worker_tp} each)' if worker_tp > 1 else ''}", False,
+                    num_replicas, num_replicas * worker_tp)
 
 
 def adaptive_mode(name: str, num_prefill: int, num_decode: int, prefill_tp: int = 1, decode_tp: int = 1,
@@ -68,10 +69,8 @@ def planned_adaptive_mode(name: str, layout: Any, tp: int = 1) -> ModeSpec:
     """The adaptive mode started in the layout the planner picked (cluster.planner.Layout): xPyD steering
     as adaptive_mode does, or colocated replicas (the router gets the SLOs; colocated engines keep no step
     budget, deploy.cli says why; no pools to move). TP: the engine's --tp, which the layout's sizes override."""
-    spec = (colocated_mode(name, layout.num_decode, layout.decode_tp) if layout.num_prefill == 0
+    spec = (colocated_mode(name, layout.num_decode, layout.decode_tp, tp) if layout.num_prefill == 0
             else adaptive_mode(name, layout.num_prefill, layout.num_decode, layout.prefill_tp, layout.decode_tp, tp))
-    if layout.num_prefill == 0 and layout.decode_tp != tp:
-        spec = dataclasses.replace(spec, serve_flags=(*spec.serve_flags, "--decode-tp", str(layout.decode_tp)))
     return dataclasses.replace(spec, description=f"adaptive: planned {layout.name}", steers_to_slos=True)
 
 
@@ -91,7 +90,7 @@ def mode_spec(name: str, tp: int = 1) -> ModeSpec:
         if min(num_prefill, num_decode, prefill_tp, decode_tp) >= 1:
             return (adaptive_mode if m[1] else disagg_mode)(name, num_prefill, num_decode, prefill_tp, decode_tp, tp)
     if (m := re.fullmatch(r"colocated(\d+)", aliases.get(name, name))) and int(m[1]) >= 1:
-        return colocated_mode(name, int(m[1]), tp)
+        return colocated_mode(name, int(m[1]), tp, tp)
     raise ValueError(f"--modes: unknown mode {name!r}; choose from {MODE_NAMES}")
 
 

@@ -71,9 +71,7 @@ def offline_ttfts(engine: EngineCore, prompts: list[list[int]]) -> list[float]:
     return out
 
 
-VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {  # name -> (extra serve flags, extra environment)
-    f"r{n}": (["--num-router-replicas", str(n)], {}) for n in (1, 2, 4)
-}
+VARIANTS: dict[str, list[str]] = {f"r{n}": ["--num-router-replicas", str(n)] for n in (1, 2, 4)}  # name -> serve flags
 
 
 def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -185,17 +183,19 @@ def main() -> None:
                               quick=False, out=args.out)
     engine = build_engine(opts, max_num_seqs=256, max_num_batched_tokens=16384)
     vocab = engine.arch.vocab_size
-    prompts, max_tokens = nano_vllm_workload(args.num_seqs, 0)
-    prompts = [[t % vocab for t in p][: args.clip] for p in prompts]
-    max_tokens = [min(m, args.clip or m) for m in max_tokens]
+
+    def workload(num_seqs: int) -> tuple[list[list[int]], list[int]]:
+        prompts, max_tokens = nano_vllm_workload(num_seqs, 0)
+        return [[t % vocab for t in p][: args.clip] for p in prompts], [min(m, args.clip or m) for m in max_tokens]
+
+    prompts, max_tokens = workload(args.num_seqs)
+    # N workers: N times as many requests, drawn as nano-vllm draws them (its seed, a longer stream)
+    http_prompts, http_max_tokens = (workload(args.num_seqs * args.workers) if args.workers > 1
+                                     else (prompts, max_tokens))
     rng = random.Random(7)
     ttft_prompts = [[rng.randrange(vocab) for _ in range(args.ttft_len)] for _ in range(args.num_ttft + 2)]
     # others for the Ray-path probes: prompts the server has seen would hit its prefix cache
     ray_path_prompts = [[rng.randrange(vocab) for _ in range(args.ttft_len)] for _ in range(args.num_ttft + 2)]
-    # N workers: N x the workload, the offline one first (nano-vllm's stream of prompts goes on)
-    http_prompts, http_max_tokens = nano_vllm_workload(args.num_seqs * args.workers, 0)
-    http_prompts = [[t % vocab for t in p][: args.clip] for p in http_prompts]
-    http_max_tokens = [min(m, args.clip or m) for m in http_max_tokens]
     # Warm-up on the whole workload, cut short: a cold Triton cache compiles kernels during the first
     # pass over these prompt lengths (a first full run measured 12.6k tok/s against 18.7k after).
     run_engine(engine, prompts, [min(m, 16) for m in max_tokens])
@@ -214,13 +214,13 @@ def main() -> None:
         flags = serve_flags({"model": str(served), "load_format": opts.load_format, "dtype": opts.dtype,
                              "device": args.device, "max_num_seqs": 256, "max_num_batched_tokens": 16384})
         for position, name in enumerate(names):
-            extra_flags, extra_env = VARIANTS[name]
+            extra_flags = VARIANTS[name]
             # a variant named again (ABBA orders) is recorded as name_2, name_3...
             key = name if names.index(name) == position else f"{name}_{names[:position + 1].count(name)}"
             port = free_port()  # the router replicas' own port
             argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", str(args.workers), *flags,
                     *extra_flags, "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
-            server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1", **extra_env}
+            server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1"}
             server = ServerProcess(argv, server_env, args.out / f"server_http_vs_offline_{key}.log")
             try:
                 server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)

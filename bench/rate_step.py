@@ -16,10 +16,10 @@ import asyncio
 import math
 import re
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from bench.server_process import scrape_metrics
 from loadgen.arrivals import arrival_offsets
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_u
     requests = build_workload(config, plan.seed)
     roles: list[dict[str, Any]] = []
     started = time.perf_counter()
-    poller = asyncio.get_running_loop().create_task(_poll_roles(base_url.removesuffix("/v1") + "/metrics", roles, started))
+    poller = asyncio.get_running_loop().create_task(_poll_roles(base_url.removesuffix("/v1"), roles, started))
     try:
         async with client_for(config) as client:
             ran = await asyncio.wait_for(run_requests(requests, offsets, client.send, duration=window,
@@ -159,12 +159,11 @@ def worker_roles(metrics_text: str) -> dict[str, str]:
     return out
 
 
-async def _poll_roles(metrics_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
+async def _poll_roles(server_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
     """Every interval, each worker's role from the router's /metrics (pdserve:worker_role) into OUT, when it
     changed: {"t_s": seconds since STARTED, "roles": {worker: role}}."""
     def scrape() -> dict[str, str]:
-        with urllib.request.urlopen(metrics_url, timeout=5.0) as reply:  # noqa: S310 - the local server's URL
-            return worker_roles(reply.read().decode())
+        return worker_roles(scrape_metrics(server_url, timeout_s=5.0))
 
     while True:
         try:

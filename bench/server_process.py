@@ -155,3 +155,9 @@ def wait_gpus_free(timeout_s: float, max_used_fraction: float = 0.05) -> str:
         if time.monotonic() > deadline:
             return f"GPUs still busy after {timeout_s:.0f} s ({shown}; processes: {apps or 'none listed'})"
         time.sleep(1.0)
+
+
+def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> str:
+    """The /metrics page of the server at BASE_URL (scheme://host:port, no /v1)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as reply:  # noqa: S310 - a local server
+        return reply.read().decode()

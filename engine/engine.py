@@ -393,6 +393,7 @@ class EngineCore:
             self._step_counts, self._unwaited = self._unwaited, launched
         else:
             self._unwaited = (self._unwaited[0] + launched[0], self._unwaited[1] + launched[1]) if prev else launched
+
     def _prompt_budget(self) -> int | None:
         """The prompt tokens a step may add beside decoding requests within the ITL budget
         (`itl_budget_ms`), from the measured rates; None: no cap (or none measured)."""

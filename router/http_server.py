@@ -31,11 +31,8 @@ class _Server(uvicorn.Server):
     """A uvicorn server that leaves the process's signals alone (they are Ray's and Serve's)."""
 
     @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
+    def capture_signals(self) -> Iterator[None]:  # NOTE: uvicorn >= 0.29's hook (pyproject.toml)
         yield
-
-    def install_signal_handlers(self) -> None:  # NOTE: what uvicorn before 0.29 calls instead
-        return None
 
 
 class HttpServer:

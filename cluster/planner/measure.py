@@ -62,8 +62,7 @@ def decode_fits(engine: EngineCore, batch: int, context: int, repeats: int) -> b
 def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: random.Random) -> float:
     """A decode step of `batch` sequences of `context` tokens each."""
     vocab = engine.arch.vocab_size
-    params = SamplingParams(max_tokens=decode_tokens(repeats), temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_tokens(repeats), temperature=0.0, ignore_eos=True)
     num_blocks = -(-context // engine.pool.block_size)
     for b in range(batch):
         rid = f"profile-decode-{batch}-{context}-{b}"

@@ -134,7 +134,8 @@ def test_run_modes_records_a_failure_and_runs_the_next_mode():
 
     seen = []
     end = time.monotonic() + 100.0
-    results = run_modes(["disagg", "colocated"], run_one, end, on_result=lambda r: seen.append(dict(r)))
+    specs = {name: mode_spec(name) for name in ("disagg", "colocated")}
+    results = run_modes(specs, run_one, end, on_result=lambda r: seen.append(dict(r)))
     assert [name for name, _ in calls] == ["disagg", "colocated"]
     assert results["disagg"].status == "failed" and "driver bug" in results["disagg"].error
     assert results["colocated"].status == "ok"
