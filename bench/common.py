@@ -8,6 +8,7 @@ plot and title line, and this module adds the environment (device, torch, date, 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -75,6 +76,15 @@ def device_slug(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+
+
+def free_device_memory() -> None:
+    """Gives the GPU back what dropped engines held. An engine's parts refer to each other, so `del` alone
+    leaves its KV cache to the cycle collector: a server started next in this process's GPU ran out of
+    memory (126 of 140 GiB still held)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def synchronize(device: torch.device) -> None:

@@ -42,6 +42,7 @@ def main() -> None:
     from cluster.config import ClusterConfig
     from cluster.deployment import Deployment
     from engine.llm import engine_config
+    from bench.common import free_device_memory
     from kvtransfer import NCCL_WORKER_ENV
     from router import Dispatcher, DispatcherConfig, LocalPrefillConfig
 
@@ -52,7 +53,7 @@ def main() -> None:
     offline_llm = LLM(**engine)
     offline = [o.outputs[0].token_ids for o in offline_llm.generate(prompts, params)]
     del offline_llm
-    torch.cuda.empty_cache() if args.device == "cuda" else None
+    free_device_memory()
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     rows = []
     for layout in args.layouts:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench.common import base_parser, build_engine, environment, synchronize, title, write_results
+from bench.common import base_parser, build_engine, environment, free_device_memory, synchronize, title, write_results
 from engine import EngineCore, SamplingParams
 
 
@@ -215,8 +215,7 @@ def main() -> None:
     env = environment(engine, args)
     model_dir, device, dtype = str(engine.model_dir), engine.device, engine.dtype
     del engine  # NOTE: its KV cache holds most of the GPU; transformers needs the memory back
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     if args.hf_batch:
         record["hf_transformers"] = run_hf(model_dir, prompts, max_tokens, args.hf_batch, device, dtype)
         record["speedup_vs_hf"] = record["pdserve"]["output_tok_per_s"] / record["hf_transformers"]["output_tok_per_s"]

@@ -140,6 +140,7 @@ def in_process(args: argparse.Namespace) -> int:
     threads add, apart from Ray."""
     import random
 
+    from bench.common import free_device_memory
     from bench.http_vs_offline import offline_ttfts
     from decode_worker import DecodeWorker, DecodeWorkerConfig
     from engine import EngineCore, engine_config
@@ -155,12 +156,7 @@ def in_process(args: argparse.Namespace) -> int:
     engine = EngineCore(config)
     offline = offline_ttfts(engine, prompts[: args.num])[2:]
     del engine
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_device_memory()
 
     fresh = iter([prompts[i : i + args.num] for i in range(args.num, len(prompts), args.num)])
 

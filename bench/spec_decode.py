@@ -41,6 +41,7 @@ from bench.common import (
     check_no_leak,
     decode_window,
     environment,
+    free_device_memory,
     label_bars,
     random_prompts,
     synchronize,
@@ -91,9 +92,7 @@ def _speculative(args: argparse.Namespace, k: int, adaptive: bool) -> Speculativ
 def _engine(
     args: argparse.Namespace, speculative: SpeculativeConfig | None, max_num_seqs: int, num_blocks: int | None = None
 ) -> EngineCore:
-    gc.collect()  # NOTE: the previous engine's cache must be gone before this one sizes its own
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()  # NOTE: the previous engine's cache must be gone before this one sizes its own
     if num_blocks is None:
         return build_engine(args, speculative=speculative, max_num_seqs=max_num_seqs)
     return build_engine(args, speculative=speculative, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
