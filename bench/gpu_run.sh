@@ -42,8 +42,11 @@
 #   tp70b   (nvidia-h200-x4, needs_h200: 70B bfloat16 at TP=2 leaves an H100 no KV room): bench.goodput at the
 #           Llama-3.1-70B shape, every worker of $TP GPUs (default 2) unless a mode says -tp<A>x<B>, modes $MODES
 #           (default colocated2,1p1d), rates $RATES, 15 s each; $GOODPUT_FLAGS: more flags (--quantization fp8).
-#   plan_profile_70b (nvidia-h200-x4, needs_h200): the planner's step profiles at the 70B shape, bfloat16 TP=2
-#           (GPUs 0,1) beside FP8 TP=2 (GPUs 2,3), then FP8 TP=1 (GPU 0): the sizes of tp70b's layouts.
+#   plan_profile_70b (nvidia-h200-x4, needs_h200): one planner step profile at the 70B shape on the visible GPUs,
+#           $NAME and $PLAN_FLAGS (bf16_tp2 "--tp 2"; fp8_tp2 "--tp 2 --quantization fp8"; fp8_tp1 "--quantization fp8").
+#   Two parts at once on disjoint GPUs: CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_run.sh http &
+#           CUDA_VISIBLE_DEVICES=2,3 OUT=$OUT/b bash bench/gpu_run.sh plan_profile_70b & wait (a bench waits for its
+#           own GPUs only; two Ray clusters on one host each take free ports).
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -59,7 +62,9 @@ part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
-tar -xJf "$bundle/site.tar.xz" -C /tmp && export PYTHONPATH=/tmp/site:$PWD
+# once per machine: two parts may start at once on disjoint GPUs (CUDA_VISIBLE_DEVICES, OUT of their own)
+flock /tmp/site.lock -c "[ -f /tmp/site/.unpacked ] || { tar -xJf '$bundle/site.tar.xz' -C /tmp && touch /tmp/site/.unpacked; }"
+export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
@@ -96,7 +101,7 @@ case "$part" in
     run 190 python3 -m bench.http_vs_offline --out "$out"
     ;;
   http)
-    run 590 python3 -m bench.http_vs_offline --variants "${VARIANTS:-r1,r2,r2,r1}" ${MODEL:+--model "$MODEL"} \
+    run "${LIMIT:-590}" python3 -m bench.http_vs_offline --variants "${VARIANTS:-r1,r2,r2,r1}" ${MODEL:+--model "$MODEL"} \
       --workers "${WORKERS:-1}" --out "$out"
     ;;
   pair)
@@ -175,14 +180,12 @@ case "$part" in
       --start-timeout-s 300 --budget-s "${BUDGET:-565}" ${GOODPUT_FLAGS:-} --out "$out"
     ;;
   plan_profile_70b)
-    profile() {  # GPUS NAME FLAGS...
-      CUDA_VISIBLE_DEVICES=$1 run 200 python3 -m deploy.cli plan --gpus 4 --slo-ttft-ms 1000 --slo-tpot-ms 40 \
-        --profile "$out/profile_llama-3.1-70b_$2.json" --model bench/shapes/llama-3.1-70b --load-format dummy \
-        --dtype bfloat16 --max-model-len 4300 "${@:3}" > "$out/plan_$2.txt"
-    }
-    profile 0,1 bf16_tp2 --tp 2 & profile 2,3 fp8_tp2 --tp 2 --quantization fp8 & wait
-    profile 0 fp8_tp1 --quantization fp8
-    tail -n 30 "$out"/plan_*.txt
+    # one step profile on the visible GPUs: $NAME (default bf16_tp2) and its flags $PLAN_FLAGS (default --tp 2)
+    name=${NAME:-bf16_tp2}
+    run "${LIMIT:-500}" python3 -m deploy.cli plan --gpus 4 --slo-ttft-ms 1000 --slo-tpot-ms 40 \
+      --profile "$out/profile_llama-3.1-70b_$name.json" --model bench/shapes/llama-3.1-70b --load-format dummy \
+      --dtype bfloat16 --max-model-len 4300 ${PLAN_FLAGS:---tp 2} > "$out/plan_$name.txt"
+    tail -n 30 "$out/plan_$name.txt"
     ;;
   kv_pairs)
     run 300 python3 -m bench.kv_pairs ${KV_FLAGS:-} --out "$out"

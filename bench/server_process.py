@@ -135,13 +135,17 @@ def error_lines(text: str, limit: int = 8) -> list[str]:
 
 def wait_gpus_free(timeout_s: float, max_used_fraction: float = 0.05) -> str:
     """Waits until nvidia-smi lists no compute process and every GPU has at most MAX_USED_FRACTION of its
-    memory in use (the last mode's workers are gone; a container may hide their pids, never their memory)."""
+    memory in use (the last mode's workers are gone; a container may hide their pids, never their memory).
+    Only the GPUs of CUDA_VISIBLE_DEVICES count where it is set: two benches may share a machine on
+    disjoint GPUs."""
     if shutil.which("nvidia-smi") is None:
         return "no nvidia-smi"
     deadline = time.monotonic() + timeout_s
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    only = ["-i", visible] if visible else []
 
     def query(*args: str) -> str:
-        return subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], check=False,
+        return subprocess.run(["nvidia-smi", *only, *args, "--format=csv,noheader,nounits"], check=False,
                               capture_output=True, text=True, timeout=20).stdout.strip()
 
     while True:

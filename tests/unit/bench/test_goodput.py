@@ -248,14 +248,24 @@ def test_wait_gpus_free_reads_nvidia_smi(tmp_path: Path, monkeypatch: pytest.Mon
     used.write_text("120000")
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"""#!/bin/sh
+gpus="0 1"
+if [ "$1" = -i ]; then gpus=$(echo "$2" | tr , ' '); shift 2; fi
 case "$1" in
   --query-compute-apps=pid) ;;
-  --query-gpu=memory.used,memory.total) echo "$(cat {used}), 143771"; echo "0, 143771" ;;
+  --query-gpu=memory.used,memory.total)
+    for g in $gpus; do if [ "$g" = 0 ]; then echo "$(cat {used}), 143771"; else echo "0, 143771"; fi; done ;;
 esac
 """)
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert wait_gpus_free(1.0).startswith("GPUs still busy after 1 s (117.2/140 GiB")
+    # a bench on GPU 1 only waits for GPU 1: another bench may hold GPU 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert wait_gpus_free(1.0) == "GPUs free (0.0/140 GiB)"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert wait_gpus_free(1.0).startswith("GPUs still busy after 1 s (117.2/140 GiB, 0.0/140 GiB")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     used.write_text("600")
     assert wait_gpus_free(1.0) == "GPUs free (0.6/140 GiB, 0.0/140 GiB)"
 
