@@ -45,9 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.common import build_engine, environment, save_plot, synchronize, write_results
+from bench.common import build_engine, environment, free_device_memory, save_plot, synchronize, write_results
 from bench.goodput import SHAPES, servable_model_dir, serve_flags
 from bench.server_process import ServerProcess, wait_gpus_free
 from bench.offline_throughput import nano_vllm_workload, run_engine
@@ -129,6 +127,8 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
         busy = {f"{name} ({pid})": round((cpu - cpu_before[pid][1]) / wall, 3)
                 for pid, (name, cpu) in cpu_after.items() if pid in cpu_before}
         busy = dict(sorted(((k, v) for k, v in busy.items() if v >= 0.02), key=lambda kv: -kv[1]))
+        # NOTE: the router replicas' summed counts (router/metrics_share.py) are each up to a second old
+        await asyncio.sleep(1.5)
         sum0, count0 = await asyncio.to_thread(router_ttft_sum_count, base_url)
         ttfts = []
         for i, p in enumerate(ttft_prompts):
@@ -136,6 +136,7 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
             if not record.is_success:
                 raise RuntimeError(f"TTFT probe failed: {record.error}")
             ttfts.append(record.ttft)
+        await asyncio.sleep(1.5)
         sum1, count1 = await asyncio.to_thread(router_ttft_sum_count, base_url)
     m = run.metrics
     return {"output_tokens": m.total_completion_tokens, "duration_s": m.duration_s,
@@ -205,8 +206,7 @@ def main() -> None:
     print("offline", {k: v for k, v in record["offline"].items() if k != "ttft_s"}, flush=True)
     env = environment(engine, opts)
     del engine
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     record["variants"] = {}
     names = args.variants.split(",")
     with tempfile.TemporaryDirectory() as scratch:
@@ -219,7 +219,9 @@ def main() -> None:
             key = name if names.index(name) == position else f"{name}_{names[:position + 1].count(name)}"
             port = free_port()  # the router replicas' own port
             argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", str(args.workers), *flags,
-                    *extra_flags, "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900"]
+                    *extra_flags, "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "900",
+                    # NOTE: the kernel spreads the streams over the replicas unevenly: any one may get all of them
+                    "--max-in-flight", str(len(http_prompts))]
             server_env = {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1"}
             server = ServerProcess(argv, server_env, args.out / f"server_http_vs_offline_{key}.log")
             try:
@@ -243,6 +245,7 @@ def main() -> None:
     run_engine(engine, prompts, [min(m, 16) for m in max_tokens])
     record["offline_after"] = run_engine(engine, prompts, max_tokens)
     del engine
+    free_device_memory()
     off = record["offline"]
     best_offline = max(off["output_tok_per_s"], record["offline_after"]["output_tok_per_s"])
     for http in record["variants"].values():

@@ -5,6 +5,9 @@ ingress (HTTP + gRPC) in front. `build_app` is the import path a Serve config na
 
 from __future__ import annotations
 
+import tempfile
+import uuid
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -44,5 +47,6 @@ def build_app(args: dict[str, Any] | ServeAppConfig) -> Application:
     ingress = serve.deployment(serve.ingress()(RouterIngress), name="Router",
                                num_replicas=config.num_router_replicas, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=max(100, config.router.max_in_flight))
+    metrics_dir = config.metrics_dir or str(Path(tempfile.gettempdir()) / f"pdserve-metrics-{uuid.uuid4().hex[:12]}")
     return ingress.bind(controller, config.router, str(model_dir), max_model_len, config.dispatch, grpc=config.grpc,
-                        http=config.http)
+                        http=config.http, metrics_dir=metrics_dir)

@@ -12,9 +12,11 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -81,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: open)")
+    serve.add_argument("--max-in-flight", type=int, default=_default(RouterConfig, "max_in_flight"),
+                       help=_help(RouterConfig, "max_in_flight") + " (each router replica's own count)")
     serve.add_argument("--num-router-replicas", type=int, default=_default(ServeAppConfig, "num_router_replicas"),
                        help="router processes; those of a node all serve --port and --grpc-port (SO_REUSEPORT)")
     serve.add_argument("--local-prefill-rule", default=_default(LocalPrefillConfig, "rule"),
@@ -163,7 +167,7 @@ def app_config(args: argparse.Namespace) -> ServeAppConfig:
         autoscaler=_autoscaler(args),
         transport=args.transport,
     )
-    router = RouterConfig(model_name=args.model, api_key=args.api_key)
+    router = RouterConfig(model_name=args.model, api_key=args.api_key, max_in_flight=args.max_in_flight)
     local = LocalPrefillConfig(rule=args.local_prefill_rule, max_short_prompt_tokens=args.local_prefill_max_tokens)
     dispatch = DispatcherConfig(local_prefill=local, slo=slo)
     return ServeAppConfig(cluster=cluster, router=router, dispatch=dispatch,
@@ -204,10 +208,15 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
     context = ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False,
                        logging_level=logging.ERROR)
+    # NOTE: the router replicas' shared counts on this node (deploy.schema); the other nodes keep theirs
+    config = config.model_copy(update={"metrics_dir": tempfile.mkdtemp(prefix="pdserve-metrics-")})
     try:
         # NOTE: no Serve gRPC proxy (it binds every interface): the router replicas serve gRPC on host:grpc_port.
         serve.start(http_options=HTTPOptions(host=args.host, port=proxy_port))
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        except RuntimeError as err:  # Serve names the failed deployment; its replicas' errors are in its status
+            raise SystemExit(f"pdserve: the application failed to start: {err}\n{_deployment_errors()}") from err
         c = config.cluster
         pools = f"{c.num_prefill} prefill + {c.num_decode} decode" if c.mode == "disaggregated" else f"{c.num_decode} colocated"
         print(f"pdserve: serving {config.router.model_name!r} with {pools} worker(s), "
@@ -226,7 +235,24 @@ def serve_command(args: argparse.Namespace) -> int:
         # NOTE: the local cluster ray.init started ends with this, Serve and the workers included;
         # serve.shutdown() first made Ctrl-C wait 30 s for Serve's controller (measured ~55 s to exit).
         ray.shutdown()
+        shutil.rmtree(config.metrics_dir, ignore_errors=True)
     return 0
+
+
+def _deployment_errors() -> str:
+    """Each unhealthy deployment of the app with Serve's message for it (a replica's constructor's traceback):
+    with log_to_driver off they would be in Ray's session logs only."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception as err:  # noqa: BLE001 - the cause is reported already; this only adds detail
+        return f"(Serve's status could not be read: {err})"
+    if app is None:
+        return "(Serve lists no such application)"
+    lines = [f"  {name}: {getattr(d.status, 'value', d.status)}: {d.message}"  # NOTE: a str enum; its bare name
+             for name, d in app.deployments.items() if d.status != "HEALTHY"]
+    return "\n".join(lines) or f"  (every deployment healthy; application: {app.status}: {app.message})"
 
 
 def _check_port_free(host: str, port: int, flag: str) -> None:

@@ -25,6 +25,10 @@ class ServeAppConfig(BaseModel):
         None, description="Each router replica serves the HTTP API itself on this address (`pdserve serve` sets it; "
         "the replicas of a node share it); None: only through Serve's HTTP proxy.",
     )
+    metrics_dir: str | None = Field(
+        None, description="A directory on each node where its router replicas share their counts, so that /metrics "
+        "answers for all of them whichever one a scrape reaches; None: a new one under the temp directory.",
+    )
     grpc: ListenAddress | None = Field(
         None, description="Each router replica serves gRPC itself on this address (`pdserve serve` sets it: Serve's "
         "gRPC proxy binds every interface); None: only through Serve's gRPC proxy, if grpc_options configure it.",

@@ -15,6 +15,7 @@ import gc
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from engine.tokenizer import Tokenizer
@@ -36,7 +37,7 @@ class RouterIngress:
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors
         self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int,
         dispatch: DispatcherConfig | None = None, refresh_s: float = 1.0, grpc: ListenAddress | None = None,
-        http: ListenAddress | None = None,
+        http: ListenAddress | None = None, metrics_dir: str | None = None,
     ) -> None:
         from ray.actor import ActorHandle
 
@@ -47,11 +48,14 @@ class RouterIngress:
         self.channels = WorkerChannels(lambda target: isinstance(target, ActorHandle))
         self.grpc_server: Any = None
         self.http_server: Any = None
+        self.publishing: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
             self.router_id, Workers(prefill={}, decode={}), config=dispatch,
             on_prefill_result=lambda result: self.core.on_prefill_result(result),
         )
-        metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats)
+        # NOTE: a scrape reaches any replica of the node (a shared port, or Serve's proxy): each shares its counts
+        metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats, replica=self.router_id,
+                                    shared_dir=Path(metrics_dir) if metrics_dir is not None else None)
         self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
         self.http_app = build_http_app(self.core, self.router_id)  # NOTE: `app` is Serve's wrapper's property
         self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s,
@@ -62,6 +66,8 @@ class RouterIngress:
             self.grpc_server = await start_grpc_server(self, grpc)
         if http is not None:
             self.http_server = await start_http_server(self.http_app, http)
+        if metrics.shared is not None:
+            self.publishing = asyncio.get_running_loop().create_task(metrics.shared.publish_every_interval())
         # A replica's process is this router's alone (Serve starts one per replica): its startup
         # objects (the tokenizer, Ray, Serve, pydantic's schemas) leave the garbage collector's reach,
         # whose full passes over them hold the GIL for tens of ms mid-stream.
@@ -79,6 +85,8 @@ class RouterIngress:
         return self.http_app
 
     async def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        if self.publishing is not None:  # NOTE: its last counts stay in the node's sum: its requests happened
+            self.publishing.cancel()
         if self.http_server is not None:
             await self.http_server.stop()
         if self.grpc_server is not None:

@@ -5,19 +5,23 @@ end-to-end latency (histograms); requests by outcome; tokens. Per worker, refres
 scrape from the workers' `stats()`: running and waiting requests, KV blocks in use, preemptions,
 leases. KV pushes: bytes from each prefill answer (what its push sends), and per prefill worker,
 from its stats, the pushes done and failed and their seconds (a push ends after its answer).
-Each replica has its own registry; GET /metrics shows the replica that answers.
+Each replica counts what it served in its own registry; where the node's replicas share the HTTP port
+(`shared_dir`, router/metrics_share.py) a scrape answers with every replica's counts summed. The worker
+gauges come from the workers, the same whichever replica answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from protocol.api import WorkerStatsMsg
 from protocol.messages import PrefillResultMsg
+from router.metrics_share import SharedCounts
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -28,9 +32,13 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07
 class PrometheusMetrics:
     """Implements router.core.RouterMetrics, plus the KV-push and worker gauges."""
 
-    def __init__(self, model_name: str, worker_stats: Callable[[], Awaitable[list[WorkerStatsMsg]]] | None = None):
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str, worker_stats: Callable[[], Awaitable[list[WorkerStatsMsg]]] | None = None,
+                 shared_dir: Path | None = None, replica: str = "router"):
+        self.registry = CollectorRegistry()  # this replica's counts
+        self.worker_registry = CollectorRegistry()  # the workers' stats, set at each scrape
         self.worker_stats = worker_stats
+        self.shared = (SharedCounts(shared_dir, replica, lambda: generate_latest(self.registry))
+                       if shared_dir is not None else None)
         r, labels = self.registry, {"model_name": model_name}
         self._labels = labels
 
@@ -56,36 +64,36 @@ class PrometheusMetrics:
                                          registry=r).labels(**labels)
         self.push_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes pushed prefill -> decode.", list(labels),
                                   registry=r).labels(**labels)
-        gauge_labels = [*labels, "worker"]
+        gauge_labels, wr = [*labels, "worker"], self.worker_registry
         self.running = Gauge("pdserve:num_requests_running", "Requests in a worker's running batch.", gauge_labels,
-                             registry=r)
-        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting in a worker.", gauge_labels, registry=r)
+                             registry=wr)
+        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting in a worker.", gauge_labels, registry=wr)
         self.role = Gauge("pdserve:worker_role", "1 for each worker's role now: prefill, decode, or decode_every_prompt "
                           "(a decode worker computing every prompt: no prefill worker left).", [*gauge_labels, "role"],
-                          registry=r)
+                          registry=wr)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (0-1).",
-                              gauge_labels, registry=r)
+                              gauge_labels, registry=wr)
         self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions since the worker started.", gauge_labels,
-                                 registry=r)
-        self.leases = Gauge("pdserve:kv_leases", "Open KV leases of a decode worker.", gauge_labels, registry=r)
+                                 registry=wr)
+        self.leases = Gauge("pdserve:kv_leases", "Open KV leases of a decode worker.", gauge_labels, registry=wr)
         self.pushes = Gauge("pdserve:kv_pushes", "KV pushes a prefill worker finished well, since start.",
-                            gauge_labels, registry=r)
+                            gauge_labels, registry=wr)
         self.push_failures = Gauge(
             "pdserve:kv_push_failures", "KV pushes that failed (each request moved on by its decode worker's report), "
-            "since start.", gauge_labels, registry=r)
+            "since start.", gauge_labels, registry=wr)
         self.push_cancellations = Gauge(
             "pdserve:kv_push_cancellations", "KV pushes whose requests were aborted (a client that left) before they "
-            "finished, since start.", gauge_labels, registry=r)
+            "finished, since start.", gauge_labels, registry=wr)
         self.push_seconds = Gauge(
             "pdserve:kv_push_seconds", "The finished pushes' seconds (first token -> sends done), summed since start.",
-            gauge_labels, registry=r)
+            gauge_labels, registry=wr)
         self.push_send_device_seconds = Gauge(
             "pdserve:kv_push_send_device_seconds", "The finished pushes' sends on the device (CUDA events; with tensor "
-            "parallelism rank 0's), summed since start; 0 where not timed.", gauge_labels, registry=r)
+            "parallelism rank 0's), summed since start; 0 where not timed.", gauge_labels, registry=wr)
         self.spec_drafts = Gauge("pdserve:spec_decode_num_draft_tokens", "Drafted tokens verified, since start.",
-                                 gauge_labels, registry=r)
+                                 gauge_labels, registry=wr)
         self.spec_accepted = Gauge("pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted, since start.",
-                                   gauge_labels, registry=r)
+                                   gauge_labels, registry=wr)
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -145,4 +153,5 @@ class PrometheusMetrics:
                     self.leases.labels(**w).set(row.num_leases)
                     self.spec_drafts.labels(**w).set(row.num_spec_draft_tokens)
                     self.spec_accepted.labels(**w).set(row.num_spec_accepted_tokens)
-        return generate_latest(self.registry)
+        own = self.shared.summed() if self.shared is not None else generate_latest(self.registry)
+        return own + generate_latest(self.worker_registry)

@@ -137,6 +137,34 @@ def test_new_connections_reach_both_router_replicas(server):
     assert len(routers) == 2 and all(r.startswith("router-") for r in routers), routers
 
 
+def test_metrics_count_both_router_replicas_whichever_answers(server):
+    """A scrape of --port reaches one replica; it answers with both replicas' counts (router/metrics_share.py):
+    every scrape shows the same total, that of all the requests, on new connections spread over both."""
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def finished() -> float:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            text = reply.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdserve:request_success_total{"))
+
+    time.sleep(1.5)  # NOTE: a replica that answers no scrape publishes its counts every second
+    before = {finished() for _ in range(6)}
+    assert len(before) == 1, before
+    body = json.dumps({"model": "default", "prompt": "import os", "max_tokens": 2}).encode()
+    for _ in range(8):  # NOTE: urllib opens a new connection each time: 2 in 2^8 that all reach one replica
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", data=body,
+                                         headers={**headers, "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert reply.status == 200
+    time.sleep(1.5)
+    after = [finished() for _ in range(8)]
+    assert after == [before.pop() + 8] * 8, after
+
+
 def test_grpc_streaming_client_with_reflection(server):
     import grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase

@@ -27,7 +27,8 @@ SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_s
 
 def _exported() -> dict[str, set[str]]:
     """Metric family -> the series names it serves, from the registry itself."""
-    families = PrometheusMetrics("m").registry.collect()
+    metrics = PrometheusMetrics("m")
+    families = [*metrics.registry.collect(), *metrics.worker_registry.collect()]
     return {f.name: {f.name + s for s in SUFFIXES[f.type]} for f in families}
 
 

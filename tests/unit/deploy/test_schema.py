@@ -51,3 +51,11 @@ def test_autoscale_flags_size_the_pools_against_the_slos():
     assert autoscaler is not None and (autoscaler.ttft_ms, autoscaler.tpot_ms, autoscaler.max_gpus) == (1000, 40, 4)
     with pytest.raises(SystemExit, match="give --slo-ttft-ms and --slo-tpot-ms too"):
         app_config(build_parser().parse_args(["serve", "--autoscale-max-gpus", "4"]))
+
+
+def test_max_in_flight_flag_sets_each_router_replicas_limit():
+    assert app_config(build_parser().parse_args(["serve"])).router.max_in_flight == 256
+    args = build_parser().parse_args(["serve", "--num-router-replicas", "2", "--max-in-flight", "512"])
+    assert app_config(args).router.max_in_flight == 512
+    with pytest.raises(pydantic.ValidationError, match="max_in_flight"):
+        app_config(build_parser().parse_args(["serve", "--max-in-flight", "0"]))
