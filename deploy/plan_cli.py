@@ -77,10 +77,10 @@ def _profile(path: Path, engine_options: dict[str, Any]) -> Any:
     print(f"measuring a step profile on {engine.device} (written to {path}) ...", flush=True)
     # NOTE: the grid ends at the longest step the engine makes (a chunk of that size is every long prompt's)
     lengths = sorted({n for n in PREFILL_TOKENS if n < longest} | {longest})
-    profile = measure(engine, lengths, batches, contexts, repeats=REPEATS)
+    profile = measure(engine, lengths, batches, contexts, repeats=REPEATS, report=lambda line: print(line, flush=True))
     profile = profile.model_copy(update={"tensor_parallel_size": engine.config.parallel.tensor_parallel_size})
+    path.write_text(profile.model_dump_json(indent=2) + "\n")  # NOTE: before close, which waits for the ranks
     engine.close()
-    path.write_text(profile.model_dump_json(indent=2) + "\n")
     return profile
 
 

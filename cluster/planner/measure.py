@@ -6,15 +6,16 @@ the launches: on 2x H200 it predicted 89.5 req/s of 1P1D goodput where 12 was me
 figure's sequences join as a disaggregated decode worker's do, their prompts' KV taken as already in
 their blocks (EngineCore.reserve and add_prefilled; a decode step reads it whatever it holds), so the
 whole batch decodes from its first step and no prompt is computed (prefilling every point's prompts
-took 564k prompt tokens at the 70B shape's grid: about a minute at the 8.9k tokens/s a TP=2 worker
-prefilled on 4x H200, where two TP=2 profiles did not finish in 200 s, for reasons not taken apart)."""
+took 564k prompt tokens at the 70B shape's grid). Each figure is reported as it is measured: TP=2
+profiles at the 70B shape have not finished in 200 s nor 560 s on 4x H200, and where they stopped
+is not known."""
 
 from __future__ import annotations
 
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cluster.planner.profile import StepProfile
 from engine.config import SamplingParams
@@ -82,10 +83,11 @@ def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: r
 
 
 def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: Sequence[int],
-            decode_contexts: Sequence[int], repeats: int = 3, seed: int = 0) -> StepProfile:
+            decode_contexts: Sequence[int], repeats: int = 3, seed: int = 0,
+            report: Callable[[str], None] = lambda line: None) -> StepProfile:
     """The engine's StepProfile over the grids. The KV cache must hold max(batch) x max(context).
     The engine must step synchronously (async_scheduling=False): an asynchronous step() returns once the
-    next step is queued on the device, so its wall time is not the step's."""
+    next step is queued on the device, so its wall time is not the step's. REPORT gets a line per figure."""
     if engine.async_scheduling:
         raise ValueError("profile an engine built with async_scheduling=False: an asynchronous step() returns "
                          "before the device has run it, so its time is not the step's")
@@ -103,8 +105,17 @@ def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: S
                          f"holds {engine.capacity_tokens}, {engine.max_seq_tokens} a sequence, "
                          f"{engine.config.scheduler.max_num_seqs} sequences")
     rng = random.Random(seed)
-    prefill = [prefill_ms(engine, n, repeats, rng) for n in prefill_tokens]
-    decode = [[decode_ms(engine, b, c, repeats, rng) for c in decode_contexts] for b in decode_batches]
+    started = time.monotonic()
+    prefill = []
+    for n in prefill_tokens:
+        prefill.append(prefill_ms(engine, n, repeats, rng))
+        report(f"prefill of {n} tokens: {prefill[-1]:.1f} ms ({time.monotonic() - started:.0f} s in)")
+    decode = []
+    for b in decode_batches:
+        decode.append([])
+        for c in decode_contexts:
+            decode[-1].append(decode_ms(engine, b, c, repeats, rng))
+            report(f"decode of {b} x {c} tokens: {decode[-1][-1]:.1f} ms ({time.monotonic() - started:.0f} s in)")
     scheduler = engine.config.scheduler
     return StepProfile(
         prefill_tokens=tuple(prefill_tokens), prefill_ms=tuple(prefill), decode_batches=tuple(decode_batches),

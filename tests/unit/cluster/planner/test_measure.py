@@ -12,8 +12,13 @@ from cluster.planner.measure import measure
 
 def test_measure_fills_the_grids_and_leaves_the_engine_idle(make_llm):
     engine = make_llm(num_blocks=256, block_size=8).engine
-    profile = measure(engine, (16, 64), (1, 4), (16, 48), repeats=2)
+    lines: list[str] = []
+    profile = measure(engine, (16, 64), (1, 4), (16, 48), repeats=2, report=lines.append)
     assert profile.prefill_tokens == (16, 64) and len(profile.prefill_ms) == 2
+    # a line per figure as it is measured (a profile that stops shows where)
+    expected = ["prefill of 16 tokens", "prefill of 64 tokens", *(f"decode of {b} x {c} tokens" for b in (1, 4)
+                                                                  for c in (16, 48))]
+    assert [line.split(":")[0] for line in lines] == expected
     assert len(profile.decode_ms) == 2 and all(len(row) == 2 for row in profile.decode_ms)
     assert all(t > 0 for t in profile.prefill_ms) and all(t > 0 for row in profile.decode_ms for t in row)
     assert profile.max_num_batched_tokens == engine.config.scheduler.max_num_batched_tokens
