@@ -127,6 +127,9 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
         busy = {f"{name} ({pid})": round((cpu - cpu_before[pid][1]) / wall, 3)
                 for pid, (name, cpu) in cpu_after.items() if pid in cpu_before}
         busy = dict(sorted(((k, v) for k, v in busy.items() if v >= 0.02), key=lambda kv: -kv[1]))
+        # where a streamed token's CPU goes: each busy process's CPU over the run's output tokens
+        tokens = max(1, run.metrics.total_completion_tokens)
+        us_per_token = {k: round(v * wall / tokens * 1e6, 1) for k, v in busy.items()}
         # NOTE: the router replicas' summed counts (router/metrics_share.py) are each up to a second old
         await asyncio.sleep(1.5)
         sum0, count0 = await asyncio.to_thread(router_ttft_sum_count, base_url)
@@ -143,7 +146,7 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
             "output_tok_per_s": m.output_token_throughput, "num_completed": m.num_completed,
             "num_errored": m.num_errored, "num_off_length": m.num_off_length,
             "ttft_median_ms_at_256_streams": m.ttft_ms.median, "tpot_median_ms_at_256_streams": m.tpot_ms.median,
-            "ttft_s": ttfts, "cpu_cores_busy_at_256_streams": busy,
+            "ttft_s": ttfts, "cpu_cores_busy_at_256_streams": busy, "cpu_us_per_token_at_256_streams": us_per_token,
             "router_ttft_mean_ms": (sum1 - sum0) / max(1.0, count1 - count0) * 1e3,
             "client_ttft_mean_ms": statistics.mean(ttfts) * 1e3}
 
