@@ -220,6 +220,9 @@ class _Attempt:
     touched: list[WorkerClient] = field(default_factory=list)  # the workers that may hold some of it
     is_finished: bool = False  # nothing is left on any worker: no abort needed
     waiting_since: float | None = None  # loop time _next began waiting for its worker (None: not waiting)
+    # The prefill worker whose push its decode worker waits for; None once that worker has sent anything
+    # (the KV came) or where no push was made.
+    kv_from: str | None = None
 
     def put(self, item: TokenOutputMsg | _WorkerLost) -> None:
         self.inbox.append(item)
@@ -419,10 +422,15 @@ class Dispatcher:
                             self._on_finished(attempt, progress)
                             return
                     out = await self._next(attempt)
+                    attempt.kv_from = None
             except _AttemptFailed as failure:
                 progress.num_attempts += 1
                 if attempt.worker_id is not None:
                     progress.failed_workers.add(attempt.worker_id)
+                # NOTE: the KV never came: the prefill worker's way out may be what fails, and its prefix
+                # cache would bring the next attempt back to it (_prefill): another goes first if there is one
+                if attempt.kv_from is not None:
+                    progress.failed_workers.add(attempt.kv_from)
                 log.warning("request %s: attempt %d failed: %s", request_id, progress.num_attempts, failure)
                 if progress.num_attempts >= self.config.max_attempts:
                     raise RequestFailedError(
@@ -638,6 +646,7 @@ class Dispatcher:
             await self._abort(attempt, [decode])  # the lease is not needed: free it now
             attempt.is_finished = True
         else:  # the KV lands there; NOTE: noted once the first token has gone on (it hashes the prompt)
+            attempt.kv_from = prefill_id
             loop.call_soon(self.prefill_rule.on_cached, decode_id, request.prompt_token_ids)
         return TokenOutputMsg(
             request_id=request.request_id,

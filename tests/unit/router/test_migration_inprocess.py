@@ -233,6 +233,27 @@ def test_transfer_faults_free_the_lease_retry_and_the_pairs_form_again(rule: Fau
     asyncio.run(main())
 
 
+def test_a_request_whose_kv_never_came_tries_another_prefill_worker_next():
+    """Every push of p0 fails (a broken path out of it). A request's retry went back to the prefill worker that
+    computed its prompt (its prefix cache), so one placed on p0 failed every attempt while p1 was healthy (the
+    chaos test's drop fault under CPU load: 8 of 32 requests, 4 attempts each). Now the prefill worker of an
+    attempt whose KV never reached its decode worker is avoided by the next attempt."""
+    prompts = _prompts(8, seed=5)
+    expected = _offline(prompts, GREEDY)
+
+    async def main():
+        cluster = Cluster()
+        await cluster.prefill["p0"].arm_fault(FaultRule(action="fail", op="send", max_fires=None).encode())
+        results = await Streams(cluster.dispatcher, prompts, GREEDY).results()
+        assert results == expected
+        assert sum((await cluster.prefill["p0"].fault_stats())["num_fired"].values()) >= 1
+        assert cluster.dispatcher.num_migrations >= 1
+        assert set((await cluster.held()).values()) == {0}
+        await cluster.close()
+
+    asyncio.run(main())
+
+
 def test_no_capacity_left_ends_requests_with_a_clear_error_never_a_hang():
     prompts = _prompts(4)
 
