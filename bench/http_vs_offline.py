@@ -20,7 +20,8 @@ for each server variant asked for (--variants), one after another on the same GP
   here before (http_vs_offline_*_channel, _worker_cpu) and are no longer ways to serve.
 
 With --workers N (issue 29's two GPUs: goal 1.9x), N colocated workers serve N times the workload
-against the one offline engine's rate.
+against the one offline engine's rate, sent by --clients processes (default N; one Python client was
+near a core busy streaming 512 requests, so it could cap the figure).
 
 Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
 the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
@@ -105,14 +106,101 @@ def router_ttft_sum_count(base_url: str) -> tuple[float, float]:
     return total, count
 
 
-async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
-                    ttft_prompts: list[list[int]], jsonl: Path) -> dict[str, Any]:
-    from loadgen.cli import client_for, run_rate
+def _config(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
+            jsonl: Path) -> Any:
     from loadgen.config import BenchConfig
 
     jsonl.write_text("".join(json.dumps({"prompt": p, "max_tokens": m}) + "\n" for p, m in zip(prompts, max_tokens)))
-    config = BenchConfig(base_url=base_url, model=model, workload="jsonl", dataset=jsonl, num_prompts=len(prompts),
-                         temperature=0.6, vocab_size=vocab, request_timeout=600.0, is_progress=False)
+    return BenchConfig(base_url=base_url, model=model, workload="jsonl", dataset=jsonl, num_prompts=len(prompts),
+                       temperature=0.6, vocab_size=vocab, request_timeout=600.0, is_progress=False)
+
+
+def _figures(records: list[Any], started: float, ended: float) -> dict[str, Any]:
+    """A stream run's figures from its request records (every client's) and its span on CLOCK_MONOTONIC."""
+    good = [r for r in records if r.is_success]
+    tokens = sum(r.completion_tokens for r in good)
+    tpots = [t for t in (r.tpot for r in good) if t is not None]
+    return {"output_tokens": tokens, "duration_s": ended - started, "output_tok_per_s": tokens / (ended - started),
+            "num_completed": len(good), "num_errored": len(records) - len(good),
+            "ttft_median_ms_at_256_streams": statistics.median(r.ttft for r in good) * 1e3 if good else None,
+            "tpot_median_ms_at_256_streams": statistics.median(tpots) * 1e3 if tpots else None}
+
+
+async def _stream_run(config: Any) -> tuple[dict[str, Any], float]:
+    """CONFIG's requests all at once from this process's client: (figures, this process's CPU seconds)."""
+    from loadgen.cli import client_for, run_rate
+
+    async with client_for(config) as client:
+        cpu, started = time.process_time(), time.perf_counter()
+        run = await run_rate(client, config, 0, float("inf"))
+        ended, cpu = time.perf_counter(), time.process_time() - cpu
+    figures = _figures(run.records, started, ended)
+    figures["num_off_length"] = run.metrics.num_off_length
+    return figures, cpu
+
+
+async def _start_shards(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
+                        scratch: Path, clients: int) -> tuple[list[Any], float]:
+    """CLIENTS processes that send the requests all at once (request i from client i mod CLIENTS) from a common
+    start: one client process streaming 512 requests was near a core busy (2x H200, two workers), so it could
+    cap the figure. Returns them and the start (time.perf_counter: CLOCK_MONOTONIC, every process's clock)."""
+    start_at = time.perf_counter() + 10.0  # NOTE: for the processes to start and open their clients
+    procs = []
+    for k in range(clients):
+        shard = scratch / f"shard{k}.jsonl"
+        _config(base_url, model, vocab, prompts[k::clients], max_tokens[k::clients], shard)
+        argv = [sys.executable, "-m", "bench.http_vs_offline", "--client-shard", str(shard), "--base-url", base_url,
+                "--served-model", model, "--vocab", str(vocab), "--start-at", str(start_at)]
+        procs.append(await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE))
+    return procs, start_at
+
+
+async def _shards_run(procs: list[Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    """The figures over every shard's records once all have ended, and each client's CPU seconds."""
+    printed = [(await proc.communicate())[0].decode() for proc in procs]
+    if any(proc.returncode for proc in procs):
+        raise RuntimeError(f"a client shard failed: exit codes {[proc.returncode for proc in procs]}")
+    outs = [json.loads(text.strip().splitlines()[-1]) for text in printed]
+    from loadgen.records import RequestRecord
+
+    records = [RequestRecord(**r) for out in outs for r in out["records"]]
+    figures = _figures(records, min(o["started"] for o in outs), max(o["ended"] for o in outs))
+    figures["num_off_length"] = sum(o["num_off_length"] for o in outs)
+    return figures, {f"bench client {k}": o["cpu_s"] for k, o in enumerate(outs)}
+
+
+def client_shard_main(args: argparse.Namespace) -> None:
+    """One client process of _sharded_run: its shard's requests at once from args.start_at; prints its records."""
+    import dataclasses
+
+    from loadgen.cli import client_for, run_rate
+
+    rows = [json.loads(line) for line in args.client_shard.read_text().splitlines()]
+    config = _config(args.base_url, args.served_model, args.vocab, [r["prompt"] for r in rows],
+                     [r["max_tokens"] for r in rows], args.client_shard)
+
+    async def run() -> dict[str, Any]:
+        async with client_for(config) as client:
+            await asyncio.sleep(max(0.0, args.start_at - time.perf_counter()))
+            cpu, started = time.process_time(), time.perf_counter()
+            rate_run = await run_rate(client, config, 0, float("inf"))
+            ended, cpu = time.perf_counter(), time.process_time() - cpu
+        # NOTE: the records' times count from the run's start (`started`, to well within a ms): on the shared clock
+        offset = started
+        records = [dataclasses.asdict(dataclasses.replace(
+            r, send_time=r.send_time + offset, end_time=r.end_time + offset,
+            chunk_times=[t + offset for t in r.chunk_times])) for r in rate_run.records]
+        return {"started": started, "ended": ended, "cpu_s": cpu, "records": records,
+                "num_off_length": rate_run.metrics.num_off_length}
+
+    print(json.dumps(asyncio.run(run())), flush=True)
+
+
+async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
+                    ttft_prompts: list[list[int]], jsonl: Path, clients: int = 1) -> dict[str, Any]:
+    from loadgen.cli import client_for
+
+    config = _config(base_url, model, vocab, prompts, max_tokens, jsonl)
     async with client_for(config) as client:
         # The offline engine's warm-up, over HTTP: the whole workload at once, cut short. The first server
         # of a run compiles the Triton kernels its own shapes need (4 short requests as the warm-up left
@@ -121,15 +209,23 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
                                       for i, p in enumerate(prompts)))
         if not all(r.is_success for r in warm):
             raise RuntimeError(f"warm-up failed: {[r.error for r in warm if not r.is_success][:3]}")
+        if clients > 1:
+            procs, start_at = await _start_shards(base_url, model, vocab, prompts, max_tokens, jsonl.parent, clients)
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         cpu_before, wall_before = ray_cpu_seconds(), time.perf_counter()
-        run = await run_rate(client, config, 0, float("inf"))
+        if clients == 1:
+            figures, client_cpu = await _stream_run(config)
+            clients_cpu = {"bench client": client_cpu}
+        else:
+            figures, clients_cpu = await _shards_run(procs)
         cpu_after, wall = ray_cpu_seconds(), time.perf_counter() - wall_before
-        busy = {f"{name} ({pid})": round((cpu - cpu_before[pid][1]) / wall, 3)
-                for pid, (name, cpu) in cpu_after.items() if pid in cpu_before}
-        busy = dict(sorted(((k, v) for k, v in busy.items() if v >= 0.02), key=lambda kv: -kv[1]))
+        busy = {f"{name} ({pid})": (cpu - cpu_before[pid][1]) / wall
+                for pid, (name, cpu) in cpu_after.items() if pid in cpu_before and name != "bench client"}
+        busy.update({name: cpu / wall for name, cpu in clients_cpu.items()})  # the clients measure their own
         # where a streamed token's CPU goes: each busy process's CPU over the run's output tokens
-        tokens = max(1, run.metrics.total_completion_tokens)
-        us_per_token = {k: round(v * wall / tokens * 1e6, 1) for k, v in busy.items()}
+        tokens = max(1, figures["output_tokens"])
+        us_per_token = {k: round(v * wall / tokens * 1e6, 1) for k, v in busy.items() if v >= 0.02}
+        busy = dict(sorted(((k, round(v, 3)) for k, v in busy.items() if v >= 0.02), key=lambda kv: -kv[1]))
         # NOTE: the router replicas' summed counts (router/metrics_share.py) are each up to a second old
         await asyncio.sleep(1.5)
         sum0, count0 = await asyncio.to_thread(router_ttft_sum_count, base_url)
@@ -141,11 +237,7 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
             ttfts.append(record.ttft)
         await asyncio.sleep(1.5)
         sum1, count1 = await asyncio.to_thread(router_ttft_sum_count, base_url)
-    m = run.metrics
-    return {"output_tokens": m.total_completion_tokens, "duration_s": m.duration_s,
-            "output_tok_per_s": m.output_token_throughput, "num_completed": m.num_completed,
-            "num_errored": m.num_errored, "num_off_length": m.num_off_length,
-            "ttft_median_ms_at_256_streams": m.ttft_ms.median, "tpot_median_ms_at_256_streams": m.tpot_ms.median,
+    return {**figures, "clients": clients,
             "ttft_s": ttfts, "cpu_cores_busy_at_256_streams": busy, "cpu_us_per_token_at_256_streams": us_per_token,
             "router_ttft_mean_ms": (sum1 - sum0) / max(1.0, count1 - count0) * 1e3,
             "client_ttft_mean_ms": statistics.mean(ttfts) * 1e3}
@@ -168,10 +260,22 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="colocated workers (one GPU each) behind the endpoint; the HTTP run sends this many times "
                         "the offline workload (other prompts, drawn the same way) against one offline engine")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="client processes sending the streams (default: --workers): one Python client near a "
+                        "core busy would cap the served figure")
     parser.add_argument("--variants", default="r1,r2", help=f"comma-separated, of {sorted(VARIANTS)}")
+    # one client process of --clients N (internal)
+    parser.add_argument("--client-shard", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--base-url", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--served-model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="where the results go (required unless --replot)")
     parser.add_argument("--replot", type=Path, default=None, help="redraw the PNG of this result JSON and exit")
     args = parser.parse_args()
+    if args.client_shard is not None:
+        client_shard_main(args)
+        return
     if args.replot is not None:
         print(replot(args.replot))
         return
@@ -230,7 +334,8 @@ def main() -> None:
             try:
                 server.wait_ready(f"http://127.0.0.1:{port}/v1/models", 240)
                 http = asyncio.run(http_part(f"http://127.0.0.1:{port}/v1", str(served), vocab, http_prompts,
-                                             http_max_tokens, ttft_prompts, Path(scratch) / "w.jsonl"))
+                                             http_max_tokens, ttft_prompts, Path(scratch) / "w.jsonl",
+                                             args.clients or args.workers))
                 if position == 0:
                     http["ray_path"] = measure_server(server.log_path, ray_path_prompts, Path(scratch))
             finally:
