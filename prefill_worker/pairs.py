@@ -11,6 +11,7 @@ Knows nothing of jobs, leases' blocks or routers.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtransfer.ranked import RankedKv
@@ -50,6 +51,12 @@ class Pairs:
         self.pair_timeout_s = pair_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
         self._epochs: dict[str, int] = {}  # decode worker -> how many times a pair with it was formed
+        # NOTE: pairings block a thread each (up to pair_timeout_s): threads of their own, so that they never
+        # wait behind the default pool's other work (grammar compiles) while the peer's side waits for them
+        self._threads = ThreadPoolExecutor(4, thread_name_prefix=f"{worker_id}-pairs")
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False)
 
     async def handshake(self, decode: DecodeClient, ready: KvReadyMsg) -> Handshake:
         """Takes the pair's lock, forms the pair if needed and has the decode worker post its
@@ -90,7 +97,7 @@ class Pairs:
         # timeout error, which names the cause, arrive first.
         await asyncio.wait_for(asyncio.gather(
             decode.accept_pair(self.worker_id, self.transport.table),
-            asyncio.to_thread(self.transport.pair, table, True, timeout),
+            asyncio.get_running_loop().run_in_executor(self._threads, self.transport.pair, table, True, timeout),
         ), timeout + 1.0)
         self._epochs[decode_id] = self._epochs.get(decode_id, 0) + 1
 

@@ -254,6 +254,34 @@ def test_a_request_whose_kv_never_came_tries_another_prefill_worker_next():
     asyncio.run(main())
 
 
+def test_pairs_form_while_the_default_thread_pool_is_busy():
+    """Pairings block a thread each (up to pair_timeout_s) on both sides: on threads of their own they never
+    wait behind the event loop's default pool, which grammar compiles also use (a chaos run under CPU load
+    saw pushes stall past the lease TTL). Here that pool's only thread is held for the whole run."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = _prompts(4, seed=6)
+    expected = _offline(prompts, GREEDY)
+
+    async def main():
+        pool, held = ThreadPoolExecutor(1), threading.Event()
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(pool)
+        blocker = loop.run_in_executor(None, held.wait, 60.0)
+        cluster = Cluster()
+        try:
+            results = await Streams(cluster.dispatcher, prompts, GREEDY).results(timeout_s=60.0)
+            assert results == expected
+            assert set((await cluster.held()).values()) == {0}
+        finally:
+            held.set()
+            await blocker
+            await cluster.close()
+
+    asyncio.run(main())
+
+
 def test_no_capacity_left_ends_requests_with_a_clear_error_never_a_hang():
     prompts = _prompts(4)
 
