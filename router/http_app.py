@@ -356,9 +356,9 @@ class _Render:
         finish, no logprobs: most events) goes into its chunk's JSON as rendered once per choice index,
         byte for byte what the model would give (pydantic's own string encoding) at a fraction of the CPU."""
         if delta.text and delta.finish_reason is None and not self.is_logprobs:
-            template = self._templates.get(delta.index)
-            if template is None:
-                template = self._templates[delta.index] = self._text_template(delta.index)
+            if delta.index not in self._templates:
+                self._templates[delta.index] = self._text_template(delta.index)
+            template = self._templates[delta.index]
             if template is not None:
                 return template[0] + to_json(delta.text).decode() + template[1]
         chunk = self.chunk(delta)
