@@ -95,10 +95,10 @@ class Pairs:
         table = await asyncio.wait_for(decode.transport_address(), timeout)
         # NOTE: both sides' pair() are bounded by `timeout`; the extra second lets the peer's own
         # timeout error, which names the cause, arrive first.
-        await asyncio.wait_for(asyncio.gather(
-            decode.accept_pair(self.worker_id, self.transport.table),
-            asyncio.get_running_loop().run_in_executor(self._threads, self.transport.pair, table, True, timeout),
-        ), timeout + 1.0)
+        # NOTE: ours first: after close() it raises, before the peer's call is made (never left unawaited)
+        ours = asyncio.get_running_loop().run_in_executor(self._threads, self.transport.pair, table, True, timeout)
+        await asyncio.wait_for(asyncio.gather(decode.accept_pair(self.worker_id, self.transport.table), ours),
+                               timeout + 1.0)
         self._epochs[decode_id] = self._epochs.get(decode_id, 0) + 1
 
 
