@@ -137,9 +137,6 @@ class DecodeWorker(TransferEndpoint):
         self._lease_ids = itertools.count()
         # Posts receives in the order KvReady messages were accepted (kv_incoming says why not there).
         self._receive_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-receives")
-        # Pairings block a thread each (up to pair_timeout_s): threads of their own, never behind the default
-        # pool's other work (grammar compiles) while the prefill side waits in the rendezvous.
-        self._pair_threads = ThreadPoolExecutor(4, thread_name_prefix=f"{self.worker_id}-pairs")
         self._aio: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -297,8 +294,7 @@ class DecodeWorker(TransferEndpoint):
         new one forms (the drop fails it) must not drop the new pair."""
         self._pair_epochs[prefill_worker_id] = self._pair_epochs.get(prefill_worker_id, 0) + 1
         self.kv.drop(prefill_worker_id)
-        await asyncio.get_running_loop().run_in_executor(
-            self._pair_threads, self.kv.pair, RankTable.from_wire(prefill), False, self.config.pair_timeout_s)
+        await self.kv.pair_async(RankTable.from_wire(prefill), False, self.config.pair_timeout_s)
 
     async def kv_incoming(self, ready: bytes) -> bytes:
         """Accepts a lease's KV and returns at once: its receives are posted on the receive thread
@@ -519,7 +515,6 @@ class DecodeWorker(TransferEndpoint):
         if not self.loop.is_alive and not keep_engine:
             self.loop.engine.close()  # the other ranks of a tensor-parallel worker
         self._receive_thread.shutdown(wait=False)
-        self._pair_threads.shutdown(wait=False)
         self.kv.close()
         self.transport.close()
 

@@ -15,11 +15,13 @@ Routes: for each decode rank, the heads it owns, each from the lowest prefill ra
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -148,8 +150,15 @@ class RankedKv:
             reported = self._await([f"{token}/{k}" for k in range(1, self.tp)], timeout_s, "the ranks' transports")
             addresses += [PairAddress(*_host_port(r)) for r in reported]
         self.table = RankTable(worker_id, tuple(addresses))
+        # Pairings block a thread each (up to their timeout, on both sides): threads of their own, never
+        # behind the event loop's default pool (grammar compiles) while the peer waits in the rendezvous.
+        self._pair_threads = ThreadPoolExecutor(4, thread_name_prefix=f"{worker_id}-pairs")
 
     # ---- pairing
+    async def pair_async(self, peer: RankTable, sends: bool, timeout_s: float) -> None:
+        """`pair` on this transport's pairing threads."""
+        await asyncio.get_running_loop().run_in_executor(self._pair_threads, self.pair, peer, sends, timeout_s)
+
     def pair(self, peer: RankTable, sends: bool, timeout_s: float) -> None:
         """Form every rank pair with `peer` (blocking, as Transport.pair). sends: this is the prefill
         side (it joins each pair: rank 1); the decode side hosts them (rank 0) at its own addresses."""
@@ -238,6 +247,7 @@ class RankedKv:
             self._call(_rank_forget, key)
 
     def close(self) -> None:
+        self._pair_threads.shutdown(wait=False)
         if self.tp > 1:
             self._call(_rank_close)
 

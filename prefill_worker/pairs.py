@@ -11,7 +11,6 @@ Knows nothing of jobs, leases' blocks or routers.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtransfer.ranked import RankedKv
@@ -51,12 +50,6 @@ class Pairs:
         self.pair_timeout_s = pair_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
         self._epochs: dict[str, int] = {}  # decode worker -> how many times a pair with it was formed
-        # NOTE: pairings block a thread each (up to pair_timeout_s): threads of their own, so that they never
-        # wait behind the default pool's other work (grammar compiles) while the peer's side waits for them
-        self._threads = ThreadPoolExecutor(4, thread_name_prefix=f"{worker_id}-pairs")
-
-    def close(self) -> None:
-        self._threads.shutdown(wait=False)
 
     async def handshake(self, decode: DecodeClient, ready: KvReadyMsg) -> Handshake:
         """Takes the pair's lock, forms the pair if needed and has the decode worker post its
@@ -95,10 +88,10 @@ class Pairs:
         table = await asyncio.wait_for(decode.transport_address(), timeout)
         # NOTE: both sides' pair() are bounded by `timeout`; the extra second lets the peer's own
         # timeout error, which names the cause, arrive first.
-        # NOTE: ours first: after close() it raises, before the peer's call is made (never left unawaited)
-        ours = asyncio.get_running_loop().run_in_executor(self._threads, self.transport.pair, table, True, timeout)
-        await asyncio.wait_for(asyncio.gather(decode.accept_pair(self.worker_id, self.transport.table), ours),
-                               timeout + 1.0)
+        await asyncio.wait_for(asyncio.gather(
+            decode.accept_pair(self.worker_id, self.transport.table),
+            self.transport.pair_async(table, True, timeout),
+        ), timeout + 1.0)
         self._epochs[decode_id] = self._epochs.get(decode_id, 0) + 1
 
 

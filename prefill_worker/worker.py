@@ -350,7 +350,6 @@ class PrefillWorker(TransferEndpoint):
         """keep_engine: leave the engine (and its ranks) for the role that follows."""
         await self.channel.close()
         self.kv.close()
-        self.pairs.close()
         self.loop.stop()
         if not self.loop.is_alive and not keep_engine:
             self.loop.engine.close()  # the other ranks of a tensor-parallel worker
