@@ -48,7 +48,7 @@ from typing import Any
 
 from bench.common import build_engine, environment, free_device_memory, save_plot, synchronize, write_results
 from bench.goodput import SHAPES, servable_model_dir, serve_flags
-from bench.server_process import ServerProcess, wait_gpus_free
+from bench.server_process import ServerProcess, scrape_metrics, wait_gpus_free
 from bench.offline_throughput import nano_vllm_workload, run_engine
 from bench.ray_path_ttft import measure_server
 from engine import EngineCore, SamplingParams
@@ -94,10 +94,8 @@ def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
 
 
 def router_ttft_sum_count(base_url: str) -> tuple[float, float]:
-    import urllib.request
-
-    text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
     total = count = 0.0
+    text = scrape_metrics(base_url.removesuffix("/v1"))
     for line in text.splitlines():
         if line.startswith("pdserve:time_to_first_token_seconds_sum"):
             total += float(line.split()[-1])
@@ -115,28 +113,22 @@ def _config(base_url: str, model: str, vocab: int, prompts: list[list[int]], max
                        temperature=0.6, vocab_size=vocab, request_timeout=600.0, is_progress=False)
 
 
-def _figures(records: list[Any], started: float, ended: float) -> dict[str, Any]:
-    """A stream run's figures from its request records (every client's) and its span on CLOCK_MONOTONIC."""
-    good = [r for r in records if r.is_success]
-    tokens = sum(r.completion_tokens for r in good)
-    tpots = [t for t in (r.tpot for r in good) if t is not None]
-    return {"output_tokens": tokens, "duration_s": ended - started, "output_tok_per_s": tokens / (ended - started),
-            "num_completed": len(good), "num_errored": len(records) - len(good),
-            "ttft_median_ms_at_256_streams": statistics.median(r.ttft for r in good) * 1e3 if good else None,
-            "tpot_median_ms_at_256_streams": statistics.median(tpots) * 1e3 if tpots else None}
+def _figures(m: Any) -> dict[str, Any]:
+    """A stream run's figures from its loadgen Metrics (one client's run, or every client's records merged)."""
+    return {"output_tokens": m.total_completion_tokens, "duration_s": m.duration_s,
+            "output_tok_per_s": m.output_token_throughput, "num_completed": m.num_completed,
+            "num_errored": m.num_errored, "num_off_length": m.num_off_length,
+            "ttft_median_ms_at_256_streams": m.ttft_ms.median, "tpot_median_ms_at_256_streams": m.tpot_ms.median}
 
 
-async def _stream_run(config: Any) -> tuple[dict[str, Any], float]:
-    """CONFIG's requests all at once from this process's client: (figures, this process's CPU seconds)."""
-    from loadgen.cli import client_for, run_rate
+async def _timed_run(client: Any, config: Any) -> tuple[Any, float, float, float]:
+    """CONFIG's requests all at once: (loadgen's RateRun, its start and end on CLOCK_MONOTONIC, this process's
+    CPU seconds meanwhile)."""
+    from loadgen.cli import run_rate
 
-    async with client_for(config) as client:
-        cpu, started = time.process_time(), time.perf_counter()
-        run = await run_rate(client, config, 0, float("inf"))
-        ended, cpu = time.perf_counter(), time.process_time() - cpu
-    figures = _figures(run.records, started, ended)
-    figures["num_off_length"] = run.metrics.num_off_length
-    return figures, cpu
+    cpu, started = time.process_time(), time.perf_counter()
+    run = await run_rate(client, config, 0, float("inf"))
+    return run, started, time.perf_counter(), time.process_time() - cpu
 
 
 async def _start_shards(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
@@ -161,19 +153,19 @@ async def _shards_run(procs: list[Any]) -> tuple[dict[str, Any], dict[str, float
     if any(proc.returncode for proc in procs):
         raise RuntimeError(f"a client shard failed: exit codes {[proc.returncode for proc in procs]}")
     outs = [json.loads(text.strip().splitlines()[-1]) for text in printed]
+    from loadgen.metrics import compute_metrics
     from loadgen.records import RequestRecord
 
     records = [RequestRecord(**r) for out in outs for r in out["records"]]
-    figures = _figures(records, min(o["started"] for o in outs), max(o["ended"] for o in outs))
-    figures["num_off_length"] = sum(o["num_off_length"] for o in outs)
-    return figures, {f"bench client {k}": o["cpu_s"] for k, o in enumerate(outs)}
+    metrics = compute_metrics(records, max(o["ended"] for o in outs) - min(o["started"] for o in outs))
+    return _figures(metrics), {f"bench client {k}": o["cpu_s"] for k, o in enumerate(outs)}
 
 
 def client_shard_main(args: argparse.Namespace) -> None:
-    """One client process of _sharded_run: its shard's requests at once from args.start_at; prints its records."""
+    """One client process of _start_shards: its shard's requests at once from args.start_at; prints its records."""
     import dataclasses
 
-    from loadgen.cli import client_for, run_rate
+    from loadgen.cli import client_for
 
     rows = [json.loads(line) for line in args.client_shard.read_text().splitlines()]
     config = _config(args.base_url, args.served_model, args.vocab, [r["prompt"] for r in rows],
@@ -182,16 +174,12 @@ def client_shard_main(args: argparse.Namespace) -> None:
     async def run() -> dict[str, Any]:
         async with client_for(config) as client:
             await asyncio.sleep(max(0.0, args.start_at - time.perf_counter()))
-            cpu, started = time.process_time(), time.perf_counter()
-            rate_run = await run_rate(client, config, 0, float("inf"))
-            ended, cpu = time.perf_counter(), time.process_time() - cpu
+            rate_run, started, ended, cpu = await _timed_run(client, config)
         # NOTE: the records' times count from the run's start (`started`, to well within a ms): on the shared clock
-        offset = started
         records = [dataclasses.asdict(dataclasses.replace(
-            r, send_time=r.send_time + offset, end_time=r.end_time + offset,
-            chunk_times=[t + offset for t in r.chunk_times])) for r in rate_run.records]
-        return {"started": started, "ended": ended, "cpu_s": cpu, "records": records,
-                "num_off_length": rate_run.metrics.num_off_length}
+            r, send_time=r.send_time + started, end_time=r.end_time + started,
+            chunk_times=[t + started for t in r.chunk_times])) for r in rate_run.records]
+        return {"started": started, "ended": ended, "cpu_s": cpu, "records": records}
 
     print(json.dumps(asyncio.run(run())), flush=True)
 
@@ -214,8 +202,8 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         cpu_before, wall_before = ray_cpu_seconds(), time.perf_counter()
         if clients == 1:
-            figures, client_cpu = await _stream_run(config)
-            clients_cpu = {"bench client": client_cpu}
+            run, _, _, client_cpu = await _timed_run(client, config)
+            figures, clients_cpu = _figures(run.metrics), {"bench client": client_cpu}
         else:
             figures, clients_cpu = await _shards_run(procs)
         cpu_after, wall = ray_cpu_seconds(), time.perf_counter() - wall_before

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.http_vs_offline import _figures
+from loadgen.metrics import compute_metrics
 from loadgen.records import RequestRecord
 
 
@@ -13,7 +14,7 @@ def test_figures_count_the_good_requests_over_the_span_of_every_client():
     good = [RequestRecord(index=i, max_tokens=5, send_time=10.0 + i, end_time=12.0 + i,
                           chunk_times=(10.5 + i, 12.0 + i), completion_tokens=5, is_success=True) for i in range(3)]
     failed = RequestRecord(index=9, max_tokens=5, send_time=10.0, end_time=10.1, error="refused")
-    figures = _figures([*good, failed], started=10.0, ended=14.0)
+    figures = _figures(compute_metrics([*good, failed], 14.0 - 10.0))
     assert figures["output_tokens"] == 15 and figures["output_tok_per_s"] == pytest.approx(15 / 4.0)
     assert (figures["num_completed"], figures["num_errored"]) == (3, 1)
     assert figures["ttft_median_ms_at_256_streams"] == pytest.approx(500.0)
