@@ -82,7 +82,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -104,6 +104,7 @@ from bench.server_process import (
     scrape_metrics,
     wait_gpus_free,
 )
+from bench.worker_timeline import poll_workers, role_changes
 from deploy.cli import add_engine_flags, engine_options
 from engine.rank import resolve_device, resolve_model_dir
 from engine.models import load_arch
@@ -351,7 +352,11 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         result.phases_s["warm-up"] = round(time.monotonic() - phase_started, 1)
         run = step_run if plan.schedule else sweep
         before = scrape_metrics(base_url) if mode.is_kv_transferred else ""
-        asyncio.run(run(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint))
+        asyncio.run(_with_timeline(run(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint),
+                                   base_url, result.timeline))
+        if len(changes := role_changes(result.timeline)) > 1:
+            echo(f"{mode.name}: the workers' roles changed: "
+                 + "; ".join(f"at {c['t_s']:.0f} s {c['roles']}" for c in changes))
         if mode.is_kv_transferred:
             result.pushes = push_totals(scrape_metrics(base_url), before)
             echo(f"{mode.name}: KV pushes while the rates ran: {result.pushes}")
@@ -367,6 +372,15 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         echo(f"---- {log_path.name}: the server's last lines, then the errors in Ray's logs\n"
              + "\n".join(result.log_tail))
     return result
+
+
+async def _with_timeline(run: Awaitable[None], server_url: str, timeline: list[dict[str, Any]]) -> None:
+    """RUN, with each worker's state polled into TIMELINE every second while it lasts."""
+    poller = asyncio.get_running_loop().create_task(poll_workers(server_url, timeline, time.perf_counter()))
+    try:
+        await run
+    finally:
+        poller.cancel()
 
 
 PUSH_SERIES = {"pdserve:kv_pushes": "num_pushed", "pdserve:kv_push_failures": "num_failed",

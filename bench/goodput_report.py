@@ -44,6 +44,9 @@ class ModeResult:
     log_tail: list[str] = field(default_factory=list)  # the server log's last lines, when it failed
     step: dict[str, Any] | None = None  # a rate step's score and the workers' roles over it (bench/rate_step.py)
     pushes: dict[str, Any] | None = None  # the KV pushes of the rates run, from /metrics (bench.goodput.push_totals)
+    # each worker's role, running and waiting requests and KV use, every second while the rates ran
+    # (bench/worker_timeline.py; t_s from the first rate's start)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
     def fail(self, err: BaseException | str) -> None:
         self.status = "failed"
@@ -111,6 +114,7 @@ def mode_summary(result: ModeResult) -> dict[str, Any]:
         "log_tail": result.log_tail,
         **({"step": result.step} if result.step is not None else {}),
         **({"pushes": result.pushes} if result.pushes is not None else {}),
+        "timeline": result.timeline,
     }
 
 

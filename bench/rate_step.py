@@ -3,7 +3,7 @@ Poisson arrival rate changes at set times, scored against the SLOs by when each 
 
 `bench.goodput --schedule 4:60,16:60,4:60` runs it instead of a sweep, for each mode: this module holds
 the schedule, its arrival times, the score, and the run itself (`step_run`, with each worker's role
-read from the router's /metrics while it lasts). Per window of `window_s` seconds (by send
+over it from bench/worker_timeline.py's samples). Per window of `window_s` seconds (by send
 time): the share of requests that met both SLOs. After each change of rate a transition lasts until
 the first window from which every window of that segment holds >= 90% (whole windows: a transition is
 a multiple of window_s); the run passes when every transition lasts at most `max_transition_s` and the
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from bench.server_process import scrape_metrics
+from bench.worker_timeline import role_changes
 from loadgen.arrivals import arrival_offsets
 
 if TYPE_CHECKING:
@@ -106,7 +105,8 @@ async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_u
                    echo: Callable[[str], None], note: Callable[[str], None],
                    checkpoint: Callable[[ModeResult], None]) -> None:
     """The rate step of plan.schedule as one run, into RESULT.runs (one RateRun at the mean rate) and
-    RESULT.step (bench.rate_step.score, and each worker's role from /metrics every second)."""
+    RESULT.step (bench.rate_step.score, and the roles' changes in RESULT.timeline, which bench.goodput fills
+    while the run lasts)."""
     from bench.goodput import STOP_RESERVE_S
     from loadgen.cli import client_for
     from loadgen.metrics import SLO, compute_metrics
@@ -124,21 +124,16 @@ async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_u
     config = plan.bench_config(base_url, 1.0).model_copy(
         update={"num_prompts": len(offsets), "duration": window, "request_timeout": window + 10})
     requests = build_workload(config, plan.seed)
-    roles: list[dict[str, Any]] = []
     started = time.perf_counter()
-    poller = asyncio.get_running_loop().create_task(_poll_roles(base_url.removesuffix("/v1"), roles, started))
-    try:
-        async with client_for(config) as client:
-            ran = await asyncio.wait_for(run_requests(requests, offsets, client.send, duration=window,
-                                                      max_concurrency=config.max_concurrency), window + 30)
-    finally:
-        poller.cancel()
+    async with client_for(config) as client:
+        ran = await asyncio.wait_for(run_requests(requests, offsets, client.send, duration=window,
+                                                  max_concurrency=config.max_concurrency), window + 30)
     result.phases_s[result.phase] = round(time.perf_counter() - started, 1)
     metrics = compute_metrics(ran.records, ran.duration_s, SLO(plan.slo_ttft_ms, plan.slo_tpot_ms))
     result.runs.append(RateRun(len(offsets) / total_s, plan.seed, ran.num_not_sent, ran.is_capped, metrics, ran.records))
     records = [{"send_s": r.send_time, "ok": r.is_success, "ttft_ms": r.ttft * 1e3 if r.is_success else None,
                 "tpot_ms": r.tpot * 1e3 if r.is_success and r.tpot is not None else None} for r in ran.records]
-    result.step = {"schedule": [list(x) for x in plan.schedule], "roles": roles,
+    result.step = {"schedule": [list(x) for x in plan.schedule], "roles": role_changes(result.timeline),
                    **score(records, plan.schedule, plan.slo_ttft_ms, plan.slo_tpot_ms, ran.num_planned)}
     checkpoint(result)
     note(summary(result.runs[-1]))
@@ -147,29 +142,3 @@ async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_u
          f"outside transitions of {[t['seconds'] for t in step['transitions']]} s, {step['num_lost']} lost, "
          f"{'met' if step['is_met'] else 'NOT met'}")
     server.check_alive()
-
-
-def worker_roles(metrics_text: str) -> dict[str, str]:
-    """{worker: role} from a /metrics page's pdserve:worker_role series (those at 1)."""
-    out = {}
-    for labels, value in re.findall(r"^pdserve:worker_role\{([^}]*)\} (\S+)$", metrics_text, re.MULTILINE):
-        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        if float(value) == 1.0 and "worker" in pairs and "role" in pairs:
-            out[pairs["worker"]] = pairs["role"]
-    return out
-
-
-async def _poll_roles(server_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
-    """Every interval, each worker's role from the router's /metrics (pdserve:worker_role) into OUT, when it
-    changed: {"t_s": seconds since STARTED, "roles": {worker: role}}."""
-    def scrape() -> dict[str, str]:
-        return worker_roles(scrape_metrics(server_url, timeout_s=5.0))
-
-    while True:
-        try:
-            now = await asyncio.to_thread(scrape)
-            if now and (not out or out[-1]["roles"] != now):
-                out.append({"t_s": round(time.perf_counter() - started, 1), "roles": now})
-        except (OSError, ValueError):  # NOTE: a slow scrape is skipped, the next one tries again
-            pass
-        await asyncio.sleep(interval_s)

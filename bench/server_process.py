@@ -110,6 +110,11 @@ def ray_session_dir(server_pid: int) -> Path | None:
     return None
 
 
+# Serve's access log of each call to a replica (the routers poll the controller every second): it would
+# fill a tail and push out the controller's and workers' warnings
+SERVE_ACCESS_LINE = re.compile(r" -- CALL \S+ OK [\d.]+ms$")
+
+
 def ray_log_tails(session: Path, num_lines: int = 60, max_files: int = 14) -> str:
     """The last lines of Ray's logs that say most (workers' stderr/stdout, Serve's), errors first."""
     logs = session / "logs"
@@ -122,7 +127,8 @@ def ray_log_tails(session: Path, num_lines: int = 60, max_files: int = 14) -> st
 
     parts = []
     for path in sorted(files, key=rank)[:max_files]:
-        lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+        lines = [line for line in path.read_text(errors="replace").splitlines()
+                 if not SERVE_ACCESS_LINE.search(line)][-num_lines:]
         parts.append(f"---- {path.relative_to(logs)} (last {len(lines)} lines)\n" + "\n".join(lines))
     return "\n".join(parts)
 

@@ -420,21 +420,3 @@ def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path
     config = app_config(serve_parser().parse_args(argv[argv.index("serve"):]))
     # the router has the SLOs; colocated engines keep no step budget (it lost its measurement there)
     assert config.dispatch.slo.tpot_ms == 20 and config.cluster.engine.scheduler.itl_budget_ms is None
-
-
-def test_the_rate_step_reads_each_worker_s_role_back_from_the_metrics_page():
-    import asyncio
-
-    from bench.rate_step import worker_roles
-    from protocol.api import WorkerStatsMsg
-    from router.metrics import PrometheusMetrics
-
-    load = dict(pid=1, is_healthy=True, num_running=0, num_waiting=0, num_blocks=10, num_free_blocks=4)
-
-    async def worker_stats():
-        return [WorkerStatsMsg(worker_id="prefill-0", role="prefill", **load),
-                WorkerStatsMsg(worker_id="decode-0", role="decode", computes_every_prompt=True, **load)]
-
-    page = asyncio.run(PrometheusMetrics("m", worker_stats=worker_stats).render()).decode()
-    assert worker_roles(page) == {"prefill-0": "prefill", "decode-0": "decode_every_prompt"}
-    assert worker_roles("# nothing\n") == {}

@@ -1,0 +1,60 @@
+"""Each worker's state over a goodput run, read from the router's /metrics every second: its role
+(prefill, decode, decode_every_prompt), requests running and waiting, KV use. The adaptive mode's
+autoscaler moves workers between roles while the rates run; this is what shows when, and what each
+worker carried before and after (bench.goodput records it per mode, bench/rate_step.py scores roles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Any
+
+from bench.server_process import scrape_metrics
+
+# series -> the field it fills; pdserve:worker_role is read apart (its role is a label)
+_GAUGES = {"pdserve:num_requests_running": "running", "pdserve:num_requests_waiting": "waiting",
+           "pdserve:kv_cache_usage_perc": "kv"}
+_SERIES = re.compile(r"^(pdserve:\w+)\{([^}]*)\} (\S+)$", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
+    """{worker: {"role", "running", "waiting", "kv"}} from a /metrics page (a field the page lacks is absent)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, labels, value in _SERIES.findall(metrics_text):
+        pairs = dict(_LABEL.findall(labels))
+        worker = pairs.get("worker")
+        if worker is None:
+            continue
+        if name == "pdserve:worker_role":
+            if float(value) == 1.0 and "role" in pairs:
+                out.setdefault(worker, {})["role"] = pairs["role"]
+        elif name in _GAUGES:
+            number = float(value)
+            out.setdefault(worker, {})[_GAUGES[name]] = round(number, 3) if name.endswith("perc") else int(number)
+    return out
+
+
+def role_changes(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples at which the set of roles changed: [{"t_s", "roles": {worker: role}}]."""
+    out: list[dict[str, Any]] = []
+    for sample in timeline:
+        roles = {w: s["role"] for w, s in sample["workers"].items() if "role" in s}
+        if roles and (not out or out[-1]["roles"] != roles):
+            out.append({"t_s": sample["t_s"], "roles": roles})
+    return out
+
+
+async def poll_workers(server_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
+    """Until cancelled, every interval: {"t_s": seconds since STARTED (perf_counter), "workers": worker_states}
+    appended to OUT. A scrape that fails or times out is skipped; the next one tries again."""
+    while True:
+        try:
+            workers = await asyncio.to_thread(lambda: worker_states(scrape_metrics(server_url, timeout_s=5.0)))
+            if workers:
+                out.append({"t_s": round(time.perf_counter() - started, 1), "workers": workers})
+        except (OSError, ValueError):
+            pass
+        await asyncio.sleep(interval_s)
