@@ -24,6 +24,7 @@
 #           [".raybundle", ".old"]; a checkout of an earlier commit) first the same from .old in its colocated and
 #           disaggregated_one_message modes, so that both land in $OUT from one machine ($SUFFIX: the new run's tag's).
 #   nccl_kill (nvidia-h200-x2): the decode worker killed mid-transfer over NCCL (bench.nccl_kill).
+#   flip    (two GPUs): the last prefill worker becomes a decode worker under load over NCCL (the autoscaler's change).
 #   graphs  (one GPU): the GPU tests, multi-token sequences as CUDA graph rows vs eager (bench.graph_rows),
 #           static vs continuous batching at the Qwen3-0.6B shape.
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (4 minutes), then bench.spec_decode on it
@@ -58,7 +59,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -125,6 +126,9 @@ case "$part" in
     fi
     run 260 python3 -m bench.disagg --shapes llama-3.1-8b --num-ttft 60 --iters 10 --tag "2xgpu_8b_handoff${SUFFIX:-}" \
       --out "$out"
+    ;;
+  flip)
+    run 300 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_role_flip_gpu.py
     ;;
   nccl_kill)
     run 200 python3 -m bench.nccl_kill --out "$out"
