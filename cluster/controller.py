@@ -94,13 +94,13 @@ class ClusterController:
         finally:
             await self._tell_decode_workers()
 
-    async def _tell_decode_workers(self) -> None:
-        """Whether the decode workers compute every prompt now (the prefill pool has none left):
-        DecodeWorker.computes_every_prompt."""
+    async def _tell_decode_workers(self, every: bool | None = None) -> None:
+        """Whether the decode workers compute every prompt (DecodeWorker.computes_every_prompt): EVERY, or
+        by default whether the prefill pool has none left now."""
         prefill, decode = self.deployment.prefill, self.deployment.decode
         if prefill is None or decode is None:
             return
-        every = prefill.num_workers == 0
+        every = prefill.num_workers == 0 if every is None else every
         for worker_id, handle in list(decode.handles.items()):
             try:
                 await asyncio.wait_for(handle.computes_every_prompt.remote(every), 5.0)
@@ -118,6 +118,10 @@ class ClusterController:
             await self.resize(decision.pool, decision.num_workers)
             await self.resize(decision.flip_to, target.num_workers + 1)
             return
+        if decision.pool == "prefill" and decision.num_workers == 0:
+            # NOTE: from the drain's start the routers see no prefill worker and send the decode workers whole
+            # requests: they drop the step budget before that, not once the flip is done
+            await self._tell_decode_workers(every=True)
         await self.flip(source.serving_ids()[-1], decision.flip_to)  # the newest
 
     async def decisions(self) -> list[tuple[float, str, int, str]]:

@@ -15,7 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.controller import ClusterController
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
-from router import Dispatcher, DispatcherConfig, LocalPrefillConfig
+from router import Dispatcher, DispatcherConfig, LocalPrefillConfig, SloConfig
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -69,4 +69,74 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load(ray_cluster: None) 
     assert tokens == offline  # nothing lost or changed across the flip
     assert role == "decode" and prefill_ids == ["prefill-0"] and decode_ids == ["decode-0", "prefill-1"]
     assert stats["prefill-1"] > 0, stats  # it decoded requests of its own after the flip
+    assert set(held.values()) == {0}, held
+
+
+def test_the_last_prefill_worker_becomes_a_decode_worker_behind_a_router_over_channels(ray_cluster: None) -> None:
+    """As a served router sees it (router/channels.py: a request channel per worker) and as the autoscaler
+    applies it (ClusterController._apply: drain, flip, the decode workers told they compute every prompt):
+    decode-0 computes every prompt (no step budget) from the moment the routers see no prefill worker, and
+    after the flip both decode workers take whole requests, in about equal shares."""
+    from ray.actor import ActorHandle
+
+    from cluster.autoscaler import Decision
+    from router.channels import WorkerChannels
+
+    rng = random.Random(4)
+    prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(20, 200))] for _ in range(60)]
+    offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, PARAMS)]
+    config = ClusterConfig(engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=1, num_decode=1,
+                           transport="gloo")
+
+    seen = []  # decode-0's stats while the routers saw no prefill worker and the flip was not done
+
+    async def run() -> tuple[list[list[int]], dict[str, int], dict[str, int], dict[str, bool]]:
+        controller = ClusterController(config)
+        await controller.start()
+        channels = WorkerChannels(lambda target: isinstance(target, ActorHandle))
+        dispatcher = Dispatcher("router-flip-channels", channels.wrap(controller.deployment.workers()),
+                                poll_timeout_s=0.5, config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="slo"),
+                                                                 slo=SloConfig(ttft_ms=1000, tpot_ms=200)))
+
+        async def follow() -> None:  # a served router: the controller's set, its remote workers over channels
+            while True:
+                await asyncio.sleep(0.25)
+                dispatcher.set_workers(channels.wrap(controller.deployment.workers()))
+
+        follower = asyncio.get_running_loop().create_task(follow())
+
+        async def one(i: int, delay_s: float) -> list[int]:
+            await asyncio.sleep(delay_s)
+            return [t async for out in dispatcher.generate(f"r{i}", prompts[i], PARAMS) for t in out.new_token_ids]
+
+        try:
+            first = [asyncio.ensure_future(one(i, 0.1 * i)) for i in range(20)]  # under load while it flips
+            await asyncio.sleep(0.5)
+            flip = asyncio.ensure_future(controller._apply(Decision(0.0, "prefill", 0, "test", flip_to="decode")))
+            while not flip.done():  # while the routers see no prefill worker, decode-0 computes every prompt
+                if not controller.deployment.workers().prefill:
+                    seen.append(await controller.deployment.decode.handles["decode-0"].stats.remote())
+                await asyncio.sleep(0.1)
+            await asyncio.wait_for(flip, 120)
+            await asyncio.gather(*first)
+            before = {s.worker_id: s.num_requests for s in await controller.stats() if not isinstance(s, str)}
+            second = [asyncio.ensure_future(one(20 + i, 0.1 * i)) for i in range(40)]
+            tokens = await asyncio.wait_for(asyncio.gather(*first, *second), 240)
+            stats = [s for s in await controller.stats() if not isinstance(s, str)]
+            after = {s.worker_id: s.num_requests - before.get(s.worker_id, 0) for s in stats}
+            every = {s.worker_id: s.computes_every_prompt for s in stats}
+            held = await controller.held_blocks()
+        finally:
+            follower.cancel()
+            await dispatcher.close()
+            channels.close()
+            await controller.shutdown()
+        return tokens, after, held, every
+
+    tokens, after, held, every = asyncio.run(run())
+    assert tokens == offline  # nothing lost or changed across the flip
+    assert every == {"decode-0": True, "prefill-0": True}
+    assert seen and all(s.computes_every_prompt for s in seen), [s.computes_every_prompt for s in seen]
+    # the 40 requests after the flip: each decode worker took a share (the policy balances by queued tokens)
+    assert sum(after.values()) == 40 and min(after.values()) >= 10, after
     assert set(held.values()) == {0}, held
