@@ -60,6 +60,14 @@ SOURCES_24 = (
            (1000.0, 20.0)),
     Source("planned colocated + step budget", "adaptive_2xh200_planned_colocated_budget_300_40.json", "adaptive",
            (300.0, 40.0)),
+    # after the step rates' fix (02a5211) and roles that reach colocation (75b9bab): the autoscaler may give the
+    # prefill worker to decoding (0P2D); run 3 is one call, its colocated sweep cut short by the call's budget
+    Source("2 colocated (run 3)", "adaptive_2xh200_r3_1000_40_and_colocated_run3.json", "colocated", None),
+    Source("adaptive, roles to 0P2D", "adaptive_2xh200_r3_1000_40_and_colocated_run3.json", "adaptive", (1000.0, 40.0)),
+    Source("adaptive, roles to 0P2D", "adaptive_2xh200_r3_1000_20.json", "adaptive", (1000.0, 20.0)),
+    Source("adaptive, roles to 0P2D", "adaptive_2xh200_r3_300_40.json", "adaptive", (300.0, 40.0)),
+    Source("adaptive, roles to 0P2D (run b)", "adaptive_2xh200_r3b_1000_40_timeline.json", "adaptive",
+           (1000.0, 40.0)),
 )
 SOURCES_28 = (
     Source("2 colocated TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "colocated2", None),
@@ -77,7 +85,7 @@ SETS = {
         "than a request's 11 tokens (8 x 4,096, 32 x 1,024 and 32 x 4,096) timed fewer sequences than asked, so its "
         "decode steps are too fast there", 2, "issue 24 on {gpus}: Llama-3.1-8B shape (dummy bf16)",
         {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive from 1P1D": ("tab:green", "-"),
-         "planned colocated + step budget": ("tab:red", "--")}),
+         "planned colocated + step budget": ("tab:red", "--"), "adaptive, roles to 0P2D": ("tab:purple", "-")}),
     "tp70b_4xh200": ReportSet(
         SOURCES_28, None, "no prediction: the TP=2 step profiles (bfloat16, FP8) did not finish within the 200 s the "
         "call gave them; only FP8 TP=1's did (planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json), and no "
