@@ -25,7 +25,9 @@ thread): compare medians of several repeats.
 --profile prints the event loop thread's cProfile (thread CPU), top 25 by own time.
 --freeze-gc builds the worker with DecodeWorkerConfig.freeze_gc, as a Ray actor has it.
 
-    python -m bench.worker_cpu --streams 256 --max-tokens 200 --repeats 5 [--freeze-gc] [--profile]
+--out FILE writes every run and the medians as JSON, with the machine and the command.
+
+    python -m bench.worker_cpu --streams 256 --max-tokens 200 --repeats 5 [--freeze-gc] [--profile] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,12 +37,16 @@ import asyncio
 import cProfile
 import gc
 import json
+import os
+import platform
 import pstats
 import random
 import statistics
 import threading
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--freeze-gc", action="store_true", help="DecodeWorkerConfig.freeze_gc, as a Ray actor has it")
     parser.add_argument("--profile", action="store_true", help="cProfile the last repeat's event loop thread")
+    parser.add_argument("--out", type=Path, help="Write the runs and their medians to this JSON file.")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # NOTE: the step's CPU stays on the engine thread, where it is timed
     runs = [
@@ -192,6 +199,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     medians = {k: statistics.median(r[k] for r in runs) for k in keys}
     result = {"runs": runs, "medians": medians}
     print(json.dumps(medians | {k: runs[-1][k] for k in ("steps", "polls", "wakeups", "full_gcs")}))
+    if args.out is not None:
+        machine = {
+            "benchmark": "worker_cpu", "device": "cpu", "num_cpus": os.cpu_count(),
+            "python_version": platform.python_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(["python -m bench.worker_cpu", *(argv if argv is not None else sys.argv[1:])]),
+        }
+        args.out.write_text(json.dumps(machine | result, indent=1) + "\n")
     return result
 
 
