@@ -78,11 +78,9 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def _drain(self) -> None:
-        while True:
-            try:
-                command, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        commands = self._commands
+        while not commands.empty():  # NOTE: no queue.Empty raised each step: this thread alone takes from it
+            command, future = commands.get_nowait()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
