@@ -435,10 +435,13 @@ class DecodeWorker(TransferEndpoint):
         self._bind()
         box = self._outbox(router_id)
         if not box.outputs:
+            # NOTE: the deadline sets `ready` too, and is cancelled before it is cleared below. Cheaper than
+            # asyncio.wait_for, which runs the wait as a task of its own: this is once a step per router.
+            deadline = self._aio.call_later(timeout_s, box.ready.set)  # type: ignore[union-attr]
             try:
-                await asyncio.wait_for(box.ready.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+                await box.ready.wait()
+            finally:
+                deadline.cancel()
         outputs, box.outputs = box.outputs, []
         box.ready.clear()
         return TokenBatchMsg(worker_id=self.worker_id, outputs=outputs, sent_at=time.perf_counter()).encode()
