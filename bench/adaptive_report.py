@@ -68,6 +68,8 @@ SOURCES_24 = (
     Source("adaptive, roles to 0P2D", "adaptive_2xh200_r3_300_40.json", "adaptive", (300.0, 40.0)),
     Source("adaptive, roles to 0P2D (run b)", "adaptive_2xh200_r3b_1000_40_timeline.json", "adaptive",
            (1000.0, 40.0)),
+    # the decode workers drop the step budget when the last prefill worker's drain begins (e3af98c)
+    Source("adaptive, roles to 0P2D (run c)", "adaptive_2xh200_r4_1000_40_flip.json", "adaptive", (1000.0, 40.0)),
 )
 SOURCES_28 = (
     Source("2 colocated TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "colocated2", None),
