@@ -16,10 +16,9 @@ import torch
 
 from cluster.autoscaler import Decision
 from cluster.config import ClusterConfig
-from cluster.controller import ClusterController
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
-from router import Dispatcher, DispatcherConfig, LocalPrefillConfig
+from tests.served import served, tokens_of
 
 ray = pytest.importorskip("ray")
 pytestmark = [
@@ -40,35 +39,17 @@ def test_the_last_prefill_worker_becomes_a_decode_worker_over_nccl() -> None:
                            transport="nccl")
 
     async def run() -> tuple[list[list[int]], dict[str, object], dict[str, int]]:
-        controller = ClusterController(config)
-        await controller.start()
-        dispatcher = Dispatcher("router-flip-gpu", controller.deployment.workers(), poll_timeout_s=0.5,
-                                config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
-
-        async def follow() -> None:  # what a served router does: take the controller's worker set
-            while True:
-                await asyncio.sleep(0.25)
-                dispatcher.set_workers(controller.deployment.workers())
-
-        follower = asyncio.get_running_loop().create_task(follow())
-
-        async def one(i: int, delay_s: float) -> list[int]:
-            await asyncio.sleep(delay_s)
-            return [t async for out in dispatcher.generate(f"r{i}", prompts[i], PARAMS) for t in out.new_token_ids]
-
-        try:
-            first = [asyncio.ensure_future(one(i, 0.02 * i)) for i in range(30)]  # under load while it flips
+        async with served(config, "router-flip-gpu") as (controller, dispatcher):
+            first = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.02 * i))
+                     for i in range(30)]  # under load while it flips
             await asyncio.sleep(0.3)
             assert not all(t.done() for t in first)
             await asyncio.wait_for(controller._apply(Decision(0.0, "prefill", 0, "test", flip_to="decode")), 120)
-            second = [asyncio.ensure_future(one(30 + i, 0.02 * i)) for i in range(30)]
+            second = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.02 * (i - 30)))
+                      for i in range(30, 60)]
             tokens = await asyncio.wait_for(asyncio.gather(*first, *second), 240)
             stats = {s.worker_id: s for s in await controller.stats() if not isinstance(s, str)}
             held = await controller.held_blocks()
-        finally:
-            follower.cancel()
-            await dispatcher.close()
-            await controller.shutdown()
         return tokens, stats, held
 
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)

@@ -7,48 +7,21 @@ completes with the offline engine's tokens and no block is held at the end."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-from collections.abc import Callable
 
 import pytest
 
 from cluster.autoscaler import AutoscalerConfig
 from cluster.config import ClusterConfig
-from cluster.controller import ClusterController
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
-from router import Dispatcher, DispatcherConfig, LocalPrefillConfig
+from tests.served import served, tokens_of
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENGINE = dict(device="cpu", block_size=8, num_blocks=16384)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-@contextlib.asynccontextmanager
-async def _served(config: ClusterConfig, router_id: str, on_follow: Callable[[ClusterController], None] = lambda c: None):
-    """The cluster under its controller (autoscaling every 0.25 s) and a router following its worker set as a
-    served router does (every 0.25 s; `on_follow` sees the controller then); both stopped after."""
-    controller = ClusterController(config, autoscale_interval_s=0.25)
-    await controller.start()
-    dispatcher = Dispatcher(router_id, controller.deployment.workers(), poll_timeout_s=0.5,
-                            config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
-
-    async def follow() -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            dispatcher.set_workers(controller.deployment.workers())
-            on_follow(controller)
-
-    follower = asyncio.get_running_loop().create_task(follow())
-    try:
-        yield controller, dispatcher
-    finally:
-        follower.cancel()
-        await dispatcher.close()
-        await controller.shutdown()
 
 
 def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: None) -> None:
@@ -64,12 +37,11 @@ def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: Non
 
     async def run() -> tuple[list[list[int]], list[tuple[float, str, int, str]], dict[str, int], list[int]]:
         sizes: list[int] = []
-        async with _served(config, "router-as",
-                           lambda c: sizes.append(c.deployment.prefill.num_workers)) as (controller, dispatcher):
+        async with served(config, "router-as", autoscale_interval_s=0.25,
+                          on_follow=lambda c: sizes.append(c.deployment.prefill.num_workers)) as (controller, dispatcher):
 
-            async def one(i: int, prompt: list[int], delay_s: float) -> list[int]:
-                await asyncio.sleep(delay_s)
-                return [t async for out in dispatcher.generate(f"r{i}", prompt, PARAMS) for t in out.new_token_ids]
+            def one(i: int, prompt: list[int], delay_s: float):
+                return tokens_of(dispatcher, f"r{i}", prompt, PARAMS, delay_s)
 
             tasks = [one(i, p, 0.5 * i) for i, p in enumerate(light)]  # 3 s of light load
             # 80,000 prompt tokens at once: seconds of a CPU prefill worker's work, past the TTFT SLO's share
@@ -107,10 +79,10 @@ def test_a_decode_heavy_load_turns_the_prefill_worker_into_a_decode_worker(ray_c
 
     async def run():
         sent: list[list[int]] = []
-        async with _served(config, "router-flip") as (controller, dispatcher):
+        async with served(config, "router-flip", autoscale_interval_s=0.25) as (controller, dispatcher):
 
-            async def one(rid: str, prompt: list[int]) -> list[int]:
-                return [t async for out in dispatcher.generate(rid, prompt, params) for t in out.new_token_ids]
+            def one(rid: str, prompt: list[int]):
+                return tokens_of(dispatcher, rid, prompt, params)
 
             first = []
             for prompt in stream:  # until the prefill pool has given its worker away

@@ -2,7 +2,8 @@
 local Ray cluster (gloo, CPU), 2 prefill + 1 decode workers serve a stream of requests while
 prefill-1 is drained, flips to decode keeping its engine, and joins the decode pool; every request
 completes with the offline engine's tokens, the flipped worker then decodes requests of its own, and
-no block is held anywhere."""
+no block is held anywhere. Then the last prefill worker of 1P1D, behind a router over request channels,
+as the autoscaler applies the change (tests/gpu/test_role_flip_gpu.py: the same over NCCL)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import random
 
 import pytest
 
+from cluster.autoscaler import Decision
 from cluster.config import ClusterConfig
-from cluster.controller import ClusterController
 from engine import LLM, SamplingParams
 from engine.llm import engine_config
-from router import Dispatcher, DispatcherConfig, LocalPrefillConfig, SloConfig
+from router import DispatcherConfig, LocalPrefillConfig, SloConfig
+from tests.served import served, tokens_of
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -32,37 +34,19 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load(ray_cluster: None) 
                            transport="gloo")
 
     async def run() -> tuple[list[list[int]], str, dict[str, int], dict[str, int], list[str], list[str]]:
-        controller = ClusterController(config)
-        await controller.start()
-        dispatcher = Dispatcher("router-flip", controller.deployment.workers(), poll_timeout_s=0.5,
-                                config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
-
-        async def follow() -> None:  # what a served router does: take the controller's worker set
-            while True:
-                await asyncio.sleep(0.25)
-                dispatcher.set_workers(controller.deployment.workers())
-
-        follower = asyncio.get_running_loop().create_task(follow())
-
-        async def one(i: int, delay_s: float) -> list[int]:
-            await asyncio.sleep(delay_s)
-            return [t async for out in dispatcher.generate(f"r{i}", prompts[i], PARAMS) for t in out.new_token_ids]
-
-        try:
-            first = [asyncio.ensure_future(one(i, 0.1 * i)) for i in range(20)]  # under load while it flips
+        async with served(config, "router-flip") as (controller, dispatcher):
+            first = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.1 * i))
+                     for i in range(20)]  # under load while it flips
             await asyncio.sleep(0.5)
             assert not all(t.done() for t in first)
             await controller.flip("prefill-1", "decode", router_refresh_s=0.25)
-            second = [asyncio.ensure_future(one(20 + i, 0.05 * i)) for i in range(20)]
+            second = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.05 * (i - 20)))
+                      for i in range(20, 40)]
             tokens = await asyncio.wait_for(asyncio.gather(*first, *second), 240)
             role = await controller.deployment.decode.handles["prefill-1"].role_name.remote()
             stats = {s.worker_id: s.num_requests for s in await controller.stats() if not isinstance(s, str)}
             held = await controller.held_blocks()
             pools = (sorted(controller.deployment.prefill.handles), sorted(controller.deployment.decode.handles))  # type: ignore[union-attr]
-        finally:
-            follower.cancel()
-            await dispatcher.close()
-            await controller.shutdown()
         return tokens, role, stats, held, *pools
 
     tokens, role, stats, held, prefill_ids, decode_ids = asyncio.run(run())
@@ -77,40 +61,18 @@ def test_the_last_prefill_worker_becomes_a_decode_worker_behind_a_router_over_ch
     applies it (ClusterController._apply: drain, flip, the decode workers told they compute every prompt):
     decode-0 computes every prompt (no step budget) from the moment the routers see no prefill worker, and
     after the flip both decode workers take whole requests, in about equal shares."""
-    from ray.actor import ActorHandle
-
-    from cluster.autoscaler import Decision
-    from router.channels import WorkerChannels
-
     rng = random.Random(4)
     prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(20, 200))] for _ in range(60)]
     offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, PARAMS)]
     config = ClusterConfig(engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=1, num_decode=1,
                            transport="gloo")
-
+    dispatch = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="slo"), slo=SloConfig(ttft_ms=1000, tpot_ms=200))
     seen = []  # decode-0's stats while the routers saw no prefill worker and the flip was not done
 
     async def run() -> tuple[list[list[int]], dict[str, int], dict[str, int], dict[str, bool]]:
-        controller = ClusterController(config)
-        await controller.start()
-        channels = WorkerChannels(lambda target: isinstance(target, ActorHandle))
-        dispatcher = Dispatcher("router-flip-channels", channels.wrap(controller.deployment.workers()),
-                                poll_timeout_s=0.5, config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="slo"),
-                                                                 slo=SloConfig(ttft_ms=1000, tpot_ms=200)))
-
-        async def follow() -> None:  # a served router: the controller's set, its remote workers over channels
-            while True:
-                await asyncio.sleep(0.25)
-                dispatcher.set_workers(channels.wrap(controller.deployment.workers()))
-
-        follower = asyncio.get_running_loop().create_task(follow())
-
-        async def one(i: int, delay_s: float) -> list[int]:
-            await asyncio.sleep(delay_s)
-            return [t async for out in dispatcher.generate(f"r{i}", prompts[i], PARAMS) for t in out.new_token_ids]
-
-        try:
-            first = [asyncio.ensure_future(one(i, 0.1 * i)) for i in range(20)]  # under load while it flips
+        async with served(config, "router-flip-channels", dispatch, channels=True) as (controller, dispatcher):
+            first = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.1 * i))
+                     for i in range(20)]  # under load while it flips
             await asyncio.sleep(0.5)
             flip = asyncio.ensure_future(controller._apply(Decision(0.0, "prefill", 0, "test", flip_to="decode")))
             while not flip.done():  # while the routers see no prefill worker, decode-0 computes every prompt
@@ -120,17 +82,13 @@ def test_the_last_prefill_worker_becomes_a_decode_worker_behind_a_router_over_ch
             await asyncio.wait_for(flip, 120)
             await asyncio.gather(*first)
             before = {s.worker_id: s.num_requests for s in await controller.stats() if not isinstance(s, str)}
-            second = [asyncio.ensure_future(one(20 + i, 0.1 * i)) for i in range(40)]
+            second = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.1 * (i - 20)))
+                      for i in range(20, 60)]
             tokens = await asyncio.wait_for(asyncio.gather(*first, *second), 240)
             stats = [s for s in await controller.stats() if not isinstance(s, str)]
             after = {s.worker_id: s.num_requests - before.get(s.worker_id, 0) for s in stats}
             every = {s.worker_id: s.computes_every_prompt for s in stats}
             held = await controller.held_blocks()
-        finally:
-            follower.cancel()
-            await dispatcher.close()
-            channels.close()
-            await controller.shutdown()
         return tokens, after, held, every
 
     tokens, after, held, every = asyncio.run(run())
