@@ -1,5 +1,6 @@
 """Each worker's state over a goodput run, read from the router's /metrics every second: its role
-(prefill, decode, decode_every_prompt), requests running and waiting, KV use. The adaptive mode's
+(prefill, decode, decode_every_prompt), requests running and waiting, KV use, prompt tokens queued, and
+its engine's measured decode step (ms) and prefill rate (tokens/s), which the autoscaler's pressures read. The adaptive mode's
 autoscaler moves workers between roles while the rates run; this is what shows when, and what each
 worker carried before and after (bench.goodput records it per mode, bench/rate_step.py scores roles).
 """
@@ -9,19 +10,27 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench.server_process import scrape_metrics
 
-# series -> the field it fills; pdserve:worker_role is read apart (its role is a label)
-_GAUGES = {"pdserve:num_requests_running": "running", "pdserve:num_requests_waiting": "waiting",
-           "pdserve:kv_cache_usage_perc": "kv"}
+# series -> (the field it fills, its value as kept); pdserve:worker_role is read apart (its role is a label)
+_GAUGES: dict[str, tuple[str, Callable[[float], Any]]] = {
+    "pdserve:num_requests_running": ("running", int),
+    "pdserve:num_requests_waiting": ("waiting", int),
+    "pdserve:kv_cache_usage_perc": ("kv", lambda x: round(x, 3)),
+    "pdserve:num_queued_prompt_tokens": ("queued_tokens", int),
+    "pdserve:decode_step_seconds": ("decode_step_ms", lambda x: round(x * 1e3, 2)),
+    "pdserve:prefill_tokens_per_second": ("prefill_tok_s", int),
+}
 _SERIES = re.compile(r"^(pdserve:\w+)\{([^}]*)\} (\S+)$", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
-    """{worker: {"role", "running", "waiting", "kv"}} from a /metrics page (a field the page lacks is absent)."""
+    """{worker: {"role", "running", "waiting", "kv", "queued_tokens", "decode_step_ms", "prefill_tok_s"}} from a
+    /metrics page (a field the page lacks is absent)."""
     out: dict[str, dict[str, Any]] = {}
     for name, labels, value in _SERIES.findall(metrics_text):
         pairs = dict(_LABEL.findall(labels))
@@ -32,8 +41,8 @@ def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
             if float(value) == 1.0 and "role" in pairs:
                 out.setdefault(worker, {})["role"] = pairs["role"]
         elif name in _GAUGES:
-            number = float(value)
-            out.setdefault(worker, {})[_GAUGES[name]] = round(number, 3) if name.endswith("perc") else int(number)
+            field, convert = _GAUGES[name]
+            out.setdefault(worker, {})[field] = convert(float(value))
     return out
 
 

@@ -94,6 +94,13 @@ class PrometheusMetrics:
                                  gauge_labels, registry=wr)
         self.spec_accepted = Gauge("pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted, since start.",
                                    gauge_labels, registry=wr)
+        # what the 'slo' prefill rule, the step budget and the autoscaler read of each engine's speed
+        self.decode_step = Gauge("pdserve:decode_step_seconds", "A worker's measured time of a step that only decodes "
+                                 "(0: not measured yet).", gauge_labels, registry=wr)
+        self.prefill_rate = Gauge("pdserve:prefill_tokens_per_second", "A worker's measured prompt tokens a second in "
+                                  "steps that prefill (0: not measured yet).", gauge_labels, registry=wr)
+        self.queued_prompt_tokens = Gauge("pdserve:num_queued_prompt_tokens", "Prompt tokens queued at a worker, "
+                                          "not yet computed.", gauge_labels, registry=wr)
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -142,6 +149,9 @@ class PrometheusMetrics:
                 blocks = max(1, row.num_blocks)
                 self.kv_usage.labels(**w).set((row.num_blocks - row.num_free_blocks) / blocks)
                 self.preemptions.labels(**w).set(row.num_preemptions)
+                self.decode_step.labels(**w).set(row.decode_step_s)
+                self.prefill_rate.labels(**w).set(row.prefill_tokens_per_s)
+                self.queued_prompt_tokens.labels(**w).set(row.num_queued_prompt_tokens)
                 if row.role == "prefill":
                     totals = row.push_totals
                     self.pushes.labels(**w).set(totals.num_pushed)
