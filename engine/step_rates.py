@@ -1,31 +1,37 @@
 """What an engine measures of its own speed, for the router's choice of where to prefill a prompt
-(router/policy.py's SloRule): the time of a step that only decodes, and the prompt tokens a second
-it computes in steps that prefill (their time less the decode part). Exponentially weighted, from
-the wall time of each `EngineCore.step` call and the counts of the steps it waited for (with
-asynchronous scheduling the steps launched before it, not the one it launches: EngineCore._waited).
-0.0 means not measured yet."""
+(router/policy.py's SloRule), the step budget and the autoscaler's pressures: the time of a step that
+only decodes, and the prompt tokens a second it computes in steps that prefill (their time less the
+decode part). Each is the median of its last `window` observations, from the wall time of each
+`EngineCore.step` call and the counts of the steps it waited for (with asynchronous scheduling the
+steps launched before it, not the one it launches: EngineCore._waited). A median, not a running
+mean: one slow step (a first NCCL transfer, a compile, a collection pause) would otherwise hold the
+figure up for as many steps as the mean takes to forget it, and a decode worker busy prefilling
+takes few decode-only steps. 0.0 means not measured yet."""
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 __all__ = ["StepRates"]
 
 
 class StepRates:
-    def __init__(self, weight: float = 0.1) -> None:
-        self.weight = weight
+    def __init__(self, window: int = 16) -> None:
+        self._decode_s: deque[float] = deque(maxlen=window)
+        self._prefill_rates: deque[float] = deque(maxlen=window)
         self.decode_step_s = 0.0
         self.prefill_tokens_per_s = 0.0
-
-    def _blend(self, old: float, new: float) -> float:
-        return new if old == 0.0 else (1 - self.weight) * old + self.weight * new
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
         if seconds <= 0.0:
             return
         if prefill_tokens == 0:
             if decode_rows:
-                self.decode_step_s = self._blend(self.decode_step_s, seconds)
+                self._decode_s.append(seconds)
+                self.decode_step_s = statistics.median(self._decode_s)
             return
         prefill_s = seconds - (self.decode_step_s if decode_rows else 0.0)
         if prefill_s > 0.0:
-            self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, prefill_tokens / prefill_s)
+            self._prefill_rates.append(prefill_tokens / prefill_s)
+            self.prefill_tokens_per_s = statistics.median(self._prefill_rates)

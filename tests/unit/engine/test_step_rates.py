@@ -62,3 +62,18 @@ def test_async_steps_are_timed_against_the_steps_they_waited_for(make_llm) -> No
         assert steps < 200
     assert engine.rates.decode_step_s == pytest.approx(DECODE_S)
     assert engine.rates.prefill_tokens_per_s == pytest.approx(PROMPT_TOKENS_PER_S)
+
+
+def test_one_slow_step_does_not_hold_the_measured_speed_up() -> None:
+    from engine.step_rates import StepRates
+
+    rates = StepRates(window=16)
+    rates.observe(3.0, 0, 16)  # a first decode step that waited for a first NCCL transfer, say
+    for _ in range(2):
+        rates.observe(0.008, 0, 16)
+    # a running mean of weight 0.1 would read 2.43 s here, and above 0.136 s for 27 more decode steps
+    assert rates.decode_step_s == pytest.approx(0.008)
+    rates.observe(5.0, 4_000, 0)  # and one slow prefill step among quick ones
+    rates.observe(0.1, 4_000, 0)
+    rates.observe(0.1, 4_000, 0)
+    assert rates.prefill_tokens_per_s == pytest.approx(40_000)

@@ -118,7 +118,7 @@ def test_the_slo_rule_needs_a_tpot_slo_named():
 
 
 def test_step_rates_split_a_prefill_step_into_its_decode_part_and_its_prompt_tokens():
-    rates = StepRates(weight=0.5)
+    rates = StepRates()
     rates.observe(0.010, 0, 8)
     rates.observe(0.012, 0, 8)
     assert rates.decode_step_s == pytest.approx(0.011)
