@@ -9,7 +9,9 @@ For each mode in turn this starts `pdserve serve` as a subprocess (its own local
              worker, or on the decode worker in chunks within the step budget), and the autoscaler may
              move a worker between the pools (issue 24)
 
-waits for /v1/models, warms it up (a few prompts of the workload's lengths), sweeps Poisson request
+waits for /v1/models, warms it up (a few prompts of the workload's lengths, then --warmup-load-s of load at
+the first rate, unscored: on 2x H200 a colocated sweep's first rate, after the prompts alone, saw TTFTs
+up to 2.7 s in its first 2 s), sweeps Poisson request
 rates with loadgen/ (random token-id prompts, ignore_eos; per rate SECONDS_PER_RATE seconds of
 arrivals, then the requests drain for at most DRAIN_S, after which those still running count as
 failed; by default DRAIN_S is the longest a request can take and still meet both SLOs, + 1 s), then stops it (SIGINT, SIGTERM, SIGKILL; then whatever of its process group remains, Ray's
@@ -140,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-attainment", type=float, default=0.5,
       help="Stop a mode's sweep after a rate where fewer than this fraction of requests met the SLOs.")
     a("--num-warmup", type=int, default=4, help="Warm-up requests (prompt lengths across --input-len).")
+    a("--warmup-load-s", type=float, default=5.0,
+      help="Then this long of load at the first rate, unscored (its attainment goes to the log): the engines' "
+      "first steps of the workload's shapes (Triton's compiles of each) are not counted in the first rate.")
     a("--budget-s", type=float, default=510.0, help="Wall time for everything; rates that do not fit are skipped.")
     a("--start-timeout-s", type=float, default=180.0, help="Longest wait for a server to answer /v1/models.")
     a("--warmup-timeout-s", type=float, default=150.0, help="Longest warm-up (first Triton compiles).")
@@ -229,6 +234,11 @@ class Plan:
     warmup_timeout_s: float
     stop_timeout_s: float
     schedule: tuple[tuple[float, float], ...] = ()  # a rate step instead of the sweep (bench/rate_step.py)
+    warmup_load_s: float = 0.0  # after the warm-up requests, this long of unscored load at the first rate
+
+    @property
+    def first_rate(self) -> float:
+        return self.schedule[0][0] if self.schedule else self.rates[0]
 
     def server_argv(self, mode: ModeSpec, port: int, grpc_port: int, exit_after_s: float) -> list[str]:
         transport = ["--transport", self.transport] if mode.is_kv_transferred else []
@@ -254,10 +264,13 @@ class Plan:
         )
 
 
-async def warm_up(plan: Plan, base_url: str, timeout_s: float) -> None:
+async def warm_up(plan: Plan, base_url: str, timeout_s: float) -> dict[str, Any] | None:
     """The first request alone, retried until the router has workers, then the rest at once; prompt
-    lengths spread over the workload's (first Triton compiles, NCCL's first transfers)."""
-    from loadgen.cli import client_for
+    lengths spread over the workload's (first Triton compiles, NCCL's first transfers). Then
+    plan.warmup_load_s of the workload at the first rate (prompts of their own seed), unscored: its
+    rate_row, or None without it."""
+    from bench.goodput_report import rate_row
+    from loadgen.cli import client_for, run_rate
     from loadgen.workloads import random_workload
 
     deadline = time.monotonic() + timeout_s
@@ -276,6 +289,19 @@ async def warm_up(plan: Plan, base_url: str, timeout_s: float) -> None:
     if failed:
         raise ServerError(f"warm-up: {len(failed)} of {len(records)} requests failed: HTTP {failed[0].http_status}: "
                           f"{failed[0].error}")
+    if plan.warmup_load_s <= 0:
+        return None
+    rate = plan.first_rate
+    config = plan.bench_config(base_url, rate).model_copy(update={
+        "num_prompts": num_prompts(rate, plan.warmup_load_s), "duration": plan.warmup_load_s + plan.drain_s,
+        "request_timeout": plan.warmup_load_s + plan.drain_s + 10})
+    async with client_for(config) as client:
+        run = await asyncio.wait_for(run_rate(client, config, WARMUP_SEED_OFFSET, rate),
+                                     max(1.0, deadline - time.monotonic()))
+    return rate_row(run)
+
+
+WARMUP_SEED_OFFSET = 20_000  # the warm-up load's prompts: seed + this, none of a rate's (seed + k)
 
 
 async def sweep(plan: Plan, result: ModeResult, server: ServerProcess, base_url: str, deadline: float,
@@ -348,8 +374,11 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         echo(f"{mode.name}: serving after {result.phases_s['start']:.0f} s; warming up")
         result.phase, phase_started = "warm-up", time.monotonic()
         timeout_s = min(plan.warmup_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S)
-        asyncio.run(asyncio.wait_for(warm_up(plan, base_url + "/v1", timeout_s), timeout_s + 5))
+        load = asyncio.run(asyncio.wait_for(warm_up(plan, base_url + "/v1", timeout_s), timeout_s + 5))
         result.phases_s["warm-up"] = round(time.monotonic() - phase_started, 1)
+        if load is not None:
+            echo(f"{mode.name}: warm-up load {load['rate']:g} req/s for {plan.warmup_load_s:g} s (unscored): "
+                 f"{load['slo_attainment']:.0%} within SLO, TTFT p90 {load['ttft_p90_ms'] or 0:.0f} ms")
         run = step_run if plan.schedule else sweep
         before = scrape_metrics(base_url) if mode.is_kv_transferred else ""
         asyncio.run(_with_timeline(run(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint),
@@ -526,7 +555,8 @@ def results_record(plan: Plan, args: argparse.Namespace, results: dict[str, Mode
             "seconds_per_rate": plan.seconds_per_rate, "drain_s": plan.drain_s, "input_len": list(plan.input_len),
             "output_len": list(plan.output_len), "ignore_eos": True, "arrivals": "Poisson",
             "prompts": "random token ids", "slo_ttft_ms": plan.slo_ttft_ms, "slo_tpot_ms": plan.slo_tpot_ms,
-            "min_attainment": plan.min_attainment, "num_warmup": plan.num_warmup, "seed": plan.seed,
+            "min_attainment": plan.min_attainment, "num_warmup": plan.num_warmup, "warmup_load_s": plan.warmup_load_s,
+            "seed": plan.seed,
             "budget_s": args.budget_s, **({"planner": planned} if planned else {}),
         },
         "modes": summaries,
@@ -571,7 +601,7 @@ def make_plan(args: argparse.Namespace, device: torch.device, model_dir: Path, s
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, min_attainment=args.min_attainment,
         num_warmup=max(1, args.num_warmup), seed=args.seed, start_timeout_s=args.start_timeout_s,
         warmup_timeout_s=args.warmup_timeout_s, stop_timeout_s=args.stop_timeout_s,
-        schedule=parse_schedule(args.schedule) if args.schedule else (),
+        schedule=parse_schedule(args.schedule) if args.schedule else (), warmup_load_s=max(0.0, args.warmup_load_s),
     )
 
 

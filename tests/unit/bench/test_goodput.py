@@ -420,3 +420,34 @@ def test_the_adaptive_mode_starts_in_the_layout_the_planner_picks(tmp_path: Path
     config = app_config(serve_parser().parse_args(argv[argv.index("serve"):]))
     # the router has the SLOs; colocated engines keep no step budget (it lost its measurement there)
     assert config.dispatch.slo.tpot_ms == 20 and config.cluster.engine.scheduler.itl_budget_ms is None
+
+
+def test_the_warm_up_ends_with_unscored_load_at_the_first_rate(monkeypatch):
+    import asyncio
+    import dataclasses
+
+    import loadgen.cli
+    from bench.goodput import warm_up
+
+    sent = []
+
+    class Client:  # answers every request at once: one token, then the rest
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def send(self, index, request, origin):
+            sent.append(request)
+            chunks = tuple(0.001 * (k + 1) for k in range(request.max_tokens))
+            return RequestRecord(index, request.max_tokens, 0.0, chunks[-1], chunks, prompt_tokens=len(request.prompt),
+                                 completion_tokens=request.max_tokens, is_success=True, http_status=200)
+
+    monkeypatch.setattr(loadgen.cli, "client_for", lambda config, **kw: Client())
+    plan = dataclasses.replace(_plan(1000.0, 40.0), rates=(8.0, 12.0), num_warmup=3, warmup_load_s=0.5)
+    row = asyncio.run(warm_up(plan, "http://127.0.0.1:1/v1", 30.0))
+    assert len(sent) == 3 + 4  # the warm-up requests, then 0.5 s at 8 req/s
+    assert row is not None and row["rate"] == 8.0 and row["num_completed"] == 4 and row["slo_attainment"] == 1.0
+    assert asyncio.run(warm_up(dataclasses.replace(plan, warmup_load_s=0.0), "http://127.0.0.1:1/v1", 30.0)) is None
+    assert len(sent) == 7 + 3  # the requests alone
