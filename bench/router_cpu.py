@@ -2,7 +2,9 @@
 one token per running request per step (every --step-ms), the real Dispatcher, RouterCore and
 FastAPI app, driven through ASGI directly (no sockets) by --streams concurrent streaming
 completions of --max-tokens each. Reports process CPU seconds per token (the fake worker's share
-is small: one NamedTuple or model per request per step) and the SSE events sent. With --step-ms
+is small: one NamedTuple or model per request per step) and the SSE events sent, and the wall time and
+CPU per request until the worker had every request (the router's admission of a burst; the first
+steps' tokens stream meanwhile). With --step-ms
 high enough that the router keeps up, every step's token is its own event (no coalescing).
 
     python -m bench.router_cpu --streams 256 --max-tokens 100 --step-ms 20 [--profile]
@@ -40,10 +42,14 @@ class FakeWorker:
         self.ready = asyncio.Event()
         self.num_steps = 0
         self.task: asyncio.Task[None] | None = None
+        self.num_submitted = 0
+        self.all_submitted_at: tuple[float, float] | None = None  # (perf_counter, process_time) at the last submit
 
     async def submit(self, raw: bytes) -> None:
         msg = GenerateRequestMsg.decode(raw)
         self.running[msg.request_id] = [msg.params.max_tokens, 0]
+        self.num_submitted += 1
+        self.all_submitted_at = (time.perf_counter(), time.process_time())
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._steps())
 
@@ -127,9 +133,13 @@ async def run(streams: int, max_tokens: int, step_s: float) -> dict[str, Any]:
         if worker.task is not None:
             worker.task.cancel()
     tokens = streams * max_tokens
+    assert worker.num_submitted == streams and worker.all_submitted_at is not None
+    admit_wall, admit_cpu = worker.all_submitted_at[0] - started_wall, worker.all_submitted_at[1] - started_cpu
     return {"streams": streams, "max_tokens": max_tokens, "step_ms": step_s * 1e3, "wall_s": wall, "cpu_s": cpu,
             "tokens": tokens, "sse_events": counts[0], "worker_steps": worker.num_steps,
-            "cpu_us_per_token": cpu / tokens * 1e6, "tokens_per_s": tokens / wall}
+            "cpu_us_per_token": cpu / tokens * 1e6, "tokens_per_s": tokens / wall,
+            # until the worker had every request: the router's admission (and the first tokens' streaming)
+            "admit_wall_s": admit_wall, "admit_cpu_us_per_request": admit_cpu / streams * 1e6}
 
 
 def main() -> None:
