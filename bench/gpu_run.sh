@@ -33,6 +33,7 @@
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
+#   decode_heavy (nvidia-h200-x2): bench.goodput on issue 24's decode-heavy workload, 30 s a rate ($MODES, $RATES).
 #   rate_step (nvidia-h200-x2): bench.goodput --schedule 4:60,16:60,4:60 for the adaptive mode and 2 colocated.
 #   plan_profile (one GPU): the planner's step profile (pdserve plan) with bench.goodput's engine flags.
 #   planned (nvidia-h200-x2): the planner's profile, then per TTFT/TPOT pair of $SLOS (default "1000/40 1000/20 300/40")
@@ -59,7 +60,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -139,6 +140,13 @@ case "$part" in
   adaptive)
     run 580 python3 -m bench.goodput --modes "${MODES:-colocated,disagg,adaptive}" --rates "${RATES:-8,12,16,20,24,28,32}" \
       --seconds-per-rate 15 --budget-s "${BUDGET:-550}" ${GOODPUT_FLAGS:-} --out "$out"
+    ;;
+  decode_heavy)
+    # issue 24's decode-heavy workload (prompts 200-1,000, outputs 500-1,500): a request decodes for ~10-20 s, so
+    # 30 s of arrivals a rate; $MODES (default colocated,adaptive), $RATES (default 2,4,6), $GOODPUT_FLAGS (--slo-*)
+    run 580 python3 -m bench.goodput --modes "${MODES:-colocated,adaptive}" --rates "${RATES:-2,4,6}" \
+      --input-len 200:1000 --output-len 500:1500 --seconds-per-rate 30 --budget-s "${BUDGET:-560}" ${GOODPUT_FLAGS:-} \
+      --out "$out"
     ;;
   rate_step)
     # issue 24's rate step: 4 -> 16 -> 4 req/s, a minute each, for the adaptive mode (autoscaler down to no
