@@ -21,7 +21,9 @@ for each server variant asked for (--variants), one after another on the same GP
 
 With --workers N (issue 29's two GPUs: goal 1.9x), N colocated workers serve N times the workload
 against the one offline engine's rate, sent by --clients processes (default N; one Python client was
-near a core busy streaming 512 requests, so it could cap the figure).
+near a core busy streaming 512 requests, so it could cap the figure). Each client process first sends
+its share cut short, as the one client's warm-up does, so that every timed stream rides a connection
+already open.
 
 Where the time goes, per variant: the CPU each Ray process (proxy, router replicas, the worker) and
 the client spent during the 256-stream run, as a fraction of one core; and the router's own mean
@@ -136,7 +138,7 @@ async def _start_shards(base_url: str, model: str, vocab: int, prompts: list[lis
     """CLIENTS processes that send the requests all at once (request i from client i mod CLIENTS) from a common
     start: one client process streaming 512 requests was near a core busy (2x H200, two workers), so it could
     cap the figure. Returns them and the start (time.perf_counter: CLOCK_MONOTONIC, every process's clock)."""
-    start_at = time.perf_counter() + 10.0  # NOTE: for the processes to start and open their clients
+    start_at = time.perf_counter() + 20.0  # NOTE: for the processes to start and warm their connections
     procs = []
     for k in range(clients):
         shard = scratch / f"shard{k}.jsonl"
@@ -162,7 +164,8 @@ async def _shards_run(procs: list[Any]) -> tuple[dict[str, Any], dict[str, float
 
 
 def client_shard_main(args: argparse.Namespace) -> None:
-    """One client process of _start_shards: its shard's requests at once from args.start_at; prints its records."""
+    """One client process of _start_shards: its shard's requests cut short (its connections opened), then at
+    once from args.start_at; prints its records."""
     import dataclasses
 
     from loadgen.cli import client_for
@@ -173,7 +176,16 @@ def client_shard_main(args: argparse.Namespace) -> None:
 
     async def run() -> dict[str, Any]:
         async with client_for(config) as client:
-            await asyncio.sleep(max(0.0, args.start_at - time.perf_counter()))
+            # NOTE: its shard at once, cut short, as the one client's warm-up does: the timed run then streams over
+            # connections already open (the two-worker runs' shards, started cold, saw TTFT medians of 0.5-1.0 s
+            # at 256 streams a worker against 0.3 s with one warmed client)
+            warm = await asyncio.gather(*(client.send(i, _request(r["prompt"], 16), time.perf_counter())
+                                          for i, r in enumerate(rows)))
+            if not all(r.is_success for r in warm):
+                raise RuntimeError(f"shard warm-up failed: {[r.error for r in warm if not r.is_success][:3]}")
+            if time.perf_counter() > args.start_at:
+                raise RuntimeError("the shard's warm-up ran past the common start: give the shards more time")
+            await asyncio.sleep(args.start_at - time.perf_counter())
             rate_run, started, ended, cpu = await _timed_run(client, config)
         # NOTE: the records' times count from the run's start (`started`, to well within a ms): on the shared clock
         records = [dataclasses.asdict(dataclasses.replace(
