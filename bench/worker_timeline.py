@@ -47,11 +47,14 @@ def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
 
 
 def role_changes(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples at which the set of roles changed: [{"t_s", "roles": {worker: role}}]."""
+    """The samples at which a worker's role changed: [{"t_s", "roles": {worker: role}}]. A worker whose role a
+    sample lacks (its stats did not answer that scrape) keeps the role it had."""
     out: list[dict[str, Any]] = []
     for sample in timeline:
-        roles = {w: s["role"] for w, s in sample["workers"].items() if "role" in s}
-        if roles and (not out or out[-1]["roles"] != roles):
+        last = out[-1]["roles"] if out else {}
+        roles = {w: s.get("role", last.get(w)) for w, s in sample["workers"].items()}
+        roles = {w: r for w, r in roles.items() if r is not None}
+        if roles and roles != last:
             out.append({"t_s": sample["t_s"], "roles": roles})
     return out
 

@@ -28,12 +28,14 @@ def test_each_worker_s_role_load_and_kv_use_are_read_back_from_a_rendered_metric
     assert worker_states("# nothing\n") == {}
 
 
-def test_role_changes_keep_only_the_samples_where_a_role_moved():
+def test_role_changes_keep_only_the_samples_where_a_role_moved_not_where_a_worker_did_not_answer():
     def sample(t_s, prefill_role, running):
         return {"t_s": t_s, "workers": {"prefill-0": {"role": prefill_role, "running": running},
                                         "decode-0": {"role": "decode", "running": 1}}}
 
-    timeline = [sample(0.0, "prefill", 1), sample(1.0, "prefill", 7), sample(2.0, "decode", 0), sample(3.0, "decode", 9)]
+    unanswered = {"t_s": 1.5, "workers": {"prefill-0": {"running": 7}, "decode-0": {"role": "decode", "running": 1}}}
+    timeline = [sample(0.0, "prefill", 1), sample(1.0, "prefill", 7), unanswered, sample(2.0, "decode", 0),
+                sample(3.0, "decode", 9)]
     assert role_changes(timeline) == [
         {"t_s": 0.0, "roles": {"prefill-0": "prefill", "decode-0": "decode"}},
         {"t_s": 2.0, "roles": {"prefill-0": "decode", "decode-0": "decode"}},
