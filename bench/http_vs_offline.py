@@ -163,6 +163,13 @@ async def _shards_run(procs: list[Any]) -> tuple[dict[str, Any], dict[str, float
     return _figures(metrics), {f"bench client {k}": o["cpu_s"] for k, o in enumerate(outs)}
 
 
+async def _warm_up(client: Any, prompts: list[list[int]]) -> None:
+    """The prompts at once, cut to 16 output tokens; their connections stay open for the timed run."""
+    warm = await asyncio.gather(*(client.send(i, _request(p, 16), time.perf_counter()) for i, p in enumerate(prompts)))
+    if not all(r.is_success for r in warm):
+        raise RuntimeError(f"warm-up failed: {[r.error for r in warm if not r.is_success][:3]}")
+
+
 def client_shard_main(args: argparse.Namespace) -> None:
     """One client process of _start_shards: its shard's requests cut short (its connections opened), then at
     once from args.start_at; prints its records."""
@@ -179,10 +186,7 @@ def client_shard_main(args: argparse.Namespace) -> None:
             # NOTE: its shard at once, cut short, as the one client's warm-up does: the timed run then streams over
             # connections already open (the two-worker runs' shards, started cold, saw TTFT medians of 0.5-1.0 s
             # at 256 streams a worker against 0.3 s with one warmed client)
-            warm = await asyncio.gather(*(client.send(i, _request(r["prompt"], 16), time.perf_counter())
-                                          for i, r in enumerate(rows)))
-            if not all(r.is_success for r in warm):
-                raise RuntimeError(f"shard warm-up failed: {[r.error for r in warm if not r.is_success][:3]}")
+            await _warm_up(client, [r["prompt"] for r in rows])
             if time.perf_counter() > args.start_at:
                 raise RuntimeError("the shard's warm-up ran past the common start: give the shards more time")
             await asyncio.sleep(args.start_at - time.perf_counter())
@@ -205,10 +209,7 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
         # The offline engine's warm-up, over HTTP: the whole workload at once, cut short. The first server
         # of a run compiles the Triton kernels its own shapes need (4 short requests as the warm-up left
         # the first variant at 77% of offline and the same server started again at 92%, on one H100).
-        warm = await asyncio.gather(*(client.send(i, _request(p, 16), time.perf_counter())
-                                      for i, p in enumerate(prompts)))
-        if not all(r.is_success for r in warm):
-            raise RuntimeError(f"warm-up failed: {[r.error for r in warm if not r.is_success][:3]}")
+        await _warm_up(client, prompts)
         if clients > 1:
             procs, start_at = await _start_shards(base_url, model, vocab, prompts, max_tokens, jsonl.parent, clients)
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))

@@ -8,6 +8,7 @@ worker carried before and after (bench.goodput records it per mode, bench/rate_s
 from __future__ import annotations
 
 import asyncio
+import http.client
 import re
 import time
 from collections.abc import Callable
@@ -67,6 +68,6 @@ async def poll_workers(server_url: str, out: list[dict[str, Any]], started: floa
             workers = await asyncio.to_thread(lambda: worker_states(scrape_metrics(server_url, timeout_s=5.0)))
             if workers:
                 out.append({"t_s": round(time.perf_counter() - started, 1), "workers": workers})
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):  # NOTE: urllib's short reads are none of the others
             pass
         await asyncio.sleep(interval_s)

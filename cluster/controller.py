@@ -7,6 +7,7 @@ Routers are handed this actor's handle and call `workers()`; they never import c
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -66,7 +67,7 @@ class ClusterController:
                 for worker_id in await pool.find_dead():
                     new_id = pool.replace(worker_id)
                     self.num_replaced += 1
-                    self.version += 1
+                    await self._publish()
                     log.warning("worker %s is dead; replacing it with %s", worker_id, new_id)
                     task = asyncio.get_running_loop().create_task(self._publish_when_ready(pool, new_id))
                     self._watchers.add(task)
@@ -94,13 +95,21 @@ class ClusterController:
         finally:
             await self._tell_decode_workers()
 
-    async def _tell_decode_workers(self, every: bool | None = None) -> None:
-        """Whether the decode workers compute every prompt (DecodeWorker.computes_every_prompt): EVERY, or
-        by default whether the prefill pool has none left now."""
+    async def _publish(self, router_refresh_s: float = 0.0) -> None:
+        """The routers' view of the workers changed: the decode workers are told whether they compute every
+        prompt before the version the routers follow moves, then (router_refresh_s) every router has polled it."""
+        await self._tell_decode_workers()
+        self.version += 1
+        if router_refresh_s > 0:
+            await asyncio.sleep(2 * router_refresh_s)
+
+    async def _tell_decode_workers(self) -> None:
+        """Whether the decode workers compute every prompt (DecodeWorker.computes_every_prompt): while the
+        routers see no prefill worker (none left, or the last one draining) they send them whole requests."""
         prefill, decode = self.deployment.prefill, self.deployment.decode
         if prefill is None or decode is None:
             return
-        every = prefill.num_workers == 0 if every is None else every
+        every = not prefill.router_handles()
         for worker_id, handle in list(decode.handles.items()):
             try:
                 await asyncio.wait_for(handle.computes_every_prompt.remote(every), 5.0)
@@ -118,10 +127,6 @@ class ClusterController:
             await self.resize(decision.pool, decision.num_workers)
             await self.resize(decision.flip_to, target.num_workers + 1)
             return
-        if decision.pool == "prefill" and decision.num_workers == 0:
-            # NOTE: from the drain's start the routers see no prefill worker and send the decode workers whole
-            # requests: they drop the step budget before that, not once the flip is done
-            await self._tell_decode_workers(every=True)
         await self.flip(source.serving_ids()[-1], decision.flip_to)  # the newest
 
     async def decisions(self) -> list[tuple[float, str, int, str]]:
@@ -134,9 +139,7 @@ class ClusterController:
     async def _publish_when_ready(self, pool: WorkerPool, worker_id: str, max_starts: int = 3) -> None:
         for start in range(max_starts):
             if await pool.await_replacement(worker_id):
-                if pool is self.deployment.decode:
-                    await self._tell_decode_workers()  # NOTE: before routers see it: it starts with the budget
-                self.version += 1
+                await self._publish()  # NOTE: a new decode worker starts with the budget: told before routers see it
                 log.warning("replacement %s is serving", worker_id)
                 return
             if start + 1 < max_starts:
@@ -152,11 +155,7 @@ class ClusterController:
         if pool is None:
             raise ValueError(f"kind must be 'prefill' or 'decode' (with a prefill pool), got {kind!r}")
 
-        async def publish() -> None:
-            self.version += 1
-            await asyncio.sleep(2 * router_refresh_s)  # every router has polled the new version
-
-        return await pool.resize(num_workers, publish)
+        return await pool.resize(num_workers, functools.partial(self._publish, router_refresh_s))
 
     async def flip(self, worker_id: str, to_kind: str, router_refresh_s: float = 1.0) -> None:
         """Moves a serving worker to the other pool in place ("prefill" -> "decode" or back): drained,
@@ -167,11 +166,8 @@ class ClusterController:
         if target is None or source is None or self.config.mode != "disaggregated":
             raise ValueError(f"to_kind must be 'prefill' or 'decode' in disaggregated mode, got {to_kind!r}")
 
-        async def publish() -> None:
-            self.version += 1
-            await asyncio.sleep(2 * router_refresh_s)  # every router has polled the new version
-
-        await source.hand_over(worker_id, target, self.deployment.role_config(to_kind, worker_id), publish)
+        await source.hand_over(worker_id, target, self.deployment.role_config(to_kind, worker_id),
+                               functools.partial(self._publish, router_refresh_s))
 
     async def held_blocks(self) -> dict[str, int]:
         return await self.deployment.held_blocks()

@@ -428,26 +428,13 @@ def test_the_warm_up_ends_with_unscored_load_at_the_first_rate(monkeypatch):
 
     import loadgen.cli
     from bench.goodput import warm_up
+    from tests.fake_stream_client import FakeStreamClient
 
-    sent = []
-
-    class Client:  # answers every request at once: one token, then the rest
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            return False
-
-        async def send(self, index, request, origin):
-            sent.append(request)
-            chunks = tuple(0.001 * (k + 1) for k in range(request.max_tokens))
-            return RequestRecord(index, request.max_tokens, 0.0, chunks[-1], chunks, prompt_tokens=len(request.prompt),
-                                 completion_tokens=request.max_tokens, is_success=True, http_status=200)
-
-    monkeypatch.setattr(loadgen.cli, "client_for", lambda config, **kw: Client())
+    client = FakeStreamClient()
+    monkeypatch.setattr(loadgen.cli, "client_for", lambda config, **kw: client)
     plan = dataclasses.replace(_plan(1000.0, 40.0), rates=(8.0, 12.0), num_warmup=3, warmup_load_s=0.5)
     row = asyncio.run(warm_up(plan, "http://127.0.0.1:1/v1", 30.0))
-    assert len(sent) == 3 + 4  # the warm-up requests, then 0.5 s at 8 req/s
+    assert len(client.sent) == 3 + 4  # the warm-up requests, then 0.5 s at 8 req/s
     assert row is not None and row["rate"] == 8.0 and row["num_completed"] == 4 and row["slo_attainment"] == 1.0
     assert asyncio.run(warm_up(dataclasses.replace(plan, warmup_load_s=0.0), "http://127.0.0.1:1/v1", 30.0)) is None
-    assert len(sent) == 7 + 3  # the requests alone
+    assert len(client.sent) == 7 + 3  # the requests alone

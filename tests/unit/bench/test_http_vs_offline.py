@@ -24,37 +24,21 @@ def test_figures_count_the_good_requests_over_the_span_of_every_client():
 def test_a_client_shard_opens_its_connections_with_its_requests_cut_short_before_the_common_start(
         tmp_path, monkeypatch, capsys):
     import argparse
-    import asyncio
     import json
     import time
 
     import loadgen.cli
     from bench.http_vs_offline import _config, client_shard_main
+    from tests.fake_stream_client import FakeStreamClient
 
-    sent = []  # (max_tokens, when)
-
-    class Client:
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            return False
-
-        async def send(self, index, request, origin):  # a stream of 10 ms
-            sent.append((request.max_tokens, time.perf_counter()))
-            start = time.perf_counter() - origin
-            await asyncio.sleep(0.01)
-            n = request.max_tokens
-            chunks = tuple(start + 0.01 * (k + 1) / n for k in range(n))
-            return RequestRecord(index, n, start, chunks[-1], chunks, prompt_tokens=len(request.prompt),
-                                 completion_tokens=n, is_success=True, http_status=200)
-
-    monkeypatch.setattr(loadgen.cli, "client_for", lambda config, **kw: Client())
+    client = FakeStreamClient()
+    monkeypatch.setattr(loadgen.cli, "client_for", lambda config, **kw: client)
     shard = tmp_path / "shard0.jsonl"
     _config("http://127.0.0.1:1/v1", "m", 100, [[1, 2, 3], [4, 5]], [40, 50], shard)
     start_at = time.perf_counter() + 0.3
     client_shard_main(argparse.Namespace(client_shard=shard, base_url="http://127.0.0.1:1/v1", served_model="m",
                                          vocab=100, start_at=start_at))
+    sent = [(request.max_tokens, when) for request, when in client.sent]
     assert [m for m, _ in sent[:2]] == [16, 16] and all(t < start_at for _, t in sent[:2])  # warm, before the start
     assert sorted(m for m, _ in sent[2:]) == [40, 50] and all(t >= start_at for _, t in sent[2:])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
