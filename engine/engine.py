@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineStats:
-    num_waiting: int
+    num_waiting: int  # to be computed, or computed elsewhere and waiting for a place in the batch (max_num_seqs)
     num_running: int
     num_blocks: int
     num_free_blocks: int  # free or cached-and-evictable
@@ -330,7 +330,8 @@ class EngineCore:
         num_prior_output_tokens: int = 0,
     ) -> None:
         """Joins a request whose prompt KV already sits in the blocks held under `lease_key`
-        and whose first token was sampled elsewhere. `num_prior_output_tokens`: as in add_request."""
+        and whose first token was sampled elsewhere; it runs from the next step with room in the batch.
+        `num_prior_output_tokens`: as in add_request."""
         prompt = self._validate(prompt_token_ids, params)
         _check_prior(num_prior_output_tokens, prompt)
         if request_id in self.scheduler.requests:
@@ -348,7 +349,7 @@ class EngineCore:
         request.token_ids.append(first_token)
         request.num_computed_tokens = len(prompt)
         self.scheduler.commit_computed_blocks(request)
-        self.scheduler.add_running(request)
+        self.scheduler.add_ready(request)
 
     def adopt_draft_prompt(self, request_id: str) -> tuple[torch.Tensor, list[int]] | None:
         """For a running request whose draft-model KV of the prompt was computed elsewhere: the draft
@@ -719,7 +720,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
             num_running=len(self.scheduler.running),
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,

@@ -131,7 +131,8 @@ class TokenTail(Sequence[int]):
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # its KV is to be computed (new, or preempted: its blocks were freed)
+    READY = "ready"  # its prompt KV sits in its blocks (computed elsewhere): it waits for a place in the batch
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"

@@ -5,6 +5,10 @@ waiting requests in arrival order, all under one token budget. When blocks run o
 request, the newest running request is preempted by recompute: its blocks are freed (full ones
 stay in the prefix cache) and it waits at the head of the queue to be computed again.
 
+A request whose prompt KV was computed elsewhere (a prefill worker's push) arrives with its blocks
+and is ready: it joins the running batch, ahead of the waiting requests, once the batch has room
+(max_num_seqs holds for every request a worker runs, wherever its prompt was computed).
+
 Speculation: a decoding request with a `draft` also computes its drafted positions, budget and
 blocks permitting; drafts are dropped before any request is preempted for blocks. After the step
 the engine keeps the KV of the accepted tokens only (`accept_verified`): the rejected positions
@@ -58,6 +62,7 @@ class Scheduler:
         self.pool = pool
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
+        self.ready: deque[Request] = deque()  # prefilled elsewhere, holding their blocks; join before `waiting`
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start
@@ -75,10 +80,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            self.running.remove(request)
+        self._queue_of(request).remove(request)
         self._release(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
@@ -90,6 +92,10 @@ class Scheduler:
         prompt tokens (prefill chunks, new prompts) the step may compute while some running request
         decodes (the inter-token latency budget); None: the token budget alone."""
         out = SchedulerOutput()
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            request = self.ready.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
         budget = self.config.max_num_batched_tokens
         prompt_left = None
         if prompt_budget is not None and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
@@ -248,10 +254,7 @@ class Scheduler:
         """Retires a running request (or one preempted since its last token was scheduled:
         asynchronous scheduling). Its blocks are freed, or, with `hold_kv`, handed to the
         caller still held (the caller frees them)."""
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            self.running.remove(request)
+        self._queue_of(request).remove(request)
         del self.requests[request.request_id]
         kept = request.block_ids if request.hold_kv else []
         if request.hold_kv:
@@ -260,11 +263,17 @@ class Scheduler:
         request.status = status
         return kept
 
-    def add_running(self, request: Request) -> None:
-        """Joins a request whose prompt KV is already in its blocks (it arrived from a prefill worker)."""
-        request.status = RequestStatus.RUNNING
+    def add_ready(self, request: Request) -> None:
+        """Queues a request whose prompt KV is already in its blocks (it arrived from a prefill worker):
+        it joins the running batch at the next step with room for it."""
+        request.status = RequestStatus.READY
         self.requests[request.request_id] = request
-        self.running.append(request)
+        self.ready.append(request)
+
+    def _queue_of(self, request: Request) -> deque[Request] | list[Request]:
+        if request.status is RequestStatus.WAITING:
+            return self.waiting
+        return self.ready if request.status is RequestStatus.READY else self.running
 
     def commit_computed_blocks(self, request: Request) -> None:
         hashes = request.update_block_hashes(self.block_size)
@@ -275,4 +284,4 @@ class Scheduler:
 
     def num_held_blocks_by_requests(self) -> int:
         """Holder count the requests claim; equals the pool's total ref count when nothing leaks."""
-        return sum(len(r.block_ids) for r in self.running)
+        return sum(len(r.block_ids) for r in (*self.running, *self.ready))

@@ -51,6 +51,7 @@ class WorkerLoad:
     kv_bytes_per_token: int = 0
     push_bytes_per_s: float = 0.0  # a prefill worker's pushes so far (0.0: none yet)
     fetched_at: float = 0.0  # time.monotonic() when the stats call that reported this went out
+    max_num_seqs: int = 0  # its running batch's cap (0: not reported)
 
 
 class DispatchPolicy(Protocol):
@@ -163,6 +164,7 @@ class LoadTracker:
                     worker_id, row.num_running, row.num_waiting, row.num_free_blocks, row.num_blocks, row.role,
                     row.num_queued_prompt_tokens, row.decode_step_s, row.prefill_tokens_per_s, row.kv_bytes_per_token,
                     push.push_bytes / push.push_seconds if push.push_seconds > 0 else 0.0, fetched_at,
+                    row.max_num_seqs,
                 )
 
     async def _refresh_forever(self) -> None:
@@ -403,7 +405,9 @@ class SloRule(ShortOrCachedRule):
             budget `step_s` (SloConfig.step_budget_ms: a share of the TPOT SLO): each step may add
             (step_s - its decode step time) x its prefill rate prompt tokens, so (its queued prompt
             tokens + the uncached part of this prompt) / that chunk steps, each step_s long. A worker
-            whose decode step alone exceeds the budget cannot take it.
+            whose decode step alone exceeds the budget cannot take it, nor one whose batch is full
+            (running and waiting at max_num_seqs): its prompt would wait for a sequence to end
+            before its first token, where a prompt prefilled remotely waits after it, inside TPOT.
     The decode workers whose local estimate beats the best remote one are returned, soonest first.
     A worker's queue is its last report plus the prompt tokens this rule sent it since that report
     was asked for (requests arriving together would otherwise all see the same queue and go one
@@ -452,11 +456,13 @@ class SloRule(ShortOrCachedRule):
 
     def local_ttft_s(self, decode_id: str, num_uncached: int) -> float | None:
         """A decode worker's first token when it prefills alongside its batch within the step budget
-        (inf: its decode step alone breaks the budget; None: not measured yet)."""
+        (inf: its decode step alone breaks the budget, or its batch is full; None: not measured yet)."""
         load = self.loads.get(decode_id)
         rate = self.prefill_rate(load) if load is not None else 0.0
         if load is None or rate <= 0 or (load.num_running and load.decode_step_s <= 0):
             return None
+        if load.max_num_seqs and load.num_running + load.num_waiting >= load.max_num_seqs:
+            return math.inf
         room_s = self.step_s - (load.decode_step_s if load.num_running else 0.0)
         if room_s <= 0:
             return math.inf

@@ -96,3 +96,39 @@ def test_add_prefilled_rejects_a_short_lease(make_llm):
         engine.add_prefilled("r", [5] * 10, 7, SamplingParams(), "l")
     engine.release_held("l")
     assert torch.is_tensor(engine.runner.kv_caches)
+
+
+def test_prefilled_requests_wait_for_room_in_the_batch(make_llm):
+    """max_num_seqs bounds a decode worker's batch too: pushed requests past it wait, holding their
+    blocks, and join as others finish; the tokens still equal the colocated engine's."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(5, seed=2)
+    want = [o.outputs[0].token_ids for o in make_llm(block_size=8).generate(prompts, params)]
+    prefill = make_llm(block_size=8).engine
+    decode = make_llm(block_size=8, max_num_seqs=2).engine
+    first: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        rid = str(i)
+        prefill.add_request(rid, prompt, params.model_copy(update={"max_tokens": 1}), hold_kv=True)
+        (out,) = [o for _ in range(8) if prefill.has_unfinished() for o in prefill.step()]
+        lease = decode.reserve(f"lease-{rid}", -(-(len(prompt) + 1) // 8))
+        num_prompt_blocks = -(-len(prompt) // 8)
+        decode.runner.kv_caches[:, :, lease[:num_prompt_blocks]] = \
+            prefill.runner.kv_caches[:, :, out.kv_block_ids[:num_prompt_blocks]]
+        prefill.release_held(rid)
+        decode.add_prefilled(rid, prompt, out.new_token_ids[0], params, f"lease-{rid}")
+        first[rid] = out.new_token_ids[0]
+    stats = decode.stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 5)
+    decode.check_integrity()  # the waiting requests' blocks count as held by them
+    assert decode.abort_request("4")  # one that never ran: its blocks go back
+    got = {rid: [tok] for rid, tok in first.items() if rid != "4"}
+    batches = []
+    for _ in range(100):
+        if not decode.has_unfinished():
+            break
+        for o in decode.step():
+            got[o.request_id] += o.new_token_ids
+        batches.append(decode.stats().num_running)
+    assert max(batches) == 2 and not decode.has_unfinished()
+    assert [got[str(i)] for i in range(4)] == want[:4]

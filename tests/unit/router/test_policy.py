@@ -110,12 +110,12 @@ def test_load_tracker_refreshes_and_drops_gone_workers():
             if worker_id == "dead":
                 raise RuntimeError("gone")
             return WorkerStatsMsg(worker_id=worker_id, role="decode", pid=1, is_healthy=True, num_running=2,
-                                  num_waiting=1, num_free_blocks=7, num_blocks=9)
+                                  num_waiting=1, num_free_blocks=7, num_blocks=9, max_num_seqs=64)
 
         tracker = LoadTracker(fetch, interval_s=0.01, clock=lambda: 5.0)
         tracker.track(["a", "dead"])
         await asyncio.sleep(0.1)
-        expected = WorkerLoad("a", 2, 1, 7, 9, "decode", fetched_at=5.0)  # when the stats call went out
+        expected = WorkerLoad("a", 2, 1, 7, 9, "decode", fetched_at=5.0, max_num_seqs=64)  # fetched_at: call sent
         assert tracker.loads["a"] == expected and "dead" not in tracker.loads
         tracker.track(["b"])
         await asyncio.sleep(0.1)

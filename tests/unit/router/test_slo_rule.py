@@ -5,6 +5,7 @@ figures the rule reads: engine.step_rates and EngineStats."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -53,6 +54,18 @@ def test_a_decode_worker_whose_step_breaks_the_tpot_slo_takes_no_prompt():
     rule = _rule(_prefill(queued=1_000_000), _decode(step_s=0.05))
     assert rule.local_ttft_s("d0", 1000) == float("inf")
     assert rule.local_workers(PROMPT, ["d0"]) == ([], 0)
+
+
+def test_a_decode_worker_with_a_full_batch_takes_no_prompt():
+    # a long prefill queue (2.1 s) would send the prompt local, but the batch is at max_num_seqs: the
+    # prompt would wait there for a sequence to end before its first token
+    full = WorkerLoad("d0", num_running=60, num_waiting=4, role="decode", decode_step_s=0.02,
+                      prefill_tokens_per_s=5_000.0, max_num_seqs=64)
+    rule = _rule(_prefill(queued=20_000), full)
+    assert rule.local_ttft_s("d0", 1000) == float("inf")
+    assert rule.local_workers(PROMPT, ["d0"]) == ([], 0)
+    rule.loads = {"p0": _prefill(queued=20_000), "d0": dataclasses.replace(full, num_waiting=3)}
+    assert rule.local_workers(PROMPT, ["d0"]) == (["d0"], 0)  # one place left
 
 
 def test_a_prompt_the_decode_worker_holds_in_its_cache_is_cheap_there():
