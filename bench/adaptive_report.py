@@ -80,6 +80,17 @@ SOURCES_28 = (
     Source("FP8 2 colocated TP2", "goodput_70b_4xh200_fp8.json", "colocated2", None),
     Source("FP8 2P(TP1) 1D(TP2)", "goodput_70b_4xh200_fp8.json", "2p1d-tp1x2", None),
 )
+# issue 24's decode-heavy workload, 20 s of arrivals a rate. Until the scheduler's ready queue, a decode worker ran
+# every pushed request at once, past max_num_seqs, where a colocated one held its batch to it: the 64-sequence 1P1D
+# rows ran up to 256 at once (the router's max_in_flight)
+SOURCES_24_DECODE_HEAVY = (
+    Source("2 colocated, 64 seqs", "decode_heavy_2xh200_seqs64_run1.json", "colocated", None),
+    Source("1P1D, 64 seqs, decode batch uncapped (run 1)", "decode_heavy_2xh200_seqs64_run1.json", "disagg", None),
+    Source("1P1D, 64 seqs, decode batch uncapped (run 2)", "decode_heavy_2xh200_seqs64_run2.json", "disagg", None),
+    Source("adaptive from 1P1D, 64 seqs", "decode_heavy_2xh200_seqs64_run2.json", "adaptive", (1000.0, 40.0)),
+    Source("2 colocated, 256 seqs", "decode_heavy_2xh200_seqs256.json", "colocated", None),
+    Source("1P1D, 256 seqs", "decode_heavy_2xh200_seqs256.json", "disagg", None),
+)
 SETS = {
     "adaptive_2xh200": ReportSet(
         SOURCES_24, "planner_profile_llama-3.1-8b_nvidia-h200.json",
@@ -88,6 +99,13 @@ SETS = {
         "decode steps are too fast there", 2, "issue 24 on {gpus}: Llama-3.1-8B shape (dummy bf16)",
         {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive from 1P1D": ("tab:green", "-"),
          "planned colocated + step budget": ("tab:red", "--"), "adaptive, roles to 0P2D": ("tab:purple", "-")}),
+    "decode_heavy_2xh200": ReportSet(
+        SOURCES_24_DECODE_HEAVY, "planner_profile_llama-3.1-8b_nvidia-h200.json",
+        "measured with max_num_seqs 64 (the 64-sequence runs' engines) before measure.decode_tokens (see "
+        "adaptive_2xh200); the 256-sequence runs have no profile of their own", 2,
+        "issue 24, decode-heavy, on {gpus}: Llama-3.1-8B shape (dummy bf16)",
+        {"2 colocated, 256": ("tab:blue", "--"), "1P1D, 256": ("tab:orange", "--"), "2 colocated": ("tab:blue", "-"),
+         "1P1D": ("tab:orange", "-"), "adaptive": ("tab:green", "-")}),
     "tp70b_4xh200": ReportSet(
         SOURCES_28, None, "no prediction: the TP=2 step profiles (bfloat16, FP8) did not finish within the 200 s the "
         "call gave them; only FP8 TP=1's did (planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json), and no "

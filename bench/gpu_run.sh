@@ -33,7 +33,7 @@
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
-#   decode_heavy (nvidia-h200-x2): bench.goodput on issue 24's decode-heavy workload, 30 s a rate ($MODES, $RATES).
+#   decode_heavy (nvidia-h200-x2): bench.goodput on issue 24's decode-heavy workload, 20 s a rate ($MODES, $RATES).
 #   rate_step (nvidia-h200-x2): bench.goodput --schedule 4:60,16:60,4:60 for the adaptive mode and 2 colocated.
 #   plan_profile (one GPU): the planner's step profile (pdserve plan) with bench.goodput's engine flags.
 #   planned (nvidia-h200-x2): the planner's profile, then per TTFT/TPOT pair of $SLOS (default "1000/40 1000/20 300/40")
@@ -142,10 +142,12 @@ case "$part" in
       --seconds-per-rate 15 --budget-s "${BUDGET:-550}" ${GOODPUT_FLAGS:-} --out "$out"
     ;;
   decode_heavy)
-    # issue 24's decode-heavy workload (prompts 200-1,000, outputs 500-1,500): a request decodes for ~10-20 s, so
-    # 30 s of arrivals a rate; $MODES (default colocated,adaptive), $RATES (default 2,4,6), $GOODPUT_FLAGS (--slo-*)
-    run 580 python3 -m bench.goodput --modes "${MODES:-colocated,adaptive}" --rates "${RATES:-2,4,6}" \
-      --input-len 200:1000 --output-len 500:1500 --seconds-per-rate 30 --budget-s "${BUDGET:-560}" ${GOODPUT_FLAGS:-} \
+    # issue 24's decode-heavy workload (prompts 200-1,000, outputs 500-1,500): a request decodes for ~5-15 s on
+    # H200, so 20 s of arrivals a rate; two modes fit a call; $MODES (default colocated,disagg), $RATES (default
+    # 8,12,16,20,24: 2 colocated H200s held 12 at 64 sequences a worker, 20 at 256), $GOODPUT_FLAGS (--slo-*,
+    # --max-num-seqs)
+    run 580 python3 -m bench.goodput --modes "${MODES:-colocated,disagg}" --rates "${RATES:-8,12,16,20,24}" \
+      --input-len 200:1000 --output-len 500:1500 --seconds-per-rate 20 --budget-s "${BUDGET:-560}" ${GOODPUT_FLAGS:-} \
       --out "$out"
     ;;
   rate_step)
