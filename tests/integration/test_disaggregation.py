@@ -90,3 +90,44 @@ def test_16_requests_disaggregated_equal_colocated_and_offline(ray_cluster):
             assert set(calls["short_or_cached"]["prefill"]) == set(calls["short_or_cached"]["reserve"]) == long_ids
             assert not calls["remote"]["prefill_locally"]
             assert set(calls["remote"]["prefill"]) == short_ids | long_ids
+
+
+def test_a_decode_worker_runs_at_most_max_num_seqs_and_the_rest_wait_their_turn(ray_cluster):
+    """16 concurrent requests, each prefilled by the prefill worker, onto a decode worker with a batch of
+    4: it never runs more than 4, the pushed ones past them wait holding their KV, and every request
+    ends with the offline engine's tokens."""
+    prompts = _prompts(16, seed=1)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    small = dict(ENGINE, max_num_seqs=4)
+    offline = [o.outputs[0].token_ids for o in LLM(**small).generate(prompts, params)]
+    config = ClusterConfig(engine=engine_config(**small), mode="disaggregated", num_prefill=1, num_decode=1,
+                           transport="gloo")
+
+    async def main() -> tuple[list[list[int]], list[tuple[int, int]], dict[str, int]]:
+        deployment = Deployment(config)
+        await deployment.start()
+        try:
+            (decode,) = deployment.decode.handles.values()
+            dispatcher = Dispatcher("router-cap", deployment.workers(), poll_timeout_s=0.5, config=RULES["remote"])
+            seen: list[tuple[int, int]] = []
+
+            async def watch() -> None:
+                for _ in range(2000):  # NOTE: bounded; cancelled once the requests end
+                    stats = await decode.stats.remote()
+                    seen.append((stats.num_running, stats.num_waiting))
+                    await asyncio.sleep(0.01)
+
+            watcher = asyncio.create_task(watch())
+            tokens = await asyncio.wait_for(asyncio.gather(
+                *(_generate(dispatcher, f"req-{i}", p, params[i]) for i, p in enumerate(prompts))), 300)
+            watcher.cancel()
+            await dispatcher.close()
+            return tokens, seen, await deployment.held_blocks()
+        finally:
+            deployment.shutdown()
+
+    tokens, seen, held = asyncio.run(main())
+    assert tokens == offline
+    assert set(held.values()) == {0}, held
+    assert max(r for r, _ in seen) == 4  # full, never past it
+    assert any(r == 4 and w > 0 for r, w in seen)  # pushed requests waited for a place
