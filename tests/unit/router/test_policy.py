@@ -172,3 +172,18 @@ def test_local_prefill_config_is_validated():
         LocalPrefillConfig(max_short_prompt_tokens=-1)
     with pytest.raises(ValidationError, match="max_short_tokens"):
         DispatcherConfig(local_prefill={"max_short_tokens": 10})
+
+
+def test_prompts_sent_since_a_report_are_counted_within_the_bound_and_dropped_once_reported():
+    from router.policy import SentSinceReport
+
+    now = [0.0]
+    sent = SentSinceReport(clock=lambda: now[0])
+    sent.MAX_PER_WORKER = 3  # a silent worker's: the oldest go first
+    for i in range(5):
+        now[0] = float(i)
+        sent.add("w", 10 + i)
+    assert sent.queued_tokens(WorkerLoad("w", num_queued_prompt_tokens=100)) == 100 + 12 + 13 + 14
+    assert sent.queued_tokens(WorkerLoad("w", num_queued_prompt_tokens=7, fetched_at=3.5)) == 7 + 14
+    sent.forget("w")
+    assert sent.queued_tokens(WorkerLoad("w", num_queued_prompt_tokens=7)) == 7
