@@ -4,7 +4,7 @@ FastAPI app, driven through ASGI directly (no sockets) by --streams concurrent s
 completions of --max-tokens each. Reports process CPU seconds per token (the fake worker's share
 is small: one NamedTuple or model per request per step) and the SSE events sent, and the wall time and
 CPU per request until the worker had every request (the router's admission of a burst; the first
-steps' tokens stream meanwhile). With --step-ms
+steps' tokens stream meanwhile). The garbage collector is set as a router replica sets it once built. With --step-ms
 high enough that the router keeps up, every step's token is its own event (no coalescing).
 
     python -m bench.router_cpu --streams 256 --max-tokens 100 --step-ms 20 [--profile]
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -25,6 +26,7 @@ from typing import Any
 from engine import Tokenizer
 from engine.config import DEFAULT_MODEL
 from engine.models import DEFAULT_MODEL_DIR
+from engine.process_gc import settle_after_startup
 from protocol.api import WorkerStatsMsg
 from protocol.messages import GenerateRequestMsg, TokenBatchMsg, TokenOutputMsg
 from router import Dispatcher, Workers
@@ -123,6 +125,8 @@ async def run(streams: int, max_tokens: int, step_s: float) -> dict[str, Any]:
     dispatcher = Dispatcher("r0", Workers.of(prefill={}, decode={"w0": worker}))
     core = RouterCore(dispatcher, tokenizer, RouterConfig(model_name=DEFAULT_MODEL, max_in_flight=4096), 4096)
     app = build_http_app(core)
+    threshold = gc.get_threshold()
+    settle_after_startup()  # NOTE: as a router replica does once built (router/ingress.py)
     counts = [0]
     started_wall, started_cpu = time.perf_counter(), time.process_time()
     try:
@@ -132,6 +136,8 @@ async def run(streams: int, max_tokens: int, step_s: float) -> dict[str, Any]:
         await dispatcher.close()
         if worker.task is not None:
             worker.task.cancel()
+        gc.unfreeze()  # NOTE: the next repeat builds and settles its own
+        gc.set_threshold(*threshold)
     tokens = streams * max_tokens
     assert worker.num_submitted == streams and worker.all_submitted_at is not None
     admit_wall, admit_cpu = worker.all_submitted_at[0] - started_wall, worker.all_submitted_at[1] - started_cpu

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import gc
 import itertools
 import logging
 import os
@@ -41,6 +40,7 @@ from pydantic import Field
 from engine import EngineCore, StepOutput
 from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
+from engine.process_gc import settle_after_startup
 from engine.parallel import RankStarter
 from engine.parallel.local import LocalRanks
 from engine.validation import InvalidRequestError
@@ -73,7 +73,8 @@ class DecodeWorkerConfig(EndpointConfig):
     freeze_gc: bool = Field(
         False,
         description="Once the engine is built, move every object of the process out of the garbage collector's "
-        "reach (gc.freeze), whose full passes hold the GIL and stall the engine's step. For a process "
+        "reach (gc.freeze), whose full passes hold the GIL and stall the engine's step, and collect the youngest "
+        "generation less often (engine/process_gc.py). For a process "
         "that is the worker's alone (a Ray actor); where one process builds many workers (tests), cyclic garbage "
         "frozen with it would never be freed.",
     )
@@ -147,8 +148,7 @@ class DecodeWorker(TransferEndpoint):
             Call.RESERVE: self.reserve, Call.ABORT: self.abort,
         }, self.poll, host)
         if config.freeze_gc:
-            gc.collect()  # NOTE: first: garbage frozen would never be freed
-            gc.freeze()
+            settle_after_startup()
         self.loop.start()
 
     # ---- plumbing

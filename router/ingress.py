@@ -11,13 +11,13 @@ pools are made.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from engine.process_gc import settle_after_startup
 from engine.tokenizer import Tokenizer
 from router import grpc_service
 from router.core import ListenAddress, RouterConfig, RouterCore
@@ -68,12 +68,7 @@ class RouterIngress:
             self.http_server = await start_http_server(self.http_app, http)
         if metrics.shared is not None:
             self.publishing = asyncio.get_running_loop().create_task(metrics.shared.publish_every_interval())
-        # A replica's process is this router's alone (Serve starts one per replica): its startup
-        # objects (the tokenizer, Ray, Serve, pydantic's schemas) leave the garbage collector's reach,
-        # whose full passes over them hold the GIL for tens of ms mid-stream.
-        # NOTE: collected first: garbage frozen would never be freed.
-        gc.collect()
-        gc.freeze()
+        settle_after_startup()  # NOTE: a replica's process is this router's alone (Serve starts one per replica)
 
     async def _worker_stats(self) -> list[WorkerStatsMsg]:
         workers = self.dispatcher.workers

@@ -1,7 +1,7 @@
 """A decode worker's step outputs on their way to the routers: one TokenOutputMsg a request, field
 for field the engine's StepOutput, in the step's order, in its own router's outbox; a request
 aborted meanwhile gets nothing, a finished one is forgotten; each router's poller woken once a
-step. With freeze_gc the worker's startup objects leave the collector's reach."""
+step. With freeze_gc the worker's startup objects leave the collector's reach (engine/process_gc.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import gc
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import StepOutput
 from engine.llm import engine_config
+from engine.process_gc import GEN0_THRESHOLD
 from kvtransfer import LocalHub
 from protocol.messages import TokenBatchMsg, TokenOutputMsg
 
@@ -74,9 +75,12 @@ def test_freeze_gc_freezes_the_startup_objects() -> None:
         await worker.shutdown()
         return num_frozen
 
+    threshold = gc.get_threshold()
     gc.unfreeze()
     try:
-        assert asyncio.run(built()) == 0
+        assert asyncio.run(built()) == 0 and gc.get_threshold() == threshold
         assert asyncio.run(built(freeze_gc=True)) > 0
+        assert gc.get_threshold()[0] == GEN0_THRESHOLD  # the youngest generation collected less often
     finally:
-        gc.unfreeze()  # NOTE: what the test process froze is the collector's again
+        gc.unfreeze()  # NOTE: what the test process froze is the collector's again, at its thresholds
+        gc.set_threshold(*threshold)
