@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--output-len", default="100:300", help="Output tokens (max_tokens, ignore_eos), N or MIN:MAX (uniform).")
     a("--slo-ttft-ms", type=float, default=1000.0, help="Goodput SLO on time to first token.")
     a("--slo-tpot-ms", type=float, default=40.0, help="Goodput SLO on time per output token.")
+    a("--max-in-flight", type=int, default=None, help="`pdserve serve --max-in-flight` for every mode (each router "
+      "replica's admission limit; default: the server's). At --max-num-seqs 256 on 2 workers the default 256 refused "
+      "requests before the engines were full.")
     a("--min-attainment", type=float, default=0.5,
       help="Stop a mode's sweep after a rate where fewer than this fraction of requests met the SLOs.")
     a("--num-warmup", type=int, default=4, help="Warm-up requests (prompt lengths across --input-len).")
@@ -235,6 +238,7 @@ class Plan:
     stop_timeout_s: float
     schedule: tuple[tuple[float, float], ...] = ()  # a rate step instead of the sweep (bench/rate_step.py)
     warmup_load_s: float = 0.0  # after the warm-up requests, this long of unscored load at the first rate
+    max_in_flight: int | None = None  # `pdserve serve --max-in-flight`; None: the server's default
 
     @property
     def first_rate(self) -> float:
@@ -243,8 +247,9 @@ class Plan:
     def server_argv(self, mode: ModeSpec, port: int, grpc_port: int, exit_after_s: float) -> list[str]:
         transport = ["--transport", self.transport] if mode.is_kv_transferred else []
         slos = ["--slo-ttft-ms", f"{self.slo_ttft_ms:g}", "--slo-tpot-ms", f"{self.slo_tpot_ms:g}"] if mode.steers_to_slos else []
+        admission = ["--max-in-flight", str(self.max_in_flight)] if self.max_in_flight is not None else []
         return [sys.executable, "-m", "deploy.cli", "serve", *mode.serve_flags, *self.engine_flags, *transport, *slos,
-                "--port", str(port), "--grpc-port", str(grpc_port), "--exit-after", f"{exit_after_s:.0f}"]
+                *admission, "--port", str(port), "--grpc-port", str(grpc_port), "--exit-after", f"{exit_after_s:.0f}"]
 
     def server_env(self) -> dict[str, str]:
         from kvtransfer import NCCL_WORKER_ENV
@@ -602,6 +607,7 @@ def make_plan(args: argparse.Namespace, device: torch.device, model_dir: Path, s
         num_warmup=max(1, args.num_warmup), seed=args.seed, start_timeout_s=args.start_timeout_s,
         warmup_timeout_s=args.warmup_timeout_s, stop_timeout_s=args.stop_timeout_s,
         schedule=parse_schedule(args.schedule) if args.schedule else (), warmup_load_s=max(0.0, args.warmup_load_s),
+        max_in_flight=args.max_in_flight,
     )
 
 

@@ -145,7 +145,7 @@ case "$part" in
     # issue 24's decode-heavy workload (prompts 200-1,000, outputs 500-1,500): a request decodes for ~5-15 s on
     # H200, so 20 s of arrivals a rate; two modes fit a call; $MODES (default colocated,disagg), $RATES (default
     # 8,12,16,20,24: 2 colocated H200s held 12 at 64 sequences a worker, 20 at 256), $GOODPUT_FLAGS (--slo-*,
-    # --max-num-seqs)
+    # --max-num-seqs, --max-in-flight: at 256 sequences a worker the routers' default 256 in flight refused first)
     run 580 python3 -m bench.goodput --modes "${MODES:-colocated,disagg}" --rates "${RATES:-8,12,16,20,24}" \
       --input-len 200:1000 --output-len 500:1500 --seconds-per-rate 20 --budget-s "${BUDGET:-560}" ${GOODPUT_FLAGS:-} \
       --out "$out"

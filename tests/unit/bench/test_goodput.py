@@ -6,6 +6,7 @@ and the id-only tokenizer of config-only model shapes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -224,6 +225,17 @@ def test_only_the_disaggregated_mode_gets_the_transport():
     assert "--transport" not in colocated and colocated[colocated.index("--decode") + 1] == "2"
     assert plan.server_env()["NCCL_NVLS_ENABLE"] == "0" and plan.server_env()["TORCH_NCCL_ENABLE_MONITORING"] == "0"
     assert "--slo-tpot-ms" not in disagg and "--slo-tpot-ms" not in colocated  # static layouts: as they come
+
+
+def test_the_admission_limit_reaches_every_mode_only_when_given():
+    from deploy.cli import app_config, build_parser
+
+    plan = _plan(slo_ttft_ms=1.0, slo_tpot_ms=1.0)
+    assert "--max-in-flight" not in plan.server_argv(mode_spec("colocated"), 1, 2, 60.0)
+    plan = dataclasses.replace(plan, max_in_flight=1024)
+    for name in ("colocated", "disagg", "adaptive"):
+        argv = plan.server_argv(mode_spec(name), 1, 2, 60.0)
+        assert app_config(build_parser().parse_args(argv[argv.index("serve"):])).router.max_in_flight == 1024
 
 
 def test_the_adaptive_mode_steers_to_the_slos_it_is_scored_against():
