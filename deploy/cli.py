@@ -208,6 +208,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
     context = ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False,
                        logging_level=logging.ERROR)
+    _stop_on_signals(stop)  # NOTE: again: ray.init put Ray's own SIGTERM handler in place, which aborts the process
     # NOTE: the router replicas' shared counts on this node (deploy.schema); the other nodes keep theirs
     config = config.model_copy(update={"metrics_dir": tempfile.mkdtemp(prefix="pdserve-metrics-")})
     try:
@@ -275,10 +276,10 @@ def _wait(done: threading.Event, exit_after: float | None) -> None:
         pass
 
 
-def _stop_on_signals() -> threading.Event:
-    """An event set by SIGINT (Ctrl-C) or SIGTERM. Installed by the server itself, so both stop it even
-    when it was started with SIGINT ignored (a background job of a non-interactive script)."""
-    done = threading.Event()
+def _stop_on_signals(done: threading.Event | None = None) -> threading.Event:
+    """An event set by SIGINT (Ctrl-C) or SIGTERM (`done`, or a new one). Installed by the server itself, so both
+    stop it even when it was started with SIGINT ignored (a background job of a non-interactive script)."""
+    done = done if done is not None else threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     return done

@@ -244,13 +244,15 @@ def test_a_long_prompt_goes_through_the_prefill_worker_over_its_channel(server):
     assert channels.get("prefill-0") in ("1", "2") and channels.get("decode-0") in ("1", "2"), status.stdout
 
 
-def test_sigint_stops_a_server_started_with_sigint_ignored(server):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_server_started_with_sigint_ignored(server, sig):
     """A background job of a non-interactive script inherits SIGINT as ignored; the server installs
-    its own handler, so SIGINT still stops it, and cleanly (exit code 0, its Ray cluster gone)."""
+    its own handler, so SIGINT still stops it, and cleanly (exit code 0, its Ray cluster gone). So does
+    SIGTERM, whose handler Ray's start replaces with one that aborts the process."""
     del server  # NOTE: after the module's server is up: one Ray start at a time on a 2-core machine
     s = Server(ignore_sigint=True, num_router_replicas=1)  # NOTE: the fewest processes beside the module's server
     try:
-        s.proc.send_signal(signal.SIGINT)
+        s.proc.send_signal(sig)
         assert s.proc.wait(180) == 0  # NOTE: its Serve and Ray shutdown, beside the module's server, on 2 busy cores
     finally:
         s.stop()
