@@ -269,6 +269,9 @@ class Plan:
         )
 
 
+WARMUP_SEED_OFFSET = 20_000  # the warm-up load's prompts: seed + this, none of a rate's (seed + k)
+
+
 async def warm_up(plan: Plan, base_url: str, timeout_s: float) -> dict[str, Any] | None:
     """The first request alone, retried until the router has workers, then the rest at once; prompt
     lengths spread over the workload's (first Triton compiles, NCCL's first transfers). Then
@@ -304,9 +307,6 @@ async def warm_up(plan: Plan, base_url: str, timeout_s: float) -> dict[str, Any]
         run = await asyncio.wait_for(run_rate(client, config, WARMUP_SEED_OFFSET, rate),
                                      max(1.0, deadline - time.monotonic()))
     return rate_row(run)
-
-
-WARMUP_SEED_OFFSET = 20_000  # the warm-up load's prompts: seed + this, none of a rate's (seed + k)
 
 
 async def sweep(plan: Plan, result: ModeResult, server: ServerProcess, base_url: str, deadline: float,

@@ -89,12 +89,6 @@ class ClusterController:
             except Exception as err:  # noqa: BLE001 - the next round tries again
                 log.warning("autoscaler round failed: %s", err)
 
-    async def _apply(self, decision: Decision) -> None:
-        try:
-            await self._change(decision)
-        finally:
-            await self._tell_decode_workers()
-
     async def _publish(self, router_refresh_s: float = 0.0) -> None:
         """The routers' view of the workers changed: the decode workers are told whether they compute every
         prompt before the version the routers follow moves, then (router_refresh_s) every router has polled it."""
@@ -116,7 +110,7 @@ class ClusterController:
             except Exception as err:  # noqa: BLE001 - a dead worker is replaced (and told) by the supervisor
                 log.warning("telling %s whether it computes every prompt failed: %s", worker_id, err)
 
-    async def _change(self, decision: Decision) -> None:
+    async def _apply(self, decision: Decision) -> None:
         if decision.flip_to is None:
             await self.resize(decision.pool, decision.num_workers)
             return
