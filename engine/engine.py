@@ -70,6 +70,7 @@ from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_p
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.step_rates import StepRates
+from engine.step_timer import step_timer_for
 from engine.validation import InvalidRequestError, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -211,13 +212,10 @@ class EngineCore:
         self.async_scheduling = self.device.type == "cuda" if asked is None else asked
         self._inflight: _Inflight | None = None
         self.rates = StepRates()
+        self.step_timer = step_timer_for(self.device, clock)  # each launched step's device time, into `rates`
         # SchedulerConfig.itl_budget_ms, or None while this worker computes every prompt it serves (a decode
         # worker with no prefill pool left: DecodeWorker.computes_every_prompt)
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
-        # for `rates`: (prompt tokens, decode rows) of the work the step call now running waited for (None: it
-        # waited for none), and of the steps launched but not yet waited for (asynchronous scheduling)
-        self._step_counts: tuple[int, int] | None = None
-        self._unwaited = (0, 0)
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
 
     def close(self) -> None:
@@ -377,23 +375,9 @@ class EngineCore:
 
     # ---- the step
     def step(self) -> list[StepOutput]:
-        start = self.clock()
-        self._step_counts = None
         outputs = self._step()
-        if self._step_counts is not None:
-            self.rates.observe(self.clock() - start, *self._step_counts)
+        self.step_timer.collect(self.rates)  # NOTE: after the reads: the steps they waited for are timed by now
         return outputs
-
-    def _waited(self, prev: _Inflight | None, launched: tuple[int, int]) -> None:
-        """For `rates`: a call's time is the device's work it waited for. A synchronous call waits for its
-        own step; an asynchronous one for the steps launched before it (reading prev's tokens waits for
-        them all; a step that samples nothing is not read, so its work counts with the next one read),
-        not for the step it launches. Without this, a decode-only step's call that waited for a prefill
-        step was timed as a decode step (4x H200, 70B: the decode step read 45 ms against a 25 ms TPOT)."""
-        if prev is not None and prev.pending is not None:
-            self._step_counts, self._unwaited = self._unwaited, launched
-        else:
-            self._unwaited = (self._unwaited[0] + launched[0], self._unwaited[1] + launched[1]) if prev else launched
 
     def _prompt_budget(self) -> int | None:
         """The prompt tokens a step may add beside decoding requests within the ITL budget
@@ -412,29 +396,29 @@ class EngineCore:
             # From asynchronous steps to a drafting one: this call only reads the step in flight
             # (its outputs), so drafting starts from every token in place.
             prev, self._inflight = self._inflight, None
-            self._waited(prev, (0, 0))
             return self._resolve(prev)[0]
+        mark = self.step_timer.begin()  # NOTE: a synchronous step's drafting is part of its time
         self._draft()
         out = self.scheduler.schedule(prompt_budget=self._prompt_budget())
-        self._step_counts, self._unwaited = (out.num_prompt_tokens, out.num_decode_rows), (0, 0)  # for `rates`
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         sampled = self._execute(out)
+        if out.scheduled:
+            self.step_timer.end(mark, out.num_prompt_tokens, out.num_decode_rows)
         return self._post_process(out, sampled)
 
     def _step_async(self) -> list[StepOutput]:
         """The module docstring's four stages; returns the previous step's outputs."""
         prev, self._inflight = self._inflight, None
-        reads = prev  # this call reads its tokens, so waits for it
         outputs: list[StepOutput] = []
         if prev is not None and prev.needs_tokens_first:
             outputs, prev = self._resolve(prev)[0], None
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset(), self._prompt_budget())
-        self._waited(reads, (out.num_prompt_tokens, out.num_decode_rows) if out.scheduled else (0, 0))
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         pending, sampling = None, []
         if out.scheduled:
+            mark = self.step_timer.begin()
             logits = self._forward(out, prev)
             sampling = [s for s in out.scheduled if s.will_sample]
             mask = None
@@ -447,6 +431,7 @@ class EngineCore:
                     mask = self._mask(sampling)
             if sampling:
                 pending = self.sampler.launch(logits, [_row(s.request) for s in sampling], self.generator, mask)
+            self.step_timer.end(mark, out.num_prompt_tokens, out.num_decode_rows)
         if prev is not None:
             outputs = self._resolve(prev)[0]
         if out.scheduled:

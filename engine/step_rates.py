@@ -1,9 +1,8 @@
 """What an engine measures of its own speed, for the router's choice of where to prefill a prompt
 (router/policy.py's SloRule), the step budget and the autoscaler's pressures: the time of a step that
 only decodes, and the prompt tokens a second it computes in steps that prefill (their time less the
-decode part). Each is the median of its last `window` observations, from the wall time of each
-`EngineCore.step` call and the counts of the steps it waited for (with asynchronous scheduling the
-steps launched before it, not the one it launches: EngineCore._waited). A median, not a running
+decode part). Each is the median of its last `window` observations, each launched step's device
+time (engine/step_timer.py) with its counts. A median, not a running
 mean: one slow step (a first NCCL transfer, a compile, a collection pause) would otherwise hold the
 figure up for as many steps as the mean takes to forget it, and a decode worker busy prefilling
 takes few decode-only steps. 0.0 means not measured yet."""
