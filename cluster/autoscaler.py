@@ -15,10 +15,21 @@ one (never under its minimum), its worker moving to the other pool instead of le
 is above `scale_up_at` then. After any change, nothing changes for `cooldown_s`: the hysteresis
 between the two thresholds and the cooldown are what keep it from flapping. Every decision, and
 why, is kept (`decisions`) for `pdserve status`.
+
+A change that gives the last prefill worker to decoding is made only if it is predicted to lower the
+decode pressure that asks for it: the decode workers then compute every prompt, the prompt tokens a
+second all workers computed over the last `sustain_s` (`PromptLoad`), which takes a share of each
+one's time (that load over their number and their measured prefill rate) and lengthens its steps to
+decode step / (1 - share); their KV use and batches spread over one more worker. The steps are not
+credited with the smaller batch (a decode step's time by batch is not measured): where the steps
+alone press the pool, the move is refused, as it should be when the steps are bound by the weights'
+reads, which a smaller batch does not shorten.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.api import WorkerStatsMsg
 
-__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "pressures"]
+__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "pressures", "decode_pressure_computing_prompts"]
 
 
 class AutoscalerConfig(BaseModel):
@@ -79,12 +90,59 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig,
         wait_s = max(s.num_queued_prompt_tokens / s.prefill_tokens_per_s for s in prefill)
         out["prefill"] = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
     if decode:
-        kv = max((s.num_blocks - s.num_free_blocks) / s.num_blocks for s in decode) / config.max_kv_use
-        step = max(s.decode_step_s for s in decode) / (config.tpot_ms / 1e3)
-        # NOTE: past 1 only with requests waiting for a full batch (max_num_seqs): they wait in TPOT and TTFT
-        batch = max(((s.num_running + s.num_waiting) / s.max_num_seqs for s in decode if s.max_num_seqs), default=0.0)
+        kv, step, batch = _decode_levels(decode, config)
         out["decode"] = max(kv, step, batch)
     return out
+
+
+def _decode_levels(decode: Sequence[WorkerStatsMsg], config: AutoscalerConfig) -> tuple[float, float, float]:
+    """The decode pool's KV, step and batch pressures."""
+    kv = max((s.num_blocks - s.num_free_blocks) / s.num_blocks for s in decode) / config.max_kv_use
+    step = max(s.decode_step_s for s in decode) / (config.tpot_ms / 1e3)
+    # NOTE: past 1 only with requests waiting for a full batch (max_num_seqs): they wait in TPOT and TTFT
+    batch = max(((s.num_running + s.num_waiting) / s.max_num_seqs for s in decode if s.max_num_seqs), default=0.0)
+    return kv, step, batch
+
+
+def decode_pressure_computing_prompts(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig,
+                                      prompt_tokens_per_s: float, num_decode: int) -> float | None:
+    """The decode pool's predicted pressure once `num_decode` decode workers compute every prompt as well
+    (the module docstring's model); None: no decode worker or prefill rate measured yet."""
+    decode = [s for s in stats if s.role == "decode" and s.num_blocks > 0]
+    own = [s.prefill_tokens_per_s for s in decode if s.prefill_tokens_per_s > 0]
+    rates = own or [s.prefill_tokens_per_s for s in stats if s.prefill_tokens_per_s > 0]
+    if not decode or not rates:
+        return None
+    share = prompt_tokens_per_s / (num_decode * statistics.median(rates))
+    if share >= 1.0:
+        return math.inf
+    kv, step, batch = _decode_levels(decode, config)
+    spread = len(decode) / num_decode
+    return max(kv * spread, step / (1.0 - share), batch * spread)
+
+
+class PromptLoad:
+    """The prompt tokens a second all workers computed together over about the last `window_s`, from the
+    differences of their counters (WorkerStatsMsg.num_prompt_tokens_computed), over the workers that
+    reported at both ends: one that joins or leaves adds nothing."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+
+    def observe(self, now_s: float, stats: Sequence[WorkerStatsMsg]) -> None:
+        self._samples.append((now_s, {s.worker_id: s.num_prompt_tokens_computed for s in stats}))
+        while len(self._samples) > 2 and now_s - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+
+    def tokens_per_s(self) -> float | None:
+        """None: fewer than two reports yet."""
+        if len(self._samples) < 2:
+            return None
+        (start_s, first), (end_s, last) = self._samples[0], self._samples[-1]
+        if end_s <= start_s:
+            return None
+        return sum(max(0, last[w] - first[w]) for w in last.keys() & first.keys()) / (end_s - start_s)
 
 
 class Autoscaler:
@@ -98,10 +156,12 @@ class Autoscaler:
         self.decisions: deque[Decision] = deque(maxlen=100)
         self._since: dict[tuple[str, str], float] = {}  # (pool, "up"/"down") -> when the condition began
         self._last_change_s = -float("inf")
+        self.prompt_load = PromptLoad(config.sustain_s)
 
     def decide(self, now_s: float, sizes: Mapping[str, int], stats: Sequence[WorkerStatsMsg]) -> Decision | None:
         """The one change to make now, if any. sizes: each pool's serving workers now."""
         c = self.config
+        self.prompt_load.observe(now_s, stats)
         levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0)
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
@@ -122,12 +182,26 @@ class Autoscaler:
             return None
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels)
+            if decision is not None and not self._relieves_decode(decision, sizes, levels, stats):
+                continue
             if decision is not None:
                 self._last_change_s = now_s
                 self._since.clear()
                 self.decisions.append(decision)
                 return decision
         return None
+
+    def _relieves_decode(self, decision: Decision, sizes: Mapping[str, int], levels: Mapping[str, float | None],
+                         stats: Sequence[WorkerStatsMsg]) -> bool:
+        """False for a move of the last prefill worker to decoding that would not lower the decode pressure
+        (the module docstring's model); True for any other change, or when the load is not measured yet."""
+        if not (decision.pool == "prefill" and decision.flip_to == "decode" and decision.num_workers == 0):
+            return True
+        load, now = self.prompt_load.tokens_per_s(), levels.get("decode")
+        if load is None or now is None:
+            return True
+        after = decode_pressure_computing_prompts(stats, self.config, load, sizes["decode"] + 1)
+        return after is None or after < now
 
     def _change(self, now_s: float, pool: str, direction: str, sizes: Mapping[str, int],
                 levels: Mapping[str, float | None]) -> Decision | None:

@@ -94,6 +94,7 @@ class EngineStats:
     num_queued_prompt_tokens: int = 0  # prompt tokens admitted or waiting, not computed yet
     decode_step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    num_prompt_tokens_computed: int = 0  # since start
     kv_bytes_per_token: int = 0  # the whole worker's (every rank's heads)
     max_num_seqs: int = 0  # the running batch's cap (SchedulerConfig.max_num_seqs)
     weights: str = ""  # how its projections are stored and multiplied (EngineCore.weights)
@@ -104,6 +105,7 @@ class EngineStats:
         return {"num_waiting": self.num_waiting, "num_running": self.num_running, "num_blocks": self.num_blocks,
                 "num_free_blocks": self.num_free_blocks, "num_queued_prompt_tokens": self.num_queued_prompt_tokens,
                 "decode_step_s": self.decode_step_s, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "max_num_seqs": self.max_num_seqs}
 
     @property
@@ -721,6 +723,7 @@ class EngineCore:
                 if r.num_computed_tokens < r.num_prompt_tokens),
             decode_step_s=self.rates.decode_step_s,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            num_prompt_tokens_computed=self.rates.num_prompt_tokens,
             kv_bytes_per_token=self.block_bytes * (self.tp.shard.size if self.tp is not None else 1)
             // self.pool.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,

@@ -21,8 +21,10 @@ class StepRates:
         self._prefill_rates: deque[float] = deque(maxlen=window)
         self.decode_step_s = 0.0
         self.prefill_tokens_per_s = 0.0
+        self.num_prompt_tokens = 0  # computed since start: its differences are the prompt load (the autoscaler's)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
+        self.num_prompt_tokens += prefill_tokens
         if seconds <= 0.0:
             return
         if prefill_tokens == 0:

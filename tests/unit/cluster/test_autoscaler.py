@@ -10,7 +10,14 @@ import asyncio
 
 import pytest
 
-from cluster.autoscaler import Autoscaler, AutoscalerConfig, autoscale_once, pressures
+from cluster.autoscaler import (
+    Autoscaler,
+    AutoscalerConfig,
+    PromptLoad,
+    autoscale_once,
+    decode_pressure_computing_prompts,
+    pressures,
+)
 from protocol.api import WorkerStatsMsg
 
 CONFIG = AutoscalerConfig(ttft_ms=1000, tpot_ms=40, max_gpus=4, sustain_s=10, cooldown_s=30)
@@ -163,3 +170,41 @@ def test_an_idle_pool_gives_its_worker_to_a_pressed_pool_rather_than_letting_it_
     calm = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
     assert run(calm, {"prefill": 2, "decode": 1}, lambda t: [prefill(0), decode()], until_s=12) == [(10.0, "prefill", 1)]
     assert calm.decisions[-1].flip_to is None
+
+
+def counted(msg: WorkerStatsMsg, worker_id: str, prompt_tokens: int, prefill_rate: float = 0.0) -> WorkerStatsMsg:
+    return msg.model_copy(update={"worker_id": worker_id, "num_prompt_tokens_computed": prompt_tokens,
+                                  "prefill_tokens_per_s": prefill_rate or msg.prefill_tokens_per_s})
+
+
+def test_the_last_prefill_worker_is_not_given_to_decoding_when_its_prompts_would_press_the_decode_steps_more():
+    # 1P1D at the 70B FP8 shape on two H200s, 0.5 req/s of 3,000-token prompts: the decode steps (40.5 ms)
+    # sit just past the 40 ms TPOT; prompts come at 1,500 tokens/s and a worker prefills 6,500 a second.
+    # Two decode workers computing them would spend 11.5% of their time on prompts: 45.8 ms steps.
+    scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
+    slow_steps = decode(step_s=0.0405, free=95, running=3, max_num_seqs=64)
+    stats_at = lambda t: [counted(prefill(0, rate=6_500.0), "p", 1_500 * t),  # noqa: E731
+                          counted(slow_steps, "d", 0, prefill_rate=6_500.0)]
+    scaler = Autoscaler(scaling, {"prefill": 1, "decode": 1})
+    assert run(scaler, {"prefill": 1, "decode": 1}, stats_at, until_s=60) == []
+    assert scaler.prompt_load.tokens_per_s() == pytest.approx(1_500)
+    predicted = decode_pressure_computing_prompts(stats_at(60), scaling, 1_500.0, num_decode=2)
+    assert predicted == pytest.approx(0.0405 / (1 - 1_500 / 13_000) / 0.040)
+    # the same decode pressure from a full batch with requests waiting, and few prompts: the move relieves it
+    full = decode(step_s=0.010, free=80, running=64, waiting=40, max_num_seqs=64)
+    stats_at = lambda t: [counted(prefill(0, rate=6_500.0), "p", 300 * t), counted(full, "d", 0)]  # noqa: E731
+    scaler = Autoscaler(scaling, {"prefill": 1, "decode": 1})
+    assert run(scaler, {"prefill": 1, "decode": 1}, stats_at, until_s=12) == [(10.0, "prefill", 0)]
+
+
+def test_the_prompt_load_counts_the_workers_present_at_both_ends_of_its_window():
+    load = PromptLoad(window_s=10.0)
+    assert load.tokens_per_s() is None
+    for t in range(0, 31):
+        stats = [counted(prefill(0), "p", 1_000 * t), counted(decode(), "d", 200 * t)]
+        if t >= 25:  # a worker that joined late, its counter already high: it adds nothing until it is in the window
+            stats.append(counted(decode(), "new", 1_000_000 + 50 * t))
+        load.observe(float(t), stats)
+    assert load.tokens_per_s() == pytest.approx(1_200)
+    load.observe(31.0, [counted(prefill(0), "p", 31_000)])  # "d" and "new" left: only "p" counts
+    assert load.tokens_per_s() == pytest.approx(1_000)

@@ -105,6 +105,7 @@ def test_async_steps_are_timed_on_the_device_whatever_the_host_does_between_call
         assert steps < 200
     assert engine.rates.decode_step_s == pytest.approx(DECODE_S)
     assert engine.rates.prefill_tokens_per_s == pytest.approx(PROMPT_TOKENS_PER_S)
+    assert engine.stats().num_prompt_tokens_computed == 50 + 200  # the autoscaler's prompt load counts these
 
 
 def test_one_slow_step_does_not_hold_the_measured_speed_up() -> None:
