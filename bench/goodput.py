@@ -350,13 +350,14 @@ def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: C
     A start that failed because a port it was given was taken meanwhile (free_port's port is free when
     asked, and Ray's own processes bind random ports) is tried once more with other ports."""
     result = _run_mode_once(plan, mode, out_dir, deadline, echo, note, checkpoint)
-    if result.phase == "start" and result.status == "failed" and any(PORT_TAKEN in line for line in result.log_tail):
+    if result.phase == "start" and result.status == "failed" and any(
+            taken in line for line in result.log_tail for taken in PORT_TAKEN):
         echo(f"{mode.name}: a port was taken before the server bound it; starting again on other ports")
         result = _run_mode_once(plan, mode, out_dir, deadline, echo, note, checkpoint)
     return result
 
 
-PORT_TAKEN = "Address already in use"
+PORT_TAKEN = ("Address already in use", "gRPC cannot bind")  # the HTTP server's error, the router's gRPC server's
 
 
 def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: Callable[[str], None],

@@ -387,14 +387,16 @@ def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> 
 def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.MonkeyPatch):
     import bench.goodput as goodput
 
-    def attempt(taken: bool) -> ModeResult:
+    def attempt(taken: str) -> ModeResult:
         result = ModeResult("adaptive", "", [])
         result.phase = "start"
         result.fail("ServerError: the server exited with code 1")
-        result.log_tail = ["OSError: [Errno 98] Address already in use"] if taken else ["ValueError: bad flag"]
+        result.log_tail = [taken or "ValueError: bad flag"]
         return result
 
-    for outcomes, expected_calls in (([True, False], 2), ([False], 1), ([True, True], 2)):
+    http = "OSError: [Errno 98] Address already in use"
+    grpc = "OSError: gRPC cannot bind 127.0.0.1:37161: Failed to bind to address 127.0.0.1:37161"  # two benches, one host
+    for outcomes, expected_calls in (([http, ""], 2), ([grpc, ""], 2), ([""], 1), ([http, grpc], 2)):
         calls = []
         queue = list(outcomes)
         monkeypatch.setattr(goodput, "_run_mode_once", lambda *a: calls.append(1) or attempt(queue.pop(0)))
