@@ -16,20 +16,23 @@ is above `scale_up_at` then. After any change, nothing changes for `cooldown_s`:
 between the two thresholds and the cooldown are what keep it from flapping. Every decision, and
 why, is kept (`decisions`) for `pdserve status`.
 
-A change that gives the last prefill worker to decoding is made only if it is predicted to lower the
-decode pressure that asks for it: the decode workers then compute every prompt, the prompt tokens a
-second all workers computed over the last `sustain_s` (`PromptLoad`), which takes a share of each
-one's time (that load over their number and their measured prefill rate) and lengthens its steps to
-decode step / (1 - share); their KV use and batches spread over one more worker. The steps are not
-credited with the smaller batch (a decode step's time by batch is not measured): where the steps
-alone press the pool, the move is refused, as it should be when the steps are bound by the weights'
-reads, which a smaller batch does not shorten.
+The last prefill worker may go to decoding (min_prefill 0) for either pool's pressure. Then the decode
+workers compute every prompt: the prompt tokens a second that arrived over the last `sustain_s`
+(`PromptLoad`: computed, plus what the queues grew by) take a share of each one's time (that load over
+their number and the highest prefill rate any worker measured: the same model on the same GPUs, and
+chunks under a step budget read slower than whole prompts) and lengthen its steps to decode step /
+(1 - share); their KV use and batches spread over one more worker. Asked by the decode pool, the move
+is made only if that predicted decode pressure is below today's; asked by a pressed prefill pool (no
+GPU for another prefill worker, no idle decode worker to take), only if it stays below `scale_up_at`:
+every worker then prefills, as colocated replicas do. The steps are not credited with the smaller
+batch (a decode step's time by batch is not measured): where the steps alone press the decode pool the
+move is refused, as it should be when they are bound by the weights' reads, which a smaller batch does
+not shorten.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -109,11 +112,10 @@ def decode_pressure_computing_prompts(stats: Sequence[WorkerStatsMsg], config: A
     """The decode pool's predicted pressure once `num_decode` decode workers compute every prompt as well
     (the module docstring's model); None: no decode worker or prefill rate measured yet."""
     decode = [s for s in stats if s.role == "decode" and s.num_blocks > 0]
-    own = [s.prefill_tokens_per_s for s in decode if s.prefill_tokens_per_s > 0]
-    rates = own or [s.prefill_tokens_per_s for s in stats if s.prefill_tokens_per_s > 0]
-    if not decode or not rates:
+    rate = max((s.prefill_tokens_per_s for s in stats), default=0.0)
+    if not decode or rate <= 0:
         return None
-    share = prompt_tokens_per_s / (num_decode * statistics.median(rates))
+    share = prompt_tokens_per_s / (num_decode * rate)
     if share >= 1.0:
         return math.inf
     kv, step, batch = _decode_levels(decode, config)
@@ -122,16 +124,18 @@ def decode_pressure_computing_prompts(stats: Sequence[WorkerStatsMsg], config: A
 
 
 class PromptLoad:
-    """The prompt tokens a second all workers computed together over about the last `window_s`, from the
-    differences of their counters (WorkerStatsMsg.num_prompt_tokens_computed), over the workers that
-    reported at both ends: one that joins or leaves adds nothing."""
+    """The prompt tokens a second that arrived at all workers together over about the last `window_s`: what
+    they computed (WorkerStatsMsg.num_prompt_tokens_computed, a counter) plus what their queues grew by
+    (num_queued_prompt_tokens), so a saturated prefill worker does not hide the load past its speed;
+    over the workers that reported at both ends: one that joins or leaves adds nothing."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._samples: deque[tuple[float, dict[str, int]]] = deque()
 
     def observe(self, now_s: float, stats: Sequence[WorkerStatsMsg]) -> None:
-        self._samples.append((now_s, {s.worker_id: s.num_prompt_tokens_computed for s in stats}))
+        self._samples.append((now_s, {s.worker_id: s.num_prompt_tokens_computed + s.num_queued_prompt_tokens
+                                      for s in stats}))
         while len(self._samples) > 2 and now_s - self._samples[1][0] >= self.window_s:
             self._samples.popleft()
 
@@ -142,7 +146,7 @@ class PromptLoad:
         (start_s, first), (end_s, last) = self._samples[0], self._samples[-1]
         if end_s <= start_s:
             return None
-        return sum(max(0, last[w] - first[w]) for w in last.keys() & first.keys()) / (end_s - start_s)
+        return max(0, sum(last[w] - first[w] for w in last.keys() & first.keys())) / (end_s - start_s)
 
 
 class Autoscaler:
@@ -182,7 +186,8 @@ class Autoscaler:
             return None
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels)
-            if decision is not None and not self._relieves_decode(decision, sizes, levels, stats):
+            if decision is not None and not self._admits(decision, pool == "prefill" and direction == "up", sizes,
+                                                         levels, stats):
                 continue
             if decision is not None:
                 self._last_change_s = now_s
@@ -191,17 +196,20 @@ class Autoscaler:
                 return decision
         return None
 
-    def _relieves_decode(self, decision: Decision, sizes: Mapping[str, int], levels: Mapping[str, float | None],
-                         stats: Sequence[WorkerStatsMsg]) -> bool:
-        """False for a move of the last prefill worker to decoding that would not lower the decode pressure
-        (the module docstring's model); True for any other change, or when the load is not measured yet."""
+    def _admits(self, decision: Decision, for_prefill: bool, sizes: Mapping[str, int],
+                levels: Mapping[str, float | None], stats: Sequence[WorkerStatsMsg]) -> bool:
+        """Whether a move of the last prefill worker to decoding is predicted to do what it is for (the module
+        docstring's model): for the decode pool's pressure, lower it; for the prefill pool's (`for_prefill`),
+        keep the decode pool under `scale_up_at`. Any other change passes. Unmeasured: only the decode pool's
+        move passes (as before the prediction); the prefill pool's needs the figures."""
         if not (decision.pool == "prefill" and decision.flip_to == "decode" and decision.num_workers == 0):
             return True
         load, now = self.prompt_load.tokens_per_s(), levels.get("decode")
-        if load is None or now is None:
-            return True
-        after = decode_pressure_computing_prompts(stats, self.config, load, sizes["decode"] + 1)
-        return after is None or after < now
+        after = None if load is None else decode_pressure_computing_prompts(stats, self.config, load,
+                                                                            sizes["decode"] + 1)
+        if for_prefill:
+            return after is not None and after < self.config.scale_up_at
+        return after is None or now is None or after < now
 
     def _change(self, now_s: float, pool: str, direction: str, sizes: Mapping[str, int],
                 levels: Mapping[str, float | None]) -> Decision | None:
@@ -236,6 +244,14 @@ class Autoscaler:
             return Decision(now_s, other, sizes[other] - 1, f"{pool} pressure {level:.2f} > {c.scale_up_at} at the "
                             f"GPU budget ({c.max_gpus}); {other} pressure {other_level:.2f}: a {other} worker becomes "
                             f"a {pool} worker", flip_to=pool)
+        if (pool == "prefill" and sizes[pool] == 1 and c.min_prefill == 0 and "decode" in sizes
+                and sizes["decode"] < c.max_decode and "prefill" in self.shrinkable):
+            # NOTE: no GPU and no idle decode worker for another prefill worker: every worker prefills instead
+            # (0P), if the decode workers can take the prompts within the TPOT SLO (Autoscaler._admits)
+            return Decision(now_s, pool, 0, f"prefill pressure {level:.2f} > {c.scale_up_at} at the GPU budget "
+                            f"({c.max_gpus}), decode pressure {other_level or 0:.2f}: the prefill worker becomes a "
+                            "decode worker and every worker computes prompts, within the TPOT SLO as predicted",
+                            flip_to="decode")
         return None
 
 

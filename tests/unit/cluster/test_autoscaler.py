@@ -208,3 +208,29 @@ def test_the_prompt_load_counts_the_workers_present_at_both_ends_of_its_window()
     assert load.tokens_per_s() == pytest.approx(1_200)
     load.observe(31.0, [counted(prefill(0), "p", 31_000)])  # "d" and "new" left: only "p" counts
     assert load.tokens_per_s() == pytest.approx(1_000)
+
+
+def test_a_pressed_prefill_worker_at_the_gpu_budget_becomes_a_decode_worker_when_all_can_prefill_within_tpot():
+    # 1P1D at the 8B shape on two H200s, 20 req/s of 1-4k-token prompts: the prefill worker computes 36k prompt
+    # tokens a second and its queue grows by 14k a second (50k arrive); the decode worker's batch is full (64 + 2
+    # waiting), its steps 11.5 ms. Two workers computing every prompt: 50k / 72k of their time, 37 ms steps < 40.
+    scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
+    full = decode(step_s=0.0115, free=60, running=64, waiting=2, max_num_seqs=64)
+    swamped = lambda t: [counted(prefill(14_000 * t + 20_000, rate=36_000.0), "p", 36_000 * t),  # noqa: E731
+                         counted(full, "d", 0, prefill_rate=13_000.0)]
+    scaler = Autoscaler(scaling, {"prefill": 1, "decode": 1})
+    sizes = {"prefill": 1, "decode": 1}
+    assert run(scaler, sizes, swamped, until_s=12) == [(10.0, "prefill", 0)]
+    assert sizes == {"prefill": 0, "decode": 2} and scaler.decisions[-1].flip_to == "decode"
+    assert "every worker computes prompts" in scaler.decisions[-1].why
+    assert scaler.prompt_load.tokens_per_s() == pytest.approx(50_000)
+    # the same queue with decode steps of 30 ms: 30 / (1 - 0.69) = 97 ms, past the TPOT: nothing moves
+    slow = full.model_copy(update={"decode_step_s": 0.030})
+    swamped_slow = lambda t: [counted(prefill(14_000 * t + 20_000, rate=36_000.0), "p", 36_000 * t),  # noqa: E731
+                              counted(slow, "d", 0)]
+    assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, swamped_slow,
+               until_s=60) == []
+    # and before two reports (no prompt load yet) the prefill pool's move is not made blind
+    blind = Autoscaler(scaling.model_copy(update={"sustain_s": 0.0}), {"prefill": 1, "decode": 1})
+    assert blind.decide(0.0, {"prefill": 1, "decode": 1}, swamped(0)) is None
+    assert blind.decide(1.0, {"prefill": 1, "decode": 1}, swamped(1)) is not None
