@@ -14,6 +14,7 @@ the step profile measured on the same machine kind (pdserve plan's simulation; d
 
     python -m bench.adaptive_report --set adaptive_2xh200  # reads and writes bench/results/adaptive_2xh200*
     python -m bench.adaptive_report --set tp70b_4xh200
+    python -m bench.adaptive_report --set fp8_70b_2xh200
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ SOURCES_24 = (
            (1000.0, 40.0)),
     # the decode workers drop the step budget when the last prefill worker's drain begins (e3af98c)
     Source("adaptive, roles to 0P2D (run c)", "adaptive_2xh200_r4_1000_40_flip.json", "adaptive", (1000.0, 40.0)),
+    # run 5, on GPU pairs of a 4x H200 host: after the decode batch cap (86e26e9), step rates from the device's time
+    # (7fc1deb) and the autoscaler's prediction for the last prefill worker (014c268); 5b is the next call
+    Source("2 colocated (run 5)", "adaptive_2xh200_r5_colocated_and_1p1d.json", "colocated", None),
+    Source("1P1D (run 5, decode batch capped)", "adaptive_2xh200_r5_colocated_and_1p1d.json", "disagg", None),
+    Source("2 colocated (run 5b)", "adaptive_2xh200_r5b_adaptive_and_colocated.json", "colocated", None),
+    Source("adaptive from 1P1D (run 5b)", "adaptive_2xh200_r5b_adaptive_and_colocated.json", "adaptive",
+           (1000.0, 40.0)),
 )
 SOURCES_28 = (
     Source("2 colocated TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "colocated2", None),
@@ -90,6 +98,23 @@ SOURCES_24_DECODE_HEAVY = (
     Source("adaptive from 1P1D, 64 seqs", "decode_heavy_2xh200_seqs64_run2.json", "adaptive", (1000.0, 40.0)),
     Source("2 colocated, 256 seqs", "decode_heavy_2xh200_seqs256.json", "colocated", None),
     Source("1P1D, 256 seqs", "decode_heavy_2xh200_seqs256.json", "disagg", None),
+    # on GPUs 0,1 of a 4x H200 host, after 86e26e9, 7fc1deb and 014c268 (see SOURCES_24's run 5)
+    Source("2 colocated, 256 seqs (run 2)", "decode_heavy_2xh200_seqs256_adaptive_and_colocated.json", "colocated",
+           None),
+    Source("adaptive from 1P1D, 256 seqs", "decode_heavy_2xh200_seqs256_adaptive_and_colocated.json", "adaptive",
+           (1000.0, 40.0)),
+)
+# issue 24's 70B point: Llama-3.1-70B shape in FP8 on two H200s, a whole replica (TP=1) a GPU, ISL 3000 / OSL 150
+# (NVIDIA Dynamo's single-node point), on GPU pairs of 4x H200 hosts. r1's colocated run printed its table only
+# (goodput_70b_fp8_2xh200_r1_colocated_and_1p1d_table.txt); r1's adaptive mode ran before 7fc1deb and 014c268
+SOURCES_24_70B_FP8 = (
+    Source("2 colocated (r2)", "goodput_70b_fp8_2xh200_r2_adaptive_and_colocated.json", "colocated2", None),
+    Source("1P1D (r1)", "goodput_70b_fp8_2xh200_r1_adaptive_before_fixes_and_1p1d.json", "1p1d", None),
+    Source("1P1D (r3, 40 s a rate)", "goodput_70b_fp8_2xh200_r3_1p1d.json", "1p1d", None),
+    Source("adaptive before the fixes (r1)", "goodput_70b_fp8_2xh200_r1_adaptive_before_fixes_and_1p1d.json",
+           "adaptive", (1000.0, 40.0)),
+    Source("adaptive (r2)", "goodput_70b_fp8_2xh200_r2_adaptive_and_colocated.json", "adaptive", (1000.0, 40.0)),
+    Source("adaptive (r3, 40 s a rate)", "goodput_70b_fp8_2xh200_r3_adaptive.json", "adaptive", (1000.0, 40.0)),
 )
 SETS = {
     "adaptive_2xh200": ReportSet(
@@ -106,6 +131,12 @@ SETS = {
         "issue 24, decode-heavy, on {gpus}: Llama-3.1-8B shape (dummy bf16)",
         {"2 colocated, 256": ("tab:blue", "--"), "1P1D, 256": ("tab:orange", "--"), "2 colocated": ("tab:blue", "-"),
          "1P1D": ("tab:orange", "-"), "adaptive": ("tab:green", "-")}),
+    "fp8_70b_2xh200": ReportSet(
+        SOURCES_24_70B_FP8, "planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json",
+        "FP8 TP=1 on one H200, measured in an earlier session (70B shape, max_num_seqs 64)", 2,
+        "issue 24's 70B point on {gpus} (GPU pairs of 4x H200 hosts): Llama-3.1-70B shape, FP8, TP=1",
+        {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive before": ("tab:grey", "--"),
+         "adaptive": ("tab:green", "-")}),
     "tp70b_4xh200": ReportSet(
         SOURCES_28, None, "no prediction: the TP=2 step profiles (bfloat16, FP8) did not finish within the 200 s the "
         "call gave them; only FP8 TP=1's did (planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json), and no "
