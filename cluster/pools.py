@@ -67,8 +67,11 @@ class WorkerPool:
         self._names = itertools.count()
         self._pg: PlacementGroup | None = None  # the group `start` reserves, one bundle per worker
         self._grown_pgs: list[PlacementGroup] = []  # one-bundle groups `resize` added
-        self._free_bundles: list[Bundle] = []
+        self._free_bundles: list[Bundle] = []  # of this pool's own groups only
         self._bundle_of: dict[str, Bundle] = {}
+        # a worker that came from another pool (hand_over) keeps that pool's bundle: it goes back there when
+        # the worker ends, as only the pool that reserved a group can spawn on it or release it
+        self._lent_from: dict[str, WorkerPool] = {}
         self._resizing = asyncio.Lock()  # one resize at a time
 
     @property
@@ -296,7 +299,10 @@ class WorkerPool:
                 self._retire(worker_id, handle)  # neither pool's: it goes, its GPUs back to this pool
                 raise
             if worker_id in self._bundle_of:
+                owner = self._lent_from.pop(worker_id, self)
                 to._bundle_of[worker_id] = self._bundle_of.pop(worker_id)
+                if owner is not to:
+                    to._lent_from[worker_id] = owner
             to.handles[worker_id] = handle
             to.num_workers += 1
             await _call(publish)
@@ -340,12 +346,15 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         if worker_id in self._bundle_of:
-            self._free_bundles.append(self._bundle_of.pop(worker_id))
+            owner = self._lent_from.pop(worker_id, self)
+            owner._free_bundles.append(self._bundle_of.pop(worker_id))
+            if owner is not self:
+                owner._release_grown_groups()
 
     def _release_grown_groups(self) -> None:
         """Gives back the one-bundle groups `resize` added once their worker is gone (the group of
         `start` stays reserved: a placement group cannot shrink)."""
-        for group in [g for g, _ in self._free_bundles if g is not self._pg]:
+        for group in [g for g in self._grown_pgs if any(b[0] is g for b in self._free_bundles)]:
             self._free_bundles = [b for b in self._free_bundles if b[0] is not group]
             self._grown_pgs.remove(group)
             remove_placement_group(group)
@@ -366,6 +375,7 @@ class WorkerPool:
         self._grown_pgs.clear()
         self._free_bundles.clear()
         self._bundle_of.clear()
+        self._lent_from.clear()
 
 
 async def _call(publish: Publish | None) -> None:
