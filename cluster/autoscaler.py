@@ -12,7 +12,10 @@ A pool above `scale_up_at` for `sustain_s` grows by one worker (when the budget 
 disaggregated mode, a worker of the other pool changes role to it if that pool is below
 `scale_down_at`: drained, it flips in place, keeping its engine: cluster/flex_worker.py); a pool below `scale_down_at` for `sustain_s` shrinks by
 one (never under its minimum), its worker moving to the other pool instead of leaving when that pool
-is above `scale_up_at` then. After any change, nothing changes for `cooldown_s`: the hysteresis
+is above `scale_up_at` then. A shrink that moves no worker is made only where it gives something back
+(`releasable`: the newest worker sits on a GPU bundle its pool grew, or on none): the GPUs of a pool's
+start group stay reserved whatever runs on them, so retiring a worker there would only cost the start
+of the next one. After any change, nothing changes for `cooldown_s`: the hysteresis
 between the two thresholds and the cooldown are what keep it from flapping. Every decision, and
 why, is kept (`decisions`) for `pdserve status`.
 
@@ -162,8 +165,10 @@ class Autoscaler:
         self._last_change_s = -float("inf")
         self.prompt_load = PromptLoad(config.sustain_s)
 
-    def decide(self, now_s: float, sizes: Mapping[str, int], stats: Sequence[WorkerStatsMsg]) -> Decision | None:
-        """The one change to make now, if any. sizes: each pool's serving workers now."""
+    def decide(self, now_s: float, sizes: Mapping[str, int], stats: Sequence[WorkerStatsMsg],
+               releasable: frozenset[str] | None = None) -> Decision | None:
+        """The one change to make now, if any. sizes: each pool's serving workers now. releasable: the pools
+        whose newest worker gives back what it holds when retired (None: every pool)."""
         c = self.config
         self.prompt_load.observe(now_s, stats)
         levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0)
@@ -185,7 +190,7 @@ class Autoscaler:
         if not wants or now_s - self._last_change_s < c.cooldown_s:
             return None
         for _, pool, direction in sorted(wants, reverse=True):
-            decision = self._change(now_s, pool, direction, sizes, levels)
+            decision = self._change(now_s, pool, direction, sizes, levels, releasable)
             if decision is not None and not self._admits(decision, pool == "prefill" and direction == "up", sizes,
                                                          levels, stats):
                 continue
@@ -212,7 +217,7 @@ class Autoscaler:
         return after is None or now is None or after < now
 
     def _change(self, now_s: float, pool: str, direction: str, sizes: Mapping[str, int],
-                levels: Mapping[str, float | None]) -> Decision | None:
+                levels: Mapping[str, float | None], releasable: frozenset[str] | None = None) -> Decision | None:
         c = self.config
         low, high = (c.min_prefill, c.max_prefill) if pool == "prefill" else (c.min_decode, c.max_decode)
         level = levels[pool]
@@ -228,6 +233,8 @@ class Autoscaler:
                                 f"{c.sustain_s:.0f} s; {other} pressure {other_level:.2f}: a {pool} worker becomes a "
                                 f"{other} worker", flip_to=other)
             if sizes[pool] == 1:  # NOTE: a pool's last worker goes only to the other pool (min_prefill 0), never away
+                return None
+            if releasable is not None and pool not in releasable:
                 return None
             return Decision(now_s, pool, sizes[pool] - 1, f"{pool} pressure {level:.2f} < {c.scale_down_at} for "
                             f"{c.sustain_s:.0f} s")
@@ -256,10 +263,11 @@ class Autoscaler:
 
 
 async def autoscale_once(autoscaler: Autoscaler, now_s: float, sizes: Mapping[str, int],
-                         stats: Sequence[WorkerStatsMsg], apply: object) -> Decision | None:
+                         stats: Sequence[WorkerStatsMsg], apply: object,
+                         releasable: frozenset[str] | None = None) -> Decision | None:
     """One round of the controller's loop: decide, then `await apply(decision)` (the controller
     resizes the pool, or moves a worker between pools: it drains what it retires or moves)."""
-    decision = autoscaler.decide(now_s, sizes, stats)
+    decision = autoscaler.decide(now_s, sizes, stats, releasable)
     if decision is not None:
         await apply(decision)  # type: ignore[operator]
     return decision

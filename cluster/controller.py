@@ -83,7 +83,9 @@ class ClusterController:
                 stats = [s for s in await self.stats() if isinstance(s, WorkerStatsMsg)]
                 sizes = {"prefill" if p is self.deployment.prefill else "decode": p.num_workers
                          for p in self.deployment.pools}
-                decision = await autoscale_once(self.autoscaler, loop.time(), sizes, stats, self._apply)
+                releasable = frozenset("prefill" if p is self.deployment.prefill else "decode"
+                                       for p in self.deployment.pools if p.newest_is_releasable())
+                decision = await autoscale_once(self.autoscaler, loop.time(), sizes, stats, self._apply, releasable)
                 if decision is not None:
                     log.warning("autoscaler: %s -> %d workers (%s)", decision.pool, decision.num_workers, decision.why)
             except Exception as err:  # noqa: BLE001 - the next round tries again

@@ -108,6 +108,17 @@ class WorkerPool:
         self.handles[worker_id] = actor_cls.options(**options).remote(self.make_config(worker_id), **kwargs)
         return worker_id
 
+    def newest_is_releasable(self) -> bool:
+        """Whether retiring the newest serving worker (the one a shrink retires) gives back what it holds: no
+        GPU, or a bundle of a group this pool grew (released with it). A bundle of a start group stays
+        reserved, in whichever pool it goes back to."""
+        serving = self.serving_ids()
+        if not serving or self.num_gpus <= 0:
+            return bool(serving)
+        newest = serving[-1]
+        bundle, owner = self._bundle_of.get(newest), self._lent_from.get(newest, self)
+        return bundle is not None and any(bundle[0] is g for g in owner._grown_pgs)
+
     def serving_ids(self) -> list[str]:
         """Workers routers use for new work (neither starting nor retiring), oldest first."""
         return [i for i in self.handles if i not in self.starting and i not in self.retiring]

@@ -234,3 +234,20 @@ def test_a_pressed_prefill_worker_at_the_gpu_budget_becomes_a_decode_worker_when
     blind = Autoscaler(scaling.model_copy(update={"sustain_s": 0.0}), {"prefill": 1, "decode": 1})
     assert blind.decide(0.0, {"prefill": 1, "decode": 1}, swamped(0)) is None
     assert blind.decide(1.0, {"prefill": 1, "decode": 1}, swamped(1)) is not None
+
+
+def test_an_idle_pool_shrinks_only_where_that_gives_something_back():
+    # two idle decode workers on the decode pool's start group: retiring one frees no GPU (the group stays
+    # reserved) and the next load would wait for a new start, so nothing moves; on a grown group it goes
+    idle = lambda t: [prefill(2_000), decode(step_s=0.002, free=99)]  # noqa: E731
+    held = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    assert [held.decide(float(t), {"prefill": 1, "decode": 2}, idle(t), frozenset({"prefill"}))
+            for t in range(60)] == [None] * 60
+    grown = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
+    decisions = [grown.decide(float(t), {"prefill": 1, "decode": 2}, idle(t), frozenset({"decode"})) for t in range(12)]
+    assert [(d.pool, d.num_workers) for d in decisions if d is not None] == [("decode", 1)]
+    # a move to a pressed pool gives the worker a use: it is made whatever the bundle
+    swamped = decode(step_s=0.010, free=80, running=64, waiting=40, max_num_seqs=64)
+    mover = Autoscaler(CONFIG.model_copy(update={"max_gpus": 3}), {"prefill": 1, "decode": 1})
+    moves = [mover.decide(float(t), {"prefill": 2, "decode": 1}, [prefill(0), swamped], frozenset()) for t in range(12)]
+    assert [(d.pool, d.flip_to) for d in moves if d is not None] == [("prefill", "decode")]

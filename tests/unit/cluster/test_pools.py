@@ -82,3 +82,16 @@ def test_a_worker_handed_back_holds_its_own_pools_bundle_again(monkeypatch: pyte
 
     asyncio.run(run())
     assert prefill._free_bundles == [("P", 0)] and decode._free_bundles == []
+
+
+def test_only_a_worker_on_a_grown_group_gives_a_gpu_back_when_retired() -> None:
+    prefill, decode = pool("prefill", "P", ["prefill-0"]), pool("decode", "D", ["decode-0", "decode-1"])
+    assert not decode.newest_is_releasable()  # decode-1 sits on the start group: it stays reserved
+    decode.handles["decode-2"], decode._bundle_of["decode-2"] = FakeWorker(), ("G", 0)  # type: ignore[assignment]
+    decode._grown_pgs.append("G")  # type: ignore[arg-type]
+    assert decode.newest_is_releasable()
+    asyncio.run(prefill.hand_over("prefill-0", decode, None, drain_timeout_s=5, settle_s=0))
+    assert not decode.newest_is_releasable()  # the prefill pool's start group: back there, still reserved
+    cpu = WorkerPool("decode", object, lambda worker_id: None, 1, num_gpus=0.0)
+    cpu.handles["decode-0"] = FakeWorker()
+    assert cpu.newest_is_releasable()  # no GPU held: retiring it frees what it uses
