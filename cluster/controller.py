@@ -81,10 +81,9 @@ class ClusterController:
             await asyncio.sleep(self.autoscale_interval_s)
             try:
                 stats = [s for s in await self.stats() if isinstance(s, WorkerStatsMsg)]
-                sizes = {"prefill" if p is self.deployment.prefill else "decode": p.num_workers
-                         for p in self.deployment.pools}
-                releasable = frozenset("prefill" if p is self.deployment.prefill else "decode"
-                                       for p in self.deployment.pools if p.newest_is_releasable())
+                pools = {"prefill" if p is self.deployment.prefill else "decode": p for p in self.deployment.pools}
+                sizes = {name: p.num_workers for name, p in pools.items()}
+                releasable = frozenset(name for name, p in pools.items() if p.newest_is_releasable())
                 decision = await autoscale_once(self.autoscaler, loop.time(), sizes, stats, self._apply, releasable)
                 if decision is not None:
                     log.warning("autoscaler: %s -> %d workers (%s)", decision.pool, decision.num_workers, decision.why)

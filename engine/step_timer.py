@@ -46,11 +46,11 @@ class WallStepTimer:
         self._ended: deque[tuple[float, int, int]] = deque(maxlen=256)
 
     def begin(self) -> object:
-        return self.clock()
+        return float(self.clock())
 
     def end(self, mark: object, prompt_tokens: int, decode_rows: int) -> None:
         assert isinstance(mark, float)
-        self._ended.append((self.clock() - mark, prompt_tokens, decode_rows))
+        self._ended.append((float(self.clock()) - mark, prompt_tokens, decode_rows))
 
     def collect(self, rates: StepRates) -> None:
         while self._ended:
