@@ -53,6 +53,7 @@
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
 #           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
+#   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
 #           (bfloat16, FP8 projections, FP8 KV, both, 4-bit AWQ by round-to-nearest).
@@ -61,7 +62,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -85,11 +86,22 @@ case "$part" in
     run 560 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --variants ${VARIANTS:-bfloat16 fp8+fp8-kv} --max-num-seqs 512 --requests "${REQUESTS:-1024}" --out "$out"
     ;;
+  fp8_split_k)
+    # which FP8 product is fastest at each 8B / 70B projection shape and batch (bench.diag.fp8_split_k_sweep)
+    run 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py -k "split_k or cuda_path_equals"
+    run 470 python3 -m bench.diag.fp8_split_k_sweep --out "$out" ${SWEEP_FLAGS:-}
+    ;;
   fp8_decode_70b)
     # the 70B FP8 decode step by batch against its weight-read floor, one H200 (needs_h200): at TP=1 the served
     # workers read 27 ms at one sequence and 36-41 ms at two to five, against a 14.7 ms floor
-    run 500 python3 -m bench.quantized --model bench/shapes/llama-3.1-70b --load-format dummy --dtype bfloat16 \
-      --variants fp8 --batches 1 2 3 4 8 16 64 --max-num-seqs 64 --requests 0 --out "$out"
+    # with .old carried (a checkout of an earlier commit), the same from there afterwards, into $out/before
+    run 290 python3 -m bench.quantized --model bench/shapes/llama-3.1-70b --load-format dummy --dtype bfloat16 \
+      --variants fp8 --batches 1 2 4 8 16 32 64 --max-num-seqs 64 --requests 0 --out "$out"
+    if [ -d .old ]; then
+      mkdir -p "$out/before" && (cd .old && export PYTHONPATH=/tmp/site:$PWD && run 280 python3 -m bench.quantized \
+        --model bench/shapes/llama-3.1-70b --load-format dummy --dtype bfloat16 --variants fp8 \
+        --batches 1 2 4 8 16 32 64 --max-num-seqs 64 --requests 0 --out "$out/before")
+    fi
     ;;
   quality)
     run 400 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-3}"

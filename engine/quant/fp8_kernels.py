@@ -1,5 +1,7 @@
-"""The Triton kernel behind `fp8.Fp8Matmul`'s activation quantization: one program a row, equal to
-`fp8.quantize_rows` bit for bit; imported only by CUDA models and interpreted tests."""
+"""The Triton kernels behind `fp8.Fp8Matmul`: the activation quantization (one program a row, equal
+to `fp8.quantize_rows` bit for bit), the one-launch product of one or two rows on CUDA cores, and a
+split-K tensor-core product of pre-quantized rows for small batches; imported only by CUDA models
+and interpreted tests."""
 
 from __future__ import annotations
 
@@ -24,16 +26,34 @@ def round_e4m3(y):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, fp8_max, min_scale,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, chunk, fp8_max, min_scale,
+                          ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Row axis 1, its columns [chunk * axis 0, + chunk) (chunk a multiple of BLOCK): each program
+    reads its whole row for the row's max, ROW_BLOCK columns a load (all in flight at once: a loop
+    of small loads waits for each), then quantizes its chunk; the first chunk writes the scale.
+    Chunks spread a few long rows over many SMs."""
+    row = tl.program_id(1).to(tl.int64)
+    begin = tl.program_id(0) * chunk
+    wide = tl.arange(0, ROW_BLOCK)
+    amax = tl.zeros([ROW_BLOCK], dtype=tl.float32)
+    for k0 in range(0, n, ROW_BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + wide, mask=k0 + wide < n, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+    inverse = tl.math.div_rn(1.0, scale)
     cols = tl.arange(0, BLOCK)
-    ok = cols < n
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / fp8_max, min_scale)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-    tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(scale_ptr + row, scale)
+    for k0 in range(begin, tl.minimum(begin + chunk, n), BLOCK):
+        ok = k0 + cols < n
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x * inverse, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * stride_q + k0 + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr + row, scale)
+
+
+QUANTIZE_PROGRAMS = 256
+"""Programs `quantize_rows` aims for: rows times chunks (at least one chunk a row, at most one per
+1024 columns); each chunk rereads its row, so chunks are for few rows only."""
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,80 +62,118 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, n, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
-        block = triton.next_power_of_2(n)
-        _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block,
-                                       num_warps=min(32, max(4, block // 512)))
+        block = min(1024, triton.next_power_of_2(n))
+        chunks = max(1, min(QUANTIZE_PROGRAMS // rows, triton.cdiv(n, block)))
+        chunk = triton.cdiv(triton.cdiv(n, chunks), block) * block
+        _quantize_rows_kernel[(triton.cdiv(n, chunk), rows)](
+            x, q, scale, x.stride(0), q.stride(0), n, chunk, FP8_MAX, MIN_SCALE,
+            ROW_BLOCK=min(16384, triton.next_power_of_2(n)), BLOCK=block, num_warps=8)
     return q, scale
 
 
 @triton.jit
-def _small_matmul_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, fp8_max, min_scale,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+def _split_k_matmul_kernel(
+    xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, stride_x, stride_w,
+    stride_o, HAS_BIAS: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """out[:, n-block] for all M (<= BLOCK_M) rows of x, on CUDA cores (no tensor-core tile to pad
-    M into): each program quantizes x per row itself (fp8.quantize_rows' scales: a first pass over
-    K for each row's max), multiplies the E4M3 values with its FP8 weight rows (products exact in
-    float32), accumulates in float32, and applies both scales and the bias."""
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    """out[m-block, n-block] of quantized rows on tensor cores (E4M3 x E4M3 -> float32), over one
+    k_per_split slice of K (a multiple of BLOCK_K) per program along axis 2: with WHOLE_K (one slice)
+    the scales and bias are applied and `out` written; otherwise each slice's scaled float32 sum goes to
+    part[split] and `_sum_splits_kernel` adds them in split order (deterministic, no atomics). The
+    m-blocks of one weight tile are neighbours on axis 0, so the tile is read from DRAM once."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=m_ok[:, None] & (rk[None, :] < K), other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
-    scale = tl.maximum(amax / fp8_max, min_scale)
-    # NOTE: products summed elementwise across the K loop, reduced over BLOCK_K once at the end (a
-    # cross-thread reduction every iteration costs more than the weights' bytes).
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    k_begin = pid_k * k_per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -fp8_max), fp8_max)
-        xq = round_e4m3(y)  # [BLOCK_M, BLOCK_K]
+        x = tl.load(xq_ptr + rm[:, None] * stride_x + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += xq[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = tl.dot(x, tl.trans(w), acc)
+    x_scale = tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)
     w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
-    out = tl.sum(acc, axis=2) * scale[:, None] * w_scale[None, :]
+    acc = acc * x_scale[:, None] * w_scale[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if WHOLE_K:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=ok)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_o, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out[m, n-block] = sum over splits of part[split, m, n-block] (+ bias), one program a row and block."""
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (split * M + m) * N + rn, mask=ok, other=0.0)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_o + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-SMALL_MATMUL_MAX_ROWS = 2
-"""The most rows Fp8Matmul sends to `small_matmul` rather than torch._scaled_mm: measured on an H100 at
-the Llama-3.1-8B shapes (bench/results/fp8_small_sweep_*), its products on CUDA cores cost more per
-weight byte with each row, and cuBLAS is ahead by 4 rows."""
+SplitKConfig = tuple[int, int, int, int, int, int]
+"""(block_m, block_n, block_k, split_k, num_warps, num_stages) of `split_k_matmul`."""
+
+SPLIT_K_MAX_ROWS = 32
+"""The most rows Fp8Matmul sends to `split_k_matmul` rather than torch._scaled_mm: on an H200 at the
+Llama-3.1-8B and 70B projection shapes (bench/results/fp8_split_k_sweep_*) the split-K product of up
+to 32 rows reads the weights at 1.05-2.1x their floor where cuBLAS takes 1.4-3.4x; at 64 rows its
+two 32-row tiles were behind cuBLAS on most shapes (a 64-row tile takes wgmma: split_k_config)."""
+
+SPLIT_K_TILE_ROWS = 4096
+"""Programs times tile rows split_k_config aims for: 256 programs of 16-row tiles, 128 of 32 (the
+sweep's best splits at every shape; fewer programs leave bandwidth unused: its 64-tile shapes ran
+1.9x slower unsplit at 16 rows, and more made its 32-row tiles slower)."""
 
 
-def _small_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages): the sweep's best at one row on an H100, by shape
-    (bench/results/fp8_small_sweep_*: Llama-3.1-8B's down, gate_up, qkv and o projections)."""
-    if k > 8192:
-        return 8, 1024, 4, 3
-    if n > 16384:
-        return 32, 256, 4, 4
-    if n > 4096:
-        return 16, 512, 4, 3
-    return 16, 1024, 8, 3
+def split_k_config(m: int, k: int, n: int) -> SplitKConfig:
+    """The sweep's rule (bench/results/fp8_split_k_sweep_*; within 6% of the best configuration
+    found at every shape up to 16 rows): 16 or 32 rows a tile (64 would take Hopper's wgmma,
+    whose FP8 sums are not exact float32: 0.5% off at K=3000 on an H200), 64 weight rows a tile
+    (128 from 17 rows), K tiles of 256 from K=8192 (else 128), and K split in powers of two until
+    SPLIT_K_TILE_ROWS / block_m programs or slices of 4 K tiles."""
+    block_m = 16 if m <= 16 else 32
+    block_n = 64 if m <= 16 else 128
+    block_k = 256 if k >= 8192 else 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split * block_m < SPLIT_K_TILE_ROWS and k // (2 * split) >= 4 * block_k:
+        split *= 2
+    return block_m, block_n, block_k, split, 4, 4
 
 
-def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Fp8Matmul for x [M, K] with few rows, quantization included: one launch. config: (block_n,
-    block_k, num_warps, num_stages), by default _small_config's for the shape."""
-    m, k = x.shape
+def split_k_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype,
+                   config: SplitKConfig | None = None) -> torch.Tensor:
+    """(xq * x_scale) @ (weight * weight_scale).T (+ bias) for quantized rows xq [M, K] (E4M3) with
+    x_scale [M, 1] float32, weight [N, K] E4M3 and weight_scale [N] float32; float32 sums. config:
+    split_k_config's for the shape by default."""
+    block_m, block_n, block_k, split_k, num_warps, num_stages = config or split_k_config(*xq.shape, weight.shape[0])
+    m, k = xq.shape
     n = weight.shape[0]
-    block_n, block_k, num_warps, num_stages = config or _small_config(n, k)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _small_matmul_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), FP8_MAX, MIN_SCALE, HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        num_warps=num_warps)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty slice
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=xq.device) if split_k > 1 else out
+    bias_arg = bias if bias is not None else weight_scale
+    _split_k_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
+        xq, x_scale, weight, weight_scale, bias_arg, out, part, m, n, k, k_per_split, xq.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, WHOLE_K=split_k == 1, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps)
+    if split_k > 1:
+        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, bias_arg, out, m, n, out.stride(0),
+                                                      HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=1024,
+                                                      num_warps=4)
     return out

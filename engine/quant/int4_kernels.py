@@ -15,8 +15,8 @@ def _small_matmul_kernel(
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """out[:, n-block] for all M (<= BLOCK_M) rows; BLOCK_K a multiple of GROUP, K of BLOCK_K. As
-    fp8_kernels._small_matmul_kernel: CUDA-core products, summed elementwise over the K loop."""
+    """out[:, n-block] for all M (<= BLOCK_M) rows; BLOCK_K a multiple of GROUP, K of BLOCK_K:
+    CUDA-core products, summed elementwise over the K loop."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,6 +1,7 @@
 """The Triton activation quantization (engine/quant/fp8_kernels.py) equals `fp8.quantize_rows` bit
 for bit under Triton's CPU interpreter: values over ten decades (E4M3 subnormals included), odd
-widths, a zero row, float32/float16/bfloat16 inputs, a strided view. NOTE: imported under
+widths, a zero row, float32/float16/bfloat16 inputs, a strided view, a row in chunks; the split-K
+product equals the reference path's float32 sums, and its configuration rule. NOTE: imported under
 TRITON_INTERPRET (tests/interpreted.py says how, and why this skips otherwise)."""
 
 from __future__ import annotations
@@ -40,14 +41,40 @@ def test_kernel_reads_a_strided_view() -> None:
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 48, 300), (2, 100, 1024), (5, 40, 520)])
+def test_chunked_rows_equal_reference_bit_for_bit() -> None:
+    """One long row spread over chunks (the last one partial) quantizes as one program would."""
+    x = torch.randn(2, 2500) * torch.logspace(-3, 1, 2500)
+    q, scale = fp8_kernels.quantize_rows(x)
+    want_q, want_scale = quantize_rows(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("rows, n, k, config", [
+    (1, 48, 300, (16, 32, 64, 2, 4, 2)),     # K not a multiple of its slices; N of the tile
+    (20, 100, 1024, (16, 64, 128, 4, 4, 2)),  # two m-blocks
+    (5, 40, 520, (16, 32, 128, 1, 4, 2)),     # one slice: scales and bias in the product's epilogue
+    (3, 64, 640, (16, 64, 128, 8, 4, 2)),     # eight splits asked, five slices of 128 left
+])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_matmul_equals_reference_path(rows: int, n: int, k: int, bias: bool) -> None:
-    """The one-launch product of a few rows: quantization inside, float32 sums in another order."""
+def test_split_k_matmul_equals_reference_path(rows: int, n: int, k: int, config: tuple, bias: bool) -> None:
+    """The tensor-core product of quantized rows: float32 sums in another order."""
     gen = torch.Generator().manual_seed(rows * n)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
     wq, ws = quantize_rows(w)
-    got = fp8_kernels.small_matmul(x, wq, ws.view(-1), b, (16, 256, 4, 2))
+    xq, xs = fp8_kernels.quantize_rows(x)
+    got = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, config)
     want = Fp8Matmul("reference", triton=False)(x, wq, ws.view(-1), b)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 4096, 6144), (1, 28672, 8192), (16, 4096, 28672), (32, 8192, 8192),
+                                     (64, 14336, 4096), (3, 256, 64)])
+def test_split_k_config_streams_the_weights(m: int, k: int, n: int) -> None:
+    """Tiles of at most 32 rows (exact float32 sums), enough programs for every SM unless the
+    slices would drop under four K tiles, and no slice split off past K."""
+    block_m, block_n, block_k, split, _, _ = fp8_kernels.split_k_config(m, k, n)
+    assert block_m in (16, 32) and block_m >= min(m, 32)
+    programs = -(-n // block_n) * split
+    assert programs * block_m >= fp8_kernels.SPLIT_K_TILE_ROWS or k // (2 * split) < 4 * block_k
+    assert k // split >= block_k or split == 1
