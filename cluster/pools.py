@@ -192,7 +192,7 @@ class WorkerPool:
         Shrink, newest workers first. NOTE: the order is what makes it lossless:
           1. mark them retiring and publish: routers lease on them no more (a decode worker is
              shown as a RetiringDecodeClient, so its streams keep being polled; a prefill worker leaves
-             the set: its prefill calls under way hold their own handle);
+             the set: its prefill calls under way keep their channel until answered, router/channels.py);
           2. wait until each is idle twice in a row (nothing waiting, running or leased, no block
              held), then `settle_s` more for its last token batch to reach the router;
           3. drop them from the pool and publish: routers forget them, with nothing left to fail;

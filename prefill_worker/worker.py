@@ -277,7 +277,8 @@ class PrefillWorker(TransferEndpoint):
             log.info("could not tell %s that the push of %s failed: %s", failed.lease_id, job.request_id, err)
 
     def _end(self, job: PrefillJob) -> None:
-        """A job's final transition: it is forgotten and its blocks go to the prefix cache."""
+        """A job's final transition: it is forgotten, its prompt leaves the engine and its blocks go
+        to the prefix cache."""
         rid = job.request_id
         self.jobs.pop(rid, None)
         self.num_ended[job.state] += 1
@@ -287,8 +288,10 @@ class PrefillWorker(TransferEndpoint):
             self.draft.forget(rid)
         if JobState.PUSHING not in job.history:
             self.kv.forget(rid)  # NOTE: the other ranks' gathered buffers, when no push took them
-        # NOTE: not awaited: later engine commands (an integrity check, the next prompt) queue behind it.
-        self.loop.submit(lambda e: e.release_held(rid)).add_done_callback(_log_failure)
+        # NOTE: abort_request, not only release_held: a job cancelled while its prompt waited in the engine
+        # (its router's connection went) would have it computed later into KV held for nobody, and a worker
+        # holding blocks never drains. Not awaited: later engine commands queue behind it.
+        self.loop.submit(lambda e: e.abort_request(rid)).add_done_callback(_log_failure)
 
     async def abort(self, request_id: str) -> bool:
         """Idempotent: a job not yet answered stops computing and answers "aborted"; one answered

@@ -317,8 +317,11 @@ class ChannelClient:
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
         self._call_ids = itertools.count()
+        self._leaving = False  # close_when_idle: no new call; closed once the calls under way answer
 
     async def _connection(self) -> _Connection:
+        if self._leaving:
+            raise ChannelError(f"the channel to {self.name} was closed: the worker left the worker set")
         conn = self._conn
         if conn is not None and conn.lost is None:
             if conn.loop is not asyncio.get_running_loop():
@@ -353,6 +356,8 @@ class ChannelClient:
             return await future
         finally:
             conn.pending.pop(call_id, None)
+            if self._leaving and not conn.pending:
+                self.close()
 
     async def next_batch(self, router_id: str, heartbeat_s: float) -> bytes:
         """The next TokenBatchMsg the worker pushed for this router (subscribing on first use)."""
@@ -373,6 +378,15 @@ class ChannelClient:
 
     def close(self) -> None:
         self.reset()
+
+    def close_when_idle(self) -> None:
+        """For a worker that left the routers' set: calls under way keep their connection and are
+        answered (a draining prefill worker finishes its prompts: closing at once failed them all,
+        and the router computed them again elsewhere); it closes when the last one ends, and takes
+        no new call."""
+        self._leaving = True
+        if self._conn is None or not self._conn.pending:
+            self.close()
 
 
 __all__ = [

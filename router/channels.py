@@ -2,7 +2,8 @@
 (prefill, decode or colocated), kept across the worker set's versions so that every version's
 client of a worker shares one connection. It gives the clients whose target is remote (`is_remote`:
 a Ray actor handle, in a replica) their channel, leaves in-process ones as they are, and closes a
-worker's channel once the worker has left the set. Knows nothing of Ray or of how the set is made."""
+worker's channel once the worker has left the set and its calls under way have answered. Knows
+nothing of Ray or of how the set is made."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class WorkerChannels:
         """The same set, its remote workers' clients over their channels."""
         wrapped = Workers(prefill=self._wrap(workers.prefill), decode=self._wrap(workers.decode))
         for worker_id in set(self.clients) - set(workers.prefill) - set(workers.decode):
-            self.clients.pop(worker_id).close()
+            self.clients.pop(worker_id).close_when_idle()  # NOTE: a worker rejoining later gets a new channel
         return wrapped
 
     def _wrap(self, clients: Mapping[str, C]) -> dict[str, C]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from typing import Any
 
 from decode_worker import DecodeWorker, DecodeWorkerConfig
@@ -18,6 +19,7 @@ from kvtransfer import LocalHub
 from protocol.channel import Call, ChannelClient, Refs
 from protocol.clients import DecodeClient, PrefillClient
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
+from prefill_worker.job import JobState
 from router import Dispatcher, Workers
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
 
@@ -176,5 +178,54 @@ def test_a_lost_prefill_connection_moves_its_prompts_to_another_prefill_worker()
         finally:
             await dispatcher.close()
             await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_prompts_queued_in_the_engine_when_their_connection_goes_leave_nothing_held():
+    """A prefill call cancelled (its router's connection went) while its prompt waits in the engine:
+    the prompt is aborted there, not computed into KV nobody frees (a worker left holding blocks never
+    drains: a flip of it waited for good); the router prefills it again and the tokens are exact."""
+    prompts = _prompts(6, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    offline = _offline(prompts, params)
+
+    async def main() -> None:
+        cluster = _Cluster(num_prefill=2)
+        p0 = cluster.prefill[0]
+        dispatcher = Dispatcher("r0", Workers.of(prefill={"p0": cluster.workers.prefill["p0"]},
+                                              decode=cluster.workers.decode), poll_timeout_s=0.2, config=REMOTE)
+        first_gate, engine_gate = threading.Event(), threading.Event()
+        p0.loop.submit(lambda e: first_gate.wait(30))  # p0's engine thread waits: the prompts' calls queue behind
+        try:
+            tasks = [asyncio.ensure_future(_collect(dispatcher, str(i), p, params)) for i, p in enumerate(prompts)]
+            for _ in range(500):  # bounded: every prompt's call reached p0 and waits on its engine
+                if len(p0.jobs) == len(prompts):
+                    break
+                await asyncio.sleep(0.01)
+            assert len(p0.jobs) == len(prompts)
+            p0.loop.submit(lambda e: engine_gate.wait(30))  # behind the prompts: they join, no step runs
+            first_gate.set()
+            for _ in range(500):  # bounded: every prompt is in p0's engine, waiting for a step
+                if all(job.state is JobState.COMPUTING for job in p0.jobs.values()):
+                    break
+                await asyncio.sleep(0.01)
+            assert all(job.state is JobState.COMPUTING for job in p0.jobs.values())
+            dispatcher.set_workers(cluster.workers)  # p1 joins: the prompts go there next
+            for task in list(p0.channel._connections):  # the connection goes; the calls under way are cancelled
+                task.cancel()
+            for _ in range(500):  # bounded: the cancelled jobs end
+                if not p0.jobs:
+                    break
+                await asyncio.sleep(0.01)
+            assert not p0.jobs
+            engine_gate.set()  # p0's engine steps again: the prompts it was given run, unless they were aborted
+            tokens = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            assert tokens == offline
+        finally:
+            first_gate.set()
+            engine_gate.set()
+            await dispatcher.close()
+            await cluster.close()  # asserts no worker holds a block
 
     asyncio.run(main())

@@ -275,3 +275,61 @@ def test_a_worker_without_a_token_stream_refuses_a_subscription_and_names_what_i
             await server.close()
 
     asyncio.run(main())
+
+
+def test_a_channel_closed_when_idle_answers_the_calls_under_way_then_closes():
+    """A worker that left the routers' set (a draining prefill worker): its prompts under way are
+    answered over the channel; then the connection closes and no new call is made on it."""
+    async def main():
+        release = asyncio.Event()
+
+        async def prefill(task: bytes, ref: bytes | None) -> bytes:
+            await release.wait()
+            return task
+
+        server = ChannelServer({Call.PREFILL: prefill}, None, "127.0.0.1")
+        client = await _client(server)
+        try:
+            under_way = [asyncio.ensure_future(client.call(Call.PREFILL, t, None)) for t in (b"a", b"b")]
+            for _ in range(200):  # bounded: both calls reach the worker
+                await asyncio.sleep(0.01)
+                if client._conn is not None and len(client._conn.pending) == 2:
+                    break
+            client.close_when_idle()
+            with pytest.raises(ChannelError, match="left the worker set"):
+                await client.call(Call.PREFILL, b"new", None)
+            assert server.num_connections == 1 and not any(f.done() for f in under_way)
+            release.set()
+            assert await asyncio.wait_for(asyncio.gather(*under_way), 10) == [b"a", b"b"]
+            for _ in range(200):
+                if server.num_connections == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.num_connections == 0  # closed after the last answer
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_channel_closed_when_idle_with_nothing_under_way_closes_at_once():
+    async def main():
+        async def prefill(task: bytes, ref: bytes | None) -> bytes:
+            return task
+
+        server = ChannelServer({Call.PREFILL: prefill}, None, "127.0.0.1")
+        client = await _client(server)
+        try:
+            assert await asyncio.wait_for(client.call(Call.PREFILL, b"a", None), 10) == b"a"
+            client.close_when_idle()
+            assert client._conn is None
+            for _ in range(200):
+                if server.num_connections == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.num_connections == 0
+        finally:
+            await server.close()
+
+    asyncio.run(main())

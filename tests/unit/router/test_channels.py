@@ -1,5 +1,6 @@
 """WorkerChannels: which workers' clients a router replica gives the request channel, and that a
-worker keeps one channel across the worker set's versions until it leaves."""
+worker keeps one channel across the worker set's versions until it leaves (then the channel closes
+once its calls under way answer: tests/unit/protocol/test_channel.py)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def test_remote_workers_get_channels_and_share_one_until_they_leave():
     assert set(channels.clients) == {"d0", "d1"}  # p0 (and l0) left the set: p0's channel closed
 
     closed = []
-    channels.clients["d1"].close = lambda: closed.append("d1")  # type: ignore[method-assign]
+    channels.clients["d1"].close_when_idle = lambda: closed.append("d1")  # type: ignore[method-assign]
     channels.wrap(Workers.of(prefill={}, decode={"d0": d0}))
-    assert closed == ["d1"] and set(channels.clients) == {"d0"}
+    assert closed == ["d1"] and set(channels.clients) == {"d0"}  # closed once its calls under way answer
 
 
 def test_a_retiring_client_takes_no_new_request():
