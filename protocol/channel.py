@@ -317,11 +317,9 @@ class ChannelClient:
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
         self._call_ids = itertools.count()
-        self._leaving = False  # close_when_idle: no new call; closed once the calls under way answer
+        self._leaving = False  # close_when_idle: the connection closes whenever no call is under way
 
     async def _connection(self) -> _Connection:
-        if self._leaving:
-            raise ChannelError(f"the channel to {self.name} was closed: the worker left the worker set")
         conn = self._conn
         if conn is not None and conn.lost is None:
             if conn.loop is not asyncio.get_running_loop():
@@ -382,8 +380,9 @@ class ChannelClient:
     def close_when_idle(self) -> None:
         """For a worker that left the routers' set: calls under way keep their connection and are
         answered (a draining prefill worker finishes its prompts: closing at once failed them all,
-        and the router computed them again elsewhere); it closes when the last one ends, and takes
-        no new call."""
+        and the router computed them again elsewhere), and so are calls of requests that chose the
+        worker before the set changed (a new connection if need be); the connection closes whenever
+        the last call under way ends."""
         self._leaving = True
         if self._conn is None or not self._conn.pending:
             self.close()

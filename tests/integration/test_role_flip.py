@@ -58,22 +58,31 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load(ray_cluster: None) 
 
 def test_the_last_prefill_worker_becomes_a_decode_worker_behind_a_router_over_channels(ray_cluster: None) -> None:
     """As a served router sees it (router/channels.py: a request channel per worker) and as the autoscaler
-    applies it (ClusterController._apply: drain, flip, the decode workers told they compute every prompt):
+    applies it (ClusterController._apply: drain, flip, the decode workers told they compute every prompt),
+    while prompts wait at the prefill worker (their calls are answered there, none retried elsewhere):
     decode-0 computes every prompt (no step budget) from the moment the routers see no prefill worker, and
     after the flip both decode workers take whole requests, in about equal shares."""
     rng = random.Random(4)
-    prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(20, 200))] for _ in range(60)]
+    # the first 20 long: several seconds of prefill queue at the prefill worker when it leaves the set
+    prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(400, 800) if i < 20 else rng.randrange(20, 200))]
+               for i in range(60)]
     offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, PARAMS)]
     config = ClusterConfig(engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=1, num_decode=1,
                            transport="gloo")
-    dispatch = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="slo"), slo=SloConfig(ttft_ms=1000, tpot_ms=200))
+    dispatch = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"), slo=SloConfig(ttft_ms=1000, tpot_ms=200))
     seen = []  # decode-0's stats while the routers saw no prefill worker and the flip was not done
 
     async def run() -> tuple[list[list[int]], dict[str, int], dict[str, int], dict[str, bool]]:
         async with served(config, "router-flip-channels", dispatch, channels=True) as (controller, dispatcher):
-            first = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.1 * i))
-                     for i in range(20)]  # under load while it flips
-            await asyncio.sleep(0.5)
+            first = [asyncio.ensure_future(tokens_of(dispatcher, f"r{i}", prompts[i], PARAMS, 0.0))
+                     for i in range(20)]  # a burst: prompts wait at the prefill worker as it leaves the set
+            prefill = controller.deployment.prefill.handles["prefill-0"]
+            for _ in range(500):  # bounded: the flip starts while several prompts are under way there
+                stats = await prefill.stats.remote()
+                if stats.num_waiting + stats.num_running >= 2:
+                    break
+                await asyncio.sleep(0.005)
+            under_way = stats.num_waiting + stats.num_running
             flip = asyncio.ensure_future(controller._apply(Decision(0.0, "prefill", 0, "test", flip_to="decode")))
             while not flip.done():  # while the routers see no prefill worker, decode-0 computes every prompt
                 if not controller.deployment.workers().prefill:
@@ -89,10 +98,12 @@ def test_the_last_prefill_worker_becomes_a_decode_worker_behind_a_router_over_ch
             after = {s.worker_id: s.num_requests - before.get(s.worker_id, 0) for s in stats}
             every = {s.worker_id: s.computes_every_prompt for s in stats}
             held = await controller.held_blocks()
-        return tokens, after, held, every
+        return tokens, after, held, every, dispatcher.num_migrations, under_way
 
-    tokens, after, held, every = asyncio.run(run())
+    tokens, after, held, every, migrations, under_way = asyncio.run(run())
+    assert under_way >= 2
     assert tokens == offline  # nothing lost or changed across the flip
+    assert migrations == 0  # drained, not failed: the prompts under way on the leaving worker were answered there
     assert every == {"decode-0": True, "prefill-0": True}
     assert seen and all(s.computes_every_prompt for s in seen), [s.computes_every_prompt for s in seen]
     # the 40 requests after the flip: each decode worker took a share (the policy balances by queued tokens)
