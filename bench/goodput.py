@@ -102,6 +102,7 @@ from bench.server_process import (
     ServerProcess,
     error_lines,
     ray_log_tails,
+    cluster_status,
     ray_session_dir,
     scrape_metrics,
     wait_gpus_free,
@@ -395,6 +396,9 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         if mode.is_kv_transferred:
             result.pushes = push_totals(scrape_metrics(base_url), before)
             echo(f"{mode.name}: KV pushes while the rates ran: {result.pushes}")
+        if "--autoscale-max-gpus" in argv:  # NOTE: every pool's workers, draining ones too, and the decisions
+            result.cluster_status = cluster_status(log_path, plan.server_env())
+            echo(f"{mode.name}: pdserve status after the rates:\n  " + "\n  ".join(result.cluster_status))
         result.status, result.phase = "ok", "done"
     except Exception as err:  # noqa: BLE001 - recorded; the next mode must still run
         result.fail(err)

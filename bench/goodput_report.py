@@ -47,6 +47,9 @@ class ModeResult:
     # each worker's role, running and waiting requests and KV use, every second while the rates ran
     # (bench/worker_timeline.py; t_s from the first rate's start)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # an autoscaled server's `pdserve status` after the rates: every pool's workers (draining ones too,
+    # which the routers' /metrics no longer show) and the autoscaler's last decisions
+    cluster_status: list[str] = field(default_factory=list)
 
     def fail(self, err: BaseException | str) -> None:
         self.status = "failed"

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -98,6 +99,23 @@ class ServerProcess:
             how += f"; {len(left)} leftover process(es) of its group killed"
         self._log.close()
         return how
+
+
+RAY_ADDRESS_LINE = re.compile(r"^\s*Ray\s+(\S+:\d+)\b", re.MULTILINE)  # `pdserve serve`'s "Ray  host:port" line
+
+
+def cluster_status(log_path: Path, env: dict[str, str], timeout_s: float = 60.0) -> list[str]:
+    """`pdserve status` of the server whose log is LOG_PATH (the Ray address it printed): every
+    worker of every pool, draining ones included, and the autoscaler's last decisions; or why not."""
+    found = RAY_ADDRESS_LINE.search(log_path.read_text(errors="replace"))
+    if found is None:
+        return ["no status: the server's log names no Ray address"]
+    try:
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", found.group(1)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [f"no status: `pdserve status` took over {timeout_s:.0f} s"]
+    return (done.stdout + done.stderr).splitlines()
 
 
 def ray_session_dir(server_pid: int) -> Path | None:

@@ -40,6 +40,10 @@ Bundle = tuple[PlacementGroup, int]  # (group, bundle index)
 Publish = Callable[[], Awaitable[None] | None]
 
 
+DRAIN_REPORT_S = 10.0
+"""A worker draining this long is logged with what keeps it busy, then every three times as long."""
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -325,7 +329,8 @@ class WorkerPool:
         or stayed busy past `timeout_s`."""
         handle = self.handles[worker_id]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        started = loop.time()
+        deadline, next_report = started + timeout_s, started + DRAIN_REPORT_S
         num_idle = 0
         while num_idle < 2:
             if loop.time() > deadline:
@@ -342,6 +347,11 @@ class WorkerPool:
                 and stats.num_leases == 0 and num_held == 0 and stats.num_undelivered == 0
             )
             num_idle = num_idle + 1 if is_idle else 0
+            if not is_idle and loop.time() > next_report:  # NOTE: what keeps it busy, for whoever reads the log
+                next_report = loop.time() + 3 * DRAIN_REPORT_S
+                log.warning("%s still draining after %.0f s: %d waiting, %d running, %d leases, %d blocks held, "
+                            "%d undelivered", worker_id, loop.time() - started, stats.num_waiting, stats.num_running,
+                            stats.num_leases, num_held, stats.num_undelivered)
             if num_idle < 2:
                 await asyncio.sleep(poll_interval_s)
         return True

@@ -11,3 +11,17 @@ def test_a_log_tail_leaves_out_serve_s_access_lines_so_the_controller_s_warnings
     tail = ray_log_tails(tmp_path, num_lines=5)
     assert warning in tail
     assert "CALL workers OK" not in tail
+
+
+def test_cluster_status_finds_the_ray_address_the_server_printed(tmp_path) -> None:
+    """The address `pdserve status` is given comes from the server's "Ray  host:port" line; a log
+    without one says so instead of running anything."""
+    from bench.server_process import RAY_ADDRESS_LINE, cluster_status
+
+    log = ("pdserve: serving 'm' with 1 prefill + 1 decode worker(s), ready in 36.2 s\n"
+           "  HTTP  http://127.0.0.1:37649/v1  (OpenAI API)\n"
+           "  Ray   192.0.2.2:36125  (pdserve status --address ...)\n")
+    assert RAY_ADDRESS_LINE.search(log).group(1) == "192.0.2.2:36125"
+    empty = tmp_path / "server.log"
+    empty.write_text("$ pdserve serve\n")
+    assert cluster_status(empty, {}) == ["no status: the server's log names no Ray address"]

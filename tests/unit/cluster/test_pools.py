@@ -95,3 +95,35 @@ def test_only_a_worker_on_a_grown_group_gives_a_gpu_back_when_retired() -> None:
     cpu = WorkerPool("decode", object, lambda worker_id: None, 1, num_gpus=0.0)
     cpu.handles["decode-0"] = FakeWorker()
     assert cpu.newest_is_releasable()  # no GPU held: retiring it frees what it uses
+
+
+class BusyThenIdle:
+    """stats: busy (one waiting prompt, 3 blocks held) for `busy_calls` calls, then idle."""
+
+    def __init__(self, busy_calls: int) -> None:
+        self.calls = 0
+        self.busy_calls = busy_calls
+        self.stats, self.check_integrity = self, Remote(None)
+
+    def remote(self, *args: Any) -> Any:
+        self.calls += 1
+        busy = self.calls <= self.busy_calls
+        self.check_integrity.result = 3 if busy else 0
+
+        async def call() -> Any:
+            return SimpleNamespace(num_waiting=int(busy), num_running=0, num_leases=0, num_undelivered=0)
+        return call()
+
+
+def test_a_worker_draining_long_is_logged_with_what_keeps_it_busy(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The autoscaler drains silently otherwise: on 4x H200 a flipping prefill worker sat out of both
+    pools for a minute and nothing said why."""
+    monkeypatch.setattr(pools, "DRAIN_REPORT_S", 0.0)
+    p = pool("prefill", "pg0", ["prefill-0"])
+    p.handles["prefill-0"] = BusyThenIdle(busy_calls=3)
+    with caplog.at_level("WARNING", logger="cluster.pools"):
+        assert asyncio.run(p._wait_idle("prefill-0", timeout_s=10.0, poll_interval_s=0.001))
+    reports = [r.getMessage() for r in caplog.records if "still draining" in r.getMessage()]
+    assert reports and "prefill-0 still draining after" in reports[0]
+    assert "1 waiting, 0 running, 0 leases, 3 blocks held, 0 undelivered" in reports[0]
