@@ -391,8 +391,9 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         asyncio.run(_with_timeline(run(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint),
                                    base_url, result.timeline))
         if len(changes := role_changes(result.timeline)) > 1:
-            echo(f"{mode.name}: the workers' roles changed: "
-                 + "; ".join(f"at {c['t_s']:.0f} s {c['roles']}" for c in changes))
+            echo(f"{mode.name}: the workers' roles changed (seconds from the first rate's start): "
+                 + "; ".join(f"at {c['t_s']:.0f} s ({phase_at(c['t_s'], result.phases_s)}) {c['roles']}"
+                             for c in changes))
         if mode.is_kv_transferred:
             result.pushes = push_totals(scrape_metrics(base_url), before)
             echo(f"{mode.name}: KV pushes while the rates ran: {result.pushes}")
@@ -411,6 +412,18 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         echo(f"---- {log_path.name}: the server's last lines, then the errors in Ray's logs\n"
              + "\n".join(result.log_tail))
     return result
+
+
+def phase_at(t_s: float, phases_s: dict[str, float]) -> str:
+    """The rate phase ("rate 12") running T_S seconds after the first rate started, from the rate phases'
+    durations in the order they ran; "after the rates" past their end."""
+    end = 0.0
+    for phase, seconds in phases_s.items():
+        if phase.startswith("rate "):
+            end += seconds
+            if t_s < end:
+                return phase
+    return "after the rates"
 
 
 async def _with_timeline(run: Awaitable[None], server_url: str, timeline: list[dict[str, Any]]) -> None:

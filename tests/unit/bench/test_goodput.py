@@ -452,3 +452,16 @@ def test_the_warm_up_ends_with_unscored_load_at_the_first_rate(monkeypatch):
     assert row is not None and row["rate"] == 8.0 and row["num_completed"] == 4 and row["slo_attainment"] == 1.0
     assert asyncio.run(warm_up(dataclasses.replace(plan, warmup_load_s=0.0), "http://127.0.0.1:1/v1", 30.0)) is None
     assert len(client.sent) == 7 + 3  # the requests alone
+
+
+def test_a_role_change_is_named_with_the_rate_it_happened_in():
+    """The timeline's seconds count from the first rate's start, the driver's log from its own: a move
+    at 91 s of the rates was read as a worker gone for the minute after it, when the last rate ran."""
+    from bench.goodput import phase_at
+
+    phases = {"start": 40.0, "warm-up": 15.0, "rate 8": 19.0, "rate 12": 17.0, "rate 16": 18.0, "rate 20": 20.0,
+              "rate 24": 28.0}
+    assert phase_at(0.5, phases) == "rate 8"
+    assert phase_at(36.5, phases) == "rate 16"
+    assert phase_at(91.0, phases) == "rate 24"
+    assert phase_at(103.0, phases) == "after the rates"
