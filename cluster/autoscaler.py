@@ -3,7 +3,12 @@ to the pools' sizes, within per-pool bounds and a GPU budget, without flapping.
 
 Per pool, a pressure in [0, inf) where 1 means "at the SLO":
   prefill  the longest predicted prefill queue wait (queued prompt tokens / measured prefill rate)
-           over the TTFT SLO's share for queueing (`ttft_queue_share`);
+           over the TTFT SLO's share for queueing (`ttft_queue_share`), or, where it is past 1 and
+           higher, the prompt tokens a second arriving at all workers (`PromptLoad`) over the prefill
+           workers' measured rates together: their queues grow however short they are now. (Queue waits alone
+           rise and fall with bursts of long prompts: on 2x H200 at 20 req/s of 1-4k-token prompts,
+           50k tokens/s against one prefill worker's 38k, the queue's pressure stayed past 1 for no
+           10 s together, so the move to two workers that prefill came only at 24 req/s.)
   decode   the largest of the KV use (held / all blocks) over `max_kv_use`, the measured decode
            step time over the TPOT SLO, and the requests running and waiting over the running
            batch's cap (max_num_seqs): a decode worker whose batch is full and requests wait is
@@ -83,18 +88,24 @@ class Decision:
     flip_to: str | None = None  # a worker of `pool` changes role to this pool (which grows by one)
 
 
-def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig,
-              no_prefill_pool: bool = False) -> dict[str, float | None]:
+def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_prefill_pool: bool = False,
+              prompt_tokens_per_s: float | None = None) -> dict[str, float | None]:
     """Per pool, its pressure (None: no worker of it reported a measured speed yet). With no prefill
     worker (`no_prefill_pool`) the decode workers compute every prompt: their prompt queues are the
-    prefill pool's pressure then, so that it can grow back from none."""
+    prefill pool's pressure then, so that it can grow back from none. prompt_tokens_per_s: the prompt
+    load arriving (PromptLoad), which a prefill pool's measured rates must keep up with."""
     decode = [s for s in stats if s.role == "decode" and s.num_blocks > 0]
     computing = decode if no_prefill_pool else [s for s in stats if s.role == "prefill"]
     prefill = [s for s in computing if s.prefill_tokens_per_s > 0]
     out: dict[str, float | None] = {"prefill": None, "decode": None}
     if prefill:
         wait_s = max(s.num_queued_prompt_tokens / s.prefill_tokens_per_s for s in prefill)
-        out["prefill"] = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
+        level = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
+        if prompt_tokens_per_s is not None and not no_prefill_pool:
+            use = prompt_tokens_per_s / sum(s.prefill_tokens_per_s for s in prefill)
+            if use > 1.0:  # NOTE: overloaded only; below 1 the queue says how near the SLO it is (and when idle)
+                level = max(level, use)
+        out["prefill"] = level
     if decode:
         kv, step, batch = _decode_levels(decode, config)
         out["decode"] = max(kv, step, batch)
@@ -171,7 +182,8 @@ class Autoscaler:
         whose newest worker gives back what it holds when retired (None: every pool)."""
         c = self.config
         self.prompt_load.observe(now_s, stats)
-        levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0)
+        levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0,
+                           prompt_tokens_per_s=self.prompt_load.tokens_per_s())
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
             if pool not in sizes:

@@ -251,3 +251,27 @@ def test_an_idle_pool_shrinks_only_where_that_gives_something_back():
     mover = Autoscaler(CONFIG.model_copy(update={"max_gpus": 3}), {"prefill": 1, "decode": 1})
     moves = [mover.decide(float(t), {"prefill": 2, "decode": 1}, [prefill(0), swamped], frozenset()) for t in range(12)]
     assert [(d.pool, d.flip_to) for d in moves if d is not None] == [("prefill", "decode")]
+
+
+def test_prompts_arriving_past_the_prefill_rate_press_the_pool_however_its_queue_swings():
+    # 1P1D at the 8B shape on two H200s, 20 req/s of 1-4k-token prompts (issue 24's sweep, 2x H200): 50k prompt
+    # tokens a second arrive, the prefill worker computes 36k; bursts fill its queue and it empties between them,
+    # so the queue's own pressure is past 1 for a few seconds at a time, never 10 together. The arrivals over
+    # the last 10 s (50k / 36k = 1.39) press it throughout: the prefill worker becomes a decode worker and both
+    # compute prompts (predicted decode steps 11.5 / (1 - 50 / 72) = 38 ms < 40). Before, nothing moved
+    # (on the GPUs the move came at 24 req/s, once the queue stayed long).
+    scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
+    busy = decode(step_s=0.0115, free=60, running=40, max_num_seqs=64)  # its own pressure 0.63: it asks nothing
+
+    def bursty(arriving: int):
+        def at(t: int) -> list[WorkerStatsMsg]:
+            queued = 40_000 if t % 6 < 3 else 0  # past 1 (40k / 36k / 0.5 s = 2.2) for 3 s, then empty for 3
+            computed = arriving * t - queued  # what arrived and is not queued was computed
+            return [counted(prefill(queued, rate=36_000.0), "p", computed), counted(busy, "d", 0, prefill_rate=13_000.0)]
+        return at
+
+    assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, bursty(50_000),
+               until_s=40) == [(10.0, "prefill", 0)]
+    # the same swings with 30k tokens a second arriving (within the worker's 36k): nothing moves
+    assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, bursty(30_000),
+               until_s=60) == []
