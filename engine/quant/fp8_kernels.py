@@ -1,7 +1,7 @@
-"""The Triton kernels behind `fp8.Fp8Matmul`: the activation quantization (one program a row, equal
-to `fp8.quantize_rows` bit for bit), the one-launch product of one or two rows on CUDA cores, and a
-split-K tensor-core product of pre-quantized rows for small batches; imported only by CUDA models
-and interpreted tests."""
+"""The Triton kernels behind `fp8.Fp8Matmul`: the activation quantization (equal to
+`fp8.quantize_rows` bit for bit; a few long rows spread in chunks over SMs), and a split-K
+tensor-core product of quantized rows for small batches; imported only by CUDA models and
+interpreted tests."""
 
 from __future__ import annotations
 
@@ -80,8 +80,7 @@ def _split_k_matmul_kernel(
     """out[m-block, n-block] of quantized rows on tensor cores (E4M3 x E4M3 -> float32), over one
     k_per_split slice of K (a multiple of BLOCK_K) per program along axis 2: with WHOLE_K (one slice)
     the scales and bias are applied and `out` written; otherwise each slice's scaled float32 sum goes to
-    part[split] and `_sum_splits_kernel` adds them in split order (deterministic, no atomics). The
-    m-blocks of one weight tile are neighbours on axis 0, so the tile is read from DRAM once."""
+    part[split] and `_sum_splits_kernel` adds them in split order (deterministic, no atomics)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,8 +131,8 @@ two 32-row tiles were behind cuBLAS on most shapes (a 64-row tile takes wgmma: s
 
 SPLIT_K_TILE_ROWS = 4096
 """Programs times tile rows split_k_config aims for: 256 programs of 16-row tiles, 128 of 32 (the
-sweep's best splits at every shape; fewer programs leave bandwidth unused: its 64-tile shapes ran
-1.9x slower unsplit at 16 rows, and more made its 32-row tiles slower)."""
+sweep's best splits at every shape; fewer programs leave bandwidth unused: the 8B o and down
+projections, 64 tiles, ran 1.4x slower unsplit at 16 rows, and more made its 32-row tiles slower)."""
 
 
 def split_k_config(m: int, k: int, n: int) -> SplitKConfig:

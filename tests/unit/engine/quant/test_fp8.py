@@ -60,6 +60,8 @@ def test_reference_path_equals_dequantized_matmul() -> None:
     assert got.dtype == x.dtype
     three = Fp8Matmul("reference", triton=False)(x.view(5, 1, 64), wq, ws.view(-1), None)
     assert three.shape == (5, 1, 48)
+    none = Fp8Matmul("reference", triton=False)(x[:0], wq, ws.view(-1), b)  # no rows: no product to call
+    assert none.shape == (0, 48) and none.dtype == x.dtype
 
 
 def _compare(llm: LLM, reference: object) -> tuple[int, int]:
