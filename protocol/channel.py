@@ -317,7 +317,7 @@ class ChannelClient:
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
         self._call_ids = itertools.count()
-        self._leaving = False  # close_when_idle: the connection closes whenever no call is under way
+        self._leaving: _Connection | None = None  # close_when_idle's: closed when its last call under way ends
 
     async def _connection(self) -> _Connection:
         conn = self._conn
@@ -354,8 +354,8 @@ class ChannelClient:
             return await future
         finally:
             conn.pending.pop(call_id, None)
-            if self._leaving and not conn.pending:
-                self.close()
+            if conn is self._leaving and not conn.pending:
+                self._close_leaving()
 
     async def next_batch(self, router_id: str, heartbeat_s: float) -> bytes:
         """The next TokenBatchMsg the worker pushed for this router (subscribing on first use)."""
@@ -378,14 +378,21 @@ class ChannelClient:
         self.reset()
 
     def close_when_idle(self) -> None:
-        """For a worker that left the routers' set: calls under way keep their connection and are
+        """For a worker that left the routers' set: the calls under way keep their connection and are
         answered (a draining prefill worker finishes its prompts: closing at once failed them all,
-        and the router computed them again elsewhere), and so are calls of requests that chose the
-        worker before the set changed (a new connection if need be); the connection closes whenever
-        the last call under way ends."""
-        self._leaving = True
+        and the router computed them again elsewhere), and so are calls sent on it meanwhile; it
+        closes when its last call under way ends (at once with none). A later use opens a new one,
+        as after `reset`."""
+        self._leaving = self._conn
         if self._conn is None or not self._conn.pending:
-            self.close()
+            self._close_leaving()
+
+    def _close_leaving(self) -> None:
+        conn, self._leaving = self._leaving, None
+        if conn is not None:
+            conn.close()
+            if self._conn is conn:
+                self._conn = None
 
 
 __all__ = [

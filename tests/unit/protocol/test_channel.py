@@ -279,8 +279,8 @@ def test_a_worker_without_a_token_stream_refuses_a_subscription_and_names_what_i
 
 def test_a_channel_closed_when_idle_answers_the_calls_under_way_then_closes():
     """A worker that left the routers' set (a draining prefill worker): its prompts under way, and
-    one sent after by a request that chose the worker before, are answered over the channel; then the
-    connection closes."""
+    one sent meanwhile by a request that chose the worker before, are answered over the channel; then
+    that connection closes."""
     async def main():
         release = asyncio.Event()
 
@@ -326,13 +326,43 @@ def test_a_channel_closed_when_idle_with_nothing_under_way_closes_at_once():
             client.close_when_idle()
             assert client._conn is None
             assert await asyncio.wait_for(client.call(Call.PREFILL, b"b", None), 10) == b"b"  # reopened, answered
-            assert client._conn is None  # and closed again
+            assert client._conn is not None  # a later use keeps its new connection (a stream may ride it)
+            client.close()
             for _ in range(200):
                 if server.num_connections == 0:
                     break
                 await asyncio.sleep(0.01)
             assert server.num_connections == 0
         finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_on_a_connection_opened_after_close_when_idle_outlives_the_calls_beside_it():
+    """A channel closed when idle and used again (bench.disagg hands one WorkerChannels the sets of
+    modes run one after another): its new connection stays open after a call on it ends, so the token
+    stream riding it goes on (closing it there failed the stream: 'no colocated worker is serving')."""
+    async def main():
+        worker = _Worker()
+        server = worker.server()
+        client = await _client(server)
+        try:
+            assert await asyncio.wait_for(client.call(Call.SUBMIT, b"r"), 10) == 1.5
+            client.close_when_idle()  # nothing under way: closed at once
+            idle = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))  # reopens
+            assert idle.outputs == []
+            assert await asyncio.wait_for(client.call(Call.RESERVE, b"x"), 10) == b"lease:x"
+            row = TokenOutputMsg(request_id="a", new_token_ids=[7])
+            worker.rows.append(row)
+            worker.ready.set()
+            for _ in range(100):  # bounded: heartbeats may come first
+                batch = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))
+                if batch.outputs:
+                    break
+            assert batch.outputs == [row]
+        finally:
+            client.close()
             await server.close()
 
     asyncio.run(main())
