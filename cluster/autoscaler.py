@@ -94,7 +94,7 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_pref
     worker (`no_prefill_pool`) the decode workers compute every prompt: their prompt queues are the
     prefill pool's pressure then, so that it can grow back from none. prompt_tokens_per_s: the prompt
     load arriving (PromptLoad), which a prefill pool's measured rates must keep up with."""
-    decode = [s for s in stats if s.role == "decode" and s.num_blocks > 0]
+    decode = _decode_workers(stats)
     computing = decode if no_prefill_pool else [s for s in stats if s.role == "prefill"]
     prefill = [s for s in computing if s.prefill_tokens_per_s > 0]
     out: dict[str, float | None] = {"prefill": None, "decode": None}
@@ -112,6 +112,11 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_pref
     return out
 
 
+def _decode_workers(stats: Sequence[WorkerStatsMsg]) -> list[WorkerStatsMsg]:
+    """The decode workers that reported a KV cache."""
+    return [s for s in stats if s.role == "decode" and s.num_blocks > 0]
+
+
 def _decode_levels(decode: Sequence[WorkerStatsMsg], config: AutoscalerConfig) -> tuple[float, float, float]:
     """The decode pool's KV, step and batch pressures."""
     kv = max((s.num_blocks - s.num_free_blocks) / s.num_blocks for s in decode) / config.max_kv_use
@@ -125,7 +130,7 @@ def decode_pressure_computing_prompts(stats: Sequence[WorkerStatsMsg], config: A
                                       prompt_tokens_per_s: float, num_decode: int) -> float | None:
     """The decode pool's predicted pressure once `num_decode` decode workers compute every prompt as well
     (the module docstring's model); None: no decode worker or prefill rate measured yet."""
-    decode = [s for s in stats if s.role == "decode" and s.num_blocks > 0]
+    decode = _decode_workers(stats)
     rate = max((s.prefill_tokens_per_s for s in stats), default=0.0)
     if not decode or rate <= 0:
         return None
@@ -182,8 +187,8 @@ class Autoscaler:
         whose newest worker gives back what it holds when retired (None: every pool)."""
         c = self.config
         self.prompt_load.observe(now_s, stats)
-        levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0,
-                           prompt_tokens_per_s=self.prompt_load.tokens_per_s())
+        load = self.prompt_load.tokens_per_s()
+        levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0, prompt_tokens_per_s=load)
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
             if pool not in sizes:
@@ -204,7 +209,7 @@ class Autoscaler:
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels, releasable)
             if decision is not None and not self._admits(decision, pool == "prefill" and direction == "up", sizes,
-                                                         levels, stats):
+                                                         levels, stats, load):
                 continue
             if decision is not None:
                 self._last_change_s = now_s
@@ -214,14 +219,14 @@ class Autoscaler:
         return None
 
     def _admits(self, decision: Decision, for_prefill: bool, sizes: Mapping[str, int],
-                levels: Mapping[str, float | None], stats: Sequence[WorkerStatsMsg]) -> bool:
+                levels: Mapping[str, float | None], stats: Sequence[WorkerStatsMsg], load: float | None) -> bool:
         """Whether a move of the last prefill worker to decoding is predicted to do what it is for (the module
-        docstring's model): for the decode pool's pressure, lower it; for the prefill pool's (`for_prefill`),
-        keep the decode pool under `scale_up_at`. Any other change passes. Unmeasured: only the decode pool's
-        move passes (as before the prediction); the prefill pool's needs the figures."""
+        docstring's model, with the prompt `load`): for the decode pool's pressure, lower it; for the prefill
+        pool's (`for_prefill`), keep the decode pool under `scale_up_at`. Any other change passes. With no
+        prediction (nothing measured yet) the decode pool's move passes and the prefill pool's does not."""
         if not (decision.pool == "prefill" and decision.flip_to == "decode" and decision.num_workers == 0):
             return True
-        load, now = self.prompt_load.tokens_per_s(), levels.get("decode")
+        now = levels.get("decode")
         after = None if load is None else decode_pressure_computing_prompts(stats, self.config, load,
                                                                             sizes["decode"] + 1)
         if for_prefill:

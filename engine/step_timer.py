@@ -64,9 +64,10 @@ class CudaStepTimer:
         self.device = device
         # NOTE: bounded: a step whose events are never read (the engine stopped) must not pile up
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = deque(maxlen=256)
+        self._spare: list[torch.cuda.Event] = []  # read events, recorded again rather than created each step
 
     def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -82,6 +83,7 @@ class CudaStepTimer:
         while pending and pending[0][1].query():
             start, end, prompt_tokens, decode_rows = pending.popleft()
             rates.observe(start.elapsed_time(end) / 1e3, prompt_tokens, decode_rows)
+            self._spare += (start, end)
 
 
 def step_timer_for(device: torch.device, clock: Callable[[], float]) -> StepTimer:

@@ -71,6 +71,17 @@ async def _client(server: ChannelServer, secret: str | None = None) -> ChannelCl
     return ChannelClient("w0", address, connect_timeout_s=5.0)
 
 
+async def _pushed_rows(worker: _Worker, client: ChannelClient, row: TokenOutputMsg) -> list[TokenOutputMsg]:
+    """ROW appears at the worker: the rows of the first non-empty batch its stream then carries."""
+    worker.rows.append(row)
+    worker.ready.set()
+    for _ in range(100):  # bounded: heartbeats may come first
+        batch = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))
+        if batch.outputs:
+            break
+    return batch.outputs
+
+
 def test_calls_answer_and_errors_keep_their_kind():
     async def main():
         worker = _Worker()
@@ -146,13 +157,7 @@ def test_batches_are_pushed_as_rows_appear_and_an_idle_worker_sends_heartbeats()
             assert idle.outputs == [] and loop.time() - start < 5  # the heartbeat: an empty batch
             # rows appear: the next batch carries them without another request from the router
             row = TokenOutputMsg(request_id="a", new_token_ids=[7])
-            worker.rows.append(row)
-            worker.ready.set()
-            for _ in range(100):  # bounded: heartbeats may come first
-                batch = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))
-                if batch.outputs:
-                    break
-            assert batch.outputs == [row]
+            assert await _pushed_rows(worker, client, row) == [row]
         finally:
             client.close()
             await server.close()
@@ -354,13 +359,7 @@ def test_a_stream_on_a_connection_opened_after_close_when_idle_outlives_the_call
             assert idle.outputs == []
             assert await asyncio.wait_for(client.call(Call.RESERVE, b"x"), 10) == b"lease:x"
             row = TokenOutputMsg(request_id="a", new_token_ids=[7])
-            worker.rows.append(row)
-            worker.ready.set()
-            for _ in range(100):  # bounded: heartbeats may come first
-                batch = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))
-                if batch.outputs:
-                    break
-            assert batch.outputs == [row]
+            assert await _pushed_rows(worker, client, row) == [row]
         finally:
             client.close()
             await server.close()
