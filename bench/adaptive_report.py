@@ -87,6 +87,11 @@ SOURCES_28 = (
     Source("adaptive from 1P1D TP2", "goodput_70b_4xh200_bf16_b.json", "adaptive1p1d", (1000.0, 40.0)),
     Source("FP8 2 colocated TP2", "goodput_70b_4xh200_fp8.json", "colocated2", None),
     Source("FP8 2P(TP1) 1D(TP2)", "goodput_70b_4xh200_fp8.json", "2p1d-tp1x2", None),
+    # after the split-K FP8 decode product (issue 25), 15 s a rate
+    Source("FP8 split-K 2 colocated TP2", "goodput_70b_fp8_4xh200_split_k.json", "colocated2", None),
+    Source("FP8 split-K 1P1D TP2", "goodput_70b_fp8_4xh200_split_k.json", "1p1d", None),
+    Source("FP8 split-K adaptive from 1P1D TP2", "goodput_70b_fp8_4xh200_split_k.json", "adaptive1p1d",
+           (1000.0, 40.0)),
 )
 # issue 24's decode-heavy workload, 20 s of arrivals a rate. Until the scheduler's ready queue, a decode worker ran
 # every pushed request at once, past max_num_seqs, where a colocated one held its batch to it: the 64-sequence 1P1D
@@ -143,7 +148,8 @@ SETS = {
         "layout measured here is made of TP=1 workers alone", 4, "issue 28 on {gpus}: Llama-3.1-70B shape (dummy)",
         {"2 colocated TP2": ("tab:blue", "-"), "1P1D TP2": ("tab:orange", "-"),
          "adaptive from 1P1D TP2": ("tab:green", "-"), "FP8 2 colocated TP2": ("tab:blue", "--"),
-         "FP8 2P(TP1) 1D(TP2)": ("tab:purple", "--")}),
+         "FP8 2P(TP1) 1D(TP2)": ("tab:purple", "--"), "FP8 split-K 2 colocated TP2": ("tab:blue", ":"),
+         "FP8 split-K 1P1D TP2": ("tab:orange", ":"), "FP8 split-K adaptive from 1P1D TP2": ("tab:green", ":")}),
 }
 
 
