@@ -1,14 +1,17 @@
 """The joint prefill/decode autoscaler: from the workers' stats against the SLOs, one change at a time
 to the pools' sizes, within per-pool bounds and a GPU budget, without flapping.
 
-Per pool, a pressure in [0, inf) where 1 means "at the SLO":
-  prefill  the longest predicted prefill queue wait (queued prompt tokens / measured prefill rate)
-           over the TTFT SLO's share for queueing (`ttft_queue_share`), or, where it is past 1 and
-           higher, the prompt tokens a second arriving at all workers (`PromptLoad`) over the prefill
-           workers' measured rates together: their queues grow however short they are now. (Queue waits alone
-           rise and fall with bursts of long prompts: on 2x H200 at 20 req/s of 1-4k-token prompts,
-           50k tokens/s against one prefill worker's 38k, the queue's pressure stayed past 1 for no
-           10 s together, so the move to two workers that prefill came only at 24 req/s.)
+Per pool, a pressure in [0, inf] where 1 means "at the SLO":
+  prefill  the larger of two queue waits over the TTFT SLO's share for queueing (`ttft_queue_share`):
+           the longest predicted wait of the prompts queued now (queued prompt tokens / measured
+           prefill rate), and the p90 wait the prompts arriving (`PromptLoad`: tokens a second and
+           their mean length over the last `sustain_s`) meet at the pool's measured rates
+           (`arrivals_queue_pressure`: each worker an M/D/1 queue of its share; inf once they arrive
+           faster than the pool computes). Queue waits alone rise and fall with bursts of long
+           prompts: on 2x H200 at 20 req/s of 1-4k-token prompts the queue's pressure stayed past 1
+           for no 10 s together, and the move to two workers that prefill came only at 24 req/s. The
+           arrivals' pressure is already an average over `sustain_s`: past `scale_up_at` it moves the
+           pool at once, not `sustain_s` later (a step of load would otherwise wait twice as long).
   decode   the largest of the KV use (held / all blocks) over `max_kv_use`, the measured decode
            step time over the TPOT SLO, and the requests running and waiting over the running
            batch's cap (max_num_seqs): a decode worker whose batch is full and requests wait is
@@ -40,16 +43,17 @@ not shorten.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.api import WorkerStatsMsg
 
-__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "pressures", "decode_pressure_computing_prompts"]
+__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "pressures", "arrivals_queue_pressure",
+           "decode_pressure_computing_prompts"]
 
 
 class AutoscalerConfig(BaseModel):
@@ -79,7 +83,7 @@ class AutoscalerConfig(BaseModel):
         return self
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Decision:
     at_s: float
     pool: str  # "prefill" or "decode"
@@ -89,11 +93,13 @@ class Decision:
 
 
 def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_prefill_pool: bool = False,
-              prompt_tokens_per_s: float | None = None) -> dict[str, float | None]:
+              prompt_tokens_per_s: float | None = None,
+              mean_prompt_tokens: float | None = None) -> dict[str, float | None]:
     """Per pool, its pressure (None: no worker of it reported a measured speed yet). With no prefill
     worker (`no_prefill_pool`) the decode workers compute every prompt: their prompt queues are the
-    prefill pool's pressure then, so that it can grow back from none. prompt_tokens_per_s: the prompt
-    load arriving (PromptLoad), which a prefill pool's measured rates must keep up with."""
+    prefill pool's pressure then, so that it can grow back from none. prompt_tokens_per_s and
+    mean_prompt_tokens: the prompts arriving (PromptLoad), whose queue at the prefill pool's measured
+    rates counts as well (arrivals_queue_pressure)."""
     decode = _decode_workers(stats)
     computing = decode if no_prefill_pool else [s for s in stats if s.role == "prefill"]
     prefill = [s for s in computing if s.prefill_tokens_per_s > 0]
@@ -101,15 +107,38 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_pref
     if prefill:
         wait_s = max(s.num_queued_prompt_tokens / s.prefill_tokens_per_s for s in prefill)
         level = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
-        if prompt_tokens_per_s is not None and not no_prefill_pool:
-            use = prompt_tokens_per_s / sum(s.prefill_tokens_per_s for s in prefill)
-            if use > 1.0:  # NOTE: overloaded only; below 1 the queue says how near the SLO it is (and when idle)
-                level = max(level, use)
+        if not no_prefill_pool:
+            arriving = arrivals_queue_pressure([s.prefill_tokens_per_s for s in prefill], config, prompt_tokens_per_s,
+                                               mean_prompt_tokens)
+            level = max(level, arriving or 0.0)
         out["prefill"] = level
     if decode:
         kv, step, batch = _decode_levels(decode, config)
         out["decode"] = max(kv, step, batch)
     return out
+
+
+def arrivals_queue_pressure(rates: Sequence[float], config: AutoscalerConfig, prompt_tokens_per_s: float | None,
+                            mean_prompt_tokens: float | None) -> float | None:
+    """The p90 queue wait of prompts arriving at `prompt_tokens_per_s`, `mean_prompt_tokens` long, at
+    prefill workers of these measured `rates` (tokens a second), over the TTFT SLO's share for queueing.
+    Each worker is taken as an M/D/1 queue of its share of the arrivals (the router sends each prompt to
+    the soonest, so waits are no longer than that): utilization u, service time S of a mean prompt, mean
+    wait Wq = u S / (2 (1 - u)), and P(wait > t) ~ u exp(-u t / Wq) (the heavy-traffic tail), so
+    p90 = Wq ln(10 u) / u (0 below u = 0.1). inf from u >= 1: the queues grow without end. None: no
+    load or no mean length measured yet (before, only arrivals past the rates counted: the pressure
+    was their ratio)."""
+    if not rates or prompt_tokens_per_s is None:
+        return None
+    total = sum(rates)
+    use = prompt_tokens_per_s / total
+    if use >= 1.0:
+        return math.inf
+    if mean_prompt_tokens is None or use <= 0.1:
+        return None if mean_prompt_tokens is None else 0.0
+    service_s = mean_prompt_tokens * len(rates) / total
+    mean_wait_s = use * service_s / (2.0 * (1.0 - use))
+    return mean_wait_s * math.log(10.0 * use) / use / (config.ttft_queue_share * config.ttft_ms / 1e3)
 
 
 def _decode_workers(stats: Sequence[WorkerStatsMsg]) -> list[WorkerStatsMsg]:
@@ -145,27 +174,40 @@ def decode_pressure_computing_prompts(stats: Sequence[WorkerStatsMsg], config: A
 class PromptLoad:
     """The prompt tokens a second that arrived at all workers together over about the last `window_s`: what
     they computed (WorkerStatsMsg.num_prompt_tokens_computed, a counter) plus what their queues grew by
-    (num_queued_prompt_tokens), so a saturated prefill worker does not hide the load past its speed;
-    over the workers that reported at both ends: one that joins or leaves adds nothing."""
+    (num_queued_prompt_tokens), so a saturated prefill worker does not hide the load past its speed; and
+    the mean prompt's length (tokens computed over prompts started, num_prompts_started); over the workers
+    that reported at both ends: one that joins or leaves adds nothing."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+        # per report: its time and, per worker, (tokens arrived, tokens computed, prompts started)
+        self._samples: deque[tuple[float, dict[str, tuple[int, int, int]]]] = deque()
 
     def observe(self, now_s: float, stats: Sequence[WorkerStatsMsg]) -> None:
-        self._samples.append((now_s, {s.worker_id: s.num_prompt_tokens_computed + s.num_queued_prompt_tokens
+        self._samples.append((now_s, {s.worker_id: (s.num_prompt_tokens_computed + s.num_queued_prompt_tokens,
+                                                    s.num_prompt_tokens_computed, s.num_prompts_started)
                                       for s in stats}))
         while len(self._samples) > 2 and now_s - self._samples[1][0] >= self.window_s:
             self._samples.popleft()
 
+    def span_s(self) -> float:
+        """The seconds the window covers now (0.0: fewer than two reports)."""
+        return self._samples[-1][0] - self._samples[0][0] if len(self._samples) >= 2 else 0.0
+
+    def _grown(self, index: int) -> int:
+        (_, first), (_, last) = self._samples[0], self._samples[-1]
+        return max(0, sum(last[w][index] - first[w][index] for w in last.keys() & first.keys()))
+
     def tokens_per_s(self) -> float | None:
         """None: fewer than two reports yet."""
-        if len(self._samples) < 2:
+        span = self.span_s()
+        return self._grown(0) / span if span > 0 else None
+
+    def mean_prompt_tokens(self) -> float | None:
+        """None: no prompt started within the window."""
+        if self.span_s() <= 0 or (started := self._grown(2)) == 0:
             return None
-        (start_s, first), (end_s, last) = self._samples[0], self._samples[-1]
-        if end_s <= start_s:
-            return None
-        return max(0, sum(last[w] - first[w] for w in last.keys() & first.keys())) / (end_s - start_s)
+        return self._grown(1) / started
 
 
 class Autoscaler:
@@ -177,6 +219,8 @@ class Autoscaler:
         self.gpus_per_worker = dict(gpus_per_worker)
         self.shrinkable = shrinkable
         self.decisions: deque[Decision] = deque(maxlen=100)
+        # moves wanted but not made (Autoscaler._refusal), at most one per pool and direction a cooldown
+        self.held_back: deque[Decision] = deque(maxlen=20)
         self._since: dict[tuple[str, str], float] = {}  # (pool, "up"/"down") -> when the condition began
         self._last_change_s = -float("inf")
         self.prompt_load = PromptLoad(config.sustain_s)
@@ -188,7 +232,12 @@ class Autoscaler:
         c = self.config
         self.prompt_load.observe(now_s, stats)
         load = self.prompt_load.tokens_per_s()
-        levels = pressures(stats, c, no_prefill_pool=sizes.get("prefill") == 0, prompt_tokens_per_s=load)
+        no_prefill_pool = sizes.get("prefill") == 0
+        mean_prompt = self.prompt_load.mean_prompt_tokens()
+        levels = pressures(stats, c, no_prefill_pool, load, mean_prompt)
+        arriving = None if no_prefill_pool else arrivals_queue_pressure(
+            [s.prefill_tokens_per_s for s in stats if s.role == "prefill" and s.prefill_tokens_per_s > 0], c, load,
+            mean_prompt)
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
             if pool not in sizes:
@@ -200,6 +249,9 @@ class Autoscaler:
                     self._since.pop(key, None)
                     continue
                 start = self._since.setdefault(key, now_s)
+                if (pool, direction) == ("prefill", "up") and arriving is not None and arriving > c.scale_up_at \
+                        and self.prompt_load.span_s() >= c.sustain_s:
+                    start = now_s - c.sustain_s  # NOTE: the arrivals' pressure is an average over sustain_s already
                 if now_s - start >= c.sustain_s:
                     assert level is not None
                     wants.append((level - c.scale_up_at if direction == "up" else c.scale_down_at - level,
@@ -208,8 +260,10 @@ class Autoscaler:
             return None
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels, releasable)
-            if decision is not None and not self._admits(decision, pool == "prefill" and direction == "up", sizes,
-                                                         levels, stats, load):
+            refusal = None if decision is None else self._refusal(decision, pool == "prefill" and direction == "up",
+                                                                   sizes, levels, stats, load)
+            if decision is not None and refusal is not None:
+                self._hold_back(decision, refusal)
                 continue
             if decision is not None:
                 self._last_change_s = now_s
@@ -218,20 +272,34 @@ class Autoscaler:
                 return decision
         return None
 
-    def _admits(self, decision: Decision, for_prefill: bool, sizes: Mapping[str, int],
-                levels: Mapping[str, float | None], stats: Sequence[WorkerStatsMsg], load: float | None) -> bool:
-        """Whether a move of the last prefill worker to decoding is predicted to do what it is for (the module
-        docstring's model, with the prompt `load`): for the decode pool's pressure, lower it; for the prefill
-        pool's (`for_prefill`), keep the decode pool under `scale_up_at`. Any other change passes. With no
-        prediction (nothing measured yet) the decode pool's move passes and the prefill pool's does not."""
+    def _refusal(self, decision: Decision, for_prefill: bool, sizes: Mapping[str, int],
+                 levels: Mapping[str, float | None], stats: Sequence[WorkerStatsMsg], load: float | None) -> str | None:
+        """Why a move of the last prefill worker to decoding is predicted not to do what it is for (the module
+        docstring's model, with the prompt `load`), or None to make it: for the decode pool's pressure, it must
+        lower it; for the prefill pool's (`for_prefill`), keep the decode pool under `scale_up_at`. Any other
+        change is made. With no prediction (nothing measured yet) the decode pool's move is made and the
+        prefill pool's is not."""
         if not (decision.pool == "prefill" and decision.flip_to == "decode" and decision.num_workers == 0):
-            return True
+            return None
         now = levels.get("decode")
         after = None if load is None else decode_pressure_computing_prompts(stats, self.config, load,
                                                                             sizes["decode"] + 1)
-        if for_prefill:
-            return after is not None and after < self.config.scale_up_at
-        return after is None or now is None or after < now
+        if after is None:
+            return "no prompt load or prefill rate measured yet to predict it from" if for_prefill else None
+        limit = self.config.scale_up_at if for_prefill else now
+        if limit is None or after < limit:
+            return None
+        return (f"predicted decode pressure {after:.2f} >= {limit:.2f} once {sizes['decode'] + 1} workers compute "
+                f"{load:.0f} prompt tokens a second as well")
+
+    def _hold_back(self, decision: Decision, refusal: str) -> None:
+        """Keeps a move not made, and why, for `pdserve status`: once per pool and direction a cooldown."""
+        for held in reversed(self.held_back):
+            if held.pool == decision.pool and held.flip_to == decision.flip_to:
+                if decision.at_s - held.at_s < self.config.cooldown_s:
+                    return
+                break
+        self.held_back.append(dataclasses.replace(decision, why=f"not made: {decision.why}; {refusal}"))
 
     def _change(self, now_s: float, pool: str, direction: str, sizes: Mapping[str, int],
                 levels: Mapping[str, float | None], releasable: frozenset[str] | None = None) -> Decision | None:
@@ -271,7 +339,7 @@ class Autoscaler:
         if (pool == "prefill" and sizes[pool] == 1 and c.min_prefill == 0 and "decode" in sizes
                 and sizes["decode"] < c.max_decode and "prefill" in self.shrinkable):
             # NOTE: no GPU and no idle decode worker for another prefill worker: every worker prefills instead
-            # (0P), if the decode workers can take the prompts within the TPOT SLO (Autoscaler._admits)
+            # (0P), if the decode workers can take the prompts within the TPOT SLO (Autoscaler._refusal)
             return Decision(now_s, pool, 0, f"prefill pressure {level:.2f} > {c.scale_up_at} at the GPU budget "
                             f"({c.max_gpus}), decode pressure {other_level or 0:.2f}: the prefill worker becomes a "
                             "decode worker and every worker computes prompts, within the TPOT SLO as predicted",

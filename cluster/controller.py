@@ -125,11 +125,13 @@ class ClusterController:
         await self.flip(source.serving_ids()[-1], decision.flip_to)  # the newest
 
     async def decisions(self) -> list[tuple[float, str, int, str]]:
-        """The autoscaler's decisions, oldest first: (seconds ago, pool, its new size, why)."""
+        """The autoscaler's decisions and the moves it held back ('not made: ...'), oldest first: (seconds
+        ago, pool, its new size, why)."""
         if self.autoscaler is None:
             return []
         now = asyncio.get_running_loop().time()
-        return [(now - d.at_s, d.pool, d.num_workers, d.why) for d in self.autoscaler.decisions]
+        both = sorted((*self.autoscaler.decisions, *self.autoscaler.held_back), key=lambda d: d.at_s)
+        return [(now - d.at_s, d.pool, d.num_workers, d.why) for d in both]
 
     async def _publish_when_ready(self, pool: WorkerPool, worker_id: str, max_starts: int = 3) -> None:
         for start in range(max_starts):

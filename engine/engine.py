@@ -95,6 +95,7 @@ class EngineStats:
     decode_step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     num_prompt_tokens_computed: int = 0  # since start
+    num_prompts_started: int = 0  # since start: with the tokens, the mean prompt length the autoscaler reads
     kv_bytes_per_token: int = 0  # the whole worker's (every rank's heads)
     max_num_seqs: int = 0  # the running batch's cap (SchedulerConfig.max_num_seqs)
     weights: str = ""  # how its projections are stored and multiplied (EngineCore.weights)
@@ -106,6 +107,7 @@ class EngineStats:
                 "num_free_blocks": self.num_free_blocks, "num_queued_prompt_tokens": self.num_queued_prompt_tokens,
                 "decode_step_s": self.decode_step_s, "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+                "num_prompts_started": self.num_prompts_started,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "max_num_seqs": self.max_num_seqs}
 
     @property
@@ -724,6 +726,7 @@ class EngineCore:
             decode_step_s=self.rates.decode_step_s,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             num_prompt_tokens_computed=self.rates.num_prompt_tokens,
+            num_prompts_started=self.scheduler.num_prompts_started,
             kv_bytes_per_token=self.block_bytes * (self.tp.shard.size if self.tp is not None else 1)
             // self.pool.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,

@@ -66,6 +66,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start
+        self.num_prompts_started = 0  # since start: prompts admitted to compute here the first time
 
     @property
     def num_unfinished(self) -> int:
@@ -177,6 +178,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
+                self.num_prompts_started += 1
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))

@@ -46,6 +46,7 @@ class WorkerStatsMsg(Msg):
     decode_step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     num_prompt_tokens_computed: int = 0  # since start; the autoscaler's prompt load is its differences
+    num_prompts_started: int = 0  # since start (prompts admitted to compute here); the mean prompt length's divisor
     kv_bytes_per_token: int = 0
     max_num_seqs: int = 0  # its running batch's cap (0: not reported)
     weights: str = ""  # e.g. "bfloat16", "fp8 projections on the cuda path" (engine.EngineCore.weights)

@@ -7,6 +7,7 @@ move nothing; tensor-parallel workers count their GPUs."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -14,6 +15,7 @@ from cluster.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
     PromptLoad,
+    arrivals_queue_pressure,
     autoscale_once,
     decode_pressure_computing_prompts,
     pressures,
@@ -172,9 +174,11 @@ def test_an_idle_pool_gives_its_worker_to_a_pressed_pool_rather_than_letting_it_
     assert calm.decisions[-1].flip_to is None
 
 
-def counted(msg: WorkerStatsMsg, worker_id: str, prompt_tokens: int, prefill_rate: float = 0.0) -> WorkerStatsMsg:
+def counted(msg: WorkerStatsMsg, worker_id: str, prompt_tokens: int, prefill_rate: float = 0.0,
+            prompts: int = 0) -> WorkerStatsMsg:
     return msg.model_copy(update={"worker_id": worker_id, "num_prompt_tokens_computed": prompt_tokens,
-                                  "prefill_tokens_per_s": prefill_rate or msg.prefill_tokens_per_s})
+                                  "prefill_tokens_per_s": prefill_rate or msg.prefill_tokens_per_s,
+                                  "num_prompts_started": prompts})
 
 
 def test_the_last_prefill_worker_is_not_given_to_decoding_when_its_prompts_would_press_the_decode_steps_more():
@@ -275,3 +279,88 @@ def test_prompts_arriving_past_the_prefill_rate_press_the_pool_however_its_queue
     # the same swings with 30k tokens a second arriving (within the worker's 36k): nothing moves
     assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, bursty(30_000),
                until_s=60) == []
+
+
+def test_the_arrivals_queue_pressure_is_the_predicted_p90_wait_over_the_queueing_share():
+    # 2,500-token prompts at one prefill worker of 45k tokens/s: a prompt's service 55.6 ms; at 40k tokens/s
+    # (u 0.889) the M/D/1 mean wait is 222 ms and its p90 ln(8.89) / 0.889 times that, 546 ms: past the 500 ms
+    # the 1 s TTFT SLO gives queueing. At 30k tokens/s (u 0.667) 158 ms.
+    assert arrivals_queue_pressure([45_000.0], CONFIG, 40_000.0, 2_500.0) == pytest.approx(1.092, abs=0.002)
+    assert arrivals_queue_pressure([45_000.0], CONFIG, 30_000.0, 2_500.0) == pytest.approx(0.316, abs=0.002)
+    # two workers: each its share, the same wait
+    assert arrivals_queue_pressure([45_000.0] * 2, CONFIG, 80_000.0, 2_500.0) == pytest.approx(1.092, abs=0.002)
+    # the 70B FP8 shape at TP=1: 3,000-token prompts at 6.5k tokens/s take 0.46 s each; at 0.5 req/s the p90
+    # wait is 250 ms (0.50), at 1 req/s 655 ms (1.31): long prompts press a pool far below its rate
+    assert arrivals_queue_pressure([6_500.0], CONFIG, 1_500.0, 3_000.0) == pytest.approx(0.50, abs=0.01)
+    assert arrivals_queue_pressure([6_500.0], CONFIG, 3_000.0, 3_000.0) == pytest.approx(1.31, abs=0.01)
+    assert arrivals_queue_pressure([45_000.0], CONFIG, 45_000.0, 2_500.0) == math.inf  # the queue grows
+    assert arrivals_queue_pressure([45_000.0], CONFIG, 3_000.0, 2_500.0) == 0.0  # u < 0.1: p90 waits nothing
+    assert arrivals_queue_pressure([45_000.0], CONFIG, 30_000.0, None) is None  # no length measured yet
+    assert arrivals_queue_pressure([], CONFIG, 30_000.0, 2_500.0) is None
+
+
+def test_the_prompt_load_measures_the_mean_prompt_length():
+    load = PromptLoad(window_s=10.0)
+    for t in range(0, 21):  # 16 prompts a second of 2,500 tokens, then 8 of 1,000 from t = 11 on
+        tokens = 40_000 * min(t, 10) + 8_000 * max(0, t - 10)
+        prompts = 16 * min(t, 10) + 8 * max(0, t - 10)
+        load.observe(float(t), [counted(prefill(0), "p", tokens, prompts=prompts)])
+        if t == 10:
+            assert load.mean_prompt_tokens() == pytest.approx(2_500) and load.span_s() == 10.0
+    assert load.mean_prompt_tokens() == pytest.approx(1_000) and load.tokens_per_s() == pytest.approx(8_000)
+    idle = PromptLoad(window_s=10.0)
+    for t in range(3):
+        idle.observe(float(t), [counted(prefill(0), "p", 0)])
+    assert idle.mean_prompt_tokens() is None
+
+
+def near_rate(arriving: int, step_at: float | None = None, before: int = 20_000):
+    """1P1D at the 8B shape on two H200s: 2,500-token prompts arriving at `arriving` tokens a second (from
+    `step_at` on; `before` until then) at a prefill worker of 45k that keeps up (its queue short: it swings
+    between 0 and 20k tokens, 0.89 of the queueing share); the decode worker's steps 11.5 ms."""
+    busy = decode(step_s=0.0115, free=60, running=40, max_num_seqs=64)
+
+    def at(t: int) -> list[WorkerStatsMsg]:
+        if step_at is None:
+            arrived = arriving * t
+        else:
+            arrived = before * min(t, step_at) + arriving * max(0.0, t - step_at)
+        queued = 20_000 if t % 4 < 2 and arrived >= 20_000 else 0
+        computed = int(arrived) - queued
+        return [counted(prefill(queued, rate=45_000.0), "p", computed, prompts=computed // 2_500),
+                counted(busy, "d", 0, prefill_rate=13_000.0)]
+    return at
+
+
+def test_prompts_arriving_near_the_prefill_rate_press_the_pool_before_its_queue_does():
+    # 40k tokens/s against 45k: the queue never presses for long, the arrivals' p90 wait does (1.09): the
+    # prefill worker becomes a decode worker, and both compute prompts (predicted steps 11.5 / (1 - 40 / 90) =
+    # 20.7 ms). On 2x H200 this load (16 req/s) met 100% of the SLOs but its TTFT p90 was 586 ms, and at 20 req/s
+    # 54%; before, nothing moved until the arrivals passed the rate.
+    scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
+    assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, near_rate(40_000),
+               until_s=30) == [(10.0, "prefill", 0)]
+    assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, near_rate(30_000),
+               until_s=60) == []
+
+
+def test_a_step_of_arriving_prompts_moves_the_pool_once_its_average_passes_not_sustain_s_later():
+    # 20k tokens/s, then 40k from t = 30: the 10 s average passes the pressure of 1 at t = 40 (u 0.889); a
+    # pressure read from one report would have to last 10 s more (t = 50)
+    scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
+    assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1},
+               near_rate(40_000, step_at=30.0), until_s=60) == [(40.0, "prefill", 0)]
+
+
+def test_a_move_held_back_by_its_prediction_is_kept_with_why_once_a_cooldown():
+    # the prefill pool is swamped, but the decode steps (30 ms) computing the prompts would pass the TPOT
+    scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
+    slow = decode(step_s=0.030, free=60, running=64, waiting=2, max_num_seqs=64)
+    swamped = lambda t: [counted(prefill(14_000 * t + 20_000, rate=36_000.0), "p", 36_000 * t),  # noqa: E731
+                         counted(slow, "d", 0)]
+    scaler = Autoscaler(scaling, {"prefill": 1, "decode": 1})
+    assert run(scaler, {"prefill": 1, "decode": 1}, swamped, until_s=60) == []
+    assert [held.at_s for held in scaler.held_back] == [10.0, 40.0]
+    why = scaler.held_back[-1].why
+    assert why.startswith("not made: prefill pressure") and "predicted decode pressure" in why
+    assert "50000 prompt tokens a second" in why and not scaler.decisions

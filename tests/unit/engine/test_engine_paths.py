@@ -76,6 +76,8 @@ def test_preempted_and_resumed_requests_give_same_tokens(make_llm, prefix_cachin
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.stats().num_preemptions > 0
+    # each prompt counts once however often it is recomputed (the autoscaler's mean prompt length)
+    assert llm.engine.stats().num_prompts_started == len(prompts)
 
 
 def test_seeded_sampling_survives_preemption_and_batching(make_llm):
