@@ -52,8 +52,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.api import WorkerStatsMsg
 
-__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "pressures", "arrivals_queue_pressure",
-           "decode_pressure_computing_prompts"]
+__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "pressures", "prefill_terms",
+           "arrivals_queue_pressure", "decode_pressure_computing_prompts"]
 
 
 class AutoscalerConfig(BaseModel):
@@ -101,21 +101,30 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_pref
     mean_prompt_tokens: the prompts arriving (PromptLoad), whose queue at the prefill pool's measured
     rates counts as well (arrivals_queue_pressure)."""
     decode = _decode_workers(stats)
-    computing = decode if no_prefill_pool else [s for s in stats if s.role == "prefill"]
-    prefill = [s for s in computing if s.prefill_tokens_per_s > 0]
     out: dict[str, float | None] = {"prefill": None, "decode": None}
-    if prefill:
-        wait_s = max(s.num_queued_prompt_tokens / s.prefill_tokens_per_s for s in prefill)
-        level = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
-        if not no_prefill_pool:
-            arriving = arrivals_queue_pressure([s.prefill_tokens_per_s for s in prefill], config, prompt_tokens_per_s,
-                                               mean_prompt_tokens)
-            level = max(level, arriving or 0.0)
-        out["prefill"] = level
+    terms = prefill_terms(stats, config, no_prefill_pool, prompt_tokens_per_s, mean_prompt_tokens)
+    if terms is not None:
+        out["prefill"] = max(terms[0], terms[1] or 0.0)
     if decode:
         kv, step, batch = _decode_levels(decode, config)
         out["decode"] = max(kv, step, batch)
     return out
+
+
+def prefill_terms(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_prefill_pool: bool,
+                  prompt_tokens_per_s: float | None,
+                  mean_prompt_tokens: float | None) -> tuple[float, float | None] | None:
+    """The prefill pool's two pressures (the module docstring's): its queues' now, and the arrivals' (None:
+    not measured yet, or no prefill pool); None: no worker that computes prompts has measured its rate."""
+    computing = _decode_workers(stats) if no_prefill_pool else [s for s in stats if s.role == "prefill"]
+    prefill = [s for s in computing if s.prefill_tokens_per_s > 0]
+    if not prefill:
+        return None
+    wait_s = max(s.num_queued_prompt_tokens / s.prefill_tokens_per_s for s in prefill)
+    queue = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
+    arriving = None if no_prefill_pool else arrivals_queue_pressure(
+        [s.prefill_tokens_per_s for s in prefill], config, prompt_tokens_per_s, mean_prompt_tokens)
+    return queue, arriving
 
 
 def arrivals_queue_pressure(rates: Sequence[float], config: AutoscalerConfig, prompt_tokens_per_s: float | None,
@@ -210,6 +219,17 @@ class PromptLoad:
         return self._grown(1) / started
 
 
+def _prefill_detail(terms: tuple[float, float | None], load: float | None, mean_prompt: float | None) -> str:
+    """What the prefill pool's pressure was made of, for a decision's why."""
+    queue, arriving = terms
+    text = f"prefill queue {queue:.2f}, arrivals {'unmeasured' if arriving is None else f'{arriving:.2f}'}"
+    if load is not None:
+        text += f": {load:.0f} prompt tokens a second"
+        if mean_prompt is not None:
+            text += f" of {mean_prompt:.0f}-token prompts"
+    return text
+
+
 class Autoscaler:
     def __init__(self, config: AutoscalerConfig, gpus_per_worker: Mapping[str, int],
                  shrinkable: frozenset[str] = frozenset({"prefill", "decode"})) -> None:
@@ -235,9 +255,8 @@ class Autoscaler:
         no_prefill_pool = sizes.get("prefill") == 0
         mean_prompt = self.prompt_load.mean_prompt_tokens()
         levels = pressures(stats, c, no_prefill_pool, load, mean_prompt)
-        arriving = None if no_prefill_pool else arrivals_queue_pressure(
-            [s.prefill_tokens_per_s for s in stats if s.role == "prefill" and s.prefill_tokens_per_s > 0], c, load,
-            mean_prompt)
+        terms = prefill_terms(stats, c, no_prefill_pool, load, mean_prompt)
+        arriving = None if terms is None else terms[1]
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
             if pool not in sizes:
@@ -260,6 +279,8 @@ class Autoscaler:
             return None
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels, releasable)
+            if decision is not None and terms is not None and "prefill pressure" in decision.why:
+                decision = dataclasses.replace(decision, why=f"{decision.why} ({_prefill_detail(terms, load, mean_prompt)})")
             refusal = None if decision is None else self._refusal(decision, pool == "prefill" and direction == "up",
                                                                    sizes, levels, stats, load)
             if decision is not None and refusal is not None:

@@ -338,8 +338,11 @@ def test_prompts_arriving_near_the_prefill_rate_press_the_pool_before_its_queue_
     # 20.7 ms). On 2x H200 this load (16 req/s) met 100% of the SLOs but its TTFT p90 was 586 ms, and at 20 req/s
     # 54%; before, nothing moved until the arrivals passed the rate.
     scaling = CONFIG.model_copy(update={"max_gpus": 2, "min_prefill": 0})
-    assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, near_rate(40_000),
-               until_s=30) == [(10.0, "prefill", 0)]
+    scaler = Autoscaler(scaling, {"prefill": 1, "decode": 1})
+    assert run(scaler, {"prefill": 1, "decode": 1}, near_rate(40_000), until_s=30) == [(10.0, "prefill", 0)]
+    # its why names what pressed: the arrivals, not the queue, and the load they were read from
+    why = scaler.decisions[-1].why
+    assert "arrivals 1.09: 40000 prompt tokens a second of 2500-token prompts" in why and "prefill queue 0." in why
     assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, near_rate(30_000),
                until_s=60) == []
 
