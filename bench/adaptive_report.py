@@ -78,6 +78,24 @@ SOURCES_24 = (
     Source("2 colocated (run 5b)", "adaptive_2xh200_r5b_adaptive_and_colocated.json", "colocated", None),
     Source("adaptive from 1P1D (run 5b)", "adaptive_2xh200_r5b_adaptive_and_colocated.json", "adaptive",
            (1000.0, 40.0)),
+    # runs 6-7 (GPU pairs of 4x and 2x H200), before and after the channels' close_when_idle (26b112e); run 8
+    # after the arrivals-past-rate term (02a5be5); run 9 after the arrivals' queue model (61079b2), its adaptive
+    # and colocated sweeps in one lease, its TTFT<=300 ms adaptive sweep in another
+    Source("2 colocated (run 6)", "adaptive_2xh200_r6_before_channel_fix_adaptive_and_colocated.json", "colocated",
+           None),
+    Source("adaptive from 1P1D (run 6)", "adaptive_2xh200_r6_before_channel_fix_adaptive_and_colocated.json",
+           "adaptive", (1000.0, 40.0)),
+    Source("2 colocated (run 7)", "adaptive_2xh200_r7_after_channel_fix_adaptive_and_colocated.json", "colocated",
+           None),
+    Source("adaptive from 1P1D (run 7)", "adaptive_2xh200_r7_after_channel_fix_adaptive_and_colocated.json",
+           "adaptive", (1000.0, 40.0)),
+    Source("2 colocated (run 8)", "adaptive_2xh200_r8_arrivals_past_rate.json", "colocated", None),
+    Source("adaptive from 1P1D (run 8)", "adaptive_2xh200_r8_arrivals_past_rate.json", "adaptive", (1000.0, 40.0)),
+    Source("2 colocated (run 9)", "adaptive_2xh200_r9_queue_model_colocated.json", "colocated", None),
+    Source("adaptive, queue model (run 9)", "adaptive_2xh200_r9_queue_model_adaptive.json", "adaptive",
+           (1000.0, 40.0)),
+    Source("adaptive, queue model (run 9)", "adaptive_2xh200_r9_queue_model_adaptive_300_40.json", "adaptive",
+           (300.0, 40.0)),
 )
 SOURCES_28 = (
     Source("2 colocated TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "colocated2", None),
@@ -128,7 +146,8 @@ SETS = {
         "than a request's 11 tokens (8 x 4,096, 32 x 1,024 and 32 x 4,096) timed fewer sequences than asked, so its "
         "decode steps are too fast there", 2, "issue 24 on {gpus}: Llama-3.1-8B shape (dummy bf16)",
         {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive from 1P1D": ("tab:green", "-"),
-         "planned colocated + step budget": ("tab:red", "--"), "adaptive, roles to 0P2D": ("tab:purple", "-")}),
+         "planned colocated + step budget": ("tab:red", "--"), "adaptive, roles to 0P2D": ("tab:purple", "-"),
+         "adaptive, queue model": ("tab:brown", "-")}),
     "decode_heavy_2xh200": ReportSet(
         SOURCES_24_DECODE_HEAVY, "planner_profile_llama-3.1-8b_nvidia-h200.json",
         "measured with max_num_seqs 64 (the 64-sequence runs' engines) before measure.decode_tokens (see "
