@@ -2,16 +2,20 @@
 to the pools' sizes, within per-pool bounds and a GPU budget, without flapping.
 
 Per pool, a pressure in [0, inf] where 1 means "at the SLO":
-  prefill  the larger of two queue waits over the TTFT SLO's share for queueing (`ttft_queue_share`):
-           the longest predicted wait of the prompts queued now (queued prompt tokens / measured
-           prefill rate), and the p90 wait the prompts arriving (`PromptLoad`: tokens a second and
-           their mean length over the last `sustain_s`) meet at the pool's measured rates
+  prefill  the largest of three: two queue waits over the TTFT SLO's share for queueing
+           (`ttft_queue_share`), the longest predicted wait of the prompts queued now (queued prompt
+           tokens / measured prefill rate) and the p90 wait the prompts arriving (`PromptLoad`: tokens
+           a second and their mean length over the last `sustain_s`) meet at the pool's measured rates
            (`arrivals_queue_pressure`: each worker an M/D/1 queue of its share; inf once they arrive
-           faster than the pool computes). Queue waits alone rise and fall with bursts of long
+           faster than the pool computes); and the first tokens the routers saw later than the TTFT SLO
+           over their last 10 s (`TtftCounts`, at least `min_first_tokens` of them) over the 10% the
+           SLO's p90 allows: what neither model sees (a prompt's own prefill and push under a tight
+           TTFT SLO, stalls) it measures. Queue waits alone rise and fall with bursts of long
            prompts: on 2x H200 at 20 req/s of 1-4k-token prompts the queue's pressure stayed past 1
            for no 10 s together, and the move to two workers that prefill came only at 24 req/s. The
-           arrivals' pressure is already an average over `sustain_s`: past `scale_up_at` it moves the
-           pool at once, not `sustain_s` later (a step of load would otherwise wait twice as long).
+           arrivals' and the first tokens' pressures are already averages over about `sustain_s`: past
+           `scale_up_at` they move the pool at once, not `sustain_s` later (a step of load would
+           otherwise wait twice as long).
   decode   the largest of the KV use (held / all blocks) over `max_kv_use`, the measured decode
            step time over the TPOT SLO, and the requests running and waiting over the running
            batch's cap (max_num_seqs): a decode worker whose batch is full and requests wait is
@@ -47,13 +51,17 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.api import WorkerStatsMsg
 
-__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "pressures", "prefill_terms",
+__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "TtftCounts", "pressures", "prefill_terms",
            "arrivals_queue_pressure", "decode_pressure_computing_prompts"]
+
+TTFT_MISS_ALLOWED = 0.1
+"""Of the first tokens, the share the TTFT SLO (a p90 target) lets come later than it."""
 
 
 class AutoscalerConfig(BaseModel):
@@ -74,6 +82,8 @@ class AutoscalerConfig(BaseModel):
     scale_down_at: float = Field(0.3, ge=0, description="Pressure below which a pool shrinks.")
     sustain_s: float = Field(10.0, ge=0, description="How long a pressure must last before it moves anything.")
     cooldown_s: float = Field(30.0, ge=0, description="No change for this long after one.")
+    min_first_tokens: int = Field(20, ge=1, description="Fewest first tokens the routers' TTFT counts must hold "
+                                  "to press the prefill pool.")
 
     @model_validator(mode="after")
     def _check(self) -> AutoscalerConfig:
@@ -81,6 +91,14 @@ class AutoscalerConfig(BaseModel):
             raise ValueError(f"scale_down_at ({self.scale_down_at}) must be below scale_up_at ({self.scale_up_at}): "
                              "the gap between them is what keeps the autoscaler from flapping")
         return self
+
+
+class TtftCounts(NamedTuple):
+    """The routers' first tokens over their last window, and how many came later than the TTFT SLO (the
+    cluster controller sums their TtftCountsMsg)."""
+
+    num_first_tokens: int
+    num_over_slo: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,18 +111,18 @@ class Decision:
 
 
 def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_prefill_pool: bool = False,
-              prompt_tokens_per_s: float | None = None,
-              mean_prompt_tokens: float | None = None) -> dict[str, float | None]:
+              prompt_tokens_per_s: float | None = None, mean_prompt_tokens: float | None = None,
+              ttft: TtftCounts | None = None) -> dict[str, float | None]:
     """Per pool, its pressure (None: no worker of it reported a measured speed yet). With no prefill
     worker (`no_prefill_pool`) the decode workers compute every prompt: their prompt queues are the
     prefill pool's pressure then, so that it can grow back from none. prompt_tokens_per_s and
     mean_prompt_tokens: the prompts arriving (PromptLoad), whose queue at the prefill pool's measured
-    rates counts as well (arrivals_queue_pressure)."""
+    rates counts as well (arrivals_queue_pressure); ttft: the routers' first tokens against the SLO."""
     decode = _decode_workers(stats)
     out: dict[str, float | None] = {"prefill": None, "decode": None}
-    terms = prefill_terms(stats, config, no_prefill_pool, prompt_tokens_per_s, mean_prompt_tokens)
+    terms = prefill_terms(stats, config, no_prefill_pool, prompt_tokens_per_s, mean_prompt_tokens, ttft)
     if terms is not None:
-        out["prefill"] = max(terms[0], terms[1] or 0.0)
+        out["prefill"] = max(terms[0], terms[1] or 0.0, terms[2] or 0.0)
     if decode:
         kv, step, batch = _decode_levels(decode, config)
         out["decode"] = max(kv, step, batch)
@@ -112,10 +130,11 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_pref
 
 
 def prefill_terms(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_prefill_pool: bool,
-                  prompt_tokens_per_s: float | None,
-                  mean_prompt_tokens: float | None) -> tuple[float, float | None] | None:
-    """The prefill pool's two pressures (the module docstring's): its queues' now, and the arrivals' (None:
-    not measured yet, or no prefill pool); None: no worker that computes prompts has measured its rate."""
+                  prompt_tokens_per_s: float | None, mean_prompt_tokens: float | None,
+                  ttft: TtftCounts | None = None) -> tuple[float, float | None, float | None] | None:
+    """The prefill pool's three pressures (the module docstring's): its queues' now, the arrivals' and the
+    first tokens' (each None: not measured yet, too few, or no prefill pool); None: no worker that
+    computes prompts has measured its rate."""
     computing = _decode_workers(stats) if no_prefill_pool else [s for s in stats if s.role == "prefill"]
     prefill = [s for s in computing if s.prefill_tokens_per_s > 0]
     if not prefill:
@@ -124,7 +143,10 @@ def prefill_terms(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_
     queue = wait_s / (config.ttft_queue_share * config.ttft_ms / 1e3)
     arriving = None if no_prefill_pool else arrivals_queue_pressure(
         [s.prefill_tokens_per_s for s in prefill], config, prompt_tokens_per_s, mean_prompt_tokens)
-    return queue, arriving
+    late = None
+    if not no_prefill_pool and ttft is not None and ttft.num_first_tokens >= config.min_first_tokens:
+        late = ttft.num_over_slo / ttft.num_first_tokens / TTFT_MISS_ALLOWED
+    return queue, arriving, late
 
 
 def arrivals_queue_pressure(rates: Sequence[float], config: AutoscalerConfig, prompt_tokens_per_s: float | None,
@@ -219,14 +241,17 @@ class PromptLoad:
         return self._grown(1) / started
 
 
-def _prefill_detail(terms: tuple[float, float | None], load: float | None, mean_prompt: float | None) -> str:
+def _prefill_detail(terms: tuple[float, float | None, float | None], load: float | None, mean_prompt: float | None,
+                    ttft: TtftCounts | None) -> str:
     """What the prefill pool's pressure was made of, for a decision's why."""
-    queue, arriving = terms
+    queue, arriving, late = terms
     text = f"prefill queue {queue:.2f}, arrivals {'unmeasured' if arriving is None else f'{arriving:.2f}'}"
     if load is not None:
         text += f": {load:.0f} prompt tokens a second"
         if mean_prompt is not None:
             text += f" of {mean_prompt:.0f}-token prompts"
+    if late is not None and ttft is not None:
+        text += f"; late first tokens {late:.2f}: {ttft.num_over_slo} of {ttft.num_first_tokens} past the TTFT SLO"
     return text
 
 
@@ -246,17 +271,21 @@ class Autoscaler:
         self.prompt_load = PromptLoad(config.sustain_s)
 
     def decide(self, now_s: float, sizes: Mapping[str, int], stats: Sequence[WorkerStatsMsg],
-               releasable: frozenset[str] | None = None) -> Decision | None:
+               releasable: frozenset[str] | None = None, ttft: TtftCounts | None = None) -> Decision | None:
         """The one change to make now, if any. sizes: each pool's serving workers now. releasable: the pools
-        whose newest worker gives back what it holds when retired (None: every pool)."""
+        whose newest worker gives back what it holds when retired (None: every pool). ttft: the routers'
+        first tokens against the TTFT SLO (None: no router reported)."""
         c = self.config
         self.prompt_load.observe(now_s, stats)
         load = self.prompt_load.tokens_per_s()
         no_prefill_pool = sizes.get("prefill") == 0
         mean_prompt = self.prompt_load.mean_prompt_tokens()
-        levels = pressures(stats, c, no_prefill_pool, load, mean_prompt)
-        terms = prefill_terms(stats, c, no_prefill_pool, load, mean_prompt)
-        arriving = None if terms is None else terms[1]
+        levels = pressures(stats, c, no_prefill_pool, load, mean_prompt, ttft)
+        terms = prefill_terms(stats, c, no_prefill_pool, load, mean_prompt, ttft)
+        # NOTE: the arrivals' and the first tokens' pressures are averages over about sustain_s already
+        _, arriving, late = terms if terms is not None else (None, None, None)
+        averaged_up = (arriving is not None and arriving > c.scale_up_at and self.prompt_load.span_s() >= c.sustain_s) \
+            or (late is not None and late > c.scale_up_at)
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)
         for pool, level in levels.items():
             if pool not in sizes:
@@ -268,9 +297,8 @@ class Autoscaler:
                     self._since.pop(key, None)
                     continue
                 start = self._since.setdefault(key, now_s)
-                if (pool, direction) == ("prefill", "up") and arriving is not None and arriving > c.scale_up_at \
-                        and self.prompt_load.span_s() >= c.sustain_s:
-                    start = now_s - c.sustain_s  # NOTE: the arrivals' pressure is an average over sustain_s already
+                if (pool, direction) == ("prefill", "up") and averaged_up:
+                    start = now_s - c.sustain_s
                 if now_s - start >= c.sustain_s:
                     assert level is not None
                     wants.append((level - c.scale_up_at if direction == "up" else c.scale_down_at - level,
@@ -280,7 +308,7 @@ class Autoscaler:
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels, releasable)
             if decision is not None and terms is not None and "prefill pressure" in decision.why:
-                decision = dataclasses.replace(decision, why=f"{decision.why} ({_prefill_detail(terms, load, mean_prompt)})")
+                decision = dataclasses.replace(decision, why=f"{decision.why} ({_prefill_detail(terms, load, mean_prompt, ttft)})")
             refusal = None if decision is None else self._refusal(decision, pool == "prefill" and direction == "up",
                                                                    sizes, levels, stats, load)
             if decision is not None and refusal is not None:
@@ -370,10 +398,10 @@ class Autoscaler:
 
 async def autoscale_once(autoscaler: Autoscaler, now_s: float, sizes: Mapping[str, int],
                          stats: Sequence[WorkerStatsMsg], apply: object,
-                         releasable: frozenset[str] | None = None) -> Decision | None:
+                         releasable: frozenset[str] | None = None, ttft: TtftCounts | None = None) -> Decision | None:
     """One round of the controller's loop: decide, then `await apply(decision)` (the controller
     resizes the pool, or moves a worker between pools: it drains what it retires or moves)."""
-    decision = autoscaler.decide(now_s, sizes, stats, releasable)
+    decision = autoscaler.decide(now_s, sizes, stats, releasable, ttft)
     if decision is not None:
         await apply(decision)  # type: ignore[operator]
     return decision

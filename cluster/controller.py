@@ -15,7 +15,9 @@ from cluster.autoscaler import Autoscaler, Decision, autoscale_once
 from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
 from cluster.pools import WorkerPool
+from cluster.ttft_reports import TtftReports
 from protocol.api import WorkerStatsMsg
+from protocol.messages import TtftCountsMsg
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class ClusterController:
         self._supervisor: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
+        self.ttft_reports = TtftReports()  # the routers' first tokens against the TTFT SLO, for the autoscaler
 
     async def start(self) -> None:
         await self.deployment.start()
@@ -51,11 +54,20 @@ class ClusterController:
         await self._ready.wait()
         return self.version
 
-    async def workers(self) -> tuple[int, dict[str, Any], dict[str, Any]]:
-        """(version, prefill handles by id, decode handles by id)."""
+    async def workers(self, ttft: TtftCountsMsg | None = None) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        """(version, prefill handles by id, decode handles by id). ttft: the polling router's first tokens
+        against the TTFT SLO (router/ttft_window.py), kept for the autoscaler."""
+        if ttft is not None:
+            self.ttft_reports.add(asyncio.get_running_loop().time(), ttft)
         await self._ready.wait()
         w = self.deployment.workers()
         return self.version, dict(w.prefill), dict(w.decode)
+
+    async def first_tokens(self) -> tuple[int, int] | None:
+        """The routers' first tokens over their last window and how many came later than the TTFT SLO
+        (`pdserve status`); None: no router reported (no TTFT SLO)."""
+        counts = self.ttft_reports.counts(asyncio.get_running_loop().time())
+        return None if counts is None else (counts.num_first_tokens, counts.num_over_slo)
 
     async def _supervise(self) -> None:
         """Every interval: dead serving workers leave the routers' set at once (version bump),
@@ -84,7 +96,9 @@ class ClusterController:
                 pools = {"prefill" if p is self.deployment.prefill else "decode": p for p in self.deployment.pools}
                 sizes = {name: p.num_workers for name, p in pools.items()}
                 releasable = frozenset(name for name, p in pools.items() if p.newest_is_releasable())
-                decision = await autoscale_once(self.autoscaler, loop.time(), sizes, stats, self._apply, releasable)
+                now = loop.time()
+                decision = await autoscale_once(self.autoscaler, now, sizes, stats, self._apply, releasable,
+                                                self.ttft_reports.counts(now))
                 if decision is not None:
                     log.warning("autoscaler: %s -> %d workers (%s)", decision.pool, decision.num_workers, decision.why)
             except Exception as err:  # noqa: BLE001 - the next round tries again

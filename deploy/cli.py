@@ -306,6 +306,7 @@ def status_command(args: argparse.Namespace) -> int:
             return 1
         rows = controller.stats.remote().result(timeout_s=30)
         decisions = controller.decisions.remote().result(timeout_s=30)
+        first_tokens = controller.first_tokens.remote().result(timeout_s=30)
     finally:
         ray.shutdown()
     print(f"{'worker':<16}{'role':>8}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}{'pushing':>8}"
@@ -323,6 +324,9 @@ def status_command(args: argparse.Namespace) -> int:
     for row in rows:
         if not isinstance(row, str) and row.weights:
             print(f"engine of {row.worker_id}: weights {row.weights}, KV cache {row.kv_cache_dtype}")
+    if first_tokens is not None:
+        num, late = first_tokens
+        print(f"first tokens over the routers' last 10 s: {num}, {late} of them later than the TTFT SLO")
     if decisions:
         print("autoscaler decisions (latest last):")
         for ago_s, pool, num_workers, why in decisions[-10:]:

@@ -147,6 +147,17 @@ class PrefillResultMsg(Msg):
     answered_at: float = 0.0
 
 
+class TtftCountsMsg(Msg):
+    """A router's first tokens over its last `window_s` against the TTFT SLO it steers to (router/ttft_window.py),
+    for the controller's autoscaler: `num_over_slo` of `num_first_tokens` came later than the SLO, counting the
+    requests still waiting past it for theirs."""
+
+    router_id: str
+    window_s: float
+    num_first_tokens: int
+    num_over_slo: int
+
+
 class PushRecordMsg(Msg):
     """One push that ended well, as its prefill worker timed it (PrefillWorker.push_records)."""
 

@@ -34,6 +34,7 @@ from router.dispatch import Dispatcher, NoCapacityError, RequestFailedError
 from router.spans import SpanRecorder
 from router.structured import GrammarSource
 from router.tool_calls import preload_xgrammar
+from router.ttft_window import TtftWindow
 from router.openai_schema import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -129,6 +130,7 @@ class RouterCore:
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         grammar_compiler: Callable[[], GrammarCompiler] | None = None,
+        ttft_window: TtftWindow | None = None,
     ) -> None:
         """grammar_compiler: builds the compiler of the 400 check of grammars (called on the first
         grammar, on a worker thread); by default the tokenizer's checkpoint's (its tokenizer.json,
@@ -143,6 +145,7 @@ class RouterCore:
         self.metrics = metrics  # may be set later; None: no metrics
         self.clock = clock
         self.num_in_flight = 0  # choices admitted and not yet closed
+        self.ttft_window = ttft_window  # the first tokens against the TTFT SLO (the autoscaler's); None: not kept
         self.spans = SpanRecorder(clock=clock)
         self._make_grammar_compiler = grammar_compiler or self._checkpoint_grammar_compiler
         self._grammar_compiler: GrammarCompiler | None = None
@@ -345,45 +348,54 @@ class RouterCore:
             text_state = TextState(self.tokenizer, prompt, params)
             started, first_token_at, last_token_at = self.clock(), None, None
             self.spans.start(request_id)
+            choice = (request_id, index)
+            if self.ttft_window is not None:
+                self.ttft_window.begin(choice)
             num_tokens = num_cached = 0
-            async for out in stream:
-                if out.new_token_ids:
-                    now = self.clock()
-                    if first_token_at is None:
-                        first_token_at = now
-                        self.spans.event(request_id, "first_token")
-                    elif last_token_at == first_token_at:
-                        self.spans.event(request_id, "first_decode_token")
-                    if last_token_at is not None and self.metrics is not None:
-                        self.metrics.on_inter_token(gap_s=now - last_token_at, num_tokens=len(out.new_token_ids))
-                    last_token_at = now
-                num_tokens += len(out.new_token_ids)
-                num_cached = max(num_cached, out.num_cached_tokens)
-                text, stop = text_state.add(out.new_token_ids)
-                finish: str | None = None
-                reason: str | int | None = None
-                if stop is not None:
-                    finish, reason = "stop", stop
-                elif out.finish_reason is not None:
-                    text += text_state.flush()
-                    finish = out.finish_reason
-                    if finish == "stop" and out.new_token_ids:
-                        reason = out.new_token_ids[-1]
-                yield ChoiceDelta(
-                    index=index, text=text, token_ids=list(out.new_token_ids), logprobs=out.logprobs,
-                    top_logprobs=out.top_logprobs, finish_reason=finish, stop_reason=reason,
-                    num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens, num_cached_tokens=num_cached,
-                )
-                if finish is not None:
-                    self.spans.event(request_id, "finished", finish_reason=finish, num_completion_tokens=num_tokens)
-                    if self.metrics is not None:
-                        self.metrics.on_choice_finished(
-                            finish_reason=finish, num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens,
-                            num_cached_tokens=num_cached, elapsed_s=self.clock() - started,
-                            time_to_first_token_s=None if first_token_at is None else first_token_at - started,
-                        )
-                    return  # a stop string: leaving the block closes the stream, which aborts the request
-            raise RequestFailedError(f"the token stream of choice {index} ended without a finish reason")
+            try:
+                async for out in stream:
+                    if out.new_token_ids:
+                        now = self.clock()
+                        if first_token_at is None:
+                            first_token_at = now
+                            self.spans.event(request_id, "first_token")
+                            if self.ttft_window is not None:
+                                self.ttft_window.first_token(choice)
+                        elif last_token_at == first_token_at:
+                            self.spans.event(request_id, "first_decode_token")
+                        if last_token_at is not None and self.metrics is not None:
+                            self.metrics.on_inter_token(gap_s=now - last_token_at, num_tokens=len(out.new_token_ids))
+                        last_token_at = now
+                    num_tokens += len(out.new_token_ids)
+                    num_cached = max(num_cached, out.num_cached_tokens)
+                    text, stop = text_state.add(out.new_token_ids)
+                    finish: str | None = None
+                    reason: str | int | None = None
+                    if stop is not None:
+                        finish, reason = "stop", stop
+                    elif out.finish_reason is not None:
+                        text += text_state.flush()
+                        finish = out.finish_reason
+                        if finish == "stop" and out.new_token_ids:
+                            reason = out.new_token_ids[-1]
+                    yield ChoiceDelta(
+                        index=index, text=text, token_ids=list(out.new_token_ids), logprobs=out.logprobs,
+                        top_logprobs=out.top_logprobs, finish_reason=finish, stop_reason=reason,
+                        num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens, num_cached_tokens=num_cached,
+                    )
+                    if finish is not None:
+                        self.spans.event(request_id, "finished", finish_reason=finish, num_completion_tokens=num_tokens)
+                        if self.metrics is not None:
+                            self.metrics.on_choice_finished(
+                                finish_reason=finish, num_prompt_tokens=len(prompt), num_completion_tokens=num_tokens,
+                                num_cached_tokens=num_cached, elapsed_s=self.clock() - started,
+                                time_to_first_token_s=None if first_token_at is None else first_token_at - started,
+                            )
+                        return  # a stop string: leaving the block closes the stream, which aborts the request
+                raise RequestFailedError(f"the token stream of choice {index} ended without a finish reason")
+            finally:
+                if self.ttft_window is not None:
+                    self.ttft_window.end(choice)
 
     # ---- errors
     def _retry_after(self) -> dict[str, str]:

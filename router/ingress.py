@@ -3,15 +3,16 @@ replica, serving the OpenAI HTTP API (FastAPI, built at replica start) and the g
 servers of its own where given addresses (`pdserve serve`: every replica of a node on the same
 ports) and to Serve's proxies.
 
-It is handed a controller handle (anything whose `workers()` returns (version, prefill handles,
-decode handles)) and follows worker replacements by polling that version. Knows nothing of how
-pools are made.
+It is handed a controller handle (anything whose `workers(ttft_counts)` returns (version, prefill
+handles, decode handles)) and follows worker replacements by polling that version, telling it each
+time how its first tokens stand against the TTFT SLO. Knows nothing of how pools are made.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from router.grpc_server import start_grpc_server
 from router.http_app import build_http_app
 from router.http_server import start_http_server
 from router.metrics import PrometheusMetrics
+from router.ttft_window import TtftWindow
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +58,15 @@ class RouterIngress:
         # NOTE: a scrape reaches any replica of the node (a shared port, or Serve's proxy): each shares its counts
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats, replica=self.router_id,
                                     shared_dir=Path(metrics_dir) if metrics_dir is not None else None)
-        self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics)
+        ttft_ms = self.dispatcher.config.slo.ttft_ms
+        window = None if ttft_ms is None else TtftWindow(self.router_id, ttft_ms / 1e3, time.monotonic)
+        self.core = RouterCore(self.dispatcher, Tokenizer.from_dir(model_dir), config, max_model_len, metrics=metrics,
+                               ttft_window=window)
         self.http_app = build_http_app(self.core, self.router_id)  # NOTE: `app` is Serve's wrapper's property
-        self.follower = WorkerSetFollower(self.dispatcher, lambda: controller.workers.remote(), refresh_s,
-                                          wrap=self.channels.wrap)
+        # NOTE: each poll of the worker set carries this router's first tokens against the TTFT SLO (the autoscaler's)
+        self.follower = WorkerSetFollower(
+            self.dispatcher, lambda: controller.workers.remote(window.counts() if window is not None else None),
+            refresh_s, wrap=self.channels.wrap)
         await self.follower.start()
         # its own gRPC server where asked (`pdserve serve`), else Serve's gRPC proxy: both call Generate/Complete
         if grpc is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,7 +32,7 @@ class Server:
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--prefill", "1", "--decode", "1", "--transport", "gloo",
                "--device", "cpu", "--num-blocks", "512", "--block-size", "8",
                "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--exit-after", "600",
-               "--num-router-replicas", str(num_router_replicas)]
+               "--num-router-replicas", str(num_router_replicas), "--slo-ttft-ms", "60000"]
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=ignore)
@@ -215,6 +216,10 @@ def test_curl_sse_stream_and_status(server):
     header, *rows = status.stdout.splitlines()
     decode_row = next(row.split() for row in rows if row.startswith("decode-0"))
     assert header.split()[-2] == "channels" and decode_row[-2] in ("1", "2"), status.stdout
+    # the routers tell the controller their first tokens against the TTFT SLO with each poll (the autoscaler's;
+    # how many are in the window depends on how long this status call took to connect)
+    assert re.search(r"first tokens over the routers' last 10 s: \d+, 0 of them later than the TTFT SLO",
+                     status.stdout), status.stdout
 
 
 def test_a_long_prompt_goes_through_the_prefill_worker_over_its_channel(server):
