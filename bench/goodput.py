@@ -388,6 +388,7 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
                  f"{load['slo_attainment']:.0%} within SLO, TTFT p90 {load['ttft_p90_ms'] or 0:.0f} ms")
         run = step_run if plan.schedule else sweep
         before = scrape_metrics(base_url) if mode.is_kv_transferred else ""
+        rates_started_wall = time.time()  # NOTE: the timeline's t_s counts from here too (perf_counter)
         asyncio.run(_with_timeline(run(plan, result, server, base_url + "/v1", deadline, echo, note, checkpoint),
                                    base_url, result.timeline))
         if len(changes := role_changes(result.timeline)) > 1:
@@ -398,8 +399,10 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
             result.pushes = push_totals(scrape_metrics(base_url), before)
             echo(f"{mode.name}: KV pushes while the rates ran: {result.pushes}")
         if "--autoscale-max-gpus" in argv:  # NOTE: every pool's workers, draining ones too, and the decisions
-            result.cluster_status = cluster_status(log_path, plan.server_env())
+            trace_path = log_path.with_name(f"autoscaler_trace_{mode.name}.json")
+            result.cluster_status = cluster_status(log_path, plan.server_env(), trace=trace_path)
             echo(f"{mode.name}: pdserve status after the rates:\n  " + "\n  ".join(result.cluster_status))
+            result.autoscaler_trace = autoscaler_trace(trace_path, rates_started_wall)
         result.status, result.phase = "ok", "done"
     except Exception as err:  # noqa: BLE001 - recorded; the next mode must still run
         result.fail(err)
@@ -412,6 +415,16 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         echo(f"---- {log_path.name}: the server's last lines, then the errors in Ray's logs\n"
              + "\n".join(result.log_tail))
     return result
+
+
+def autoscaler_trace(path: Path, rates_started_wall: float) -> list[dict[str, Any]]:
+    """The autoscaler's readings `pdserve status --trace` wrote to PATH, from the first rate's start on
+    (t_s, seconds from RATES_STARTED_WALL, a time.time()); [] where it wrote none."""
+    if not path.is_file():
+        return []
+    samples = json.loads(path.read_text())
+    return [{"t_s": round(s["wall_s"] - rates_started_wall, 1), **{k: v for k, v in s.items() if k != "wall_s"}}
+            for s in samples if s["wall_s"] >= rates_started_wall]
 
 
 def phase_at(t_s: float, phases_s: dict[str, float]) -> str:

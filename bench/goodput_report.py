@@ -50,6 +50,8 @@ class ModeResult:
     # an autoscaled server's `pdserve status` after the rates: every pool's workers (draining ones too,
     # which the routers' /metrics no longer show) and the autoscaler's last decisions
     cluster_status: list[str] = field(default_factory=list)
+    # its autoscaler's readings, one a round (cluster/autoscaler.py: PressureSample; t_s from the first rate's start)
+    autoscaler_trace: list[dict[str, Any]] = field(default_factory=list)
 
     def fail(self, err: BaseException | str) -> None:
         self.status = "failed"
@@ -118,6 +120,7 @@ def mode_summary(result: ModeResult) -> dict[str, Any]:
         **({"step": result.step} if result.step is not None else {}),
         **({"pushes": result.pushes} if result.pushes is not None else {}),
         "timeline": result.timeline,
+        **({"autoscaler_trace": result.autoscaler_trace} if result.autoscaler_trace else {}),
     }
 
 

@@ -104,14 +104,17 @@ class ServerProcess:
 RAY_ADDRESS_LINE = re.compile(r"^\s*Ray\s+(\S+:\d+)\b", re.MULTILINE)  # `pdserve serve`'s "Ray  host:port" line
 
 
-def cluster_status(log_path: Path, env: dict[str, str], timeout_s: float = 60.0) -> list[str]:
+def cluster_status(log_path: Path, env: dict[str, str], timeout_s: float = 60.0,
+                   trace: Path | None = None) -> list[str]:
     """`pdserve status` of the server whose log is LOG_PATH (the Ray address it printed): every
-    worker of every pool, draining ones included, and the autoscaler's last decisions; or why not."""
+    worker of every pool, draining ones included, and the autoscaler's last decisions; or why not.
+    trace: where `pdserve status --trace` writes the autoscaler's readings (None: not asked)."""
     found = RAY_ADDRESS_LINE.search(log_path.read_text(errors="replace"))
     if found is None:
         return ["no status: the server's log names no Ray address"]
+    argv = [sys.executable, "-m", "deploy.cli", "status", "--address", found.group(1)]
     try:
-        done = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", found.group(1)], cwd=ROOT,
+        done = subprocess.run([*argv, *(("--trace", str(trace)) if trace is not None else ())], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return [f"no status: `pdserve status` took over {timeout_s:.0f} s"]

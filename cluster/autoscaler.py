@@ -57,7 +57,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.api import WorkerStatsMsg
 
-__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PromptLoad", "TtftCounts", "pressures", "prefill_terms",
+__all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PressureSample", "PromptLoad", "TtftCounts", "pressures",
+           "prefill_terms",
            "arrivals_queue_pressure", "decode_pressure_computing_prompts"]
 
 TTFT_MISS_ALLOWED = 0.1
@@ -99,6 +100,21 @@ class TtftCounts(NamedTuple):
 
     num_first_tokens: int
     num_over_slo: int
+
+
+class PressureSample(NamedTuple):
+    """One autoscaler round as it read the cluster (`Autoscaler.trace`; `pdserve status --trace`)."""
+
+    at_s: float
+    num_prefill: int
+    num_decode: int
+    prefill: float | None  # the pools' pressures (pressures())
+    decode: float | None
+    prefill_queue: float | None  # the prefill pressure's terms (prefill_terms())
+    prefill_arrivals: float | None
+    prefill_late_first_tokens: float | None
+    prompt_tokens_per_s: float | None
+    mean_prompt_tokens: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +282,7 @@ class Autoscaler:
         self.decisions: deque[Decision] = deque(maxlen=100)
         # moves wanted but not made (Autoscaler._refusal), at most one per pool and direction a cooldown
         self.held_back: deque[Decision] = deque(maxlen=20)
+        self.trace: deque[PressureSample] = deque(maxlen=1200)  # every round's reading: 20 min at one a second
         self._since: dict[tuple[str, str], float] = {}  # (pool, "up"/"down") -> when the condition began
         self._last_change_s = -float("inf")
         self.prompt_load = PromptLoad(config.sustain_s)
@@ -282,8 +299,10 @@ class Autoscaler:
         mean_prompt = self.prompt_load.mean_prompt_tokens()
         levels = pressures(stats, c, no_prefill_pool, load, mean_prompt, ttft)
         terms = prefill_terms(stats, c, no_prefill_pool, load, mean_prompt, ttft)
+        queued, arriving, late = terms if terms is not None else (None, None, None)
+        self.trace.append(PressureSample(now_s, sizes.get("prefill", 0), sizes.get("decode", 0), levels["prefill"],
+                                         levels["decode"], queued, arriving, late, load, mean_prompt))
         # NOTE: the arrivals' and the first tokens' pressures are averages over about sustain_s already
-        _, arriving, late = terms if terms is not None else (None, None, None)
         averaged_up = (arriving is not None and arriving > c.scale_up_at and self.prompt_load.span_s() >= c.sustain_s) \
             or (late is not None and late > c.scale_up_at)
         wants: list[tuple[float, str, str]] = []  # (how far past the threshold, pool, direction)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import time
 from typing import Any
 
 from cluster.autoscaler import Autoscaler, Decision, autoscale_once
@@ -62,6 +64,16 @@ class ClusterController:
         await self._ready.wait()
         w = self.deployment.workers()
         return self.version, dict(w.prefill), dict(w.decode)
+
+    async def pressure_trace(self) -> list[dict[str, float | int | None]]:
+        """The autoscaler's readings, oldest first (Autoscaler.trace), each at its wall-clock time (`wall_s`,
+        time.time()'s); an infinite pressure as None: `pdserve status --trace` writes them as JSON."""
+        if self.autoscaler is None:
+            return []
+        offset = time.time() - asyncio.get_running_loop().time()
+        return [{"wall_s": round(s.at_s + offset, 3),
+                 **{k: (None if isinstance(v, float) and math.isinf(v) else v)
+                    for k, v in s._asdict().items() if k != "at_s"}} for s in self.autoscaler.trace]
 
     async def first_tokens(self) -> tuple[int, int] | None:
         """The routers' first tokens over their last window and how many came later than the TTFT SLO
@@ -138,14 +150,14 @@ class ClusterController:
             return
         await self.flip(source.serving_ids()[-1], decision.flip_to)  # the newest
 
-    async def decisions(self) -> list[tuple[float, str, int, str]]:
-        """The autoscaler's decisions and the moves it held back ('not made: ...'), oldest first: (seconds
-        ago, pool, its new size, why)."""
+    async def decisions(self, held_back: bool = False) -> list[tuple[float, str, int, str]]:
+        """The autoscaler's decisions, oldest first: (seconds ago, pool, its new size, why); with held_back,
+        the moves it did not make instead (their why says why not)."""
         if self.autoscaler is None:
             return []
         now = asyncio.get_running_loop().time()
-        both = sorted((*self.autoscaler.decisions, *self.autoscaler.held_back), key=lambda d: d.at_s)
-        return [(now - d.at_s, d.pool, d.num_workers, d.why) for d in both]
+        kept = self.autoscaler.held_back if held_back else self.autoscaler.decisions
+        return [(now - d.at_s, d.pool, d.num_workers, d.why) for d in kept]
 
     async def _publish_when_ready(self, pool: WorkerPool, worker_id: str, max_starts: int = 3) -> None:
         for start in range(max_starts):

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="workers of a running pdserve, their load and KV use")
     status.add_argument("--address", default="auto")
+    status.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                        help="Also write the autoscaler's readings of its last 20 minutes to FILE as JSON: per round "
+                        "(about a second) the pools' sizes and pressures and the prefill pressure's terms.")
 
     generate = sub.add_parser("generate", help="complete prompts with the offline engine (no Ray)")
     add_engine_flags(generate)
@@ -306,7 +309,10 @@ def status_command(args: argparse.Namespace) -> int:
             return 1
         rows = controller.stats.remote().result(timeout_s=30)
         decisions = controller.decisions.remote().result(timeout_s=30)
+        decisions += controller.decisions.remote(held_back=True).result(timeout_s=30)
+        decisions.sort(key=lambda d: -d[0])  # NOTE: oldest first, as each list is
         first_tokens = controller.first_tokens.remote().result(timeout_s=30)
+        trace = controller.pressure_trace.remote().result(timeout_s=30) if args.trace is not None else None
     finally:
         ray.shutdown()
     print(f"{'worker':<16}{'role':>8}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}{'pushing':>8}"
@@ -324,6 +330,9 @@ def status_command(args: argparse.Namespace) -> int:
     for row in rows:
         if not isinstance(row, str) and row.weights:
             print(f"engine of {row.worker_id}: weights {row.weights}, KV cache {row.kv_cache_dtype}")
+    if trace is not None:
+        args.trace.write_text(json.dumps(trace))
+        print(f"autoscaler readings: {len(trace)} written to {args.trace}")
     if first_tokens is not None:
         num, late = first_tokens
         print(f"first tokens over the routers' last 10 s: {num}, {late} of them later than the TTFT SLO")

@@ -52,14 +52,18 @@ def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: Non
             await asyncio.sleep(6.0)  # the quiet after: the pool shrinks back
             decisions = await controller.decisions()
             held = await controller.held_blocks()
-        return tokens, decisions, held, sizes
+            trace = await controller.pressure_trace()
+        return tokens, decisions, held, sizes, trace
 
-    tokens, decisions, held, sizes = asyncio.run(run())
+    tokens, decisions, held, sizes, trace = asyncio.run(run())
     assert tokens == offline  # nothing lost, nothing changed, through every resize
     moves = [(pool, n) for _, pool, n, _ in decisions]
     assert moves == [("prefill", 2), ("prefill", 1)], decisions  # grew for the burst, shrank after: once each way
     assert 2 in sizes and sizes[-1] == 1
     assert set(held.values()) == {0}, held
+    # every round's reading is kept: the burst's prefill pressure past 1, two prefill workers, then one again
+    assert max(s["prefill"] or 0.0 for s in trace) > 1.0 and [s["num_prefill"] for s in trace][-1] == 1
+    assert 2 in {s["num_prefill"] for s in trace} and all(s["wall_s"] > 1e9 for s in trace)
 
 
 def test_a_decode_heavy_load_turns_the_prefill_worker_into_a_decode_worker(ray_cluster: None) -> None:

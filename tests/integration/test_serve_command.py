@@ -194,7 +194,7 @@ def test_grpc_streaming_client_with_reflection(server):
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_curl_sse_stream_and_status(server):
+def test_curl_sse_stream_and_status(server, tmp_path):
     body = json.dumps({"model": "default", "prompt": "import os", "max_tokens": 5, "stream": True})
     out = subprocess.run(
         ["curl", "-sN", "-m", "60", f"http://127.0.0.1:{server.port}/v1/completions",
@@ -204,10 +204,13 @@ def test_curl_sse_stream_and_status(server):
     events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert [json.loads(e)["object"] for e in events[:-1]] == ["text_completion"] * (len(events) - 1)
-    status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", server.ray_address], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    trace = tmp_path / "trace.json"
+    status = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--address", server.ray_address,
+                             "--trace", str(trace)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "prefill-0" in status.stdout and "decode-0" in status.stdout
+    # --trace writes the autoscaler's readings: none here (no autoscaler; tests/integration/test_autoscaler.py reads some)
+    assert json.loads(trace.read_text()) == [] and "autoscaler readings: 0 written" in status.stdout
     assert "engine of decode-0: weights float32, KV cache float32" in status.stdout, status.stdout
     assert " INFO " not in status.stderr and "object at 0x" not in status.stderr, status.stderr  # a table only
     # The router replicas reached the decode worker over the request channel (protocol/channel.py),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.goodput import (
+    autoscaler_trace,
     id_only_tokenizer,
     mode_share,
     num_prompts,
@@ -465,3 +466,18 @@ def test_a_role_change_is_named_with_the_rate_it_happened_in():
     assert phase_at(36.5, phases) == "rate 16"
     assert phase_at(91.0, phases) == "rate 24"
     assert phase_at(103.0, phases) == "after the rates"
+
+
+def test_the_autoscalers_readings_are_kept_from_the_first_rate_on(tmp_path):
+    # `pdserve status --trace` writes each reading at its wall-clock time; the result counts from the rates' start,
+    # as the workers' timeline does, and keeps none from before it (the warm-up)
+    readings = [{"wall_s": 1000.0 + t, "num_prefill": 1, "num_decode": 1, "prefill": 0.5 * t, "decode": None}
+                for t in range(5)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(readings))
+    kept = autoscaler_trace(path, rates_started_wall=1002.5)
+    assert [r["t_s"] for r in kept] == [0.5, 1.5] and kept[0]["prefill"] == 1.5 and "wall_s" not in kept[0]
+    assert autoscaler_trace(tmp_path / "none.json", 0.0) == []
+    result = ModeResult(mode="adaptive", description="", serve_argv=[])
+    result.autoscaler_trace = kept
+    assert mode_summary(result)["autoscaler_trace"] == kept
