@@ -327,7 +327,8 @@ class Autoscaler:
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels, releasable)
             if decision is not None and terms is not None and "prefill pressure" in decision.why:
-                decision = dataclasses.replace(decision, why=f"{decision.why} ({_prefill_detail(terms, load, mean_prompt, ttft)})")
+                detail = _prefill_detail(terms, load, mean_prompt, ttft)
+                decision = dataclasses.replace(decision, why=f"{decision.why} ({detail})")
             refusal = None if decision is None else self._refusal(decision, pool == "prefill" and direction == "up",
                                                                    sizes, levels, stats, load)
             if decision is not None and refusal is not None:

@@ -78,8 +78,9 @@ def test_router_core_counts_each_choices_first_token(wait_s, late):
     clock = Clock()
     tokenizer = tools_tokenizer()
     window = TtftWindow("router-a", ttft_s=0.3, clock=clock)
-    core = RouterCore(SlowFirstToken(tokenizer, clock, wait_s), tokenizer, RouterConfig(), 2048,  # type: ignore[arg-type]
-                      clock=clock, ttft_window=window)
+    dispatcher = SlowFirstToken(tokenizer, clock, wait_s)
+    core = RouterCore(dispatcher, tokenizer, RouterConfig(), 2048, clock=clock,  # type: ignore[arg-type]
+                      ttft_window=window)
     prompt = tokenizer.encode("hi", add_special_tokens=False)
 
     async def run() -> int:
