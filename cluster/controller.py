@@ -65,14 +65,15 @@ class ClusterController:
         w = self.deployment.workers()
         return self.version, dict(w.prefill), dict(w.decode)
 
-    async def pressure_trace(self) -> list[dict[str, float | int | None]]:
+    async def pressure_trace(self) -> list[dict[str, float | int | str | None]]:
         """The autoscaler's readings, oldest first (Autoscaler.trace), each at its wall-clock time (`wall_s`,
-        time.time()'s); an infinite pressure as None: `pdserve status --trace` writes them as JSON."""
+        time.time()'s); an infinite pressure as "inf" (JSON has no infinity; None means not measured):
+        `pdserve status --trace` writes them as JSON."""
         if self.autoscaler is None:
             return []
         offset = time.time() - asyncio.get_running_loop().time()
         return [{"wall_s": round(s.at_s + offset, 3),
-                 **{k: (None if isinstance(v, float) and math.isinf(v) else v)
+                 **{k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
                     for k, v in s._asdict().items() if k != "at_s"}} for s in self.autoscaler.trace]
 
     async def first_tokens(self) -> tuple[int, int] | None:

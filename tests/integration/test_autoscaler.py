@@ -61,8 +61,10 @@ def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: Non
     assert moves == [("prefill", 2), ("prefill", 1)], decisions  # grew for the burst, shrank after: once each way
     assert 2 in sizes and sizes[-1] == 1
     assert set(held.values()) == {0}, held
-    # every round's reading is kept: the burst's prefill pressure past 1, two prefill workers, then one again
-    assert max(s["prefill"] or 0.0 for s in trace) > 1.0 and [s["num_prefill"] for s in trace][-1] == 1
+    # every round's reading is kept: the burst's prefill pressure past 1 ("inf": prompts arriving past the rate),
+    # two prefill workers, then one again
+    assert any(s["prefill"] == "inf" or (s["prefill"] or 0.0) > 1.0 for s in trace)
+    assert [s["num_prefill"] for s in trace][-1] == 1
     assert 2 in {s["num_prefill"] for s in trace} and all(s["wall_s"] > 1e9 for s in trace)
 
 
