@@ -58,8 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from protocol.api import WorkerStatsMsg
 
 __all__ = ["AutoscalerConfig", "Autoscaler", "Decision", "PressureSample", "PromptLoad", "TtftCounts", "pressures",
-           "prefill_terms",
-           "arrivals_queue_pressure", "decode_pressure_computing_prompts"]
+           "prefill_terms", "arrivals_queue_pressure", "decode_pressure_computing_prompts"]
 
 TTFT_MISS_ALLOWED = 0.1
 """Of the first tokens, the share the TTFT SLO (a p90 target) lets come later than it."""
@@ -134,9 +133,15 @@ def pressures(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig, no_pref
     prefill pool's pressure then, so that it can grow back from none. prompt_tokens_per_s and
     mean_prompt_tokens: the prompts arriving (PromptLoad), whose queue at the prefill pool's measured
     rates counts as well (arrivals_queue_pressure); ttft: the routers' first tokens against the SLO."""
+    return _levels(stats, config, prefill_terms(stats, config, no_prefill_pool, prompt_tokens_per_s,
+                                                mean_prompt_tokens, ttft))
+
+
+def _levels(stats: Sequence[WorkerStatsMsg], config: AutoscalerConfig,
+            terms: tuple[float, float | None, float | None] | None) -> dict[str, float | None]:
+    """pressures(), from the prefill pool's terms (prefill_terms)."""
     decode = _decode_workers(stats)
     out: dict[str, float | None] = {"prefill": None, "decode": None}
-    terms = prefill_terms(stats, config, no_prefill_pool, prompt_tokens_per_s, mean_prompt_tokens, ttft)
     if terms is not None:
         out["prefill"] = max(terms[0], terms[1] or 0.0, terms[2] or 0.0)
     if decode:
@@ -297,8 +302,8 @@ class Autoscaler:
         load = self.prompt_load.tokens_per_s()
         no_prefill_pool = sizes.get("prefill") == 0
         mean_prompt = self.prompt_load.mean_prompt_tokens()
-        levels = pressures(stats, c, no_prefill_pool, load, mean_prompt, ttft)
         terms = prefill_terms(stats, c, no_prefill_pool, load, mean_prompt, ttft)
+        levels = _levels(stats, c, terms)  # NOTE: pressures(), its terms computed once for both
         queued, arriving, late = terms if terms is not None else (None, None, None)
         self.trace.append(PressureSample(now_s, sizes.get("prefill", 0), sizes.get("decode", 0), levels["prefill"],
                                          levels["decode"], queued, arriving, late, load, mean_prompt))

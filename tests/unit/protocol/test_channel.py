@@ -6,7 +6,9 @@ a worker that streams no tokens refusing a subscription; worker references (Refs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -71,6 +73,19 @@ async def _client(server: ChannelServer, secret: str | None = None) -> ChannelCl
     return ChannelClient("w0", address, connect_timeout_s=5.0)
 
 
+@contextlib.asynccontextmanager
+async def _connected() -> AsyncIterator[tuple[_Worker, ChannelServer, ChannelClient]]:
+    """A worker serving on the channel, its server and a client of it; both closed after."""
+    worker = _Worker()
+    server = worker.server()
+    client = await _client(server)
+    try:
+        yield worker, server, client
+    finally:
+        client.close()
+        await server.close()
+
+
 async def _pushed_rows(worker: _Worker, client: ChannelClient, row: TokenOutputMsg) -> list[TokenOutputMsg]:
     """ROW appears at the worker: the rows of the first non-empty batch its stream then carries."""
     worker.rows.append(row)
@@ -84,10 +99,7 @@ async def _pushed_rows(worker: _Worker, client: ChannelClient, row: TokenOutputM
 
 def test_calls_answer_and_errors_keep_their_kind():
     async def main():
-        worker = _Worker()
-        server = worker.server()
-        client = await _client(server)
-        try:
+        async with _connected() as (worker, server, client):
             results = await asyncio.wait_for(asyncio.gather(
                 client.call(Call.SUBMIT, b"ok"), client.call(Call.RESERVE, b"r1"), client.call(Call.RESERVE, b"full"),
             ), 10)
@@ -102,9 +114,6 @@ def test_calls_answer_and_errors_keep_their_kind():
             # the connection outlives failed calls: one connection, every call on it
             assert await asyncio.wait_for(client.call(Call.SUBMIT, b"again"), 10) == 1.5
             assert len(server._connections) == 1
-        finally:
-            client.close()
-            await server.close()
 
     asyncio.run(main())
 
@@ -147,10 +156,7 @@ def test_an_oversized_frame_ends_the_connection_and_nothing_runs():
 
 def test_batches_are_pushed_as_rows_appear_and_an_idle_worker_sends_heartbeats():
     async def main():
-        worker = _Worker()
-        server = worker.server()
-        client = await _client(server)
-        try:
+        async with _connected() as (worker, _, client):
             loop = asyncio.get_running_loop()
             start = loop.time()
             idle = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))
@@ -158,19 +164,13 @@ def test_batches_are_pushed_as_rows_appear_and_an_idle_worker_sends_heartbeats()
             # rows appear: the next batch carries them without another request from the router
             row = TokenOutputMsg(request_id="a", new_token_ids=[7])
             assert await _pushed_rows(worker, client, row) == [row]
-        finally:
-            client.close()
-            await server.close()
 
     asyncio.run(main())
 
 
 def test_a_lost_connection_fails_waiting_calls_and_the_stream_then_the_next_call_reconnects():
     async def main():
-        worker = _Worker()
-        server = worker.server()
-        client = await _client(server)
-        try:
+        async with _connected() as (worker, server, client):
             pending = asyncio.ensure_future(client.call(Call.ABORT, "a"))  # waits on the worker
             stream = asyncio.ensure_future(client.next_batch("r0", 30.0))  # no rows, no heartbeat for 30 s
             await asyncio.sleep(0.1)
@@ -182,9 +182,6 @@ def test_a_lost_connection_fails_waiting_calls_and_the_stream_then_the_next_call
                 await asyncio.wait_for(stream, 10)
             worker.release.set()
             assert await asyncio.wait_for(client.call(Call.ABORT, "a"), 10) is True  # a new connection
-        finally:
-            client.close()
-            await server.close()
 
     asyncio.run(main())
 
@@ -205,11 +202,8 @@ def test_a_poll_whose_caller_stops_waiting_drops_the_connection():
     """A router that gives up on a quiet worker must not leave its pusher taking rows nobody reads."""
 
     async def main():
-        worker = _Worker()
-        server = worker.server()
-        client = await _client(server)
-        handle = DecodeClient("w0", worker, client)
-        try:
+        async with _connected() as (worker, server, client):
+            handle = DecodeClient("w0", worker, client)
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(handle.next_batch("r0", 30.0), 0.2)
             for _ in range(100):  # bounded: the worker sees the close
@@ -217,9 +211,6 @@ def test_a_poll_whose_caller_stops_waiting_drops_the_connection():
                     break
                 await asyncio.sleep(0.02)
             assert not server._connections
-        finally:
-            client.close()
-            await server.close()
 
     asyncio.run(main())
 
@@ -349,10 +340,7 @@ def test_a_stream_on_a_connection_opened_after_close_when_idle_outlives_the_call
     modes run one after another): its new connection stays open after a call on it ends, so the token
     stream riding it goes on (closing it there failed the stream: 'no colocated worker is serving')."""
     async def main():
-        worker = _Worker()
-        server = worker.server()
-        client = await _client(server)
-        try:
+        async with _connected() as (worker, _, client):
             assert await asyncio.wait_for(client.call(Call.SUBMIT, b"r"), 10) == 1.5
             client.close_when_idle()  # nothing under way: closed at once
             idle = TokenBatchMsg.decode(await asyncio.wait_for(client.next_batch("r0", 0.05), 10))  # reopens
@@ -360,8 +348,5 @@ def test_a_stream_on_a_connection_opened_after_close_when_idle_outlives_the_call
             assert await asyncio.wait_for(client.call(Call.RESERVE, b"x"), 10) == b"lease:x"
             row = TokenOutputMsg(request_id="a", new_token_ids=[7])
             assert await _pushed_rows(worker, client, row) == [row]
-        finally:
-            client.close()
-            await server.close()
 
     asyncio.run(main())
