@@ -71,6 +71,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.step_rates import StepRates
 from engine.step_timer import step_timer_for
+from engine.warmup import warm_up_sampler
 from engine.validation import InvalidRequestError, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ class EngineCore:
         # worker with no prefill pool left: DecodeWorker.computes_every_prompt)
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
+        warm_up_sampler(self.sampler, arch.vocab_size, self.device)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel worker (they leave their loops); idempotent."""

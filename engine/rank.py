@@ -24,6 +24,7 @@ from engine.models.gguf_tokenizer import checkpoint_dir
 from engine.parallel import TensorParallel
 from engine.runner import ModelRunner, StepLeader
 from engine.sizing import num_kv_blocks
+from engine.warmup import warm_up_runner
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,6 +100,7 @@ def build_runner(config: EngineConfig, parts: RankParts, kv: torch.Tensor, devic
     captured (on every rank alike) where they run."""
     leader = StepLeader(tp.group) if tp is not None and tp.shard.rank == 0 else None
     runner = ModelRunner(parts.model, kv, parts.backend, device, leader)
+    warm_up_runner(runner, max_seq_tokens)  # NOTE: before capture: graphs then find every kernel compiled
     if cuda_graphs_enabled(config.model, device, parts.backend):
         # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
         runner.capture_decode_graphs(graph_max_rows(config), max_seq_tokens)

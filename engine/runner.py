@@ -228,6 +228,12 @@ class ModelRunner:
             hidden = self.graphs.run(seqs, patch)  # None: not a step a graph serves
             if hidden is not None:
                 return self.model.compute_logits(hidden)
+        return self.forward_eager(seqs, patch)
+
+    @torch.inference_mode()
+    def forward_eager(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor:
+        """`forward` on this rank alone, without graphs (the other ranks of a tensor-parallel worker
+        must run the same forward: the engine's warm-up runs it on every rank)."""
         ids, pos, meta, logit_rows = self.prepare(seqs)
         if patch is not None:
             patch.apply(ids)

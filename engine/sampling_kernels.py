@@ -167,7 +167,9 @@ def race(
     return index.gather(1, winner).squeeze(1).clamp_max(vocab - 1).to(torch.long)
 
 
-@triton.jit
+# NOTE: keys may start anywhere in an upload of (rows, keys): not specialized on their alignment,
+# one variant for every batch (engine/warmup.py compiles it at start).
+@triton.jit(do_not_specialize_on_alignment=["key_ptr"])
 def _noise_kernel(key_ptr, out_ptr, vocab, threads, BLOCK: tl.constexpr):
     """Grid (rows, blocks): row r's noise at one block of the vocabulary."""
     row = tl.program_id(0).to(tl.int64)
@@ -189,7 +191,9 @@ def keyed_noise(keys: torch.Tensor, vocab: int, block: int = _BLOCK, threads: in
 # ---- speculative verification: rejection sampling (Leviathan et al., 2023) in one launch
 
 
-@triton.jit
+# NOTE: rows and max_drafts change from step to step: not specialized (see
+# engine/attention/triton_kernels.py's _decode_kernel).
+@triton.jit(do_not_specialize=["rows", "max_drafts"])
 def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_ptr, out_ptr, rows, max_drafts, vocab,
                    K_BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Grid (rows,): row r's accepted drafts m into out[r], its last token into out[rows + r].

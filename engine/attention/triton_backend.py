@@ -186,7 +186,7 @@ class TritonAttention:
             self._kernels.decode_attention(
                 q, k_cache, v_cache, out, *tensors,
                 scale=spec.scale, sliding_window=spec.sliding_window,
-                num_splits=num_splits, tokens_per_split=tokens_per_split,
+                num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
                 block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
             )  # fmt: skip
         if num_decode < meta.num_seqs:
@@ -223,7 +223,7 @@ class TritonAttention:
         self._kernels.decode_attention(
             q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
             scale=spec.scale, sliding_window=spec.sliding_window,
-            num_splits=num_splits, tokens_per_split=tokens_per_split,
+            num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
             block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
             workspace=self._workspace,
         )  # fmt: skip

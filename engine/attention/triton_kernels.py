@@ -118,7 +118,10 @@ def _split_keys(seq_len, window, num_splits, BLOCK_N: tl.constexpr, HAS_WINDOW: 
     return lo, tps
 
 
-@triton.jit
+# NOTE: integer arguments that change from step to step are not specialized: Triton compiles a
+# variant for each of 1, a multiple of 16 and any other value, and a variant compiled at run time
+# stalls its step by seconds (tests/gpu/test_compile_warmup_gpu.py).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -196,7 +199,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, query_start_loc_ptr,
     window, num_splits, num_heads, stride_ot, stride_oh,
@@ -267,6 +270,7 @@ def decode_attention(
     sliding_window: int | None,
     num_splits: int,
     tokens_per_split: int,
+    max_splits: int,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -278,7 +282,8 @@ def decode_attention(
     only, not on their values: with those fixed per batch size, a CUDA graph can replay it.
     Each sequence's keys are split evenly over num_splits programs; tokens_per_split (a multiple of
     block_n, from `decode_split_plan`) is the longest split of the plan, checked, not needed by the
-    kernels. With num_splits > 1 the split-K partials need a float32 workspace of
+    kernels. max_splits bounds num_splits over every launch: the reduce kernel is compiled once for
+    it, not once per split count. With num_splits > 1 the split-K partials need a float32 workspace of
     `decode_workspace_numel(...)` elements: `workspace` when given (a CUDA graph's static buffer),
     else allocated here.
     """
@@ -289,6 +294,8 @@ def decode_attention(
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if tokens_per_split % block_n:
         raise ValueError(f"tokens_per_split={tokens_per_split} must be a multiple of block_n={block_n}")
+    if not 1 <= num_splits <= max_splits:
+        raise ValueError(f"num_splits={num_splits} must be in [1, max_splits={max_splits}]")
     if num_seqs == 0:
         return
     group = num_heads // num_kv_heads
@@ -322,6 +329,6 @@ def decode_attention(
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, seq_lens, query_start_loc,
             window, num_splits, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(max_splits),
             BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, num_warps=4,
         )  # fmt: skip

@@ -83,7 +83,9 @@ def _attend_tile(
     return acc, l, m_new
 
 
-@triton.jit
+# NOTE: num_seqs and the block table's width change from step to step: not specialized, so one
+# variant serves every step (see _decode_kernel).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_seqs, scale_log2, window,

@@ -71,7 +71,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-@triton.jit
+# NOTE: M (the step's rows) is not specialized: one variant serves every batch size, none is
+# compiled mid-serving (see engine/attention/triton_kernels.py's _decode_kernel).
+@triton.jit(do_not_specialize=["M"])
 def _split_k_matmul_kernel(
     xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, stride_x, stride_w,
     stride_o, HAS_BIAS: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -105,7 +107,7 @@ def _split_k_matmul_kernel(
         tl.store(part_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_o, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                        BLOCK: tl.constexpr):
     """out[m, n-block] = sum over splits of part[split, m, n-block] (+ bias), one program a row and block."""

@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# NOTE: M (the step's rows) is not specialized: one variant per BLOCK_M serves every batch size,
+# none is compiled mid-serving (see engine/attention/triton_kernels.py's _decode_kernel).
+@triton.jit(do_not_specialize=["M"])
 def _small_matmul_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_sn, stride_o,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -66,7 +68,7 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_sn, stride_o,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -32,6 +32,7 @@ from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
 from engine.spec.draft_load import load_draft
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
+from engine.warmup import warm_up_runner
 
 PLACEHOLDER = -1  # a drafted token still on the device (read once, when first used: _DraftRead)
 
@@ -88,6 +89,7 @@ class DraftModelProposer:
         kv = allocate_kv_tensors(self.arch, num_blocks, bs, ctx.dtype, ctx.device)
         self.pool = BlockPool(num_blocks, bs, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, kv, self.backend, ctx.device)
+        warm_up_runner(self.runner, max_seq_tokens + k)
         if ctx.cuda_graph_max_rows is not None and cuda_graphs_enabled(ctx.model, ctx.device, self.backend):
             # Drafted positions run up to K - 1 past the target's longest sequence.
             self.runner.capture_decode_graphs(ctx.cuda_graph_max_rows, max_seq_tokens + k)

@@ -223,7 +223,7 @@ def test_decode_spans_several_splits(dtype):
     triton_kernels.decode_attention(
         b.q, k_cache, v_cache, whole, b.meta.block_tables_tensor, b.meta.seq_lens_tensor,
         b.meta.query_start_loc_tensor, scale=b.spec.scale, sliding_window=None, num_splits=1,
-        tokens_per_split=80, block_n=16,
+        tokens_per_split=80, max_splits=SMALL.max_splits, block_n=16,
     )  # fmt: skip
     torch.testing.assert_close(whole.float(), split.float(), **TOLERANCE[dtype])
 

@@ -1,0 +1,73 @@
+"""Compiles, while an engine starts, every Triton kernel variant its steps launch, so that no step
+compiles one: a kernel compiled mid-serving stalls its step, and every request in it, by the
+seconds the compiler takes (tests/gpu/test_compile_warmup_gpu.py finds them).
+
+A kernel's variants are its constexprs' values; the engine's kernels do not specialize on the
+integers that change from step to step (batch rows, sequences, block-table width, split count),
+so the values below are the only ones that pick a variant:
+
+| what differs                                   | the kernels                   | warm-up steps |
+|------------------------------------------------|-------------------------------|---------------|
+| decode keys split over programs or not         | attention decode (+ reduce)   | 1 / 2, 4      |
+| rows <= 16, <= 32, more                        | FP8 split-K / scaled matmul   | 2, 1, 5       |
+| rows 1, 2, <= 16, <= 32, more                  | 4-bit small / tiled matmul    | 4, 3, 2, 1, 5 |
+| unseeded / seeded random rows, truncated rows  | fused race, keyed noise       | the sampler   |
+
+The forwards write KV into block 0 of a cache that holds nothing yet (no request owns a block
+before the engine has started), and return nothing anyone reads. On CUDA only: elsewhere
+nothing compiles (the CPU runs torch, or Triton's interpreter in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import SamplingParams
+from engine.runner import ForwardSeq, ModelRunner
+from engine.sampler import Sampler, SamplingRow
+
+LONG_CONTEXT = 1024  # a decode context that splits its keys over programs (more than min_split_tokens)
+
+
+def warm_up_steps(max_seq_tokens: int, block_size: int) -> list[list[ForwardSeq]]:
+    """The forwards of the table above, every sequence within max_seq_tokens, all in block 0."""
+
+    def prompt(n: int) -> ForwardSeq:
+        return ForwardSeq(token_ids=[0] * n, start=0, block_ids=[0] * -(-n // block_size), num_logits=1)
+
+    def decode(context: int) -> ForwardSeq:
+        return ForwardSeq(token_ids=[0], start=context - 1, block_ids=[0] * -(-context // block_size), num_logits=1)
+
+    cap = max(1, min(max_seq_tokens, LONG_CONTEXT))
+    return [
+        [prompt(min(20, cap)), prompt(min(3, cap)), decode(cap), decode(min(5, cap))],  # 25 rows
+        [prompt(min(5, cap)), decode(min(5, cap)), decode(min(3, cap))],  # 7 rows
+        [prompt(min(2, cap))],
+        [decode(min(5, cap))],
+        [prompt(min(64, cap)), prompt(min(37, cap))],  # 101 rows
+    ]
+
+
+def warm_up_runner(runner: ModelRunner, max_seq_tokens: int) -> None:
+    """Runs the warm-up forwards on this rank alone (every rank of a tensor-parallel worker runs
+    the same ones, so their collectives meet). Call before graph capture and before any step."""
+    if runner.device.type != "cuda":
+        return
+    for seqs in warm_up_steps(max_seq_tokens, runner.block_size):
+        runner.forward_eager(seqs)
+    torch.cuda.synchronize(runner.device)
+
+
+def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device) -> None:
+    """Draws once for each kind of random row, so its kernels compile now."""
+    if device.type != "cuda" or not sampler.fused:
+        return
+    logits = torch.zeros(2, vocab_size, dtype=torch.float32, device=device)
+    kinds = [
+        (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=0)),  # the fused race
+        (SamplingParams(temperature=1.0, top_p=0.5, seed=0), SamplingParams(temperature=1.0, top_p=0.5, seed=1)),
+    ]
+    generator = torch.Generator(device=device).manual_seed(0)
+    for params in kinds:
+        sampler(logits, [SamplingRow(p, [0], []) for p in params], generator)
+    torch.cuda.synchronize(device)

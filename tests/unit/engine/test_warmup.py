@@ -1,0 +1,79 @@
+"""The engine's start-up warm-up on the CPU: its forwards reach every kernel variant the steps can
+pick (engine/warmup.py's table) and fit any engine, down to one block; through Triton's
+interpreter they run on the real kernels. That nothing compiles after start on a GPU is
+tests/gpu/test_compile_warmup_gpu.py's to show. NOTE: the kernel modules are imported under
+TRITON_INTERPRET (tests/interpreted.py says how, and why this skips otherwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionSpec
+from engine.attention.triton_backend import TritonAttentionConfig, decode_split_plan
+from engine.kv_cache import allocate_kv_tensors
+from engine.models import DEFAULT_MODEL_DIR, build_model
+from engine.runner import ForwardSeq, ModelRunner
+from engine.warmup import warm_up_steps
+from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
+
+SPLIT_K_MAX_ROWS = import_interpreted("engine.quant.fp8_kernels", "_quantize_rows_kernel").SPLIT_K_MAX_ROWS
+SMALL_MATMUL_MAX_ROWS = import_interpreted("engine.quant.int4_kernels", "_matmul_kernel").SMALL_MATMUL_MAX_ROWS
+import_interpreted("engine.attention.triton_kernels", "_decode_kernel")
+import_interpreted("engine.attention.triton_prefill", "_prefill_kernel")
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
+
+H100_SMS = 132
+
+
+def _rows(seqs: list[ForwardSeq]) -> int:
+    return sum(len(s.token_ids) for s in seqs)
+
+
+def _decode_contexts(seqs: list[ForwardSeq]) -> list[int]:
+    return [s.start + 1 for s in seqs if len(s.token_ids) == 1]
+
+
+@pytest.mark.parametrize(("max_seq_tokens", "block_size"), [(8192, 16), (130_000, 16), (64, 4), (8, 4), (1, 1)])
+def test_steps_fit_the_engine_and_its_blocks(max_seq_tokens, block_size):
+    for seqs in warm_up_steps(max_seq_tokens, block_size):
+        for s in seqs:
+            end = s.start + len(s.token_ids)
+            assert 0 < end <= max_seq_tokens
+            assert len(s.block_ids) * block_size >= end and set(s.block_ids) == {0}
+            assert s.num_logits == 1
+
+
+def test_steps_reach_every_row_class_and_both_decode_plans():
+    steps = warm_up_steps(8192, 16)
+    rows = [_rows(seqs) for seqs in steps]
+    # The FP8 split-K tile classes (<= 16, <= SPLIT_K_MAX_ROWS rows), the scaled matmul past them,
+    # and the 4-bit small kernel's row counts (1 .. SMALL_MATMUL_MAX_ROWS).
+    assert any(r <= 16 for r in rows) and any(16 < r <= SPLIT_K_MAX_ROWS for r in rows)
+    assert any(r > SPLIT_K_MAX_ROWS for r in rows)
+    assert set(range(1, SMALL_MATMUL_MAX_ROWS + 1)) <= set(rows)
+    # Decode launched with its keys split over programs, and whole; beside prompts and alone.
+    config, num_kv_heads = TritonAttentionConfig(), 8
+    splits = [
+        decode_split_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config)[0]
+        for ctx in map(_decode_contexts, steps)
+        if ctx
+    ]
+    assert max(splits) > 1 and min(splits) == 1
+    assert any(len(seqs) == 1 and len(seqs[0].token_ids) == 1 for seqs in steps)
+
+
+def test_steps_run_on_the_interpreted_kernels_in_one_block():
+    from engine.attention.triton_backend import TritonAttention
+
+    cpu = torch.device("cpu")
+    model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    config = TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16)
+    runner = ModelRunner(model, allocate_kv_tensors(arch, 1, 16, torch.float32, cpu), TritonAttention(spec, config), cpu)
+    steps = warm_up_steps(64, 16)
+    assert decode_split_plan(1, arch.num_kv_heads, 64, 8, config)[0] > 1, "the test should cover split-K"
+    for seqs in steps:
+        logits = runner.forward_eager(seqs)
+        assert logits.shape == (len(seqs), arch.vocab_size)
+        assert bool(torch.isfinite(logits).all())
