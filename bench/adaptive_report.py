@@ -96,6 +96,14 @@ SOURCES_24 = (
            (1000.0, 40.0)),
     Source("adaptive, queue model (run 9)", "adaptive_2xh200_r9_queue_model_adaptive_300_40.json", "adaptive",
            (300.0, 40.0)),
+    # run 10 after no step compiles a kernel (7ebdc48), with the late-first-token term (its first GPU runs): each
+    # SLO pair's adaptive and colocated sweeps in one lease, the two pairs in two calls on one machine
+    Source("2 colocated (run 10)", "adaptive_2xh200_r10_compile_warmup_300_40.json", "colocated", None),
+    Source("adaptive, kernels compiled at start (run 10)", "adaptive_2xh200_r10_compile_warmup_300_40.json",
+           "adaptive", (300.0, 40.0)),
+    Source("2 colocated (run 10b)", "adaptive_2xh200_r10_compile_warmup_1000_20.json", "colocated", None),
+    Source("adaptive, kernels compiled at start (run 10b)", "adaptive_2xh200_r10_compile_warmup_1000_20.json",
+           "adaptive", (1000.0, 20.0)),
 )
 SOURCES_28 = (
     Source("2 colocated TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "colocated2", None),
@@ -147,7 +155,7 @@ SETS = {
         "decode steps are too fast there", 2, "issue 24 on {gpus}: Llama-3.1-8B shape (dummy bf16)",
         {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive from 1P1D": ("tab:green", "-"),
          "planned colocated + step budget": ("tab:red", "--"), "adaptive, roles to 0P2D": ("tab:purple", "-"),
-         "adaptive, queue model": ("tab:brown", "-")}),
+         "adaptive, queue model": ("tab:brown", "-"), "adaptive, kernels compiled at start": ("black", "-")}),
     "decode_heavy_2xh200": ReportSet(
         SOURCES_24_DECODE_HEAVY, "planner_profile_llama-3.1-8b_nvidia-h200.json",
         "measured with max_num_seqs 64 (the 64-sequence runs' engines) before measure.decode_tokens (see "
