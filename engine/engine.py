@@ -71,7 +71,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.step_rates import StepRates
 from engine.step_timer import step_timer_for
-from engine.warmup import warm_up_sampler
+from engine.warmup import warm_up_sampler, warm_up_verifier
 from engine.validation import InvalidRequestError, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -223,6 +223,8 @@ class EngineCore:
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
         warm_up_sampler(self.sampler, arch.vocab_size, self.device)
+        if self.proposer is not None:
+            warm_up_verifier(self.sampler, arch.vocab_size, self.device, config.speculative.num_draft_tokens)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel worker (they leave their loops); idempotent."""

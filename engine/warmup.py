@@ -12,6 +12,7 @@ so the values below are the only ones that pick a variant:
 | rows <= 16, <= 32, more                        | FP8 split-K / scaled matmul   | 2, 1, 5       |
 | rows 1, 2, <= 16, <= 32, more                  | 4-bit small / tiled matmul    | 4, 3, 2, 1, 5 |
 | unseeded / seeded random rows, truncated rows  | fused race, keyed noise       | the sampler   |
+| drafts a row, to the next power of two         | fused verification            | the verifier  |
 
 The forwards write KV into block 0 of a cache that holds nothing yet (no request owns a block
 before the engine has started), and return nothing anyone reads. On CUDA only: elsewhere
@@ -24,7 +25,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.runner import ForwardSeq, ModelRunner
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, VerifyRow
 
 LONG_CONTEXT = 1024  # a decode context that splits its keys over programs (more than min_split_tokens)
 
@@ -70,4 +71,25 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device) -> 
     generator = torch.Generator(device=device).manual_seed(0)
     for params in kinds:
         sampler(logits, [SamplingRow(p, [0], []) for p in params], generator)
+    torch.cuda.synchronize(device)
+
+
+def draft_count_classes(max_drafts: int) -> list[int]:
+    """One draft count for each tile the verification kernel takes (the next power of two above
+    K + 1) over K in [1, max_drafts]: 2^n - 1 up to max_drafts, and max_drafts."""
+    return sorted({min(max_drafts, (1 << n) - 1) for n in range(1, max_drafts.bit_length() + 2)})
+
+
+def warm_up_verifier(sampler: Sampler, vocab_size: int, device: torch.device, max_drafts: int) -> None:
+    """Verifies one row of each draft count class up to max_drafts (the kernel's tile is the next
+    power of two above the drafts), with point-mass drafts and with drafted distributions."""
+    if device.type != "cuda" or not sampler.fused:
+        return
+    generator = torch.Generator(device=device).manual_seed(0)
+    row = SamplingRow(SamplingParams(temperature=1.0), [0], [])
+    for k in draft_count_classes(max_drafts):
+        logits = torch.zeros(k + 1, vocab_size, dtype=torch.float32, device=device)
+        probs = torch.full((k, vocab_size), 1.0 / vocab_size, dtype=torch.float32, device=device)
+        for draft_probs in (None, probs):
+            sampler.verify(logits, [VerifyRow(row, [0] * k, draft_probs)], generator)
     torch.cuda.synchronize(device)

@@ -5,9 +5,8 @@ changes between 1, a multiple of 16 and anything else, so the varied batches bel
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from engine import SamplingParams
+from engine.config import SpeculativeConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,12 +40,9 @@ def forget_compiled_kernels() -> None:
                     value.device_caches.clear()
 
 
-@pytest.mark.parametrize("quantization", ["auto", "fp8"])
-def test_no_step_compiles_a_kernel_after_start(make_llm, quantization):
-    forget_compiled_kernels()
-    llm = make_llm(str(LLAMA_8B_SHAPE), device="cuda", dtype="bfloat16", load_format="dummy", quantization=quantization,
-                   num_blocks=4096, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=2048)
-    engine = llm.engine
+def compiled_while_serving(engine, batches: list[tuple[list[int], dict]]) -> list[str]:
+    """The kernels compiled while the engine serves `batches` (prompt lengths, sampling fields), each
+    added at once and run to the end."""
     compiled: list[str] = []
 
     def record(*, repr: str, compile: dict, **_: object) -> None:
@@ -54,13 +51,12 @@ def test_no_step_compiles_a_kernel_after_start(make_llm, quantization):
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = record
     try:
-        batches = [(lengths, {}) for lengths in BATCHES] + [(lengths, {"temperature": 0.8}) for lengths in SAMPLED]
-        batches += [(lengths, {"temperature": 0.7, "top_p": 0.9, "seed": 7}) for lengths in SAMPLED]
         for b, (lengths, sampling) in enumerate(batches):
             params = SamplingParams(**{"max_tokens": 1 + 3 * b, "temperature": 0.0, "ignore_eos": True, **sampling})
             for i, n in enumerate(lengths):
-                engine.add_request(f"b{b}r{i}", [(b * 7919 + i * 31 + j) % 128_000 for j in range(n)], params)
-            for _ in range(200):
+                # NOTE: a repeating prompt, so that n-gram and draft proposers draft
+                engine.add_request(f"b{b}r{i}", [(b * 7919 + i * 31 + j % 97) % 2048 for j in range(n)], params)
+            for _ in range(400):
                 if not engine.has_unfinished():
                     break
                 engine.step()
@@ -69,4 +65,29 @@ def test_no_step_compiles_a_kernel_after_start(make_llm, quantization):
         knobs.runtime.jit_cache_hook = previous
     for name in compiled:
         print("compiled after start:", name[:600])
-    assert compiled == []
+    return compiled
+
+
+def varied_batches() -> list[tuple[list[int], dict]]:
+    batches = [(lengths, {}) for lengths in BATCHES] + [(lengths, {"temperature": 0.8}) for lengths in SAMPLED]
+    return batches + [(lengths, {"temperature": 0.7, "top_p": 0.9, "seed": 7}) for lengths in SAMPLED]
+
+
+@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+def test_no_step_compiles_a_kernel_after_start(make_llm, quantization):
+    forget_compiled_kernels()
+    llm = make_llm(str(LLAMA_8B_SHAPE), device="cuda", dtype="bfloat16", load_format="dummy", quantization=quantization,
+                   num_blocks=4096, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=2048)
+    assert compiled_while_serving(llm.engine, varied_batches()) == []
+
+
+def test_no_speculative_step_compiles_a_kernel_after_start(make_llm):
+    """The default model drafting for itself: the draft model's forwards and loop graphs, and the
+    fused verification of every draft count (adaptive draft lengths)."""
+    forget_compiled_kernels()
+    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=4)
+    llm = make_llm(speculative=spec, device="cuda", dtype="bfloat16", num_blocks=1024, max_num_seqs=32,
+                   max_model_len=2048)
+    batches = [(lengths, {}) for lengths in ([300], [16, 40], [5] * 9)]
+    batches += [(lengths, {"temperature": 0.9}) for lengths in ([300], [16, 40, 77], [5] * 9)]
+    assert compiled_while_serving(llm.engine, batches) == []

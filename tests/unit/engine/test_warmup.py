@@ -14,7 +14,7 @@ from engine.attention.triton_backend import TritonAttentionConfig, decode_split_
 from engine.kv_cache import allocate_kv_tensors
 from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.runner import ForwardSeq, ModelRunner
-from engine.warmup import warm_up_steps
+from engine.warmup import draft_count_classes, warm_up_steps
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
 SPLIT_K_MAX_ROWS = import_interpreted("engine.quant.fp8_kernels", "_quantize_rows_kernel").SPLIT_K_MAX_ROWS
@@ -77,3 +77,13 @@ def test_steps_run_on_the_interpreted_kernels_in_one_block():
         logits = runner.forward_eager(seqs)
         assert logits.shape == (len(seqs), arch.vocab_size)
         assert bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("max_drafts", [1, 2, 3, 4, 5, 7, 8, 9, 16, 32])
+def test_draft_counts_reach_every_verification_tile(max_drafts):
+    def tile(k: int) -> int:
+        return 1 << k.bit_length()  # the kernel's K_BLOCK: triton.next_power_of_2(k + 1)
+
+    counts = draft_count_classes(max_drafts)
+    assert all(1 <= k <= max_drafts for k in counts)
+    assert {tile(k) for k in counts} == {tile(k) for k in range(1, max_drafts + 1)}
