@@ -97,6 +97,7 @@ def main() -> None:
         return
     bandwidth = copy_bandwidth(torch.device("cuda"))
     served = Fp8Matmul("cuda", triton=True)
+    counts = fp8_kernels.split_k_counts(torch.device("cuda"))
     rows_out = []
     for name in args.shapes:
         n, k = SHAPES[name]
@@ -126,7 +127,7 @@ def main() -> None:
                     tried.add(c)
 
                     def call(i: int, c: fp8_kernels.SplitKConfig = c) -> torch.Tensor:
-                        return fp8_kernels.split_k_matmul(xq, xs, *weights[i], None, torch.bfloat16, c)
+                        return fp8_kernels.split_k_matmul(xq, xs, *weights[i], None, torch.bfloat16, counts, c)
                     try:
                         error = float((call(0).float() - want).abs().max())
                     except Exception as e:  # noqa: BLE001 (a configuration past the shared memory: skipped)

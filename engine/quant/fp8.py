@@ -59,6 +59,10 @@ class Fp8Matmul:
         self._quantize = quantize_rows
         self._split_k_matmul = None
         self._split_k_max_rows = 0
+        self._split_k_counts = None
+        # NOTE: one count buffer a device for all of a model's products: they run one after another
+        # on its stream, and each leaves the counts zeroed.
+        self._counts: dict[torch.device, torch.Tensor] = {}
         if triton:
             from engine.quant import fp8_kernels  # NOTE: imports triton; only CUDA models (and interpreted tests) do
 
@@ -66,6 +70,7 @@ class Fp8Matmul:
             if path == "cuda":
                 self._split_k_matmul = fp8_kernels.split_k_matmul
                 self._split_k_max_rows = fp8_kernels.SPLIT_K_MAX_ROWS
+                self._split_k_counts = fp8_kernels.split_k_counts
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
@@ -73,7 +78,9 @@ class Fp8Matmul:
         rows = x.reshape(-1, x.shape[-1])
         x_q, x_scale = self._quantize(rows)
         if self._split_k_matmul is not None and rows.shape[0] <= self._split_k_max_rows:
-            out = self._split_k_matmul(x_q, x_scale, weight, weight_scale, bias, x.dtype)
+            if x.device not in self._counts:
+                self._counts[x.device] = self._split_k_counts(x.device)
+            out = self._split_k_matmul(x_q, x_scale, weight, weight_scale, bias, x.dtype, self._counts[x.device])
         elif self.path == "cuda":
             # NOTE: weight.t() of a row-major [out, in] tensor is the column-major operand cuBLASLt wants
             out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),

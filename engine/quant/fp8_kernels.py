@@ -75,14 +75,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # compiled mid-serving (see engine/attention/triton_kernels.py's _decode_kernel).
 @triton.jit(do_not_specialize=["M"])
 def _split_k_matmul_kernel(
-    xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, stride_x, stride_w,
-    stride_o, HAS_BIAS: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+    stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """out[m-block, n-block] of quantized rows on tensor cores (E4M3 x E4M3 -> float32), over one
-    k_per_split slice of K (a multiple of BLOCK_K) per program along axis 2: with WHOLE_K (one slice)
-    the scales and bias are applied and `out` written; otherwise each slice's scaled float32 sum goes to
-    part[split] and `_sum_splits_kernel` adds them in split order (deterministic, no atomics)."""
+    k_per_split slice of K (a multiple of BLOCK_K) per program along axis 2. One slice: the scales
+    and bias applied, `out` written. Several: each slice's scaled float32 sum goes to part[split],
+    then the tile's count (count_ptr, zero between launches) goes up by one; the program that
+    brings it to SPLIT_K adds every slice in split order (deterministic: the same sums whichever
+    program is last), writes `out` and sets the count back to zero (for the next launch, a CUDA
+    graph's replay too). One launch: a second, summing kernel cost a launch a product."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,27 +102,26 @@ def _split_k_matmul_kernel(
     w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if WHOLE_K:
+    out = out_ptr + rm[:, None] * stride_o + rn[None, :]
+    if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.store(part_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=ok)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_o, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """out[m, n-block] = sum over splits of part[split, m, n-block] (+ bias), one program a row and block."""
-    m = tl.program_id(1)
-    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rn < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (split * M + m) * N + rn, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_o + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        parts = part_ptr + rm[:, None] * N + rn[None, :]  # slice s at + s * M * N
+        tl.store(parts + pid_k * M * N, acc, mask=ok)
+        # NOTE: every thread's stores before the count (the barrier), the count released at GPU scope;
+        # the last program acquires it, and reads the slices past L1 (.cg), which may hold stale lines.
+        tl.debug_barrier()
+        count = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(parts + split * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 SplitKConfig = tuple[int, int, int, int, int, int]
@@ -153,12 +155,23 @@ def split_k_config(m: int, k: int, n: int) -> SplitKConfig:
     return block_m, block_n, block_k, split, 4, 4
 
 
+MAX_TILES = 1 << 14
+"""Output tiles of one `split_k_matmul` a count buffer of `split_k_counts` serves (32 rows of a
+262,144-wide product at 128 columns a tile; Llama-3.1-70B's widest, gate/up, is 57,344)."""
+
+
+def split_k_counts(device: torch.device) -> torch.Tensor:
+    """A zeroed count per output tile for `split_k_matmul`'s slices; each launch leaves it zeroed."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
 def split_k_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, counts: torch.Tensor | None = None,
                    config: SplitKConfig | None = None) -> torch.Tensor:
     """(xq * x_scale) @ (weight * weight_scale).T (+ bias) for quantized rows xq [M, K] (E4M3) with
-    x_scale [M, 1] float32, weight [N, K] E4M3 and weight_scale [N] float32; float32 sums. config:
-    split_k_config's for the shape by default."""
+    x_scale [M, 1] float32, weight [N, K] E4M3 and weight_scale [N] float32; float32 sums. counts:
+    `split_k_counts`' buffer (a caller keeps one a device and stream; without it, one is made here).
+    config: split_k_config's for the shape by default."""
     block_m, block_n, block_k, split_k, num_warps, num_stages = config or split_k_config(*xq.shape, weight.shape[0])
     m, k = xq.shape
     n = weight.shape[0]
@@ -167,14 +180,14 @@ def split_k_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
         return out
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slice
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    if grid[0] * grid[1] > MAX_TILES:
+        raise ValueError(f"split_k_matmul of {m} x {n} takes {grid[0] * grid[1]} tiles; at most {MAX_TILES}")
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=xq.device) if split_k > 1 else out
+    counts = counts if counts is not None else split_k_counts(xq.device)
     bias_arg = bias if bias is not None else weight_scale
-    _split_k_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
-        xq, x_scale, weight, weight_scale, bias_arg, out, part, m, n, k, k_per_split, xq.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, WHOLE_K=split_k == 1, BLOCK_M=block_m,
+    _split_k_matmul_kernel[grid](
+        xq, x_scale, weight, weight_scale, bias_arg, out, part, counts, m, n, k, k_per_split, xq.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps)
-    if split_k > 1:
-        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, bias_arg, out, m, n, out.stride(0),
-                                                      HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=1024,
-                                                      num_warps=4)
     return out

@@ -73,7 +73,7 @@ def test_split_k_matmul_equals_reference_path(rows: int, config: tuple[int, int,
     w, bias = torch.randn(1000, 3000, device="cuda", generator=gen), torch.randn(1000, device="cuda").bfloat16()
     wq, ws = quantize_rows(w)
     xq, xs = fp8_kernels.quantize_rows(x)
-    got = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), bias, torch.float32, config)
+    got = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), bias, torch.float32, config=config)
     want = Fp8Matmul("reference", triton=False)(x.float(), wq, ws.view(-1), bias)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
 

@@ -63,9 +63,57 @@ def test_split_k_matmul_equals_reference_path(rows: int, n: int, k: int, config:
     b = torch.randn(n, generator=gen) if bias else None
     wq, ws = quantize_rows(w)
     xq, xs = fp8_kernels.quantize_rows(x)
-    got = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, config)
+    got = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, config=config)
     want = Fp8Matmul("reference", triton=False)(x, wq, ws.view(-1), b)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_sums_every_slice_once_in_order_and_leaves_the_counts_zeroed(bias: bool) -> None:
+    """One launch: the tile's last slice adds the slices in split order, so the product equals each
+    slice's product alone (one slice, the same K tiles) summed in that order, bit for bit; and
+    the counts it used are zero again for the next launch (a CUDA graph replays the same buffer)."""
+    gen = torch.Generator().manual_seed(7)
+    rows, n, k, block_k, splits = 3, 80, 512, 128, 4
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    wq, ws = quantize_rows(w)
+    xq, xs = fp8_kernels.quantize_rows(x)
+    counts = fp8_kernels.split_k_counts(torch.device("cpu"))
+    got = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, counts, (16, 32, block_k, splits, 4, 2))
+    assert not counts.any()
+    width = k // splits
+    want = torch.zeros(rows, n)
+    for s in range(splits):
+        cols = slice(s * width, (s + 1) * width)
+        want += fp8_kernels.split_k_matmul(xq[:, cols].contiguous(), xs, wq[:, cols].contiguous(), ws.view(-1), None,
+                                           torch.float32, counts, (16, 32, block_k, 1, 4, 2))
+    if b is not None:
+        want += b
+    assert torch.equal(got, want)
+    again = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, counts, (16, 32, block_k, splits, 4, 2))
+    assert torch.equal(again, got)
+
+
+def test_fp8_matmul_shares_one_count_buffer_across_its_products() -> None:
+    """The served path's products of a few rows (interpreted here on CPU tensors) reuse one zeroed
+    count buffer a device, whatever their shapes."""
+    gen = torch.Generator().manual_seed(3)
+    served, reference = Fp8Matmul("cuda", triton=True), Fp8Matmul("reference", triton=False)
+    for rows, n, k in [(3, 96, 1024), (1, 40, 2048), (20, 64, 512)]:
+        x = torch.randn(rows, k, generator=gen)
+        wq, ws = quantize_rows(torch.randn(n, k, generator=gen))
+        torch.testing.assert_close(served(x, wq, ws.view(-1), None), reference(x, wq, ws.view(-1), None),
+                                   atol=1e-4, rtol=1e-5)
+    assert list(served._counts) == [torch.device("cpu")] and not served._counts[torch.device("cpu")].any()
+
+
+def test_split_k_refuses_more_tiles_than_its_counts() -> None:
+    n, k = fp8_kernels.MAX_TILES * 16 + 16, 128
+    wq = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    xq, xs = fp8_kernels.quantize_rows(torch.ones(1, k))
+    with pytest.raises(ValueError, match=f"tiles; at most {fp8_kernels.MAX_TILES}"):
+        fp8_kernels.split_k_matmul(xq, xs, wq, torch.ones(n), None, torch.float32, config=(16, 16, 128, 2, 4, 2))
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 4096, 6144), (1, 28672, 8192), (16, 4096, 28672), (32, 8192, 8192),
