@@ -7,13 +7,18 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.quant.fp8 import FP8, FP8_MAX, MIN_SCALE, QuantizedRows
+from engine.quant.fp8_kernels import round_e4m3
+
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
+    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One program a row: h = residual + x (rounded; stored as the new residual), out = norm(h)."""
+    """One program a row: h = residual + x (rounded; stored as the new residual), out = norm(h) in
+    the activations' dtype; with QUANTIZE, out is that norm quantized as fp8.quantize_rows does
+    (E4M3 into out, the row's scale into scale_ptr): the next projection's input, one launch less."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -26,7 +31,14 @@ def _add_rms_norm_kernel(
     inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
     y = (hf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+    if QUANTIZE:
+        normed = (w * y).to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.where(ok, tl.abs(normed), 0.0), 0) / FP8_MAX, MIN_SCALE)
+        q = tl.minimum(tl.maximum(normed * tl.math.div_rn(1.0, scale), -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + row * stride_o + cols, round_e4m3(q).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
 
 @triton.jit
 def _norm_rope_kernel(
@@ -79,22 +91,24 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
 
 # ---- the Triton launchers
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quantize: bool = False
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """x, residual: [tokens, n]. Returns (rms_norm(residual + x), residual + x); without a
-    residual, (rms_norm(x), x)."""
+    residual, (rms_norm(x), x). quantize: the norm as QuantizedRows (fp8.quantize_rows' bits)."""
     _check_rows("x", x)
     tokens, n = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty((tokens, n), dtype=FP8 if quantize else x.dtype, device=x.device)
+    scale = torch.empty((tokens, 1), dtype=torch.float32, device=x.device) if quantize else out
     res_out = torch.empty_like(x) if residual is not None else x
     if tokens:
         res = residual if residual is not None else x
         _check_rows("residual", res)
         _add_rms_norm_kernel[(tokens,)](
-            x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8,
+            x, res, weight, out, res_out, scale, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n,
+            eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(n),
+            num_warps=4 if n <= 2048 else 8,
         )  # fmt: skip
-    return out, res_out
+    return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
 
 def norm_rope(

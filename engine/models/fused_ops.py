@@ -9,7 +9,9 @@ float32 and up to the order of float32 sums otherwise:
 
 - RMSNorm: normalize in float32, cast to the activations' dtype, then multiply by the weight
   (a product in the activations' dtype).
-- add + RMSNorm: the residual sum is rounded to the dtype first (it is the next residual).
+- add + RMSNorm: the residual sum is rounded to the dtype first (it is the next residual). Into
+  an FP8 projection the norm leaves its kernel quantized, fp8.quantize_rows' bits of the rounded
+  norm (QuantizedRows): the projection quantizes nothing, one launch less.
 - rotary: x * cos and rotate_half(x) * sin each rounded, then their sum; cos/sin in the dtype.
 - SwiGLU: silu(gate) rounded, times up.
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.rope import apply_rotary
-from engine.quant.fp8 import Fp8Matmul, Fp8Path
+from engine.quant.fp8 import FP8, Fp8Matmul, Fp8Path, QuantizedRows, quantize_rows
 from engine.quant.int4 import Int4Matmul, Int4Path
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -79,11 +81,16 @@ class DecoderOps:
             self._kernels = fused_kernels
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+        into: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """into: the weight of the projection the norm feeds; an FP8 one takes the norm quantized
+        (QuantizedRows, in the norm's kernel on the Triton path: its quantization one launch less)."""
+        quantize = into is not None and into.dtype == FP8
         if self.triton:
-            return self._kernels.add_rms_norm(x, residual, weight, eps)
-        return add_rms_norm_ref(x, residual, weight, eps)
+            return self._kernels.add_rms_norm(x, residual, weight, eps, quantize)
+        h, residual = add_rms_norm_ref(x, residual, weight, eps)
+        return (QuantizedRows(*quantize_rows(h), h.dtype) if quantize else h), residual
 
     def norm_rope(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
@@ -92,9 +99,13 @@ class DecoderOps:
             return self._kernels.norm_rope(x, cos, sin, weight, eps)
         return norm_rope_ref(x, cos, sin, weight, eps)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+    def linear(self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T + bias; an FP8 or 4-bit (uint8) weight, with its scales, on its own path."""
+        """x @ weight.T + bias; an FP8 or 4-bit (uint8) weight, with its scales, on its own path (an
+        FP8 one may take its input quantized already: `add_rms_norm`'s `into`)."""
+        if isinstance(x, QuantizedRows):
+            assert self.fp8 is not None and weight.dtype == FP8, "quantized rows for a projection that is not FP8"
+            return self.fp8(x, weight, weight_scale, bias)
         if weight_scale is None:
             return F.linear(x, weight, bias)
         if weight.dtype == torch.uint8:

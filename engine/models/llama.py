@@ -22,7 +22,7 @@ from engine.models.arch import ArchConfig
 from engine.models.fused_ops import DecoderOps, rms_norm_ref
 from engine.models.rope import RotaryEmbedding
 from engine.parallel import Shard, TensorParallel, TPShard, local_arch
-from engine.quant.fp8 import Fp8Path
+from engine.quant.fp8 import Fp8Path, QuantizedRows
 from engine.quant.int4 import Int4Path
 
 
@@ -88,7 +88,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [tokens, hidden]
+        x: torch.Tensor | QuantizedRows,  # [tokens, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
@@ -96,8 +96,8 @@ class Attention(nn.Module):
         ops: DecoderOps,
         tp: TensorParallel | None,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
         qkv = ops.linear(x, self.qkv_weight, self.qkv_weight_scale, self.qkv_bias)  # [tokens, q_size + 2 * kv_size]
+        tokens = qkv.shape[0]
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
@@ -115,7 +115,7 @@ class MLP(nn.Module):
         fused_linears(self, "gate_up", {"gate_proj": inter, "up_proj": inter}, hidden, arch.mlp_bias)
         self.down_proj = linear_layer(inter, hidden, arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ops: DecoderOps, tp: TensorParallel | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows, ops: DecoderOps, tp: TensorParallel | None) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_weight_scale, self.gate_up_bias)
         return row_parallel(self.down_proj, ops.silu_and_mul(gate_up), ops, tp)
 
@@ -133,10 +133,11 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to residual (None before the first layer).
         Returns this layer's (output, residual); the sum of the two is transformers' hidden state."""
-        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps,
+                                       into=self.self_attn.qkv_weight)
         x = self.self_attn(h, cos_sin, kv_cache, meta, backend, ops, tp)
         h, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps)
+                                       self.post_attention_layernorm.eps, into=self.mlp.gate_up_weight)
         return self.mlp(h, ops, tp), residual
 
 

@@ -16,7 +16,7 @@ nothing of checkpoints (checkpoint.py) or of which modules are quantized (conver
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -36,6 +36,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     return (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class QuantizedRows(NamedTuple):
+    """A projection's input already quantized as `quantize_rows` does (by the kernel that made it:
+    the RMSNorm before the projection), and the dtype the product returns."""
+
+    q: torch.Tensor  # [rows, n] float8_e4m3fn
+    scale: torch.Tensor  # [rows, 1] float32
+    dtype: torch.dtype
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,20 +81,24 @@ class Fp8Matmul:
                 self._split_k_max_rows = fp8_kernels.SPLIT_K_MAX_ROWS
                 self._split_k_counts = fp8_kernels.split_k_counts
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    def __call__(self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype."""
-        rows = x.reshape(-1, x.shape[-1])
-        x_q, x_scale = self._quantize(rows)
-        if self._split_k_matmul is not None and rows.shape[0] <= self._split_k_max_rows:
-            if x.device not in self._counts:
-                self._counts[x.device] = self._split_k_counts(x.device)
-            out = self._split_k_matmul(x_q, x_scale, weight, weight_scale, bias, x.dtype, self._counts[x.device])
+        """x [..., in] -> [..., out] in x's dtype; QuantizedRows [rows, in] -> [rows, out] in its dtype."""
+        if isinstance(x, QuantizedRows):
+            (x_q, x_scale, dtype), lead = x, x.q.shape[:-1]
+        else:
+            x_q, x_scale = self._quantize(x.reshape(-1, x.shape[-1]))
+            dtype, lead = x.dtype, x.shape[:-1]
+        device = x_q.device
+        if self._split_k_matmul is not None and x_q.shape[0] <= self._split_k_max_rows:
+            if device not in self._counts:
+                self._counts[device] = self._split_k_counts(device)
+            out = self._split_k_matmul(x_q, x_scale, weight, weight_scale, bias, dtype, self._counts[device])
         elif self.path == "cuda":
             # NOTE: weight.t() of a row-major [out, in] tensor is the column-major operand cuBLASLt wants
             out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                                   bias=bias, out_dtype=x.dtype)
+                                   bias=bias, out_dtype=dtype)
         else:
             out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.view(1, -1)
-            out = (out if bias is None else out + bias.float()).to(x.dtype)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+            out = (out if bias is None else out + bias.float()).to(dtype)
+        return out.reshape(*lead, weight.shape[0])

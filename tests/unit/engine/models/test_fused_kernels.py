@@ -2,7 +2,8 @@
 (engine/models/fused_ops.py), on the CPU through Triton's interpreter, fp32 and fp16 (bf16 is
 wrong under the CPU interpreter; the GPU tests cover it through the whole model): odd row widths,
 strided q/k views of a fused qkv output, with and without the q/k norm and the residual. fp32
-must agree to float32 rounding of sums; fp16 to a unit in the last place of the output.
+must agree to float32 rounding of sums; fp16 to a unit in the last place of the output. The norm
+that quantizes for an FP8 projection must equal fp8.quantize_rows of its own norm bit for bit.
 
 NOTE: the kernels' module is imported under TRITON_INTERPRET (tests/interpreted.py says how, and
 why this skips otherwise).
@@ -16,6 +17,8 @@ import torch
 from engine.models.arch import RopeConfig
 from engine.models.fused_ops import DecoderOps, add_rms_norm_ref, norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 from engine.models.rope import RotaryEmbedding
+from engine.quant.fp8 import FP8, QuantizedRows, quantize_rows
+from engine.runner import ForwardSeq
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
 fused_kernels = import_interpreted("engine.models.fused_kernels", "_add_rms_norm_kernel")
@@ -74,3 +77,65 @@ def test_decoder_ops_dispatch() -> None:
     w = torch.ones(8)
     assert torch.equal(DecoderOps(triton=False).add_rms_norm(x, None, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6))
     close(DecoderOps(triton=True).add_rms_norm(x, None, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [24, 100])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_quantized_is_quantize_rows_of_the_norm(dtype: torch.dtype, width: int,
+                                                             with_residual: bool) -> None:
+    """The quantizing norm (one launch where the norm and fp8's quantization were two) writes the
+    bits fp8.quantize_rows gives for the norm it computes, and the same residual; a zero row too."""
+    gen = torch.Generator().manual_seed(width + with_residual)
+    x = (4 * torch.randn(5, width, generator=gen)).to(dtype)
+    x[3] = 0.0
+    residual = torch.randn(5, width, generator=gen).to(dtype) if with_residual else None
+    if residual is not None:
+        residual[3] = 0.0
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    norm, res = fused_kernels.add_rms_norm(x, residual, weight, 1e-6)
+    got, got_res = fused_kernels.add_rms_norm(x, residual, weight, 1e-6, quantize=True)
+    assert isinstance(got, QuantizedRows) and got.q.dtype == FP8 and got.dtype == dtype
+    want_q, want_scale = quantize_rows(norm)
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.scale, want_scale)
+    assert torch.equal(got_res, res)
+
+
+def test_decoder_ops_quantize_the_norm_for_fp8_projections_only() -> None:
+    gen = torch.Generator().manual_seed(11)
+    x, r, w = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen), torch.ones(64)
+    fp8_weight, bf16_weight = torch.zeros(8, 64, dtype=FP8), torch.zeros(8, 64)
+    for ops in (DecoderOps(triton=False, fp8_path="reference"), DecoderOps(triton=True, fp8_path="reference")):
+        norm, res = ops.add_rms_norm(x, r, w, 1e-6)
+        plain, plain_res = ops.add_rms_norm(x, r, w, 1e-6, into=bf16_weight)
+        quantized, quantized_res = ops.add_rms_norm(x, r, w, 1e-6, into=fp8_weight)
+        assert torch.equal(plain, norm) and torch.equal(plain_res, res) and torch.equal(quantized_res, res)
+        want_q, want_scale = quantize_rows(norm)
+        assert torch.equal(quantized.q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(quantized.scale, want_scale)
+        wq, ws = quantize_rows(torch.randn(8, 64, generator=gen))
+        assert torch.equal(ops.linear(quantized, wq, ws.view(-1), None), ops.linear(norm, wq, ws.view(-1), None))
+
+
+def test_fp8_model_with_fused_ops_equals_its_reference_ops(hf_checkpoints, make_llm) -> None:
+    """A whole FP8 model: the norms quantize for qkv and gate/up in their kernels (QuantizedRows
+    through the layer; two quantizing launches a layer, not four) and give the reference ops'
+    logits, up to float32 sums in another order."""
+    llm = make_llm(str(hf_checkpoints("llama")), quantization="fp8", device="cpu", num_blocks=16)
+    runner = llm.engine.runner
+    seqs = [ForwardSeq([3, 17, 42, 7, 99], 0, [0], 1), ForwardSeq([5, 6, 8], 0, [1], 1)]
+    want = runner.forward_eager(seqs)
+    runner.model.use_fused_ops(True)
+    fp8 = runner.model.ops.fp8
+    quantize, calls = fp8._quantize, []
+    fp8._quantize = lambda rows: calls.append(rows.shape) or quantize(rows)
+    try:
+        got = runner.forward_eager(seqs)
+    finally:
+        runner.model.use_fused_ops(False)
+    # Quantized apart: o_proj's and down_proj's inputs only (qkv's and gate/up's came from the norms).
+    assert len(calls) == 2 * llm.engine.arch.num_layers
+    assert got.shape == want.shape == (2, llm.engine.arch.vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)  # 1.4e-6 apart on logits up to 10.7
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
