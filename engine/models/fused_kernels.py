@@ -84,6 +84,33 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, (s * u).to(dtype), mask=ok)
 
 
+@triton.jit
+def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, BLOCK: tl.constexpr):
+    """Grid (tokens,): the row's silu(gate) (rounded) * up, rounded to the activations' dtype, as
+    `_silu_and_mul_kernel` computes it, quantized as fp8.quantize_rows does: a pass for the row's
+    max, then the same values again, quantized (recomputed rather than stored: no scratch row)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    dtype = x_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, n, BLOCK):
+        ok = k0 + cols < n
+        g = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + n + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        y = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
+        amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
+    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    inverse = tl.math.div_rn(1.0, scale)
+    for k0 in range(0, n, BLOCK):
+        ok = k0 + cols < n
+        g = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + n + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        y = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
+        q = tl.minimum(tl.maximum(y * inverse, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_q + k0 + cols, round_e4m3(q).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row, scale)
+
+
 def _check_rows(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension; strides {t.stride()}")
@@ -129,10 +156,18 @@ def norm_rope(
     return out
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | QuantizedRows:
+    """gate_up [tokens, 2n] -> [tokens, n]; quantize: as QuantizedRows (fp8.quantize_rows' bits)."""
     _check_rows("gate_up", gate_up)
     tokens, two_n = gate_up.shape
     n = two_n // 2
+    if quantize:
+        q = torch.empty((tokens, n), dtype=FP8, device=gate_up.device)
+        scale = torch.empty((tokens, 1), dtype=torch.float32, device=gate_up.device)
+        if tokens:
+            _silu_and_mul_quantized_kernel[(tokens,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), n,
+                                                      BLOCK=min(4096, triton.next_power_of_2(n)), num_warps=8)
+        return QuantizedRows(q, scale, gate_up.dtype)
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
         block = 1024

@@ -13,7 +13,8 @@ float32 and up to the order of float32 sums otherwise:
   an FP8 projection the norm leaves its kernel quantized, fp8.quantize_rows' bits of the rounded
   norm (QuantizedRows): the projection quantizes nothing, one launch less.
 - rotary: x * cos and rotate_half(x) * sin each rounded, then their sum; cos/sin in the dtype.
-- SwiGLU: silu(gate) rounded, times up.
+- SwiGLU: silu(gate) rounded, times up; into an FP8 projection quantized in the same kernel, as
+  the norm.
 
 Layouts: rows are tokens; every last dimension is contiguous; q/k may be strided views of a fused
 qkv projection.
@@ -114,7 +115,10 @@ class DecoderOps:
         assert self.fp8 is not None, "an FP8 weight in a model built without fp8_path"
         return self.fp8(x, weight, weight_scale, bias)
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, gate_up: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
+        """into: as `add_rms_norm`'s (the projection's weight; an FP8 one takes the product quantized)."""
+        quantize = into is not None and into.dtype == FP8
         if self.triton:
-            return self._kernels.silu_and_mul(gate_up)
-        return silu_and_mul_ref(gate_up)
+            return self._kernels.silu_and_mul(gate_up, quantize)
+        act = silu_and_mul_ref(gate_up)
+        return QuantizedRows(*quantize_rows(act), act.dtype) if quantize else act

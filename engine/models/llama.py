@@ -62,7 +62,8 @@ def linear_layer(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     return linear
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, ops: DecoderOps, tp: TensorParallel | None) -> torch.Tensor:
+def row_parallel(linear: nn.Linear, x: torch.Tensor | QuantizedRows, ops: DecoderOps,
+                 tp: TensorParallel | None) -> torch.Tensor:
     """linear(x) where each rank holds some of linear's input columns: partial sums, all-reduced,
     then the bias once."""
     if tp is None:
@@ -117,7 +118,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRows, ops: DecoderOps, tp: TensorParallel | None) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_weight_scale, self.gate_up_bias)
-        return row_parallel(self.down_proj, ops.silu_and_mul(gate_up), ops, tp)
+        return row_parallel(self.down_proj, ops.silu_and_mul(gate_up, into=self.down_proj.weight), ops, tp)
 
 
 class DecoderLayer(nn.Module):

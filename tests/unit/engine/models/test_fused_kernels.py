@@ -102,7 +102,22 @@ def test_add_rms_norm_quantized_is_quantize_rows_of_the_norm(dtype: torch.dtype,
     assert torch.equal(got_res, res)
 
 
-def test_decoder_ops_quantize_the_norm_for_fp8_projections_only() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1500, 5000])
+def test_silu_and_mul_quantized_is_quantize_rows_of_silu_and_mul(dtype: torch.dtype, width: int) -> None:
+    """SwiGLU into an FP8 projection: the bits fp8.quantize_rows gives for the kernel's own SwiGLU
+    (one chunk of the row, and a row over two); a zero row's scale is the floor."""
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (3 * torch.randn(3, 2 * width, generator=gen)).to(dtype)
+    gate_up[1] = 0.0
+    got = fused_kernels.silu_and_mul(gate_up, quantize=True)
+    want_q, want_scale = quantize_rows(fused_kernels.silu_and_mul(gate_up))
+    assert isinstance(got, QuantizedRows) and got.dtype == dtype
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.scale, want_scale)
+
+
+def test_decoder_ops_quantize_for_fp8_projections_only() -> None:
     gen = torch.Generator().manual_seed(11)
     x, r, w = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen), torch.ones(64)
     fp8_weight, bf16_weight = torch.zeros(8, 64, dtype=FP8), torch.zeros(8, 64)
@@ -116,12 +131,17 @@ def test_decoder_ops_quantize_the_norm_for_fp8_projections_only() -> None:
         assert torch.equal(quantized.scale, want_scale)
         wq, ws = quantize_rows(torch.randn(8, 64, generator=gen))
         assert torch.equal(ops.linear(quantized, wq, ws.view(-1), None), ops.linear(norm, wq, ws.view(-1), None))
+        gate_up = torch.randn(3, 128, generator=gen)
+        act = ops.silu_and_mul(gate_up)
+        assert torch.equal(ops.silu_and_mul(gate_up, into=bf16_weight), act)
+        act_q = ops.silu_and_mul(gate_up, into=fp8_weight)
+        assert torch.equal(act_q.q.view(torch.uint8), quantize_rows(act)[0].view(torch.uint8))
 
 
 def test_fp8_model_with_fused_ops_equals_its_reference_ops(hf_checkpoints, make_llm) -> None:
-    """A whole FP8 model: the norms quantize for qkv and gate/up in their kernels (QuantizedRows
-    through the layer; two quantizing launches a layer, not four) and give the reference ops'
-    logits, up to float32 sums in another order."""
+    """A whole FP8 model: the norms quantize for qkv and gate/up, SwiGLU for down, in their kernels
+    (QuantizedRows through the layer; one quantizing launch a layer, not four) and give the
+    reference ops' logits, up to float32 sums in another order."""
     llm = make_llm(str(hf_checkpoints("llama")), quantization="fp8", device="cpu", num_blocks=16)
     runner = llm.engine.runner
     seqs = [ForwardSeq([3, 17, 42, 7, 99], 0, [0], 1), ForwardSeq([5, 6, 8], 0, [1], 1)]
@@ -134,8 +154,8 @@ def test_fp8_model_with_fused_ops_equals_its_reference_ops(hf_checkpoints, make_
         got = runner.forward_eager(seqs)
     finally:
         runner.model.use_fused_ops(False)
-    # Quantized apart: o_proj's and down_proj's inputs only (qkv's and gate/up's came from the norms).
-    assert len(calls) == 2 * llm.engine.arch.num_layers
+    # Quantized apart: o_proj's input only (qkv's and gate/up's come from the norms, down's from SwiGLU).
+    assert len(calls) == llm.engine.arch.num_layers
     assert got.shape == want.shape == (2, llm.engine.arch.vocab_size)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)  # 1.4e-6 apart on logits up to 10.7
     assert torch.equal(got.argmax(-1), want.argmax(-1))
