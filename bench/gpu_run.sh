@@ -53,6 +53,8 @@
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
 #           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
+#   session_checks (one GPU): the GPU tests of the 2026-11-28 session's unrun changes, then bench.quantized's
+#           decode steps for bfloat16, FP8 and W4A16 (--requests 0).
 #   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
@@ -62,7 +64,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -85,6 +87,15 @@ case "$part" in
     run 200 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_quant_gpu.py
     run 560 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --variants ${VARIANTS:-bfloat16 fp8+fp8-kv} --max-num-seqs 512 --requests "${REQUESTS:-1024}" --out "$out"
+    ;;
+  session_checks)
+    # (one GPU) what the 2026-11-28 session changed without a GPU to run it on: the compile warm-up tests (plain,
+    # FP8, speculating), the quantized products' tests (one-launch split-K, norms and SwiGLU quantizing, the
+    # float-bits 4-bit kernel), then the decode step by batch for bfloat16, FP8 and W4A16 (no offline run)
+    run 200 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_compile_warmup_gpu.py \
+      tests/gpu/test_quant_gpu.py tests/gpu/test_engine_gpu.py
+    run 380 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --variants bfloat16 fp8 w4a16 --max-num-seqs 256 --requests 0 --out "$out"
     ;;
   fp8_split_k)
     # which FP8 product is fastest at each 8B / 70B projection shape and batch (bench.diag.fp8_split_k_sweep)
