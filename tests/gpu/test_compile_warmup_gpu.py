@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton import knobs
-from triton.runtime.jit import JITFunction
 
 from engine import SamplingParams
 from engine.config import SpeculativeConfig
@@ -30,9 +28,14 @@ BATCHES = [[1500], [16], [700, 1904], [1024, 333, 2047], [17] * 17, [5000], [48,
 SAMPLED = [[900, 33, 64], [1200, 5]]
 
 
+# NOTE: triton is imported inside the tests, not at collection: the CPU suite collects this module too, and
+# triton.language imported there without TRITON_INTERPRET would leave the interpreted kernel tests compiled jit
+# functions (tests/interpreted.py).
 def forget_compiled_kernels() -> None:
     """Empties every engine kernel's in-process cache, so that an engine built next compiles (or
     loads from Triton's disk cache) what it needs as if it were the process's first."""
+    from triton.runtime.jit import JITFunction
+
     for name, module in list(sys.modules.items()):
         if name.startswith("engine."):
             for value in vars(module).values():
@@ -43,6 +46,8 @@ def forget_compiled_kernels() -> None:
 def compiled_while_serving(engine, batches: list[tuple[list[int], dict]]) -> list[str]:
     """The kernels compiled while the engine serves `batches` (prompt lengths, sampling fields), each
     added at once and run to the end."""
+    from triton import knobs
+
     compiled: list[str] = []
 
     def record(*, repr: str, compile: dict, **_: object) -> None:
