@@ -3,7 +3,8 @@
 A quantized linear holds `weight` [out, in] float8_e4m3fn and `weight_scale` [out] float32, with
 weight ~= weight.float() * weight_scale[:, None]. Its input is quantized row by row as it arrives
 (`quantize_rows`: scale = max|row| / 448, values times its float32 reciprocal, rounded to nearest
-even), and
+even), or arrives quantized so by the kernel before it (`QuantizedRows`: the RMSNorm or SwiGLU of
+engine/models/fused_ops.py), and
 
     y = (x_q @ weight.T) * x_scale * weight_scale (+ bias)
 
