@@ -53,8 +53,8 @@
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
 #           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
-#   session_checks (one GPU): the GPU tests of the 2026-11-28 session's unrun changes, then bench.quantized's
-#           decode steps for bfloat16, FP8 and W4A16 (--requests 0).
+#   session_checks (one GPU): the GPU tests of the 2026-11-28 session's unrun changes, then the FP8 and 4-bit
+#           product sweeps at the 8B shapes (the decode steps: the quant part with REQUESTS=0).
 #   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
@@ -91,11 +91,13 @@ case "$part" in
   session_checks)
     # (one GPU) what the 2026-11-28 session changed without a GPU to run it on: the compile warm-up tests (plain,
     # FP8, speculating), the quantized products' tests (one-launch split-K, norms and SwiGLU quantizing, the
-    # float-bits 4-bit kernel), then the decode step by batch for bfloat16, FP8 and W4A16 (no offline run)
+    # float-bits 4-bit kernel), then the products alone at the 8B shapes (FP8 by rows, 4-bit at 1-2 rows).
+    # The decode steps after: VARIANTS="bfloat16 fp8 w4a16" REQUESTS=0 bash bench/gpu_run.sh quant
     run 200 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_compile_warmup_gpu.py \
       tests/gpu/test_quant_gpu.py tests/gpu/test_engine_gpu.py
-    run 380 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-      --variants bfloat16 fp8 w4a16 --max-num-seqs 256 --requests 0 --out "$out"
+    run 200 python3 -m bench.diag.fp8_split_k_sweep --shapes 8b_qkv 8b_o 8b_gate_up 8b_down --rows 1 2 4 8 16 32 \
+      --tag _one_launch --out "$out"
+    run 120 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul read --rows 1 2 --out "$out"
     ;;
   fp8_split_k)
     # which FP8 product is fastest at each 8B / 70B projection shape and batch (bench.diag.fp8_split_k_sweep)
