@@ -42,14 +42,22 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_c, eps,
+    x_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_out_ptr, k_out_ptr, stride_xt, stride_xh, stride_qt, stride_qh,
+    stride_kt, stride_kh, stride_c, eps, num_q_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens, heads): one head of one token, normalized (HAS_NORM) then rotated."""
+    """Grid (tokens, q heads + k heads): one head of one token, normalized (HAS_NORM: q's or k's
+    weight) then rotated, into q_out or k_out. q and k in one launch (they are adjacent in qkv)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    dtype = out_ptr.dtype.element_ty
+    if h < num_q_heads:
+        w_ptr = wq_ptr
+        dst = q_out_ptr + t * stride_qt + h * stride_qh
+    else:
+        w_ptr = wk_ptr
+        dst = k_out_ptr + t * stride_kt + (h - num_q_heads) * stride_kh
+    dtype = q_out_ptr.dtype.element_ty
     src = x_ptr + t * stride_xt + h * stride_xh
     x1 = tl.load(src + d)
     x2 = tl.load(src + HALF + d)
@@ -67,7 +75,6 @@ def _norm_rope_kernel(
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     o1 = (f1 * c1).to(dtype).to(tl.float32) + (-f2 * s1).to(dtype).to(tl.float32)
     o2 = (f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)
-    dst = out_ptr + t * stride_ot + h * stride_oh
     tl.store(dst + d, o1.to(dtype))
     tl.store(dst + HALF + d, o2.to(dtype))
 
@@ -138,22 +145,27 @@ def add_rms_norm(
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
 
-def norm_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
-) -> torch.Tensor:
-    """x: [tokens, heads, head_dim] (a strided view is fine); returns a contiguous tensor."""
-    _check_rows("x", x)
-    tokens, heads, head_dim = x.shape
+def norm_rope_qk(
+    qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk: [tokens, q heads + k heads, head_dim], q's heads first (a strided view of qkv is fine);
+    returns contiguous (q, k), each normalized by its weight (both or neither) then rotated."""
+    _check_rows("qk", qk)
+    tokens, heads, head_dim = qk.shape
     if head_dim % 2 or head_dim & (head_dim - 1):
         raise ValueError(f"the fused rotary kernel takes a power-of-two head_dim; got {head_dim}")
-    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight come together (a q/k norm) or not at all")
+    q = torch.empty((tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
+    k = torch.empty((tokens, heads - num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     if tokens:
         _norm_rope_kernel[(tokens, heads)](
-            x, cos, sin, weight if weight is not None else x, out,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), eps,
-            HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=weight is not None, num_warps=1,
+            qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q, k,
+            qk.stride(0), qk.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, num_warps=1,
         )  # fmt: skip
-    return out
+    return q, k
 
 
 def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | QuantizedRows:

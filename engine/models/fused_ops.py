@@ -13,6 +13,7 @@ float32 and up to the order of float32 sums otherwise:
   an FP8 projection the norm leaves its kernel quantized, fp8.quantize_rows' bits of the rounded
   norm (QuantizedRows): the projection quantizes nothing, one launch less.
 - rotary: x * cos and rotate_half(x) * sin each rounded, then their sum; cos/sin in the dtype.
+  q's and k's heads (adjacent in qkv), each with its own q/k norm, in one launch.
 - SwiGLU: silu(gate) rounded, times up; into an FP8 projection quantized in the same kernel, as
   the norm.
 
@@ -93,12 +94,16 @@ class DecoderOps:
         h, residual = add_rms_norm_ref(x, residual, weight, eps)
         return (QuantizedRows(*quantize_rows(h), h.dtype) if quantize else h), residual
 
-    def norm_rope(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
-    ) -> torch.Tensor:
+    def norm_rope_qk(
+        self, qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk: q's heads then k's ([tokens, heads, head_dim], as in qkv) -> (q, k), each through
+        norm_rope_ref with its own weight (one launch for both on the Triton path)."""
         if self.triton:
-            return self._kernels.norm_rope(x, cos, sin, weight, eps)
-        return norm_rope_ref(x, cos, sin, weight, eps)
+            return self._kernels.norm_rope_qk(qk, num_q_heads, cos, sin, q_weight, k_weight, eps)
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
+        return norm_rope_ref(q, cos, sin, q_weight, eps), norm_rope_ref(k, cos, sin, k_weight, eps)
 
     def linear(self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:

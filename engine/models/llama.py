@@ -99,12 +99,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = ops.linear(x, self.qkv_weight, self.qkv_weight_scale, self.qkv_bias)  # [tokens, q_size + 2 * kv_size]
         tokens = qkv.shape[0]
-        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        q = ops.norm_rope(q, cos, sin, self.q_norm.weight if self.qk_norm else None, self.eps)
-        k = ops.norm_rope(k, cos, sin, self.k_norm.weight if self.qk_norm else None, self.eps)
+        q, k = ops.norm_rope_qk(qk, self.num_heads, cos, sin, self.q_norm.weight if self.qk_norm else None,
+                                self.k_norm.weight if self.qk_norm else None, self.eps)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return row_parallel(self.o_proj, out.reshape(tokens, self.q_size), ops, tp)
 

@@ -51,18 +51,27 @@ def test_add_rms_norm_equals_reference(dtype: torch.dtype, width: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_norm_rope_on_strided_qkv_views_equals_reference(dtype: torch.dtype, with_norm: bool) -> None:
+def test_norm_rope_of_q_and_k_in_one_launch_equals_reference(dtype: torch.dtype, with_norm: bool) -> None:
+    """q and k of a fused qkv output (a strided view, q's heads then k's), each normalized by its
+    own weight, rotated, in one launch; the refusal of one weight without the other."""
     tokens, heads, kv_heads, head_dim = 7, 4, 2, 16
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
     positions = torch.tensor([0, 1, 2, 9, 40, 41, 300])
     cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim).cos_sin(positions, dtype)
-    weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) if with_norm else None
-    for x in (q, k):
-        got = fused_kernels.norm_rope(x, cos, sin, weight, 1e-6)
-        close(got, norm_rope_ref(x, cos, sin, weight, 1e-6), dtype)
+    q_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) if with_norm else None
+    k_weight = (1 - 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) if with_norm else None
+    q, k = fused_kernels.norm_rope_qk(qk, heads, cos, sin, q_weight, k_weight, 1e-6)
+    assert q.is_contiguous() and k.is_contiguous()
+    close(q, norm_rope_ref(qk[:, :heads], cos, sin, q_weight, 1e-6), dtype)
+    close(k, norm_rope_ref(qk[:, heads:], cos, sin, k_weight, 1e-6), dtype)
+    ref_q, ref_k = DecoderOps(triton=False).norm_rope_qk(qk, heads, cos, sin, q_weight, k_weight, 1e-6)
+    close(q, ref_q, dtype)
+    close(k, ref_k, dtype)
+    if with_norm:
+        with pytest.raises(ValueError, match="q_weight and k_weight come together"):
+            fused_kernels.norm_rope_qk(qk, heads, cos, sin, q_weight, None, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,11 +147,12 @@ def test_decoder_ops_quantize_for_fp8_projections_only() -> None:
         assert torch.equal(act_q.q.view(torch.uint8), quantize_rows(act)[0].view(torch.uint8))
 
 
-def test_fp8_model_with_fused_ops_equals_its_reference_ops(hf_checkpoints, make_llm) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: a q/k norm in the rotary launch
+def test_fp8_model_with_fused_ops_equals_its_reference_ops(arch, hf_checkpoints, make_llm) -> None:
     """A whole FP8 model: the norms quantize for qkv and gate/up, SwiGLU for down, in their kernels
     (QuantizedRows through the layer; one quantizing launch a layer, not four) and give the
     reference ops' logits, up to float32 sums in another order."""
-    llm = make_llm(str(hf_checkpoints("llama")), quantization="fp8", device="cpu", num_blocks=16)
+    llm = make_llm(str(hf_checkpoints(arch)), quantization="fp8", device="cpu", num_blocks=16)
     runner = llm.engine.runner
     seqs = [ForwardSeq([3, 17, 42, 7, 99], 0, [0], 1), ForwardSeq([5, 6, 8], 0, [1], 1)]
     want = runner.forward_eager(seqs)
