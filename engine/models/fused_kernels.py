@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.quant.fp8 import FP8, FP8_MAX, MIN_SCALE, QuantizedRows
-from engine.quant.fp8_kernels import round_e4m3
+from engine.quant.fp8 import FP8, QuantizedRows
+from engine.quant.fp8_kernels import row_scale, to_e4m3
 
 
 @triton.jit
@@ -33,9 +33,9 @@ def _add_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if QUANTIZE:
         normed = (w * y).to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.where(ok, tl.abs(normed), 0.0), 0) / FP8_MAX, MIN_SCALE)
-        q = tl.minimum(tl.maximum(normed * tl.math.div_rn(1.0, scale), -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * stride_o + cols, round_e4m3(q).to(out_ptr.dtype.element_ty), mask=ok)
+        scale = row_scale(tl.max(tl.where(ok, tl.abs(normed), 0.0), 0))
+        q = to_e4m3(normed, tl.math.div_rn(1.0, scale))
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + row, scale)
     else:
         tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
@@ -79,16 +79,22 @@ def _norm_rope_kernel(
     tl.store(dst + HALF + d, o2.to(dtype))
 
 @triton.jit
+def _swiglu(row_ptr, cols, n):
+    """silu(gate) rounded to the activations' dtype, times up, rounded: columns `cols` (< n) of the
+    row [gate (n), up (n)] at row_ptr, in the activations' dtype."""
+    ok = cols < n
+    g = tl.load(row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(row_ptr + n + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = row_ptr.dtype.element_ty
+    return ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
     """Grid (tokens, cdiv(n, BLOCK)): out = silu(gate) (rounded) * up."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n
-    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (s * u).to(dtype), mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, _swiglu(x_ptr + row * stride_x, cols, n), mask=cols < n)
 
 
 @triton.jit
@@ -97,24 +103,16 @@ def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, 
     `_silu_and_mul_kernel` computes it, quantized as fp8.quantize_rows does: a pass for the row's
     max, then the same values again, quantized (recomputed rather than stored: no scratch row)."""
     row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
-    dtype = x_ptr.dtype.element_ty
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, n, BLOCK):
-        ok = k0 + cols < n
-        g = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + n + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        y = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
-        amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
-    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+        amax = tl.maximum(amax, tl.where(k0 + cols < n, tl.abs(_swiglu(x_row, k0 + cols, n).to(tl.float32)), 0.0))
+    scale = row_scale(tl.max(amax, 0))
     inverse = tl.math.div_rn(1.0, scale)
     for k0 in range(0, n, BLOCK):
-        ok = k0 + cols < n
-        g = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + n + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        y = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
-        q = tl.minimum(tl.maximum(y * inverse, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row * stride_q + k0 + cols, round_e4m3(q).to(q_ptr.dtype.element_ty), mask=ok)
+        q = to_e4m3(_swiglu(x_row, k0 + cols, n).to(tl.float32), inverse)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < n)
     tl.store(scale_ptr + row, scale)
 
 

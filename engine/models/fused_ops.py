@@ -65,6 +65,16 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _takes_fp8(weight: torch.Tensor | None) -> bool:
+    """Whether the projection of this weight takes its input quantized (an FP8 weight)."""
+    return weight is not None and weight.dtype == FP8
+
+
+def _for_projection(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor | QuantizedRows:
+    """x as the projection of `weight` takes it: quantized for an FP8 one (the reference path's)."""
+    return QuantizedRows(*quantize_rows(x), x.dtype) if _takes_fp8(weight) else x
+
+
 class DecoderOps:
     """The elementwise ops one model uses: Triton's on CUDA (when `triton` is true), else the reference."""
 
@@ -88,11 +98,10 @@ class DecoderOps:
     ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """into: the weight of the projection the norm feeds; an FP8 one takes the norm quantized
         (QuantizedRows, in the norm's kernel on the Triton path: its quantization one launch less)."""
-        quantize = into is not None and into.dtype == FP8
         if self.triton:
-            return self._kernels.add_rms_norm(x, residual, weight, eps, quantize)
+            return self._kernels.add_rms_norm(x, residual, weight, eps, _takes_fp8(into))
         h, residual = add_rms_norm_ref(x, residual, weight, eps)
-        return (QuantizedRows(*quantize_rows(h), h.dtype) if quantize else h), residual
+        return _for_projection(h, into), residual
 
     def norm_rope_qk(
         self, qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -122,8 +131,6 @@ class DecoderOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
         """into: as `add_rms_norm`'s (the projection's weight; an FP8 one takes the product quantized)."""
-        quantize = into is not None and into.dtype == FP8
         if self.triton:
-            return self._kernels.silu_and_mul(gate_up, quantize)
-        act = silu_and_mul_ref(gate_up)
-        return QuantizedRows(*quantize_rows(act), act.dtype) if quantize else act
+            return self._kernels.silu_and_mul(gate_up, _takes_fp8(into))
+        return _for_projection(silu_and_mul_ref(gate_up), into)

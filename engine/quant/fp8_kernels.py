@@ -25,8 +25,26 @@ def round_e4m3(y):
     return (r.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
 
 
+# NOTE: constexpr: a Triton kernel reads no other global (its compiler refuses them; the interpreter does not)
+E4M3_MAX = tl.constexpr(FP8_MAX)
+SMALLEST_SCALE = tl.constexpr(MIN_SCALE)
+
+
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, chunk, fp8_max, min_scale,
+def row_scale(amax):
+    """fp8.quantize_rows' scale of a row whose largest magnitude is `amax` (float32)."""
+    return tl.maximum(amax / E4M3_MAX, SMALLEST_SCALE)
+
+
+@triton.jit
+def to_e4m3(y, inverse):
+    """float32 values y of a row times its scale's reciprocal (`inverse`, tl.math.div_rn(1, scale)),
+    saturated and rounded as fp8.quantize_rows does: still float32, exact in E4M3."""
+    return round_e4m3(tl.minimum(tl.maximum(y * inverse, -E4M3_MAX), E4M3_MAX))
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, chunk,
                           ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """Row axis 1, its columns [chunk * axis 0, + chunk) (chunk a multiple of BLOCK): each program
     reads its whole row for the row's max, ROW_BLOCK columns a load (all in flight at once: a loop
@@ -39,14 +57,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, chunk,
     for k0 in range(0, n, ROW_BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + wide, mask=k0 + wide < n, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+    scale = row_scale(tl.max(amax, 0))
     inverse = tl.math.div_rn(1.0, scale)
     cols = tl.arange(0, BLOCK)
     for k0 in range(begin, tl.minimum(begin + chunk, n), BLOCK):
         ok = k0 + cols < n
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * inverse, -fp8_max), fp8_max)
-        tl.store(q_ptr + row * stride_q + k0 + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + row * stride_q + k0 + cols, to_e4m3(x, inverse).to(q_ptr.dtype.element_ty), mask=ok)
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + row, scale)
 
@@ -66,8 +83,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         chunks = max(1, min(QUANTIZE_PROGRAMS // rows, triton.cdiv(n, block)))
         chunk = triton.cdiv(triton.cdiv(n, chunks), block) * block
         _quantize_rows_kernel[(triton.cdiv(n, chunk), rows)](
-            x, q, scale, x.stride(0), q.stride(0), n, chunk, FP8_MAX, MIN_SCALE,
-            ROW_BLOCK=min(16384, triton.next_power_of_2(n)), BLOCK=block, num_warps=8)
+            x, q, scale, x.stride(0), q.stride(0), n, chunk, ROW_BLOCK=min(16384, triton.next_power_of_2(n)), BLOCK=block, num_warps=8)
     return q, scale
 
 

@@ -1,0 +1,79 @@
+"""The engine's Triton kernels that quantize or fuse (engine/models/fused_kernels.py, engine/quant/)
+compile for Hopper (sm_90) on the CPU: Triton's compiler runs its whole pipeline to a cubin without a
+GPU. The interpreter, which every other kernel test runs on, does not hold a kernel to the compiler's
+rules (a kernel that read a plain float global passed every interpreted test and failed to compile),
+so this runs the compiler, in a process of its own (the kernels the other tests import are
+interpreted ones, which cannot be compiled)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# (module, kernel, signature, constexprs): the bf16 model's arguments; "constexpr" entries set below
+CASES = """
+P = "*bf16"
+CASES = [
+    ("engine.models.fused_kernels", "_add_rms_norm_kernel",
+     dict(x_ptr=P, res_ptr=P, w_ptr=P, out_ptr="*fp8e4nv", res_out_ptr=P, scale_ptr="*fp32", stride_x="i32",
+          stride_r="i32", stride_o="i32", stride_ro="i32", n="i32", eps="fp32"),
+     dict(HAS_RESIDUAL=True, QUANTIZE=True, BLOCK=4096)),
+    ("engine.models.fused_kernels", "_add_rms_norm_kernel",
+     dict(x_ptr=P, res_ptr=P, w_ptr=P, out_ptr=P, res_out_ptr=P, scale_ptr=P, stride_x="i32", stride_r="i32",
+          stride_o="i32", stride_ro="i32", n="i32", eps="fp32"),
+     dict(HAS_RESIDUAL=False, QUANTIZE=False, BLOCK=4096)),
+    ("engine.models.fused_kernels", "_norm_rope_kernel",
+     dict(x_ptr=P, cos_ptr=P, sin_ptr=P, wq_ptr=P, wk_ptr=P, q_out_ptr=P, k_out_ptr=P, stride_xt="i32",
+          stride_xh="i32", stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32", stride_c="i32",
+          eps="fp32", num_q_heads="i32"),
+     dict(HEAD_DIM=128, HALF=64, HAS_NORM=True)),
+    ("engine.models.fused_kernels", "_silu_and_mul_kernel",
+     dict(x_ptr=P, out_ptr=P, stride_x="i32", stride_o="i32", n="i32"), dict(BLOCK=1024)),
+    ("engine.models.fused_kernels", "_silu_and_mul_quantized_kernel",
+     dict(x_ptr=P, q_ptr="*fp8e4nv", scale_ptr="*fp32", stride_x="i32", stride_q="i32", n="i32"), dict(BLOCK=4096)),
+    ("engine.quant.fp8_kernels", "_quantize_rows_kernel",
+     dict(x_ptr=P, q_ptr="*fp8e4nv", scale_ptr="*fp32", stride_x="i32", stride_q="i32", n="i32", chunk="i32"),
+     dict(ROW_BLOCK=4096, BLOCK=1024)),
+    ("engine.quant.fp8_kernels", "_split_k_matmul_kernel",
+     dict(xq_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*fp32",
+          out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32",
+          stride_x="i32", stride_w="i32", stride_o="i32"),
+     dict(HAS_BIAS=False, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4)),
+    ("engine.quant.int4_kernels", "_small_matmul_kernel",
+     dict(x_ptr=P, w_ptr="*u8", s_ptr="*fp16", bias_ptr=P, out_ptr=P, M="i32", N="i32", K="i32", stride_x="i32",
+          stride_w="i32", stride_sn="i32", stride_o="i32"),
+     dict(GROUP=128, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, NUM_STAGES=3)),
+]
+"""
+
+PROGRAM = CASES + """
+import importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+for module, name, signature, constexprs in CASES:
+    fn = getattr(importlib.import_module(module), name)
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in kernel.asm, name
+    print("compiled", name, flush=True)
+"""
+
+
+def test_fused_and_quantizing_kernels_compile_for_hopper_on_the_cpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled ") == PROGRAM.count('("engine.'), done.stdout
