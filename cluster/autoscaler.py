@@ -331,7 +331,7 @@ class Autoscaler:
             return None
         for _, pool, direction in sorted(wants, reverse=True):
             decision = self._change(now_s, pool, direction, sizes, levels, releasable)
-            if decision is not None and terms is not None and "prefill pressure" in decision.why:
+            if decision is not None and terms is not None and pool == "prefill":  # NOTE: moved by that pressure
                 detail = _prefill_detail(terms, load, mean_prompt, ttft)
                 decision = dataclasses.replace(decision, why=f"{decision.why} ({detail})")
             refusal = None if decision is None else self._refusal(decision, pool == "prefill" and direction == "up",
