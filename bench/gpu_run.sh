@@ -64,7 +64,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -98,6 +98,21 @@ case "$part" in
     run 200 python3 -m bench.diag.fp8_split_k_sweep --shapes 8b_qkv 8b_o 8b_gate_up 8b_down --rows 1 2 4 8 16 32 \
       --tag _one_launch --out "$out"
     run 120 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul read --rows 1 2 --out "$out"
+    ;;
+  int4_words)
+    # (one GPU) the 4-bit small product reading int32 words (a nibble a LOP3 and an FMA): its GPU tests, its
+    # tiles by shape and rows, the 8B W4A16 decode step by batch beside bfloat16's; with .old carried (a
+    # checkout of the commit before), the same sweep and step from there into $out/before
+    run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py -k "int4 or awq"
+    run 200 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul --rows 1 2 --tag _words --out "$out"
+    run 200 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --variants bfloat16 w4a16 --batches 1 2 64 --requests 0 --out "$out"
+    if [ -d .old ]; then
+      mkdir -p "$out/before" && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
+        run 150 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul --rows 1 2 --out "$out/before" && \
+        run 200 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+          --variants w4a16 --batches 1 2 64 --requests 0 --out "$out/before")
+    fi
     ;;
   fp8_split_k)
     # which FP8 product is fastest at each 8B / 70B projection shape and batch (bench.diag.fp8_split_k_sweep)

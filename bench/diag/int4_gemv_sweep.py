@@ -17,10 +17,16 @@ tile each, time / floor of weight + scale bytes over the copy bandwidth):
       at two rows the float-bits kernel 4.6-5.9x against the old kernel's 4.4-5.7x
   r4  reading alone 1.1-2.1x (gate_up 1.09x); one row in 2-D tiles with int32 words, scales
       gathered a word, 6.7-9.0x
-So the product, not the read, bounds the kernel: its CUDA-core instructions a weight byte. The
-float-bits conversion became small_matmul's (one row: down 32.6 -> 24.2 us, gate_up 57.5 -> 52.9,
-o 11.3 -> 9.5, qkv 15.4 -> 14.5); what would reach the goal is fewer instructions still (two
-nibbles a half2 instruction, as Marlin and FasterTransformer convert), not measured here.
+  r5  int32 words, a nibble made a float by one AND-OR under a 1.0 or 16.0 exponent, the zero point
+      and scale applied a word (4.3 instructions a weight in the compiled loop against 6.4), against
+      the float-bits kernel in the same call (`_r5_words`, `_r5_before_words`): one row, best tiles,
+      qkv 12.5 vs 14.3 us, o 9.8 vs 9.5, gate_up 44.3 vs 52.8, down 24.0 vs 24.7 (2.9-4.5x the
+      floor); summed over the four at one tile each, 90.6 vs 103.0 us at one row (16 x 1,024 both)
+      and 148.8 vs 154.7 at two (16 x 512 vs the old default 16 x 256; the old kernel's best, 8 x 512,
+      144.4). The words kernel became small_matmul's.
+So the product, not the read, bounds the kernel, and not by its instruction count alone: a third
+fewer instructions a weight bought 12% at one row. What would reach the goal is likely tensor cores
+fed by a cheaper conversion (two nibbles a half2 instruction, as Marlin converts), not measured here.
 
     python -m bench.diag.int4_gemv_sweep --out DIR [--rows 1 2] [--variants small_matmul read]
 """
@@ -85,7 +91,7 @@ VARIANTS: dict[str, Callable] = {
 def configs(variant: str) -> list[tuple[int, ...]]:
     tiles = itertools.product([8, 16, 32, 64], [256, 512, 1024, 2048], [4, 8], [3])
     return [(bn, bk, warps, stages) for bn, bk, warps, stages in tiles
-            if bn * bk <= (65536 if variant == "read" else 16384)]  # past it an accumulator spills
+            if bn * bk <= (65536 if variant == "read" else 32768)]  # past it an accumulator spills
 
 
 def main() -> None:
@@ -93,6 +99,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--tag", default="", help="appended to the output file's name")
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -138,7 +145,7 @@ def main() -> None:
            "copy_bandwidth_gbs": bandwidth / 1e9, "torch_version": torch.__version__,
            "triton_version": triton.__version__, "python": platform.python_version(), "rows": rows_out}
     slug = doc["device_name"].lower().replace(" ", "-")
-    path = args.out / f"int4_gemv_sweep_{slug}.json"
+    path = args.out / f"int4_gemv_sweep_{slug}{args.tag}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -17,61 +17,93 @@ def _small_matmul_kernel(
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """out[:, n-block] for all M (<= BLOCK_M) rows; BLOCK_K a multiple of GROUP, K of BLOCK_K:
-    CUDA-core products, summed elementwise over the K loop. A nibble q becomes a float by its bits
-    (q | 0x4B000000 is the float 2^23 + q, exact) and one subtraction of 2^23 + z gives q - z: no
-    int-to-float conversion, a quarter-rate instruction on Hopper's CUDA cores, which bound this
-    kernel (bench/diag/int4_gemv_sweep.py: its tiles read alone took 1.1-2.1x the floor)."""
+    """out[:, n-block] for all M (<= BLOCK_M) rows on CUDA cores; BLOCK_K a multiple of GROUP, K of
+    BLOCK_K. The weight is read as int32 words (w_ptr: the uint8 weight viewed as int32, stride_w in
+    words); nibble i of word c is column 8c + i. Few instructions a weight and row, as the product
+    (not the read) bounds this kernel (bench/diag/int4_gemv_sweep.py):
+    - a nibble becomes a float by its bits, no conversion: masked into mantissa bits 19-22 under
+      the exponent of 1.0 it reads 1 + q/16, into bits 15-18 under that of 16.0 it reads 16 + q/16
+      (exact), so one AND-OR (LOP3) a nibble and one shift for every two (by 3 and 11 left, 5
+      right, and a rotation by 19 for nibbles 0 and 7);
+    - one FMA a nibble and row sums x * f over a word, d = sum_i x_i f_i - A with the offsets'
+      part A = sum_i a_i x_i (a_i in {1, 16}) taken out first, so d = (sum_i x_i q_i) / 16;
+    - the group's zero point and scale apply a word, not a weight: s (sum x q - z sum x) is
+      (16 s) d - (s z) X with X = sum_i x_i, two FMAs a word and row.
+    Compiled for sm_90 at one row, its loop issues 4.3 instructions a weight (the kernel before it,
+    which subtracted the zero point and scaled each weight: 6.4). Sums in float32: d's terms are at
+    most 17 |x| against a 1/16 step, so the result keeps about 20 bits of sum_k |x_k| 8 s_k."""
     pid = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = rm < M, rn < N
-    HALF: tl.constexpr = BLOCK_K // 2
+    WPG: tl.constexpr = GROUP // 8  # words a group
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    j = tl.arange(0, HALF)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, HALF], dtype=tl.float32)
+    rm = tl.arange(0, BLOCK_M)[:, None, None, None]
+    n4 = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None, None]
+    g4 = tl.arange(0, GROUPS)[None, None, :, None]
+    word = g4 * WPG + tl.arange(0, WPG)[None, None, None, :]  # [1, 1, GROUPS, WPG]: a tile's words
+    m_ok, n_ok = rm < M, n4 < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS, WPG], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        packed = tl.load(w_ptr + rn[:, None] * stride_w + (k0 // 2 + j)[None, :], mask=n_ok[:, None], other=0)
-        packed = packed.to(tl.int32)  # [BN, HALF]: byte j holds columns k0 + 2j (low) and k0 + 2j + 1
-        g = k0 // GROUP + tl.arange(0, GROUPS)
-        s_row = s_ptr + rn[:, None] * stride_sn + g[None, :] * 2
-        scale = tl.load(s_row, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]  # [BN, GROUPS, 1]
-        zero = tl.load(s_row + 1, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None] + 8388608.0
-        lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True).reshape(BLOCK_N, GROUPS, GROUP // 2)
-        hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True).reshape(BLOCK_N, GROUPS, GROUP // 2)
-        w_lo = ((lo - zero) * scale).reshape(BLOCK_N, HALF)
-        w_hi = ((hi - zero) * scale).reshape(BLOCK_N, HALF)
-        x_row = x_ptr + rm[:, None] * stride_x + (k0 + 2 * j)[None, :]
-        x_even = tl.load(x_row, mask=m_ok[:, None], other=0.0).to(tl.float32)  # [BM, HALF]
-        x_odd = tl.load(x_row + 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        acc += w_lo[None, :, :] * x_even[:, None, :] + w_hi[None, :, :] * x_odd[:, None, :]
-    out = tl.sum(acc, axis=2)
+        w = tl.load(w_ptr + n4 * stride_w + (k0 // 8 + word), mask=n_ok, other=0)  # [1, BN, GROUPS, WPG]
+        s_row = s_ptr + n4 * stride_sn + (k0 // GROUP + g4) * 2
+        s = tl.load(s_row, mask=n_ok, other=0.0).to(tl.float32)  # [1, BN, GROUPS, 1]
+        z = tl.load(s_row + 1, mask=n_ok, other=0.0).to(tl.float32)
+        xp = x_ptr + rm * stride_x + (k0 + 8 * word)  # [BM, 1, GROUPS, WPG]: column 8 * word + i at + i
+        x0 = tl.load(xp + 0, mask=m_ok, other=0.0).to(tl.float32)
+        x1 = tl.load(xp + 1, mask=m_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + 2, mask=m_ok, other=0.0).to(tl.float32)
+        x3 = tl.load(xp + 3, mask=m_ok, other=0.0).to(tl.float32)
+        x4 = tl.load(xp + 4, mask=m_ok, other=0.0).to(tl.float32)
+        x5 = tl.load(xp + 5, mask=m_ok, other=0.0).to(tl.float32)
+        x6 = tl.load(xp + 6, mask=m_ok, other=0.0).to(tl.float32)
+        x7 = tl.load(xp + 7, mask=m_ok, other=0.0).to(tl.float32)
+        at_16 = x1 + x3 + x5 + x7  # the nibbles read as 16 + q/16
+        at_1 = x0 + x2 + x4 + x6  # those read as 1 + q/16
+        unsigned = w.to(tl.uint32, bitcast=True)
+        turned = ((unsigned << 19) | (unsigned >> 13)).to(tl.int32, bitcast=True)  # nibbles 7, 0 at 15, 19
+        up3 = w << 3  # nibbles 3, 4 at bits 15, 19
+        up11 = w << 11  # 1, 2
+        down5 = w >> 5  # 5, 6
+        d = -(16.0 * at_16 + at_1)
+        d += x0 * ((turned & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        d += x1 * ((up11 & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
+        d += x2 * ((up11 & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        d += x3 * ((up3 & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
+        d += x4 * ((up3 & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        d += x5 * ((down5 & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
+        d += x6 * ((down5 & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        d += x7 * ((turned & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
+        acc += (s * 16.0) * d - (s * z) * (at_16 + at_1)
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BM, BN]
+    rm2 = tl.arange(0, BLOCK_M)[:, None]
+    rn2 = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        out += tl.load(bias_ptr + rn2, mask=rn2 < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rm2 * stride_o + rn2, out.to(out_ptr.dtype.element_ty), mask=(rm2 < M) & (rn2 < N))
 
 
 SMALL_MATMUL_MAX_ROWS = 2
-"""The most rows Int4Matmul sends to `small_matmul` (more: dequantize, then one matmul)."""
+"""The most rows Int4Matmul sends to `small_matmul` (more: the tensor-core tiles of `matmul`)."""
+
+SMALL_MATMUL_CONFIGS = {1: (16, 1024, 4, 3), 2: (16, 512, 4, 3)}
+"""small_matmul's (block_n, block_k, num_warps, num_stages) by rows: the tiles of least summed time over
+Llama-3.1-8B's four projections on an H200 (bench/results/int4_gemv_sweep_nvidia-h200_words.json)."""
 
 
 def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Int4Matmul for x [M, K] with few rows: one launch. config: (block_n, block_k, num_warps,
-    num_stages); block_k a multiple of the group size that divides K. The defaults are the fastest
-    of bench/diag/int4_gemv_sweep.py's tiles at the Llama-3.1-8B shape on an H200 (one row: 16 x 1,024
-    at qkv 16 x 512 within 3%; two rows: 16 x 256)."""
+    num_stages); block_k a multiple of the group size that divides K. The defaults: see
+    SMALL_MATMUL_CONFIGS."""
     m, k = x.shape
     n, groups = weight.shape[0], weight_scale.shape[1]
     group = k // groups
-    block_n, block_k, num_warps, num_stages = config or (16, max(group, 1024 if m == 1 else 256), 4, 3)
-    while k % block_k:
-        block_k //= 2
+    block_n, block_k, num_warps, num_stages = config or SMALL_MATMUL_CONFIGS[min(m, SMALL_MATMUL_MAX_ROWS)]
     block_k = max(block_k, group)
+    while k % block_k or block_k % group:
+        block_k //= 2
+    words = weight.view(torch.int32)  # [N, K / 8]: bytes 4c..4c+3 little-endian, nibble i column 8c + i
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _small_matmul_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
+        x, words, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), words.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         num_warps=num_warps)
