@@ -73,15 +73,21 @@ def host_profile(engine: EngineCore, num_steps: int, top: int) -> str:
     return text.getvalue()
 
 
-def device_profile(engine: EngineCore, num_steps: int, top: int) -> str:
+def device_profile(engine: EngineCore, num_steps: int, top: int) -> tuple[str, list[dict[str, Any]]]:
+    """torch.profiler's table of device kernels by time, and its rows: each kernel's launches and
+    microseconds a step (kernels inside CUDA graph replays included)."""
     if engine.device.type != "cuda":
-        return ""
+        return "", []
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(num_steps):
             engine.step()
         synchronize(engine.device)
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top)
+    averages = prof.key_averages()
+    rows = [{"name": e.key, "launches_a_step": e.count / num_steps, "us_a_step": e.self_device_time_total / num_steps}
+            for e in averages if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r["us_a_step"])
+    return averages.table(sort_by="self_cuda_time_total", row_limit=top), rows
 
 
 def main() -> None:
@@ -93,12 +99,14 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="triton")
     parser.add_argument("--top", type=int, default=25, help="rows of each profile table; 0 skips the profiles")
     parser.add_argument("--no-fused-ops", action="store_true", help="PyTorch's unfused elementwise ops")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
     # NOTE: synchronous steps: the phases are the synchronous step's, run one by one (with
     # asynchronous scheduling they overlap, and a step's inputs may still be on the device).
     engine = build_engine(args, max_num_seqs=256, max_num_batched_tokens=16384,
                           attention_backend=args.attention_backend, fused_ops=not args.no_fused_ops,
-                          async_scheduling=False)
+                          async_scheduling=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(args.seed)
     record: dict[str, Any] = {"context": args.context, "temperature": args.temperature, "batches": []}
     for batch in (int(b) for b in args.batches.split(",")):
@@ -109,7 +117,10 @@ def main() -> None:
         print("phases", {k: f"{v * 1e3:.3f} ms" if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         if args.top:
             print(host_profile(engine, args.steps, args.top), flush=True)
-            print(device_profile(engine, 5, args.top), flush=True)
+            table, row["device_kernels"] = device_profile(engine, 5, args.top)
+            print(table, flush=True)
+            print(f"device kernels: {sum(r['us_a_step'] for r in row['device_kernels']):.1f} us a step in "
+                  f"{sum(r['launches_a_step'] for r in row['device_kernels']):.0f} launches", flush=True)
         record["batches"].append(row)
         for r in list(engine.scheduler.running):
             engine.abort_request(r.request_id)
