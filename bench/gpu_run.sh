@@ -64,7 +64,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -112,6 +112,29 @@ case "$part" in
         run 150 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul --rows 1 2 --out "$out/before" && \
         run 200 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
           --variants w4a16 --batches 1 2 64 --requests 0 --out "$out/before")
+    fi
+    ;;
+  step_profile)
+    # (one GPU) where the 8B batch-1 decode step's time goes, kernel by kernel (bench.profile_step's device
+    # table, graphs replayed), in FP8 and bfloat16; then the W4A16 step by batch beside bfloat16's
+    for q in fp8 auto; do
+      run 200 python3 -m bench.profile_step --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+        --quantization $q --batches 1 --context 1024 --steps 10 --top 45 --out "$out/profile_$q"
+    done
+    run 200 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --variants bfloat16 w4a16 --batches 1 2 64 --requests 0 --out "$out"
+    ;;
+  swiglu_step)
+    # (one GPU) the quantizing SwiGLU holding its row in one block: the GPU tests that run it (FP8, no compile
+    # after start), then the 8B decode step by batch in FP8 and bfloat16 (the control); with .old carried (the
+    # commit before), the same steps from there into $out/before, between two runs of the new (ABA)
+    run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py tests/gpu/test_compile_warmup_gpu.py
+    steps="python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16
+      --variants fp8 bfloat16 --batches 1 64 256 --requests 0"
+    run 150 $steps --out "$out/a"
+    if [ -d .old ]; then
+      mkdir -p "$out/before" && (cd .old && export PYTHONPATH=/tmp/site:$PWD && run 150 $steps --out "$out/before")
+      run 150 $steps --out "$out/a2"
     fi
     ;;
   fp8_split_k)

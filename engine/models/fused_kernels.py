@@ -98,22 +98,37 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.conste
 
 
 @triton.jit
-def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, BLOCK: tl.constexpr):
+def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, BLOCK: tl.constexpr,
+                                   ONE_BLOCK: tl.constexpr):
     """Grid (tokens,): the row's silu(gate) (rounded) * up, rounded to the activations' dtype, as
-    `_silu_and_mul_kernel` computes it, quantized as fp8.quantize_rows does: a pass for the row's
-    max, then the same values again, quantized (recomputed rather than stored: no scratch row)."""
+    `_silu_and_mul_kernel` computes it, quantized as fp8.quantize_rows does. ONE_BLOCK (n <= BLOCK):
+    the row read once and held while its max is found; else a pass for the row's max, then the same
+    values again, quantized (recomputed rather than stored: no scratch row)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, n, BLOCK):
-        amax = tl.maximum(amax, tl.where(k0 + cols < n, tl.abs(_swiglu(x_row, k0 + cols, n).to(tl.float32)), 0.0))
-    scale = row_scale(tl.max(amax, 0))
-    inverse = tl.math.div_rn(1.0, scale)
-    for k0 in range(0, n, BLOCK):
-        q = to_e4m3(_swiglu(x_row, k0 + cols, n).to(tl.float32), inverse)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < n)
+    if ONE_BLOCK:
+        h = _swiglu(x_row, cols, n).to(tl.float32)
+        scale = row_scale(tl.max(tl.where(cols < n, tl.abs(h), 0.0), 0))
+        q = to_e4m3(h, tl.math.div_rn(1.0, scale))
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, n, BLOCK):
+            amax = tl.maximum(amax, tl.where(k0 + cols < n, tl.abs(_swiglu(x_row, k0 + cols, n).to(tl.float32)), 0.0))
+        scale = row_scale(tl.max(amax, 0))
+        inverse = tl.math.div_rn(1.0, scale)
+        for k0 in range(0, n, BLOCK):
+            q = to_e4m3(_swiglu(x_row, k0 + cols, n).to(tl.float32), inverse)
+            tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < n)
     tl.store(scale_ptr + row, scale)
+
+
+SWIGLU_ROW_BLOCK = 16384
+"""The widest SwiGLU row `silu_and_mul(quantize=True)` holds in one program (16 warps: 32 columns a
+thread); Llama-3.1-8B's 14,336 fit. A row is one program (its scale needs the whole row), so at one
+row a step the kernel's time is one program's: read once, not twice in chunks
+(bench/results/profile_step_llama-3.1-8b_fp8_batch1_*, quantized_llama-3.1-8b_swiglu_one_block_*)."""
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -175,8 +190,10 @@ def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor 
         q = torch.empty((tokens, n), dtype=FP8, device=gate_up.device)
         scale = torch.empty((tokens, 1), dtype=torch.float32, device=gate_up.device)
         if tokens:
+            block = min(SWIGLU_ROW_BLOCK, triton.next_power_of_2(n))
             _silu_and_mul_quantized_kernel[(tokens,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), n,
-                                                      BLOCK=min(4096, triton.next_power_of_2(n)), num_warps=8)
+                                                      BLOCK=block, ONE_BLOCK=n <= block,
+                                                      num_warps=16 if block >= 8192 else 8)
         return QuantizedRows(q, scale, gate_up.dtype)
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:

@@ -22,6 +22,7 @@ from engine.runner import ForwardSeq
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
 fused_kernels = import_interpreted("engine.models.fused_kernels", "_add_rms_norm_kernel")
+SWIGLU_ROW_BLOCK = fused_kernels.SWIGLU_ROW_BLOCK
 
 DTYPES = [torch.float32, torch.float16]
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
@@ -112,10 +113,10 @@ def test_add_rms_norm_quantized_is_quantize_rows_of_the_norm(dtype: torch.dtype,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [1500, 5000])
+@pytest.mark.parametrize("width", [1500, 5000, SWIGLU_ROW_BLOCK + 700])
 def test_silu_and_mul_quantized_is_quantize_rows_of_silu_and_mul(dtype: torch.dtype, width: int) -> None:
     """SwiGLU into an FP8 projection: the bits fp8.quantize_rows gives for the kernel's own SwiGLU
-    (one chunk of the row, and a row over two); a zero row's scale is the floor."""
+    (rows held in one block, and a row wider than the block, read twice); a zero row's scale is the floor."""
     gen = torch.Generator().manual_seed(width)
     gate_up = (3 * torch.randn(3, 2 * width, generator=gen)).to(dtype)
     gate_up[1] = 0.0
