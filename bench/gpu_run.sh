@@ -64,7 +64,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -123,6 +123,14 @@ case "$part" in
     done
     run 200 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --variants bfloat16 w4a16 --batches 1 2 64 --requests 0 --out "$out"
+    ;;
+  prefill_queue)
+    # (one GPU) a queue of 8B prompts prefilled as served (chunked, packed) against the planner's step profile,
+    # synchronous then asynchronous steps
+    for flag in "" --async-scheduling; do
+      run 120 python3 -m bench.prefill_queue --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+        --profile bench/results/planner_profile_llama-3.1-8b_nvidia-h200.json $flag --out "$out"
+    done
     ;;
   swiglu_step)
     # (one GPU) the quantizing SwiGLU holding its row in one block: the GPU tests that run it (FP8, no compile

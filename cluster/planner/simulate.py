@@ -2,11 +2,13 @@
 
 - Colocated replica: continuous batching with chunked prefill. A step carries every running
   sequence's decode token and, in what is left of max_num_batched_tokens, chunks of waiting prompts
-  in arrival order; it takes decode_step_ms(running) + prefill_step_ms(chunk tokens). A prompt's
-  last chunk gives its first token.
+  in arrival order; it takes decode_step_ms(running) + prefill_step_ms(chunk tokens) + each chunk's
+  attention to its prompt's earlier chunks (StepProfile.prefill_chunk_ms). A prompt's last chunk
+  gives its first token.
 - Disaggregated: a prefill pool serving prompts in arrival order, each on the worker that frees
-  first, one prompt a step (the first token comes from there), then the KV push, then a decode
-  worker's continuous batch, whose steps take decode_step_ms(running).
+  first, one prompt at a time in chunks of the step budget (StepProfile.prompt_ms; the first token
+  comes from there), then the KV push, then a decode worker's continuous batch, whose steps take
+  decode_step_ms(running).
 
 Requests go to colocated replicas and decode workers in turn. TPOT is (last token - first token) /
 (output - 1), so a request's wait for its decode worker counts against it, as a client sees it.
@@ -84,6 +86,7 @@ def _colocated(num_replicas: int, profile: StepProfile, reqs: Sequence[Request])
 
 
 def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int], out: list[Timing | None]) -> None:
+    alpha = profile.context_ms_per_pair
     arriving = deque(mine)
     waiting: deque[list[int]] = deque()  # [request index, prompt tokens left]
     running: list[_Seq] = []
@@ -102,7 +105,8 @@ def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int
             take = min(item[1], budget)
             chunks.append((item, take))
             budget -= take
-        prefill_ms = profile.prefill_step_ms(sum(c for _, c in chunks))
+        prefill_ms = profile.prefill_step_ms(sum(c for _, c in chunks)) + alpha * sum(
+            take * (reqs[item[0]].prompt - item[1]) for item, take in chunks)  # attention to earlier chunks
         t += (profile.decode_step_ms(len(running), _mean_context(running)) + prefill_ms) / 1e3
         running = _decoded(running, t, reqs, out)
         for item, take in chunks:
@@ -141,7 +145,7 @@ def _disaggregated(layout: Layout, profile: StepProfile, decode: StepProfile, re
     timings: list[Timing | None] = [None] * len(reqs)
     for i, r in enumerate(reqs):
         start = max(heapq.heappop(free), r.arrival_s)
-        first = start + profile.prefill_step_ms(r.prompt) / 1e3
+        first = start + profile.prompt_ms(r.prompt) / 1e3
         heapq.heappush(free, first)
         if r.output <= 1:
             timings[i] = Timing(first - r.arrival_s, 0.0)
