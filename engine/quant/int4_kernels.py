@@ -85,7 +85,7 @@ SMALL_MATMUL_MAX_ROWS = 2
 
 SMALL_MATMUL_CONFIGS = {1: (16, 1024, 4, 3), 2: (16, 512, 4, 3)}
 """small_matmul's (block_n, block_k, num_warps, num_stages) by rows: the tiles of least summed time over
-Llama-3.1-8B's four projections on an H200 (bench/results/int4_gemv_sweep_nvidia-h200_words.json)."""
+Llama-3.1-8B's four projections on an H200 (bench/results/int4_gemv_sweep_nvidia-h200_r5_words.json)."""
 
 
 def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -96,6 +96,9 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     m, k = x.shape
     n, groups = weight.shape[0], weight_scale.shape[1]
     group = k // groups
+    if group % 8 or group & (group - 1):
+        raise ValueError(f"small_matmul reads 8 columns a word: the group size must be a power of two of at least 8; "
+                         f"got {group} ({k} columns in {groups} groups)")
     block_n, block_k, num_warps, num_stages = config or SMALL_MATMUL_CONFIGS[min(m, SMALL_MATMUL_MAX_ROWS)]
     block_k = max(block_k, group)
     while k % block_k or block_k % group:
