@@ -220,7 +220,8 @@ def time_decode(
         decode_attention(
             q, cache.k, cache.v, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
             scale=spec.scale, sliding_window=None, num_splits=num_splits, tokens_per_split=tokens_per_split,
-            max_splits=cfg.max_splits, block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+            max_splits=cfg.max_splits, block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps,
+            num_stages=cfg.decode_num_stages,
         )  # fmt: skip
 
     ms = do_bench(launch, warmup=25, rep=100, return_mode="median")

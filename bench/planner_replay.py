@@ -21,19 +21,15 @@ from bench.common import save_plot
 from cluster.planner import StepProfile
 from cluster.planner.simulate import Layout, simulate
 from cluster.planner.workload import Request
+from loadgen.metrics import percentile
 
 LAYOUTS = {"colocated": Layout(0, 2), "disagg": Layout(1, 1)}  # the 2-GPU runs' static layouts
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary(ttft_ms: list[float], tpot_ms: list[float], slo: tuple[float, float]) -> dict[str, float]:
     good = sum(1 for a, b in zip(ttft_ms, tpot_ms) if a <= slo[0] and b <= slo[1])
-    return {"ttft_p50_ms": percentile(ttft_ms, 0.5), "ttft_p90_ms": percentile(ttft_ms, 0.9),
-            "tpot_p90_ms": percentile(tpot_ms, 0.9), "attainment": good / len(ttft_ms)}
+    return {"ttft_p50_ms": percentile(ttft_ms, 50), "ttft_p90_ms": percentile(ttft_ms, 90),
+            "tpot_p90_ms": percentile(tpot_ms, 90), "attainment": good / len(ttft_ms)}
 
 
 def replay(run: dict[str, Any], profile: StepProfile, slo: tuple[float, float]) -> list[dict[str, Any]]:

@@ -10,16 +10,13 @@ first tokens only (max_tokens 1).
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.common import base_parser, build_engine, device_name, synchronize
+from bench.common import base_parser, build_engine, environment, synchronize, write_results
 from cluster.planner import StepProfile
 from engine import EngineCore, SamplingParams
 
@@ -70,17 +67,27 @@ def main() -> None:
                "profile_packed_ms": packed, "profile_alone_ms": without_context,
                "profile_with_context_ms": with_context}
         record["mixes"].append(row)
-        print(f"{PROMPTS} prompts of {lo}-{hi} tokens ({total}): {ms:.0f} ms in {steps} steps, {total / ms:.1f}k tok/s; "
-              f"x{ms / packed:.3f} the profile packed, x{ms / without_context:.3f} alone, "
+        print(f"{PROMPTS} prompts of {lo}-{hi} tokens ({total}): {ms:.0f} ms in {steps} steps, "
+              f"{total / ms:.1f}k tok/s; x{ms / packed:.3f} the profile packed, x{ms / without_context:.3f} alone, "
               f"x{ms / with_context:.3f} alone with the context term", flush=True)
+    env = environment(engine, args)
     engine.close()
-    doc = {"benchmark": "prefill_queue", "device_name": device_name(engine.device),
-           "torch_version": torch.__version__, "model": args.model, "profile": str(args.profile), **record}
-    slug = doc["device_name"].lower().replace(" ", "-")
-    path = args.out / f"prefill_queue_{slug}{'_async' if args.async_scheduling else ''}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {path}")
 
+    def plot(fig: Any) -> None:
+        ax = fig.subplots()
+        labels = [f"{r['lengths'][0]}-{r['lengths'][1]}" for r in record["mixes"]]
+        for i, (key, label) in enumerate((("ms", "measured"), ("profile_packed_ms", "profile, packed"),
+                                          ("profile_with_context_ms", "profile with context"))):
+            ax.bar([x + 0.27 * i for x in range(len(labels))], [r[key] for r in record["mixes"]], 0.27, label=label)
+        ax.set_xticks([x + 0.27 for x in range(len(labels))], labels)
+        ax.set_xlabel(f"prompt tokens ({PROMPTS} prompts)")
+        ax.set_ylabel("ms to every first token")
+        ax.legend()
+
+    name = "prefill_queue_async" if args.async_scheduling else "prefill_queue"
+    json_path, _ = write_results(args.out, name, env, {"profile": str(args.profile), **record}, plot,
+                                 f"a queue of prompts against the step profile ({env['device_name']})")
+    print(f"wrote {json_path}")
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from bench.common import base_parser, build_engine, environment, synchronize, write_results
 from engine import EngineCore, SamplingParams
@@ -74,8 +75,8 @@ def host_profile(engine: EngineCore, num_steps: int, top: int) -> str:
 
 
 def device_profile(engine: EngineCore, num_steps: int, top: int) -> tuple[str, list[dict[str, Any]]]:
-    """torch.profiler's table of device kernels by time, and its rows: each kernel's launches and
-    microseconds a step (kernels inside CUDA graph replays included)."""
+    """torch.profiler's table by device time, and the device activities' rows: each kernel's launches
+    and microseconds a step (kernels inside CUDA graph replays included)."""
     if engine.device.type != "cuda":
         return "", []
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -84,8 +85,9 @@ def device_profile(engine: EngineCore, num_steps: int, top: int) -> tuple[str, l
             engine.step()
         synchronize(engine.device)
     averages = prof.key_averages()
+    # NOTE: device activities only (kernels, copies): a CPU op's row repeats its kernels' time
     rows = [{"name": e.key, "launches_a_step": e.count / num_steps, "us_a_step": e.self_device_time_total / num_steps}
-            for e in averages if e.self_device_time_total > 0]
+            for e in averages if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     rows.sort(key=lambda r: -r["us_a_step"])
     return averages.table(sort_by="self_cuda_time_total", row_limit=top), rows
 

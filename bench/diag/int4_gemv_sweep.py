@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.common import graph_seconds
+from bench.common import device_slug, graph_seconds
 from bench.offline_throughput import copy_bandwidth
 from engine.quant import int4_kernels
 from engine.quant.int4 import dequantize
@@ -67,7 +67,8 @@ def _read_kernel(
     j = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.int32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        acc += tl.load(w_ptr + rn[:, None] * stride_w + (k0 // 2 + j)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        tile = tl.load(w_ptr + rn[:, None] * stride_w + (k0 // 2 + j)[None, :], mask=n_ok[:, None], other=0)
+        acc += tile.to(tl.int32)
     tl.store(out_ptr + rn, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -144,8 +145,7 @@ def main() -> None:
     doc = {"benchmark": "int4_gemv_sweep", "device_name": torch.cuda.get_device_name(device),
            "copy_bandwidth_gbs": bandwidth / 1e9, "torch_version": torch.__version__,
            "triton_version": triton.__version__, "python": platform.python_version(), "rows": rows_out}
-    slug = doc["device_name"].lower().replace(" ", "-")
-    path = args.out / f"int4_gemv_sweep_{slug}{args.tag}.json"
+    path = args.out / f"int4_gemv_sweep_{device_slug(device)}{args.tag}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from engine.quant.fp8 import FP8, QuantizedRows
-from engine.quant.fp8_kernels import row_scale, to_e4m3
+from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
 
 
 @triton.jit
@@ -32,9 +32,7 @@ def _add_rms_norm_kernel(
     y = (hf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if QUANTIZE:
-        normed = (w * y).to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = row_scale(tl.max(tl.where(ok, tl.abs(normed), 0.0), 0))
-        q = to_e4m3(normed, tl.math.div_rn(1.0, scale))
+        q, scale = quantize_row((w * y).to(x_ptr.dtype.element_ty).to(tl.float32), ok)
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + row, scale)
     else:
@@ -108,9 +106,7 @@ def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, 
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
-        h = _swiglu(x_row, cols, n).to(tl.float32)
-        scale = row_scale(tl.max(tl.where(cols < n, tl.abs(h), 0.0), 0))
-        q = to_e4m3(h, tl.math.div_rn(1.0, scale))
+        q, scale = quantize_row(_swiglu(x_row, cols, n).to(tl.float32), cols < n)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)

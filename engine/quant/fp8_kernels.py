@@ -44,6 +44,14 @@ def to_e4m3(y, inverse):
 
 
 @triton.jit
+def quantize_row(y, ok):
+    """A whole row y (float32, `ok` its columns) quantized as fp8.quantize_rows does: (values, still
+    float32 and exact in E4M3, and the row's scale)."""
+    scale = row_scale(tl.max(tl.where(ok, tl.abs(y), 0.0), 0))
+    return to_e4m3(y, tl.math.div_rn(1.0, scale)), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, chunk,
                           ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """Row axis 1, its columns [chunk * axis 0, + chunk) (chunk a multiple of BLOCK): each program
@@ -83,7 +91,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         chunks = max(1, min(QUANTIZE_PROGRAMS // rows, triton.cdiv(n, block)))
         chunk = triton.cdiv(triton.cdiv(n, chunks), block) * block
         _quantize_rows_kernel[(triton.cdiv(n, chunk), rows)](
-            x, q, scale, x.stride(0), q.stride(0), n, chunk, ROW_BLOCK=min(16384, triton.next_power_of_2(n)), BLOCK=block, num_warps=8)
+            x, q, scale, x.stride(0), q.stride(0), n, chunk, ROW_BLOCK=min(16384, triton.next_power_of_2(n)),
+            BLOCK=block, num_warps=8)
     return q, scale
 
 

@@ -70,7 +70,8 @@ def test_steps_run_on_the_interpreted_kernels_in_one_block():
     model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
     spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
     config = TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16)
-    runner = ModelRunner(model, allocate_kv_tensors(arch, 1, 16, torch.float32, cpu), TritonAttention(spec, config), cpu)
+    kv = allocate_kv_tensors(arch, 1, 16, torch.float32, cpu)
+    runner = ModelRunner(model, kv, TritonAttention(spec, config), cpu)
     steps = warm_up_steps(64, 16)
     assert decode_split_plan(1, arch.num_kv_heads, 64, 8, config)[0] > 1, "the test should cover split-K"
     for seqs in steps:

@@ -91,7 +91,8 @@ def test_split_k_sums_every_slice_once_in_order_and_leaves_the_counts_zeroed(bia
     if b is not None:
         want += b
     assert torch.equal(got, want)
-    again = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, counts, (16, 32, block_k, splits, 4, 2))
+    config = (16, 32, block_k, splits, 4, 2)
+    again = fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, counts, config)
     assert torch.equal(again, got)
 
 
