@@ -19,7 +19,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
-from engine.parallel import GroupAddress, TPGroup, host_store
+from engine.parallel import GroupAddress, TPGroup, host_store, shutdown_beside
 from engine.parallel.follower import Follower
 
 log = logging.getLogger(__name__)
@@ -97,10 +97,12 @@ class RayRankSet:
 
     def join(self, timeout_s: float = 30.0) -> None:
         self._closing.set()
+        shutdown = shutdown_beside(self.group)  # NOTE: the ranks' own shutdowns wait for rank 0's
         try:
             ray.get(self._runs, timeout=timeout_s)
         except Exception as err:  # noqa: BLE001 - killed below either way
             log.warning("tensor-parallel ranks did not stop cleanly: %s", err)
         for handle in self._handles:
             ray.kill(handle, no_restart=True)
-        self.group.close()
+        shutdown.join(timeout_s)
+        self.group.close_ring()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
-from engine.parallel.group import GroupAddress, TPGroup, host_store
+from engine.parallel.group import GroupAddress, TPGroup, host_store, shutdown_beside
 from engine.parallel.shard import Shard, TPShard, check_tensor_parallel, kv_head_range, local_arch
 
 
@@ -44,5 +44,17 @@ class RankStarter(Protocol):
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-__all__ = ["RankSet", "RankStarter", "GroupAddress", "Shard", "TPGroup", "TPShard", "TensorParallel", "check_tensor_parallel", "host_store", "kv_head_range",
-           "local_arch"]
+__all__ = [
+    "RankSet",
+    "RankStarter",
+    "GroupAddress",
+    "Shard",
+    "TPGroup",
+    "TPShard",
+    "TensorParallel",
+    "check_tensor_parallel",
+    "host_store",
+    "kv_head_range",
+    "shutdown_beside",
+    "local_arch",
+]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from engine.parallel.ring import RingReader, RingWriter
 
-__all__ = ["GroupAddress", "TPGroup"]
+__all__ = ["GroupAddress", "TPGroup", "host_store", "shutdown_beside"]
 
 _IDLE_TIMEOUT = timedelta(days=30)
 
@@ -42,6 +42,14 @@ class GroupAddress:
 def host_store(host: str) -> dist.TCPStore:
     """Rank 0's store (port chosen by the OS); its address is (host, store.port)."""
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def shutdown_beside(group: TPGroup) -> threading.Thread:
+    """Rank 0's group.shutdown() on a daemon thread, started: it returns once the other ranks shut
+    theirs down, and a rank that never does must not hold close() (join the thread with a timeout)."""
+    thread = threading.Thread(target=group.shutdown, name=f"tp-shutdown-{group.rank}", daemon=True)
+    thread.start()
+    return thread
 
 
 class TPGroup:
@@ -146,13 +154,23 @@ class TPGroup:
         return int(tensor.item())
 
     def close(self) -> None:
-        """Shut the groups down once every rank is done with them (NCCL's communicator is destroyed
-        here, not at interpreter exit, where its destructor can hang the process)."""
+        """Shut the groups down, then the ring (a follower, once it left its loop)."""
+        self.shutdown()
+        self.close_ring()
+
+    def shutdown(self) -> None:
+        """Shut the groups down (NCCL's communicator is destroyed here, not at interpreter exit, where
+        its destructor can hang the process). On CUDA a rank's shutdown returns once every rank has
+        called its own (seen on 2x H200: a follower waited in it while rank 0 waited for that follower
+        to exit), so rank 0 calls this while the others call theirs."""
         for group in (self.device_group, self.host_group):
             try:
                 group.shutdown()
             except (RuntimeError, AttributeError):
                 pass
+
+    def close_ring(self) -> None:
+        """Rank 0: after the followers left (they read Stop from it)."""
         for ring in (self.ring_writer, self._ring_reader):
             if ring is not None:
                 ring.close()

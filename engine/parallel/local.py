@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.parallel.follower import Follower
-from engine.parallel.group import GroupAddress, TPGroup, host_store
+from engine.parallel.group import GroupAddress, TPGroup, host_store, shutdown_beside
 
 __all__ = ["LocalRanks"]
 log = logging.getLogger(__name__)
@@ -75,8 +75,11 @@ class LocalRanks:
                 return
 
     def join(self, timeout_s: float = 30.0) -> None:
-        """After rank 0 sent Stop: wait for the ranks to leave, then close rank 0's groups."""
+        """After rank 0 sent Stop: shut rank 0's groups down while the ranks shut theirs (TPGroup.shutdown),
+        wait for the ranks to leave, then close the ring."""
         self._closing.set()
+        shutdown = shutdown_beside(self.group)
         for worker in self._workers:
             worker.join(timeout_s)
-        self.group.close()
+        shutdown.join(timeout_s)
+        self.group.close_ring()

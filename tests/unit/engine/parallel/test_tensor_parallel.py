@@ -6,6 +6,7 @@ over from rank 0's device) and speculative decoding; sizes that do not divide sa
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from engine.config import SamplingParams
 from engine.engine import EngineCore
 from engine.llm import engine_config
 from engine.models import load_arch
-from engine.parallel import TPShard, check_tensor_parallel, local_arch
+from engine.parallel import TPGroup, TPShard, check_tensor_parallel, local_arch
 from tests.builders import make_hf_checkpoint
 from tests.conftest import assert_no_leak
 
@@ -96,6 +97,28 @@ def test_an_engine_starts_its_ranks_and_close_stops_them(hf_checkpoints: Callabl
     assert ranks is not None and ranks.is_alive() and engine.ranks_alive
     engine.close()
     assert not ranks.is_alive() and engine.ranks is None
+
+
+def test_close_shuts_the_ranks_down_together(hf_checkpoints: Callable[[str], Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a rank's NCCL shutdown returned only once every rank had called its own (2x H200): a
+    follower waited in it while rank 0 waited for the follower to exit. A barrier of the ranks stands in
+    for that here: close() must reach it from rank 0 while the follower waits there."""
+    met: list[int] = []
+    barrier = threading.Barrier(2, timeout=10)
+    shutdown = TPGroup.shutdown
+
+    def collective_shutdown(group: TPGroup) -> None:
+        barrier.wait()
+        met.append(group.rank)
+        shutdown(group)
+
+    monkeypatch.setattr(TPGroup, "shutdown", collective_shutdown)
+    engine = EngineCore(engine_config(str(hf_checkpoints("llama")), device="cpu", num_blocks=8, tensor_parallel_size=2))
+    ranks = engine.ranks
+    engine.close()
+    assert sorted(met) == [0, 1] and not barrier.broken
+    assert ranks is not None and not ranks.is_alive()
 
 
 def test_each_rank_holds_its_part(hf_checkpoints: Callable[[str], Path]) -> None:
