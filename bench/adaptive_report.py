@@ -10,10 +10,11 @@ was >= 90% and at every lower rate, where attainment crosses 90% between two rat
 (linear in between: the grid is 4 req/s apart), and how many requests were decoding at once (between
 their first token and their end, as the client saw them; every engine runs at most max_num_seqs, 64 in
 these runs). The planner's goodput per layout is computed here from
-the step profile measured on the same machine kind (pdserve plan's simulation; deterministic).
+the step profiles (one per worker size) measured on the same machine kind (pdserve plan's simulation; deterministic).
 
     python -m bench.adaptive_report --set adaptive_2xh200  # reads and writes bench/results/adaptive_2xh200*
-    python -m bench.adaptive_report --set tp70b_4xh200
+    python -m bench.adaptive_report --set tp70b_4xh200    # bfloat16
+    python -m bench.adaptive_report --set fp8_70b_4xh200  # FP8 projections, the planner's layouts of TP=1 and TP=2
     python -m bench.adaptive_report --set fp8_70b_2xh200
 """
 
@@ -41,7 +42,7 @@ class Source(NamedTuple):
 
 class ReportSet(NamedTuple):
     sources: tuple[Source, ...]
-    profile: str | None  # the planner's step profile of the sources' worker size (1 GPU); None: no prediction
+    profiles: tuple[str, ...]  # the planner's step profiles, one per worker size (GPUs); none: no prediction
     profile_note: str
     num_gpus: int
     title: str
@@ -108,16 +109,27 @@ SOURCES_24 = (
 SOURCES_28 = (
     Source("2 colocated TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "colocated2", None),
     Source("2 colocated TP2 (run b)", "goodput_70b_4xh200_bf16_b.json", "colocated2", None),
-    Source("1P1D TP2 (run a)", "goodput_70b_4xh200_bf16_a.json", "1p1d", None),
-    Source("1P1D TP2 (run b)", "goodput_70b_4xh200_bf16_b.json", "1p1d", None),
-    Source("adaptive from 1P1D TP2", "goodput_70b_4xh200_bf16_b.json", "adaptive1p1d", (1000.0, 40.0)),
-    Source("FP8 2 colocated TP2", "goodput_70b_4xh200_fp8.json", "colocated2", None),
-    Source("FP8 2P(TP1) 1D(TP2)", "goodput_70b_4xh200_fp8.json", "2p1d-tp1x2", None),
-    # after the split-K FP8 decode product (issue 25), 15 s a rate
-    Source("FP8 split-K 2 colocated TP2", "goodput_70b_fp8_4xh200_split_k.json", "colocated2", None),
-    Source("FP8 split-K 1P1D TP2", "goodput_70b_fp8_4xh200_split_k.json", "1p1d", None),
-    Source("FP8 split-K adaptive from 1P1D TP2", "goodput_70b_fp8_4xh200_split_k.json", "adaptive1p1d",
+    Source("1P(TP2)1D(TP2) (run a)", "goodput_70b_4xh200_bf16_a.json", "1p1d", None),
+    Source("1P(TP2)1D(TP2) (run b)", "goodput_70b_4xh200_bf16_b.json", "1p1d", None),
+    Source("adaptive from 1P(TP2)1D(TP2)", "goodput_70b_4xh200_bf16_b.json", "adaptive1p1d", (1000.0, 40.0)),
+)
+# issue 28 in FP8 projections on 4x H200, 15 s a rate; labels begin with the planner's layout names. The first two
+# ran before the split-K FP8 decode product (issue 25); plan_r1-r3 after it, in one lease of one machine: the
+# TP=1 profile's pick (2P2D, then 3P1D) beside 2 colocated TP2 (r3: rates 5 and 6 alone)
+SOURCES_28_FP8 = (
+    Source("2 colocated TP2, before split-K", "goodput_70b_4xh200_fp8.json", "colocated2", None),
+    Source("2P1D(TP2), before split-K", "goodput_70b_4xh200_fp8.json", "2p1d-tp1x2", None),
+    Source("2 colocated TP2 (split-K run)", "goodput_70b_fp8_4xh200_split_k.json", "colocated2", None),
+    Source("1P(TP2)1D(TP2) (split-K run)", "goodput_70b_fp8_4xh200_split_k.json", "1p1d", None),
+    Source("adaptive from 1P(TP2)1D(TP2) (split-K run)", "goodput_70b_fp8_4xh200_split_k.json", "adaptive1p1d",
            (1000.0, 40.0)),
+    Source("2 colocated TP2 (plan r1)", "goodput_70b_fp8_4xh200_plan_r1_2p2d_and_colocated.json", "colocated2", None),
+    Source("2P2D (plan r1)", "goodput_70b_fp8_4xh200_plan_r1_2p2d_and_colocated.json", "2p2d-tp1x1", None),
+    Source("3P1D (plan r2)", "goodput_70b_fp8_4xh200_plan_r2_3p1d.json", "3p1d", None),
+    Source("3P1D (plan r3, rates 5-6)", "goodput_70b_fp8_4xh200_plan_r3_3p1d_and_colocated_5_6.json", "3p1d-tp1x1",
+           None),
+    Source("2 colocated TP2 (plan r3, rates 5-6)", "goodput_70b_fp8_4xh200_plan_r3_3p1d_and_colocated_5_6.json",
+           "colocated2", None),
 )
 # issue 24's decode-heavy workload, 20 s of arrivals a rate. Until the scheduler's ready queue, a decode worker ran
 # every pushed request at once, past max_num_seqs, where a colocated one held its batch to it: the 64-sequence 1P1D
@@ -149,7 +161,7 @@ SOURCES_24_70B_FP8 = (
 )
 SETS = {
     "adaptive_2xh200": ReportSet(
-        SOURCES_24, "planner_profile_llama-3.1-8b_nvidia-h200.json",
+        SOURCES_24, ("planner_profile_llama-3.1-8b_nvidia-h200.json",),
         "measured before measure.decode_tokens: its decode figures where the batch's chunked prefill took more steps "
         "than a request's 11 tokens (8 x 4,096, 32 x 1,024 and 32 x 4,096) timed fewer sequences than asked, so its "
         "decode steps are too fast there", 2, "issue 24 on {gpus}: Llama-3.1-8B shape (dummy bf16)",
@@ -157,26 +169,34 @@ SETS = {
          "planned colocated + step budget": ("tab:red", "--"), "adaptive, roles to 0P2D": ("tab:purple", "-"),
          "adaptive, queue model": ("tab:brown", "-"), "adaptive, kernels compiled at start": ("black", "-")}),
     "decode_heavy_2xh200": ReportSet(
-        SOURCES_24_DECODE_HEAVY, "planner_profile_llama-3.1-8b_nvidia-h200.json",
+        SOURCES_24_DECODE_HEAVY, ("planner_profile_llama-3.1-8b_nvidia-h200.json",),
         "measured with max_num_seqs 64 (the 64-sequence runs' engines) before measure.decode_tokens (see "
         "adaptive_2xh200); the 256-sequence runs have no profile of their own", 2,
         "issue 24, decode-heavy, on {gpus}: Llama-3.1-8B shape (dummy bf16)",
         {"2 colocated, 256": ("tab:blue", "--"), "1P1D, 256": ("tab:orange", "--"), "2 colocated": ("tab:blue", "-"),
          "1P1D": ("tab:orange", "-"), "adaptive": ("tab:green", "-")}),
     "fp8_70b_2xh200": ReportSet(
-        SOURCES_24_70B_FP8, "planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json",
-        "FP8 TP=1 on one H200, measured in an earlier session (70B shape, max_num_seqs 64)", 2,
+        SOURCES_24_70B_FP8, ("planner_profile_llama-3.1-70b_fp8_tp1_before_split_k_nvidia-h200.json",),
+        "FP8 TP=1 on one H200 of a 4x H200 host, measured before the split-K FP8 decode product as these runs were "
+        "(70B shape, max_num_seqs 64)", 2,
         "issue 24's 70B point on {gpus} (GPU pairs of 4x H200 hosts): Llama-3.1-70B shape, FP8, TP=1",
         {"2 colocated": ("tab:blue", "-"), "1P1D": ("tab:orange", "-"), "adaptive before": ("tab:grey", "--"),
          "adaptive": ("tab:green", "-")}),
     "tp70b_4xh200": ReportSet(
-        SOURCES_28, None, "no prediction: the TP=2 step profiles (bfloat16, FP8) did not finish within the 200 s the "
-        "call gave them; only FP8 TP=1's did (planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json), and no "
-        "layout measured here is made of TP=1 workers alone", 4, "issue 28 on {gpus}: Llama-3.1-70B shape (dummy)",
-        {"2 colocated TP2": ("tab:blue", "-"), "1P1D TP2": ("tab:orange", "-"),
-         "adaptive from 1P1D TP2": ("tab:green", "-"), "FP8 2 colocated TP2": ("tab:blue", "--"),
-         "FP8 2P(TP1) 1D(TP2)": ("tab:purple", "--"), "FP8 split-K 2 colocated TP2": ("tab:blue", ":"),
-         "FP8 split-K 1P1D TP2": ("tab:orange", ":"), "FP8 split-K adaptive from 1P1D TP2": ("tab:green", ":")}),
+        SOURCES_28, ("planner_profile_llama-3.1-70b_bf16_tp2_transcribed_nvidia-h200.json",),
+        "bfloat16 TP=2 on GPUs 2,3 of a 4x H200 host (pdserve plan; its JSON did not come back from the machine: "
+        "the figures are transcribed from its printed lines, to 0.1 ms)", 4,
+        "issue 28 on {gpus}: Llama-3.1-70B shape (dummy bfloat16)",
+        {"2 colocated TP2": ("tab:blue", "-"), "1P(TP2)1D(TP2)": ("tab:orange", "-"),
+         "adaptive from 1P(TP2)1D(TP2)": ("tab:green", "-")}),
+    "fp8_70b_4xh200": ReportSet(
+        SOURCES_28_FP8, ("planner_profile_llama-3.1-70b_fp8_tp1_nvidia-h200.json",
+                         "planner_profile_llama-3.1-70b_fp8_tp2_nvidia-h200.json"),
+        "FP8 TP=1 (GPU 2) and TP=2 (GPUs 0,1) measured at once on a 4x H200 host in the lease of the plan runs, after "
+        "the split-K FP8 decode product", 4, "issue 28 on {gpus}: Llama-3.1-70B shape (dummy), FP8 projections",
+        {"2 colocated TP2, before": ("tab:blue", ":"), "2P1D(TP2)": ("tab:purple", ":"),
+         "2 colocated TP2": ("tab:blue", "-"), "1P(TP2)1D(TP2)": ("tab:orange", "-"),
+         "adaptive from": ("tab:green", "-"), "2P2D": ("tab:red", "-"), "3P1D": ("tab:brown", "-")}),
 }
 
 
@@ -239,15 +259,16 @@ def goodput(rows: Sequence[dict[str, Any]]) -> tuple[float | None, float | None,
     return best, None, False
 
 
-def planner_goodput(profile_path: Path | None, num_gpus: int, workload: dict[str, Any], ttft_ms: float,
+def planner_goodput(profile_paths: Sequence[Path], num_gpus: int, workload: dict[str, Any], ttft_ms: float,
                     tpot_ms: float) -> dict[str, Any]:
+    """pdserve plan's prediction from step profiles of one worker size each: every layout of those sizes."""
     from cluster.planner import SLO, StepProfile, Workload, plan
 
-    if profile_path is None:
+    if not profile_paths:
         return {"pick": None, "layouts": {}}
-    profile = StepProfile.model_validate_json(profile_path.read_text())
+    profiles = [StepProfile.model_validate_json(path.read_text()) for path in profile_paths]
     load = Workload(prompt_tokens=tuple(workload["input_len"]), output_tokens=tuple(workload["output_len"]))
-    plans = plan(num_gpus, {1: profile}, load, SLO(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+    plans = plan(num_gpus, {p.tensor_parallel_size: p for p in profiles}, load, SLO(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
     return {"pick": plans[0].layout.name, "layouts": {p.layout.name: {"goodput": p.goodput, "why": p.why}
                                                       for p in plans}}
 
@@ -271,12 +292,12 @@ def report(results: Path, name: str = "adaptive_2xh200") -> dict[str, Any]:
                             "rows": rows, "goodput": best, "crossing_90": crossing, "sweep_fell_under_90": fell,
                             "decoding": decoding(runs[s.file], s.mode), "ttft_fit": ttft_fit(runs[s.file], s.mode)})
         pairs.append({"slo_ttft_ms": ttft, "slo_tpot_ms": tpot, "configs": configs,
-                      "planner": planner_goodput(results / the_set.profile if the_set.profile else None,
-                                                 the_set.num_gpus, workload, ttft, tpot)})
+                      "planner": planner_goodput([results / p for p in the_set.profiles], the_set.num_gpus, workload,
+                                                 ttft, tpot)})
     return {"benchmark": "adaptive_report", "environment": first["environment"],
             "workload": {k: workload[k] for k in ("input_len", "output_len", "seconds_per_rate", "arrivals", "prompts",
                                                   "engine_flags")},
-            "sources": [s._asdict() for s in the_set.sources], "profile": the_set.profile,
+            "sources": [s._asdict() for s in the_set.sources], "profiles": list(the_set.profiles),
             "profile_note": the_set.profile_note,
             "pairs": pairs}
 
@@ -288,10 +309,12 @@ def plot(fig: Any, doc: dict[str, Any], styles: dict[str, tuple[str, str]]) -> N
             colour, line = next(v for k, v in styles.items() if c["label"].startswith(k))
             marker = "s" if "run 2" in c["label"] or "run b" in c["label"] else "o"
             ax.plot([r["rate"] for r in c["rows"]], [100 * r["attainment"] for r in c["rows"]], line, color=colour,
-                    marker=marker, label=f"{c['label']}: {c['goodput'] or 0:g}{'' if c['sweep_fell_under_90'] else '+'} req/s")
-        for name, p in pair["planner"]["layouts"].items():
-            colour = styles["2 colocated" if "colocated" in name else "1P1D"][0]
+                    marker=marker,
+                    label=f"{c['label']}: {c['goodput'] or 0:g}{'' if c['sweep_fell_under_90'] else '+'} req/s")
+        for name, p in pair["planner"]["layouts"].items():  # NOTE: a measured layout's label begins with its name
+            colour = next((v[0] for k, v in styles.items() if k.startswith(name) or name.startswith(k)), "grey")
             ax.axvline(p["goodput"], color=colour, linestyle=":", alpha=0.7)
+            ax.text(p["goodput"], 101, name, rotation=90, fontsize=6, va="bottom", ha="center", color=colour)
         ax.axhline(100 * ATTAINMENT, color="grey", linewidth=0.8)
         planner = f"dotted: planner per layout (pick: {pair['planner']['pick']})" if pair["planner"]["pick"] else \
             "no planner prediction"

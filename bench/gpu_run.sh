@@ -49,6 +49,10 @@
 #   Two parts at once on disjoint GPUs: CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_run.sh http &
 #           CUDA_VISIBLE_DEVICES=2,3 OUT=$OUT/b bash bench/gpu_run.sh plan_profile_70b & wait (a bench waits for its
 #           own GPUs only; two Ray clusters on one host each take free ports).
+#   tp70b_plan (nvidia-h200-x4, needs_h200): the three 70B step profiles at once on disjoint GPUs (FP8 TP=2 on
+#           GPUs 0,1 then FP8 TP=1 on GPU 0; bfloat16 TP=2 on GPUs 2,3), then bench.goodput in FP8 at rates $RATES
+#           (default 2,3,4,5) for $MODES (default 2p2d-tp1x1, the TP=1 profile's pick, and colocated2 at TP=2);
+#           the profiles come back in profiles.tgz.
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -64,7 +68,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -270,6 +274,21 @@ case "$part" in
     run 585 python3 -m bench.goodput --model bench/shapes/llama-3.1-70b --tp "${TP:-2}" --max-model-len 4300 \
       --modes "${MODES:-colocated2,1p1d}" --rates "${RATES:-1,2,3,4,6}" --seconds-per-rate 15 \
       --start-timeout-s 300 --budget-s "${BUDGET:-565}" ${GOODPUT_FLAGS:-} --out "$out"
+    ;;
+  tp70b_plan)
+    started=$SECONDS
+    ( CUDA_VISIBLE_DEVICES=0,1 NAME=fp8_tp2 PLAN_FLAGS="--tp 2 --quantization fp8" LIMIT=170 OUT=$out/fp8_tp2 \
+        bash "$0" plan_profile_70b
+      CUDA_VISIBLE_DEVICES=0 NAME=fp8_tp1 PLAN_FLAGS="--quantization fp8" LIMIT=120 OUT=$out/fp8_tp1 \
+        bash "$0" plan_profile_70b ) &
+    CUDA_VISIBLE_DEVICES=2,3 NAME=bf16_tp2 PLAN_FLAGS="--tp 2" LIMIT=240 OUT=$out/bf16_tp2 bash "$0" plan_profile_70b &
+    wait
+    echo "profiles done at $((SECONDS - started)) s"
+    # NOTE: 8 files come back from a call: the profiles' folders travel as one archive
+    (cd "$out" && tar czf profiles.tgz fp8_tp2 fp8_tp1 bf16_tp2 && rm -rf fp8_tp2 fp8_tp1 bf16_tp2)
+    run $((580 - (SECONDS - started))) python3 -m bench.goodput --model bench/shapes/llama-3.1-70b --tp 2 \
+      --max-model-len 4300 --quantization fp8 --modes "${MODES:-2p2d-tp1x1,colocated2}" --rates "${RATES:-2,3,4,5}" \
+      --seconds-per-rate 15 --start-timeout-s 240 --budget-s $((570 - (SECONDS - started))) --out "$out"
     ;;
   plan_profile_70b)
     # one step profile on the visible GPUs: $NAME (default bf16_tp2) and its flags $PLAN_FLAGS (default --tp 2)

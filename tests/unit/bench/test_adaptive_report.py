@@ -31,7 +31,8 @@ def test_goodput_is_the_last_rate_of_the_unbroken_run_at_90_percent():
     assert goodput([{"rate": 4, "attainment": 0.95}]) == (4, None, False)
 
 
-@pytest.mark.parametrize("name", ["adaptive_2xh200", "decode_heavy_2xh200", "tp70b_4xh200", "fp8_70b_2xh200"])
+@pytest.mark.parametrize("name", ["adaptive_2xh200", "decode_heavy_2xh200", "tp70b_4xh200", "fp8_70b_2xh200",
+                                  "fp8_70b_4xh200"])
 def test_the_committed_report_recomputes_from_the_committed_runs(name: str):
     committed = json.loads((RESULTS / f"{name}.json").read_text())
     assert json.loads(json.dumps(report(RESULTS, name))) == committed  # NOTE: through JSON: tuples become lists
