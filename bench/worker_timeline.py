@@ -1,8 +1,10 @@
 """Each worker's state over a goodput run, read from the router's /metrics every second: its role
-(prefill, decode, decode_every_prompt), requests running and waiting, KV use, prompt tokens queued, and
-its engine's measured decode step (ms) and prefill rate (tokens/s), which the autoscaler's pressures read. The adaptive mode's
-autoscaler moves workers between roles while the rates run; this is what shows when, and what each
-worker carried before and after (bench.goodput records it per mode, bench/rate_step.py scores roles).
+(prefill, decode, decode_every_prompt), requests running and waiting, KV use, prompt tokens queued, its
+engine's measured decode step (ms) and prefill rate (tokens/s), which the autoscaler's pressures read, and
+where its engine thread's time went (steps, seconds in steps and in commands, the CUDA allocator's retries
+and frees, all since start; `engine_use` takes their differences). The adaptive mode's autoscaler moves
+workers between roles while the rates run; this is what shows when, and what each worker carried before
+and after (bench.goodput records it per mode, bench/rate_step.py scores roles).
 """
 
 from __future__ import annotations
@@ -24,14 +26,21 @@ _GAUGES: dict[str, tuple[str, Callable[[float], Any]]] = {
     "pdserve:num_queued_prompt_tokens": ("queued_tokens", int),
     "pdserve:decode_step_seconds": ("decode_step_ms", lambda x: round(x * 1e3, 2)),
     "pdserve:prefill_tokens_per_second": ("prefill_tok_s", int),
+    # since start: differences between samples give steps a second and the engine thread's busy share
+    "pdserve:engine_steps": ("steps", int),
+    "pdserve:engine_step_seconds": ("step_s", lambda x: round(x, 3)),
+    "pdserve:engine_command_seconds": ("command_s", lambda x: round(x, 3)),
+    "pdserve:cuda_alloc_retries": ("alloc_retries", int),
+    "pdserve:cuda_device_frees": ("device_frees", int),
 }
 _SERIES = re.compile(r"^(pdserve:\w+)\{([^}]*)\} (\S+)$", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
-    """{worker: {"role", "running", "waiting", "kv", "queued_tokens", "decode_step_ms", "prefill_tok_s"}} from a
-    /metrics page (a field the page lacks is absent)."""
+    """{worker: {"role", "running", "waiting", "kv", "queued_tokens", "decode_step_ms", "prefill_tok_s", "steps",
+    "step_s", "command_s", "alloc_retries", "device_frees"}} from a /metrics page (a field the page lacks is
+    absent)."""
     out: dict[str, dict[str, Any]] = {}
     for name, labels, value in _SERIES.findall(metrics_text):
         pairs = dict(_LABEL.findall(labels))
@@ -57,6 +66,32 @@ def role_changes(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
         roles = {w: r for w, r in roles.items() if r is not None}
         if roles and roles != last:
             out.append({"t_s": sample["t_s"], "roles": roles})
+    return out
+
+
+def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, Any]]:
+    """Between consecutive samples that have `worker`'s engine counters: its steps a second, the shares of the
+    wall time its engine thread spent in steps and in commands, the GPU's busy share were every step a decode
+    step of its measured device time (steps a second x decode_step_ms), and the allocator's retries and
+    frees in between. A worker that restarted (its counters went back) starts afresh."""
+    out: list[dict[str, Any]] = []
+    last: tuple[float, dict[str, Any]] | None = None
+    for sample in timeline:
+        now = sample["workers"].get(worker, {})
+        if "steps" not in now or "step_s" not in now:
+            continue
+        if last is not None and now["steps"] >= last[1]["steps"] and sample["t_s"] > last[0]:
+            dt, before = sample["t_s"] - last[0], last[1]
+            steps_per_s = (now["steps"] - before["steps"]) / dt
+            out.append({
+                "t_s": sample["t_s"], "running": now.get("running", 0), "steps_per_s": round(steps_per_s, 2),
+                "step_share": round((now["step_s"] - before["step_s"]) / dt, 3),
+                "command_share": round((now.get("command_s", 0.0) - before.get("command_s", 0.0)) / dt, 3),
+                "device_share": round(steps_per_s * now.get("decode_step_ms", 0.0) / 1e3, 3),
+                "alloc_retries": now.get("alloc_retries", 0) - before.get("alloc_retries", 0),
+                "device_frees": now.get("device_frees", 0) - before.get("device_frees", 0),
+            })
+        last = (sample["t_s"], now)
     return out
 
 

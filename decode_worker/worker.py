@@ -497,7 +497,7 @@ class DecodeWorker(TransferEndpoint):
         self.computes_every = every
 
     async def stats(self) -> WorkerStatsMsg:
-        s = await self._call(lambda e: e.stats())
+        s = await self._call(lambda e: self.loop.stats())
         return WorkerStatsMsg(
             worker_id=self.worker_id, role="decode", pid=os.getpid(), is_healthy=await self.health(), **s.load(),
             num_cached_blocks=s.num_cached_blocks, num_channels=self.channel.num_connections, weights=s.weights,

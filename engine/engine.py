@@ -101,6 +101,15 @@ class EngineStats:
     max_num_seqs: int = 0  # the running batch's cap (SchedulerConfig.max_num_seqs)
     weights: str = ""  # how its projections are stored and multiplied (EngineCore.weights)
     kv_cache_dtype: str = ""
+    # Where the engine thread's time went, since start (engine/loop.py fills them; 0 without a loop): steps
+    # taken, wall seconds inside them and inside the commands run between them (requests joining, stats)
+    num_engine_steps: int = 0
+    engine_step_seconds: float = 0.0
+    engine_command_seconds: float = 0.0
+    # rank 0's CUDA caching allocator, since start: cudaMalloc calls that failed and were retried after
+    # freeing its cache (a free synchronizes the device), and its cudaFree calls
+    num_alloc_retries: int = 0
+    num_device_frees: int = 0
 
     def load(self) -> dict[str, int | float]:
         """The figures every worker reports of its engine (its stats, `pdserve status`)."""
@@ -109,7 +118,10 @@ class EngineStats:
                 "decode_step_s": self.decode_step_s, "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
                 "num_prompts_started": self.num_prompts_started,
-                "kv_bytes_per_token": self.kv_bytes_per_token, "max_num_seqs": self.max_num_seqs}
+                "kv_bytes_per_token": self.kv_bytes_per_token, "max_num_seqs": self.max_num_seqs,
+                "num_engine_steps": self.num_engine_steps, "engine_step_seconds": self.engine_step_seconds,
+                "engine_command_seconds": self.engine_command_seconds, "num_alloc_retries": self.num_alloc_retries,
+                "num_device_frees": self.num_device_frees}
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -712,6 +724,7 @@ class EngineCore:
         return num_output >= request.params.max_tokens or num_tokens >= self.max_seq_tokens
 
     def stats(self) -> EngineStats:
+        memory = torch.cuda.memory_stats(self.device) if self.device.type == "cuda" else {}
         return EngineStats(
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
             num_running=len(self.scheduler.running),
@@ -735,6 +748,7 @@ class EngineCore:
             // self.pool.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            num_alloc_retries=memory.get("num_alloc_retries", 0), num_device_frees=memory.get("num_device_free", 0),
         )
 
     # ---- invariants

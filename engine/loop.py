@@ -7,15 +7,17 @@ arrival order; each step's outputs go to `on_outputs`, called on this thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.config import SamplingParams
-from engine.engine import EngineCore, StepOutput
+from engine.engine import EngineCore, EngineStats, StepOutput
 from engine.grammar import GrammarError
 from engine.validation import InvalidRequestError
 
@@ -41,6 +43,8 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
+        self.step_seconds = 0.0  # wall time inside engine.step(), since start
+        self.command_seconds = 0.0  # wall time inside submitted commands, since start
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -77,23 +81,32 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def stats(self) -> EngineStats:
+        """Engine thread (a command): the engine's stats with where this thread's time went."""
+        return dataclasses.replace(self.engine.stats(), num_engine_steps=self.num_steps,
+                                   engine_step_seconds=self.step_seconds, engine_command_seconds=self.command_seconds)
+
     def _drain(self) -> None:
         commands = self._commands
         while not commands.empty():  # NOTE: no queue.Empty raised each step: this thread alone takes from it
             command, future = commands.get_nowait()
             if not future.set_running_or_notify_cancel():
                 continue
+            started = time.perf_counter()
             try:
                 future.set_result(command(self.engine))
             except BaseException as err:  # noqa: BLE001 - the submitter gets it
                 future.set_exception(err)
+            self.command_seconds += time.perf_counter() - started
 
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
                 self._drain()
                 if self.engine.has_unfinished():
+                    started = time.perf_counter()
                     outputs = self.engine.step()
+                    self.step_seconds += time.perf_counter() - started
                     self.num_steps += 1
                     if outputs:
                         self.on_outputs(outputs)

@@ -340,7 +340,7 @@ class PrefillWorker(TransferEndpoint):
         return await super().check_integrity()
 
     async def stats(self) -> WorkerStatsMsg:
-        s = await self._call(lambda e: e.stats())
+        s = await self._call(lambda e: self.loop.stats())
         return WorkerStatsMsg(
             worker_id=self.worker_id, role="prefill", pid=os.getpid(), is_healthy=await self.health(), **s.load(),
             num_cached_blocks=s.num_cached_blocks, num_channels=self.channel.num_connections, weights=s.weights,

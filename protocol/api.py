@@ -51,6 +51,13 @@ class WorkerStatsMsg(Msg):
     max_num_seqs: int = 0  # its running batch's cap (0: not reported)
     weights: str = ""  # e.g. "bfloat16", "fp8 projections on the cuda path" (engine.EngineCore.weights)
     kv_cache_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
+    # its engine thread since start (engine.EngineStats): steps, wall seconds in steps and in commands between
+    # them; its CUDA allocator's retried cudaMallocs and its cudaFrees (each free synchronizes the device)
+    num_engine_steps: int = 0
+    engine_step_seconds: float = 0.0
+    engine_command_seconds: float = 0.0
+    num_alloc_retries: int = 0
+    num_device_frees: int = 0
     # decode workers
     num_leases: int = 0  # open leases (reserved or receiving)
     num_undelivered: int = 0  # token rows not yet taken by their routers

@@ -101,6 +101,19 @@ class PrometheusMetrics:
                                   "steps that prefill (0: not measured yet).", gauge_labels, registry=wr)
         self.queued_prompt_tokens = Gauge("pdserve:num_queued_prompt_tokens", "Prompt tokens queued at a worker, "
                                           "not yet computed.", gauge_labels, registry=wr)
+        # where a worker's engine thread spends its time: steps a second times the decode step's device time is
+        # the GPU's busy share; what the wall time leaves is the host's
+        self.engine_steps = Gauge("pdserve:engine_steps", "Steps a worker's engine took, since start.", gauge_labels,
+                                  registry=wr)
+        self.engine_step_seconds = Gauge("pdserve:engine_step_seconds", "Wall seconds a worker's engine thread "
+                                         "spent inside steps, since start.", gauge_labels, registry=wr)
+        self.engine_command_seconds = Gauge("pdserve:engine_command_seconds", "Wall seconds a worker's engine "
+                                            "thread spent on commands between steps (requests joining, stats), since "
+                                            "start.", gauge_labels, registry=wr)
+        self.alloc_retries = Gauge("pdserve:cuda_alloc_retries", "A worker's failed cudaMalloc calls retried after "
+                                   "freeing the allocator's cache (rank 0's), since start.", gauge_labels, registry=wr)
+        self.device_frees = Gauge("pdserve:cuda_device_frees", "A worker's cudaFree calls (each synchronizes the "
+                                  "device; rank 0's), since start.", gauge_labels, registry=wr)
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -152,6 +165,11 @@ class PrometheusMetrics:
                 self.decode_step.labels(**w).set(row.decode_step_s)
                 self.prefill_rate.labels(**w).set(row.prefill_tokens_per_s)
                 self.queued_prompt_tokens.labels(**w).set(row.num_queued_prompt_tokens)
+                self.engine_steps.labels(**w).set(row.num_engine_steps)
+                self.engine_step_seconds.labels(**w).set(row.engine_step_seconds)
+                self.engine_command_seconds.labels(**w).set(row.engine_command_seconds)
+                self.alloc_retries.labels(**w).set(row.num_alloc_retries)
+                self.device_frees.labels(**w).set(row.num_device_frees)
                 if row.role == "prefill":
                     totals = row.push_totals
                     self.pushes.labels(**w).set(totals.num_pushed)

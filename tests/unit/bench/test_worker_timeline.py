@@ -1,6 +1,6 @@
 import asyncio
 
-from bench.worker_timeline import role_changes, worker_states
+from bench.worker_timeline import engine_use, role_changes, worker_states
 from protocol.api import WorkerStatsMsg
 from router.metrics import PrometheusMetrics
 
@@ -18,12 +18,15 @@ def test_each_worker_s_role_load_and_kv_use_are_read_back_from_a_rendered_metric
                        num_blocks=10, num_free_blocks=10),
         WorkerStatsMsg(worker_id="decode-0", role="decode", computes_every_prompt=True, pid=2, is_healthy=True,
                        num_running=64, num_waiting=3, num_blocks=10, num_free_blocks=4, decode_step_s=0.0125,
-                       prefill_tokens_per_s=31000.4, num_queued_prompt_tokens=2500))
+                       prefill_tokens_per_s=31000.4, num_queued_prompt_tokens=2500, num_engine_steps=900,
+                       engine_step_seconds=11.25, engine_command_seconds=0.5, num_alloc_retries=2, num_device_frees=3))
     assert worker_states(page) == {
         "prefill-0": {"role": "prefill", "running": 2, "waiting": 5, "kv": 0.0, "queued_tokens": 0,
-                      "decode_step_ms": 0.0, "prefill_tok_s": 0},
+                      "decode_step_ms": 0.0, "prefill_tok_s": 0, "steps": 0, "step_s": 0.0, "command_s": 0.0,
+                      "alloc_retries": 0, "device_frees": 0},
         "decode-0": {"role": "decode_every_prompt", "running": 64, "waiting": 3, "kv": 0.6, "queued_tokens": 2500,
-                     "decode_step_ms": 12.5, "prefill_tok_s": 31000},
+                     "decode_step_ms": 12.5, "prefill_tok_s": 31000, "steps": 900, "step_s": 11.25, "command_s": 0.5,
+                     "alloc_retries": 2, "device_frees": 3},
     }
     assert worker_states("# nothing\n") == {}
 
@@ -40,3 +43,23 @@ def test_role_changes_keep_only_the_samples_where_a_role_moved_not_where_a_worke
         {"t_s": 0.0, "roles": {"prefill-0": "prefill", "decode-0": "decode"}},
         {"t_s": 2.0, "roles": {"prefill-0": "decode", "decode-0": "decode"}},
     ]
+
+
+def test_engine_use_takes_differences_between_samples_and_starts_afresh_after_a_restart():
+    def sample(t_s, steps, step_s, command_s, retries=0, running=8):
+        return {"t_s": t_s, "workers": {"decode-0": {"running": running, "decode_step_ms": 20.0, "steps": steps,
+                                                      "step_s": step_s, "command_s": command_s,
+                                                      "alloc_retries": retries, "device_frees": retries}}}
+
+    timeline = [sample(0.0, 100, 2.0, 0.1), {"t_s": 0.5, "workers": {}}, sample(1.0, 130, 2.9, 0.2),
+                sample(3.0, 160, 3.5, 0.8, retries=2), sample(4.0, 5, 0.1, 0.0), sample(5.0, 45, 1.0, 0.05)]
+    use = engine_use(timeline, "decode-0")
+    assert [u["t_s"] for u in use] == [1.0, 3.0, 5.0]  # the restart at 4 s has no interval
+    first, second = use[0], use[1]
+    assert first["steps_per_s"] == 30 and first["step_share"] == 0.9 and first["command_share"] == 0.1
+    assert first["device_share"] == 0.6 and first["alloc_retries"] == 0
+    # 30 steps in 2 s of 20 ms: the GPU busy 30% of the time while the engine thread was in steps 30%
+    assert second["steps_per_s"] == 15 and second["device_share"] == 0.3 and second["command_share"] == 0.3
+    assert second["alloc_retries"] == 2 and second["device_frees"] == 2
+    assert use[2]["steps_per_s"] == 40
+    assert engine_use(timeline, "prefill-0") == []

@@ -58,3 +58,17 @@ def test_each_worker_s_role_now_and_not_before():
     roles = {k: v for k, v in lines.items() if k.startswith("pdserve:worker_role")}
     assert roles == {'pdserve:worker_role{model_name="m",role="decode_every_prompt",worker="prefill-0"}': 1,
                      'pdserve:worker_role{model_name="m",role="decode_every_prompt",worker="decode-0"}': 1}
+
+
+def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
+    async def worker_stats():
+        return [WorkerStatsMsg(worker_id="d0", role="decode", pid=1, is_healthy=True, num_running=3, num_waiting=0,
+                               num_blocks=10, num_free_blocks=4, num_engine_steps=1200, engine_step_seconds=14.5,
+                               engine_command_seconds=0.75, num_alloc_retries=4, num_device_frees=9)]
+
+    lines = _lines(asyncio.run(PrometheusMetrics("m", worker_stats=worker_stats).render()))
+    assert lines['pdserve:engine_steps{model_name="m",worker="d0"}'] == 1200
+    assert lines['pdserve:engine_step_seconds{model_name="m",worker="d0"}'] == 14.5
+    assert lines['pdserve:engine_command_seconds{model_name="m",worker="d0"}'] == 0.75
+    assert lines['pdserve:cuda_alloc_retries{model_name="m",worker="d0"}'] == 4
+    assert lines['pdserve:cuda_device_frees{model_name="m",worker="d0"}'] == 9

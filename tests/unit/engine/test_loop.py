@@ -1,0 +1,37 @@
+"""EngineLoop's account of its thread: the steps it took, the wall seconds inside them and inside the commands
+run between them, returned with the engine's stats (what a worker reports and the router exports)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine import LLM, SamplingParams
+from engine.loop import EngineLoop
+
+
+def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Callable[..., LLM],
+                                                                    one_torch_thread: None) -> None:
+    llm = make_llm(num_blocks=32)
+    finished: list[Any] = []
+    loop = EngineLoop(llm.engine, lambda outs: finished.extend(o for o in outs if o.finish_reason)).start()
+    try:
+        before = loop.submit(lambda engine: loop.stats()).result(timeout=30)
+        assert (before.num_engine_steps, before.engine_step_seconds) == (0, 0.0)
+        loop.submit(lambda engine: time.sleep(0.2)).result(timeout=30)  # a command holds the thread for 0.2 s
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        loop.submit(lambda engine: engine.add_request("a", [1, 2, 3, 4], params)).result(timeout=30)
+        deadline = time.monotonic() + 60
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finished, "the request did not finish within 60 s"
+        after = loop.submit(lambda engine: loop.stats()).result(timeout=30)
+    finally:
+        loop.stop()
+    # a prompt step and four decode steps at least (asynchronous scheduling may add an empty one)
+    assert after.num_engine_steps >= 5 and after.num_engine_steps == loop.num_steps
+    assert after.engine_step_seconds > 0
+    assert 0.2 <= after.engine_command_seconds < 0.2 + after.engine_step_seconds + 5.0
+    assert after.load()["num_engine_steps"] == after.num_engine_steps  # what a worker puts in its stats
+    assert after.num_alloc_retries == 0 and after.num_device_frees == 0  # no CUDA allocator on the CPU
