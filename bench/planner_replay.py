@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.adaptive_report import RESULTS
+from bench.adaptive_report import RESULTS, goodput
 from bench.common import save_plot
 from bench.goodput_modes import layout_of, mode_spec
 from cluster.planner import StepProfile
@@ -77,6 +77,18 @@ def replay(run: dict[str, Any], profiles: Profiles, slo: tuple[float, float]) ->
     return rows
 
 
+def goodputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per layout of a run, the goodput by one rule (bench.adaptive_report.goodput: the highest rate of an
+    unbroken run at >= 90%) from the measured and from the replayed attainments at the same arrivals: the
+    planner's error with the sampling of the run's windows taken out."""
+    out = {}
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        mine = sorted((r for r in rows if r["layout"] == layout), key=lambda r: r["rate"])
+        out[layout] = {side: goodput([{"rate": r["rate"], "attainment": r[side]["attainment"]} for r in mine])[0]
+                       for side in ("measured", "predicted")}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", required=True, help="bench.goodput JSON files (in --results)")
@@ -98,13 +110,18 @@ def main() -> None:
     for name in args.runs:
         run = json.loads((args.results / name).read_text())
         rows = replay(run, profiles, slo)
-        doc["runs"][name] = {"device_name": run.get("environment", {}).get("device_name"), "rows": rows}
+        doc["runs"][name] = {"device_name": run.get("environment", {}).get("device_name"), "rows": rows,
+                             "goodput": goodputs(rows)}
         for row in rows:
             m, p = row["measured"], row["predicted"]
             print(f"{name[:44]:44s} {row['layout']:15s} {row['rate']:5.1f} req/s: TTFT p50/p90 {m['ttft_p50_ms']:6.0f}/"
                   f"{m['ttft_p90_ms']:6.0f} ms measured, {p['ttft_p50_ms']:6.0f}/{p['ttft_p90_ms']:6.0f} predicted; "
                   f"TPOT p90 {m['tpot_p90_ms']:5.1f} / {p['tpot_p90_ms']:5.1f}; attainment {m['attainment']:.2f} / "
                   f"{p['attainment']:.2f}", flush=True)
+    for name, run in doc["runs"].items():
+        for layout, g in run["goodput"].items():
+            print(f"{name[:44]:44s} {layout:15s} goodput at these arrivals: {g['measured']} req/s measured, "
+                  f"{g['predicted']} replayed")
     if args.out is not None:
         path = args.out / f"planner_replay_{args.tag}.json"
         path.write_text(json.dumps(doc, indent=1) + "\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.planner_replay import replay, run_tp, static_layout
+from bench.planner_replay import goodputs, replay, run_tp, static_layout
 from cluster.planner import StepProfile
 from cluster.planner.simulate import Layout
 
@@ -48,3 +48,14 @@ def test_each_layout_is_simulated_with_its_worker_sizes_profiles() -> None:
     assert all(r["measured"]["tpot_p90_ms"] == 12.0 for r in rows)
     with pytest.raises(ValueError, match="profile of workers of 1 GPUs"):
         replay(run, {2: _profile(2, 2.0)}, (1000.0, 40.0))
+
+
+def test_goodput_by_one_rule_from_the_measured_and_the_replayed_attainments() -> None:
+    def row(layout: str, rate: float, measured: float, predicted: float) -> dict:
+        return {"layout": layout, "rate": rate, "measured": {"attainment": measured},
+                "predicted": {"attainment": predicted}}
+
+    rows = [row("2P2D", 3.0, 0.8, 0.8), row("2P2D", 2.0, 1.0, 1.0), row("3P1D", 2.0, 1.0, 1.0),
+            row("3P1D", 3.0, 0.89, 1.0), row("3P1D", 4.0, 0.93, 0.95)]
+    assert goodputs(rows) == {"2P2D": {"measured": 2.0, "predicted": 2.0},
+                              "3P1D": {"measured": 2.0, "predicted": 4.0}}
