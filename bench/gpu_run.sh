@@ -53,6 +53,11 @@
 #           GPUs 0,1 then FP8 TP=1 on GPU 0; bfloat16 TP=2 on GPUs 2,3), then bench.goodput in FP8 at rates $RATES
 #           (default 2,3,4,5) for $MODES (default 2p2d-tp1x1, the TP=1 profile's pick, and colocated2 at TP=2);
 #           the profiles come back in profiles.tgz.
+#   stall_probe (nvidia-h200-x2): where a disaggregated decode worker's stalls come from (ITL p99 of 137-226 ms
+#           and TPOT 1.5x its device steps at the 70B shape): bench.goodput at the 8B shape, 1P1D and 2 colocated at
+#           rates $RATES (default 8,12,16), 20 s each, then each worker's engine use per second from the timeline
+#           (bench.worker_timeline: steps a second, the engine thread's shares in steps and commands, the GPU's
+#           busy share, the CUDA allocator's retries and frees).
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -68,7 +73,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -289,6 +294,12 @@ case "$part" in
     run $((580 - (SECONDS - started))) python3 -m bench.goodput --model bench/shapes/llama-3.1-70b --tp 2 \
       --max-model-len 4300 --quantization fp8 --modes "${MODES:-2p2d-tp1x1,colocated2}" --rates "${RATES:-2,3,4,5}" \
       --seconds-per-rate 15 --start-timeout-s 240 --budget-s $((570 - (SECONDS - started))) --out "$out"
+    ;;
+  stall_probe)
+    run 480 python3 -m bench.goodput --modes disagg,colocated --rates "${RATES:-8,12,16}" --seconds-per-rate 20 \
+      --budget-s 460 --out "$out"
+    run 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt"
+    grep -v "^    " "$out/engine_use.txt"
     ;;
   plan_profile_70b)
     # one step profile on the visible GPUs: $NAME (default bf16_tp2) and its flags $PLAN_FLAGS (default --tp 2)

@@ -106,3 +106,34 @@ async def poll_workers(server_url: str, out: list[dict[str, Any]], started: floa
         except (OSError, ValueError, http.client.HTTPException):  # NOTE: urllib's short reads are none of the others
             pass
         await asyncio.sleep(interval_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m bench.worker_timeline RESULT.json [MODE ...]: each worker's engine use over a bench.goodput run
+    (engine_use per sample), by mode; the modes' KV pushes beside them."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
+    parser.add_argument("result", type=Path)
+    parser.add_argument("modes", nargs="*", help="default: every mode of the run")
+    args = parser.parse_args(argv)
+    run = json.loads(args.result.read_text())
+    for mode, data in run["modes"].items():
+        if args.modes and mode not in args.modes:
+            continue
+        timeline = data.get("timeline", [])
+        workers = sorted({w for sample in timeline for w in sample["workers"]})
+        print(f"== {mode}: phases {data.get('phases_s')}; pushes {data.get('pushes')}")
+        for worker in workers:
+            print(f"  {worker}: t_s running steps/s step_share command_share device_share alloc_retries device_frees")
+            for u in engine_use(timeline, worker):
+                print(f"    {u['t_s']:6.1f} {u['running']:4d} {u['steps_per_s']:7.2f} {u['step_share']:6.3f} "
+                      f"{u['command_share']:6.3f} {u['device_share']:6.3f} {u['alloc_retries']:4d} "
+                      f"{u['device_frees']:4d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

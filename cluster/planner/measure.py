@@ -8,7 +8,7 @@ their blocks (EngineCore.reserve and add_prefilled; a decode step reads it whate
 whole batch decodes from its first step and no prompt is computed (prefilling every point's prompts
 took 564k prompt tokens at the 70B shape's grid). Each figure is reported as it is measured: at the
 70B shape on 4x H200 a TP=2 grid took 3 s after the engine's start (pdserve plan then waited in the
-engine's close, since fixed: TPGroup.shutdown)."""
+engine's close: TPGroup.shutdown now runs on every rank at once; not yet re-run on a GPU)."""
 
 from __future__ import annotations
 

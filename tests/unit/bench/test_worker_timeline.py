@@ -63,3 +63,25 @@ def test_engine_use_takes_differences_between_samples_and_starts_afresh_after_a_
     assert second["alloc_retries"] == 2 and second["device_frees"] == 2
     assert use[2]["steps_per_s"] == 40
     assert engine_use(timeline, "prefill-0") == []
+
+
+def test_the_command_line_prints_each_worker_s_engine_use_by_mode(tmp_path, capsys):
+    import json
+
+    from bench.worker_timeline import main
+
+    def sample(t: float, steps: int) -> dict:
+        return {"t_s": t, "workers": {"decode-0": {"running": 4, "decode_step_ms": 10.0, "steps": steps,
+                                                    "step_s": steps / 100, "command_s": 0.0}}}
+
+    run = {"modes": {"1p1d": {"phases_s": {"rate 8": 20.0}, "pushes": {"num_pushed": 3},
+                              "timeline": [sample(0.0, 0), sample(1.0, 50), sample(2.0, 150)]},
+                     "colocated": {"timeline": []}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert main([str(path), "1p1d"]) == 0
+    out = capsys.readouterr().out
+    assert "== 1p1d" in out and "== colocated" not in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("    ")]
+    assert [(r[0], r[2], r[3], r[5]) for r in rows] == [("1.0", "50.00", "0.500", "0.500"),
+                                                         ("2.0", "100.00", "1.000", "1.000")]
