@@ -51,6 +51,7 @@ from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError
 from engine.models import ArchConfig, check_quantized_parallel
 from engine.parallel import RankSet, RankStarter, TensorParallel, check_tensor_parallel
+from engine.parallel.memory import RankAllocators, allocator_counts
 from engine.parallel.follower import Stop
 from engine.parallel.local import LocalRanks
 from engine.pinned import upload
@@ -106,8 +107,8 @@ class EngineStats:
     num_engine_steps: int = 0
     engine_step_seconds: float = 0.0
     engine_command_seconds: float = 0.0
-    # rank 0's CUDA caching allocator, since start: cudaMalloc calls that failed and were retried after
-    # freeing its cache (a free synchronizes the device), and its cudaFree calls
+    # the CUDA caching allocators of every rank, since start (engine/parallel/memory.py; the other ranks' one
+    # stats call behind): cudaMalloc calls retried after freeing the cache, and cudaFree calls (each syncs)
     num_alloc_retries: int = 0
     num_device_frees: int = 0
 
@@ -234,6 +235,8 @@ class EngineCore:
         # worker with no prefill pool left: DecodeWorker.computes_every_prompt)
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
+        leader = self.runner.leader
+        self._rank_allocators = RankAllocators(leader.group, leader.send) if leader is not None else None
         warm_up_sampler(self.sampler, arch.vocab_size, self.device)
         if self.proposer is not None:
             warm_up_verifier(self.sampler, arch.vocab_size, self.device, config.speculative.num_draft_tokens)
@@ -724,7 +727,10 @@ class EngineCore:
         return num_output >= request.params.max_tokens or num_tokens >= self.max_seq_tokens
 
     def stats(self) -> EngineStats:
-        memory = torch.cuda.memory_stats(self.device) if self.device.type == "cuda" else {}
+        retries, frees = allocator_counts(self.device)
+        if self._rank_allocators is not None and self.runner.leader is not None:
+            others = self._rank_allocators.counts()
+            retries, frees = retries + others[0], frees + others[1]
         return EngineStats(
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
             num_running=len(self.scheduler.running),
@@ -748,7 +754,7 @@ class EngineCore:
             // self.pool.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            num_alloc_retries=memory.get("num_alloc_retries", 0), num_device_frees=memory.get("num_device_free", 0),
+            num_alloc_retries=retries, num_device_frees=frees,
         )
 
     # ---- invariants

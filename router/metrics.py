@@ -111,9 +111,10 @@ class PrometheusMetrics:
                                             "thread spent on commands between steps (requests joining, stats), since "
                                             "start.", gauge_labels, registry=wr)
         self.alloc_retries = Gauge("pdserve:cuda_alloc_retries", "A worker's failed cudaMalloc calls retried after "
-                                   "freeing the allocator's cache (rank 0's), since start.", gauge_labels, registry=wr)
+                                   "freeing the allocator's cache, every rank's, since start.", gauge_labels,
+                                   registry=wr)
         self.device_frees = Gauge("pdserve:cuda_device_frees", "A worker's cudaFree calls (each synchronizes the "
-                                  "device; rank 0's), since start.", gauge_labels, registry=wr)
+                                  "device), every rank's, since start.", gauge_labels, registry=wr)
 
     # ---- RouterMetrics
     def on_choice_finished(

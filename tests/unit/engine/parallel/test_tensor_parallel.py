@@ -127,3 +127,27 @@ def test_each_rank_holds_its_part(hf_checkpoints: Callable[[str], Path]) -> None
     assert {(p.num_heads, p.num_kv_heads, p.intermediate_size) for p in parts} == {(1, 1, 32)}
     assert [TPShard(r, 4).kv_heads(arch) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [TPShard(r, 4).vocab(10) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+
+
+def test_stats_sum_every_rank_s_allocator_counts_without_waiting_for_them(hf_checkpoints: Callable[[str], Path],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 asks the other ranks with a RankCall and reads their answers at a later stats call: the first
+    call has rank 0's own counts alone, later ones every rank's (on the CPU the counts are stand-ins)."""
+    import time
+
+    import engine.parallel.memory as memory
+
+    monkeypatch.setattr(memory, "allocator_counts", lambda device: (3, 7))
+    monkeypatch.setattr("engine.engine.allocator_counts", lambda device: (1, 2))  # rank 0's own
+    engine = EngineCore(engine_config(str(hf_checkpoints("llama")), device="cpu", num_blocks=8,
+                                      tensor_parallel_size=2))
+    try:
+        first = engine.stats()
+        assert (first.num_alloc_retries, first.num_device_frees) == (1, 2)
+        deadline, later = time.monotonic() + 30, first
+        while (later.num_alloc_retries, later.num_device_frees) == (1, 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            later = engine.stats()
+        assert (later.num_alloc_retries, later.num_device_frees) == (4, 9)
+    finally:
+        engine.close()
