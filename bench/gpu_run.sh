@@ -53,11 +53,11 @@
 #           GPUs 0,1 then FP8 TP=1 on GPU 0; bfloat16 TP=2 on GPUs 2,3), then bench.goodput in FP8 at rates $RATES
 #           (default 2,3,4,5) for $MODES (default 2p2d-tp1x1, the TP=1 profile's pick, and colocated2 at TP=2);
 #           the profiles come back in profiles.tgz.
-#   stall_probe (nvidia-h200-x2): where a disaggregated decode worker's stalls come from (ITL p99 of 137-226 ms
-#           and TPOT 1.5x its device steps at the 70B shape): bench.goodput at the 8B shape, 1P1D and 2 colocated at
-#           rates $RATES (default 8,12,16), 20 s each, then each worker's engine use per second from the timeline
+#   stall_probe (nvidia-h200-x4 or nvidia-h100-x4): where a disaggregated TP=2 decode worker's stalls come from
+#           (ITL p99 137-226 ms and TPOT 1.5x its device steps at the 70B shape): bench.goodput at the 70B shape in
+#           FP8, 1P1D TP=2 at rates $RATES (default 2,3,4), 20 s each, then each worker's engine use per second
 #           (bench.worker_timeline: steps a second, the engine thread's shares in steps and commands, the GPU's
-#           busy share, the CUDA allocator's retries and frees).
+#           busy share, the CUDA allocators' retries and frees over every rank).
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -296,8 +296,9 @@ case "$part" in
       --seconds-per-rate 15 --start-timeout-s 240 --budget-s $((570 - (SECONDS - started))) --out "$out"
     ;;
   stall_probe)
-    run 480 python3 -m bench.goodput --modes disagg,colocated --rates "${RATES:-8,12,16}" --seconds-per-rate 20 \
-      --budget-s 460 --out "$out"
+    run 480 python3 -m bench.goodput --model bench/shapes/llama-3.1-70b --tp 2 --max-model-len 4300 \
+      --quantization fp8 --modes "${MODES:-1p1d}" --rates "${RATES:-2,3,4}" --seconds-per-rate 20 \
+      --start-timeout-s 240 --budget-s 460 --out "$out"
     run 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt"
     grep -v "^    " "$out/engine_use.txt"
     ;;
