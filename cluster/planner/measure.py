@@ -1,8 +1,11 @@
 """Measures a StepProfile on the engine at hand: a prefill step's time by prompt length, and a
 decode step's by batch and context. Random prompt tokens; each figure the median of `repeats`
-timed steps after a warm-up; the engine steps synchronously (a step reads its own sampled tokens, so
-its wall time is the whole step's). A profile measured with asynchronous steps (the CUDA default) timed
-the launches: on 2x H200 it predicted 89.5 req/s of 1P1D goodput where 12 was measured. A decode
+timed steps after a warm-up. A prefill figure's step runs synchronously (it reads its own sampled
+tokens, so its wall time is the whole step's: one step timed alone after idling, asynchronously, would
+time its launch; so measured, a profile on 2x H200 predicted 89.5 req/s of 1P1D goodput where 12 was
+measured). A decode figure times a run of asynchronous steps, as served: each call reads the step before
+and queues the next, so it takes the longer of the host's and the device's work (at the 70B shape on 4x
+H200 the served decode workers' device steps read 1-2 ms under the synchronous steps' wall time). A decode
 figure's sequences join as a disaggregated decode worker's do, their prompts' KV taken as already in
 their blocks (EngineCore.reserve and add_prefilled; a decode step reads it whatever it holds), so the
 whole batch decodes from its first step and no prompt is computed (prefilling every point's prompts
@@ -61,7 +64,9 @@ def decode_fits(engine: EngineCore, batch: int, context: int, repeats: int) -> b
 
 
 def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: random.Random) -> float:
-    """A decode step of `batch` sequences of `context` tokens each."""
+    """A decode step of `batch` sequences of `context` tokens each, as a served engine steps: asynchronously,
+    the host's work for one step beside the device's for the one before, so each call in a run of them
+    takes the longer of the two (a synchronous step's wall time is their sum)."""
     vocab = engine.arch.vocab_size
     params = SamplingParams(max_tokens=decode_tokens(repeats), temperature=0.0, ignore_eos=True)
     num_blocks = -(-context // engine.pool.block_size)
@@ -74,11 +79,14 @@ def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: r
     if len(engine.scheduler.running) != batch:
         raise RuntimeError(f"the decode profile would time {len(engine.scheduler.running)} running sequences, "
                            f"not {batch}: the cache or max_num_seqs holds fewer")
-    times = [_timed_step(engine) for _ in range(repeats)]
-    for rid in list(engine.scheduler.requests):
-        engine.abort_request(rid)
-    while engine.has_unfinished():
-        engine.step()
+    engine.async_scheduling = True
+    try:
+        engine.step()  # NOTE: returns once the next step is queued; each later call reads one step, queues one
+        times = [_timed_step(engine) for _ in range(repeats)]
+        while engine.has_unfinished():  # NOTE: to their last token (its length ends them): no step left in flight
+            engine.step()
+    finally:
+        engine.async_scheduling = False
     return statistics.median(times)
 
 
@@ -86,8 +94,9 @@ def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: S
             decode_contexts: Sequence[int], repeats: int = 3, seed: int = 0,
             report: Callable[[str], None] = lambda line: None) -> StepProfile:
     """The engine's StepProfile over the grids. The KV cache must hold max(batch) x max(context).
-    The engine must step synchronously (async_scheduling=False): an asynchronous step() returns once the
-    next step is queued on the device, so its wall time is not the step's. REPORT gets a line per figure."""
+    The engine must be built to step synchronously (async_scheduling=False; a decode figure switches it
+    to asynchronous steps and back): an asynchronous prefill step() returns once the step is queued on the
+    device, so its wall time is not the step's. REPORT gets a line per figure."""
     if engine.async_scheduling:
         raise ValueError("profile an engine built with async_scheduling=False: an asynchronous step() returns "
                          "before the device has run it, so its time is not the step's")

@@ -65,3 +65,26 @@ def test_a_decode_figure_times_the_whole_batch_and_computes_no_prompt(make_llm, 
     measuring.decode_ms(engine, 4, 128, 2, random.Random(0))
     assert sum(prompt_tokens) == 0 and len(prompt_tokens) >= 3  # warm-up and timed steps, no prompt
     assert len(profile.decode_ms) == 2 and not engine.has_unfinished()
+
+
+def test_a_decode_figure_times_asynchronous_steps_and_leaves_the_engine_synchronous(make_llm, monkeypatch):
+    # a served engine steps asynchronously (the host's work beside the device's): the figure times such steps,
+    # then every request runs to its last token, so the next figure starts with no step in flight
+    import cluster.planner.measure as measuring
+
+    engine = make_llm(num_blocks=256, block_size=8).engine
+    modes = []
+    timed_step = measuring._timed_step
+
+    def recording(e):
+        modes.append(e.async_scheduling)
+        return timed_step(e)
+
+    monkeypatch.setattr(measuring, "_timed_step", recording)
+    assert measuring.decode_ms(engine, 2, 16, 3, random.Random(0)) > 0
+    assert modes == [True, True, True]
+    assert engine.async_scheduling is False and not engine.has_unfinished() and engine._inflight is None
+    assert engine.pool.num_held_blocks == 0
+    modes.clear()
+    measuring.prefill_ms(engine, 16, 2, random.Random(0))
+    assert modes == [False, False, False]  # a prefill figure's step runs alone, synchronously
