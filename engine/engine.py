@@ -728,7 +728,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         retries, frees = allocator_counts(self.device)
-        if self._rank_allocators is not None and self.runner.leader is not None:
+        if self._rank_allocators is not None and self.runner.leader is not None and self.ranks_alive:
             others = self._rank_allocators.counts()
             retries, frees = retries + others[0], frees + others[1]
         return EngineStats(
