@@ -58,6 +58,10 @@
 #           FP8, 1P1D TP=2 at rates $RATES (default 2,3,4), 20 s each, then each worker's engine use per second
 #           (bench.worker_timeline: steps a second, the engine thread's shares in steps and commands, the GPU's
 #           busy share, the CUDA allocators' retries and frees over every rank).
+#   allreduce_small (2 GPUs): bench.diag.allreduce_small, a TP=2 decode step's all-reduces (8B rows at batch
+#           1-256) through NCCL as pdserve calls it, NCCL symmetric windows, and torch symmetric memory's one-shot
+#           (with and without the copy in) and two-shot kernels, 64 to a CUDA graph (issue 26: TP=2 is 1.14x TP=1
+#           at batch 1, the all-reduces 22-26% of a step).
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -73,7 +77,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -301,6 +305,9 @@ case "$part" in
       --start-timeout-s 240 --budget-s 460 --out "$out"
     run 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt"
     grep -v "^    " "$out/engine_use.txt"
+    ;;
+  allreduce_small)
+    run 300 python3 -m bench.diag.allreduce_small --out "$out"
     ;;
   plan_profile_70b)
     # one step profile on the visible GPUs: $NAME (default bf16_tp2) and its flags $PLAN_FLAGS (default --tp 2)
