@@ -200,15 +200,27 @@ SETS = {
 }
 
 
+def wilson_interval(good: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a share good/n: what a window of n requests says of the share a
+    longer run at that rate would meet (45 requests at 89% give 0.77-0.95)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = good / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)
+
+
 def attainment_rows(run: dict[str, Any], mode: str, ttft_ms: float, tpot_ms: float) -> list[dict[str, Any]]:
-    """Per rate of the run: requests that completed and met both SLOs over all planned."""
+    """Per rate of the run: requests that completed and met both SLOs over all planned, with its 95%
+    interval (wilson_interval)."""
     rows = []
     for at_rate in run["requests"][mode]:
         records = at_rate["records"]
         good = sum(1 for r in records if r["ok"] and r["ttft_ms"] <= ttft_ms
                    and (r["tpot_ms"] is None or r["tpot_ms"] <= tpot_ms))
         rows.append({"rate": at_rate["rate"], "attainment": good / len(records) if records else 0.0,
-                     "num_requests": len(records)})
+                     "num_requests": len(records), "ci95": list(wilson_interval(good, len(records)))})
     return sorted(rows, key=lambda r: r["rate"])
 
 
@@ -308,9 +320,11 @@ def plot(fig: Any, doc: dict[str, Any], styles: dict[str, tuple[str, str]]) -> N
         for c in pair["configs"]:
             colour, line = next(v for k, v in styles.items() if c["label"].startswith(k))
             marker = "s" if "run 2" in c["label"] or "run b" in c["label"] else "o"
-            ax.plot([r["rate"] for r in c["rows"]], [100 * r["attainment"] for r in c["rows"]], line, color=colour,
-                    marker=marker,
+            rates, shares = [r["rate"] for r in c["rows"]], [100 * r["attainment"] for r in c["rows"]]
+            ax.plot(rates, shares, line, color=colour, marker=marker,
                     label=f"{c['label']}: {c['goodput'] or 0:g}{'' if c['sweep_fell_under_90'] else '+'} req/s")
+            ax.fill_between(rates, [100 * r["ci95"][0] for r in c["rows"]], [100 * r["ci95"][1] for r in c["rows"]],
+                            color=colour, alpha=0.06, linewidth=0)  # NOTE: each window's 95% interval
         for name, p in pair["planner"]["layouts"].items():  # NOTE: a measured layout's label begins with its name
             colour = next((v[0] for k, v in styles.items() if k.startswith(name) or name.startswith(k)), "grey")
             ax.axvline(p["goodput"], color=colour, linestyle=":", alpha=0.7)
@@ -341,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         predicted = ", ".join(f"{k} {v['goodput']:.2f}" for k, v in pair["planner"]["layouts"].items())
         print(f"TTFT <= {pair['slo_ttft_ms']:g} ms, TPOT <= {pair['slo_tpot_ms']:g} ms (planner: {predicted})")
         for c in pair["configs"]:
-            rows = ", ".join(f"{r['rate']:g}: {100 * r['attainment']:.0f}%" for r in c["rows"])
+            rows = ", ".join(f"{r['rate']:g}: {100 * r['attainment']:.0f}% ({100 * r['ci95'][0]:.0f}-"
+                             f"{100 * r['ci95'][1]:.0f}, n={r['num_requests']})" for r in c["rows"])
             cross = f", crosses 90% near {c['crossing_90']:.1f}" if c["crossing_90"] is not None else ""
             more = "" if c["sweep_fell_under_90"] else " (the sweep ended above 90%)"
             print(f"  {c['label']:<34} goodput {c['goodput'] or 0:>4g}{cross}{more}  [{rows}]")
