@@ -30,6 +30,7 @@ _GAUGES: dict[str, tuple[str, Callable[[float], Any]]] = {
     "pdserve:engine_steps": ("steps", int),
     "pdserve:engine_step_seconds": ("step_s", lambda x: round(x, 3)),
     "pdserve:engine_command_seconds": ("command_s", lambda x: round(x, 3)),
+    "pdserve:engine_longest_recent_step_seconds": ("longest_step_ms", lambda x: round(x * 1e3, 1)),
     "pdserve:cuda_alloc_retries": ("alloc_retries", int),
     "pdserve:cuda_device_frees": ("device_frees", int),
 }
@@ -39,8 +40,8 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
     """{worker: {"role", "running", "waiting", "kv", "queued_tokens", "decode_step_ms", "prefill_tok_s", "steps",
-    "step_s", "command_s", "alloc_retries", "device_frees"}} from a /metrics page (a field the page lacks is
-    absent)."""
+    "step_s", "command_s", "longest_step_ms", "alloc_retries", "device_frees"}} from a /metrics page (a field
+    the page lacks is absent)."""
     out: dict[str, dict[str, Any]] = {}
     for name, labels, value in _SERIES.findall(metrics_text):
         pairs = dict(_LABEL.findall(labels))
@@ -73,7 +74,8 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
     """Between consecutive samples that have `worker`'s engine counters: its steps a second, the shares of the
     wall time its engine thread spent in steps and in commands, the GPU's busy share were every step a decode
     step of its measured device time (steps a second x decode_step_ms), and the allocator's retries and
-    frees in between. A worker that restarted (its counters went back) starts afresh."""
+    frees in between, with its longest recent step as sampled. A worker that restarted (its counters went
+    back) starts afresh."""
     out: list[dict[str, Any]] = []
     last: tuple[float, dict[str, Any]] | None = None
     for sample in timeline:
@@ -90,6 +92,7 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
                 "device_share": round(steps_per_s * now.get("decode_step_ms", 0.0) / 1e3, 3),
                 "alloc_retries": now.get("alloc_retries", 0) - before.get("alloc_retries", 0),
                 "device_frees": now.get("device_frees", 0) - before.get("device_frees", 0),
+                "longest_step_ms": now.get("longest_step_ms", 0.0),
             })
         last = (sample["t_s"], now)
     return out
@@ -127,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         workers = sorted({w for sample in timeline for w in sample["workers"]})
         print(f"== {mode}: phases {data.get('phases_s')}; pushes {data.get('pushes')}")
         for worker in workers:
-            print(f"  {worker}: t_s running steps/s step_share command_share device_share alloc_retries device_frees")
+            print(f"  {worker}: t_s running steps/s step_share command_share device_share alloc_retries device_frees "
+                  "longest_step_ms")
             for u in engine_use(timeline, worker):
                 print(f"    {u['t_s']:6.1f} {u['running']:4d} {u['steps_per_s']:7.2f} {u['step_share']:6.3f} "
                       f"{u['command_share']:6.3f} {u['device_share']:6.3f} {u['alloc_retries']:4d} "
-                      f"{u['device_frees']:4d}")
+                      f"{u['device_frees']:4d} {u['longest_step_ms']:7.1f}")
     return 0
 
 

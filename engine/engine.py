@@ -107,6 +107,7 @@ class EngineStats:
     num_engine_steps: int = 0
     engine_step_seconds: float = 0.0
     engine_command_seconds: float = 0.0
+    longest_recent_step_seconds: float = 0.0  # the longest wall time of its last steps (engine/loop.py)
     # the CUDA caching allocators of every rank, since start (engine/parallel/memory.py; the other ranks' one
     # stats call behind): cudaMalloc calls retried after freeing the cache, and cudaFree calls (each syncs)
     num_alloc_retries: int = 0
@@ -121,7 +122,9 @@ class EngineStats:
                 "num_prompts_started": self.num_prompts_started,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "max_num_seqs": self.max_num_seqs,
                 "num_engine_steps": self.num_engine_steps, "engine_step_seconds": self.engine_step_seconds,
-                "engine_command_seconds": self.engine_command_seconds, "num_alloc_retries": self.num_alloc_retries,
+                "engine_command_seconds": self.engine_command_seconds,
+                "longest_recent_step_seconds": self.longest_recent_step_seconds,
+                "num_alloc_retries": self.num_alloc_retries,
                 "num_device_frees": self.num_device_frees}
 
     @property

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from engine.grammar import GrammarError
 from engine.validation import InvalidRequestError
 
 T = TypeVar("T")
+RECENT_STEPS = 512  # steps whose longest wall time the stats report (about 10 s of 20 ms steps)
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +46,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside engine.step(), since start
+        self._recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)  # the last steps' wall times
         self.command_seconds = 0.0  # wall time inside submitted commands, since start
 
     def start(self) -> EngineLoop:
@@ -84,7 +87,8 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         """Engine thread (a command): the engine's stats with where this thread's time went."""
         return dataclasses.replace(self.engine.stats(), num_engine_steps=self.num_steps,
-                                   engine_step_seconds=self.step_seconds, engine_command_seconds=self.command_seconds)
+                                   engine_step_seconds=self.step_seconds, engine_command_seconds=self.command_seconds,
+                                   longest_recent_step_seconds=max(self._recent_steps, default=0.0))
 
     def _drain(self) -> None:
         commands = self._commands
@@ -106,7 +110,9 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     started = time.perf_counter()
                     outputs = self.engine.step()
-                    self.step_seconds += time.perf_counter() - started
+                    took = time.perf_counter() - started
+                    self.step_seconds += took
+                    self._recent_steps.append(took)
                     self.num_steps += 1
                     if outputs:
                         self.on_outputs(outputs)

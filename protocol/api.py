@@ -56,6 +56,7 @@ class WorkerStatsMsg(Msg):
     num_engine_steps: int = 0
     engine_step_seconds: float = 0.0
     engine_command_seconds: float = 0.0
+    longest_recent_step_seconds: float = 0.0  # the longest wall time of its engine's last 512 steps
     num_alloc_retries: int = 0
     num_device_frees: int = 0
     # decode workers

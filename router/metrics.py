@@ -110,6 +110,9 @@ class PrometheusMetrics:
         self.engine_command_seconds = Gauge("pdserve:engine_command_seconds", "Wall seconds a worker's engine "
                                             "thread spent on commands between steps (requests joining, stats), since "
                                             "start.", gauge_labels, registry=wr)
+        self.longest_step = Gauge("pdserve:engine_longest_recent_step_seconds", "The longest wall time of a "
+                                  "worker's last 512 engine steps (a stall inside a step shows here).", gauge_labels,
+                                  registry=wr)
         self.alloc_retries = Gauge("pdserve:cuda_alloc_retries", "A worker's failed cudaMalloc calls retried after "
                                    "freeing the allocator's cache, every rank's, since start.", gauge_labels,
                                    registry=wr)
@@ -169,6 +172,7 @@ class PrometheusMetrics:
                 self.engine_steps.labels(**w).set(row.num_engine_steps)
                 self.engine_step_seconds.labels(**w).set(row.engine_step_seconds)
                 self.engine_command_seconds.labels(**w).set(row.engine_command_seconds)
+                self.longest_step.labels(**w).set(row.longest_recent_step_seconds)
                 self.alloc_retries.labels(**w).set(row.num_alloc_retries)
                 self.device_frees.labels(**w).set(row.num_device_frees)
                 if row.role == "prefill":

@@ -19,14 +19,15 @@ def test_each_worker_s_role_load_and_kv_use_are_read_back_from_a_rendered_metric
         WorkerStatsMsg(worker_id="decode-0", role="decode", computes_every_prompt=True, pid=2, is_healthy=True,
                        num_running=64, num_waiting=3, num_blocks=10, num_free_blocks=4, decode_step_s=0.0125,
                        prefill_tokens_per_s=31000.4, num_queued_prompt_tokens=2500, num_engine_steps=900,
-                       engine_step_seconds=11.25, engine_command_seconds=0.5, num_alloc_retries=2, num_device_frees=3))
+                       engine_step_seconds=11.25, engine_command_seconds=0.5, longest_recent_step_seconds=0.143,
+                       num_alloc_retries=2, num_device_frees=3))
     assert worker_states(page) == {
         "prefill-0": {"role": "prefill", "running": 2, "waiting": 5, "kv": 0.0, "queued_tokens": 0,
                       "decode_step_ms": 0.0, "prefill_tok_s": 0, "steps": 0, "step_s": 0.0, "command_s": 0.0,
-                      "alloc_retries": 0, "device_frees": 0},
+                      "longest_step_ms": 0.0, "alloc_retries": 0, "device_frees": 0},
         "decode-0": {"role": "decode_every_prompt", "running": 64, "waiting": 3, "kv": 0.6, "queued_tokens": 2500,
                      "decode_step_ms": 12.5, "prefill_tok_s": 31000, "steps": 900, "step_s": 11.25, "command_s": 0.5,
-                     "alloc_retries": 2, "device_frees": 3},
+                     "longest_step_ms": 143.0, "alloc_retries": 2, "device_frees": 3},
     }
     assert worker_states("# nothing\n") == {}
 

@@ -32,6 +32,7 @@ def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Ca
     # a prompt step and four decode steps at least (asynchronous scheduling may add an empty one)
     assert after.num_engine_steps >= 5 and after.num_engine_steps == loop.num_steps
     assert after.engine_step_seconds > 0
+    assert 0 < after.longest_recent_step_seconds <= after.engine_step_seconds
     assert 0.2 <= after.engine_command_seconds < 0.2 + after.engine_step_seconds + 5.0
     assert after.load()["num_engine_steps"] == after.num_engine_steps  # what a worker puts in its stats
     assert after.num_alloc_retries == 0 and after.num_device_frees == 0  # no CUDA allocator on the CPU

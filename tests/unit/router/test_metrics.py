@@ -64,11 +64,13 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
     async def worker_stats():
         return [WorkerStatsMsg(worker_id="d0", role="decode", pid=1, is_healthy=True, num_running=3, num_waiting=0,
                                num_blocks=10, num_free_blocks=4, num_engine_steps=1200, engine_step_seconds=14.5,
-                               engine_command_seconds=0.75, num_alloc_retries=4, num_device_frees=9)]
+                               engine_command_seconds=0.75, longest_recent_step_seconds=0.18,
+                               num_alloc_retries=4, num_device_frees=9)]
 
     lines = _lines(asyncio.run(PrometheusMetrics("m", worker_stats=worker_stats).render()))
     assert lines['pdserve:engine_steps{model_name="m",worker="d0"}'] == 1200
     assert lines['pdserve:engine_step_seconds{model_name="m",worker="d0"}'] == 14.5
     assert lines['pdserve:engine_command_seconds{model_name="m",worker="d0"}'] == 0.75
+    assert lines['pdserve:engine_longest_recent_step_seconds{model_name="m",worker="d0"}'] == 0.18
     assert lines['pdserve:cuda_alloc_retries{model_name="m",worker="d0"}'] == 4
     assert lines['pdserve:cuda_device_frees{model_name="m",worker="d0"}'] == 9
