@@ -311,6 +311,7 @@ def report(results: Path, name: str = "adaptive_2xh200") -> dict[str, Any]:
                                                   "engine_flags")},
             "sources": [s._asdict() for s in the_set.sources], "profiles": list(the_set.profiles),
             "profile_note": the_set.profile_note,
+            "dates": sorted({run["environment"]["date"][:10] for run in runs.values()}),
             "pairs": pairs}
 
 
@@ -349,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = doc["environment"]
     gpus = f"{len(env['gpus'])}x {env['gpus'][0] if env['gpus'] else env['device_name']}"
     title = (f"{SETS[args.set].title.format(gpus=gpus)}, prompts {doc['workload']['input_len']}, outputs "
-             f"{doc['workload']['output_len']}, {env['date'][:10]}")
+             f"{doc['workload']['output_len']}, {' to '.join(dict.fromkeys((doc['dates'][0], doc['dates'][-1])))}")
     save_plot(out.with_suffix(".png"), lambda fig: plot(fig, doc, SETS[args.set].styles), title)
     for pair in doc["pairs"]:
         predicted = ", ".join(f"{k} {v['goodput']:.2f}" for k, v in pair["planner"]["layouts"].items())
