@@ -62,6 +62,10 @@
 #           1-256) through NCCL as pdserve calls it, NCCL symmetric windows, and torch symmetric memory's one-shot
 #           (with and without the copy in) and two-shot kernels, 64 to a CUDA graph (issue 26: TP=2 is 1.14x TP=1
 #           at batch 1, the all-reduces 22-26% of a step).
+#   push_sm_probe (nvidia-h200-x2): whether the KV pushes' NCCL kernels slow a decode worker's steps on the device
+#           (at the 8B shape its served decode steps read 6.7-8.1 ms against the profile's 6.1-6.3 while pushes
+#           arrive): 1P1D at rates $RATES (default 8,12), 20 s each, as is and with NCCL_MAX_NCHANNELS=1 (the KV
+#           pairs' kernels on one SM each side); each worker's engine use per second after each run.
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -77,7 +81,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|push_sm_probe|allreduce_small|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -305,6 +309,18 @@ case "$part" in
       --start-timeout-s 240 --budget-s 460 --out "$out"
     run 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt"
     grep -v "^    " "$out/engine_use.txt"
+    ;;
+  push_sm_probe)
+    for channels in default 1; do
+      mkdir -p "$out/$channels"
+      if [ "$channels" = default ]; then env_flag=""; else env_flag="NCCL_MAX_NCHANNELS=$channels"; fi
+      run 270 env $env_flag python3 -m bench.goodput --modes disagg --rates "${RATES:-8,12}" --seconds-per-rate 20 \
+        --budget-s 250 --out "$out/$channels"
+      run 60 python3 -m bench.worker_timeline "$(ls "$out/$channels"/goodput_*.json | head -n 1)" \
+        > "$out/$channels/engine_use.txt"
+      grep -v "^    " "$out/$channels/engine_use.txt"
+    done
+    (cd "$out" && tar czf push_sm_probe.tgz default 1 && rm -rf default 1)  # NOTE: 8 files come back from a call
     ;;
   allreduce_small)
     run 300 python3 -m bench.diag.allreduce_small --out "$out"
