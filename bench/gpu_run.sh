@@ -64,7 +64,7 @@
 #           at batch 1, the all-reduces 22-26% of a step).
 #   push_sm_probe (nvidia-h200-x2): whether the KV pushes' NCCL kernels slow a decode worker's steps on the device
 #           (at the 8B shape its served decode steps read 6.7-8.1 ms against the profile's 6.1-6.3 while pushes
-#           arrive): 1P1D at rates $RATES (default 8,12), 20 s each, as is and with NCCL_MAX_NCHANNELS=1 (the KV
+#           arrive): 1P1D at rates $RATES (default 8,12), 20 s each, as is and with NCCL_MAX_(P2P_)NCHANNELS=1 (the KV
 #           pairs' kernels on one SM each side); each worker's engine use per second after each run.
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
@@ -313,7 +313,7 @@ case "$part" in
   push_sm_probe)
     for channels in default 1; do
       mkdir -p "$out/$channels"
-      if [ "$channels" = default ]; then env_flag=""; else env_flag="NCCL_MAX_NCHANNELS=$channels"; fi
+      if [ "$channels" = default ]; then env_flag=""; else env_flag="NCCL_MAX_NCHANNELS=$channels NCCL_MAX_P2P_NCHANNELS=$channels"; fi
       run 270 env $env_flag python3 -m bench.goodput --modes disagg --rates "${RATES:-8,12}" --seconds-per-rate 20 \
         --budget-s 250 --out "$out/$channels"
       run 60 python3 -m bench.worker_timeline "$(ls "$out/$channels"/goodput_*.json | head -n 1)" \
