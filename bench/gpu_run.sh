@@ -313,7 +313,8 @@ case "$part" in
   push_sm_probe)
     for channels in default 1; do
       mkdir -p "$out/$channels"
-      if [ "$channels" = default ]; then env_flag=""; else env_flag="NCCL_MAX_NCHANNELS=$channels NCCL_MAX_P2P_NCHANNELS=$channels"; fi
+      env_flag=""
+      [ "$channels" = default ] || env_flag="NCCL_MAX_NCHANNELS=$channels NCCL_MAX_P2P_NCHANNELS=$channels"
       run 270 env $env_flag python3 -m bench.goodput --modes disagg --rates "${RATES:-8,12}" --seconds-per-rate 20 \
         --budget-s 250 --out "$out/$channels"
       run 60 python3 -m bench.worker_timeline "$(ls "$out/$channels"/goodput_*.json | head -n 1)" \
