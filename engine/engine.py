@@ -51,7 +51,7 @@ from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError
 from engine.models import ArchConfig, check_quantized_parallel
 from engine.parallel import RankSet, RankStarter, TensorParallel, check_tensor_parallel
-from engine.parallel.memory import RankAllocators, allocator_counts
+from engine.parallel.allocators import RankAllocators, allocator_counts
 from engine.parallel.follower import Stop
 from engine.parallel.local import LocalRanks
 from engine.pinned import upload
@@ -108,7 +108,7 @@ class EngineStats:
     engine_step_seconds: float = 0.0
     engine_command_seconds: float = 0.0
     longest_recent_step_seconds: float = 0.0  # the longest wall time of its last steps (engine/loop.py)
-    # the CUDA caching allocators of every rank, since start (engine/parallel/memory.py; the other ranks' one
+    # the CUDA caching allocators of every rank, since start (engine/parallel/allocators.py; the other ranks' one
     # stats call behind): cudaMalloc calls retried after freeing the cache, and cudaFree calls (each syncs)
     num_alloc_retries: int = 0
     num_device_frees: int = 0

@@ -135,9 +135,9 @@ def test_stats_sum_every_rank_s_allocator_counts_without_waiting_for_them(hf_che
     call has rank 0's own counts alone, later ones every rank's (on the CPU the counts are stand-ins)."""
     import time
 
-    import engine.parallel.memory as memory
+    import engine.parallel.allocators as allocators
 
-    monkeypatch.setattr(memory, "allocator_counts", lambda device: (3, 7))
+    monkeypatch.setattr(allocators, "allocator_counts", lambda device: (3, 7))
     monkeypatch.setattr("engine.engine.allocator_counts", lambda device: (1, 2))  # rank 0's own
     engine = EngineCore(engine_config(str(hf_checkpoints("llama")), device="cpu", num_blocks=8,
                                       tensor_parallel_size=2))
