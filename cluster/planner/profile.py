@@ -15,6 +15,7 @@ fresh-prompt times sum to; the context term predicts 1.059x.
 from __future__ import annotations
 
 import bisect
+from functools import lru_cache
 from collections.abc import Sequence
 from typing import Self
 
@@ -76,12 +77,7 @@ class StepProfile(BaseModel):
     def context_ms_per_pair(self) -> float:
         """Milliseconds of attention a (query, key) pair: alpha of the least-squares fit of the prefill
         points to a + b L + alpha L^2 / 2; 0 with fewer than three points or a negative fit."""
-        if len(self.prefill_tokens) < 3:
-            return 0.0
-        rows = [(1.0, float(n), n * n / 2.0) for n in self.prefill_tokens]
-        normal = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
-        rhs = [sum(r[i] * t for r, t in zip(rows, self.prefill_ms)) for i in range(3)]
-        return max(0.0, _solve3(normal, rhs)[2])
+        return _pair_ms(self.prefill_tokens, self.prefill_ms)
 
     def prefill_chunk_ms(self, tokens: int, context: int) -> float:
         """A chunk of `tokens` prompt tokens after `context` of its prompt already in the cache."""
@@ -103,6 +99,17 @@ class StepProfile(BaseModel):
             return 0.0
         by_batch = [_interpolate(self.decode_contexts, row, context) for row in self.decode_ms]
         return _interpolate(self.decode_batches, by_batch, batch)
+
+
+@lru_cache(maxsize=64)
+def _pair_ms(prefill_tokens: tuple[int, ...], prefill_ms: tuple[float, ...]) -> float:
+    """StepProfile.context_ms_per_pair, fitted once per set of points (the simulation asks per request)."""
+    if len(prefill_tokens) < 3:
+        return 0.0
+    rows = [(1.0, float(n), n * n / 2.0) for n in prefill_tokens]
+    normal = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    rhs = [sum(r[i] * t for r, t in zip(rows, prefill_ms)) for i in range(3)]
+    return max(0.0, _solve3(normal, rhs)[2])
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> list[float]:

@@ -22,7 +22,7 @@ def allocator_counts(device: torch.device) -> tuple[int, int]:
     """(retried cudaMallocs, cudaFrees) of this process's allocator on `device` since start; zeros off CUDA."""
     if device.type != "cuda":
         return 0, 0
-    stats = torch.cuda.memory_stats(device)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)  # NOTE: both top-level: no flattening of the rest
     return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_free", 0))
 
 
