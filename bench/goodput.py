@@ -352,13 +352,14 @@ def run_mode(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: C
     asked, and Ray's own processes bind random ports) is tried once more with other ports."""
     result = _run_mode_once(plan, mode, out_dir, deadline, echo, note, checkpoint)
     if result.phase == "start" and result.status == "failed" and any(
-            taken in line for line in result.log_tail for taken in PORT_TAKEN):
+            taken in line for line in [result.error or "", *result.log_tail] for taken in PORT_TAKEN):
         echo(f"{mode.name}: a port was taken before the server bound it; starting again on other ports")
         result = _run_mode_once(plan, mode, out_dir, deadline, echo, note, checkpoint)
     return result
 
 
-PORT_TAKEN = ("Address already in use", "gRPC cannot bind")  # the HTTP server's error, the router's gRPC server's
+# the HTTP server's error, the router's gRPC server's, and the driver's own (another process answered on the port)
+PORT_TAKEN = ("Address already in use", "gRPC cannot bind", "PortTakenError")
 
 
 def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, echo: Callable[[str], None],

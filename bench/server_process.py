@@ -5,6 +5,7 @@ until the GPUs' memory is free again."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import shutil
@@ -24,6 +25,10 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours actor names in its lo
 
 class ServerError(RuntimeError):
     """The server could not start, died, or did not answer in time."""
+
+
+class PortTakenError(ServerError):
+    """Another process answered on the server's port (Ray's own gRPC servers bind random free ports)."""
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -55,7 +60,8 @@ class ServerProcess:
             raise ServerError(f"the server exited with code {code} (its log: {self.log_path.name})")
 
     def wait_ready(self, url: str, timeout_s: float) -> None:
-        """Polls URL until it answers 200; raises ServerError if the server exits or TIMEOUT_S passes."""
+        """Polls URL until it answers 200; raises ServerError if the server exits or TIMEOUT_S passes,
+        PortTakenError if something that does not speak HTTP/1.1 answers there."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.check_alive()
@@ -65,6 +71,9 @@ class ServerProcess:
                         return
             except (urllib.error.URLError, OSError):
                 pass
+            except http.client.HTTPException as err:  # NOTE: an HTTP/2 (gRPC) server's frames, say
+                raise PortTakenError(f"{url} answered in another protocol ({type(err).__name__}): another "
+                                     "process holds the port") from err
             if time.monotonic() > deadline:
                 raise ServerError(f"no answer from {url} within {timeout_s:.0f} s")
             time.sleep(1.0)

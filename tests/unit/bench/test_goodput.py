@@ -175,6 +175,39 @@ def test_a_server_that_never_answers_is_stopped_by_sigint(tmp_path: Path):
     assert "clean exit" in (tmp_path / "server.log").read_text()
 
 
+def test_a_port_answered_in_another_protocol_is_reported_as_taken(tmp_path: Path):
+    # NOTE: what a 4x H200 run met: Ray's gRPC server (HTTP/2 frames) on the port the driver had picked
+    import socket
+    import threading
+
+    from bench.server_process import PortTakenError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+
+    def answer_in_frames() -> None:
+        for _ in range(2):  # bounded: the poll connects once
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"\x00\x00\x18\x04\x00\x00\x00\x00\x00\x00\x04\x00@\x00\x00\r\n\r\n")
+
+    thread = threading.Thread(target=answer_in_frames, daemon=True)
+    thread.start()
+    server = ServerProcess([sys.executable, "-c", "import time; time.sleep(30)"], {}, tmp_path / "server.log")
+    try:
+        with pytest.raises(PortTakenError, match="another process holds the port"):
+            server.wait_ready(f"http://127.0.0.1:{port}/v1/models", timeout_s=20.0)
+    finally:
+        server.stop(5.0)
+        listener.close()
+
+
 def test_engine_flags_reach_pdserve_serve_unchanged():
     from deploy.cli import build_parser, engine_options
 
@@ -388,16 +421,23 @@ def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> 
 def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.MonkeyPatch):
     import bench.goodput as goodput
 
+    from bench.server_process import PortTakenError
+
     def attempt(taken: str) -> ModeResult:
         result = ModeResult("adaptive", "", [])
         result.phase = "start"
-        result.fail("ServerError: the server exited with code 1")
+        if taken == "frames":  # the driver's poll met another protocol on the port; the server said nothing yet
+            result.fail(PortTakenError("http://127.0.0.1:32845/v1/models answered in another protocol"))
+            taken = ""
+        else:
+            result.fail("ServerError: the server exited with code 1")
         result.log_tail = [taken or "ValueError: bad flag"]
         return result
 
     http = "OSError: [Errno 98] Address already in use"
     grpc = "OSError: gRPC cannot bind 127.0.0.1:37161: Failed to bind to address 127.0.0.1:37161"  # two benches, one host
-    for outcomes, expected_calls in (([http, ""], 2), ([grpc, ""], 2), ([""], 1), ([http, grpc], 2)):
+    for outcomes, expected_calls in (([http, ""], 2), ([grpc, ""], 2), ([""], 1), ([http, grpc], 2),
+                                     (["frames", ""], 2)):
         calls = []
         queue = list(outcomes)
         monkeypatch.setattr(goodput, "_run_mode_once", lambda *a: calls.append(1) or attempt(queue.pop(0)))
