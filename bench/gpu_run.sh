@@ -307,7 +307,8 @@ case "$part" in
     run 480 python3 -m bench.goodput --model bench/shapes/llama-3.1-70b --tp 2 --max-model-len 4300 \
       --quantization fp8 --modes "${MODES:-1p1d}" --rates "${RATES:-2,3,4}" --seconds-per-rate 20 \
       --start-timeout-s 240 --budget-s 460 --out "$out"
-    run 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt"
+    # NOTE: not through run(): its tail would keep the table's last 40 lines
+    timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt" 2>&1
     grep -v "^    " "$out/engine_use.txt"
     ;;
   push_sm_probe)
@@ -317,8 +318,8 @@ case "$part" in
       [ "$channels" = default ] || env_flag="NCCL_MAX_NCHANNELS=$channels NCCL_MAX_P2P_NCHANNELS=$channels"
       run 270 env $env_flag python3 -m bench.goodput --modes disagg --rates "${RATES:-8,12}" --seconds-per-rate 20 \
         --budget-s 250 --out "$out/$channels"
-      run 60 python3 -m bench.worker_timeline "$(ls "$out/$channels"/goodput_*.json | head -n 1)" \
-        > "$out/$channels/engine_use.txt"
+      timeout 60 python3 -m bench.worker_timeline "$(ls "$out/$channels"/goodput_*.json | head -n 1)" \
+        > "$out/$channels/engine_use.txt" 2>&1
       grep -v "^    " "$out/$channels/engine_use.txt"
     done
     (cd "$out" && tar czf push_sm_probe.tgz default 1 && rm -rf default 1)  # NOTE: 8 files come back from a call

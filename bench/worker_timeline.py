@@ -33,6 +33,11 @@ _GAUGES: dict[str, tuple[str, Callable[[float], Any]]] = {
     "pdserve:engine_longest_recent_step_seconds": ("longest_step_ms", lambda x: round(x * 1e3, 1)),
     "pdserve:cuda_alloc_retries": ("alloc_retries", int),
     "pdserve:cuda_device_frees": ("device_frees", int),
+    "pdserve:engine_step_device_seconds": ("device_s", lambda x: round(x, 3)),
+    "pdserve:engine_step_wait_seconds": ("wait_s", lambda x: round(x, 3)),
+    "pdserve:rank_forward_seconds": ("rank_forward_s", lambda x: round(x, 3)),
+    "pdserve:rank_call_seconds": ("rank_call_s", lambda x: round(x, 3)),
+    "pdserve:rank_longest_recent_call_seconds": ("rank_longest_call_ms", lambda x: round(x * 1e3, 1)),
 }
 _SERIES = re.compile(r"^(pdserve:\w+)\{([^}]*)\} (\S+)$", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -40,8 +45,9 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
     """{worker: {"role", "running", "waiting", "kv", "queued_tokens", "decode_step_ms", "prefill_tok_s", "steps",
-    "step_s", "command_s", "longest_step_ms", "alloc_retries", "device_frees"}} from a /metrics page (a field
-    the page lacks is absent)."""
+    "step_s", "command_s", "longest_step_ms", "alloc_retries", "device_frees", "device_s", "wait_s",
+    "rank_forward_s", "rank_call_s", "rank_longest_call_ms"}} from a /metrics page (a field the page lacks is
+    absent)."""
     out: dict[str, dict[str, Any]] = {}
     for name, labels, value in _SERIES.findall(metrics_text):
         pairs = dict(_LABEL.findall(labels))
@@ -72,10 +78,12 @@ def role_changes(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, Any]]:
     """Between consecutive samples that have `worker`'s engine counters: its steps a second, the shares of the
-    wall time its engine thread spent in steps and in commands, the GPU's busy share were every step a decode
-    step of its measured device time (steps a second x decode_step_ms), and the allocator's retries and
-    frees in between, with its longest recent step as sampled. A worker that restarted (its counters went
-    back) starts afresh."""
+    wall time its engine thread spent in steps and in commands, the GPU's busy share (its steps' device time;
+    where a worker does not report it, steps a second x decode_step_ms, the median step), the share its engine
+    thread waited for tokens inside steps (what the step share leaves beside it is the host's own work), the
+    other ranks' shares launching forwards and moving KV, and the allocator's retries and frees in between,
+    with its longest recent step and the other ranks' longest recent KV move as sampled. A worker that
+    restarted (its counters went back) starts afresh."""
     out: list[dict[str, Any]] = []
     last: tuple[float, dict[str, Any]] | None = None
     for sample in timeline:
@@ -85,11 +93,18 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
         if last is not None and now["steps"] >= last[1]["steps"] and sample["t_s"] > last[0]:
             dt, before = sample["t_s"] - last[0], last[1]
             steps_per_s = (now["steps"] - before["steps"]) / dt
+
+            def share(field: str) -> float:
+                return round((now.get(field, 0.0) - before.get(field, 0.0)) / dt, 3)
+
             out.append({
                 "t_s": sample["t_s"], "running": now.get("running", 0), "steps_per_s": round(steps_per_s, 2),
                 "step_share": round((now["step_s"] - before["step_s"]) / dt, 3),
-                "command_share": round((now.get("command_s", 0.0) - before.get("command_s", 0.0)) / dt, 3),
-                "device_share": round(steps_per_s * now.get("decode_step_ms", 0.0) / 1e3, 3),
+                "command_share": share("command_s"),
+                "device_share": share("device_s") if "device_s" in now
+                else round(steps_per_s * now.get("decode_step_ms", 0.0) / 1e3, 3),
+                "wait_share": share("wait_s"), "rank_forward_share": share("rank_forward_s"),
+                "rank_call_share": share("rank_call_s"), "rank_longest_call_ms": now.get("rank_longest_call_ms", 0.0),
                 "alloc_retries": now.get("alloc_retries", 0) - before.get("alloc_retries", 0),
                 "device_frees": now.get("device_frees", 0) - before.get("device_frees", 0),
                 "longest_step_ms": now.get("longest_step_ms", 0.0),
@@ -131,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {mode}: phases {data.get('phases_s')}; pushes {data.get('pushes')}")
         for worker in workers:
             print(f"  {worker}: t_s running steps/s step_share command_share device_share alloc_retries device_frees "
-                  "longest_step_ms")
+                  "longest_step_ms wait_share rank_forward_share rank_call_share rank_longest_call_ms")
             for u in engine_use(timeline, worker):
                 print(f"    {u['t_s']:6.1f} {u['running']:4d} {u['steps_per_s']:7.2f} {u['step_share']:6.3f} "
                       f"{u['command_share']:6.3f} {u['device_share']:6.3f} {u['alloc_retries']:4d} "
-                      f"{u['device_frees']:4d} {u['longest_step_ms']:7.1f}")
+                      f"{u['device_frees']:4d} {u['longest_step_ms']:7.1f} {u['wait_share']:6.3f} "
+                      f"{u['rank_forward_share']:6.3f} {u['rank_call_share']:6.3f} {u['rank_longest_call_ms']:7.1f}")
     return 0
 
 

@@ -51,7 +51,7 @@ from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
 from engine.kv_cache import BlockPool, IntegrityError
 from engine.models import ArchConfig, check_quantized_parallel
 from engine.parallel import RankSet, RankStarter, TensorParallel, check_tensor_parallel
-from engine.parallel.allocators import RankAllocators, allocator_counts
+from engine.parallel.rank_stats import RankReport, RankStats, allocator_counts
 from engine.parallel.follower import Stop
 from engine.parallel.local import LocalRanks
 from engine.pinned import upload
@@ -108,10 +108,19 @@ class EngineStats:
     engine_step_seconds: float = 0.0
     engine_command_seconds: float = 0.0
     longest_recent_step_seconds: float = 0.0  # the longest wall time of its last steps (engine/loop.py)
-    # the CUDA caching allocators of every rank, since start (engine/parallel/allocators.py; the other ranks' one
+    # the CUDA caching allocators of every rank, since start (engine/parallel/rank_stats.py; the other ranks' one
     # stats call behind): cudaMalloc calls retried after freeing the cache, and cudaFree calls (each syncs)
     num_alloc_retries: int = 0
     num_device_frees: int = 0
+    # the device time of every step taken (engine/step_timer.py) and the host's wait for asynchronous steps'
+    # tokens inside steps, since start: what a step's wall time leaves beside these two is the host's own work
+    step_device_seconds: float = 0.0
+    step_wait_seconds: float = 0.0
+    # the other ranks' loops (engine/parallel/follower.py), the busiest rank's, since start, one stats call
+    # behind: seconds launching forwards, in RankCalls (KV moves), and the longest RankCall of the last report
+    follower_forward_seconds: float = 0.0
+    follower_call_seconds: float = 0.0
+    follower_longest_call_seconds: float = 0.0
 
     def load(self) -> dict[str, int | float]:
         """The figures every worker reports of its engine (its stats, `pdserve status`)."""
@@ -125,7 +134,10 @@ class EngineStats:
                 "engine_command_seconds": self.engine_command_seconds,
                 "longest_recent_step_seconds": self.longest_recent_step_seconds,
                 "num_alloc_retries": self.num_alloc_retries,
-                "num_device_frees": self.num_device_frees}
+                "num_device_frees": self.num_device_frees, "step_device_seconds": self.step_device_seconds,
+                "step_wait_seconds": self.step_wait_seconds, "follower_forward_seconds": self.follower_forward_seconds,
+                "follower_call_seconds": self.follower_call_seconds,
+                "follower_longest_call_seconds": self.follower_longest_call_seconds}
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -239,7 +251,8 @@ class EngineCore:
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
         leader = self.runner.leader
-        self._rank_allocators = RankAllocators(leader.group, leader.send) if leader is not None else None
+        self._rank_stats = RankStats(leader.group, leader.send) if leader is not None else None
+        self.wait_seconds = 0.0  # the host's wait for asynchronous steps' tokens, since start (stats)
         warm_up_sampler(self.sampler, arch.vocab_size, self.device)
         if self.proposer is not None:
             warm_up_verifier(self.sampler, arch.vocab_size, self.device, config.speculative.num_draft_tokens)
@@ -516,7 +529,9 @@ class EngineCore:
         fill that mask on the grammar book's thread while this one builds the outputs."""
         if step.pending is None:
             return [], self._mask(then)
+        started = time.perf_counter()
         result = self.sampler.finish(step.pending)
+        self.wait_seconds += time.perf_counter() - started
         job = None
         if self.grammars:
             tokens = [(s.request.request_id, [result.token_ids[i]]) for i, s in enumerate(step.sampling)
@@ -731,9 +746,9 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         retries, frees = allocator_counts(self.device)
-        if self._rank_allocators is not None and self.runner.leader is not None and self.ranks_alive:
-            others = self._rank_allocators.counts()
-            retries, frees = retries + others[0], frees + others[1]
+        others = RankReport()
+        if self._rank_stats is not None and self.runner.leader is not None and self.ranks_alive:
+            others = self._rank_stats.report()
         return EngineStats(
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
             num_running=len(self.scheduler.running),
@@ -757,7 +772,10 @@ class EngineCore:
             // self.pool.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            num_alloc_retries=retries, num_device_frees=frees,
+            num_alloc_retries=retries + others.alloc_retries, num_device_frees=frees + others.device_frees,
+            step_device_seconds=self.rates.device_seconds, step_wait_seconds=self.wait_seconds,
+            follower_forward_seconds=others.forward_seconds, follower_call_seconds=others.call_seconds,
+            follower_longest_call_seconds=others.longest_call_seconds,
         )
 
     # ---- invariants

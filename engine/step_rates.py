@@ -22,11 +22,13 @@ class StepRates:
         self.decode_step_s = 0.0
         self.prefill_tokens_per_s = 0.0
         self.num_prompt_tokens = 0  # computed since start: its differences are the prompt load (the autoscaler's)
+        self.device_seconds = 0.0  # every timed step's device time, since start: its differences are the busy share
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
         self.num_prompt_tokens += prefill_tokens
         if seconds <= 0.0:
             return
+        self.device_seconds += seconds
         if prefill_tokens == 0:
             if decode_rows:
                 self._decode_s.append(seconds)

@@ -59,6 +59,13 @@ class WorkerStatsMsg(Msg):
     longest_recent_step_seconds: float = 0.0  # the longest wall time of its engine's last 512 steps
     num_alloc_retries: int = 0
     num_device_frees: int = 0
+    # inside its steps since start: their device time, and the host's wait for their tokens; its other ranks'
+    # loops (the busiest rank's): seconds launching forwards, in KV moves, the longest move lately
+    step_device_seconds: float = 0.0
+    step_wait_seconds: float = 0.0
+    follower_forward_seconds: float = 0.0
+    follower_call_seconds: float = 0.0
+    follower_longest_call_seconds: float = 0.0
     # decode workers
     num_leases: int = 0  # open leases (reserved or receiving)
     num_undelivered: int = 0  # token rows not yet taken by their routers

@@ -118,6 +118,19 @@ class PrometheusMetrics:
                                    registry=wr)
         self.device_frees = Gauge("pdserve:cuda_device_frees", "A worker's cudaFree calls (each synchronizes the "
                                   "device), every rank's, since start.", gauge_labels, registry=wr)
+        self.step_device_seconds = Gauge("pdserve:engine_step_device_seconds", "The device time of a worker's "
+                                         "steps (rank 0's stream), since start.", gauge_labels, registry=wr)
+        self.step_wait_seconds = Gauge("pdserve:engine_step_wait_seconds", "Wall seconds a worker's engine thread "
+                                       "waited for its steps' tokens, since start.", gauge_labels, registry=wr)
+        self.follower_forward_seconds = Gauge("pdserve:rank_forward_seconds", "Wall seconds the busiest other "
+                                              "rank of a tensor-parallel worker spent launching forwards, since "
+                                              "start.", gauge_labels, registry=wr)
+        self.follower_call_seconds = Gauge("pdserve:rank_call_seconds", "Wall seconds the busiest other rank of a "
+                                           "tensor-parallel worker spent moving KV (its RankCalls), since start.",
+                                           gauge_labels, registry=wr)
+        self.follower_longest_call = Gauge("pdserve:rank_longest_recent_call_seconds", "The longest RankCall of a "
+                                           "tensor-parallel worker's other ranks since rank 0's last stats call.",
+                                           gauge_labels, registry=wr)
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -175,6 +188,11 @@ class PrometheusMetrics:
                 self.longest_step.labels(**w).set(row.longest_recent_step_seconds)
                 self.alloc_retries.labels(**w).set(row.num_alloc_retries)
                 self.device_frees.labels(**w).set(row.num_device_frees)
+                self.step_device_seconds.labels(**w).set(row.step_device_seconds)
+                self.step_wait_seconds.labels(**w).set(row.step_wait_seconds)
+                self.follower_forward_seconds.labels(**w).set(row.follower_forward_seconds)
+                self.follower_call_seconds.labels(**w).set(row.follower_call_seconds)
+                self.follower_longest_call.labels(**w).set(row.follower_longest_call_seconds)
                 if row.role == "prefill":
                     totals = row.push_totals
                     self.pushes.labels(**w).set(totals.num_pushed)

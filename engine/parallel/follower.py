@@ -9,6 +9,7 @@ its KV heads), or Stop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,17 +51,26 @@ class Follower:
         capacity = self.kv.shape[2] * config.cache.block_size
         self.runner: ModelRunner = build_runner(config, self.parts, self.kv, device, min(model_len, capacity), tp)
         self.error: BaseException | None = None
+        # where this loop's time goes, since start (rank 0's stats read them: engine/parallel/rank_stats.py)
+        self.forward_seconds = 0.0
+        self.call_seconds = 0.0
+        self.longest_call_seconds = 0.0  # since the last report
 
     def run(self) -> None:
         """Serve rank 0's messages until Stop; a failed group (rank 0 died) ends it with `error` set."""
         try:
             while True:
                 message = self.group.broadcast_object()
+                started = time.perf_counter()
                 if isinstance(message, ForwardStep):
                     patch = receive_step(self.group, message, self.device)
                     self.runner.forward(message.seqs, patch)
+                    self.forward_seconds += time.perf_counter() - started
                 elif isinstance(message, RankCall):
                     message.fn(self, *message.args)
+                    took = time.perf_counter() - started
+                    self.call_seconds += took
+                    self.longest_call_seconds = max(self.longest_call_seconds, took)
                 elif isinstance(message, Stop):
                     return
                 else:

@@ -13,7 +13,7 @@ from engine.loop import EngineLoop
 
 def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Callable[..., LLM],
                                                                     one_torch_thread: None) -> None:
-    llm = make_llm(num_blocks=32)
+    llm = make_llm(num_blocks=32, async_scheduling=True)  # NOTE: as on a GPU: a step waits for the one before
     finished: list[Any] = []
     loop = EngineLoop(llm.engine, lambda outs: finished.extend(o for o in outs if o.finish_reason)).start()
     try:
@@ -36,3 +36,7 @@ def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Ca
     assert 0.2 <= after.engine_command_seconds < 0.2 + after.engine_step_seconds + 5.0
     assert after.load()["num_engine_steps"] == after.num_engine_steps  # what a worker puts in its stats
     assert after.num_alloc_retries == 0 and after.num_device_frees == 0  # no CUDA allocator on the CPU
+    # every step's time as its timer saw it (on the CPU its launch, which runs it) and the waits for tokens
+    assert 0 < after.step_device_seconds <= after.engine_step_seconds
+    assert 0 < after.step_wait_seconds <= after.engine_step_seconds
+    assert after.follower_forward_seconds == 0.0 and after.follower_call_seconds == 0.0  # one rank

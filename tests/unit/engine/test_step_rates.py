@@ -119,3 +119,5 @@ def test_one_slow_step_does_not_hold_the_measured_speed_up() -> None:
     rates.observe(0.1, 4_000, 0)
     rates.observe(0.1, 4_000, 0)
     assert rates.prefill_tokens_per_s == pytest.approx(40_000)
+    # the busy time counts every step, the slow ones too (the medians leave them out)
+    assert rates.device_seconds == pytest.approx(3.0 + 2 * 0.008 + 5.0 + 0.2)

@@ -65,7 +65,9 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
         return [WorkerStatsMsg(worker_id="d0", role="decode", pid=1, is_healthy=True, num_running=3, num_waiting=0,
                                num_blocks=10, num_free_blocks=4, num_engine_steps=1200, engine_step_seconds=14.5,
                                engine_command_seconds=0.75, longest_recent_step_seconds=0.18,
-                               num_alloc_retries=4, num_device_frees=9)]
+                               num_alloc_retries=4, num_device_frees=9, step_device_seconds=12.5,
+                               step_wait_seconds=10.25, follower_forward_seconds=1.5, follower_call_seconds=0.5,
+                               follower_longest_call_seconds=0.125)]
 
     lines = _lines(asyncio.run(PrometheusMetrics("m", worker_stats=worker_stats).render()))
     assert lines['pdserve:engine_steps{model_name="m",worker="d0"}'] == 1200
@@ -74,3 +76,8 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
     assert lines['pdserve:engine_longest_recent_step_seconds{model_name="m",worker="d0"}'] == 0.18
     assert lines['pdserve:cuda_alloc_retries{model_name="m",worker="d0"}'] == 4
     assert lines['pdserve:cuda_device_frees{model_name="m",worker="d0"}'] == 9
+    assert lines['pdserve:engine_step_device_seconds{model_name="m",worker="d0"}'] == 12.5
+    assert lines['pdserve:engine_step_wait_seconds{model_name="m",worker="d0"}'] == 10.25
+    assert lines['pdserve:rank_forward_seconds{model_name="m",worker="d0"}'] == 1.5
+    assert lines['pdserve:rank_call_seconds{model_name="m",worker="d0"}'] == 0.5
+    assert lines['pdserve:rank_longest_recent_call_seconds{model_name="m",worker="d0"}'] == 0.125

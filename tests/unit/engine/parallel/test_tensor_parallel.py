@@ -132,12 +132,13 @@ def test_each_rank_holds_its_part(hf_checkpoints: Callable[[str], Path]) -> None
 def test_stats_sum_every_rank_s_allocator_counts_without_waiting_for_them(hf_checkpoints: Callable[[str], Path],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 asks the other ranks with a RankCall and reads their answers at a later stats call: the first
-    call has rank 0's own counts alone, later ones every rank's (on the CPU the counts are stand-ins)."""
+    call has rank 0's own counts alone, later ones every rank's (on the CPU the counts are stand-ins), with
+    the other ranks' loop seconds: launching the forwards of the steps taken, and the RankCalls (the asks)."""
     import time
 
-    import engine.parallel.allocators as allocators
+    import engine.parallel.rank_stats as rank_stats
 
-    monkeypatch.setattr(allocators, "allocator_counts", lambda device: (3, 7))
+    monkeypatch.setattr(rank_stats, "allocator_counts", lambda device: (3, 7))
     monkeypatch.setattr("engine.engine.allocator_counts", lambda device: (1, 2))  # rank 0's own
     engine = EngineCore(engine_config(str(hf_checkpoints("llama")), device="cpu", num_blocks=8,
                                       tensor_parallel_size=2))
@@ -149,5 +150,15 @@ def test_stats_sum_every_rank_s_allocator_counts_without_waiting_for_them(hf_che
             time.sleep(0.01)
             later = engine.stats()
         assert (later.num_alloc_retries, later.num_device_frees) == (4, 9)
+        assert later.follower_forward_seconds == 0.0  # no step taken yet
+        engine.add_request("a", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        for _ in range(10):
+            engine.step()
+        while later.follower_forward_seconds == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            later = engine.stats()
+        assert later.follower_forward_seconds > 0.0
+        assert 0.0 < later.follower_call_seconds  # the asks before it, each a RankCall
+        assert 0.0 <= later.follower_longest_call_seconds <= later.follower_call_seconds
     finally:
         engine.close()
