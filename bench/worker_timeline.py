@@ -38,6 +38,10 @@ _GAUGES: dict[str, tuple[str, Callable[[float], Any]]] = {
     "pdserve:rank_forward_seconds": ("rank_forward_s", lambda x: round(x, 3)),
     "pdserve:rank_call_seconds": ("rank_call_s", lambda x: round(x, 3)),
     "pdserve:rank_longest_recent_call_seconds": ("rank_longest_call_ms", lambda x: round(x * 1e3, 1)),
+    "pdserve:gc_pause_seconds": ("gc_s", lambda x: round(x, 3)),
+    "pdserve:gc_longest_recent_pause_seconds": ("gc_longest_ms", lambda x: round(x * 1e3, 1)),
+    "pdserve:rank_gc_pause_seconds": ("rank_gc_s", lambda x: round(x, 3)),
+    "pdserve:rank_gc_longest_recent_pause_seconds": ("rank_gc_longest_ms", lambda x: round(x * 1e3, 1)),
 }
 _SERIES = re.compile(r"^(pdserve:\w+)\{([^}]*)\} (\S+)$", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -46,8 +50,8 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 def worker_states(metrics_text: str) -> dict[str, dict[str, Any]]:
     """{worker: {"role", "running", "waiting", "kv", "queued_tokens", "decode_step_ms", "prefill_tok_s", "steps",
     "step_s", "command_s", "longest_step_ms", "alloc_retries", "device_frees", "device_s", "wait_s",
-    "rank_forward_s", "rank_call_s", "rank_longest_call_ms"}} from a /metrics page (a field the page lacks is
-    absent)."""
+    "rank_forward_s", "rank_call_s", "rank_longest_call_ms", "gc_s", "gc_longest_ms", "rank_gc_s",
+    "rank_gc_longest_ms"}} from a /metrics page (a field the page lacks is absent)."""
     out: dict[str, dict[str, Any]] = {}
     for name, labels, value in _SERIES.findall(metrics_text):
         pairs = dict(_LABEL.findall(labels))
@@ -81,8 +85,9 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
     wall time its engine thread spent in steps and in commands, the GPU's busy share (its steps' device time;
     where a worker does not report it, steps a second x decode_step_ms, the median step), the share its engine
     thread waited for tokens inside steps (what the step share leaves beside it is the host's own work), the
-    other ranks' shares launching forwards and moving KV, and the allocator's retries and frees in between,
-    with its longest recent step and the other ranks' longest recent KV move as sampled. A worker that
+    other ranks' shares launching forwards and moving KV, the shares its process's and the other ranks'
+    garbage collectors paused, and the allocator's retries and frees in between, with its longest recent
+    step, the other ranks' longest recent KV move and both longest recent collector pauses as sampled. A worker that
     restarted (its counters went back) starts afresh."""
     out: list[dict[str, Any]] = []
     last: tuple[float, dict[str, Any]] | None = None
@@ -105,6 +110,8 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
                 else round(steps_per_s * now.get("decode_step_ms", 0.0) / 1e3, 3),
                 "wait_share": share("wait_s"), "rank_forward_share": share("rank_forward_s"),
                 "rank_call_share": share("rank_call_s"), "rank_longest_call_ms": now.get("rank_longest_call_ms", 0.0),
+                "gc_share": share("gc_s"), "gc_longest_ms": now.get("gc_longest_ms", 0.0),
+                "rank_gc_share": share("rank_gc_s"), "rank_gc_longest_ms": now.get("rank_gc_longest_ms", 0.0),
                 "alloc_retries": now.get("alloc_retries", 0) - before.get("alloc_retries", 0),
                 "device_frees": now.get("device_frees", 0) - before.get("device_frees", 0),
                 "longest_step_ms": now.get("longest_step_ms", 0.0),
@@ -146,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {mode}: phases {data.get('phases_s')}; pushes {data.get('pushes')}")
         for worker in workers:
             print(f"  {worker}: t_s running steps/s step_share command_share device_share alloc_retries device_frees "
-                  "longest_step_ms wait_share rank_forward_share rank_call_share rank_longest_call_ms")
+                  "longest_step_ms wait_share rank_forward_share rank_call_share rank_longest_call_ms gc_share "
+                  "gc_longest_ms rank_gc_share rank_gc_longest_ms")
             for u in engine_use(timeline, worker):
                 print(f"    {u['t_s']:6.1f} {u['running']:4d} {u['steps_per_s']:7.2f} {u['step_share']:6.3f} "
                       f"{u['command_share']:6.3f} {u['device_share']:6.3f} {u['alloc_retries']:4d} "
                       f"{u['device_frees']:4d} {u['longest_step_ms']:7.1f} {u['wait_share']:6.3f} "
-                      f"{u['rank_forward_share']:6.3f} {u['rank_call_share']:6.3f} {u['rank_longest_call_ms']:7.1f}")
+                      f"{u['rank_forward_share']:6.3f} {u['rank_call_share']:6.3f} {u['rank_longest_call_ms']:7.1f} "
+                      f"{u['gc_share']:6.3f} {u['gc_longest_ms']:7.1f} {u['rank_gc_share']:6.3f} "
+                      f"{u['rank_gc_longest_ms']:7.1f}")
     return 0
 
 

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from engine.config import EngineConfig
 from engine.parallel import GroupAddress, TPGroup, host_store, shutdown_beside
 from engine.parallel.follower import Follower
+from engine.process_gc import settle_after_startup
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class RankActor:
         device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")  # Ray set the visible GPU
         config = EngineConfig.model_validate_json(config_json)
         follower = Follower(config, TPGroup(address, rank, size, device))
+        # NOTE: a Ray actor, the process is the rank's alone; a full collection over the model's and Ray's objects
+        # held this rank's loop, and through the step's collectives every rank's (engine/process_gc.py)
+        settle_after_startup()
         follower.run()
         follower.group.close()
         if follower.error is not None:

@@ -116,11 +116,17 @@ class EngineStats:
     # tokens inside steps, since start: what a step's wall time leaves beside these two is the host's own work
     step_device_seconds: float = 0.0
     step_wait_seconds: float = 0.0
-    # the other ranks' loops (engine/parallel/follower.py), the busiest rank's, since start, one stats call
+    # the other ranks' loops (engine/parallel/follower.py), the most of any rank, since start, one stats call
     # behind: seconds launching forwards, in RankCalls (KV moves), and the longest RankCall of the last report
     follower_forward_seconds: float = 0.0
     follower_call_seconds: float = 0.0
     follower_longest_call_seconds: float = 0.0
+    # the collector's pauses (each holds the GIL), this process's while its loop runs (engine/loop.py) and the other
+    # ranks' (the most of any): seconds since start, and the longest since the stats call before
+    gc_seconds: float = 0.0
+    longest_recent_gc_seconds: float = 0.0
+    follower_gc_seconds: float = 0.0
+    follower_longest_gc_seconds: float = 0.0
 
     def load(self) -> dict[str, int | float]:
         """The figures every worker reports of its engine (its stats, `pdserve status`)."""
@@ -137,7 +143,10 @@ class EngineStats:
                 "num_device_frees": self.num_device_frees, "step_device_seconds": self.step_device_seconds,
                 "step_wait_seconds": self.step_wait_seconds, "follower_forward_seconds": self.follower_forward_seconds,
                 "follower_call_seconds": self.follower_call_seconds,
-                "follower_longest_call_seconds": self.follower_longest_call_seconds}
+                "follower_longest_call_seconds": self.follower_longest_call_seconds, "gc_seconds": self.gc_seconds,
+                "longest_recent_gc_seconds": self.longest_recent_gc_seconds,
+                "follower_gc_seconds": self.follower_gc_seconds,
+                "follower_longest_gc_seconds": self.follower_longest_gc_seconds}
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -775,7 +784,8 @@ class EngineCore:
             num_alloc_retries=retries + others.alloc_retries, num_device_frees=frees + others.device_frees,
             step_device_seconds=self.rates.device_seconds, step_wait_seconds=self.wait_seconds,
             follower_forward_seconds=others.forward_seconds, follower_call_seconds=others.call_seconds,
-            follower_longest_call_seconds=others.longest_call_seconds,
+            follower_longest_call_seconds=others.longest_call_seconds, follower_gc_seconds=others.gc_seconds,
+            follower_longest_gc_seconds=others.longest_gc_seconds,
         )
 
     # ---- invariants

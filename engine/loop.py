@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from engine.config import SamplingParams
 from engine.engine import EngineCore, EngineStats, StepOutput
 from engine.grammar import GrammarError
+from engine.process_gc import GcPauses
 from engine.validation import InvalidRequestError
 
 T = TypeVar("T")
@@ -48,8 +49,10 @@ class EngineLoop:
         self.step_seconds = 0.0  # wall time inside engine.step(), since start
         self._recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)  # the last steps' wall times
         self.command_seconds = 0.0  # wall time inside submitted commands, since start
+        self.gc_pauses = GcPauses()  # the process's collector pauses while this loop runs
 
     def start(self) -> EngineLoop:
+        self.gc_pauses.start()
         self._thread.start()
         return self
 
@@ -88,7 +91,9 @@ class EngineLoop:
         """Engine thread (a command): the engine's stats with where this thread's time went."""
         return dataclasses.replace(self.engine.stats(), num_engine_steps=self.num_steps,
                                    engine_step_seconds=self.step_seconds, engine_command_seconds=self.command_seconds,
-                                   longest_recent_step_seconds=max(self._recent_steps, default=0.0))
+                                   longest_recent_step_seconds=max(self._recent_steps, default=0.0),
+                                   gc_seconds=self.gc_pauses.seconds,
+                                   longest_recent_gc_seconds=self.gc_pauses.take_longest())
 
     def _drain(self) -> None:
         commands = self._commands
@@ -125,6 +130,7 @@ class EngineLoop:
                 self.on_error(err)
         finally:
             self._stopping.set()
+            self.gc_pauses.stop()
             self._fail_pending()
 
     def _fail_pending(self) -> None:

@@ -10,6 +10,8 @@ hundreds of times a second. Cycles are still collected.
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
 
 GEN0_THRESHOLD = 50_000
 
@@ -20,3 +22,37 @@ def settle_after_startup() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GEN0_THRESHOLD, older, oldest)
+
+
+class GcPauses:
+    """The collector's pauses in this process while started (gc.callbacks): their seconds since start and the
+    longest since it was last taken. A pause holds the GIL, so every thread of the process waits it out (a
+    tensor-parallel rank's loop, and through the step's collectives every rank's)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._began: float | None = None
+        self.seconds = 0.0
+        self.longest = 0.0
+
+    def start(self) -> GcPauses:
+        gc.callbacks.append(self._observe)
+        return self
+
+    def stop(self) -> None:
+        if self._observe in gc.callbacks:
+            gc.callbacks.remove(self._observe)
+
+    def take_longest(self) -> float:
+        """The longest pause since the last call."""
+        longest, self.longest = self.longest, 0.0
+        return longest
+
+    def _observe(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = self._clock()
+        elif self._began is not None:
+            took = self._clock() - self._began
+            self._began = None
+            self.seconds += took
+            self.longest = max(self.longest, took)

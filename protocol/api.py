@@ -60,12 +60,17 @@ class WorkerStatsMsg(Msg):
     num_alloc_retries: int = 0
     num_device_frees: int = 0
     # inside its steps since start: their device time, and the host's wait for their tokens; its other ranks'
-    # loops (the busiest rank's): seconds launching forwards, in KV moves, the longest move lately
+    # loops (the most of any rank): seconds launching forwards, in KV moves, the longest move lately
     step_device_seconds: float = 0.0
     step_wait_seconds: float = 0.0
     follower_forward_seconds: float = 0.0
     follower_call_seconds: float = 0.0
     follower_longest_call_seconds: float = 0.0
+    # the garbage collector's pauses (each holds the GIL): its process's, and its other ranks' (the most of any)
+    gc_seconds: float = 0.0
+    longest_recent_gc_seconds: float = 0.0
+    follower_gc_seconds: float = 0.0
+    follower_longest_gc_seconds: float = 0.0
     # decode workers
     num_leases: int = 0  # open leases (reserved or receiving)
     num_undelivered: int = 0  # token rows not yet taken by their routers

@@ -122,15 +122,25 @@ class PrometheusMetrics:
                                          "steps (rank 0's stream), since start.", gauge_labels, registry=wr)
         self.step_wait_seconds = Gauge("pdserve:engine_step_wait_seconds", "Wall seconds a worker's engine thread "
                                        "waited for its steps' tokens, since start.", gauge_labels, registry=wr)
-        self.follower_forward_seconds = Gauge("pdserve:rank_forward_seconds", "Wall seconds the busiest other "
-                                              "rank of a tensor-parallel worker spent launching forwards, since "
-                                              "start.", gauge_labels, registry=wr)
-        self.follower_call_seconds = Gauge("pdserve:rank_call_seconds", "Wall seconds the busiest other rank of a "
-                                           "tensor-parallel worker spent moving KV (its RankCalls), since start.",
+        self.follower_forward_seconds = Gauge("pdserve:rank_forward_seconds", "Wall seconds a tensor-parallel "
+                                              "worker's other ranks spent launching forwards (the most of any), "
+                                              "since start.", gauge_labels, registry=wr)
+        self.follower_call_seconds = Gauge("pdserve:rank_call_seconds", "Wall seconds a tensor-parallel worker's "
+                                           "other ranks spent moving KV (RankCalls; the most of any), since start.",
                                            gauge_labels, registry=wr)
         self.follower_longest_call = Gauge("pdserve:rank_longest_recent_call_seconds", "The longest RankCall of a "
                                            "tensor-parallel worker's other ranks since rank 0's last stats call.",
                                            gauge_labels, registry=wr)
+        self.gc_seconds = Gauge("pdserve:gc_pause_seconds", "Seconds a worker process's garbage collector paused "
+                                "(holding the GIL) while its engine ran, since start.", gauge_labels, registry=wr)
+        self.longest_gc = Gauge("pdserve:gc_longest_recent_pause_seconds", "A worker process's longest collector "
+                                "pause since its stats before.", gauge_labels, registry=wr)
+        self.rank_gc_seconds = Gauge("pdserve:rank_gc_pause_seconds", "Seconds the collector paused in a "
+                                     "tensor-parallel worker's other ranks (the most of any), since start.",
+                                     gauge_labels, registry=wr)
+        self.rank_longest_gc = Gauge("pdserve:rank_gc_longest_recent_pause_seconds", "The longest collector pause "
+                                     "of a tensor-parallel worker's other ranks since rank 0's last stats call.",
+                                     gauge_labels, registry=wr)
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -193,6 +203,10 @@ class PrometheusMetrics:
                 self.follower_forward_seconds.labels(**w).set(row.follower_forward_seconds)
                 self.follower_call_seconds.labels(**w).set(row.follower_call_seconds)
                 self.follower_longest_call.labels(**w).set(row.follower_longest_call_seconds)
+                self.gc_seconds.labels(**w).set(row.gc_seconds)
+                self.longest_gc.labels(**w).set(row.longest_recent_gc_seconds)
+                self.rank_gc_seconds.labels(**w).set(row.follower_gc_seconds)
+                self.rank_longest_gc.labels(**w).set(row.follower_longest_gc_seconds)
                 if row.role == "prefill":
                     totals = row.push_totals
                     self.pushes.labels(**w).set(totals.num_pushed)

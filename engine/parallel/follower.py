@@ -17,6 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.parallel import TensorParallel, TPGroup
+from engine.process_gc import GcPauses
 from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_dtype, resolve_model_dir
 from engine.runner import ForwardStep, ModelRunner, receive_step
 
@@ -55,9 +56,11 @@ class Follower:
         self.forward_seconds = 0.0
         self.call_seconds = 0.0
         self.longest_call_seconds = 0.0  # since the last report
+        self.gc_pauses = GcPauses()  # the collector's pauses while it runs
 
     def run(self) -> None:
         """Serve rank 0's messages until Stop; a failed group (rank 0 died) ends it with `error` set."""
+        self.gc_pauses.start()
         try:
             while True:
                 message = self.group.broadcast_object()
@@ -78,3 +81,5 @@ class Follower:
         except BaseException as err:  # noqa: BLE001 - kept for the owner, then the loop ends
             log.exception("tensor-parallel rank %d stopped", self.group.rank)
             self.error = err
+        finally:
+            self.gc_pauses.stop()

@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.parallel.follower import Follower
 from engine.parallel.group import GroupAddress, TPGroup, host_store, shutdown_beside
+from engine.process_gc import settle_after_startup
 
 __all__ = ["LocalRanks"]
 log = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ def _rank_main(config_json: str, address: GroupAddress, rank: int, size: int, de
     """A spawned rank's whole life: join the group, build, follow rank 0 until it stops."""
     config = EngineConfig.model_validate_json(config_json)
     follower = Follower(config, TPGroup(address, rank, size, torch.device(device)))
+    if device != "cpu":  # NOTE: a spawned process, the rank's alone (on the CPU a thread of the caller's)
+        settle_after_startup()
     follower.run()
     follower.group.close()
     if follower.error is not None:

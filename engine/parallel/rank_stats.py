@@ -1,7 +1,7 @@
 """What rank 0 reports of its worker's other ranks: their CUDA caching allocators' counters (retried
 cudaMallocs: the allocator freed its cache to make room; cudaFrees: each synchronizes the rank's device, so
 its steps, and through their collectives every rank's, wait for the transfers under way) and where their
-loops' time goes (launching forwards, running RankCalls). Rank 0 asks with a RankCall, in order with the
+loops' time goes (launching forwards, running RankCalls, the collector's pauses). Rank 0 asks with a RankCall, in order with the
 steps, and reads the answers at its next stats call: it never waits for them, so the figures are one call
 behind."""
 
@@ -32,26 +32,31 @@ def allocator_counts(device: torch.device) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class RankReport:
-    """The other ranks' figures since start: allocator counts summed over them; loop seconds of the busiest."""
+    """The other ranks' figures since start: allocator counts summed over them, each time the largest of any."""
 
     alloc_retries: int = 0
     device_frees: int = 0
     forward_seconds: float = 0.0  # host seconds launching forwards
     call_seconds: float = 0.0  # host seconds in RankCalls (posting, scattering, gathering KV)
     longest_call_seconds: float = 0.0  # the longest RankCall since the report before
+    gc_seconds: float = 0.0  # the collector's pauses
+    longest_gc_seconds: float = 0.0  # the longest pause since the report before
 
     @staticmethod
     def combine(reports: list[RankReport]) -> RankReport:
         return RankReport(sum(r.alloc_retries for r in reports), sum(r.device_frees for r in reports),
                           max((r.forward_seconds for r in reports), default=0.0),
                           max((r.call_seconds for r in reports), default=0.0),
-                          max((r.longest_call_seconds for r in reports), default=0.0))
+                          max((r.longest_call_seconds for r in reports), default=0.0),
+                          max((r.gc_seconds for r in reports), default=0.0),
+                          max((r.longest_gc_seconds for r in reports), default=0.0))
 
 
 def _report(follower: Any, token: str) -> None:
     """A follower's answer (RankCall); its longest call starts over."""
     retries, frees = allocator_counts(follower.device)
-    report = RankReport(retries, frees, follower.forward_seconds, follower.call_seconds, follower.longest_call_seconds)
+    report = RankReport(retries, frees, follower.forward_seconds, follower.call_seconds, follower.longest_call_seconds,
+                        follower.gc_pauses.seconds, follower.gc_pauses.take_longest())
     follower.longest_call_seconds = 0.0
     follower.group.report(f"{token}/{follower.group.rank}", json.dumps(dataclasses.astuple(report)))
 

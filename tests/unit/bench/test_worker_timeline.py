@@ -21,16 +21,20 @@ def test_each_worker_s_role_load_and_kv_use_are_read_back_from_a_rendered_metric
                        prefill_tokens_per_s=31000.4, num_queued_prompt_tokens=2500, num_engine_steps=900,
                        engine_step_seconds=11.25, engine_command_seconds=0.5, longest_recent_step_seconds=0.143,
                        num_alloc_retries=2, num_device_frees=3, step_device_seconds=9.5, step_wait_seconds=8.25,
-                       follower_forward_seconds=1.5, follower_call_seconds=0.25, follower_longest_call_seconds=0.04))
+                       follower_forward_seconds=1.5, follower_call_seconds=0.25, follower_longest_call_seconds=0.04,
+                       gc_seconds=0.5, longest_recent_gc_seconds=0.125, follower_gc_seconds=2.0,
+                       follower_longest_gc_seconds=0.25))
     assert worker_states(page) == {
         "prefill-0": {"role": "prefill", "running": 2, "waiting": 5, "kv": 0.0, "queued_tokens": 0,
                       "decode_step_ms": 0.0, "prefill_tok_s": 0, "steps": 0, "step_s": 0.0, "command_s": 0.0,
                       "longest_step_ms": 0.0, "alloc_retries": 0, "device_frees": 0, "device_s": 0.0, "wait_s": 0.0,
-                      "rank_forward_s": 0.0, "rank_call_s": 0.0, "rank_longest_call_ms": 0.0},
+                      "rank_forward_s": 0.0, "rank_call_s": 0.0, "rank_longest_call_ms": 0.0, "gc_s": 0.0,
+                      "gc_longest_ms": 0.0, "rank_gc_s": 0.0, "rank_gc_longest_ms": 0.0},
         "decode-0": {"role": "decode_every_prompt", "running": 64, "waiting": 3, "kv": 0.6, "queued_tokens": 2500,
                      "decode_step_ms": 12.5, "prefill_tok_s": 31000, "steps": 900, "step_s": 11.25, "command_s": 0.5,
                      "longest_step_ms": 143.0, "alloc_retries": 2, "device_frees": 3, "device_s": 9.5, "wait_s": 8.25,
-                     "rank_forward_s": 1.5, "rank_call_s": 0.25, "rank_longest_call_ms": 40.0},
+                     "rank_forward_s": 1.5, "rank_call_s": 0.25, "rank_longest_call_ms": 40.0, "gc_s": 0.5,
+                     "gc_longest_ms": 125.0, "rank_gc_s": 2.0, "rank_gc_longest_ms": 250.0},
     }
     assert worker_states("# nothing\n") == {}
 
@@ -76,7 +80,9 @@ def test_engine_use_reads_the_busy_share_from_every_step_s_device_time_where_rep
         return {"t_s": t_s, "workers": {"decode-0": {"decode_step_ms": 20.0, "steps": steps, "step_s": t_s,
                                                       "device_s": device_s, "wait_s": wait_s,
                                                       "rank_forward_s": rank_forward_s, "rank_call_s": rank_call_s,
-                                                      "rank_longest_call_ms": 75.0}}}
+                                                      "rank_longest_call_ms": 75.0, "gc_s": wait_s / 4,
+                                                      "gc_longest_ms": 12.5, "rank_gc_s": rank_call_s * 2,
+                                                      "rank_gc_longest_ms": 150.0}}}
 
     use = engine_use([sample(0.0, 0, 0.0, 0.0, 0.0, 0.0), sample(2.0, 40, 1.5, 1.0, 0.5, 0.25)], "decode-0")
     assert len(use) == 1
@@ -84,6 +90,8 @@ def test_engine_use_reads_the_busy_share_from_every_step_s_device_time_where_rep
     assert use[0]["device_share"] == 0.75 and use[0]["wait_share"] == 0.5
     assert use[0]["rank_forward_share"] == 0.25 and use[0]["rank_call_share"] == 0.125
     assert use[0]["rank_longest_call_ms"] == 75.0
+    assert use[0]["gc_share"] == 0.125 and use[0]["rank_gc_share"] == 0.25
+    assert use[0]["gc_longest_ms"] == 12.5 and use[0]["rank_gc_longest_ms"] == 150.0
 
 
 def test_the_command_line_prints_each_worker_s_engine_use_by_mode(tmp_path, capsys):

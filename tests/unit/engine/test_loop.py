@@ -3,6 +3,7 @@ run between them, returned with the engine's stats (what a worker reports and th
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,9 @@ def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Ca
         before = loop.submit(lambda engine: loop.stats()).result(timeout=30)
         assert (before.num_engine_steps, before.engine_step_seconds) == (0, 0.0)
         loop.submit(lambda engine: time.sleep(0.2)).result(timeout=30)  # a command holds the thread for 0.2 s
+        garbage = [[i] for i in range(50_000)]
+        gc.collect()  # a full pass of this process's collector, over young garbage
+        del garbage
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         loop.submit(lambda engine: engine.add_request("a", [1, 2, 3, 4], params)).result(timeout=30)
         deadline = time.monotonic() + 60
@@ -40,3 +44,6 @@ def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Ca
     assert 0 < after.step_device_seconds <= after.engine_step_seconds
     assert 0 < after.step_wait_seconds <= after.engine_step_seconds
     assert after.follower_forward_seconds == 0.0 and after.follower_call_seconds == 0.0  # one rank
+    # the collector's pauses while the loop ran: the full pass at least (the longest taken by this stats call)
+    assert 0 < after.longest_recent_gc_seconds <= after.gc_seconds
+    assert loop.gc_pauses.longest == 0.0 and after.follower_gc_seconds == 0.0

@@ -67,7 +67,9 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
                                engine_command_seconds=0.75, longest_recent_step_seconds=0.18,
                                num_alloc_retries=4, num_device_frees=9, step_device_seconds=12.5,
                                step_wait_seconds=10.25, follower_forward_seconds=1.5, follower_call_seconds=0.5,
-                               follower_longest_call_seconds=0.125)]
+                               follower_longest_call_seconds=0.125, gc_seconds=0.75,
+                               longest_recent_gc_seconds=0.0625, follower_gc_seconds=1.25,
+                               follower_longest_gc_seconds=0.25)]
 
     lines = _lines(asyncio.run(PrometheusMetrics("m", worker_stats=worker_stats).render()))
     assert lines['pdserve:engine_steps{model_name="m",worker="d0"}'] == 1200
@@ -81,3 +83,7 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
     assert lines['pdserve:rank_forward_seconds{model_name="m",worker="d0"}'] == 1.5
     assert lines['pdserve:rank_call_seconds{model_name="m",worker="d0"}'] == 0.5
     assert lines['pdserve:rank_longest_recent_call_seconds{model_name="m",worker="d0"}'] == 0.125
+    assert lines['pdserve:gc_pause_seconds{model_name="m",worker="d0"}'] == 0.75
+    assert lines['pdserve:gc_longest_recent_pause_seconds{model_name="m",worker="d0"}'] == 0.0625
+    assert lines['pdserve:rank_gc_pause_seconds{model_name="m",worker="d0"}'] == 1.25
+    assert lines['pdserve:rank_gc_longest_recent_pause_seconds{model_name="m",worker="d0"}'] == 0.25

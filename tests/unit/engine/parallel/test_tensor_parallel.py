@@ -6,6 +6,7 @@ over from rank 0's device) and speculative decoding; sizes that do not divide sa
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -158,6 +159,12 @@ def test_stats_sum_every_rank_s_allocator_counts_without_waiting_for_them(hf_che
             time.sleep(0.01)
             later = engine.stats()
         assert later.follower_forward_seconds > 0.0
+        # NOTE: on the CPU the other rank is a thread of this process: this pass is its collector's pause too
+        gc.collect()
+        while later.follower_gc_seconds == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            later = engine.stats()
+        assert later.follower_gc_seconds > 0.0 and later.follower_longest_gc_seconds <= later.follower_gc_seconds
         assert 0.0 < later.follower_call_seconds  # the asks before it, each a RankCall
         assert 0.0 <= later.follower_longest_call_seconds <= later.follower_call_seconds
     finally:
