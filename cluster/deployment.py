@@ -35,7 +35,8 @@ class Deployment:
         )
 
     def _prefill_config(self, worker_id: str) -> PrefillWorkerConfig:
-        return self.config.worker_config(self.config.prefill, worker_id, self.transport)
+        # NOTE: freeze_gc: a Ray actor, the process is the worker's alone
+        return self.config.worker_config(self.config.prefill, worker_id, self.transport, freeze_gc=True)
 
     def role_config(self, kind: str, worker_id: str) -> PrefillWorkerConfig | DecodeWorkerConfig:
         """A worker's config for role `kind` ("prefill" or "decode"), e.g. when it changes role."""

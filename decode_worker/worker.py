@@ -70,14 +70,6 @@ log = logging.getLogger(__name__)
 
 class DecodeWorkerConfig(EndpointConfig):
     lease_ttl_s: float = Field(30.0, gt=0, description="A lease whose KV has not started arriving by then is freed.")
-    freeze_gc: bool = Field(
-        False,
-        description="Once the engine is built, move every object of the process out of the garbage collector's "
-        "reach (gc.freeze), whose full passes hold the GIL and stall the engine's step, and collect the youngest "
-        "generation less often (engine/process_gc.py). For a process "
-        "that is the worker's alone (a Ray actor); where one process builds many workers (tests), cyclic garbage "
-        "frozen with it would never be freed.",
-    )
 
 
 class LeaseState(enum.Enum):

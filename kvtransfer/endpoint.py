@@ -36,6 +36,14 @@ class EndpointConfig(BaseModel):
     )
     transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one KV transfer to finish.")
     pair_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a peer to pair.")
+    freeze_gc: bool = Field(
+        False,
+        description="Once the engine is built, move every object of the process out of the garbage collector's "
+        "reach (gc.freeze), whose full passes hold the GIL and stall the engine's step, and collect the youngest "
+        "generation less often (engine/process_gc.py). For a process "
+        "that is the worker's alone (a Ray actor); where one process builds many workers (tests), cyclic garbage "
+        "frozen with it would never be freed.",
+    )
 
 
 class TransferEndpoint:
