@@ -56,16 +56,13 @@
 #   stall_probe (nvidia-h200-x4 or nvidia-h100-x4): where a disaggregated TP=2 decode worker's stalls come from
 #           (ITL p99 137-226 ms and TPOT 1.5x its device steps at the 70B shape): bench.goodput at the 70B shape in
 #           FP8, 1P1D TP=2 at rates $RATES (default 2,3,4), 20 s each, then each worker's engine use per second
-#           (bench.worker_timeline: steps a second, the engine thread's shares in steps and commands, the GPU's
-#           busy share, the CUDA allocators' retries and frees over every rank).
+#           (bench.worker_timeline: steps a second, the engine thread's shares in steps, commands and waits for
+#           tokens, the GPU's busy share from every step's device time, the other rank's shares launching forwards
+#           and in KV moves, both processes' collector pauses, the CUDA allocators' retries and frees).
 #   allreduce_small (2 GPUs): bench.diag.allreduce_small, a TP=2 decode step's all-reduces (8B rows at batch
 #           1-256) through NCCL as pdserve calls it, NCCL symmetric windows, and torch symmetric memory's one-shot
 #           (with and without the copy in) and two-shot kernels, 64 to a CUDA graph (issue 26: TP=2 is 1.14x TP=1
 #           at batch 1, the all-reduces 22-26% of a step).
-#   push_sm_probe (nvidia-h200-x2): whether the KV pushes' NCCL kernels slow a decode worker's steps on the device
-#           (at the 8B shape its served decode steps read 6.7-8.1 ms against the profile's 6.1-6.3 while pushes
-#           arrive): 1P1D at rates $RATES (default 8,12), 20 s each, as is and with NCCL_MAX_(P2P_)NCHANNELS=1 (the KV
-#           pairs' kernels on one SM each side); each worker's engine use per second after each run.
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -81,7 +78,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|push_sm_probe|allreduce_small|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -310,19 +307,6 @@ case "$part" in
     # NOTE: not through run(): its tail would keep the table's last 40 lines
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt" 2>&1
     grep -v "^    " "$out/engine_use.txt"
-    ;;
-  push_sm_probe)
-    for channels in default 1; do
-      mkdir -p "$out/$channels"
-      env_flag=""
-      [ "$channels" = default ] || env_flag="NCCL_MAX_NCHANNELS=$channels NCCL_MAX_P2P_NCHANNELS=$channels"
-      run 270 env $env_flag python3 -m bench.goodput --modes disagg --rates "${RATES:-8,12}" --seconds-per-rate 20 \
-        --budget-s 250 --out "$out/$channels"
-      timeout 60 python3 -m bench.worker_timeline "$(ls "$out/$channels"/goodput_*.json | head -n 1)" \
-        > "$out/$channels/engine_use.txt" 2>&1
-      grep -v "^    " "$out/$channels/engine_use.txt"
-    done
-    (cd "$out" && tar czf push_sm_probe.tgz default 1 && rm -rf default 1)  # NOTE: 8 files come back from a call
     ;;
   allreduce_small)
     run 300 python3 -m bench.diag.allreduce_small --out "$out"
