@@ -117,12 +117,12 @@ class EngineStats:
     step_device_seconds: float = 0.0
     step_wait_seconds: float = 0.0
     # the other ranks' loops (engine/parallel/follower.py), the most of any rank, since start, one stats call
-    # behind: seconds launching forwards, in RankCalls (KV moves), and the longest RankCall of the last report
+    # behind: seconds launching forwards, in RankCalls (KV moves), and the longest RankCall of the last 10 s
     follower_forward_seconds: float = 0.0
     follower_call_seconds: float = 0.0
     follower_longest_call_seconds: float = 0.0
     # the collector's pauses (each holds the GIL), this process's while its loop runs (engine/loop.py) and the other
-    # ranks' (the most of any): seconds since start, and the longest since the stats call before
+    # ranks' (the most of any): seconds since start, and the longest of the last 10 s
     gc_seconds: float = 0.0
     longest_recent_gc_seconds: float = 0.0
     follower_gc_seconds: float = 0.0

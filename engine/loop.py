@@ -93,7 +93,7 @@ class EngineLoop:
                                    engine_step_seconds=self.step_seconds, engine_command_seconds=self.command_seconds,
                                    longest_recent_step_seconds=max(self._recent_steps, default=0.0),
                                    gc_seconds=self.gc_pauses.seconds,
-                                   longest_recent_gc_seconds=self.gc_pauses.take_longest())
+                                   longest_recent_gc_seconds=self.gc_pauses.longest_recent)
 
     def _drain(self) -> None:
         commands = self._commands

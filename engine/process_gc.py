@@ -13,6 +13,8 @@ import gc
 import time
 from collections.abc import Callable
 
+from engine.recent import RecentMax
+
 GEN0_THRESHOLD = 50_000
 
 
@@ -26,14 +28,14 @@ def settle_after_startup() -> None:
 
 class GcPauses:
     """The collector's pauses in this process while started (gc.callbacks): their seconds since start and the
-    longest since it was last taken. A pause holds the GIL, so every thread of the process waits it out (a
+    longest of the last 10 s. A pause holds the GIL, so every thread of the process waits it out (a
     tensor-parallel rank's loop, and through the step's collectives every rank's)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
         self._began: float | None = None
         self.seconds = 0.0
-        self.longest = 0.0
+        self.recent = RecentMax(clock=clock)
 
     def start(self) -> GcPauses:
         gc.callbacks.append(self._observe)
@@ -43,10 +45,9 @@ class GcPauses:
         if self._observe in gc.callbacks:
             gc.callbacks.remove(self._observe)
 
-    def take_longest(self) -> float:
-        """The longest pause since the last call."""
-        longest, self.longest = self.longest, 0.0
-        return longest
+    @property
+    def longest_recent(self) -> float:
+        return self.recent.value()
 
     def _observe(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -55,4 +56,4 @@ class GcPauses:
             took = self._clock() - self._began
             self._began = None
             self.seconds += took
-            self.longest = max(self.longest, took)
+            self.recent.observe(took)

@@ -129,17 +129,17 @@ class PrometheusMetrics:
                                            "other ranks spent moving KV (RankCalls; the most of any), since start.",
                                            gauge_labels, registry=wr)
         self.follower_longest_call = Gauge("pdserve:rank_longest_recent_call_seconds", "The longest RankCall of a "
-                                           "tensor-parallel worker's other ranks since rank 0's last stats call.",
+                                           "tensor-parallel worker's other ranks in the last 10 s.",
                                            gauge_labels, registry=wr)
         self.gc_seconds = Gauge("pdserve:gc_pause_seconds", "Seconds a worker process's garbage collector paused "
                                 "(holding the GIL) while its engine ran, since start.", gauge_labels, registry=wr)
         self.longest_gc = Gauge("pdserve:gc_longest_recent_pause_seconds", "A worker process's longest collector "
-                                "pause since its stats before.", gauge_labels, registry=wr)
+                                "pause in the last 10 s.", gauge_labels, registry=wr)
         self.rank_gc_seconds = Gauge("pdserve:rank_gc_pause_seconds", "Seconds the collector paused in a "
                                      "tensor-parallel worker's other ranks (the most of any), since start.",
                                      gauge_labels, registry=wr)
         self.rank_longest_gc = Gauge("pdserve:rank_gc_longest_recent_pause_seconds", "The longest collector pause "
-                                     "of a tensor-parallel worker's other ranks since rank 0's last stats call.",
+                                     "of a tensor-parallel worker's other ranks in the last 10 s.",
                                      gauge_labels, registry=wr)
 
     # ---- RouterMetrics

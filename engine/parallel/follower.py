@@ -18,6 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.parallel import TensorParallel, TPGroup
 from engine.process_gc import GcPauses
+from engine.recent import RecentMax
 from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_dtype, resolve_model_dir
 from engine.runner import ForwardStep, ModelRunner, receive_step
 
@@ -55,7 +56,7 @@ class Follower:
         # where this loop's time goes, since start (rank 0's stats read them: engine/parallel/rank_stats.py)
         self.forward_seconds = 0.0
         self.call_seconds = 0.0
-        self.longest_call_seconds = 0.0  # since the last report
+        self.recent_calls = RecentMax()  # the RankCalls' seconds, the longest of the last 10 s
         self.gc_pauses = GcPauses()  # the collector's pauses while it runs
 
     def run(self) -> None:
@@ -73,7 +74,7 @@ class Follower:
                     message.fn(self, *message.args)
                     took = time.perf_counter() - started
                     self.call_seconds += took
-                    self.longest_call_seconds = max(self.longest_call_seconds, took)
+                    self.recent_calls.observe(took)
                 elif isinstance(message, Stop):
                     return
                 else:

@@ -38,9 +38,9 @@ class RankReport:
     device_frees: int = 0
     forward_seconds: float = 0.0  # host seconds launching forwards
     call_seconds: float = 0.0  # host seconds in RankCalls (posting, scattering, gathering KV)
-    longest_call_seconds: float = 0.0  # the longest RankCall since the report before
+    longest_call_seconds: float = 0.0  # the longest RankCall of the last 10 s
     gc_seconds: float = 0.0  # the collector's pauses
-    longest_gc_seconds: float = 0.0  # the longest pause since the report before
+    longest_gc_seconds: float = 0.0  # the longest pause of the last 10 s
 
     @staticmethod
     def combine(reports: list[RankReport]) -> RankReport:
@@ -53,11 +53,10 @@ class RankReport:
 
 
 def _report(follower: Any, token: str) -> None:
-    """A follower's answer (RankCall); its longest call starts over."""
+    """A follower's answer (RankCall)."""
     retries, frees = allocator_counts(follower.device)
-    report = RankReport(retries, frees, follower.forward_seconds, follower.call_seconds, follower.longest_call_seconds,
-                        follower.gc_pauses.seconds, follower.gc_pauses.take_longest())
-    follower.longest_call_seconds = 0.0
+    report = RankReport(retries, frees, follower.forward_seconds, follower.call_seconds, follower.recent_calls.value(),
+                        follower.gc_pauses.seconds, follower.gc_pauses.longest_recent)
     follower.group.report(f"{token}/{follower.group.rank}", json.dumps(dataclasses.astuple(report)))
 
 

@@ -44,6 +44,6 @@ def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Ca
     assert 0 < after.step_device_seconds <= after.engine_step_seconds
     assert 0 < after.step_wait_seconds <= after.engine_step_seconds
     assert after.follower_forward_seconds == 0.0 and after.follower_call_seconds == 0.0  # one rank
-    # the collector's pauses while the loop ran: the full pass at least (the longest taken by this stats call)
+    # the collector's pauses while the loop ran: the full pass at least
     assert 0 < after.longest_recent_gc_seconds <= after.gc_seconds
-    assert loop.gc_pauses.longest == 0.0 and after.follower_gc_seconds == 0.0
+    assert after.follower_gc_seconds == 0.0

@@ -1,23 +1,31 @@
-"""GcPauses: the collector's pauses in this process while started, read from gc.callbacks."""
+"""GcPauses: the collector's pauses in this process while started, read from gc.callbacks; RecentMax keeps
+the longest of the last seconds alike for every reader."""
 
 from __future__ import annotations
 
 import gc
 
 from engine.process_gc import GcPauses
+from engine.recent import RecentMax
 
 
-def test_pauses_are_counted_while_started_and_the_longest_is_taken_once() -> None:
-    ticks = iter([10.0, 10.25, 20.0, 20.5])  # two passes: 0.25 s, then 0.5 s
-    pauses = GcPauses(clock=lambda: next(ticks)).start()
+def test_pauses_are_counted_while_started_and_the_longest_is_the_window_s() -> None:
+    now = [10.0]
+    pauses = GcPauses(clock=lambda: now[0]).start()
     try:
-        gc.collect()
-        gc.collect()
+        for took in (0.25, 0.5):
+            pauses._observe("start", {})  # NOTE: the callback as the collector calls it, on a clock we move
+            now[0] += took
+            pauses._observe("stop", {})
+            now[0] += 1.0
+        gc.collect()  # a real pass: counted too, on the frozen clock as no time
     finally:
         pauses.stop()
     assert pauses.seconds == 0.75
-    assert pauses.take_longest() == 0.5 and pauses.take_longest() == 0.0
-    gc.collect()  # stopped: not counted (the clock has no more ticks to give)
+    assert pauses.longest_recent == 0.5 and pauses.longest_recent == 0.5  # reading it takes nothing away
+    now[0] += 10.0
+    assert pauses.longest_recent == 0.0  # out of the window
+    gc.collect()  # stopped: not counted
     assert pauses.seconds == 0.75 and pauses._observe not in gc.callbacks
 
 
@@ -28,5 +36,17 @@ def test_a_real_pass_over_many_objects_takes_measurable_time() -> None:
         gc.collect()
     finally:
         pauses.stop()
-    assert 0 < pauses.longest <= pauses.seconds
+    assert 0 < pauses.longest_recent <= pauses.seconds
     del objects
+
+
+def test_recent_max_forgets_what_left_the_window() -> None:
+    now = [0.0]
+    recent = RecentMax(window_s=10.0, clock=lambda: now[0])
+    assert recent.value() == 0.0
+    recent.observe(3.0)
+    now[0] = 5.0
+    recent.observe(1.0)
+    assert recent.value() == 3.0
+    now[0] = 12.0  # the 3.0 is 12 s old, the 1.0 7 s
+    assert recent.value() == 1.0
