@@ -316,15 +316,20 @@ def status_command(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     print(f"{'worker':<16}{'role':>8}{'running':>8}{'waiting':>8}{'KV used':>12}{'leases':>8}{'pushing':>8}"
-          f"{'channels':>10}  health")
+          f"{'step max':>10}{'gc max':>8}{'channels':>10}  health")
     for row in rows:
         if isinstance(row, str):
             print(f"{'?':<16}  unreachable: {row}")
             continue
         kv = f"{row.num_blocks - row.num_free_blocks}/{row.num_blocks}"
         role = "decode*" if row.computes_every_prompt else row.role
+        step_ms = f"{row.longest_recent_step_seconds * 1e3:.0f}ms"
+        gc_ms = f"{max(row.longest_recent_gc_seconds, row.follower_longest_gc_seconds) * 1e3:.0f}ms"
         print(f"{row.worker_id:<16}{role:>8}{row.num_running:>8}{row.num_waiting:>8}{kv:>12}{row.num_leases:>8}"
-              f"{row.num_pushing:>8}{row.num_channels:>10}  {'ok' if row.is_healthy else 'FAILED'}")
+              f"{row.num_pushing:>8}{step_ms:>10}{gc_ms:>8}{row.num_channels:>10}  "
+              f"{'ok' if row.is_healthy else 'FAILED'}")
+    print("step max: the longest of a worker's last 512 engine steps; gc max: the longest garbage-collector pause "
+          "of the last 10 s in its processes (every rank's)")
     if any(not isinstance(row, str) and row.computes_every_prompt for row in rows):
         print("decode*: no prefill worker is left; it computes every prompt it is sent, as a colocated worker")
     for row in rows:

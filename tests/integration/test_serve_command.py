@@ -219,6 +219,9 @@ def test_curl_sse_stream_and_status(server, tmp_path):
     header, *rows = status.stdout.splitlines()
     decode_row = next(row.split() for row in rows if row.startswith("decode-0"))
     assert header.split()[-2] == "channels" and decode_row[-2] in ("1", "2"), status.stdout
+    # its longest recent step and collector pause, as milliseconds
+    assert header.split()[-6:-1] == ["step", "max", "gc", "max", "channels"], status.stdout
+    assert re.fullmatch(r"\d+ms", decode_row[-4]) and re.fullmatch(r"\d+ms", decode_row[-3]), status.stdout
     # the routers tell the controller their first tokens against the TTFT SLO with each poll (the autoscaler's;
     # how many are in the window depends on how long this status call took to connect)
     assert re.search(r"first tokens over the routers' last 10 s: \d+, 0 of them later than the TTFT SLO",
