@@ -48,6 +48,18 @@ def _rank_pids() -> list[int]:
     return sorted(pids)
 
 
+async def _rank_loops(deployment: Deployment, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Each decode worker's stats once its other rank has reported a forward (rank 0 reads the answer to the
+    question its stats call before asked: one call behind)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = {i: await h.stats.remote() for i, h in deployment.decode.handles.items()}  # type: ignore[union-attr]
+        if all(s.follower_forward_seconds > 0 for s in stats.values()) or \
+                asyncio.get_running_loop().time() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
+
+
 async def _serve(config: ClusterConfig, prompts: list[list[int]], params: SamplingParams,
                  kill_a_rank: bool) -> tuple[list[list[int]], dict[str, int], list[str]]:
     deployment = Deployment(config)
@@ -63,6 +75,10 @@ async def _serve(config: ClusterConfig, prompts: list[list[int]], params: Sampli
             os.kill(_rank_pids()[0], signal.SIGKILL)
         tokens = await asyncio.wait_for(asyncio.gather(*tasks), 240)
         await dispatcher.close()
+        if not kill_a_rank:
+            # the rank actors' loops reach rank 0's stats through Ray: seconds launching forwards, in RankCalls
+            for worker_id, stats in (await _rank_loops(deployment)).items():
+                assert stats.follower_forward_seconds > 0 and stats.follower_call_seconds > 0, (worker_id, stats)
         pool = deployment.decode
         dead = await pool.find_dead()
         for worker_id in dead:
