@@ -306,7 +306,7 @@ case "$part" in
       --start-timeout-s 240 --budget-s 460 --out "$out"
     # NOTE: not through run(): its tail would keep the table's last 40 lines
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt" 2>&1
-    grep -v "^    " "$out/engine_use.txt"
+    timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" --summary
     ;;
   allreduce_small)
     run 300 python3 -m bench.diag.allreduce_small --out "$out"

@@ -120,6 +120,30 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
     return out
 
 
+RUNNING_BANDS = ((1, 5), (6, 11), (12, 10**9))  # sequences running: few, some, many
+_SHARES = ("steps_per_s", "step_share", "device_share", "wait_share", "command_share", "rank_forward_share",
+           "rank_call_share", "gc_share", "rank_gc_share")
+_LONGEST = ("longest_step_ms", "rank_longest_call_ms", "gc_longest_ms", "rank_gc_longest_ms")
+
+
+def summarize(use: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """engine_use's intervals by sequences running (RUNNING_BANDS; intervals with none left out): how many, the
+    median of each rate and share, and the largest of each longest-recent figure; bands without intervals
+    are left out."""
+    import statistics
+
+    out = []
+    for lo, hi in RUNNING_BANDS:
+        rows = [u for u in use if lo <= u["running"] <= hi]
+        if not rows:
+            continue
+        band: dict[str, Any] = {"running": f"{lo}-{hi}" if hi < 10**9 else f"{lo}+", "intervals": len(rows)}
+        band.update({k: round(statistics.median(u.get(k, 0.0) for u in rows), 3) for k in _SHARES})
+        band.update({k: max(u.get(k, 0.0) for u in rows) for k in _LONGEST})
+        out.append(band)
+    return out
+
+
 async def poll_workers(server_url: str, out: list[dict[str, Any]], started: float, interval_s: float = 1.0) -> None:
     """Until cancelled, every interval: {"t_s": seconds since STARTED (perf_counter), "workers": worker_states}
     appended to OUT. A scrape that fails or times out is skipped; the next one tries again."""
@@ -143,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
     parser.add_argument("result", type=Path)
     parser.add_argument("modes", nargs="*", help="default: every mode of the run")
+    parser.add_argument("--summary", action="store_true", help="each worker's intervals by sequences running "
+                        "(medians, largest longest-recent figures) instead of every interval")
     args = parser.parse_args(argv)
     run = json.loads(args.result.read_text())
     for mode, data in run["modes"].items():
@@ -152,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         workers = sorted({w for sample in timeline for w in sample["workers"]})
         print(f"== {mode}: phases {data.get('phases_s')}; pushes {data.get('pushes')}")
         for worker in workers:
+            if args.summary:
+                print(f"  {worker}: running intervals " + " ".join(_SHARES + _LONGEST))
+                for band in summarize(engine_use(timeline, worker)):
+                    print(f"    {band['running']:>6} {band['intervals']:4d} "
+                          + " ".join(f"{band[k]:.3f}" for k in _SHARES) + " "
+                          + " ".join(f"{band[k]:.1f}" for k in _LONGEST))
+                continue
             print(f"  {worker}: t_s running steps/s step_share command_share device_share alloc_retries device_frees "
                   "longest_step_ms wait_share rank_forward_share rank_call_share rank_longest_call_ms gc_share "
                   "gc_longest_ms rank_gc_share rank_gc_longest_ms")

@@ -114,3 +114,33 @@ def test_the_command_line_prints_each_worker_s_engine_use_by_mode(tmp_path, caps
     rows = [line.split() for line in out.splitlines() if line.startswith("    ")]
     assert [(r[0], r[2], r[3], r[5]) for r in rows] == [("1.0", "50.00", "0.500", "0.500"),
                                                          ("2.0", "100.00", "1.000", "1.000")]
+
+
+def test_the_summary_takes_medians_by_sequences_running_and_the_largest_longest_figures(tmp_path, capsys):
+    import json
+
+    from bench.worker_timeline import main, summarize
+
+    def use(running: int, device_share: float, longest: float) -> dict:
+        return {"running": running, "steps_per_s": 50.0, "step_share": 1.0, "device_share": device_share,
+                "wait_share": 0.5, "command_share": 0.01, "rank_forward_share": 0.1, "rank_call_share": 0.0,
+                "gc_share": 0.0, "rank_gc_share": 0.0, "longest_step_ms": longest, "rank_longest_call_ms": 0.0,
+                "gc_longest_ms": 0.0, "rank_gc_longest_ms": 0.0}
+
+    rows = [use(0, 0.0, 1.0), use(2, 0.9, 20.0), use(4, 1.0, 30.0), use(3, 0.95, 10.0), use(14, 0.4, 250.0),
+            use(20, 0.8, 100.0)]
+    bands = summarize(rows)
+    assert [(b["running"], b["intervals"]) for b in bands] == [("1-5", 3), ("12+", 2)]  # none idle, none 6-11
+    assert bands[0]["device_share"] == 0.95 and bands[0]["longest_step_ms"] == 30.0
+    assert bands[1]["device_share"] == 0.6 and bands[1]["longest_step_ms"] == 250.0
+
+    def sample(t: float, steps: int, running: int) -> dict:
+        return {"t_s": t, "workers": {"decode-0": {"running": running, "decode_step_ms": 10.0, "steps": steps,
+                                                    "step_s": steps / 100, "command_s": 0.0}}}
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"modes": {"1p1d": {"timeline": [sample(0.0, 0, 2), sample(1.0, 50, 2),
+                                                                 sample(2.0, 150, 2)]}}}))
+    assert main([str(path), "--summary"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
+    assert len(rows) == 1 and rows[0][:3] == ["1-5", "2", "75.000"]  # steps a second: the median of 50 and 100
