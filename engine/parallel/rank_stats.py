@@ -1,9 +1,9 @@
 """What rank 0 reports of its worker's other ranks: their CUDA caching allocators' counters (retried
 cudaMallocs: the allocator freed its cache to make room; cudaFrees: each synchronizes the rank's device, so
 its steps, and through their collectives every rank's, wait for the transfers under way) and where their
-loops' time goes (launching forwards, running RankCalls, the collector's pauses). Rank 0 asks with a RankCall, in order with the
-steps, and reads the answers at its next stats call: it never waits for them, so the figures are one call
-behind."""
+loops' time goes (launching forwards, running RankCalls, the collector's pauses). Rank 0 asks with a
+RankCall, in order with the steps, and reads the answers at its next stats call: it never waits for them,
+so the figures are one call behind."""
 
 from __future__ import annotations
 
