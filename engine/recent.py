@@ -23,6 +23,11 @@ class RecentMax:
     def value(self) -> float:
         """The largest value observed within the window (0.0 if none)."""
         since = self._clock() - self.window_s
-        while self._seen and self._seen[0][0] < since:
-            self._seen.popleft()
-        return max((v for _, v in self._seen), default=0.0)
+        for _ in range(10):  # NOTE: bounded; collector pauses come seconds apart, not mid-read each time
+            try:
+                while self._seen and self._seen[0][0] < since:
+                    self._seen.popleft()
+                return max((v for _, v in self._seen), default=0.0)
+            except (RuntimeError, IndexError):  # NOTE: another thread observed (a collector pause there) meanwhile
+                continue
+        return 0.0

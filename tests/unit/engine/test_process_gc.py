@@ -50,3 +50,25 @@ def test_recent_max_forgets_what_left_the_window() -> None:
     assert recent.value() == 3.0
     now[0] = 12.0  # the 3.0 is 12 s old, the 1.0 7 s
     assert recent.value() == 1.0
+
+
+def test_recent_max_reads_while_another_thread_observes() -> None:
+    import threading
+
+    recent = RecentMax(window_s=1e9)
+    stop = threading.Event()
+
+    def observe() -> None:
+        for i in range(200_000):  # bounded
+            if stop.is_set():
+                return
+            recent.observe(float(i % 7))
+
+    writer = threading.Thread(target=observe)
+    writer.start()
+    try:
+        values = [recent.value() for _ in range(2_000)]  # never raises "deque mutated during iteration"
+    finally:
+        stop.set()
+        writer.join(30)
+    assert max(values) <= 6.0
