@@ -22,14 +22,14 @@ Per pool, a pressure in [0, inf] where 1 means "at the SLO":
            pressed though its steps are quick and its KV has room.
 A pool above `scale_up_at` for `sustain_s` grows by one worker (when the budget allows; otherwise, in
 disaggregated mode, a worker of the other pool changes role to it if that pool is below
-`scale_down_at`: drained, it flips in place, keeping its engine: cluster/flex_worker.py); a pool below `scale_down_at` for `sustain_s` shrinks by
-one (never under its minimum), its worker moving to the other pool instead of leaving when that pool
-is above `scale_up_at` then. A shrink that moves no worker is made only where it gives something back
-(`releasable`: the newest worker sits on a GPU bundle its pool grew, or on none): the GPUs of a pool's
-start group stay reserved whatever runs on them, so retiring a worker there would only cost the start
-of the next one. After any change, nothing changes for `cooldown_s`: the hysteresis
-between the two thresholds and the cooldown are what keep it from flapping. Every decision, and
-why, is kept (`decisions`) for `pdserve status`.
+`scale_down_at`: drained, it flips in place, keeping its engine: cluster/flex_worker.py); a pool below
+`scale_down_at` for `sustain_s` shrinks by one (never under its minimum), its worker moving to the other
+pool instead of leaving when that pool is above `scale_up_at` then. A shrink that moves no worker is
+made only where it gives something back (`releasable`: the newest worker sits on a GPU bundle its pool
+grew, or on none): the GPUs of a pool's start group stay reserved whatever runs on them, so retiring a
+worker there would only cost the start of the next one. After any change, nothing changes for
+`cooldown_s`: the hysteresis between the two thresholds and the cooldown are what keep it from flapping.
+Every decision, and why, is kept (`decisions`) for `pdserve status`.
 
 The last prefill worker may go to decoding (min_prefill 0) for either pool's pressure. Then the decode
 workers compute every prompt: the prompt tokens a second that arrived over the last `sustain_s`

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class ClusterController:
-    def __init__(self, config: ClusterConfig, health_interval_s: float = 1.0, autoscale_interval_s: float = 1.0) -> None:
+    def __init__(self, config: ClusterConfig, health_interval_s: float = 1.0,
+                 autoscale_interval_s: float = 1.0) -> None:
         self.config = config
         self.health_interval_s = health_interval_s
         self.autoscale_interval_s = autoscale_interval_s

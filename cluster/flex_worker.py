@@ -22,11 +22,12 @@ Role = PrefillWorker | DecodeWorker
 
 
 class FlexWorker:
-    def __init__(self, config: PrefillWorkerConfig | DecodeWorkerConfig, transport_options: dict[str, Any] | None = None,
-                 start_ranks: RankStarter = LocalRanks) -> None:
+    def __init__(self, config: PrefillWorkerConfig | DecodeWorkerConfig,
+                 transport_options: dict[str, Any] | None = None, start_ranks: RankStarter = LocalRanks) -> None:
         """config: the first role's (a PrefillWorkerConfig makes a prefill worker)."""
         self._options = transport_options
-        self.role: Role = (PrefillWorker(config, transport_options, start_ranks) if isinstance(config, PrefillWorkerConfig)
+        self.role: Role = (PrefillWorker(config, transport_options, start_ranks)
+                           if isinstance(config, PrefillWorkerConfig)
                            else DecodeWorker(config, transport_options, start_ranks))
 
     async def role_name(self) -> str:

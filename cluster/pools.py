@@ -307,7 +307,8 @@ class WorkerPool:
                 raise ValueError(f"{worker_id} is not a serving worker of the {self.kind} pool")
             if len(serving) <= 1 and self.kind != "prefill":
                 raise ValueError(f"{worker_id} is the {self.kind} pool's last serving worker")
-            handle = (await self._drain_out([worker_id], publish, drain_timeout_s, poll_interval_s, settle_s))[worker_id]
+            drained = await self._drain_out([worker_id], publish, drain_timeout_s, poll_interval_s, settle_s)
+            handle = drained[worker_id]
             try:
                 await handle.flip.remote(config)  # NOTE: refuses a worker that still holds anything
             except Exception:

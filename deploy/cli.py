@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode workers (or colocated workers)")
     for pool in ("prefill", "decode"):
         serve.add_argument(f"--{pool}-tp", type=int, default=None, help=_help(ClusterConfig, f"{pool}_tp"))
-    serve.add_argument("--transport", default=_default(ClusterConfig, "transport"), help=_help(ClusterConfig, "transport"))
+    serve.add_argument("--transport", default=_default(ClusterConfig, "transport"),
+                       help=_help(ClusterConfig, "transport"))
     serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto', or host:port)")
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -222,7 +223,8 @@ def serve_command(args: argparse.Namespace) -> int:
         except RuntimeError as err:  # Serve names the failed deployment; its replicas' errors are in its status
             raise SystemExit(f"pdserve: the application failed to start: {err}\n{_deployment_errors()}") from err
         c = config.cluster
-        pools = f"{c.num_prefill} prefill + {c.num_decode} decode" if c.mode == "disaggregated" else f"{c.num_decode} colocated"
+        pools = (f"{c.num_prefill} prefill + {c.num_decode} decode" if c.mode == "disaggregated"
+                 else f"{c.num_decode} colocated")
         print(f"pdserve: serving {config.router.model_name!r} with {pools} worker(s), "
               f"ready in {time.monotonic() - started:.1f} s", flush=True)
         routers = f"{config.num_router_replicas} router replica{'s' if config.num_router_replicas > 1 else ''}"

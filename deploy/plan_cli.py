@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, required=True, help="time to first token, per request")
     parser.add_argument("--slo-tpot-ms", type=float, required=True, help="time per output token, per request")
     parser.add_argument("--profile", type=Path, nargs="+", required=True,
-                        help="StepProfile JSON files, one per worker size (tensor_parallel_size); a path that does not "
-                        "exist is measured on this machine's engine (the engine flags, --tp included) and written there")
+                        help="StepProfile JSON files, one per worker size (tensor_parallel_size); a path that does "
+                        "not exist is measured on this machine's engine (the engine flags, --tp included) and written "
+                        "there")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(1000, 4000), metavar=("MIN", "MAX"))
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(100, 300), metavar=("MIN", "MAX"))
     parser.add_argument("--samples", type=Path, default=None,
@@ -54,7 +55,8 @@ def _profiles(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[
         profile = _profile(path, engine_options)
         size = profile.tensor_parallel_size
         if size in out:
-            raise ValueError(f"--profile: {where[size]} and {path} are both of workers of {size} GPUs; give one per size")
+            raise ValueError(f"--profile: {where[size]} and {path} are both of workers of {size} GPUs; "
+                             "give one per size")
         out[size], where[size] = profile, path
     return out
 

@@ -644,7 +644,8 @@ class EngineCore:
             head = draft.head(k)  # NOTE: read only if this verification needs the values on the host
             vrows.append(VerifyRow(_row(s.request), head, probs, head.on_device))
         # NOTE: no gather when every row verifies (the common case); uploads never wait for the device.
-        verifying_logits = logits if not plain else logits.index_select(0, upload(verify_rows, torch.long, logits.device))
+        verifying_logits = (logits if not plain
+                            else logits.index_select(0, upload(verify_rows, torch.long, logits.device)))
         # NOTE: only a constrained row's drafts are read on the host here: its matcher walks them.
         mask = self.grammars.mask_drafts([(sampling[i].request.request_id, vr.draft_token_ids)
                                           for i, vr in zip(verifying, vrows)]) if self.grammars else None

@@ -666,7 +666,8 @@ def _row_keys(rows: Sequence[SamplingRow], device: torch.device, generator: torc
         return upload([_as_int64(key) for key in keys], torch.long, device)  # type: ignore[arg-type]
     drawn = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
     if seeded:
-        index_and_keys = upload([*seeded, *(_as_int64(keys[i]) for i in seeded)], torch.long, device)  # type: ignore[arg-type]
+        index_and_keys = upload([*seeded, *(_as_int64(keys[i]) for i in seeded)],  # type: ignore[arg-type]
+                                torch.long, device)
         drawn.index_copy_(0, index_and_keys[: len(seeded)], index_and_keys[len(seeded) :])
     return drawn
 
@@ -696,7 +697,8 @@ def _exponential_race(
     keyed_rows = [i for i, key in enumerate(keys) if key is not None]
     if keyed_rows and kernels is not None:
         n = len(keyed_rows)
-        rows_and_keys = upload([*keyed_rows, *(_as_int64(keys[i]) for i in keyed_rows)], torch.long, probs.device)  # type: ignore[arg-type]
+        rows_and_keys = upload([*keyed_rows, *(_as_int64(keys[i]) for i in keyed_rows)],  # type: ignore[arg-type]
+                               torch.long, probs.device)
         keyed_noise = kernels.keyed_noise(rows_and_keys[n:], probs.shape[1])
         if n == len(keys):
             noise = keyed_noise

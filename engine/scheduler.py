@@ -87,7 +87,8 @@ class Scheduler:
         return request
 
     # ---- schedule
-    def schedule(self, skip: frozenset[str] | set[str] = frozenset(), prompt_budget: int | None = None) -> SchedulerOutput:
+    def schedule(self, skip: frozenset[str] | set[str] = frozenset(),
+                 prompt_budget: int | None = None) -> SchedulerOutput:
         """The step's batch. `skip`: ids of running requests left out of this step (asynchronous
         scheduling: those whose in-flight token ends them by length). `prompt_budget`: the most
         prompt tokens (prefill chunks, new prompts) the step may compute while some running request

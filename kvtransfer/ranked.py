@@ -174,7 +174,8 @@ class RankedKv:
             self._call(_rank_pair, k, pairs[k], timeout_s, token)
         for peer_id, address, side in pairs.get(0, []):
             self.transport.pair(peer_id, address, side, timeout_s)
-        for value in self._await([f"{token}/{k}" for k in followers], timeout_s + 1.0, f"pairing with {peer.worker_id}"):
+        answers = self._await([f"{token}/{k}" for k in followers], timeout_s + 1.0, f"pairing with {peer.worker_id}")
+        for value in answers:
             if value != "ok":
                 raise TransferError(f"pairing a rank of {self.worker_id!r} with {peer.worker_id!r} failed: {value}")
 
@@ -228,8 +229,8 @@ class RankedKv:
     def recv(self, peer_id: str, key: str, num_blocks: int) -> TransferHandle:
         """Post every rank's receives of `key` from `peer_id` (num_blocks blocks)."""
         known = self._peer(peer_id)
-        bufs, handles = _post(self.transport, [(known.table.rank_id(p), lo, hi) for p, lo, hi in known.routes.get(0, [])],
-                              num_blocks, self.kv.device)
+        mine = [(known.table.rank_id(p), lo, hi) for p, lo, hi in known.routes.get(0, [])]
+        bufs, handles = _post(self.transport, mine, num_blocks, self.kv.device)
         self._received[key] = bufs
         keys = self._followers(_rank_recv, key, known, "recv", num_blocks)
         return _RankHandle(f"KV receive of {key} from {peer_id!r}", handles, self.group, keys)

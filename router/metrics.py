@@ -57,7 +57,8 @@ class PrometheusMetrics:
                                 [*labels, "status_code"], registry=r)
         self.responses = Counter("pdserve:http_responses", "HTTP responses by route and status.",
                                  [*labels, "route", "status_code"], registry=r)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens.", list(labels), registry=r).labels(**labels)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens.", list(labels),
+                                     registry=r).labels(**labels)
         self.cached_tokens = Counter("pdserve:prefix_cache_hit_tokens", "Prompt tokens served from prefix caches.",
                                      list(labels), registry=r).labels(**labels)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", list(labels),
@@ -68,8 +69,9 @@ class PrometheusMetrics:
         self.running = Gauge("pdserve:num_requests_running", "Requests in a worker's running batch.", gauge_labels,
                              registry=wr)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting in a worker.", gauge_labels, registry=wr)
-        self.role = Gauge("pdserve:worker_role", "1 for each worker's role now: prefill, decode, or decode_every_prompt "
-                          "(a decode worker computing every prompt: no prefill worker left).", [*gauge_labels, "role"],
+        self.role = Gauge("pdserve:worker_role", "1 for each worker's role now: prefill, decode, or "
+                          "decode_every_prompt (a decode worker computing every prompt: no prefill worker left).",
+                          [*gauge_labels, "role"],
                           registry=wr)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (0-1).",
                               gauge_labels, registry=wr)

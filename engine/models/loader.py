@@ -278,7 +278,8 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
                 param.quant_scale[..., 0].fill_(0.0043)  # type: ignore[attr-defined]
                 param.quant_scale[..., 1].fill_(8.0)  # type: ignore[attr-defined]
             elif param.dtype == FP8:  # quantized per row; a tensor-parallel rank's part only, as its others
-                q, scale = quantize_rows(torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen))
+                normal = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
+                q, scale = quantize_rows(normal)
                 param.copy_(q)
                 param.quant_scale.copy_(scale.view(-1))  # type: ignore[attr-defined]
             else:

@@ -25,7 +25,8 @@ def generate() -> None:
             "`python -m router.proto.codegen` where it is installed and carry router/proto/*_pb2*.py"
         ) from err
     relative = PROTO.relative_to(ROOT)
-    code = protoc.main(["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--grpc_python_out={ROOT}", str(relative)])
+    code = protoc.main(["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--grpc_python_out={ROOT}",
+                        str(relative)])
     if code != 0:
         raise RuntimeError(f"protoc failed on {relative} with exit code {code}")
 
