@@ -13,7 +13,8 @@ from typing import Any
 PREFILL_TOKENS = (128, 512, 1024, 2048, 4096, 8192)
 DECODE_BATCHES = (1, 8, 32, 128, 256)
 DECODE_CONTEXTS = (256, 1024, 4096)
-REPEATS = 3  # timed steps per figure (their median)
+REPEATS = 3  # timed steps per prefill figure (their median)
+DECODE_REPEATS = 16  # timed steps per decode figure: a step is milliseconds, and three read a point under its floor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,11 +76,12 @@ def _profile(path: Path, engine_options: dict[str, Any]) -> Any:
     longest = min(engine.config.scheduler.max_num_batched_tokens, engine.max_seq_tokens - 1)
     most = engine.config.scheduler.max_num_seqs  # NOTE: the batch a busy worker runs: measured, not extrapolated
     batches = sorted({b for b in DECODE_BATCHES if b < most} | {most})
-    contexts = [c for c in DECODE_CONTEXTS if decode_fits(engine, max(batches), c, REPEATS)] or [64]
+    contexts = [c for c in DECODE_CONTEXTS if decode_fits(engine, max(batches), c, DECODE_REPEATS)] or [64]
     print(f"measuring a step profile on {engine.device} (written to {path}) ...", flush=True)
     # NOTE: the grid ends at the longest step the engine makes (a chunk of that size is every long prompt's)
     lengths = sorted({n for n in PREFILL_TOKENS if n < longest} | {longest})
-    profile = measure(engine, lengths, batches, contexts, repeats=REPEATS, report=lambda line: print(line, flush=True))
+    profile = measure(engine, lengths, batches, contexts, repeats=REPEATS, decode_repeats=DECODE_REPEATS,
+                      report=lambda line: print(line, flush=True))
     profile = profile.model_copy(update={"tensor_parallel_size": engine.config.parallel.tensor_parallel_size})
     path.write_text(profile.model_dump_json(indent=2) + "\n")  # NOTE: before close, which waits for the ranks
     engine.close()

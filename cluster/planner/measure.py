@@ -9,7 +9,11 @@ H200 the served decode workers' device steps read 1-2 ms under the synchronous s
 figure's sequences join as a disaggregated decode worker's do, their prompts' KV taken as already in
 their blocks (EngineCore.reserve and add_prefilled; a decode step reads it whatever it holds), so the
 whole batch decodes from its first step and no prompt is computed (prefilling every point's prompts
-took 564k prompt tokens at the 70B shape's grid). Each figure is reported as it is measured: at the
+took 564k prompt tokens at the 70B shape's grid). A decode figure is the median of `decode_repeats` steps
+(cheap: a step is milliseconds), and the grid is made monotone after: a point with more sequences or a
+longer context that read faster than a smaller one takes the smaller one's time, and the report says so
+(the 8B profile on 2x H200, three steps a figure, had 32 x 4096 at 5.99 ms under 8 x 4096's 6.66 and under
+the step's bandwidth floor, about 6.8 ms). Each figure is reported as it is measured: at the
 70B shape on 4x H200 a TP=2 grid took 3 s after the engine's start (pdserve plan then waited in the
 engine's close: TPGroup.shutdown now runs on every rank at once; not yet re-run on a GPU)."""
 
@@ -90,10 +94,26 @@ def decode_ms(engine: EngineCore, batch: int, context: int, repeats: int, rng: r
     return statistics.median(times)
 
 
+def monotone(decode: list[list[float]], batches: Sequence[int], contexts: Sequence[int],
+             report: Callable[[str], None] = lambda line: None) -> list[list[float]]:
+    """The decode grid with each point at least the time of every point with no more sequences and no longer
+    contexts (a step with more work is never faster); each point raised is reported with its measured time."""
+    out = [list(row) for row in decode]
+    for i, b in enumerate(batches):
+        for j, c in enumerate(contexts):
+            below = max(([out[i - 1][j]] if i else []) + ([out[i][j - 1]] if j else []), default=0.0)
+            if out[i][j] < below:
+                report(f"decode of {b} x {c} tokens: {out[i][j]:.2f} ms measured, under a smaller point's "
+                       f"{below:.2f}: taken as {below:.2f}")
+                out[i][j] = below
+    return out
+
+
 def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: Sequence[int],
             decode_contexts: Sequence[int], repeats: int = 3, seed: int = 0,
-            report: Callable[[str], None] = lambda line: None) -> StepProfile:
+            report: Callable[[str], None] = lambda line: None, decode_repeats: int | None = None) -> StepProfile:
     """The engine's StepProfile over the grids. The KV cache must hold max(batch) x max(context).
+    repeats: timed prefill steps a figure; decode_repeats (default `repeats`): timed decode steps a figure.
     The engine must be built to step synchronously (async_scheduling=False; a decode figure switches it
     to asynchronous steps and back): an asynchronous prefill step() returns once the step is queued on the
     device, so its wall time is not the step's. REPORT gets a line per figure."""
@@ -106,9 +126,10 @@ def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: S
     if too_long:
         raise ValueError(f"prefill lengths {too_long} exceed {longest} tokens (one step's budget, and the longest "
                          "prompt the engine takes)")
+    decode_repeats = repeats if decode_repeats is None else decode_repeats
     batch, context = max(decode_batches), max(decode_contexts)
-    if not decode_fits(engine, batch, context, repeats):
-        need = context + decode_tokens(repeats)
+    if not decode_fits(engine, batch, context, decode_repeats):
+        need = context + decode_tokens(decode_repeats)
         raise ValueError(f"the decode grid's largest point ({batch} sequences of {context} tokens, each decoding to "
                          f"{need}) needs {batch * need} KV tokens, {need} a sequence, {batch} sequences; the engine "
                          f"holds {engine.capacity_tokens}, {engine.max_seq_tokens} a sequence, "
@@ -123,8 +144,9 @@ def measure(engine: EngineCore, prefill_tokens: Sequence[int], decode_batches: S
     for b in decode_batches:
         decode.append([])
         for c in decode_contexts:
-            decode[-1].append(decode_ms(engine, b, c, repeats, rng))
+            decode[-1].append(decode_ms(engine, b, c, decode_repeats, rng))
             report(f"decode of {b} x {c} tokens: {decode[-1][-1]:.1f} ms ({time.monotonic() - started:.0f} s in)")
+    decode = monotone(decode, decode_batches, decode_contexts, report)
     scheduler = engine.config.scheduler
     return StepProfile(
         prefill_tokens=tuple(prefill_tokens), prefill_ms=tuple(prefill), decode_batches=tuple(decode_batches),
