@@ -123,6 +123,7 @@ def main() -> None:
             print(f"{name[:44]:44s} {layout:15s} goodput at these arrivals: {g['measured']} req/s measured, "
                   f"{g['predicted']} replayed")
     if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"planner_replay_{args.tag}.json"
         path.write_text(json.dumps(doc, indent=1) + "\n")
 
