@@ -29,6 +29,51 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07
                   0.75, 1.0, 2.5)
 
 
+# Worker gauges set from one field of each worker's stats row: (WorkerStatsMsg field, metric, help).
+ROW_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("num_running", "pdserve:num_requests_running", "Requests in a worker's running batch."),
+    ("num_waiting", "pdserve:num_requests_waiting", "Requests waiting in a worker."),
+    ("num_preemptions", "pdserve:num_preemptions", "Preemptions since the worker started."),
+    # what the 'slo' prefill rule, the step budget and the autoscaler read of each engine's speed
+    ("decode_step_s", "pdserve:decode_step_seconds",
+     "A worker's measured time of a step that only decodes (0: not measured yet)."),
+    ("prefill_tokens_per_s", "pdserve:prefill_tokens_per_second",
+     "A worker's measured prompt tokens a second in steps that prefill (0: not measured yet)."),
+    ("num_queued_prompt_tokens", "pdserve:num_queued_prompt_tokens",
+     "Prompt tokens queued at a worker, not yet computed."),
+    # where a worker's engine thread spends its time, and what stalls it (engine/loop.py, engine/parallel/rank_stats.py)
+    ("num_engine_steps", "pdserve:engine_steps", "Steps a worker's engine took, since start."),
+    ("engine_step_seconds", "pdserve:engine_step_seconds",
+     "Wall seconds a worker's engine thread spent inside steps, since start."),
+    ("engine_command_seconds", "pdserve:engine_command_seconds",
+     "Wall seconds a worker's engine thread spent on commands between steps (requests joining, stats), since start."),
+    ("longest_recent_step_seconds", "pdserve:engine_longest_recent_step_seconds",
+     "The longest wall time of a worker's last 512 engine steps (a stall inside a step shows here)."),
+    ("num_alloc_retries", "pdserve:cuda_alloc_retries",
+     "A worker's failed cudaMalloc calls retried after freeing the allocator's cache, every rank's, since start."),
+    ("num_device_frees", "pdserve:cuda_device_frees",
+     "A worker's cudaFree calls (each synchronizes the device), every rank's, since start."),
+    ("step_device_seconds", "pdserve:engine_step_device_seconds",
+     "The device time of a worker's steps (rank 0's stream), since start."),
+    ("step_wait_seconds", "pdserve:engine_step_wait_seconds",
+     "Wall seconds a worker's engine thread waited for its steps' tokens, since start."),
+    ("follower_forward_seconds", "pdserve:rank_forward_seconds",
+     "Wall seconds a tensor-parallel worker's other ranks spent launching forwards (the most of any), since start."),
+    ("follower_call_seconds", "pdserve:rank_call_seconds",
+     "Wall seconds a tensor-parallel worker's other ranks spent moving KV (RankCalls; the most of any), since start."),
+    ("follower_longest_call_seconds", "pdserve:rank_longest_recent_call_seconds",
+     "The longest RankCall of a tensor-parallel worker's other ranks in the last 10 s."),
+    ("gc_seconds", "pdserve:gc_pause_seconds",
+     "Seconds a worker process's garbage collector paused (holding the GIL) while its engine ran, since start."),
+    ("longest_recent_gc_seconds", "pdserve:gc_longest_recent_pause_seconds",
+     "A worker process's longest collector pause in the last 10 s."),
+    ("follower_gc_seconds", "pdserve:rank_gc_pause_seconds",
+     "Seconds the collector paused in a tensor-parallel worker's other ranks (the most of any), since start."),
+    ("follower_longest_gc_seconds", "pdserve:rank_gc_longest_recent_pause_seconds",
+     "The longest collector pause of a tensor-parallel worker's other ranks in the last 10 s."),
+)
+
+
 class PrometheusMetrics:
     """Implements router.core.RouterMetrics, plus the KV-push and worker gauges."""
 
@@ -66,17 +111,12 @@ class PrometheusMetrics:
         self.push_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes pushed prefill -> decode.", list(labels),
                                   registry=r).labels(**labels)
         gauge_labels, wr = [*labels, "worker"], self.worker_registry
-        self.running = Gauge("pdserve:num_requests_running", "Requests in a worker's running batch.", gauge_labels,
-                             registry=wr)
-        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting in a worker.", gauge_labels, registry=wr)
         self.role = Gauge("pdserve:worker_role", "1 for each worker's role now: prefill, decode, or "
                           "decode_every_prompt (a decode worker computing every prompt: no prefill worker left).",
                           [*gauge_labels, "role"],
                           registry=wr)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (0-1).",
                               gauge_labels, registry=wr)
-        self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions since the worker started.", gauge_labels,
-                                 registry=wr)
         self.leases = Gauge("pdserve:kv_leases", "Open KV leases of a decode worker.", gauge_labels, registry=wr)
         self.pushes = Gauge("pdserve:kv_pushes", "KV pushes a prefill worker finished well, since start.",
                             gauge_labels, registry=wr)
@@ -96,53 +136,9 @@ class PrometheusMetrics:
                                  gauge_labels, registry=wr)
         self.spec_accepted = Gauge("pdserve:spec_decode_num_accepted_tokens", "Drafted tokens accepted, since start.",
                                    gauge_labels, registry=wr)
-        # what the 'slo' prefill rule, the step budget and the autoscaler read of each engine's speed
-        self.decode_step = Gauge("pdserve:decode_step_seconds", "A worker's measured time of a step that only decodes "
-                                 "(0: not measured yet).", gauge_labels, registry=wr)
-        self.prefill_rate = Gauge("pdserve:prefill_tokens_per_second", "A worker's measured prompt tokens a second in "
-                                  "steps that prefill (0: not measured yet).", gauge_labels, registry=wr)
-        self.queued_prompt_tokens = Gauge("pdserve:num_queued_prompt_tokens", "Prompt tokens queued at a worker, "
-                                          "not yet computed.", gauge_labels, registry=wr)
-        # where a worker's engine thread spends its time: steps a second times the decode step's device time is
-        # the GPU's busy share; what the wall time leaves is the host's
-        self.engine_steps = Gauge("pdserve:engine_steps", "Steps a worker's engine took, since start.", gauge_labels,
-                                  registry=wr)
-        self.engine_step_seconds = Gauge("pdserve:engine_step_seconds", "Wall seconds a worker's engine thread "
-                                         "spent inside steps, since start.", gauge_labels, registry=wr)
-        self.engine_command_seconds = Gauge("pdserve:engine_command_seconds", "Wall seconds a worker's engine "
-                                            "thread spent on commands between steps (requests joining, stats), since "
-                                            "start.", gauge_labels, registry=wr)
-        self.longest_step = Gauge("pdserve:engine_longest_recent_step_seconds", "The longest wall time of a "
-                                  "worker's last 512 engine steps (a stall inside a step shows here).", gauge_labels,
-                                  registry=wr)
-        self.alloc_retries = Gauge("pdserve:cuda_alloc_retries", "A worker's failed cudaMalloc calls retried after "
-                                   "freeing the allocator's cache, every rank's, since start.", gauge_labels,
-                                   registry=wr)
-        self.device_frees = Gauge("pdserve:cuda_device_frees", "A worker's cudaFree calls (each synchronizes the "
-                                  "device), every rank's, since start.", gauge_labels, registry=wr)
-        self.step_device_seconds = Gauge("pdserve:engine_step_device_seconds", "The device time of a worker's "
-                                         "steps (rank 0's stream), since start.", gauge_labels, registry=wr)
-        self.step_wait_seconds = Gauge("pdserve:engine_step_wait_seconds", "Wall seconds a worker's engine thread "
-                                       "waited for its steps' tokens, since start.", gauge_labels, registry=wr)
-        self.follower_forward_seconds = Gauge("pdserve:rank_forward_seconds", "Wall seconds a tensor-parallel "
-                                              "worker's other ranks spent launching forwards (the most of any), "
-                                              "since start.", gauge_labels, registry=wr)
-        self.follower_call_seconds = Gauge("pdserve:rank_call_seconds", "Wall seconds a tensor-parallel worker's "
-                                           "other ranks spent moving KV (RankCalls; the most of any), since start.",
-                                           gauge_labels, registry=wr)
-        self.follower_longest_call = Gauge("pdserve:rank_longest_recent_call_seconds", "The longest RankCall of a "
-                                           "tensor-parallel worker's other ranks in the last 10 s.",
-                                           gauge_labels, registry=wr)
-        self.gc_seconds = Gauge("pdserve:gc_pause_seconds", "Seconds a worker process's garbage collector paused "
-                                "(holding the GIL) while its engine ran, since start.", gauge_labels, registry=wr)
-        self.longest_gc = Gauge("pdserve:gc_longest_recent_pause_seconds", "A worker process's longest collector "
-                                "pause in the last 10 s.", gauge_labels, registry=wr)
-        self.rank_gc_seconds = Gauge("pdserve:rank_gc_pause_seconds", "Seconds the collector paused in a "
-                                     "tensor-parallel worker's other ranks (the most of any), since start.",
-                                     gauge_labels, registry=wr)
-        self.rank_longest_gc = Gauge("pdserve:rank_gc_longest_recent_pause_seconds", "The longest collector pause "
-                                     "of a tensor-parallel worker's other ranks in the last 10 s.",
-                                     gauge_labels, registry=wr)
+        # the gauges each worker's stats row sets field for field: (its field, the gauge)
+        self._row_gauges = [(field, Gauge(name, help_text, gauge_labels, registry=wr))
+                            for field, name, help_text in ROW_GAUGES]
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -186,29 +182,10 @@ class PrometheusMetrics:
                 w = {**self._labels, "worker": row.worker_id}
                 role = "decode_every_prompt" if row.computes_every_prompt else row.role
                 self.role.labels(**w, role=role).set(1)
-                self.running.labels(**w).set(row.num_running)
-                self.waiting.labels(**w).set(row.num_waiting)
+                for field, gauge in self._row_gauges:
+                    gauge.labels(**w).set(getattr(row, field))
                 blocks = max(1, row.num_blocks)
                 self.kv_usage.labels(**w).set((row.num_blocks - row.num_free_blocks) / blocks)
-                self.preemptions.labels(**w).set(row.num_preemptions)
-                self.decode_step.labels(**w).set(row.decode_step_s)
-                self.prefill_rate.labels(**w).set(row.prefill_tokens_per_s)
-                self.queued_prompt_tokens.labels(**w).set(row.num_queued_prompt_tokens)
-                self.engine_steps.labels(**w).set(row.num_engine_steps)
-                self.engine_step_seconds.labels(**w).set(row.engine_step_seconds)
-                self.engine_command_seconds.labels(**w).set(row.engine_command_seconds)
-                self.longest_step.labels(**w).set(row.longest_recent_step_seconds)
-                self.alloc_retries.labels(**w).set(row.num_alloc_retries)
-                self.device_frees.labels(**w).set(row.num_device_frees)
-                self.step_device_seconds.labels(**w).set(row.step_device_seconds)
-                self.step_wait_seconds.labels(**w).set(row.step_wait_seconds)
-                self.follower_forward_seconds.labels(**w).set(row.follower_forward_seconds)
-                self.follower_call_seconds.labels(**w).set(row.follower_call_seconds)
-                self.follower_longest_call.labels(**w).set(row.follower_longest_call_seconds)
-                self.gc_seconds.labels(**w).set(row.gc_seconds)
-                self.longest_gc.labels(**w).set(row.longest_recent_gc_seconds)
-                self.rank_gc_seconds.labels(**w).set(row.follower_gc_seconds)
-                self.rank_longest_gc.labels(**w).set(row.follower_longest_gc_seconds)
                 if row.role == "prefill":
                     totals = row.push_totals
                     self.pushes.labels(**w).set(totals.num_pushed)
