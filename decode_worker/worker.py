@@ -492,12 +492,10 @@ class DecodeWorker(TransferEndpoint):
         s = await self._call(lambda e: self.loop.stats())
         return WorkerStatsMsg(
             worker_id=self.worker_id, role="decode", pid=os.getpid(), is_healthy=await self.health(), **s.load(),
-            num_cached_blocks=s.num_cached_blocks, num_channels=self.channel.num_connections, weights=s.weights,
-            kv_cache_dtype=s.kv_cache_dtype,
+            num_channels=self.channel.num_connections,
             num_leases=len(self.leases), num_undelivered=sum(len(box.outputs) for box in self.outboxes.values()),
-            is_draining=self.is_draining, num_preemptions=s.num_preemptions,
-            num_spec_draft_tokens=s.num_spec_draft_tokens, num_spec_accepted_tokens=s.num_spec_accepted_tokens,
-            num_draft_kv_adopted=self.num_draft_kv_adopted, num_requests=self.num_requests,
+            is_draining=self.is_draining, num_draft_kv_adopted=self.num_draft_kv_adopted,
+            num_requests=self.num_requests,
             computes_every_prompt=self.computes_every,
         )
 

@@ -18,7 +18,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.config import SamplingParams
-from engine.engine import EngineCore, EngineStats, StepOutput
+from engine.engine import EngineCore, StepOutput
+from engine.stats import EngineStats
 from engine.grammar import GrammarError
 from engine.process_gc import GcPauses
 from engine.validation import InvalidRequestError

@@ -346,8 +346,7 @@ class PrefillWorker(TransferEndpoint):
         s = await self._call(lambda e: self.loop.stats())
         return WorkerStatsMsg(
             worker_id=self.worker_id, role="prefill", pid=os.getpid(), is_healthy=await self.health(), **s.load(),
-            num_cached_blocks=s.num_cached_blocks, num_channels=self.channel.num_connections, weights=s.weights,
-            kv_cache_dtype=s.kv_cache_dtype, num_jobs=len(self.jobs),
+            num_channels=self.channel.num_connections, num_jobs=len(self.jobs),
             num_pushing=sum(1 for j in self.jobs.values() if j.state is JobState.PUSHING),
             push_totals=self.push_log.totals, jobs_ended={state.value: n for state, n in self.num_ended.items()},
         )
