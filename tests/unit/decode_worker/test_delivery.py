@@ -6,14 +6,13 @@ step. With freeze_gc the worker's startup objects leave the collector's reach (e
 from __future__ import annotations
 
 import asyncio
-import gc
 
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import StepOutput
 from engine.llm import engine_config
-from engine.process_gc import GEN0_THRESHOLD
 from kvtransfer import LocalHub
 from protocol.messages import TokenBatchMsg, TokenOutputMsg
+from tests.gc_freeze import check_freeze_gc
 
 
 def _worker(**options) -> DecodeWorker:
@@ -68,19 +67,4 @@ def test_a_step_reaches_each_router_once_field_for_field() -> None:
 
 
 def test_freeze_gc_freezes_the_startup_objects() -> None:
-    async def built(**options) -> int:
-        worker = _worker(**options)
-        num_frozen = gc.get_freeze_count()
-        assert await worker.check_integrity() == 0
-        await worker.shutdown()
-        return num_frozen
-
-    threshold = gc.get_threshold()
-    gc.unfreeze()
-    try:
-        assert asyncio.run(built()) == 0 and gc.get_threshold() == threshold
-        assert asyncio.run(built(freeze_gc=True)) > 0
-        assert gc.get_threshold()[0] == GEN0_THRESHOLD  # the youngest generation collected less often
-    finally:
-        gc.unfreeze()  # NOTE: what the test process froze is the collector's again, at its thresholds
-        gc.set_threshold(*threshold)
+    check_freeze_gc(_worker)
