@@ -80,6 +80,20 @@ def role_changes(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# engine_use's figures: a share of the interval -> the since-start seconds it is the difference of; the
+# longest-recent figures as sampled; counts as differences
+_SHARE_OF = {"step_share": "step_s", "device_share": "device_s", "wait_share": "wait_s", "command_share": "command_s",
+             "rank_forward_share": "rank_forward_s", "rank_call_share": "rank_call_s", "gc_share": "gc_s",
+             "rank_gc_share": "rank_gc_s"}
+_LONGEST = ("longest_step_ms", "rank_longest_call_ms", "gc_longest_ms", "rank_gc_longest_ms")
+_COUNTS = ("alloc_retries", "device_frees")
+_COLUMNS = (("t_s", "6.1f"), ("running", "4d"), ("steps_per_s", "7.2f"), ("step_share", "6.3f"),
+            ("command_share", "6.3f"), ("device_share", "6.3f"), ("alloc_retries", "4d"), ("device_frees", "4d"),
+            ("longest_step_ms", "7.1f"), ("wait_share", "6.3f"), ("rank_forward_share", "6.3f"),
+            ("rank_call_share", "6.3f"), ("rank_longest_call_ms", "7.1f"), ("gc_share", "6.3f"),
+            ("gc_longest_ms", "7.1f"), ("rank_gc_share", "6.3f"), ("rank_gc_longest_ms", "7.1f"))  # printed, in order
+
+
 def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, Any]]:
     """Between consecutive samples that have `worker`'s engine counters: its steps a second, the shares of the
     wall time its engine thread spent in steps and in commands, the GPU's busy share (its steps' device time;
@@ -87,8 +101,8 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
     thread waited for tokens inside steps (what the step share leaves beside it is the host's own work), the
     other ranks' shares launching forwards and moving KV, the shares its process's and the other ranks'
     garbage collectors paused, and the allocator's retries and frees in between, with its longest recent
-    step, the other ranks' longest recent KV move and both longest recent collector pauses as sampled. A worker that
-    restarted (its counters went back) starts afresh."""
+    step, the other ranks' longest recent KV move and both longest recent collector pauses as sampled. A
+    worker that restarted (its counters went back) starts afresh."""
     out: list[dict[str, Any]] = []
     last: tuple[float, dict[str, Any]] | None = None
     for sample in timeline:
@@ -102,28 +116,20 @@ def engine_use(timeline: list[dict[str, Any]], worker: str) -> list[dict[str, An
             def share(field: str) -> float:
                 return round((now.get(field, 0.0) - before.get(field, 0.0)) / dt, 3)
 
-            out.append({
-                "t_s": sample["t_s"], "running": now.get("running", 0), "steps_per_s": round(steps_per_s, 2),
-                "step_share": round((now["step_s"] - before["step_s"]) / dt, 3),
-                "command_share": share("command_s"),
-                "device_share": share("device_s") if "device_s" in now
-                else round(steps_per_s * now.get("decode_step_ms", 0.0) / 1e3, 3),
-                "wait_share": share("wait_s"), "rank_forward_share": share("rank_forward_s"),
-                "rank_call_share": share("rank_call_s"), "rank_longest_call_ms": now.get("rank_longest_call_ms", 0.0),
-                "gc_share": share("gc_s"), "gc_longest_ms": now.get("gc_longest_ms", 0.0),
-                "rank_gc_share": share("rank_gc_s"), "rank_gc_longest_ms": now.get("rank_gc_longest_ms", 0.0),
-                "alloc_retries": now.get("alloc_retries", 0) - before.get("alloc_retries", 0),
-                "device_frees": now.get("device_frees", 0) - before.get("device_frees", 0),
-                "longest_step_ms": now.get("longest_step_ms", 0.0),
-            })
+            row: dict[str, Any] = {"t_s": sample["t_s"], "running": now.get("running", 0),
+                                   "steps_per_s": round(steps_per_s, 2)}
+            row.update({name: share(counter) for name, counter in _SHARE_OF.items()})
+            if "device_s" not in now:  # NOTE: a worker from before every step's device time was reported
+                row["device_share"] = round(steps_per_s * now.get("decode_step_ms", 0.0) / 1e3, 3)
+            row.update({name: now.get(name, 0.0) for name in _LONGEST})
+            row.update({name: now.get(name, 0) - before.get(name, 0) for name in _COUNTS})
+            out.append(row)
         last = (sample["t_s"], now)
     return out
 
 
 RUNNING_BANDS = ((1, 5), (6, 11), (12, 10**9))  # sequences running: few, some, many
-_SHARES = ("steps_per_s", "step_share", "device_share", "wait_share", "command_share", "rank_forward_share",
-           "rank_call_share", "gc_share", "rank_gc_share")
-_LONGEST = ("longest_step_ms", "rank_longest_call_ms", "gc_longest_ms", "rank_gc_longest_ms")
+_SHARES = ("steps_per_s", *_SHARE_OF)
 
 
 def summarize(use: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -185,16 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                           + " ".join(f"{band[k]:.3f}" for k in _SHARES) + " "
                           + " ".join(f"{band[k]:.1f}" for k in _LONGEST))
                 continue
-            print(f"  {worker}: t_s running steps/s step_share command_share device_share alloc_retries device_frees "
-                  "longest_step_ms wait_share rank_forward_share rank_call_share rank_longest_call_ms gc_share "
-                  "gc_longest_ms rank_gc_share rank_gc_longest_ms")
+            print(f"  {worker}: " + " ".join(name for name, _ in _COLUMNS))
             for u in engine_use(timeline, worker):
-                print(f"    {u['t_s']:6.1f} {u['running']:4d} {u['steps_per_s']:7.2f} {u['step_share']:6.3f} "
-                      f"{u['command_share']:6.3f} {u['device_share']:6.3f} {u['alloc_retries']:4d} "
-                      f"{u['device_frees']:4d} {u['longest_step_ms']:7.1f} {u['wait_share']:6.3f} "
-                      f"{u['rank_forward_share']:6.3f} {u['rank_call_share']:6.3f} {u['rank_longest_call_ms']:7.1f} "
-                      f"{u['gc_share']:6.3f} {u['gc_longest_ms']:7.1f} {u['rank_gc_share']:6.3f} "
-                      f"{u['rank_gc_longest_ms']:7.1f}")
+                print("    " + " ".join(format(u[name], spec) for name, spec in _COLUMNS))
     return 0
 
 
