@@ -63,6 +63,9 @@
 #           1-256) through NCCL as pdserve calls it, NCCL symmetric windows, and torch symmetric memory's one-shot
 #           (with and without the copy in) and two-shot kernels, 64 to a CUDA graph (issue 26: TP=2 is 1.14x TP=1
 #           at batch 1, the all-reduces 22-26% of a step).
+#   symm_allreduce (2 GPUs): the symmetric-memory all-reduces' GPU test, rank 0's TP=2 batch-1 step kernel by kernel
+#           (bench.profile_step), the 8B decode step at TP=1 and 2 with them,
+#           and with .old carried (the commit before: NCCL all-reduces) its TP=2 step into before/ (issue 26).
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -78,7 +81,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|symm_allreduce|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -307,6 +310,24 @@ case "$part" in
     # NOTE: not through run(): its tail would keep the table's last 40 lines
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt" 2>&1
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" --summary
+    ;;
+  symm_allreduce)
+    # (2 GPUs) the symmetric-memory all-reduces (engine/parallel/symmetric.py): their GPU test, then the 8B decode
+    # step at TP=1 and TP=2 by batch with the step's all-reduces alone; with .old carried (the commit before, NCCL
+    # all-reduces), its TP=2 step into $out/before
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_symmetric_allreduce_gpu.py 2>&1 | tail -40
+    echo "pytest exit: ${PIPESTATUS[0]}"
+    # rank 0's batch-1 TP=2 step kernel by kernel: is the step the device's time or the host's?
+    timeout 200 python3 -m bench.profile_step --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --tp 2 --batches 1 --context 1024 --steps 10 --top 40 --out "$out/profile_tp2" > "$out/profile_tp2.txt" 2>&1
+    echo "profile exit: $?"; grep -E "^phases|^device kernels" "$out/profile_tp2.txt"
+    run 200 python3 -m bench.tensor_parallel --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --tp ${TP_SIZES:-1 2} --batches 1 8 64 256 --out "$out"
+    if [ -d .old ]; then
+      mkdir -p "$out/before" && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
+        run 150 python3 -m bench.tensor_parallel --model bench/shapes/llama-3.1-8b --load-format dummy \
+          --dtype bfloat16 --tp 2 --batches 1 8 64 256 --out "$out/before")
+    fi
     ;;
   allreduce_small)
     run 300 python3 -m bench.diag.allreduce_small --out "$out"

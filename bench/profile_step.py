@@ -103,12 +103,14 @@ def main() -> None:
     parser.add_argument("--no-fused-ops", action="store_true", help="PyTorch's unfused elementwise ops")
     parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the profiles are rank 0's)")
     args = parser.parse_args()
     # NOTE: synchronous steps: the phases are the synchronous step's, run one by one (with
     # asynchronous scheduling they overlap, and a step's inputs may still be on the device).
     engine = build_engine(args, max_num_seqs=256, max_num_batched_tokens=16384,
                           attention_backend=args.attention_backend, fused_ops=not args.no_fused_ops,
-                          async_scheduling=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                          async_scheduling=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                          tensor_parallel_size=args.tp)
     rng = random.Random(args.seed)
     record: dict[str, Any] = {"context": args.context, "temperature": args.temperature, "batches": []}
     for batch in (int(b) for b in args.batches.split(",")):

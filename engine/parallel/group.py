@@ -1,9 +1,11 @@
 """The process groups of one tensor-parallel worker, made without a default process group (as the
 KV pairs are), over a TCPStore that rank 0 hosts.
 
-Two groups of the same ranks, and a ring:
+Two groups of the same ranks, a symmetric buffer, and a ring:
   device  NCCL on CUDA, gloo on the CPU: the model's all-reduces and all-gathers, and the tensors
           of a step's hand-off (input tokens still on rank 0's device);
+  symmetric  on CUDA where every rank can map the others' memory: the small all-reduces (a decode
+          step's) in one kernel each (engine/parallel/symmetric.py), NCCL doing the rest;
   host    gloo: what the ranks agree on while they build (the KV block count);
   ring    shared memory (engine/parallel/ring.py), rank 0 to the others: each step message,
           pickled. Measured against a broadcast over the host group (bench/results/tp_handoff_cpu.json):
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.ring import RingReader, RingWriter
+from engine.parallel.symmetric import SymmetricAllReduce
 
 __all__ = ["GroupAddress", "TPGroup", "host_store", "shutdown_beside"]
 
@@ -85,6 +88,12 @@ class TPGroup:
         else:
             self.device_group = self._gloo(dist.PrefixStore(f"{prefix}/device", store), address.host,
                                            timedelta(seconds=timeout_s))
+        self._symmetric: SymmetricAllReduce | None = None
+        if self.device.type == "cuda":
+            symmetric = SymmetricAllReduce.build(f"pdserve/{prefix}/{address.host}:{address.port}", rank, size,
+                                                 store, self.device_group, self.device)
+            if self.min_int(int(symmetric is not None)) == 1:  # NOTE: every rank takes the same path
+                self._symmetric = symmetric
         if rank == 0:
             assert self.ring_writer is not None
             self.ring_writer.unlink()  # NOTE: every rank mapped it before joining the groups: nothing can leak it now
@@ -114,9 +123,17 @@ class TPGroup:
         return dist.ProcessGroupGloo(store, self.rank, self.size, options)
 
     # ---- the model's collectives (device group)
+    @property
+    def reduces_symmetrically(self) -> bool:
+        """Whether small all-reduces take the symmetric-memory kernels (else NCCL, or gloo on the CPU)."""
+        return self._symmetric is not None
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place; returns `tensor`. On CUDA it orders the current stream after
-        the reduction without blocking the host (and is captured by CUDA graphs)."""
+        """The sum over the ranks: a new tensor (small ones, symmetric memory) or `tensor` summed in place;
+        use the result. On CUDA it orders the current stream after the reduction without blocking the
+        host (and is captured by CUDA graphs)."""
+        if self._symmetric is not None and self._symmetric.fits(tensor):
+            return self._symmetric(tensor)
         self.device_group.allreduce([tensor]).wait()
         return tensor
 
@@ -163,6 +180,9 @@ class TPGroup:
         its destructor can hang the process). On CUDA a rank's shutdown returns once every rank has
         called its own (seen on 2x H200: a follower waited in it while rank 0 waited for that follower
         to exit), so rank 0 calls this while the others call theirs."""
+        if self._symmetric is not None:
+            self._symmetric.close()
+            self._symmetric = None
         for group in (self.device_group, self.host_group):
             try:
                 group.shutdown()

@@ -1,0 +1,101 @@
+"""A tensor-parallel worker's small all-reduces through torch's symmetric memory: each rank's buffer is
+mapped into every other rank's address space (CUDA IPC over NVLink), and one kernel reads the peers'
+rows and sums them, where NCCL's ring or tree pays its protocol's latency. A decode step's all-reduces
+are small ([batch, hidden] in the model dtype, two a layer) and latency-bound.
+
+Measured on 2x H200 (bench/results/allreduce_small_2xh200.json, 64 calls to a CUDA graph): the one-shot kernel
+is the fastest up to 32 rows of 4096 bfloat16, the two-shot one above, NCCL's no faster than either up to 256.
+So: one-shot up to ONE_SHOT_MAX_BYTES, two-shot (its input copied in first) up to BUFFER_BYTES, NCCL
+above (a prefill chunk's rows, bandwidth-bound, where NCCL is not slower).
+
+Both kernels sum every rank's rows in rank order on every rank, so all ranks hold the same bits, and
+both end with a barrier of the ranks, so the one buffer is free again once a call returns on any rank.
+A rank whose peer died spins in the barrier (as an NCCL kernel does): its process must go (README,
+tensor parallelism)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BUFFER_BYTES", "ONE_SHOT_MAX_BYTES", "SymmetricAllReduce"]
+log = logging.getLogger(__name__)
+
+ONE_SHOT_MAX_BYTES = 256 * 1024  # 32 rows of 4096 bfloat16: where the two kernels cross
+BUFFER_BYTES = 2 * 1024 * 1024  # 256 rows of 4096 bfloat16: the largest size measured
+
+
+class SymmetricAllReduce:
+    """The symmetric buffer of one group's ranks, and the calls on it. `build` returns None where it
+    cannot be made (the CPU, a torch without symmetric memory, ranks that cannot map each other's
+    memory); every rank calls it at once, and the caller makes the ranks agree before using it."""
+
+    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
+        self._buffer = buffer  # uint8, BUFFER_BYTES, mapped by every rank
+        self._name = group_name
+
+    @staticmethod
+    def build(name: str, rank: int, size: int, store: Any, backend: Any, device: torch.device
+              ) -> SymmetricAllReduce | None:
+        """Registers the group's NCCL `backend` under NAME (symmetric memory resolves its groups by name;
+        this worker has no default process group) and its ranks with symmetric memory (handles meet in
+        STORE), and maps the buffer on every rank (a collective). None, with the reason logged, where
+        that fails."""
+        if device.type != "cuda":
+            return None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            # NOTE: the CUDA backend (peers' memory mapped over CUDA IPC), not NCCL's windows on the group's
+            # communicator; either way the ops resolve the group by name (torch 2.11: without the registered group
+            # the rendezvous fails)
+            if symm_mem.get_backend(device) != "CUDA":
+                symm_mem.set_backend("CUDA")
+            group = dist.ProcessGroup(dist.PrefixStore("symm/group", store), rank, size)
+            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+            group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+            group._set_group_name(name)
+            torch._C._distributed_c10d._register_process_group(name, group)
+            symm_mem._SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
+            buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
+            symm_mem.rendezvous(buffer, name)
+        except Exception as err:  # noqa: BLE001 - NCCL stays the path; the reason is logged
+            log.warning("symmetric-memory all-reduce unavailable on rank %d (%s: %s); NCCL does them",
+                        rank, type(err).__name__, err)
+            return None
+        return SymmetricAllReduce(buffer, name)
+
+    def close(self) -> None:
+        """Free the buffer (a mapping every rank holds) once the device is done with it, and forget the group's
+        name, before the device group's NCCL communicator is shut down."""
+        torch.cuda.synchronize(self._buffer.device)
+        del self._buffer
+        try:
+            torch._C._distributed_c10d._unregister_process_group(self._name)
+        except (RuntimeError, AttributeError):
+            pass
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        """Whether this path takes `tensor` (a contiguous floating tensor of at most BUFFER_BYTES)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return (tensor.is_cuda and tensor.is_contiguous() and tensor.dtype in (torch.bfloat16, torch.float16,
+                                                                               torch.float32)
+                and 0 < nbytes <= BUFFER_BYTES and nbytes % 16 == 0)
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of `tensor` (which `fits`), as a new tensor; the current stream is
+        ordered after it (and a CUDA graph captures it)."""
+        n = tensor.numel()
+        staged = self._buffer.view(tensor.dtype)[:n]
+        if n * tensor.element_size() <= ONE_SHOT_MAX_BYTES:
+            out = torch.empty_like(tensor)
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, tensor.view(-1), "sum", self._name,
+                                                            out=out.view(-1))
+            return out
+        staged.copy_(tensor.view(-1))
+        out = torch.empty_like(tensor)
+        torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self._name, out.view(-1))
+        return out

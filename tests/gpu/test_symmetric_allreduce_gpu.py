@@ -1,0 +1,109 @@
+"""On two CUDA GPUs: a tensor-parallel group's all-reduces give every rank the sum, on the symmetric-memory
+kernels for a decode step's sizes (one-shot and two-shot) and on NCCL above, called eagerly and replayed
+from a CUDA graph (as a step's are), the same bits on both ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+ROWS = (1, 32, 33, 256, 1024)  # one-shot, one-shot at its limit, two-shot, two-shot at the buffer's size, NCCL
+HIDDEN = 4096
+
+
+def _rank(rank: int, out: str) -> None:
+    from engine.parallel.group import GroupAddress, TPGroup, host_store
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    store = None
+    if rank == 0:
+        store = host_store("127.0.0.1")
+        Path(out, "port").write_text(str(store.port))
+    for _ in range(600):  # bounded: rank 0 writes it within seconds
+        if Path(out, "port").exists():
+            break
+        time.sleep(0.1)
+    address = GroupAddress("127.0.0.1", int(Path(out, "port").read_text()))
+    group = TPGroup(address, rank, 2, device, store=store)
+    import torch.distributed._symmetric_memory as symm_mem
+
+    print(f"rank {rank}: group built, symmetric {group.reduces_symmetrically}, backend "
+          f"{symm_mem.get_backend(device)}", file=sys.stderr, flush=True)
+    report: dict[str, object] = {"symmetric": group.reduces_symmetrically}
+    for rows in ROWS:
+        g = torch.Generator(device="cpu").manual_seed(rows)
+        parts = [torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(2)]
+        expected = (parts[0].float() + parts[1].float()).to(torch.bfloat16)
+        x = parts[rank].to(device)
+        eager = group.all_reduce(x.clone())
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # NOTE: a warm-up call outside the graph, as the engine captures
+            group.all_reduce(static.clone())
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            graphed = group.all_reduce(static)
+        results = []
+        for scale in (1.0, 2.0):  # the graph replayed on new inputs in place
+            static.copy_(x * scale)
+            graph.replay()
+            results.append(graphed.clone())
+        torch.cuda.synchronize()
+        graph.reset()  # NOTE: as a rank's runner does before its group shuts down (NCCL's shutdown waits on it)
+        report[str(rows)] = {
+            "eager_err": float((eager.cpu().float() - expected.float()).abs().max()),
+            "graph_err": float((results[0].cpu().float() - expected.float()).abs().max()),
+            "graph2_err": float((results[1].cpu().float() - 2 * expected.float()).abs().max()),
+            "bits": eager.view(torch.int16).cpu().long().sum().item(),
+        }
+        print(f"rank {rank}: {rows} rows {report[str(rows)]}", file=sys.stderr, flush=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    group.close()
+
+
+@pytest.mark.parametrize("as_ray", [False, True], ids=["all-visible", "as-ray-ranks"])
+def test_every_rank_gets_the_same_sum_on_each_path_eager_and_graphed(tmp_path: Path, as_ray: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """as-ray-ranks: as a worker's Ray actors (cluster/ranks.py), rank 0 sees its GPU alone and rank r every
+    rank's GPU in rank order (CUDA_VISIBLE_DEVICES is read when a process starts CUDA, so it is set in the
+    parent's environment as each rank starts); each rank is on cuda:rank either way."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")
+    context = mp.get_context("spawn")
+    processes = []
+    for rank in range(2):
+        if as_ray:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(visible[: rank + 1]))
+        processes.append(context.Process(target=_rank, args=(rank, str(tmp_path))))
+        processes[-1].start()
+    deadline = time.monotonic() + 90
+    for process in processes:  # NOTE: bounded: a rank that hangs fails the test, not the run
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p.pid for p in processes if p.is_alive()]
+    for process in processes:
+        process.kill()
+    assert not alive, f"ranks {alive} did not finish within 90 s (closing the group hung?)"
+    assert [p.exitcode for p in processes] == [0, 0], [p.exitcode for p in processes]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["symmetric"] and ranks[1]["symmetric"], "the symmetric-memory path was not built"
+    for rows in ROWS:
+        a, b = ranks[0][str(rows)], ranks[1][str(rows)]
+        # bfloat16 sums of two: within one unit in the last place of values up to ~8
+        for key in ("eager_err", "graph_err"):
+            assert a[key] <= 0.07 and b[key] <= 0.07, (rows, key, a, b)
+        assert a["graph2_err"] <= 0.14 and b["graph2_err"] <= 0.14, (rows, a, b)
+        assert a["bits"] == b["bits"], f"{rows} rows: the ranks' sums differ"
