@@ -399,10 +399,13 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
         if mode.is_kv_transferred:
             result.pushes = push_totals(scrape_metrics(base_url), before)
             echo(f"{mode.name}: KV pushes while the rates ran: {result.pushes}")
-        if "--autoscale-max-gpus" in argv:  # NOTE: every pool's workers, draining ones too, and the decisions
-            trace_path = log_path.with_name(f"autoscaler_trace_{mode.name}.json")
-            result.cluster_status = cluster_status(log_path, plan.server_env(), trace=trace_path)
-            echo(f"{mode.name}: pdserve status after the rates:\n  " + "\n  ".join(result.cluster_status))
+        # NOTE: every pool's workers, draining ones too, and their engines (weights, KV dtype, TP and all-reduce
+        # path); with an autoscaler its decisions
+        autoscaled = "--autoscale-max-gpus" in argv
+        trace_path = log_path.with_name(f"autoscaler_trace_{mode.name}.json") if autoscaled else None
+        result.cluster_status = cluster_status(log_path, plan.server_env(), trace=trace_path)
+        echo(f"{mode.name}: pdserve status after the rates:\n  " + "\n  ".join(result.cluster_status))
+        if trace_path is not None:
             result.autoscaler_trace = autoscaler_trace(trace_path, rates_started_wall)
         result.status, result.phase = "ok", "done"
     except Exception as err:  # noqa: BLE001 - recorded; the next mode must still run

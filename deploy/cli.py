@@ -336,7 +336,8 @@ def status_command(args: argparse.Namespace) -> int:
         print("decode*: no prefill worker is left; it computes every prompt it is sent, as a colocated worker")
     for row in rows:
         if not isinstance(row, str) and row.weights:
-            print(f"engine of {row.worker_id}: weights {row.weights}, KV cache {row.kv_cache_dtype}")
+            print(f"engine of {row.worker_id}: weights {row.weights}, KV cache {row.kv_cache_dtype}"
+                  + (f", {row.parallel}" if row.parallel else ""))
     if trace is not None:
         args.trace.write_text(json.dumps(trace))
         print(f"autoscaler readings: {len(trace)} written to {args.trace}")

@@ -325,6 +325,16 @@ class DecodeGraphs:
         if self.is_cuda:
             self._graphs = capture_graphs(self.sizes, self._body, self.device)
 
+    def release(self) -> None:
+        """Free the graphs once the device is done with them. A tensor-parallel rank does so before its group
+        shuts down: NCCL's shutdown waited forever on 2x H200 while a graph that captured its collectives was
+        alive (tests/gpu/test_symmetric_allreduce_gpu.py)."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+            for graph in self._graphs.values():
+                graph.reset()
+            self._graphs = {}
+
     @torch.inference_mode()
     def run(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor | None:
         """Runs a graph-eligible step; returns the hidden states of its logit rows [rows, hidden] (a

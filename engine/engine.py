@@ -141,7 +141,12 @@ class EngineCore:
         self.weights = (f"fp8 projections on the {model.fp8_path} path" if model.fp8_path is not None
                         else f"4-bit projections on the {model.int4_path} path" if model.int4_path is not None
                         else str(self.dtype).removeprefix("torch."))
-        log.info("pdserve engine: %s on %s, weights %s", config.model.model, self.device, self.weights)
+        self.parallel = "" if self.tp is None else (
+            f"TP={self.tp.group.size}, small all-reduces on "
+            + ("symmetric memory" if self.tp.group.reduces_symmetrically
+               else "NCCL" if self.device.type == "cuda" else "gloo"))
+        log.info("pdserve engine: %s on %s, weights %s%s", config.model.model, self.device, self.weights,
+                 self.parallel and f", {self.parallel}")
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.max_model_len = max_model_len(arch, config.model.max_model_len)
         block_size = config.cache.block_size
@@ -196,6 +201,7 @@ class EngineCore:
         if self.runner.leader is not None:
             self.runner.leader.send(Stop())
             self.runner.leader = None
+            self.runner.release_graphs()  # NOTE: before the group shuts down (CUDA graphs captured its calls)
         if self.ranks is not None:
             self.ranks.join()
             self.ranks = None
@@ -706,7 +712,7 @@ class EngineCore:
             kv_bytes_per_token=self.block_bytes * (self.tp.shard.size if self.tp is not None else 1)
             // self.pool.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,
-            weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), parallel=self.parallel,
             num_alloc_retries=retries + others.alloc_retries, num_device_frees=frees + others.device_frees,
             step_device_seconds=self.rates.device_seconds, step_wait_seconds=self.wait_seconds,
             follower_forward_seconds=others.forward_seconds, follower_call_seconds=others.call_seconds,

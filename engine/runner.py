@@ -162,6 +162,12 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
+    def release_graphs(self) -> None:
+        """No graph steps after this (a tensor-parallel rank's, before its group shuts down)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def prepare(
         self, seqs: Sequence[ForwardSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

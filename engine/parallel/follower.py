@@ -76,6 +76,7 @@ class Follower:
                     self.call_seconds += took
                     self.recent_calls.observe(took)
                 elif isinstance(message, Stop):
+                    self.runner.release_graphs()  # NOTE: before the group shuts down (CUDA graphs captured its calls)
                     return
                 else:
                     raise TypeError(f"rank {self.group.rank}: unknown message {type(message).__name__}")

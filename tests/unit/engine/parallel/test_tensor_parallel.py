@@ -96,6 +96,7 @@ def test_an_engine_starts_its_ranks_and_close_stops_them(hf_checkpoints: Callabl
     engine = EngineCore(engine_config(str(hf_checkpoints("llama")), device="cpu", num_blocks=8, tensor_parallel_size=2))
     ranks = engine.ranks
     assert ranks is not None and ranks.is_alive() and engine.ranks_alive
+    assert engine.stats().parallel == "TP=2, small all-reduces on gloo"  # on CUDA: symmetric memory or NCCL
     engine.close()
     assert not ranks.is_alive() and engine.ranks is None
 
