@@ -10,6 +10,7 @@ so, and its pool replaces the worker (its requests move as when a one-GPU worker
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -28,11 +29,34 @@ log = logging.getLogger(__name__)
 _HOST = "127.0.0.1"  # NOTE: every rank of a worker is on rank 0's node
 
 
+def rank_device(device_type: str, rank: int, visible: tuple[str, ...]) -> torch.device:
+    """Rank r's device. Given `visible` (every rank's GPU as Ray names it, in rank order) the rank sees them all and
+    takes the r-th, so each rank of the worker has its own device index (symmetric memory, the small all-reduces'
+    path, tells ranks apart by it; rank 0, the worker actor, sees its GPU alone as cuda:0, first in the list).
+    Without it, Ray's view: the rank's GPU alone, cuda:0. Called before this process starts CUDA."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    if visible and not torch.cuda.is_initialized():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+        return torch.device("cuda", rank)
+    return torch.device("cuda", 0)
+
+
+def own_gpu() -> str | None:
+    """The one GPU Ray gave this process (its CUDA_VISIBLE_DEVICES), or None (none, or several)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return visible if visible and "," not in visible else None
+
+
 class RankActor:
     """Rank r (>0) of a worker: builds its part, then follows rank 0 until it stops (`run` blocks)."""
 
-    def run(self, config_json: str, address: GroupAddress, rank: int, size: int, device_type: str) -> None:
-        device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")  # Ray set the visible GPU
+    def gpu(self) -> str | None:
+        return own_gpu()
+
+    def run(self, config_json: str, address: GroupAddress, rank: int, size: int, device_type: str,
+            visible: tuple[str, ...] = ()) -> None:
+        device = rank_device(device_type, rank, visible)
         config = EngineConfig.model_validate_json(config_json)
         follower = Follower(config, TPGroup(address, rank, size, device))
         # NOTE: a Ray actor, the process is the rank's alone; a full collection over the model's and Ray's objects
@@ -68,7 +92,12 @@ class RayRanks:
         store = host_store(_HOST)
         address = GroupAddress(_HOST, int(store.port))
         handles = [actor.remote() for _ in range(1, size)]
-        runs = [h.run.remote(config.model_dump_json(), address, rank, size, device.type)
+        visible: tuple[str, ...] = ()
+        if device.type == "cuda":
+            gpus = [own_gpu(), *ray.get([h.gpu.remote() for h in handles])]
+            if None not in gpus and len(set(gpus)) == size:  # NOTE: else Ray's views, and NCCL all-reduces
+                visible = tuple(g for g in gpus if g is not None)
+        runs = [h.run.remote(config.model_dump_json(), address, rank, size, device.type, visible)
                 for rank, h in enumerate(handles, start=1)]
         return RayRankSet(TPGroup(address, 0, size, device, store=store), handles, runs)
 
