@@ -328,7 +328,7 @@ class DecodeGraphs:
     def release(self) -> None:
         """Free the graphs once the device is done with them. A tensor-parallel rank does so before its group
         shuts down: NCCL's shutdown waited forever on 2x H200 while a graph that captured its collectives was
-        alive (tests/gpu/test_symmetric_allreduce_gpu.py)."""
+        alive (tests/gpu/test_tp_close_gpu.py)."""
         if self._graphs:
             torch.cuda.synchronize(self.device)
             for graph in self._graphs.values():
