@@ -27,6 +27,7 @@ from engine.process_gc import settle_after_startup
 log = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"  # NOTE: every rank of a worker is on rank 0's node
+_JOIN_TIMEOUT_S = 600.0  # as TPGroup's default timeout_s
 
 
 def rank_device(device_type: str, rank: int, visible: tuple[str, ...]) -> torch.device:
@@ -94,7 +95,14 @@ class RayRanks:
         handles = [actor.remote() for _ in range(1, size)]
         visible: tuple[str, ...] = ()
         if device.type == "cuda":
-            gpus = [own_gpu(), *ray.get([h.gpu.remote() for h in handles])]
+            try:  # NOTE: bounded as the group's own join (TPGroup's timeout_s): a rank Ray cannot place never answers
+                gpus = [own_gpu(), *ray.get([h.gpu.remote() for h in handles], timeout=_JOIN_TIMEOUT_S)]
+            except ray.exceptions.GetTimeoutError:
+                for handle in handles:
+                    ray.kill(handle, no_restart=True)
+                raise RuntimeError(f"the other {size - 1} ranks of this tensor-parallel worker did not start within "
+                                   f"{_JOIN_TIMEOUT_S:.0f} s: does its placement-group bundle hold {size} GPUs on one "
+                                   "node?") from None
             if None not in gpus and len(set(gpus)) == size:  # NOTE: else Ray's views, and NCCL all-reduces
                 visible = tuple(g for g in gpus if g is not None)
         runs = [h.run.remote(config.model_dump_json(), address, rank, size, device.type, visible)
