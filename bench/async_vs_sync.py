@@ -61,7 +61,8 @@ def main() -> None:
     for mode in (True, False):
         engine.async_scheduling = mode
         batch1["async" if mode else "sync"] = batch1_period(engine, 512, args.b1_steps, args.seed)
-        print(f"batch 1, context 512, async={mode}: {batch1['async' if mode else 'sync'] * 1e3:.3f} ms/step", flush=True)
+        print(f"batch 1, context 512, async={mode}: {batch1['async' if mode else 'sync'] * 1e3:.3f} ms/step",
+              flush=True)
     engine.async_scheduling = True
     summary = {
         mode: statistics.median(r["output_tok_per_s"] for r in runs if r["async_scheduling"] == (mode == "async"))

@@ -434,7 +434,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax2.set_xticks(list(x), shapes)
     ax2.set_ylabel("GB/s")
     ax2.legend()
-    fig.suptitle(f"pdserve 1P1D over {report['transport']} vs colocated — {report['device']}, torch {report['torch']}")
+    fig.suptitle(f"pdserve 1P1D over {report['transport']} vs colocated — {report['device']}, "
+                 f"torch {report['torch']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

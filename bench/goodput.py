@@ -247,7 +247,8 @@ class Plan:
 
     def server_argv(self, mode: ModeSpec, port: int, grpc_port: int, exit_after_s: float) -> list[str]:
         transport = ["--transport", self.transport] if mode.is_kv_transferred else []
-        slos = ["--slo-ttft-ms", f"{self.slo_ttft_ms:g}", "--slo-tpot-ms", f"{self.slo_tpot_ms:g}"] if mode.steers_to_slos else []
+        slos = ["--slo-ttft-ms", f"{self.slo_ttft_ms:g}",
+                "--slo-tpot-ms", f"{self.slo_tpot_ms:g}"] if mode.steers_to_slos else []
         admission = ["--max-in-flight", str(self.max_in_flight)] if self.max_in_flight is not None else []
         return [sys.executable, "-m", "deploy.cli", "serve", *mode.serve_flags, *self.engine_flags, *transport, *slos,
                 *admission, "--port", str(port), "--grpc-port", str(grpc_port), "--exit-after", f"{exit_after_s:.0f}"]
@@ -377,7 +378,8 @@ def _run_mode_once(plan: Plan, mode: ModeSpec, out_dir: Path, deadline: float, e
     try:
         result.phase = "start"
         server = ServerProcess(argv, plan.server_env(), log_path)
-        server.wait_ready(base_url + "/v1/models", min(plan.start_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S))
+        server.wait_ready(base_url + "/v1/models",
+                          min(plan.start_timeout_s, deadline - time.monotonic() - STOP_RESERVE_S))
         result.phases_s["start"] = round(time.monotonic() - phase_started, 1)
         echo(f"{mode.name}: serving after {result.phases_s['start']:.0f} s; warming up")
         result.phase, phase_started = "warm-up", time.monotonic()
@@ -637,7 +639,8 @@ def make_plan(args: argparse.Namespace, device: torch.device, model_dir: Path, s
         engine_flags=tuple(serve_flags(options)), transport=args.transport, model_name=options["model"],
         vocab_size=load_arch(model_dir).vocab_size, is_cuda=device.type == "cuda", rates=rates,
         seconds_per_rate=args.seconds_per_rate, input_len=input_len, output_len=output_len,
-        drain_s=args.drain_s if args.drain_s is not None else slo_drain_s(args.slo_ttft_ms, args.slo_tpot_ms, output_len),
+        drain_s=(args.drain_s if args.drain_s is not None
+                 else slo_drain_s(args.slo_ttft_ms, args.slo_tpot_ms, output_len)),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, min_attainment=args.min_attainment,
         num_warmup=max(1, args.num_warmup), seed=args.seed, start_timeout_s=args.start_timeout_s,
         warmup_timeout_s=args.warmup_timeout_s, stop_timeout_s=args.stop_timeout_s,
@@ -654,7 +657,8 @@ def plot_title(env: dict[str, Any], config: dict[str, Any]) -> str:
     what = f"goodput: {' vs '.join(config['modes'].values())}" + (f" ({env['label']})" if env.get("label") else "")
     workload = (f"random token-id prompts of {in_lo}-{in_hi} tokens -> {out_lo}-{out_hi} output tokens (ignore_eos), "
                 f"Poisson arrivals, {config['seconds_per_rate']:g} s a rate\nSLOs per request TTFT <= "
-                f"{config['slo_ttft_ms']:g} ms and TPOT <= {config['slo_tpot_ms']:g} ms (p90s shown); {backend} attention")
+                f"{config['slo_ttft_ms']:g} ms and TPOT <= {config['slo_tpot_ms']:g} ms (p90s shown); "
+                f"{backend} attention")
     return title(what, env, workload)
 
 
@@ -725,7 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             checkpoint=lambda partial: write_json({**done, name: partial}))
 
         if planned:
-            tee.echo("planner: " + "; ".join(f"{n}: {p['pick']} (predicted goodput {p['predicted']['goodput']:.2f} req/s)"
+            tee.echo("planner: " + "; ".join(f"{n}: {p['pick']} (predicted goodput "
+                                             f"{p['predicted']['goodput']:.2f} req/s)"
                                              for n, p in planned.items()))
         results = run_modes(specs, run_one, t0 + args.budget_s - FINAL_RESERVE_S, on_result=save)
     record = results_record(plan, args, results, specs, planned)

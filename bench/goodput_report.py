@@ -163,7 +163,8 @@ def scaleout(summaries: Mapping[str, Mapping[str, Any]], layout: Mapping[str, tu
         if p == 0 or name not in summaries:
             continue
         other = colocated.get(p + d)
-        ratio = _ratio(best[name], best[other]) if other and best[name] is not None and best[other] is not None else None
+        ratio = (_ratio(best[name], best[other])
+                 if other and best[name] is not None and best[other] is not None else None)
         pairs.append({"mode": name, "num_gpus": p + d, "colocated": other, "goodput": best[name],
                       "colocated_goodput": best.get(other) if other else None, "ratio": ratio})
     by_shape = {layout[n]: n for n in summaries if n in layout}

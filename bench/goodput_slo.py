@@ -18,7 +18,8 @@ from typing import Any
 from bench.common import save_plot
 
 
-def best_goodput(run: dict[str, Any], mode: str, ttft_ms: float, tpot_ms: float, gap_ms: float | None) -> dict[str, Any]:
+def best_goodput(run: dict[str, Any], mode: str, ttft_ms: float, tpot_ms: float,
+                 gap_ms: float | None) -> dict[str, Any]:
     durations = {row["rate"]: row["duration_s"] for row in run["modes"][mode]["rows"]}
     best = {"goodput": 0.0, "rate": None}
     for at_rate in run["requests"][mode]:

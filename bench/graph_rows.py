@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         ax1, ax2 = fig.subplots(1, 2)
         for start in args.starts:
             rows = [c for c in chunks if c["start"] == start and c["speedup"]]
-            ax1.plot([c["num_tokens"] for c in rows], [c["speedup"] for c in rows], marker="o", label=f"context {start}")
+            ax1.plot([c["num_tokens"] for c in rows], [c["speedup"] for c in rows], marker="o",
+                     label=f"context {start}")
             rows = [v for v in verifies if v["start"] == start and v["speedup"]]
             ax2.plot([v["batch"] for v in rows], [v["speedup"] for v in rows], marker="o", label=f"context {start}")
         for ax, xlabel in ((ax1, "tokens of one sequence"), (ax2, "sequences verifying 5 tokens")):

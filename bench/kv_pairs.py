@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise ValueError(f"{flag} must be at least 1, got {value}")
 
     # NOTE: address="local": always a new cluster of this machine, never one another job left running
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
+             runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     if args.device == "cuda" and ray.cluster_resources().get("GPU", 0) < num_workers:
         raise ValueError(f"--num-workers {num_workers} needs as many GPUs; Ray sees "
                          f"{ray.cluster_resources().get('GPU', 0)}")

@@ -115,7 +115,8 @@ def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int
     rng = random.Random(1)
     for context in contexts:
         for batch in batches:
-            if batch * (context + 5 * num_steps) > engine.capacity_tokens:  # NOTE: 3 timed runs, and decodes during prefill
+            if batch * (context + 5 * num_steps) > engine.capacity_tokens:  # NOTE: 3 timed runs, and decodes
+                # during prefill
                 continue
             for i in range(batch):
                 prompt = [rng.randrange(arch.vocab_size) for _ in range(context)]

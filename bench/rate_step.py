@@ -130,7 +130,8 @@ async def step_run(plan: Plan, result: ModeResult, server: ServerProcess, base_u
                                                   max_concurrency=config.max_concurrency), window + 30)
     result.phases_s[result.phase] = round(time.perf_counter() - started, 1)
     metrics = compute_metrics(ran.records, ran.duration_s, SLO(plan.slo_ttft_ms, plan.slo_tpot_ms))
-    result.runs.append(RateRun(len(offsets) / total_s, plan.seed, ran.num_not_sent, ran.is_capped, metrics, ran.records))
+    result.runs.append(RateRun(len(offsets) / total_s, plan.seed, ran.num_not_sent, ran.is_capped, metrics,
+                               ran.records))
     records = [{"send_s": r.send_time, "ok": r.is_success, "ttft_ms": r.ttft * 1e3 if r.is_success else None,
                 "tpot_ms": r.tpot * 1e3 if r.is_success and r.tpot is not None else None} for r in ran.records]
     result.step = {"schedule": [list(x) for x in plan.schedule], "roles": role_changes(result.timeline),

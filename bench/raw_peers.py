@@ -114,7 +114,8 @@ class RawPeer:
             raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
         buf = self.bufs.get(peer_id)
         if buf is None:
-            raise ValueError(f"{self.peer_id} has no buffer for {peer_id!r}; call alloc(num_bytes, [{peer_id!r}]) first")
+            raise ValueError(f"{self.peer_id} has no buffer for {peer_id!r}; "
+                             f"call alloc(num_bytes, [{peer_id!r}]) first")
         return (self.transport.send if op == "send" else self.transport.recv)(peer_id, buf)
 
 

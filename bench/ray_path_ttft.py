@@ -121,8 +121,8 @@ def serve_and_measure(args: argparse.Namespace) -> int:
         port = free_port()
         flags = serve_flags({"model": str(served), "load_format": "dummy", "dtype": "bfloat16", "device": "auto",
                              "max_num_seqs": 256, "max_num_batched_tokens": 16384})
-        argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags, "--port", str(port),
-                "--grpc-port", str(free_port()), "--exit-after", "600"]
+        argv = [sys.executable, "-m", "deploy.cli", "serve", "--colocated", "--decode", "1", *flags,
+                "--port", str(port), "--grpc-port", str(free_port()), "--exit-after", "600"]
         log = Path(scratch) / "server.log"
         server = ServerProcess(argv, {**os.environ, **NCCL_WORKER_ENV, "PYTHONUNBUFFERED": "1"}, log)
         try:

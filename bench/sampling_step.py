@@ -199,7 +199,8 @@ def main() -> None:
             "ms_per_step": ms,
             "ms_per_step_runs": {m: [x["decode_s"] / max(x["num_steps"], 1) * 1e3 for x in v] for m, v in runs.items()},
             "ratio_to_greedy": {m: ms[m] / ms["greedy"] for m in MODES},
-            "best_ms_per_step": {m: min(x["decode_s"] / max(x["num_steps"], 1) for x in v) * 1e3 for m, v in runs.items()},
+            "best_ms_per_step": {m: min(x["decode_s"] / max(x["num_steps"], 1) for x in v) * 1e3
+                                 for m, v in runs.items()},
             "sampler_us": {m: sampler_alone(engine, batch, m, 200) for m in MODES},
             "seeded_runs_repeat_their_tokens": seeded_repeat,
             "seeded_first_tokens": runs["seeded"][0]["tokens"][0][:16],
@@ -211,7 +212,8 @@ def main() -> None:
             print(json.dumps(row["host_us"], indent=1), flush=True)
         if args.top and batch == 1:
             for mode in MODES:
-                print(f"==== profile: {mode}, batch 1\n{profile_table(engine, prompts, mode, args.profile_steps, args.top)}",
+                print(f"==== profile: {mode}, batch 1\n"
+                      f"{profile_table(engine, prompts, mode, args.profile_steps, args.top)}",
                       flush=True)
     env = environment(engine, args)
     write_results(args.out, "sampling_step", env, record, plot(record),

@@ -164,7 +164,8 @@ async def run(args: Any, vocab_size: int) -> dict[str, Any]:
         path: Dispatcher(f"bench-{path}", workers, poll_timeout_s=0.5, config=DispatcherConfig(local_prefill=local))
         for path, local in PATHS.items()
     }
-    loader = Dispatcher("bench-load", workers, poll_timeout_s=0.5, config=DispatcherConfig(local_prefill=PATHS["remote"]))
+    loader = Dispatcher("bench-load", workers, poll_timeout_s=0.5,
+                        config=DispatcherConfig(local_prefill=PATHS["remote"]))
     lengths = [int(x) for x in args.lengths.split(",")]
     try:
         idle_runs = [
@@ -211,7 +212,8 @@ def break_even(idle: dict[str, Any], lengths: list[int], num_short: int = 3) -> 
     stays under that overhead, a local prefill delays the decode worker's running batch by less
     than the remote path delays the request itself."""
     short = [str(n) for n in lengths[:num_short]]
-    overhead = statistics.median(idle[n]["remote"]["ttft_median_ms"] - idle[n]["local"]["ttft_median_ms"] for n in short)
+    overhead = statistics.median(idle[n]["remote"]["ttft_median_ms"] - idle[n]["local"]["ttft_median_ms"]
+                                 for n in short)
     base = statistics.median(idle[n]["local"]["ttft_median_ms"] for n in short)
     added = {str(n): round(idle[str(n)]["local"]["ttft_median_ms"] - base, 2) for n in lengths}
     below = [n for n in lengths if added[str(n)] <= overhead]

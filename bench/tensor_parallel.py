@@ -94,7 +94,8 @@ def one_size(args: Any, tp: int) -> dict[str, Any]:
               + (f", floor {row['floor_s'] * 1e3:.2f} ms (x{row['floor_ratio']:.2f})" if bandwidth else "")
               + (f", all-reduce {row['allreduce_share']:.0%}" if "allreduce_share" in row else ""), flush=True)
     result: dict[str, Any] = {
-        "tp": tp, "device_name": device_name(engine.device), "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+        "tp": tp, "device_name": device_name(engine.device),
+        "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
         "num_blocks": engine.pool.num_blocks, "decode": rows,
         "handoff_ms_per_step": 1e3 * handoff["seconds"] / handoff["steps"] if handoff["steps"] else None,
     }

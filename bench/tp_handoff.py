@@ -115,7 +115,8 @@ def measure(ranks: int, batch: int, context: int, count: int, period_s: float) -
     row: dict[str, Any] = {"ranks": ranks, "batch": batch, "context": context, "message_bytes": size}
     for way in ("gloo", "ring"):
         values = sorted(lat[way][5:])  # NOTE: the first messages pay connection and page-fault costs
-        row[way] = {"latency_us_median": statistics.median(values), "latency_us_p99": values[int(0.99 * (len(values) - 1))],
+        row[way] = {"latency_us_median": statistics.median(values),
+                    "latency_us_p99": values[int(0.99 * (len(values) - 1))],
                     "send_us_median": statistics.median(send[way][5:])}
     print(f"ranks {ranks} batch {batch:4d} ({size / 1e3:.1f} kB): gloo {row['gloo']['latency_us_median']:.0f} us "
           f"(p99 {row['gloo']['latency_us_p99']:.0f}), ring {row['ring']['latency_us_median']:.0f} us "

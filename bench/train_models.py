@@ -114,7 +114,8 @@ SIZES: dict[str, SizePlan] = {
     ),
     "gpu": SizePlan(
         vocab_size=8192, max_corpus_bytes=64_000_000, max_tokenizer_bytes=8_000_000, max_eval_tokens=262_144,
-        seq_len=512, batch_size=64, target=ModelShape(768, 2048, 12, 12, 4, 64), draft=ModelShape(256, 768, 3, 4, 2, 64),
+        seq_len=512, batch_size=64, target=ModelShape(768, 2048, 12, 12, 4, 64),
+        draft=ModelShape(256, 768, 3, 4, 2, 64),
         max_target_steps=6_000, max_draft_steps=3_000, target_lr=6e-4, draft_lr=2e-3, minutes=5.0, num_sample_tokens=64,
         site_packages=True,
     ),
@@ -148,7 +149,8 @@ def _path_hash(rel: str) -> int:
     return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
 
 
-def split_corpus(max_train_bytes: int, max_held_out_bytes: int, site_packages: bool = False) -> tuple[list[str], list[str]]:
+def split_corpus(max_train_bytes: int, max_held_out_bytes: int,
+                 site_packages: bool = False) -> tuple[list[str], list[str]]:
     """(train texts, held-out texts): files by path hash, each split bounded in UTF-8 bytes."""
     keyed = sorted((_path_hash(name), p) for name, p in corpus_files(site_packages))  # hash order: a uniform sample
     splits: tuple[list[str], list[str]] = ([], [])
@@ -300,7 +302,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default: the size's).")
     parser.add_argument(
         "--tokenizer", type=Path, default=None,
-        help="A checkpoint directory whose tokenizer.json to train with, instead of training a BPE (--vocab-size unused).",
+        help="A checkpoint directory whose tokenizer.json to train with, instead of training a BPE "
+             "(--vocab-size unused).",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",

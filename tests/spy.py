@@ -24,7 +24,8 @@ class Spy:
         self.worker = worker
         self.calls: dict[str, list[str]] = calls if calls is not None else defaultdict(list)  # method -> request ids
 
-    def __reduce__(self) -> Any:  # NOTE: a Ray handle passed on (to a prefill worker, as its KV's destination) goes bare
+    def __reduce__(self) -> Any:  # NOTE: a Ray handle passed on (to a prefill worker, as its KV's destination)
+        # goes bare
         return self.worker.__reduce__()
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:

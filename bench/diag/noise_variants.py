@@ -30,7 +30,8 @@ def _variants(key, out_ptr, vocab, threads, BLOCK: tl.constexpr):
 def main() -> None:
     vocab = 151_936
     props = torch.cuda.get_device_properties(0)
-    threads = min(triton.cdiv(vocab, 256), props.multi_processor_count * (props.max_threads_per_multi_processor // 256)) * 256
+    threads = min(triton.cdiv(vocab, 256),
+                  props.multi_processor_count * (props.max_threads_per_multi_processor // 256)) * 256
     for key in (0, 1, 12345):
         out = torch.empty(5, vocab, device="cuda")
         _variants[(triton.cdiv(vocab, 1024),)](key, out, vocab, threads, BLOCK=1024)

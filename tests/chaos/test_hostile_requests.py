@@ -43,7 +43,8 @@ def hostile(draw: Any) -> tuple[str, str, bytes]:
     if kind == "object":
         return "POST", path, json.dumps(draw(OBJECT_BODIES), allow_nan=True).encode()
     if kind == "raw":  # truncated JSON, bad UTF-8, random bytes
-        return "POST", path, draw(st.binary(max_size=200)) + draw(st.sampled_from([b"", b"\xff\xfe", b'{"prompt": "\xc3']))
+        return "POST", path, draw(st.binary(max_size=200)) + draw(
+            st.sampled_from([b"", b"\xff\xfe", b'{"prompt": "\xc3']))
     if kind == "non_object":
         return "POST", path, json.dumps(draw(VALUES)).encode()
     if kind == "huge":

@@ -157,7 +157,8 @@ def test_long_context_graph_step_reads_every_key(make_llm):
         prompt = [rng.randrange(2, 151936) for _ in range(rng.randint(1500, 2600))]
         engine.add_request(f"long{i}", prompt, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     # NOTE: max_tokens outlasts the prefill steps, so no early request finishes before the decode step
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
         engine.step()
     out = engine.scheduler.schedule()
     seqs, _ = _forward_seqs(out.scheduled, patch_drafts=False)

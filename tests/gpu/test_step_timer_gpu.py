@@ -26,9 +26,9 @@ HOST_SLEEP_S = 0.1  # longer than a 2,048-token prefill step of this shape on an
 
 
 def measured_prefill_rate(make_llm, async_scheduling: bool, host_sleep_s: float) -> float:
-    llm = make_llm(str(LLAMA_8B_SHAPE), device="cuda", dtype="bfloat16", load_format="dummy", attention_backend="triton",
-                   num_blocks=2048, max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=2048,
-                   async_scheduling=async_scheduling, enforce_eager=True)
+    llm = make_llm(str(LLAMA_8B_SHAPE), device="cuda", dtype="bfloat16", load_format="dummy",
+                   attention_backend="triton", num_blocks=2048, max_model_len=4096, max_num_seqs=8,
+                   max_num_batched_tokens=2048, async_scheduling=async_scheduling, enforce_eager=True)
     engine = llm.engine
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i in range(24):  # 2,047-token prompts: one a step, each step all prompt

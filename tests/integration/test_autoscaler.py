@@ -38,7 +38,8 @@ def test_a_rate_step_grows_the_prefill_pool_and_shrinks_it_back(ray_cluster: Non
     async def run() -> tuple[list[list[int]], list[tuple[float, str, int, str]], dict[str, int], list[int]]:
         sizes: list[int] = []
         async with served(config, "router-as", autoscale_interval_s=0.25,
-                          on_follow=lambda c: sizes.append(c.deployment.prefill.num_workers)) as (controller, dispatcher):
+                          on_follow=lambda c: sizes.append(c.deployment.prefill.num_workers)
+                          ) as (controller, dispatcher):
 
             def one(i: int, prompt: list[int], delay_s: float):
                 return tokens_of(dispatcher, f"r{i}", prompt, PARAMS, delay_s)

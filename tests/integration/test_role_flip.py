@@ -46,7 +46,8 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load(ray_cluster: None) 
             role = await controller.deployment.decode.handles["prefill-1"].role_name.remote()
             stats = {s.worker_id: s.num_requests for s in await controller.stats() if not isinstance(s, str)}
             held = await controller.held_blocks()
-            pools = (sorted(controller.deployment.prefill.handles), sorted(controller.deployment.decode.handles))  # type: ignore[union-attr]
+            pools = (sorted(controller.deployment.prefill.handles),  # type: ignore[union-attr]
+                     sorted(controller.deployment.decode.handles))
         return tokens, role, stats, held, *pools
 
     tokens, role, stats, held, prefill_ids, decode_ids = asyncio.run(run())
@@ -69,7 +70,8 @@ def test_the_last_prefill_worker_becomes_a_decode_worker_behind_a_router_over_ch
     offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, PARAMS)]
     config = ClusterConfig(engine=engine_config(**ENGINE), mode="disaggregated", num_prefill=1, num_decode=1,
                            transport="gloo")
-    dispatch = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"), slo=SloConfig(ttft_ms=1000, tpot_ms=200))
+    dispatch = DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote"),
+                                slo=SloConfig(ttft_ms=1000, tpot_ms=200))
     seen = []  # decode-0's stats while the routers saw no prefill worker and the flip was not done
 
     async def run() -> tuple[list[list[int]], dict[str, int], dict[str, int], dict[str, bool]]:

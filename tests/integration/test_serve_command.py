@@ -34,8 +34,8 @@ class Server:
                "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--exit-after", "600",
                "--num-router-replicas", str(num_router_replicas), "--slo-ttft-ms", "60000"]
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=ignore)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, preexec_fn=ignore)
         self.output: list[str] = []
         deadline = time.monotonic() + 240
         assert self.proc.stdout is not None
@@ -93,7 +93,8 @@ def test_openai_client_completions_and_chat(server):
     assert chat.usage.completion_tokens == 6 and chat.choices[0].message.role == "assistant"
     chat_stream = list(client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == chat.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or ""
+                   for c in chat_stream if c.choices) == chat.choices[0].message.content
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -209,7 +210,8 @@ def test_curl_sse_stream_and_status(server, tmp_path):
                              "--trace", str(trace)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "prefill-0" in status.stdout and "decode-0" in status.stdout
-    # --trace writes the autoscaler's readings: none here (no autoscaler; tests/integration/test_autoscaler.py reads some)
+    # --trace writes the autoscaler's readings: none here (no autoscaler; tests/integration/test_autoscaler.py
+    # reads some)
     assert json.loads(trace.read_text()) == [] and "autoscaler readings: 0 written" in status.stdout
     assert "engine of decode-0: weights float32, KV cache float32" in status.stdout, status.stdout
     assert " INFO " not in status.stderr and "object at 0x" not in status.stderr, status.stderr  # a table only

@@ -135,7 +135,8 @@ def test_disaggregated_across_layouts_equals_colocated(ray_cluster: None, prefil
             tokens = await asyncio.wait_for(
                 asyncio.gather(*(_generate(dispatcher, f"req-{i}", p, params) for i, p in enumerate(prompts))), 240)
             await dispatcher.close()
-            stats = {i: await h.stats.remote() for i, h in deployment.prefill.handles.items()}  # type: ignore[union-attr]
+            stats = {i: await h.stats.remote()
+                     for i, h in deployment.prefill.handles.items()}  # type: ignore[union-attr]
             return tokens, await deployment.held_blocks(), stats
         finally:
             deployment.shutdown()

@@ -83,7 +83,8 @@ def test_goodput_counts_requests_meeting_both_slos_over_the_duration():
 def test_best_rate_ratio_and_goal():
     good = [record(i, 0.2, 0.02) for i in range(8)]
     disagg = mode("disagg", [rate_run(1.0, good[:4], 4.0), rate_run(2.0, good, 4.0)])  # best 2.0 req/s at 2
-    colocated = mode("colocated", [rate_run(1.0, good[:4], 4.0), rate_run(2.0, good[:2] + [record(9, 2.0, 0.1)] * 6, 4.0)])
+    colocated = mode("colocated", [rate_run(1.0, good[:4], 4.0),
+                                   rate_run(2.0, good[:2] + [record(9, 2.0, 0.1)] * 6, 4.0)])
     summaries = {"disagg": mode_summary(disagg), "colocated": mode_summary(colocated)}
     assert summaries["disagg"]["best"]["rate"] == 2.0 and summaries["colocated"]["best"]["rate"] == 1.0
     c = compare(summaries)
@@ -113,7 +114,8 @@ def test_a_failed_mode_gives_no_ratio_and_says_why():
 def test_a_mode_failing_mid_sweep_keeps_its_rates_and_marks_the_ratio_partial():
     good = [record(i, 0.2, 0.02) for i in range(4)]
     disagg = mode("disagg", [rate_run(1.0, good, 4.0)], status="failed")
-    c = compare({"disagg": mode_summary(disagg), "colocated": mode_summary(mode("colocated", [rate_run(1.0, good, 4.0)]))})
+    c = compare({"disagg": mode_summary(disagg),
+                 "colocated": mode_summary(mode("colocated", [rate_run(1.0, good, 4.0)]))})
     assert c["ratio"] == pytest.approx(1.0) and c["is_partial"]
 
 
@@ -279,7 +281,8 @@ def test_the_adaptive_mode_steers_to_the_slos_it_is_scored_against():
     plan = _plan(slo_ttft_ms=300.0, slo_tpot_ms=20.0)
     argv = plan.server_argv(mode_spec("adaptive"), 1, 2, 60.0)
     config = app_config(build_parser().parse_args(argv[argv.index("serve"):]))
-    assert (config.dispatch.slo.ttft_ms, config.dispatch.slo.tpot_ms, config.dispatch.local_prefill.rule) == (300, 20, "slo")
+    assert (config.dispatch.slo.ttft_ms, config.dispatch.slo.tpot_ms,
+            config.dispatch.local_prefill.rule) == (300, 20, "slo")
     cluster = config.cluster
     assert (cluster.mode, cluster.num_prefill, cluster.num_decode) == ("disaggregated", 1, 1)
     assert cluster.autoscaler is not None and cluster.autoscaler.max_gpus == 2
@@ -359,7 +362,8 @@ def test_tensor_parallel_modes_count_every_rank_s_gpu() -> None:
 
     colocated = mode_spec("colocated2", tp=2)
     assert colocated.num_gpus == 4 and colocated.num_workers == 2 and "TP2" in colocated.description
-    assert mode_spec("1p1d", tp=2).num_gpus == 4 and mode_spec("1p1d", tp=2).serve_flags == ("--prefill", "1", "--decode", "1")
+    assert (mode_spec("1p1d", tp=2).num_gpus == 4
+            and mode_spec("1p1d", tp=2).serve_flags == ("--prefill", "1", "--decode", "1"))
     hetero = mode_spec("2p1d-tp1x2", tp=2)
     assert hetero.num_gpus == 4 and hetero.serve_flags == ("--prefill", "2", "--decode", "1", "--prefill-tp", "1")
     assert mode_spec("2p1d-tp1x2").serve_flags[-2:] == ("--decode-tp", "2")  # engine TP 1: the decode pool differs
@@ -397,7 +401,8 @@ def test_push_totals_are_the_prefill_workers_pushes_between_two_metrics_pages() 
     totals = push_totals(asyncio.run(metrics.render()).decode(), before)
     assert (totals["num_pushed"], totals["push_seconds"], totals["push_bytes"]) == (4, 1.5, 4e9)
     assert totals["gb_per_s"] == pytest.approx(4e9 / 1.5 / 1e9) and totals["num_failed"] == 0
-    assert totals["send_device_seconds"] == pytest.approx(0.015) and totals["device_gb_per_s"] == pytest.approx(4e9 / 0.015 / 1e9)
+    assert (totals["send_device_seconds"] == pytest.approx(0.015)
+            and totals["device_gb_per_s"] == pytest.approx(4e9 / 0.015 / 1e9))
 
 
 def test_scaleout_pairs_each_split_with_the_colocated_mode_of_as_many_gpus() -> None:
@@ -435,7 +440,8 @@ def test_a_start_that_lost_its_port_is_tried_once_more(monkeypatch: pytest.Monke
         return result
 
     http = "OSError: [Errno 98] Address already in use"
-    grpc = "OSError: gRPC cannot bind 127.0.0.1:37161: Failed to bind to address 127.0.0.1:37161"  # two benches, one host
+    grpc = ("OSError: gRPC cannot bind 127.0.0.1:37161: "
+            "Failed to bind to address 127.0.0.1:37161")  # two benches, one host
     for outcomes, expected_calls in (([http, ""], 2), ([grpc, ""], 2), ([""], 1), ([http, grpc], 2),
                                      (["frames", ""], 2)):
         calls = []

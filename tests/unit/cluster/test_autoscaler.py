@@ -173,7 +173,8 @@ def test_an_idle_pool_gives_its_worker_to_a_pressed_pool_rather_than_letting_it_
     assert scaler.decisions[-1].flip_to == "decode" and sizes == {"prefill": 1, "decode": 2}
     # not pressed: the idle worker just leaves
     calm = Autoscaler(CONFIG, {"prefill": 1, "decode": 1})
-    assert run(calm, {"prefill": 2, "decode": 1}, lambda t: [prefill(0), decode()], until_s=12) == [(10.0, "prefill", 1)]
+    assert run(calm, {"prefill": 2, "decode": 1}, lambda t: [prefill(0), decode()],
+               until_s=12) == [(10.0, "prefill", 1)]
     assert calm.decisions[-1].flip_to is None
 
 
@@ -274,7 +275,8 @@ def test_prompts_arriving_past_the_prefill_rate_press_the_pool_however_its_queue
         def at(t: int) -> list[WorkerStatsMsg]:
             queued = 40_000 if t % 6 < 3 else 0  # past 1 (40k / 36k / 0.5 s = 2.2) for 3 s, then empty for 3
             computed = arriving * t - queued  # what arrived and is not queued was computed
-            return [counted(prefill(queued, rate=36_000.0), "p", computed), counted(busy, "d", 0, prefill_rate=13_000.0)]
+            return [counted(prefill(queued, rate=36_000.0), "p", computed),
+                    counted(busy, "d", 0, prefill_rate=13_000.0)]
         return at
 
     assert run(Autoscaler(scaling, {"prefill": 1, "decode": 1}), {"prefill": 1, "decode": 1}, bursty(50_000),

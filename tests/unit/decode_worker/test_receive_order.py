@@ -71,7 +71,8 @@ def test_answer_goes_before_the_receives_are_posted():
         dispatcher = Dispatcher("r0", workers, poll_timeout_s=0.2,
                                 config=DispatcherConfig(local_prefill=LocalPrefillConfig(rule="remote")))
         try:
-            await prefill.pairs._ensure_pair(DecodeClient("d0", decode))  # NOTE: paired first: pairing sends messages of its own
+            await prefill.pairs._ensure_pair(
+                DecodeClient("d0", decode))  # NOTE: paired first: pairing sends messages of its own
             spinning = _SpinningReceives(prefill, decode)
             tokens = []
             for i, prompt in enumerate(prompts):

@@ -12,7 +12,8 @@ from deploy.schema import ServeAppConfig
 
 def test_serve_flags_set_the_local_prefill_rule_and_threshold() -> None:
     args = build_parser().parse_args(
-        ["serve", "--prefill", "1", "--decode", "1", "--local-prefill-rule", "remote", "--local-prefill-max-tokens", "64"]
+        ["serve", "--prefill", "1", "--decode", "1", "--local-prefill-rule", "remote",
+         "--local-prefill-max-tokens", "64"]
     )
     local = app_config(args).dispatch.local_prefill
     assert (local.rule, local.max_short_prompt_tokens) == ("remote", 64)

@@ -94,7 +94,8 @@ def test_default_graph_rows_cover_a_batch_of_verifications_and_short_prompts():
         speculative=SpeculativeConfig(method="ngram", num_draft_tokens=4),
     )
     assert graph_max_rows(spec) == 640  # 128 x (1 + 4)
-    assert graph_max_rows(spec.model_copy(update={"scheduler": SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=600)})) == 600
+    assert graph_max_rows(spec.model_copy(
+        update={"scheduler": SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=600)})) == 600
     small_budget = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
     assert graph_max_rows(small_budget) == 64  # never more rows than a step's tokens
     told = EngineConfig(model=ModelConfig(cuda_graph_max_rows=12), scheduler=SchedulerConfig(max_num_seqs=8))

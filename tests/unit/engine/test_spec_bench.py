@@ -38,7 +38,8 @@ def test_spec_decode_bench_smoke(tmp_path: Path) -> None:
         (1, "plain", 0), (1, "speculative", 1), (1, "speculative", 2), (2, "plain", 0), (2, "speculative", 2)
     ]
     assert all(r["num_decode_tokens"] == r["batch_size"] * 7 for r in record["speed"])
-    assert set(record["speedup"]) == {"1", "2", "1_by_k", "2_by_k", "1_paired_by_k", "2_paired_by_k"} and set(record["speedup"]["1_by_k"]) == {"1", "2"}
+    assert (set(record["speedup"]) == {"1", "2", "1_by_k", "2_by_k", "1_paired_by_k", "2_paired_by_k"}
+            and set(record["speedup"]["1_by_k"]) == {"1", "2"})
     assert record["speedup"]["1"] == max(record["speedup"]["1_by_k"].values())
     # Paired per repeat with the plain run beside it: plain over itself is exactly 1.
     assert all(r["paired_speedup"] == 1.0 for r in record["speed"] if r["mode"] == "plain")

@@ -137,7 +137,8 @@ def test_verify_seeded_follows_p_and_accepts_a_point_mass_with_its_probability()
     num_rows = 20000
     p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
     p = p_logits.softmax(-1)
-    rows = [VerifyRow(SamplingRow(SamplingParams(temperature=1.0, seed=i), [0], []), [1], None) for i in range(num_rows)]
+    rows = [VerifyRow(SamplingRow(SamplingParams(temperature=1.0, seed=i), [0], []), [1], None)
+            for i in range(num_rows)]
     result = Sampler(eos_token_ids=[]).verify(p_logits.repeat(2 * num_rows, 1), rows, None)
     firsts = Counter(tokens[0] for tokens in result.token_ids)
     assert chi_square_p_value(firsts, dict(enumerate(p.tolist()))) > MIN_P_VALUE

@@ -166,7 +166,8 @@ def test_transport_checks_its_arguments(builder: Builder) -> None:
 
 def test_registry_names_the_known_and_the_capable_transports() -> None:
     assert {"local", "gloo", "nccl"} <= set(available_transports())
-    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known transports: fault, gloo, local, nccl"):
+    with pytest.raises(ValueError,
+                       match="unknown transport 'carrier-pigeon'; known transports: fault, gloo, local, nccl"):
         create_transport("carrier-pigeon", "w", LAYOUT, "cpu")
     with pytest.raises(ValueError, match="'nccl' cannot run on cpu tensors; transports that can: fault, gloo, local"):
         create_transport("nccl", "w", LAYOUT, "cpu")
@@ -214,7 +215,8 @@ def test_nccl_handle_polls_its_event_against_the_deadline_and_fails_once_dropped
     assert handle.done() and handle.wait(0.0) and handle.error is None
     assert handle.device_seconds() == 0.002  # the events' elapsed time, in seconds
 
-    stuck = _CudaEventHandle("recv from 'decode-0'", _FakeEvent(), _FakeEvent(), pair, "prefill-0")  # type: ignore[arg-type]
+    stuck = _CudaEventHandle("recv from 'decode-0'",
+                             _FakeEvent(), _FakeEvent(), pair, "prefill-0")  # type: ignore[arg-type]
     pair.is_dropped = True
     assert stuck.done() and isinstance(stuck.error, TransferError)
     with pytest.raises(TransferError, match="dropped its pair"):

@@ -61,8 +61,8 @@ class _Cluster:
     def __init__(self, num_prefill: int) -> None:
         hub = LocalHub()
         refs = _RegistryRefs()
-        self.decode = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=engine_config(**ENGINE), transport="local"),
-                                   transport_options={"hub": hub})
+        self.decode = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=engine_config(**ENGINE),
+                                                      transport="local"), transport_options={"hub": hub})
         self.prefill = [PrefillWorker(PrefillWorkerConfig(worker_id=f"p{i}", engine=engine_config(**ENGINE),
                                                           transport="local"), transport_options={"hub": hub})
                         for i in range(num_prefill)]

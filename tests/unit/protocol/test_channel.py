@@ -106,7 +106,8 @@ def test_calls_answer_and_errors_keep_their_kind():
             assert results == [1.5, b"lease:r1", None]
             with pytest.raises(InvalidRequestError) as invalid:
                 await asyncio.wait_for(client.call(Call.SUBMIT, b"bad"), 10)
-            assert invalid.value.field == "prompt" and str(invalid.value) == "prompt: is empty; at least 1 token is required"
+            assert (invalid.value.field == "prompt"
+                    and str(invalid.value) == "prompt: is empty; at least 1 token is required")
             with pytest.raises(RemoteCallError, match="KeyError: 'lost'"):
                 await asyncio.wait_for(client.call(Call.SUBMIT, b"boom"), 10)
             with pytest.raises(RemoteCallError, match=r"does not serve PREFILL_LOCALLY \(it serves \['ABORT', "):

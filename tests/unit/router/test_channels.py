@@ -25,7 +25,8 @@ def test_remote_workers_get_channels_and_share_one_until_they_leave():
     first = channels.wrap(Workers.of(prefill={"p0": p0}, decode={"d0": d0, "d1": d1, "l0": local}))
     assert isinstance(first.prefill["p0"], PrefillClient) and isinstance(first.decode["d0"], DecodeClient)
     assert first.decode["d0"].target is d0 and first.prefill["p0"].target is p0
-    assert first.decode["d0"].channel is channels.clients["d0"] and first.prefill["p0"].channel is channels.clients["p0"]
+    assert (first.decode["d0"].channel is channels.clients["d0"]
+            and first.prefill["p0"].channel is channels.clients["p0"])
     assert first.prefill["p0"].refs is first.decode["d0"].refs is channels.refs  # a handle pickled once a replica
     assert first.decode["l0"].channel is None and "l0" not in channels.clients  # in-process: as it is
     channel0 = channels.clients["d0"]

@@ -224,7 +224,8 @@ def test_layout_mismatch_fails_at_pairing_and_names_the_field(option, values, na
         decode = DecodeWorker(DecodeWorkerConfig(worker_id="d0", engine=engine_config(**decode_options),
                                                  transport="local", pair_timeout_s=5), transport_options={"hub": hub})
         prefill = PrefillWorker(PrefillWorkerConfig(worker_id="p0", engine=engine_config(**prefill_options),
-                                                    transport="local", pair_timeout_s=5), transport_options={"hub": hub})
+                                                    transport="local", pair_timeout_s=5),
+                                transport_options={"hub": hub})
         dispatcher = Dispatcher("r0", Workers.of(prefill={"p0": prefill}, decode={"d0": decode}), poll_timeout_s=0.2,
                                 config=REMOTE)
         # NOTE: more tokens than attempts: each failed attempt still gives the client its first token

@@ -12,8 +12,8 @@ from router.core import ChoiceDelta
 from router.http_app import _ChatRender, _CompletionRender, _sse
 from router.tool_calls import ToolCalling
 
-TEXTS = ["hello", " world", 'quote " and \\ backslash', "line\nbreak\ttab\r", "\x00\x01\x1f control", "é ü 中文 🙂",
-         "\u2028\u2029 separators", "</script>", "\ue000private", "{\"json\": [1]}", "'"]
+TEXTS = ["hello", " world", 'quote " and \\ backslash', "line\nbreak\ttab\r", "\x00\x01\x1f control",
+         "é ü 中文 🙂", "\u2028\u2029 separators", "</script>", "\ue000private", "{\"json\": [1]}", "'"]
 
 
 def _delta(index: int, text: str, finish_reason: str | None = None) -> ChoiceDelta:

@@ -19,7 +19,8 @@ def _app(name: str):  # type: ignore[no-untyped-def]
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
         assert scope["type"] == "http"
         body = json.dumps({"router": name}).encode()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
     return app

@@ -164,7 +164,8 @@ def test_local_prefill_config_is_validated():
     from router import DispatcherConfig, LocalPrefillConfig
 
     assert DispatcherConfig().local_prefill.rule == "short_or_cached"
-    with pytest.raises(ValidationError, match="local_prefill.rule 'nearest' is unknown; known: remote, short_or_cached"):
+    with pytest.raises(ValidationError,
+                       match="local_prefill.rule 'nearest' is unknown; known: remote, short_or_cached"):
         LocalPrefillConfig(rule="nearest")
     with pytest.raises(ValidationError, match="min_cached_fraction"):
         LocalPrefillConfig(min_cached_fraction=1.0)

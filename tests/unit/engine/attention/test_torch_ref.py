@@ -47,5 +47,6 @@ def test_gather_context_follows_block_table():
 
 def test_fused_causal_path_matches_reference():
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(45, 8, 32, generator=g), torch.randn(45, 2, 32, generator=g), torch.randn(45, 2, 32, generator=g)
+    q, k, v = (torch.randn(45, 8, 32, generator=g), torch.randn(45, 2, 32, generator=g),
+               torch.randn(45, 2, 32, generator=g))
     torch.testing.assert_close(_causal_sdpa(q, k, v, 0.2), attend(q, k, v, 0.2, None, 1 << 20), atol=1e-5, rtol=1e-5)

@@ -137,7 +137,8 @@ def make_batch(
     )  # fmt: skip
 
 
-def check_against_reference(batch: Batch, config: TritonAttentionConfig = SMALL, magnitude: float = 1.0) -> torch.Tensor:
+def check_against_reference(batch: Batch, config: TritonAttentionConfig = SMALL,
+                            magnitude: float = 1.0) -> torch.Tensor:
     """Runs both backends on copies of the cache; outputs match (to the tolerance times the values'
     `magnitude`), caches are bit-identical (NaN where nothing was written). Returns the Triton output."""
     b = batch
