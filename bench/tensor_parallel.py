@@ -96,7 +96,7 @@ def one_size(args: Any, tp: int) -> dict[str, Any]:
     result: dict[str, Any] = {
         "tp": tp, "device_name": device_name(engine.device),
         "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
-        "num_blocks": engine.pool.num_blocks, "decode": rows,
+        "num_blocks": engine.pool.num_blocks, "decode": rows, "parallel": engine.parallel,
         "handoff_ms_per_step": 1e3 * handoff["seconds"] / handoff["steps"] if handoff["steps"] else None,
     }
     if args.requests:
