@@ -97,12 +97,14 @@ class RayRanks:
         if device.type == "cuda":
             try:  # NOTE: bounded as the group's own join (TPGroup's timeout_s): a rank Ray cannot place never answers
                 gpus = [own_gpu(), *ray.get([h.gpu.remote() for h in handles], timeout=_JOIN_TIMEOUT_S)]
-            except ray.exceptions.GetTimeoutError:
+            except Exception as err:  # noqa: BLE001 - the ranks started so far go with this worker
                 for handle in handles:
                     ray.kill(handle, no_restart=True)
-                raise RuntimeError(f"the other {size - 1} ranks of this tensor-parallel worker did not start within "
-                                   f"{_JOIN_TIMEOUT_S:.0f} s: does its placement-group bundle hold {size} GPUs on one "
-                                   "node?") from None
+                if isinstance(err, ray.exceptions.GetTimeoutError):
+                    raise RuntimeError(f"the other {size - 1} ranks of this tensor-parallel worker did not start "
+                                       f"within {_JOIN_TIMEOUT_S:.0f} s: does its placement-group bundle hold {size} "
+                                       "GPUs on one node?") from None
+                raise
             if None not in gpus and len(set(gpus)) == size:  # NOTE: else Ray's views, and NCCL all-reduces
                 visible = tuple(g for g in gpus if g is not None)
         runs = [h.run.remote(config.model_dump_json(), address, rank, size, device.type, visible)
