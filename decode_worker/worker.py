@@ -40,7 +40,6 @@ from pydantic import Field
 from engine import EngineCore, StepOutput
 from engine.kv_cache import hash_full_blocks
 from engine.loop import EngineLoop
-from engine.process_gc import settle_after_startup
 from engine.parallel import RankStarter
 from engine.parallel.local import LocalRanks
 from engine.validation import InvalidRequestError
@@ -139,9 +138,7 @@ class DecodeWorker(TransferEndpoint):
             Call.SUBMIT: self.submit, Call.PREFILL_LOCALLY: self.prefill_locally,
             Call.RESERVE: self.reserve, Call.ABORT: self.abort,
         }, self.poll, host)
-        if config.freeze_gc:
-            settle_after_startup()
-        self.loop.start()
+        self.loop.start(freeze_gc=config.freeze_gc)
 
     # ---- plumbing
     def _bind(self) -> None:

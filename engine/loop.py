@@ -21,7 +21,7 @@ from engine.config import SamplingParams
 from engine.engine import EngineCore, StepOutput
 from engine.stats import EngineStats
 from engine.grammar import GrammarError
-from engine.process_gc import GcPauses
+from engine.process_gc import GcPauses, settle_after_startup
 from engine.validation import InvalidRequestError
 
 T = TypeVar("T")
@@ -52,7 +52,11 @@ class EngineLoop:
         self.command_seconds = 0.0  # wall time inside submitted commands, since start
         self.gc_pauses = GcPauses()  # the process's collector pauses while this loop runs
 
-    def start(self) -> EngineLoop:
+    def start(self, freeze_gc: bool = False) -> EngineLoop:
+        """freeze_gc: first settle the collector (engine/process_gc.py): only in a process that is this
+        worker's alone (EndpointConfig.freeze_gc)."""
+        if freeze_gc:
+            settle_after_startup()
         self.gc_pauses.start()
         self._thread.start()
         return self

@@ -26,7 +26,6 @@ from engine import EngineCore, SpeculativeConfig, StepOutput
 from engine.loop import EngineLoop
 from engine.parallel import RankStarter
 from engine.parallel.local import LocalRanks
-from engine.process_gc import settle_after_startup
 from engine.validation import InvalidRequestError
 from kvtransfer.ranked import RankedKv, model_layout
 from kvtransfer import create_transport, gather_blocks
@@ -87,9 +86,7 @@ class PrefillWorker(TransferEndpoint):
         self._aio: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self.loop = EngineLoop(engine, self._on_outputs, self._on_engine_error, name=f"{self.worker_id}-engine")
-        if config.freeze_gc:
-            settle_after_startup()
-        self.loop.start()
+        self.loop.start(freeze_gc=config.freeze_gc)
 
     # ---- the engine thread's side
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
