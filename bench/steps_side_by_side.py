@@ -1,0 +1,73 @@
+"""Decode steps of several trees measured in one device call (bench.tensor_parallel JSONs, one per tree and
+repeat), gathered into one result: each label's ms per step by batch (every repeat, and their mean), and each
+label's mean over the first label's of the same TP size (its baseline). Measures nothing itself: the JSONs come from the GPU.
+
+    python -m bench.steps_side_by_side --out bench/results --name NAME \\
+        --run main=a.json --run main=b.json --run fused=c.json ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from bench.common import save_plot
+
+
+def gather(runs: list[tuple[str, Path]]) -> dict[str, Any]:
+    """{label: {"tp": .., "device_name": .., "step_ms": {batch: [ms per repeat]}}}, labels in first-seen order."""
+    labels: dict[str, Any] = {}
+    for label, path in runs:
+        record = json.loads(path.read_text())
+        for run in record["runs"]:
+            key = f"{label} TP={run['tp']}"
+            entry = labels.setdefault(key, {"tp": run["tp"], "device_name": run["device_name"], "step_ms": {},
+                                            "model": record["environment"]["model"]["name"]})
+            for row in run["decode"]:
+                entry["step_ms"].setdefault(str(row["batch"]), []).append(row["step_s"] * 1e3)
+    return labels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", action="append", required=True, help="LABEL=bench.tensor_parallel JSON")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", required=True, help="the result's file stem (device name included)")
+    parser.add_argument("--note", default="", help="what was compared and how, kept in the JSON")
+    args = parser.parse_args()
+    runs = [(r.split("=", 1)[0], Path(r.split("=", 1)[1])) for r in args.run]
+    labels = gather(runs)
+    devices = {e["device_name"] for e in labels.values()}
+    if len(devices) != 1:
+        raise SystemExit(f"--run: the JSONs come from {sorted(devices)}: compare only within one device call")
+    for entry in labels.values():
+        entry["mean_ms"] = {b: mean(v) for b, v in entry["step_ms"].items()}
+    for key, entry in labels.items():
+        entry["baseline"] = next(k for k, e in labels.items() if e["tp"] == entry["tp"])
+        base = labels[entry["baseline"]]["mean_ms"]
+        entry["over_baseline"] = {b: m / base[b] for b, m in entry["mean_ms"].items() if b in base}
+    record = {"benchmark": args.name, "device_name": devices.pop(), "note": args.note, "labels": labels}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def plot(fig: Any) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        for key, entry in labels.items():
+            batches = sorted(entry["mean_ms"], key=int)
+            ax.plot([int(b) for b in batches], [entry["mean_ms"][b] for b in batches], marker="o", label=key)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (decoding sequences)")
+        ax.set_ylabel("ms per decode step (mean of repeats)")
+        ax.legend()
+
+    save_plot(args.out / f"{args.name}.png", plot, f"{args.name}: {record['device_name']}; {args.note}"[:200])
+    for key, entry in labels.items():
+        print(key, " ".join(f"b{b} {m:.2f} ms ({entry['over_baseline'].get(b, float('nan')):.3f}x)"
+                            for b, m in entry["mean_ms"].items()))
+
+
+if __name__ == "__main__":
+    main()
