@@ -63,9 +63,14 @@
 #           1-256) through NCCL as pdserve calls it, NCCL symmetric windows, and torch symmetric memory's one-shot
 #           (with and without the copy in) and two-shot kernels, 64 to a CUDA graph (issue 26: TP=2 is 1.14x TP=1
 #           at batch 1, the all-reduces 22-26% of a step).
-#   symm_allreduce (2 GPUs): the symmetric-memory all-reduces' GPU test, rank 0's TP=2 batch-1 step kernel by kernel
+#   symm_allreduce (2 GPUs): the symmetric-memory all-reduces' GPU tests (the all-reduce fused with the norm after
+#           it among them), rank 0's TP=2 batch-1 step kernel by kernel
 #           (bench.profile_step), the 8B decode step at TP=1 and 2 with them,
 #           and with .old carried (the commit before: NCCL all-reduces) its TP=2 step into before/ (issue 26).
+#   fused_norm (nvidia-h200-x2; carry .old = main): the all-reduce fused with the norm after it
+#           (engine/parallel/symm_kernels.py): its GPU test, then the 8B decode step at TP=1 and 2 by batch beside
+#           .old's TP=2 (symmetric all-reduce, then the norm), then the 70B shape's TP=2 steps, this tree then .old's
+#           (issue 26: 8B TP=2 over TP=1 at batch 1, goal 1.6x; 70B batch 1 within 1.35x of the floor).
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -81,7 +86,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|symm_allreduce|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|symm_allreduce|fused_norm|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -328,6 +333,19 @@ case "$part" in
         run 150 python3 -m bench.tensor_parallel --model bench/shapes/llama-3.1-8b --load-format dummy \
           --dtype bfloat16 --tp 2 --batches 1 8 64 256 --out "$out/before")
     fi
+    ;;
+  fused_norm)
+    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_symmetric_allreduce_gpu.py -k fused \
+      > "$out/pytest_fused.txt" 2>&1
+    echo "pytest exit: $?"; grep -E "passed|failed|Error|assert" "$out/pytest_fused.txt" | head -12
+    steps="python3 -m bench.tensor_parallel --load-format dummy --dtype bfloat16"
+    run 200 $steps --model bench/shapes/llama-3.1-8b --tp 1 2 --batches 1 8 32 64 256 --out "$out/fused_8b"
+    [ -d .old ] && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
+      run 120 $steps --model bench/shapes/llama-3.1-8b --tp 2 --batches 1 8 32 64 256 --out "$out/unfused_8b")
+    run 150 $steps --model bench/shapes/llama-3.1-70b --tp 2 --batches 1 8 --max-model-len 4096 --out "$out/fused_70b"
+    [ -d .old ] && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
+      run 150 $steps --model bench/shapes/llama-3.1-70b --tp 2 --batches 1 8 --max-model-len 4096 --out "$out/unfused_70b")
+    find "$out" -name "*.png" -delete  # NOTE: 8 files come back at most; the JSONs replot
     ;;
   allreduce_small)
     run 300 python3 -m bench.diag.allreduce_small --out "$out"

@@ -12,6 +12,23 @@ from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
 
 
 @triton.jit
+def norm_row(h, w_ptr, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE: tl.constexpr):
+    """h: one row in the activations' dtype -> out's row = weight * norm(h) in that dtype; with QUANTIZE,
+    that quantized as fp8.quantize_rows does (E4M3 into out, the row's scale into scale_ptr). The norm of
+    `_add_rms_norm_kernel` and of the symmetric all-reduce's fused kernel (engine/parallel/symm_kernels.py)."""
+    hf = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
+    y = (hf * inv).to(h.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if QUANTIZE:
+        q, scale = quantize_row((w * y).to(h.dtype).to(tl.float32), ok)
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
     HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
@@ -27,16 +44,7 @@ def _add_rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
         h = (r.to(tl.float32) + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + cols, h, mask=ok)
-    hf = h.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
-    y = (hf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if QUANTIZE:
-        q, scale = quantize_row((w * y).to(x_ptr.dtype.element_ty).to(tl.float32), ok)
-        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(scale_ptr + row, scale)
-    else:
-        tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+    norm_row(h, w_ptr, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE)
 
 @triton.jit
 def _norm_rope_kernel(

@@ -65,14 +65,14 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _takes_fp8(weight: torch.Tensor | None) -> bool:
+def takes_fp8(weight: torch.Tensor | None) -> bool:
     """Whether the projection of this weight takes its input quantized (an FP8 weight)."""
     return weight is not None and weight.dtype == FP8
 
 
 def _for_projection(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor | QuantizedRows:
     """x as the projection of `weight` takes it: quantized for an FP8 one (the reference path's)."""
-    return QuantizedRows(*quantize_rows(x), x.dtype) if _takes_fp8(weight) else x
+    return QuantizedRows(*quantize_rows(x), x.dtype) if takes_fp8(weight) else x
 
 
 class DecoderOps:
@@ -99,7 +99,7 @@ class DecoderOps:
         """into: the weight of the projection the norm feeds; an FP8 one takes the norm quantized
         (QuantizedRows, in the norm's kernel on the Triton path: its quantization one launch less)."""
         if self.triton:
-            return self._kernels.add_rms_norm(x, residual, weight, eps, _takes_fp8(into))
+            return self._kernels.add_rms_norm(x, residual, weight, eps, takes_fp8(into))
         h, residual = add_rms_norm_ref(x, residual, weight, eps)
         return _for_projection(h, into), residual
 
@@ -132,5 +132,5 @@ class DecoderOps:
     def silu_and_mul(self, gate_up: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
         """into: as `add_rms_norm`'s (the projection's weight; an FP8 one takes the product quantized)."""
         if self.triton:
-            return self._kernels.silu_and_mul(gate_up, _takes_fp8(into))
+            return self._kernels.silu_and_mul(gate_up, takes_fp8(into))
         return _for_projection(silu_and_mul_ref(gate_up), into)

@@ -19,9 +19,9 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.arch import ArchConfig
-from engine.models.fused_ops import DecoderOps, rms_norm_ref
+from engine.models.fused_ops import DecoderOps, rms_norm_ref, takes_fp8
 from engine.models.rope import RotaryEmbedding
-from engine.parallel import Shard, TensorParallel, TPShard, local_arch
+from engine.parallel import PartialSum, Shard, TensorParallel, TPShard, local_arch
 from engine.quant.fp8 import Fp8Path, QuantizedRows
 from engine.quant.int4 import Int4Path
 
@@ -68,8 +68,20 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor | QuantizedRows, ops: Decode
     then the bias once."""
     if tp is None:
         return ops.linear(x, linear.weight, linear.weight_scale, linear.bias)
-    out = tp.group.all_reduce(ops.linear(x, linear.weight, linear.weight_scale, None))
+    partial = ops.linear(x, linear.weight, linear.weight_scale, None)
+    if linear.bias is None and ops.triton:
+        return tp.group.all_reduce_later(partial)  # NOTE: maybe a PartialSum: the norm after it sums it (add_norm)
+    out = tp.group.all_reduce(partial)
     return out if linear.bias is None else out + linear.bias
+
+
+def add_norm(ops: DecoderOps, x: torch.Tensor | PartialSum, residual: torch.Tensor | None, norm: RMSNorm,
+             into: torch.Tensor | None = None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """ops.add_rms_norm, or for a row-parallel projection's PartialSum its all-reduce and the norm in one
+    kernel (engine/parallel/symm_kernels.py)."""
+    if isinstance(x, PartialSum):
+        return x.group.add_rms_norm(x, residual, norm.weight, norm.eps, takes_fp8(into))
+    return ops.add_rms_norm(x, residual, norm.weight, norm.eps, into=into)
 
 
 class Attention(nn.Module):
@@ -133,11 +145,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to residual (None before the first layer).
         Returns this layer's (output, residual); the sum of the two is transformers' hidden state."""
-        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps,
-                                       into=self.self_attn.qkv_weight)
+        h, residual = add_norm(ops, x, residual, self.input_layernorm, into=self.self_attn.qkv_weight)
         x = self.self_attn(h, cos_sin, kv_cache, meta, backend, ops, tp)
-        h, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps, into=self.mlp.gate_up_weight)
+        h, residual = add_norm(ops, x, residual, self.post_attention_layernorm, into=self.mlp.gate_up_weight)
         return self.mlp(h, ops, tp), residual
 
 
@@ -199,13 +209,16 @@ class LlamaForCausalLM(nn.Module):
         self.model.embed_tokens.weight.shard = Shard(0, v0, v1, arch.vocab_size)
         self.lm_head.weight.shard = Shard(0, v0, v1, arch.vocab_size)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor | PartialSum:
+        """The token embeddings; with tensor parallelism each rank's vocabulary rows, summed (or a PartialSum the
+        first layer's norm sums, as row_parallel leaves)."""
         if self.tp is None:
             return self.model.embed_tokens(input_ids)
         start, stop = self.vocab_range
         outside = (input_ids < start) | (input_ids >= stop)
         x = F.embedding((input_ids - start).masked_fill(outside, 0), self.model.embed_tokens.weight)
-        return self.tp.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.group.all_reduce_later(x) if self.ops.triton else self.tp.group.all_reduce(x)
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Triton kernels for RMSNorm (+ residual), q/k norm + rotary, SwiGLU and the quantized
@@ -221,11 +234,11 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # hidden states [tokens, hidden]
         x = self.embed(input_ids)
-        cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
+        cos_sin = self.model.rotary_emb.cos_sin(positions, self.model.embed_tokens.weight.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, backend, self.ops, self.tp)
-        return self.ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
+        return add_norm(self.ops, x, residual, self.model.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         logits = self.lm_head(hidden)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
-from engine.parallel.group import GroupAddress, TPGroup, host_store, shutdown_beside
+from engine.parallel.group import GroupAddress, PartialSum, TPGroup, host_store, shutdown_beside
 from engine.parallel.shard import Shard, TPShard, check_tensor_parallel, kv_head_range, local_arch
 
 
@@ -48,6 +48,7 @@ __all__ = [
     "RankSet",
     "RankStarter",
     "GroupAddress",
+    "PartialSum",
     "Shard",
     "TPGroup",
     "TPShard",

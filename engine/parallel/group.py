@@ -21,7 +21,7 @@ import pickle
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,15 @@ import torch.distributed as dist
 from engine.parallel.ring import RingReader, RingWriter
 from engine.parallel.symmetric import SymmetricAllReduce
 
-__all__ = ["GroupAddress", "TPGroup", "host_store", "shutdown_beside"]
+__all__ = ["GroupAddress", "PartialSum", "TPGroup", "host_store", "shutdown_beside"]
+
+
+class PartialSum(NamedTuple):
+    """One rank's partial sums of a row-parallel projection, their all-reduce left to the norm that follows
+    (TPGroup.all_reduce_later)."""
+
+    tensor: torch.Tensor
+    group: TPGroup
 
 _IDLE_TIMEOUT = timedelta(days=30)
 
@@ -127,6 +135,19 @@ class TPGroup:
     def reduces_symmetrically(self) -> bool:
         """Whether small all-reduces take the symmetric-memory kernels (else NCCL, or gloo on the CPU)."""
         return self._symmetric is not None
+
+    def all_reduce_later(self, tensor: torch.Tensor) -> torch.Tensor | PartialSum:
+        """`tensor`'s all-reduce, or, where the norm after it can take the two in one kernel (small rows on
+        symmetric memory), `tensor` as a PartialSum for that norm (TPGroup.add_rms_norm)."""
+        if self._symmetric is not None and self._symmetric.fuses_norm(tensor):
+            return PartialSum(tensor, self)
+        return self.all_reduce(tensor)
+
+    def add_rms_norm(self, partial: PartialSum, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     quantize: bool) -> tuple[Any, torch.Tensor]:
+        """DecoderOps.add_rms_norm of `partial` summed over the ranks, the sum in the same kernel."""
+        assert self._symmetric is not None and partial.group is self
+        return self._symmetric.add_rms_norm(partial.tensor, residual, weight, eps, quantize)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks: a new tensor (small ones, symmetric memory) or `tensor` summed in place;

@@ -33,8 +33,9 @@ class SymmetricAllReduce:
     cannot be made (the CPU, a torch without symmetric memory, ranks that cannot map each other's
     memory); every rank calls it at once, and the caller makes the ranks agree before using it."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
+    def __init__(self, buffer: torch.Tensor, handle: Any, group_name: str) -> None:
         self._buffer = buffer  # uint8, BUFFER_BYTES, mapped by every rank
+        self._handle = handle  # its rendezvous: every rank's buffer and signal pad (the fused kernel's)
         self._name = group_name
 
     @staticmethod
@@ -61,18 +62,18 @@ class SymmetricAllReduce:
             torch._C._distributed_c10d._register_process_group(name, group)
             symm_mem._SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
-            symm_mem.rendezvous(buffer, name)
+            handle = symm_mem.rendezvous(buffer, name)
         except Exception as err:  # noqa: BLE001 - NCCL stays the path; the reason is logged
             log.warning("symmetric-memory all-reduce unavailable on rank %d (%s: %s); NCCL does them",
                         rank, type(err).__name__, err)
             return None
-        return SymmetricAllReduce(buffer, name)
+        return SymmetricAllReduce(buffer, handle, name)
 
     def close(self) -> None:
         """Free the buffer (a mapping every rank holds) once the device is done with it, and forget the group's
         name, before the device group's NCCL communicator is shut down."""
         torch.cuda.synchronize(self._buffer.device)
-        del self._buffer
+        del self._buffer, self._handle
         try:
             torch._C._distributed_c10d._unregister_process_group(self._name)
         except (RuntimeError, AttributeError):
@@ -84,6 +85,20 @@ class SymmetricAllReduce:
         return (tensor.is_cuda and tensor.is_contiguous() and tensor.dtype in (torch.bfloat16, torch.float16,
                                                                                torch.float32)
                 and 0 < nbytes <= BUFFER_BYTES and nbytes % 16 == 0)
+
+    def fuses_norm(self, tensor: torch.Tensor) -> bool:
+        """Whether `add_rms_norm` takes these partial sums (rows the one-shot size takes, a power-of-two group)."""
+        size = self._handle.world_size
+        return (self.fits(tensor) and tensor.dim() == 2 and tensor.dtype != torch.float32
+                and tensor.numel() * tensor.element_size() <= ONE_SHOT_MAX_BYTES and size & (size - 1) == 0)
+
+    def add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     quantize: bool) -> tuple[Any, torch.Tensor]:
+        """The all-reduce of `partial` (which `fuses_norm`), then DecoderOps.add_rms_norm, in one kernel
+        (engine/parallel/symm_kernels.py)."""
+        from engine.parallel.symm_kernels import allreduce_add_rms_norm
+
+        return allreduce_add_rms_norm(self._handle, partial, residual, weight, eps, quantize)
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `tensor` (which `fits`), as a new tensor; the current stream is

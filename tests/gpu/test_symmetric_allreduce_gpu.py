@@ -23,7 +23,7 @@ ROWS = (1, 32, 33, 256, 1024)  # one-shot, one-shot at its limit, two-shot, two-
 HIDDEN = 4096
 
 
-def _rank(rank: int, out: str) -> None:
+def _group(rank: int, out: str):  # type: ignore[no-untyped-def]
     from engine.parallel.group import GroupAddress, TPGroup, host_store
 
     device = torch.device("cuda", rank)
@@ -37,7 +37,11 @@ def _rank(rank: int, out: str) -> None:
             break
         time.sleep(0.1)
     address = GroupAddress("127.0.0.1", int(Path(out, "port").read_text()))
-    group = TPGroup(address, rank, 2, device, store=store)
+    return TPGroup(address, rank, 2, device, store=store), device
+
+
+def _rank(rank: int, out: str) -> None:
+    group, device = _group(rank, out)
     import torch.distributed._symmetric_memory as symm_mem
 
     print(f"rank {rank}: group built, symmetric {group.reduces_symmetrically}, backend "
@@ -107,3 +111,87 @@ def test_every_rank_gets_the_same_sum_on_each_path_eager_and_graphed(tmp_path: P
             assert a[key] <= 0.07 and b[key] <= 0.07, (rows, key, a, b)
         assert a["graph2_err"] <= 0.14 and b["graph2_err"] <= 0.14, (rows, a, b)
         assert a["bits"] == b["bits"], f"{rows} rows: the ranks' sums differ"
+
+
+FUSED_ROWS = (1, 8, 32)  # decode batches the fused kernel takes at this hidden size (one-shot's rows)
+
+
+def _fused_rank(rank: int, out: str) -> None:
+    """Each row's partial sums through TPGroup.all_reduce_later and add_rms_norm (one kernel) against the
+    reference: the rounded sum of both ranks' rows, then the fused-ops norm kernel; with and without the
+    residual, quantized for FP8 and not, eager and replayed from a CUDA graph."""
+    from engine.models import fused_kernels
+    from engine.parallel.group import PartialSum
+
+    group, device = _group(rank, out)
+    report: dict[str, object] = {"symmetric": group.reduces_symmetrically}
+    for rows in FUSED_ROWS:
+        g = torch.Generator(device="cpu").manual_seed(100 + rows)
+        parts = [torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(2)]
+        residual = torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16).to(device)
+        weight = (1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(torch.bfloat16).to(device)
+        total = (parts[0].float() + parts[1].float()).to(torch.bfloat16).to(device)
+        x = parts[rank].to(device)
+        for quantize in (False, True):
+            for res in (residual, None):
+                partial = group.all_reduce_later(x.clone())
+                assert isinstance(partial, PartialSum), f"{rows} rows were all-reduced at once, not left to the norm"
+                got, got_res = group.add_rms_norm(partial, res, weight, 1e-5, quantize)
+                want, want_res = fused_kernels.add_rms_norm(total, res, weight, 1e-5, quantize)
+                key = f"{rows}/{'fp8' if quantize else 'bf16'}/{'residual' if res is not None else 'first'}"
+                got_t, want_t = (got.q, want.q) if quantize else (got, want)
+                scales_equal = not quantize or bool(torch.equal(got.scale, want.scale))
+                report[key] = {
+                    "out_equal": bool(torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))) and scales_equal,
+                    "res_equal": bool(torch.equal(got_res, want_res)),
+                    "bits": int(got_t.view(torch.uint8).long().sum()),
+                }
+        static = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # NOTE: a warm-up call outside the graph, as the engine captures
+            group.add_rms_norm(group.all_reduce_later(static.clone()), residual, weight, 1e-5, False)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed, graphed_res = group.add_rms_norm(group.all_reduce_later(static), residual, weight, 1e-5, False)
+        equal = []
+        for scale in (1.0, 2.0, 1.0):  # replayed on new inputs in place, the signal pads reset between replays
+            static.copy_(x * scale)
+            graph.replay()
+            want, want_res = fused_kernels.add_rms_norm((total.float() * scale).to(torch.bfloat16) if scale != 1.0
+                                                        else total, residual, weight, 1e-5, False)
+            equal.append(bool(torch.equal(graphed, want)) and bool(torch.equal(graphed_res, want_res)))
+        torch.cuda.synchronize()
+        graph.reset()  # NOTE: before the group shuts down
+        report[f"{rows}/graphed"] = equal
+        print(f"rank {rank}: {rows} rows {[(k, v) for k, v in report.items() if k.startswith(f'{rows}/')]}",
+              file=sys.stderr, flush=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    group.close()
+
+
+def test_the_all_reduce_fused_with_the_norm_gives_the_reference_bits_on_every_rank(tmp_path: Path) -> None:
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_fused_rank, args=(rank, str(tmp_path))) for rank in range(2)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + 120
+    for process in processes:  # NOTE: bounded: a rank that hangs (a barrier never met) fails the test
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p.pid for p in processes if p.is_alive()]
+    for process in processes:
+        process.kill()
+    assert not alive, f"ranks {alive} did not finish within 120 s (a barrier never met?)"
+    assert [p.exitcode for p in processes] == [0, 0], [p.exitcode for p in processes]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["symmetric"] and ranks[1]["symmetric"]
+    for key, a in ranks[0].items():
+        if key == "symmetric":
+            continue
+        b = ranks[1][key]
+        if key.endswith("graphed"):
+            assert all(a) and all(b), (key, a, b)
+        else:
+            assert a["out_equal"] and a["res_equal"] and b["out_equal"] and b["res_equal"], (key, a, b)
+            assert a["bits"] == b["bits"], f"{key}: the ranks' norms differ"
