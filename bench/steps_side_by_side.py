@@ -1,6 +1,7 @@
 """Decode steps of several trees measured in one device call (bench.tensor_parallel JSONs, one per tree and
 repeat), gathered into one result: each label's ms per step by batch (every repeat, and their mean), and each
-label's mean over the first label's of the same TP size (its baseline). Measures nothing itself: the JSONs come from the GPU.
+label's mean over the first label's of the same model and TP size (its baseline). Measures nothing itself:
+the JSONs come from the GPU.
 
     python -m bench.steps_side_by_side --out bench/results --name NAME \\
         --run main=a.json --run main=b.json --run fused=c.json ...
@@ -23,9 +24,10 @@ def gather(runs: list[tuple[str, Path]]) -> dict[str, Any]:
     for label, path in runs:
         record = json.loads(path.read_text())
         for run in record["runs"]:
-            key = f"{label} TP={run['tp']}"
+            model = Path(record["environment"]["model"]["name"]).name
+            key = f"{label} {model} TP={run['tp']}"
             entry = labels.setdefault(key, {"tp": run["tp"], "device_name": run["device_name"], "step_ms": {},
-                                            "model": record["environment"]["model"]["name"]})
+                                            "model": model})
             for row in run["decode"]:
                 entry["step_ms"].setdefault(str(row["batch"]), []).append(row["step_s"] * 1e3)
     return labels
@@ -46,7 +48,8 @@ def main() -> None:
     for entry in labels.values():
         entry["mean_ms"] = {b: mean(v) for b, v in entry["step_ms"].items()}
     for key, entry in labels.items():
-        entry["baseline"] = next(k for k, e in labels.items() if e["tp"] == entry["tp"])
+        same = (entry["tp"], entry["model"])
+        entry["baseline"] = next(k for k, e in labels.items() if (e["tp"], e["model"]) == same)
         base = labels[entry["baseline"]]["mean_ms"]
         entry["over_baseline"] = {b: m / base[b] for b, m in entry["mean_ms"].items() if b in base}
     record = {"benchmark": args.name, "device_name": devices.pop(), "note": args.note, "labels": labels}
@@ -54,16 +57,20 @@ def main() -> None:
     (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
 
     def plot(fig: Any) -> None:
-        ax = fig.add_subplot(1, 1, 1)
+        steps, ratio = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         for key, entry in labels.items():
             batches = sorted(entry["mean_ms"], key=int)
-            ax.plot([int(b) for b in batches], [entry["mean_ms"][b] for b in batches], marker="o", label=key)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (decoding sequences)")
-        ax.set_ylabel("ms per decode step (mean of repeats)")
-        ax.legend()
+            steps.plot([int(b) for b in batches], [entry["mean_ms"][b] for b in batches], marker="o", label=key)
+            ratio.plot([int(b) for b in batches], [entry["over_baseline"][b] for b in batches], marker="o", label=key)
+        for ax in (steps, ratio):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch (decoding sequences)")
+        steps.set_yscale("log")
+        steps.set_ylabel("ms per decode step (mean of repeats)")
+        ratio.set_ylabel("step time over its baseline (first label of its model and TP)")
+        ratio.legend(fontsize=8)
 
-    save_plot(args.out / f"{args.name}.png", plot, f"{args.name}: {record['device_name']}; {args.note}"[:200])
+    save_plot(args.out / f"{args.name}.png", plot, f"{args.name}: {record['device_name']}")
     for key, entry in labels.items():
         print(key, " ".join(f"b{b} {m:.2f} ms ({entry['over_baseline'].get(b, float('nan')):.3f}x)"
                             for b, m in entry["mean_ms"].items()))

@@ -1,5 +1,5 @@
-"""bench.steps_side_by_side: each label's mean step over its own TP size's first label, repeats averaged; JSONs
-from two devices refused."""
+"""bench.steps_side_by_side: each label's mean step over the first label of its model and TP size, repeats
+averaged; JSONs from two devices refused."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from bench import steps_side_by_side
 
 
-def _json(path: Path, device: str, tp: int, ms: dict[int, float]) -> Path:
+def _json(path: Path, device: str, tp: int, ms: dict[int, float], model: str = "m") -> Path:
     decode = [{"batch": b, "step_s": v / 1e3} for b, v in ms.items()]
-    path.write_text(json.dumps({"environment": {"model": {"name": "m"}},
+    path.write_text(json.dumps({"environment": {"model": {"name": model}},
                                 "runs": [{"tp": tp, "device_name": device, "decode": decode}]}))
     return path
 
@@ -23,14 +23,17 @@ def test_means_repeats_and_divides_by_the_first_label_of_the_same_tp(tmp_path: P
     runs = [("main", _json(tmp_path / "a.json", "H200", 2, {1: 4.0, 8: 5.0})),
             ("main", _json(tmp_path / "b.json", "H200", 2, {1: 2.0, 8: 5.0})),
             ("new", _json(tmp_path / "c.json", "H200", 2, {1: 2.7})),
-            ("main", _json(tmp_path / "d.json", "H200", 1, {1: 9.0}))]
+            ("main", _json(tmp_path / "d.json", "H200", 1, {1: 9.0})),
+            ("main", _json(tmp_path / "e.json", "H200", 2, {1: 20.0}, model="b"))]
     args = [a for label, p in runs for a in ("--run", f"{label}={p}")]
     monkeypatch.setattr(sys, "argv", ["x", *args, "--out", str(tmp_path / "out"), "--name", "n"])
     steps_side_by_side.main()
     labels = json.loads((tmp_path / "out" / "n.json").read_text())["labels"]
-    assert labels["main TP=2"]["mean_ms"] == {"1": 3.0, "8": 5.0}
-    assert labels["new TP=2"]["over_baseline"] == {"1": pytest.approx(0.9)}
-    assert labels["main TP=1"]["baseline"] == "main TP=1" and labels["main TP=1"]["over_baseline"] == {"1": 1.0}
+    assert labels["main m TP=2"]["mean_ms"] == {"1": 3.0, "8": 5.0}
+    assert labels["new m TP=2"]["over_baseline"] == {"1": pytest.approx(0.9)}
+    assert labels["main m TP=1"]["baseline"] == "main m TP=1" and labels["main m TP=1"]["over_baseline"] == {"1": 1.0}
+    assert labels["main b TP=2"]["mean_ms"] == {"1": 20.0}  # another model: its own entry and baseline
+    assert labels["main b TP=2"]["baseline"] == "main b TP=2"
 
 
 def test_refuses_jsons_from_two_devices(tmp_path: Path, monkeypatch) -> None:
