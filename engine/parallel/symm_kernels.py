@@ -29,42 +29,29 @@ def _thread_index():
     return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
 
 
-@triton.jit
-def _raise_flag(addrs):
-    """Set each flag at `addrs` (a peer's signal pad) from 0 to 1, waiting while it is still 1 (that peer has
-    not taken the previous call's); release: this program's writes before it are visible to the peer."""
-    tl.inline_asm_elementwise(
-        """
-        {
+def _flag_swap_asm(sem: str, want: int, then: int) -> tl.constexpr:
+    """PTX that waits for the 32-bit flag at $1 to hold `want` and swaps in `then` (one compare-and-swap a try,
+    with `sem` ordering: release publishes this program's writes before it, acquire sees a peer's)."""
+    return tl.constexpr(f"""
+        {{
             .reg .u32 %old;
             .reg .pred %done;
-        raise_again:
-            atom.release.sys.global.cas.b32 %old, [$1], 0, 1;
-            setp.eq.u32 %done, %old, 0;
-            @!%done bra raise_again;
-        }
-        """,
-        "=r, l", [addrs], dtype=tl.int32, is_pure=False, pack=1,
-    )
+        again:
+            atom.{sem}.sys.global.cas.b32 %old, [$1], {want}, {then};
+            setp.eq.u32 %done, %old, {want};
+            @!%done bra again;
+        }}
+        """)
+
+
+_RAISE = _flag_swap_asm("release", 0, 1)  # a peer's flag 0 -> 1, waiting while it has not taken the last one
+_TAKE = _flag_swap_asm("acquire", 1, 0)  # this rank's flag 1 -> 0 once the peer raised it: zeros between calls
 
 
 @triton.jit
-def _take_flag(addrs):
-    """Wait for each flag at `addrs` (this rank's signal pad, one per peer) to be 1 and set it back to 0;
-    acquire: the peer's writes before it raised the flag are visible after."""
-    tl.inline_asm_elementwise(
-        """
-        {
-            .reg .u32 %old;
-            .reg .pred %done;
-        take_again:
-            atom.acquire.sys.global.cas.b32 %old, [$1], 1, 0;
-            setp.eq.u32 %done, %old, 1;
-            @!%done bra take_again;
-        }
-        """,
-        "=r, l", [addrs], dtype=tl.int32, is_pure=False, pack=1,
-    )
+def _swap_flags(addrs, ASM: tl.constexpr):
+    """Each flag at `addrs` as ASM (_RAISE or _TAKE) swaps it."""
+    tl.inline_asm_elementwise(ASM, "=r, l", [addrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -76,8 +63,8 @@ def _meet(signal_pads, block, RANK: tl.constexpr, WORLD: tl.constexpr):
     own = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
     tl.debug_barrier()  # NOTE: every thread's writes of this program are done before one thread signals
     if _thread_index() < WORLD:
-        _raise_flag(peers + block * WORLD + RANK)
-        _take_flag(own + block * WORLD + ranks)
+        _swap_flags(peers + block * WORLD + RANK, _RAISE)
+        _swap_flags(own + block * WORLD + ranks, _TAKE)
     tl.debug_barrier()
 
 
