@@ -21,11 +21,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BUFFER_BYTES", "ONE_SHOT_MAX_BYTES", "SymmetricAllReduce"]
+__all__ = ["BUFFER_BYTES", "ONE_SHOT_MAX_BYTES", "SymmetricAllReduce", "takes_fused_norm"]
 log = logging.getLogger(__name__)
 
 ONE_SHOT_MAX_BYTES = 256 * 1024  # 32 rows of 4096 bfloat16: where the two kernels cross
 BUFFER_BYTES = 2 * 1024 * 1024  # 256 rows of 4096 bfloat16: the largest size measured
+FLAG_BYTES = 4  # the fused kernel's flags: one uint32 a row and rank in each signal pad
+OLDEST_SIGNAL_PAD_BYTES = 2048  # a torch that does not say its signal pads' size made them this size
+
+
+def takes_fused_norm(rows: int, row_bytes: int, world: int, signal_pad_bytes: int) -> bool:
+    """Whether the all-reduce fused with the norm (engine/parallel/symm_kernels.py) takes ROWS rows of
+    ROW_BYTES: the one-shot size, a power-of-two group, and a flag per row and rank within each signal pad
+    (past it the kernel would write into memory it does not own)."""
+    return (0 < rows * row_bytes <= ONE_SHOT_MAX_BYTES and world & (world - 1) == 0
+            and rows * world * FLAG_BYTES <= signal_pad_bytes)
 
 
 class SymmetricAllReduce:
@@ -37,6 +47,7 @@ class SymmetricAllReduce:
         self._buffer = buffer  # uint8, BUFFER_BYTES, mapped by every rank
         self._handle = handle  # its rendezvous: every rank's buffer and signal pad (the fused kernel's)
         self._name = group_name
+        self._signal_pad_bytes = int(getattr(handle, "signal_pad_size", None) or OLDEST_SIGNAL_PAD_BYTES)
 
     @staticmethod
     def build(name: str, rank: int, size: int, store: Any, backend: Any, device: torch.device
@@ -87,10 +98,10 @@ class SymmetricAllReduce:
                 and 0 < nbytes <= BUFFER_BYTES and nbytes % 16 == 0)
 
     def fuses_norm(self, tensor: torch.Tensor) -> bool:
-        """Whether `add_rms_norm` takes these partial sums (rows the one-shot size takes, a power-of-two group)."""
-        size = self._handle.world_size
+        """Whether `add_rms_norm` takes these partial sums (16-bit rows, as `takes_fused_norm` says)."""
         return (self.fits(tensor) and tensor.dim() == 2 and tensor.dtype != torch.float32
-                and tensor.numel() * tensor.element_size() <= ONE_SHOT_MAX_BYTES and size & (size - 1) == 0)
+                and takes_fused_norm(tensor.shape[0], tensor.shape[1] * tensor.element_size(),
+                                     self._handle.world_size, self._signal_pad_bytes))
 
     def add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      quantize: bool) -> tuple[Any, torch.Tensor]:

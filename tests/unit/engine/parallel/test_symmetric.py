@@ -9,7 +9,7 @@ import threading
 import torch
 
 from engine.parallel.group import GroupAddress, TPGroup, host_store
-from engine.parallel.symmetric import SymmetricAllReduce
+from engine.parallel.symmetric import SymmetricAllReduce, takes_fused_norm
 
 
 def test_it_is_not_built_off_cuda() -> None:
@@ -37,3 +37,14 @@ def test_a_cpu_group_sums_in_place_over_gloo() -> None:
     for t in threads:
         t.join(60)
     assert torch.equal(results[0], torch.full((3, 4), 3.0)) and torch.equal(results[1], results[0])
+
+
+def test_the_fused_norm_takes_rows_within_the_one_shot_size_and_the_signal_pads() -> None:
+    row = 4096 * 2  # one bfloat16 row of the 8B shape
+    assert takes_fused_norm(1, row, 2, 2048) and takes_fused_norm(32, row, 2, 2048)  # a decode step's rows
+    assert not takes_fused_norm(33, row, 2, 1 << 20)  # past the one-shot size: the all-reduce, then the norm
+    assert not takes_fused_norm(1, row, 3, 1 << 20)  # not a power-of-two group
+    assert not takes_fused_norm(0, row, 2, 2048)
+    # a small model's prefill chunk: within the one-shot size, but a flag per row and rank overflows a pad
+    assert takes_fused_norm(256, 128, 2, 2048) and not takes_fused_norm(257, 128, 2, 2048)
+    assert not takes_fused_norm(256, 128, 4, 2048) and takes_fused_norm(256, 128, 4, 9216)
