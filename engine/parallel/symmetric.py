@@ -43,11 +43,14 @@ class SymmetricAllReduce:
     cannot be made (the CPU, a torch without symmetric memory, ranks that cannot map each other's
     memory); every rank calls it at once, and the caller makes the ranks agree before using it."""
 
-    def __init__(self, buffer: torch.Tensor, handle: Any, group_name: str) -> None:
+    def __init__(self, buffer: torch.Tensor, fused: torch.Tensor, fused_handle: Any, group_name: str) -> None:
         self._buffer = buffer  # uint8, BUFFER_BYTES, mapped by every rank
-        self._handle = handle  # its rendezvous: every rank's buffer and signal pad (the fused kernel's)
+        self._fused = fused  # uint8, two halves of ONE_SHOT_MAX_BYTES: the fused kernel's own, and its pads
+        self._fused_handle = fused_handle  # its rendezvous: every rank's buffer and signal pad
         self._name = group_name
-        self._signal_pad_bytes = int(getattr(handle, "signal_pad_size", None) or OLDEST_SIGNAL_PAD_BYTES)
+        self._signal_pad_bytes = int(getattr(fused_handle, "signal_pad_size", None) or OLDEST_SIGNAL_PAD_BYTES)
+        rows = self._signal_pad_bytes // (FLAG_BYTES * fused_handle.world_size)  # NOTE: takes_fused_norm's bound
+        self._fused_calls = torch.zeros(rows, dtype=torch.int32, device=buffer.device)  # each row's calls
 
     @staticmethod
     def build(name: str, rank: int, size: int, store: Any, backend: Any, device: torch.device
@@ -73,18 +76,20 @@ class SymmetricAllReduce:
             torch._C._distributed_c10d._register_process_group(name, group)
             symm_mem._SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
-            handle = symm_mem.rendezvous(buffer, name)
+            symm_mem.rendezvous(buffer, name)
+            fused = symm_mem.empty(2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+            fused_handle = symm_mem.rendezvous(fused, name)
         except Exception as err:  # noqa: BLE001 - NCCL stays the path; the reason is logged
             log.warning("symmetric-memory all-reduce unavailable on rank %d (%s: %s); NCCL does them",
                         rank, type(err).__name__, err)
             return None
-        return SymmetricAllReduce(buffer, handle, name)
+        return SymmetricAllReduce(buffer, fused, fused_handle, name)
 
     def close(self) -> None:
         """Free the buffer (a mapping every rank holds) once the device is done with it, and forget the group's
         name, before the device group's NCCL communicator is shut down."""
         torch.cuda.synchronize(self._buffer.device)
-        del self._buffer, self._handle
+        del self._buffer, self._fused, self._fused_handle, self._fused_calls
         try:
             torch._C._distributed_c10d._unregister_process_group(self._name)
         except (RuntimeError, AttributeError):
@@ -101,7 +106,7 @@ class SymmetricAllReduce:
         """Whether `add_rms_norm` takes these partial sums (16-bit rows, as `takes_fused_norm` says)."""
         return (self.fits(tensor) and tensor.dim() == 2 and tensor.dtype != torch.float32
                 and takes_fused_norm(tensor.shape[0], tensor.shape[1] * tensor.element_size(),
-                                     self._handle.world_size, self._signal_pad_bytes))
+                                     self._fused_handle.world_size, self._signal_pad_bytes))
 
     def add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      quantize: bool) -> tuple[Any, torch.Tensor]:
@@ -109,7 +114,7 @@ class SymmetricAllReduce:
         (engine/parallel/symm_kernels.py)."""
         from engine.parallel.symm_kernels import allreduce_add_rms_norm
 
-        return allreduce_add_rms_norm(self._handle, partial, residual, weight, eps, quantize)
+        return allreduce_add_rms_norm(self._fused_handle, self._fused_calls, partial, residual, weight, eps, quantize)
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `tensor` (which `fits`), as a new tensor; the current stream is

@@ -63,12 +63,14 @@ CASES = [
           stride_w="i32", stride_sn="i32", stride_o="i32"),
      dict(GROUP=32, HAS_BIAS=True, BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, NUM_STAGES=3)),
     ("engine.parallel.symm_kernels", "_allreduce_add_rms_norm_kernel",
-     dict(buffer_ptrs="i64", signal_pads="i64", x_ptr=P, res_ptr=P, w_ptr=P, out_ptr="*fp8e4nv", res_out_ptr=P,
-          scale_ptr="*fp32", stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32", n="i32", eps="fp32"),
+     dict(buffer_ptrs="i64", signal_pads="i64", calls_ptr="*i32", x_ptr=P, res_ptr=P, w_ptr=P, out_ptr="*fp8e4nv",
+          res_out_ptr=P, scale_ptr="*fp32", stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32", n="i32",
+          half="i32", eps="fp32"),
      dict(RANK=1, WORLD=2, HAS_RESIDUAL=True, QUANTIZE=True, BLOCK=4096)),
     ("engine.parallel.symm_kernels", "_allreduce_add_rms_norm_kernel",
-     dict(buffer_ptrs="i64", signal_pads="i64", x_ptr=P, res_ptr=P, w_ptr=P, out_ptr=P, res_out_ptr=P,
-          scale_ptr=P, stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32", n="i32", eps="fp32"),
+     dict(buffer_ptrs="i64", signal_pads="i64", calls_ptr="*i32", x_ptr=P, res_ptr=P, w_ptr=P, out_ptr=P,
+          res_out_ptr=P, scale_ptr=P, stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32", n="i32",
+          half="i32", eps="fp32"),
      dict(RANK=0, WORLD=4, HAS_RESIDUAL=False, QUANTIZE=False, BLOCK=8192)),
 ]
 """
