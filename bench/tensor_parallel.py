@@ -29,15 +29,24 @@ from bench.common import (base_parser, device_name, graph_seconds, model_label, 
                           write_results)
 from bench.offline_throughput import copy_bandwidth, decode_step_times
 from engine import LLM, SamplingParams
-from engine.parallel import TPGroup
+from engine.parallel import PartialSum, TPGroup
 from engine.parallel.follower import RankCall
 
 
-def allreduce_seconds(group: TPGroup, rows: int, hidden: int, count: int, dtype: str) -> float:
-    """Device time of `count` all-reduces of [rows, hidden], captured in one CUDA graph (median of 10
-    replays); every rank calls it at once."""
+def allreduce_seconds(group: TPGroup, rows: int, hidden: int, count: int, dtype: str) -> tuple[float, str]:
+    """Device time of `count` all-reduces of [rows, hidden] as a decode step takes them, captured in one CUDA
+    graph (median of 10 replays), and which: where the group leaves them to the norm after them
+    (TPGroup.all_reduce_later), each with its residual add and RMSNorm in the one kernel; every rank calls it
+    at once."""
     x = torch.zeros(rows, hidden, dtype=getattr(torch, dtype), device=group.device)
-    return graph_seconds(lambda: group.all_reduce(x), group.device, count)
+    residual, weight = torch.zeros_like(x), torch.ones(hidden, dtype=x.dtype, device=x.device)
+
+    def fused() -> Any:
+        return group.add_rms_norm(group.all_reduce_later(x), residual, weight, 1e-5, False)
+
+    if isinstance(group.all_reduce_later(x), PartialSum):  # NOTE: else it was one all-reduce, on every rank alike
+        return graph_seconds(fused, group.device, count), "fused with the norm after it"
+    return graph_seconds(lambda: group.all_reduce(x), group.device, count), "alone"
 
 
 def _follower_allreduce(follower: Any, *args: Any) -> None:
@@ -87,12 +96,13 @@ def one_size(args: Any, tp: int) -> dict[str, Any]:
         if leader is not None and engine.device.type == "cuda":
             count = 2 * arch.num_layers + 1
             leader.send(RankCall(_follower_allreduce, (row["num_running"], arch.hidden_size, count, args.dtype_name)))
-            row["allreduce_s"] = allreduce_seconds(leader.group, row["num_running"], arch.hidden_size, count,
-                                                   args.dtype_name)
+            row["allreduce_s"], row["allreduce_path"] = allreduce_seconds(
+                leader.group, row["num_running"], arch.hidden_size, count, args.dtype_name)
             row["allreduce_share"] = row["allreduce_s"] / row["step_s"]
         print(f"TP={tp} batch {row['batch']}: {row['step_s'] * 1e3:.2f} ms/step"
               + (f", floor {row['floor_s'] * 1e3:.2f} ms (x{row['floor_ratio']:.2f})" if bandwidth else "")
-              + (f", all-reduce {row['allreduce_share']:.0%}" if "allreduce_share" in row else ""), flush=True)
+              + (f", all-reduce ({row['allreduce_path']}) {row['allreduce_share']:.0%}" if "allreduce_share" in row
+                 else ""), flush=True)
     result: dict[str, Any] = {
         "tp": tp, "device_name": device_name(engine.device),
         "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
