@@ -4,22 +4,25 @@ add up to the step), then one cProfile of the whole step (host functions by own 
 torch.profiler table (device kernels by time).
 
     python -m bench.profile_step --model bench/shapes/qwen3-0.6b --load-format dummy --dtype bfloat16
+    python -m bench.profile_step --replot bench/results/profile_step_....json   # its PNG again, beside it
 """
 
 from __future__ import annotations
 
 import cProfile
 import io
+import json
 import pstats
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.autograd import DeviceType
 
-from bench.common import base_parser, build_engine, environment, synchronize, write_results
+from bench.common import base_parser, build_engine, environment, save_plot, synchronize, write_results
 from engine import EngineCore, SamplingParams
 
 
@@ -104,7 +107,11 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the profiles are rank 0's)")
+    parser.add_argument("--replot", type=Path, help="only draw the PNG of this profile_step JSON again, and exit")
     args = parser.parse_args()
+    if args.replot:
+        print(f"wrote {replot(args.replot)}")
+        return
     # NOTE: synchronous steps: the phases are the synchronous step's, run one by one (with
     # asynchronous scheduling they overlap, and a step's inputs may still be on the device).
     engine = build_engine(args, max_num_seqs=256, max_num_batched_tokens=16384,
@@ -130,20 +137,41 @@ def main() -> None:
             engine.abort_request(r.request_id)
         while engine.has_unfinished():
             engine.step()
-    def plot(fig: Any) -> None:
-        ax = fig.subplots()
-        labels = [str(r["batch"]) for r in record["batches"]]
-        bottom = [0.0] * len(labels)
-        for name in ("schedule", "runner", "sampler", "post"):
-            values = [r[name] * 1e3 for r in record["batches"]]
-            ax.bar(labels, values, bottom=bottom, label=name)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xlabel("decode batch")
-        ax.set_ylabel("ms per step")
-        ax.legend()
-
     env = environment(engine, args)
-    write_results(args.out, "profile_step", env, record, plot, f"Decode step phases, context {args.context}")
+    write_results(args.out, "profile_step", env, record, lambda fig: plot_phases(fig, record),
+                  f"Decode step phases, context {args.context}")
+
+
+def plot_phases(fig: Any, record: dict[str, Any]) -> None:
+    """Each batch's synchronous step by phase, stacked; beside it, where profiled, the last batch's device
+    kernels by time a step (the 12 longest)."""
+    kernels = record["batches"][-1].get("device_kernels") if record["batches"] else None
+    ax, *rest = fig.subplots(1, 2 if kernels else 1, squeeze=False)[0]
+    labels = [str(r["batch"]) for r in record["batches"]]
+    bottom = [0.0] * len(labels)
+    for name in ("schedule", "runner", "sampler", "post"):
+        values = [r[name] * 1e3 for r in record["batches"]]
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("decode batch")
+    ax.set_ylabel("ms per step (synchronous phases)")
+    ax.legend()
+    if kernels:
+        top = sorted(kernels, key=lambda k: k["us_a_step"], reverse=True)[:12][::-1]
+        rest[0].barh([k["name"][:48] for k in top], [k["us_a_step"] for k in top])
+        rest[0].set_xlabel(f"us a step (batch {record['batches'][-1]['batch']}; "
+                           f"{sum(k['us_a_step'] for k in kernels):.0f} in all)")
+        rest[0].tick_params(axis="y", labelsize=7)
+
+
+def replot(path: Path) -> Path:
+    """The PNG of a profile_step JSON again, beside it (where the GPU machine had no matplotlib)."""
+    record = json.loads(path.read_text())
+    png = path.with_suffix(".png")
+    env = record["environment"]
+    save_plot(png, lambda fig: plot_phases(fig, record),
+              f"Decode step phases, context {record['context']}: {env['device_name']}, {env['model']['name']}")
+    return png
 
 
 if __name__ == "__main__":
