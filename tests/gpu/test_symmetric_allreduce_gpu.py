@@ -8,16 +8,17 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+from tests.gpu import TWO_GPUS
+
+pytestmark = TWO_GPUS
 
 ROWS = (1, 32, 33, 256, 1024)  # one-shot, one-shot at its limit, two-shot, two-shot at the buffer's size, NCCL
 HIDDEN = 4096
@@ -80,6 +81,30 @@ def _rank(rank: int, out: str) -> None:
     group.close()
 
 
+def _run_ranks(target: Callable[[int, str], None], out: Path, timeout_s: float,
+               before_start: Callable[[int], None] = lambda rank: None) -> list[dict[str, Any]]:
+    """Ranks 0 and 1 as spawned processes running target(rank, out) (`before_start(rank)` just before each
+    starts), each writing out/rank<r>.json; bounded: a rank that hangs (a barrier never met, a group's close)
+    fails the test, not the run. Returns the two reports."""
+    context = mp.get_context("spawn")
+    processes = []
+    for rank in range(2):
+        before_start(rank)
+        processes.append(context.Process(target=target, args=(rank, str(out))))
+        processes[-1].start()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p.pid for p in processes if p.is_alive()]
+    for process in processes:
+        process.kill()
+    assert not alive, f"ranks {alive} did not finish within {timeout_s:.0f} s"
+    assert [p.exitcode for p in processes] == [0, 0], [p.exitcode for p in processes]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["symmetric"] and ranks[1]["symmetric"], "the symmetric-memory path was not built"
+    return ranks
+
+
 @pytest.mark.parametrize("as_ray", [False, True], ids=["all-visible", "as-ray-ranks"])
 def test_every_rank_gets_the_same_sum_on_each_path_eager_and_graphed(tmp_path: Path, as_ray: bool,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,23 +112,12 @@ def test_every_rank_gets_the_same_sum_on_each_path_eager_and_graphed(tmp_path: P
     rank's GPU in rank order (CUDA_VISIBLE_DEVICES is read when a process starts CUDA, so it is set in the
     parent's environment as each rank starts); each rank is on cuda:rank either way."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")
-    context = mp.get_context("spawn")
-    processes = []
-    for rank in range(2):
+
+    def see(rank: int) -> None:
         if as_ray:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(visible[: rank + 1]))
-        processes.append(context.Process(target=_rank, args=(rank, str(tmp_path))))
-        processes[-1].start()
-    deadline = time.monotonic() + 90
-    for process in processes:  # NOTE: bounded: a rank that hangs fails the test, not the run
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    alive = [p.pid for p in processes if p.is_alive()]
-    for process in processes:
-        process.kill()
-    assert not alive, f"ranks {alive} did not finish within 90 s (closing the group hung?)"
-    assert [p.exitcode for p in processes] == [0, 0], [p.exitcode for p in processes]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0]["symmetric"] and ranks[1]["symmetric"], "the symmetric-memory path was not built"
+
+    ranks = _run_ranks(_rank, tmp_path, 90, see)
     for rows in ROWS:
         a, b = ranks[0][str(rows)], ranks[1][str(rows)]
         # bfloat16 sums of two: within one unit in the last place of values up to ~8
@@ -186,20 +200,7 @@ def _fused_rank(rank: int, out: str) -> None:
 
 
 def test_the_all_reduce_fused_with_the_norm_gives_the_reference_bits_on_every_rank(tmp_path: Path) -> None:
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_fused_rank, args=(rank, str(tmp_path))) for rank in range(2)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + 120
-    for process in processes:  # NOTE: bounded: a rank that hangs (a barrier never met) fails the test
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    alive = [p.pid for p in processes if p.is_alive()]
-    for process in processes:
-        process.kill()
-    assert not alive, f"ranks {alive} did not finish within 120 s (a barrier never met?)"
-    assert [p.exitcode for p in processes] == [0, 0], [p.exitcode for p in processes]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0]["symmetric"] and ranks[1]["symmetric"]
+    ranks = _run_ranks(_fused_rank, tmp_path, 120)
     for key, a in ranks[0].items():
         if key == "symmetric":
             continue

@@ -6,19 +6,11 @@ another order). The engines run in a child process, so a hung collective fails t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-import torch
+from tests.gpu import TWO_GPUS, run_child
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+pytestmark = TWO_GPUS
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, sys
 from engine import LLM, SamplingParams
@@ -41,10 +33,7 @@ LOGPROB_ABS = 0.15  # bfloat16 partial sums added in another order: up to 0.06 s
 
 def test_tp2_gives_tp1_tokens_and_logprobs_in_bfloat16(hf_checkpoints) -> None:
     model = hf_checkpoints("llama")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(done.stdout.split("RESULT ", 1)[1])
+    runs = json.loads(run_child(SCRIPT, str(model)).split("RESULT ", 1)[1])
     assert "symmetric" in runs["2"]["parallel"], runs["2"]["parallel"]
     deltas = []
     for (want, want_top), (got, got_top) in zip(runs["1"]["seqs"], runs["2"]["seqs"], strict=True):

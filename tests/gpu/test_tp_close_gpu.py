@@ -4,19 +4,10 @@ collectives was alive. The engine runs in a child process, so a hang fails the t
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from tests.gpu import TWO_GPUS, run_child
 
-import pytest
-import torch
+pytestmark = TWO_GPUS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
-
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import time
 from engine import LLM, SamplingParams
@@ -38,9 +29,7 @@ if __name__ == "__main__":
 
 
 def test_a_tp2_engine_that_ran_graph_steps_closes_within_seconds() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = done.stdout.strip().splitlines()[-1]
+    line = run_child(SCRIPT).strip().splitlines()[-1]
     print(line)
     fields = line.split()
     assert int(fields[1]) == 4 * 32 and int(fields[3]) > 0, line  # every token, graph steps among them
