@@ -63,14 +63,11 @@
 #           1-256) through NCCL as pdserve calls it, NCCL symmetric windows, and torch symmetric memory's one-shot
 #           (with and without the copy in) and two-shot kernels, 64 to a CUDA graph (issue 26: TP=2 is 1.14x TP=1
 #           at batch 1, the all-reduces 22-26% of a step).
-#   symm_allreduce (2 GPUs): the symmetric-memory all-reduces' GPU tests (the all-reduce fused with the norm after
-#           it among them), rank 0's TP=2 batch-1 step kernel by kernel
-#           (bench.profile_step), the 8B decode step at TP=1 and 2 with them,
-#           and with .old carried (the commit before: NCCL all-reduces) its TP=2 step into before/ (issue 26).
-#   fused_norm (nvidia-h200-x2; carry .old = main): the all-reduce fused with the norm after it
-#           (engine/parallel/symm_kernels.py): its GPU test, then the 8B decode step at TP=1 and 2 by batch beside
-#           .old's TP=2 (symmetric all-reduce, then the norm), then the 70B shape's TP=2 steps, this tree then .old's
-#           (issue 26: 8B TP=2 over TP=1 at batch 1, goal 1.6x; 70B batch 1 within 1.35x of the floor).
+#   tp_decode (nvidia-h200-x2; optional .old, a checkout of the commit to compare with): issue 26's decode
+#           figures: the two-GPU tests (the symmetric all-reduces, the one fused with the norm, TP=2's tokens
+#           against TP=1's, closing), rank 0's TP=2 batch-1 step kernel by kernel (bench.profile_step), the 8B
+#           step at TP=1 and 2 by batch (the all-reduces' share as the step takes them), the 70B TP=2 step at
+#           batch 1 and 8; then .old's TP=2 steps of both into $out/before.
 #   kv_pairs (two or more GPUs): bench.kv_pairs alone (raw NCCL pairs at once), $KV_FLAGS its flags.
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
@@ -86,7 +83,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|symm_allreduce|fused_norm|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -316,36 +313,21 @@ case "$part" in
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt" 2>&1
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" --summary
     ;;
-  symm_allreduce)
-    # (2 GPUs) the symmetric-memory all-reduces (engine/parallel/symmetric.py): their GPU test, then the 8B decode
-    # step at TP=1 and TP=2 by batch with the step's all-reduces alone; with .old carried (the commit before, NCCL
-    # all-reduces), its TP=2 step into $out/before
-    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_symmetric_allreduce_gpu.py 2>&1 | tail -40
-    echo "pytest exit: ${PIPESTATUS[0]}"
-    # rank 0's batch-1 TP=2 step kernel by kernel: is the step the device's time or the host's?
+  tp_decode)
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_symmetric_allreduce_gpu.py \
+      tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_tp_close_gpu.py > "$out/pytest.txt" 2>&1
+    echo "pytest exit: $?"; grep -E "compared|passed|failed|Error" "$out/pytest.txt" | tail -8
     timeout 200 python3 -m bench.profile_step --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --tp 2 --batches 1 --context 1024 --steps 10 --top 40 --out "$out/profile_tp2" > "$out/profile_tp2.txt" 2>&1
     echo "profile exit: $?"; grep -E "^phases|^device kernels" "$out/profile_tp2.txt"
-    run 200 python3 -m bench.tensor_parallel --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-      --tp ${TP_SIZES:-1 2} --batches 1 8 64 256 --out "$out"
-    if [ -d .old ]; then
-      mkdir -p "$out/before" && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
-        run 150 python3 -m bench.tensor_parallel --model bench/shapes/llama-3.1-8b --load-format dummy \
-          --dtype bfloat16 --tp 2 --batches 1 8 64 256 --out "$out/before")
-    fi
-    ;;
-  fused_norm)
-    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_symmetric_allreduce_gpu.py -k fused \
-      > "$out/pytest_fused.txt" 2>&1
-    echo "pytest exit: $?"; grep -E "passed|failed|Error|assert" "$out/pytest_fused.txt" | head -12
     steps="python3 -m bench.tensor_parallel --load-format dummy --dtype bfloat16"
-    run 200 $steps --model bench/shapes/llama-3.1-8b --tp 1 2 --batches 1 8 32 64 256 --out "$out/fused_8b"
+    run 200 $steps --model bench/shapes/llama-3.1-8b --tp 1 2 --batches 1 8 64 256 --out "$out/8b"
+    run 150 $steps --model bench/shapes/llama-3.1-70b --tp 2 --batches 1 8 --max-model-len 4096 --out "$out/70b"
     [ -d .old ] && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
-      run 120 $steps --model bench/shapes/llama-3.1-8b --tp 2 --batches 1 8 32 64 256 --out "$out/unfused_8b")
-    run 150 $steps --model bench/shapes/llama-3.1-70b --tp 2 --batches 1 8 --max-model-len 4096 --out "$out/fused_70b"
-    [ -d .old ] && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
-      run 150 $steps --model bench/shapes/llama-3.1-70b --tp 2 --batches 1 8 --max-model-len 4096 --out "$out/unfused_70b")
-    find "$out" -name "*.png" -delete  # NOTE: 8 files come back at most; the JSONs replot
+      run 120 $steps --model bench/shapes/llama-3.1-8b --tp 2 --batches 1 8 64 256 --out "$out/before/8b" && \
+      run 150 $steps --model bench/shapes/llama-3.1-70b --tp 2 --batches 1 8 --max-model-len 4096 \
+        --out "$out/before/70b")
+    find "$out" -name "*.png" -delete  # NOTE: 8 files come back at most; bench.steps_side_by_side replots
     ;;
   allreduce_small)
     run 300 python3 -m bench.diag.allreduce_small --out "$out"
