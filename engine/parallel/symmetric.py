@@ -30,12 +30,17 @@ FLAG_BYTES = 4  # the fused kernel's flags: one uint32 a row and rank in each si
 OLDEST_SIGNAL_PAD_BYTES = 2048  # a torch that does not say its signal pads' size made them this size
 
 
+def fused_rows_max(world: int, signal_pad_bytes: int) -> int:
+    """The most rows the fused kernel's signal pads hold a flag for (one a row and rank)."""
+    return signal_pad_bytes // (FLAG_BYTES * world)
+
+
 def takes_fused_norm(rows: int, row_bytes: int, world: int, signal_pad_bytes: int) -> bool:
     """Whether the all-reduce fused with the norm (engine/parallel/symm_kernels.py) takes ROWS rows of
     ROW_BYTES: the one-shot size, a power-of-two group, and a flag per row and rank within each signal pad
     (past it the kernel would write into memory it does not own)."""
     return (0 < rows * row_bytes <= ONE_SHOT_MAX_BYTES and world & (world - 1) == 0
-            and rows * world * FLAG_BYTES <= signal_pad_bytes)
+            and rows <= fused_rows_max(world, signal_pad_bytes))
 
 
 class SymmetricAllReduce:
@@ -49,7 +54,7 @@ class SymmetricAllReduce:
         self._fused_handle = fused_handle  # its rendezvous: every rank's buffer and signal pad
         self._name = group_name
         self._signal_pad_bytes = int(getattr(fused_handle, "signal_pad_size", None) or OLDEST_SIGNAL_PAD_BYTES)
-        rows = self._signal_pad_bytes // (FLAG_BYTES * fused_handle.world_size)  # NOTE: takes_fused_norm's bound
+        rows = fused_rows_max(fused_handle.world_size, self._signal_pad_bytes)
         self._fused_calls = torch.zeros(rows, dtype=torch.int32, device=buffer.device)  # each row's calls
 
     @staticmethod
