@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.pdl import after_previous, pdl
 from engine.quant.fp8_kernels import round_e4m3
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
@@ -66,8 +67,9 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    after_previous(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -100,7 +102,8 @@ def store_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], PDL=pdl(k.device),
+        launch_pdl=pdl(k.device),
     )  # fmt: skip
 
 
@@ -130,13 +133,14 @@ def _decode_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) attends the GROUP
     query heads of kv_head over the split-th of num_splits even parts (whole BLOCK_N tiles) of the
     sequence's keys (its context, clipped to the window). Sequences whose query count is
     not 1 are left to the prefill kernel. IS_SPLIT: write unnormalised partials (acc, max, sum) for
     `_decode_reduce_kernel`; else the one split covers the whole context and writes `out`."""
+    after_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -204,10 +208,11 @@ def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, query_start_loc_ptr,
     window, num_splits, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
     splits that held keys, M = max_s m_s."""
+    after_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
@@ -323,12 +328,14 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=dot_precision(q.dtype), PDL=pdl(q.device), num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl(q.device),
     )  # fmt: skip
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, seq_lens, query_start_loc,
             window, num_splits, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(max_splits),
-            BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, num_warps=4,
+            BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, PDL=pdl(q.device), num_warps=4,
+            launch_pdl=pdl(q.device),
         )  # fmt: skip

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.pdl import after_previous, pdl
 from engine.quant.fp8 import FP8, QuantizedRows
 from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
 
@@ -31,11 +32,12 @@ def norm_row(h, w_ptr, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUAN
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
-    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program a row: h = residual + x (rounded; stored as the new residual), out = norm(h) in
     the activations' dtype; with QUANTIZE, out is that norm quantized as fp8.quantize_rows does
     (E4M3 into out, the row's scale into scale_ptr): the next projection's input, one launch less."""
+    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -50,10 +52,11 @@ def _add_rms_norm_kernel(
 def _norm_rope_kernel(
     x_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_out_ptr, k_out_ptr, stride_xt, stride_xh, stride_qt, stride_qh,
     stride_kt, stride_kh, stride_c, eps, num_q_heads,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (tokens, q heads + k heads): one head of one token, normalized (HAS_NORM: q's or k's
     weight) then rotated, into q_out or k_out. q and k in one launch (they are adjacent in qkv)."""
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -96,8 +99,9 @@ def _swiglu(row_ptr, cols, n):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (tokens, cdiv(n, BLOCK)): out = silu(gate) (rounded) * up."""
+    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + row * stride_o + cols, _swiglu(x_ptr + row * stride_x, cols, n), mask=cols < n)
@@ -105,11 +109,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.conste
 
 @triton.jit
 def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, BLOCK: tl.constexpr,
-                                   ONE_BLOCK: tl.constexpr):
+                                   ONE_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (tokens,): the row's silu(gate) (rounded) * up, rounded to the activations' dtype, as
     `_silu_and_mul_kernel` computes it, quantized as fp8.quantize_rows does. ONE_BLOCK (n <= BLOCK):
     the row read once and held while its max is found; else a pass for the row's max, then the same
     values again, quantized (recomputed rather than stored: no scratch row)."""
+    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
@@ -157,7 +162,7 @@ def add_rms_norm(
         _add_rms_norm_kernel[(tokens,)](
             x, res, weight, out, res_out, scale, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n,
             eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(n),
-            num_warps=4 if n <= 2048 else 8,
+            PDL=pdl(x.device), num_warps=4 if n <= 2048 else 8, launch_pdl=pdl(x.device),
         )  # fmt: skip
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
@@ -180,7 +185,8 @@ def norm_rope_qk(
         _norm_rope_kernel[(tokens, heads)](
             qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q, k,
             qk.stride(0), qk.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
-            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, num_warps=1,
+            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, PDL=pdl(qk.device),
+            num_warps=1, launch_pdl=pdl(qk.device),
         )  # fmt: skip
     return q, k
 
@@ -196,14 +202,16 @@ def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor 
         if tokens:
             block = min(SWIGLU_ROW_BLOCK, triton.next_power_of_2(n))
             _silu_and_mul_quantized_kernel[(tokens,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), n,
-                                                      BLOCK=block, ONE_BLOCK=n <= block,
-                                                      num_warps=16 if block >= 8192 else 8)
+                                                      BLOCK=block, ONE_BLOCK=n <= block, PDL=pdl(q.device),
+                                                      num_warps=16 if block >= 8192 else 8,
+                                                      launch_pdl=pdl(q.device))
         return QuantizedRows(q, scale, gate_up.dtype)
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
         block = 1024
         _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, PDL=pdl(out.device), num_warps=4,
+            launch_pdl=pdl(out.device),
         )
     return out
 

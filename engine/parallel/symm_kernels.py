@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.models.fused_kernels import norm_row
+from engine.pdl import after_previous, pdl
 from engine.parallel.symmetric import ONE_SHOT_MAX_BYTES
 from engine.quant.fp8 import FP8, QuantizedRows
 
@@ -77,12 +78,13 @@ def _allreduce_add_rms_norm_kernel(
     buffer_ptrs, signal_pads, calls_ptr, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_ro, n, half, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program a row: h = round(sum over ranks of x, rank order) [+ residual, rounded], stored as the
     new residual; out = norm(h) as `_add_rms_norm_kernel` computes it. The row's calls alternate between
     the buffer's two halves (`half` elements each), so one meeting a call suffices: a rank writes a half
     again only two calls on, after every peer has met it for the call between, so done reading it."""
+    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     # NOTE: this row's calls so far, the same on every rank; unsigned, so its wrap is defined
     epoch = tl.load(calls_ptr + row).to(tl.uint32, bitcast=True) + 1
@@ -127,6 +129,7 @@ def allreduce_add_rms_norm(
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n, ONE_SHOT_MAX_BYTES // x.element_size(),
             eps,
             RANK=handle.rank, WORLD=handle.world_size, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8,
+            BLOCK=triton.next_power_of_2(n), PDL=pdl(x.device), num_warps=4 if n <= 2048 else 8,
+            launch_pdl=pdl(x.device),
         )  # fmt: skip
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out

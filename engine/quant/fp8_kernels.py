@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.pdl import after_previous, pdl
 from engine.quant.fp8 import FP8, FP8_MAX, MIN_SCALE
 
 
@@ -53,11 +54,12 @@ def quantize_row(y, ok):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n, chunk,
-                          ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                          ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row axis 1, its columns [chunk * axis 0, + chunk) (chunk a multiple of BLOCK): each program
     reads its whole row for the row's max, ROW_BLOCK columns a load (all in flight at once: a loop
     of small loads waits for each), then quantizes its chunk; the first chunk writes the scale.
     Chunks spread a few long rows over many SMs."""
+    after_previous(PDL)
     row = tl.program_id(1).to(tl.int64)
     begin = tl.program_id(0) * chunk
     wide = tl.arange(0, ROW_BLOCK)
@@ -92,7 +94,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = triton.cdiv(triton.cdiv(n, chunks), block) * block
         _quantize_rows_kernel[(triton.cdiv(n, chunk), rows)](
             x, q, scale, x.stride(0), q.stride(0), n, chunk, ROW_BLOCK=min(16384, triton.next_power_of_2(n)),
-            BLOCK=block, num_warps=8)
+            BLOCK=block, PDL=pdl(x.device), num_warps=8, launch_pdl=pdl(x.device))
     return q, scale
 
 
@@ -102,7 +104,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _split_k_matmul_kernel(
     xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
     stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[m-block, n-block] of quantized rows on tensor cores (E4M3 x E4M3 -> float32), over one
     k_per_split slice of K (a multiple of BLOCK_K) per program along axis 2. One slice: the scales
@@ -116,6 +118,7 @@ def _split_k_matmul_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
     k_begin = pid_k * k_per_split
+    after_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -214,5 +217,6 @@ def split_k_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     _split_k_matmul_kernel[grid](
         xq, x_scale, weight, weight_scale, bias_arg, out, part, counts, m, n, k, k_per_split, xq.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, PDL=pdl(xq.device), num_warps=num_warps,
+        launch_pdl=pdl(xq.device))
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.pdl import after_previous, pdl
+
 
 # NOTE: M (the step's rows) is not specialized: one variant per BLOCK_M serves every batch size,
 # none is compiled mid-serving (see engine/attention/triton_kernels.py's _decode_kernel).
@@ -15,7 +17,7 @@ import triton.language as tl
 def _small_matmul_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_sn, stride_o,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[:, n-block] for all M (<= BLOCK_M) rows on CUDA cores; BLOCK_K a multiple of GROUP, K of
     BLOCK_K. The weight is read as int32 words (w_ptr: the uint8 weight viewed as int32, stride_w in
@@ -41,6 +43,7 @@ def _small_matmul_kernel(
     word = g4 * WPG + tl.arange(0, WPG)[None, None, None, :]  # [1, 1, GROUPS, WPG]: a tile's words
     m_ok, n_ok = rm < M, n4 < N
     acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS, WPG], dtype=tl.float32)
+    after_previous(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         w = tl.load(w_ptr + n4 * stride_w + (k0 // 8 + word), mask=n_ok, other=0)  # [1, BN, GROUPS, WPG]
         s_row = s_ptr + n4 * stride_sn + (k0 // GROUP + g4) * 2
@@ -109,7 +112,7 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         x, words, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), words.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        num_warps=num_warps)
+        PDL=pdl(x.device), num_warps=num_warps, launch_pdl=pdl(x.device))
     return out
 
 
@@ -117,7 +120,7 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 def _matmul_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_sn, stride_o,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[m-block, n-block] on tensor cores: each K tile of the weight dequantized in registers to
     the activations' dtype (rounded as int4.dequantize then a cast rounds it), float32 accumulation.
@@ -128,6 +131,7 @@ def _matmul_kernel(
     m_ok, n_ok = rm < M, rn < N
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    after_previous(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=m_ok[:, None], other=0.0)
@@ -166,5 +170,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
         x, weight, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl(x.device), num_warps=num_warps,
+        launch_pdl=pdl(x.device))
     return out

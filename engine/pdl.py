@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
+kernel before it on the stream still runs, and waits for it where its own kernel says so.
+
+Invariant: a kernel launched with `launch_pdl=pdl(device)` and `PDL=pdl(device)` calls
+`after_previous` before it reads anything an earlier kernel writes and before it writes anything;
+before that it may only compute addresses and prefetch what no kernel writes (weights). Its own
+dependents are let in at that point, not earlier, so at most the one kernel after a running one is
+early: every kernel before it has finished. Kernels launched without it (cuBLAS, torch, NCCL) keep
+the stream's order; a CUDA graph captures the same edges. Imported only by the Triton kernel
+modules (it imports triton)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch: CUDA of compute
+    capability 9.0 or more, compiled (Triton's interpreter runs none of it)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def after_previous(PDL: tl.constexpr):
+    """With PDL: wait until the kernel before this one on the stream has finished and its writes
+    are visible, then let the kernel after this one start (it waits likewise)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
