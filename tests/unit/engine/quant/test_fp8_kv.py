@@ -54,7 +54,9 @@ def test_models_with_fp8_kv_match_transformers_reading_fp8_kv(weights, hf_checkp
 def test_prefix_cache_hits_and_preemption_give_the_fresh_tokens(hf_checkpoints, make_llm):
     """Recomputation with the same FP8 cache is exact: a prompt whose prefix blocks come from the
     prefix cache (written by an earlier request) and requests preempted for want of blocks and
-    recomputed give the tokens and logprobs of the fresh, unhurried run."""
+    recomputed give the tokens and logprobs of the fresh, unhurried run (logprobs within 2e-4: the
+    fresh run's steps hold one sequence, the others' several, and a float32 CPU product's sums depend
+    on its rows on some CPUs: 7e-5 apart on an AVX2 EPYC)."""
     path = str(hf_checkpoints("qwen3"))
     rng = random.Random(0)
     shared = [rng.randrange(4, 2048) for _ in range(40)]
@@ -71,8 +73,8 @@ def test_prefix_cache_hits_and_preemption_give_the_fresh_tokens(hf_checkpoints, 
     assert tight_llm.engine.stats().num_preemptions > 0
     for f, c, t in zip(fresh, cached, tight):
         assert c.outputs[0].token_ids == f.outputs[0].token_ids == t.outputs[0].token_ids
-        assert c.outputs[0].logprobs == pytest.approx(f.outputs[0].logprobs, abs=1e-5)
-        assert t.outputs[0].logprobs == pytest.approx(f.outputs[0].logprobs, abs=1e-5)
+        assert c.outputs[0].logprobs == pytest.approx(f.outputs[0].logprobs, abs=2e-4)
+        assert t.outputs[0].logprobs == pytest.approx(f.outputs[0].logprobs, abs=2e-4)
 
 
 def test_fp8_cache_holds_four_times_the_float32_tokens(hf_checkpoints, make_llm):
