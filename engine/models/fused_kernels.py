@@ -159,10 +159,11 @@ def add_rms_norm(
     if tokens:
         res = residual if residual is not None else x
         _check_rows("residual", res)
+        on = pdl(x.device, tokens)
         _add_rms_norm_kernel[(tokens,)](
             x, res, weight, out, res_out, scale, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n,
             eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(n),
-            PDL=pdl(x.device), num_warps=4 if n <= 2048 else 8, launch_pdl=pdl(x.device),
+            PDL=on, num_warps=4 if n <= 2048 else 8, launch_pdl=on,
         )  # fmt: skip
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
@@ -182,11 +183,12 @@ def norm_rope_qk(
     q = torch.empty((tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     k = torch.empty((tokens, heads - num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     if tokens:
+        on = pdl(qk.device, tokens)
         _norm_rope_kernel[(tokens, heads)](
             qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q, k,
             qk.stride(0), qk.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
-            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, PDL=pdl(qk.device),
-            num_warps=1, launch_pdl=pdl(qk.device),
+            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, PDL=on,
+            num_warps=1, launch_pdl=on,
         )  # fmt: skip
     return q, k
 
@@ -201,17 +203,19 @@ def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor 
         scale = torch.empty((tokens, 1), dtype=torch.float32, device=gate_up.device)
         if tokens:
             block = min(SWIGLU_ROW_BLOCK, triton.next_power_of_2(n))
+            on = pdl(q.device, tokens)
             _silu_and_mul_quantized_kernel[(tokens,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), n,
-                                                      BLOCK=block, ONE_BLOCK=n <= block, PDL=pdl(q.device),
+                                                      BLOCK=block, ONE_BLOCK=n <= block, PDL=on,
                                                       num_warps=16 if block >= 8192 else 8,
-                                                      launch_pdl=pdl(q.device))
+                                                      launch_pdl=on)
         return QuantizedRows(q, scale, gate_up.dtype)
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
         block = 1024
+        on = pdl(out.device, tokens)
         _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, PDL=pdl(out.device), num_warps=4,
-            launch_pdl=pdl(out.device),
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, PDL=on, num_warps=4,
+            launch_pdl=on,
         )
     return out
 
