@@ -1,7 +1,7 @@
-"""Decode steps of several trees measured in one device call (bench.tensor_parallel JSONs, one per tree and
-repeat), gathered into one result: each label's ms per step by batch (every repeat, and their mean), and each
-label's mean over the first label's of the same model and TP size (its baseline). Measures nothing itself:
-the JSONs come from the GPU.
+"""Decode steps of several trees measured in one device call (bench.tensor_parallel or bench.quantized JSONs,
+one per tree and repeat), gathered into one result: each label's ms per step by batch (every repeat, and their
+mean), and each label's mean over the first label's of the same model, TP size and weights (its baseline).
+Measures nothing itself: the JSONs come from the GPU.
 
     python -m bench.steps_side_by_side --out bench/results --name NAME \\
         --run main=a.json --run main=b.json --run fused=c.json ...
@@ -25,9 +25,10 @@ def gather(runs: list[tuple[str, Path]]) -> dict[str, Any]:
         record = json.loads(path.read_text())
         for run in record["runs"]:
             model = Path(record["environment"]["model"]["name"]).name
-            key = f"{label} {model} TP={run['tp']}"
-            entry = labels.setdefault(key, {"tp": run["tp"], "device_name": run["device_name"], "step_ms": {},
-                                            "model": model})
+            tp, variant = run.get("tp", 1), run.get("variant")  # bench.quantized's runs: one GPU, a variant each
+            key = f"{label} {model} " + (variant or f"TP={tp}")
+            entry = labels.setdefault(key, {"tp": tp, "variant": variant, "device_name": run["device_name"],
+                                            "step_ms": {}, "model": model})
             for row in run["decode"]:
                 entry["step_ms"].setdefault(str(row["batch"]), []).append(row["step_s"] * 1e3)
     return labels
@@ -35,7 +36,8 @@ def gather(runs: list[tuple[str, Path]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", action="append", required=True, help="LABEL=bench.tensor_parallel JSON")
+    parser.add_argument("--run", action="append", required=True,
+                        help="LABEL=bench.tensor_parallel or bench.quantized JSON")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--name", required=True, help="the result's file stem (device name included)")
     parser.add_argument("--note", default="", help="what was compared and how, kept in the JSON")
@@ -48,8 +50,8 @@ def main() -> None:
     for entry in labels.values():
         entry["mean_ms"] = {b: mean(v) for b, v in entry["step_ms"].items()}
     for key, entry in labels.items():
-        same = (entry["tp"], entry["model"])
-        entry["baseline"] = next(k for k, e in labels.items() if (e["tp"], e["model"]) == same)
+        same = (entry["tp"], entry["model"], entry["variant"])
+        entry["baseline"] = next(k for k, e in labels.items() if (e["tp"], e["model"], e["variant"]) == same)
         base = labels[entry["baseline"]]["mean_ms"]
         entry["over_baseline"] = {b: m / base[b] for b, m in entry["mean_ms"].items() if b in base}
     record = {"benchmark": args.name, "device_name": devices.pop(), "note": args.note, "labels": labels}
@@ -67,7 +69,7 @@ def main() -> None:
             ax.set_xlabel("batch (decoding sequences)")
         steps.set_yscale("log")
         steps.set_ylabel("ms per decode step (mean of repeats)")
-        ratio.set_ylabel("step time over its baseline (first label of its model and TP)")
+        ratio.set_ylabel("step time over its baseline (first label of its model, TP and weights)")
         ratio.legend(fontsize=8)
 
     save_plot(args.out / f"{args.name}.png", plot, f"{args.name}: {record['device_name']}")

@@ -19,11 +19,12 @@ import triton
 import triton.language as tl
 
 
-PDL_MAX_ROWS = 32
-"""The most rows (tokens, or sequences for attention) a kernel launches with PDL for. On an H200 at the
-Llama-3.1-8B shape it took the batch-1 decode step from 3.34 to 3.11 ms in FP8, 3.82 to 3.62 in W4A16
-and 4.67 to 4.60 in bfloat16, but batch 64 from 6.76 to 6.87, 17.8 to 19.1 and 7.25 to 7.35 ms
-(bench/results/quantized_llama-3.1-8b_pdl_*): kernels of many programs lose by it."""
+PDL_MAX_ROWS = 8
+"""The most rows (tokens, or sequences for attention) a kernel launches with PDL for: where it paid. On an
+H200 at the Llama-3.1-8B shape (main against PDL up to 32 rows, in turns in one call), decode steps over
+main's at batch 1 / 8 / 32 / 64: FP8 0.929 / 0.965 / 1.035 / 0.983, W4A16 0.949 / 0.978 / 1.084 / 0.997,
+bfloat16 0.992 / 1.018 / 1.008 / 1.000 (bench/results/pdl_*_8b_nvidia-h200): a product of many
+programs loses by it, the small products gain."""
 
 
 @functools.cache
