@@ -1,11 +1,11 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
 kernel before it on the stream still runs, and waits for it where its own kernel says so.
 
-Invariant: a kernel launched with `launch_pdl=pdl(device, rows)` and `PDL=` the same calls
-`after_previous` before it reads anything an earlier kernel writes and before it writes anything;
-before that it may only compute addresses and prefetch what no kernel writes (weights). Its own
-dependents are let in at that point, not earlier, so at most the one kernel after a running one is
-early: every kernel before it has finished. Kernels launched without it (cuBLAS, torch, NCCL) keep
+Invariant: a kernel compiled with `PDL=pdl(device)` calls `after_previous` before it reads anything an
+earlier kernel writes and before it writes anything (only such a kernel is launched with PDL); before
+that it only computes addresses. Its own dependents are let in at that point, not earlier, so at most
+the one kernel after a running one is early: every kernel before it has finished. (Prefetching the
+weights into L2 before the wait lost: bench/results/pdl_prefetch_8b_nvidia-h200.) Kernels launched without it (cuBLAS, torch, NCCL) keep
 the stream's order; a CUDA graph captures the same edges. Imported only by the Triton kernel
 modules (it imports triton)."""
 
@@ -19,12 +19,16 @@ import triton
 import triton.language as tl
 
 
-PDL_MAX_ROWS = 8
-"""The most rows (tokens, or sequences for attention) a kernel launches with PDL for: where it paid. On an
-H200 at the Llama-3.1-8B shape (main against PDL up to 32 rows, in turns in one call), decode steps over
-main's at batch 1 / 8 / 32 / 64: FP8 0.929 / 0.965 / 1.035 / 0.983, W4A16 0.949 / 0.978 / 1.084 / 0.997,
-bfloat16 0.992 / 1.018 / 1.008 / 1.000 (bench/results/pdl_*_8b_nvidia-h200): a product of many
-programs loses by it, the small products gain."""
+PDL_ANY_MAX_ROWS = 1
+PDL_PRODUCT_MAX_ROWS = 8
+"""The most rows (tokens, or sequences for attention) a kernel launches with PDL for: any kernel at one row,
+a weight product (FP8 split-K, 4-bit) up to 8: where each paid. On an H200 at the Llama-3.1-8B shape, decode
+steps over main's, in turns in one call (bench/results/pdl_*_8b_nvidia-h200), at batch 1 / 2 / 8:
+- every kernel up to 8 rows: FP8 0.93 / 0.94 / 0.97, W4A16 0.95 / 1.04 / 0.99, bfloat16 0.99 / 1.02 / 1.01
+  (up to 32 rows, at batch 32: 1.035, 1.084, 1.008);
+- the products alone up to 8 rows: FP8 0.94 / 0.95 / 0.98, W4A16 0.98 / 0.98 / 0.99, bfloat16 1.00 (its
+  products are cuBLAS's);
+- this rule: FP8 0.93 / 0.95 / 0.99, W4A16 0.95 / 0.99 / 0.99, bfloat16 0.99 / 1.00 / 1.00."""
 
 
 @functools.cache
@@ -32,13 +36,19 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def pdl(device: torch.device, rows: int) -> bool:
-    """Whether a kernel of `rows` rows on `device` launches with programmatic dependent launch: at most
-    PDL_MAX_ROWS rows, on CUDA of compute capability 9.0 or more, compiled (Triton's interpreter runs
-    none of it)."""
-    if device.type != "cuda" or rows > PDL_MAX_ROWS:
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` are compiled with `after_previous` (its PDL argument): CUDA of compute
+    capability 9.0 or more, compiled (Triton's interpreter runs none of it). Every kernel of a step is, so
+    that each lets the next in early; launched without PDL, a kernel's wait returns at once."""
+    if device.type != "cuda":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(device: torch.device, rows: int, product: bool = False) -> bool:
+    """Whether a kernel of `rows` rows launches with PDL (`launch_pdl`), starting while the kernel before it
+    ends: at most PDL_ANY_MAX_ROWS rows, or PDL_PRODUCT_MAX_ROWS for a weight product, where `pdl` holds."""
+    return rows <= (PDL_PRODUCT_MAX_ROWS if product else PDL_ANY_MAX_ROWS) and pdl(device)
 
 
 @triton.jit
