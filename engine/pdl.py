@@ -5,9 +5,9 @@ Invariant: a kernel compiled with `PDL=pdl(device)` calls `after_previous` befor
 earlier kernel writes and before it writes anything (only such a kernel is launched with PDL); before
 that it only computes addresses. Its own dependents are let in at that point, not earlier, so at most
 the one kernel after a running one is early: every kernel before it has finished. (Prefetching the
-weights into L2 before the wait lost: bench/results/pdl_prefetch_8b_nvidia-h200.) Kernels launched without it (cuBLAS, torch, NCCL) keep
-the stream's order; a CUDA graph captures the same edges. Imported only by the Triton kernel
-modules (it imports triton)."""
+weights into L2 before the wait lost: bench/results/pdl_prefetch_8b_nvidia-h200.) Kernels launched
+without it (cuBLAS, torch, NCCL) keep the stream's order; a CUDA graph captures the same edges.
+Imported only by the Triton kernel modules (it imports triton)."""
 
 from __future__ import annotations
 

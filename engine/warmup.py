@@ -6,13 +6,16 @@ A kernel's variants are its constexprs' values; the engine's kernels do not spec
 integers that change from step to step (batch rows, sequences, block-table width, split count),
 so the values below are the only ones that pick a variant:
 
-| what differs                                   | the kernels                   | warm-up steps |
-|------------------------------------------------|-------------------------------|---------------|
-| decode keys split over programs or not         | attention decode (+ reduce)   | 1 / 2, 4      |
-| rows <= 16, <= 32, more                        | FP8 split-K / scaled matmul   | 2, 1, 5       |
-| rows 1, 2, <= 16, <= 32, more                  | 4-bit small / tiled matmul    | 4, 3, 2, 1, 5 |
-| unseeded / seeded random rows, truncated rows  | fused race, keyed noise       | the sampler   |
-| drafts a row, to the next power of two         | fused verification            | the verifier  |
+| what differs                                    | the kernels                 | warm-up steps |
+|-------------------------------------------------|-----------------------------|---------------|
+| decode keys split over programs or not          | attention decode (+ reduce) | 1 / 2, 4      |
+| one row (launched early: engine/pdl.py) or more | every Triton kernel         | 4, 6 / others |
+| rows <= 8 (launched early), <= 16, <= 32, more  | FP8 split-K / scaled matmul | 2, 7, 1, 5    |
+| rows 1, 2, <= 16, <= 32, more                   | 4-bit small / tiled matmul  | 4, 3, 2, 1, 5 |
+| unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
+| drafts a row, to the next power of two          | fused verification          | the verifier  |
+
+(A launch with PDL is a variant of its own: Triton keys its compiled kernels by it too.)
 
 The forwards write KV into block 0 of a cache that holds nothing yet (no request owns a block
 before the engine has started), and return nothing anyone reads. On CUDA only: elsewhere
@@ -46,6 +49,8 @@ def warm_up_steps(max_seq_tokens: int, block_size: int) -> list[list[ForwardSeq]
         [prompt(min(2, cap))],
         [decode(min(5, cap))],
         [prompt(min(64, cap)), prompt(min(37, cap))],  # 101 rows
+        [decode(cap)],  # one row, its keys split
+        [prompt(min(12, cap))],  # 12 rows
     ]
 
 

@@ -18,6 +18,7 @@ from engine.warmup import draft_count_classes, warm_up_steps
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
 SPLIT_K_MAX_ROWS = import_interpreted("engine.quant.fp8_kernels", "_quantize_rows_kernel").SPLIT_K_MAX_ROWS
+PDL = import_interpreted("engine.pdl", "after_previous")
 SMALL_MATMUL_MAX_ROWS = import_interpreted("engine.quant.int4_kernels", "_matmul_kernel").SMALL_MATMUL_MAX_ROWS
 import_interpreted("engine.attention.triton_kernels", "_decode_kernel")
 import_interpreted("engine.attention.triton_prefill", "_prefill_kernel")
@@ -47,9 +48,11 @@ def test_steps_fit_the_engine_and_its_blocks(max_seq_tokens, block_size):
 def test_steps_reach_every_row_class_and_both_decode_plans():
     steps = warm_up_steps(8192, 16)
     rows = [_rows(seqs) for seqs in steps]
-    # The FP8 split-K tile classes (<= 16, <= SPLIT_K_MAX_ROWS rows), the scaled matmul past them,
-    # and the 4-bit small kernel's row counts (1 .. SMALL_MATMUL_MAX_ROWS).
-    assert any(r <= 16 for r in rows) and any(16 < r <= SPLIT_K_MAX_ROWS for r in rows)
+    # The FP8 split-K tile classes (<= 16, <= SPLIT_K_MAX_ROWS rows), each 16-row tile launched early
+    # (PDL) and not, the scaled matmul past them, and the 4-bit small kernel's row counts (1 ..
+    # SMALL_MATMUL_MAX_ROWS).
+    assert any(r <= PDL.PDL_PRODUCT_MAX_ROWS for r in rows) and any(PDL.PDL_PRODUCT_MAX_ROWS < r <= 16 for r in rows)
+    assert any(16 < r <= SPLIT_K_MAX_ROWS for r in rows)
     assert any(r > SPLIT_K_MAX_ROWS for r in rows)
     assert set(range(1, SMALL_MATMUL_MAX_ROWS + 1)) <= set(rows)
     # Decode launched with its keys split over programs, and whole; beside prompts and alone.
@@ -60,7 +63,10 @@ def test_steps_reach_every_row_class_and_both_decode_plans():
         if ctx
     ]
     assert max(splits) > 1 and min(splits) == 1
-    assert any(len(seqs) == 1 and len(seqs[0].token_ids) == 1 for seqs in steps)
+    # One decode row alone (every kernel launched early), its keys split and whole.
+    alone = [_decode_contexts(seqs) for seqs in steps if _rows(seqs) == PDL.PDL_ANY_MAX_ROWS == len(seqs)]
+    assert {decode_split_plan(1, num_kv_heads, ctx[0], H100_SMS, config)[0] > 1 for ctx in alone if ctx} == {
+        True, False}
 
 
 def test_steps_run_on_the_interpreted_kernels_in_one_block():
