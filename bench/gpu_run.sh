@@ -72,8 +72,9 @@
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
 #           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
-#   session_checks (one GPU): the GPU tests of the 2026-11-28 session's unrun changes, then the FP8 and 4-bit
-#           product sweeps at the 8B shapes (the decode steps: the quant part with REQUESTS=0).
+#   session_checks (one GPU): what the last session's PDL change left unrun on a GPU: the compile warm-up tests
+#           (both launch modes warmed), the quantized and engine GPU tests under the kept rule, then the decode
+#           steps at batches 1 2 8 16 (FP8, W4A16, bfloat16; the quant part with REQUESTS=0 and those batches).
 #   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
@@ -108,15 +109,10 @@ case "$part" in
       --variants ${VARIANTS:-bfloat16 fp8+fp8-kv} --max-num-seqs 512 --requests "${REQUESTS:-1024}" --out "$out"
     ;;
   session_checks)
-    # (one GPU) what the 2026-11-28 session changed without a GPU to run it on: the compile warm-up tests (plain,
-    # FP8, speculating), the quantized products' tests (one-launch split-K, norms and SwiGLU quantizing, the
-    # float-bits 4-bit kernel), then the products alone at the 8B shapes (FP8 by rows, 4-bit at 1-2 rows).
-    # The decode steps after: VARIANTS="bfloat16 fp8 w4a16" REQUESTS=0 bash bench/gpu_run.sh quant
-    run 200 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_compile_warmup_gpu.py \
+    run 240 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_compile_warmup_gpu.py \
       tests/gpu/test_quant_gpu.py tests/gpu/test_engine_gpu.py
-    run 200 python3 -m bench.diag.fp8_split_k_sweep --shapes 8b_qkv 8b_o 8b_gate_up 8b_down --rows 1 2 4 8 16 32 \
-      --tag _one_launch --out "$out"
-    run 120 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul read --rows 1 2 --out "$out"
+    run 240 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --variants fp8 w4a16 bfloat16 --batches 1 2 8 16 --requests 0 --out "$out"
     ;;
   int4_words)
     # (one GPU) the 4-bit small product reading int32 words (a nibble a LOP3 and an FMA): its GPU tests, its
