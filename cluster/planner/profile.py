@@ -28,7 +28,8 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
         return ys[0]
     i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return y if y > 0.0 else 0.0  # NOTE: max(0.0, y), without the call (the planner's simulation's hot path)
 
 
 class StepProfile(BaseModel):
@@ -95,10 +96,16 @@ class StepProfile(BaseModel):
         return total
 
     def decode_step_ms(self, batch: int, context: float) -> float:
+        """Interpolated over the contexts in the two batch rows around `batch`, then between them (the
+        rows the batch interpolation reads: the planner's simulation calls this once a simulated step)."""
         if batch <= 0:
             return 0.0
-        by_batch = [_interpolate(self.decode_contexts, row, context) for row in self.decode_ms]
-        return _interpolate(self.decode_batches, by_batch, batch)
+        batches, contexts, rows = self.decode_batches, self.decode_contexts, self.decode_ms
+        if len(batches) == 1:
+            return _interpolate(contexts, rows[0], context)
+        i = min(max(bisect.bisect_right(batches, batch), 1), len(batches) - 1)
+        pair = (_interpolate(contexts, rows[i - 1], context), _interpolate(contexts, rows[i], context))
+        return _interpolate(batches[i - 1 : i + 1], pair, batch)
 
 
 @lru_cache(maxsize=64)

@@ -58,11 +58,13 @@ class Timing(NamedTuple):
     tpot_s: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Seq:
+    """A sequence as it joins a worker's running batch."""
+
     index: int
     first_token_s: float
-    tokens_left: int  # decode tokens still to come
+    tokens_left: int  # decode tokens to come
     context: int
 
 
@@ -89,26 +91,26 @@ def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int
     alpha = profile.context_ms_per_pair
     arriving = deque(mine)
     waiting: deque[list[int]] = deque()  # [request index, prompt tokens left]
-    running: list[_Seq] = []
+    running = _Running()
     t = 0.0
-    while arriving or waiting or running:
-        if not waiting and not running and reqs[arriving[0]].arrival_s > t:
+    while arriving or waiting or running.count:
+        if not waiting and not running.count and reqs[arriving[0]].arrival_s > t:
             t = reqs[arriving[0]].arrival_s
         while arriving and reqs[arriving[0]].arrival_s <= t:
             i = arriving.popleft()
             waiting.append([i, reqs[i].prompt])
-        budget = profile.max_num_batched_tokens - len(running)
+        budget = profile.max_num_batched_tokens - running.count
         chunks: list[tuple[list[int], int]] = []
         for item in waiting:
-            if budget <= 0 or len(running) + len(chunks) >= profile.max_num_seqs:
+            if budget <= 0 or running.count + len(chunks) >= profile.max_num_seqs:
                 break
             take = min(item[1], budget)
             chunks.append((item, take))
             budget -= take
         prefill_ms = profile.prefill_step_ms(sum(c for _, c in chunks)) + alpha * sum(
             take * (reqs[item[0]].prompt - item[1]) for item, take in chunks)  # attention to earlier chunks
-        t += (profile.decode_step_ms(len(running), _mean_context(running)) + prefill_ms) / 1e3
-        running = _decoded(running, t, reqs, out)
+        t += (profile.decode_step_ms(running.count, running.mean_context()) + prefill_ms) / 1e3
+        running.decoded(t, reqs, out)
         for item, take in chunks:
             item[1] -= take
             if item[1] == 0:
@@ -117,25 +119,40 @@ def _run_colocated(profile: StepProfile, reqs: Sequence[Request], mine: list[int
                 if reqs[i].output <= 1:
                     out[i] = Timing(t - reqs[i].arrival_s, 0.0)
                 else:
-                    running.append(_Seq(i, t, reqs[i].output - 1, reqs[i].prompt + 1))
+                    running.add(_Seq(i, t, reqs[i].output - 1, reqs[i].prompt + 1))
 
 
-def _mean_context(running: list[_Seq]) -> float:
-    return sum(s.context for s in running) / len(running) if running else 0.0
+class _Running:
+    """A worker's running sequences, by the step each finishes at (a heap), with their count and the sum
+    of their contexts (an int: their mean is what summing them each step gives). A step touches only
+    the sequences it finishes."""
 
+    __slots__ = ("steps", "finishing", "count", "total_context")
 
-def _decoded(running: list[_Seq], t: float, reqs: Sequence[Request], out: list[Timing | None]) -> list[_Seq]:
-    """The running sequences after a step that ended at t gave each a token; those done get their Timing."""
-    still = []
-    for s in running:
-        s.tokens_left -= 1
-        s.context += 1
-        if s.tokens_left == 0:
+    def __init__(self) -> None:
+        self.steps = 0  # steps decoded so far
+        self.finishing: list[tuple[int, int, _Seq]] = []  # (the step it finishes at, its index, it)
+        self.count = 0
+        self.total_context = 0
+
+    def add(self, seq: _Seq) -> None:
+        heapq.heappush(self.finishing, (self.steps + seq.tokens_left, seq.index, seq))
+        self.count += 1
+        self.total_context += seq.context
+
+    def mean_context(self) -> float:
+        return self.total_context / self.count if self.count else 0.0
+
+    def decoded(self, t: float, reqs: Sequence[Request], out: list[Timing | None]) -> None:
+        """A step that ended at t gave each sequence a token; those done leave with their Timing."""
+        self.steps += 1
+        self.total_context += self.count
+        while self.finishing and self.finishing[0][0] == self.steps:
+            _, _, s = heapq.heappop(self.finishing)
             r = reqs[s.index]
             out[s.index] = Timing(s.first_token_s - r.arrival_s, (t - s.first_token_s) / (r.output - 1))
-        else:
-            still.append(s)
-    return still
+            self.count -= 1
+            self.total_context -= s.context + s.tokens_left  # its context now: one more a step it ran
 
 
 def _disaggregated(layout: Layout, profile: StepProfile, decode: StepProfile, reqs: Sequence[Request]) -> list[Timing]:
@@ -160,13 +177,13 @@ def _disaggregated(layout: Layout, profile: StepProfile, decode: StepProfile, re
 def _run_decode(profile: StepProfile, reqs: Sequence[Request], queue: list[tuple[float, int, float]],
                 out: list[Timing | None]) -> None:
     pending = deque(queue)
-    running: list[_Seq] = []
+    running = _Running()
     t = 0.0
-    while pending or running:
-        if not running and pending[0][0] > t:
+    while pending or running.count:
+        if not running.count and pending[0][0] > t:
             t = pending[0][0]
-        while pending and pending[0][0] <= t and len(running) < profile.max_num_seqs:
+        while pending and pending[0][0] <= t and running.count < profile.max_num_seqs:
             _, i, first = pending.popleft()
-            running.append(_Seq(i, first, reqs[i].output - 1, reqs[i].prompt + 1))
-        t += profile.decode_step_ms(len(running), _mean_context(running)) / 1e3
-        running = _decoded(running, t, reqs, out)
+            running.add(_Seq(i, first, reqs[i].output - 1, reqs[i].prompt + 1))
+        t += profile.decode_step_ms(running.count, running.mean_context()) / 1e3
+        running.decoded(t, reqs, out)
