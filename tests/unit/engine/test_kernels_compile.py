@@ -1,9 +1,10 @@
-"""The engine's Triton kernels that quantize or fuse (engine/models/fused_kernels.py, engine/quant/)
-compile for Hopper (sm_90) on the CPU: Triton's compiler runs its whole pipeline to a cubin without a
-GPU. The interpreter, which every other kernel test runs on, does not hold a kernel to the compiler's
-rules (a kernel that read a plain float global passed every interpreted test and failed to compile),
-so this runs the compiler, in a process of its own (the kernels the other tests import are
-interpreted ones, which cannot be compiled)."""
+"""The engine's Triton kernels that quantize or fuse (engine/models/fused_kernels.py, engine/quant/), and the
+decode step's attention kernels, compile for Hopper (sm_90) on the CPU, each with programmatic dependent
+launch (engine/pdl.py): its PTX waits for the kernel before it, then lets the next one in. Triton's compiler
+runs its whole pipeline to a cubin without a GPU. The interpreter, which every other kernel test runs on,
+does not hold a kernel to the compiler's rules (a kernel that read a plain float global passed every
+interpreted test and failed to compile), nor runs the PDL instructions, so this runs the compiler, in a
+process of its own (the kernels the other tests import are interpreted ones, which cannot be compiled)."""
 
 from __future__ import annotations
 
