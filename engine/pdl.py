@@ -1,7 +1,7 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
 kernel before it on the stream still runs, and waits for it where its own kernel says so.
 
-Invariant: a kernel compiled with `PDL=pdl(device)` calls `after_previous` before it reads anything an
+Invariant: a kernel compiled with `PDL` (`pdl_options`) calls `after_previous` before it reads anything an
 earlier kernel writes and before it writes anything (only such a kernel is launched with PDL); before
 that it only computes addresses. Its own dependents are let in at that point, not earlier, so at most
 the one kernel after a running one is early: every kernel before it has finished. (Prefetching the
@@ -45,10 +45,12 @@ def pdl(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(device: torch.device, rows: int, product: bool = False) -> bool:
-    """Whether a kernel of `rows` rows launches with PDL (`launch_pdl`), starting while the kernel before it
-    ends: at most PDL_ANY_MAX_ROWS rows, or PDL_PRODUCT_MAX_ROWS for a weight product, where `pdl` holds."""
-    return rows <= (PDL_PRODUCT_MAX_ROWS if product else PDL_ANY_MAX_ROWS) and pdl(device)
+def pdl_options(device: torch.device, rows: int, max_rows: int = PDL_ANY_MAX_ROWS) -> dict[str, bool]:
+    """A launch's PDL arguments: `PDL` (compiled with `after_previous`, where `pdl` holds) and `launch_pdl`
+    (started while the kernel before it ends: at most `max_rows` rows; PDL_PRODUCT_MAX_ROWS for a weight
+    product, 0 for a kernel that always launches in the stream's order)."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on and rows <= max_rows}
 
 
 @triton.jit

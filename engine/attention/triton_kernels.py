@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.pdl import after_previous, pdl, pdl_launch
+from engine.pdl import after_previous, pdl_options
 from engine.quant.fp8_kernels import round_e4m3
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
@@ -96,14 +96,14 @@ def store_kv(
         return
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_dtype(name, t, cache=name.endswith("cache"))
-    on, early = pdl(k.device), pdl_launch(k.device, num_tokens)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], PDL=on, launch_pdl=early,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        **pdl_options(k.device, num_tokens),
     )  # fmt: skip
 
 
@@ -319,7 +319,7 @@ def decode_attention(
     else:
         part_acc = part_m = part_l = out  # not read
     window = sliding_window or 0
-    on, early = pdl(q.device), pdl_launch(q.device, num_seqs)
+    options = pdl_options(q.device, num_seqs)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
@@ -329,14 +329,12 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
-        PRECISION=dot_precision(q.dtype), PDL=on, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=early,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **options,
     )  # fmt: skip
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, seq_lens, query_start_loc,
             window, num_splits, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(max_splits),
-            BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, PDL=on, num_warps=4,
-            launch_pdl=early,
+            BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, num_warps=4, **options,
         )  # fmt: skip

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.pdl import after_previous, pdl, pdl_launch
+from engine.pdl import after_previous, pdl_options
 from engine.quant.fp8 import FP8, QuantizedRows
 from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
 
@@ -159,11 +159,10 @@ def add_rms_norm(
     if tokens:
         res = residual if residual is not None else x
         _check_rows("residual", res)
-        on, early = pdl(x.device), pdl_launch(x.device, tokens)
         _add_rms_norm_kernel[(tokens,)](
             x, res, weight, out, res_out, scale, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n,
             eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=triton.next_power_of_2(n),
-            PDL=on, num_warps=4 if n <= 2048 else 8, launch_pdl=early,
+            num_warps=4 if n <= 2048 else 8, **pdl_options(x.device, tokens),
         )  # fmt: skip
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
@@ -183,12 +182,11 @@ def norm_rope_qk(
     q = torch.empty((tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     k = torch.empty((tokens, heads - num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     if tokens:
-        on, early = pdl(qk.device), pdl_launch(qk.device, tokens)
         _norm_rope_kernel[(tokens, heads)](
             qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q, k,
             qk.stride(0), qk.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
-            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, PDL=on,
-            num_warps=1, launch_pdl=early,
+            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, num_warps=1,
+            **pdl_options(qk.device, tokens),
         )  # fmt: skip
     return q, k
 
@@ -203,18 +201,17 @@ def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor 
         scale = torch.empty((tokens, 1), dtype=torch.float32, device=gate_up.device)
         if tokens:
             block = min(SWIGLU_ROW_BLOCK, triton.next_power_of_2(n))
-            on, early = pdl(q.device), pdl_launch(q.device, tokens)
             _silu_and_mul_quantized_kernel[(tokens,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), n,
-                                                      BLOCK=block, ONE_BLOCK=n <= block, PDL=on,
+                                                      BLOCK=block, ONE_BLOCK=n <= block,
                                                       num_warps=16 if block >= 8192 else 8,
-                                                      launch_pdl=early)
+                                                      **pdl_options(q.device, tokens))
         return QuantizedRows(q, scale, gate_up.dtype)
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
         block = 1024
-        on, early = pdl(out.device), pdl_launch(out.device, tokens)
         _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, PDL=on, num_warps=4, launch_pdl=early,
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+            **pdl_options(out.device, tokens),
         )
     return out
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.models.fused_kernels import norm_row
-from engine.pdl import after_previous, pdl
+from engine.pdl import after_previous, pdl_options
 from engine.parallel.symmetric import ONE_SHOT_MAX_BYTES
 from engine.quant.fp8 import FP8, QuantizedRows
 
@@ -124,14 +124,13 @@ def allreduce_add_rms_norm(
     res_out = torch.empty_like(x)
     res = residual if residual is not None else x
     if tokens:
-        # NOTE: compiled to wait and let the next kernel in, but launched in the stream's order: an early
-        # launch of it is unmeasured on two GPUs (engine/pdl.py's rule was measured on one)
-        on = pdl(x.device)
         _allreduce_add_rms_norm_kernel[(tokens,)](
             handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, x, res, weight, out, res_out, scale,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n, ONE_SHOT_MAX_BYTES // x.element_size(),
             eps,
             RANK=handle.rank, WORLD=handle.world_size, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            BLOCK=triton.next_power_of_2(n), PDL=on, num_warps=4 if n <= 2048 else 8,
+            BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8,
+            # NOTE: launched in the stream's order: an early launch of it is unmeasured on two GPUs
+            **pdl_options(x.device, tokens, max_rows=0),
         )  # fmt: skip
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.pdl import after_previous, pdl, pdl_launch
+from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
 from engine.quant.fp8 import FP8, FP8_MAX, MIN_SCALE
 
 
@@ -92,10 +92,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = min(1024, triton.next_power_of_2(n))
         chunks = max(1, min(QUANTIZE_PROGRAMS // rows, triton.cdiv(n, block)))
         chunk = triton.cdiv(triton.cdiv(n, chunks), block) * block
-        on, early = pdl(x.device), pdl_launch(x.device, rows)
         _quantize_rows_kernel[(triton.cdiv(n, chunk), rows)](
             x, q, scale, x.stride(0), q.stride(0), n, chunk, ROW_BLOCK=min(16384, triton.next_power_of_2(n)),
-            BLOCK=block, PDL=on, num_warps=8, launch_pdl=early)
+            BLOCK=block, num_warps=8, **pdl_options(x.device, rows))
     return q, scale
 
 
@@ -215,10 +214,9 @@ def split_k_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=xq.device) if split_k > 1 else out
     counts = counts if counts is not None else split_k_counts(xq.device)
     bias_arg = bias if bias is not None else weight_scale
-    on, early = pdl(xq.device), pdl_launch(xq.device, m, product=True)
     _split_k_matmul_kernel[grid](
         xq, x_scale, weight, weight_scale, bias_arg, out, part, counts, m, n, k, k_per_split, xq.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, PDL=on, num_warps=num_warps,
-        launch_pdl=early)
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        **pdl_options(xq.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
     return out

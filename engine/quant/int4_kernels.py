@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.pdl import after_previous, pdl, pdl_launch
+from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
 
 
 # NOTE: M (the step's rows) is not specialized: one variant per BLOCK_M serves every batch size,
@@ -108,12 +108,11 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         block_k //= 2
     words = weight.view(torch.int32)  # [N, K / 8]: bytes 4c..4c+3 little-endian, nibble i column 8c + i
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    on, early = pdl(x.device), pdl_launch(x.device, m, product=True)
     _small_matmul_kernel[(triton.cdiv(n, block_n),)](
         x, words, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), words.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        PDL=on, num_warps=num_warps, launch_pdl=early)
+        num_warps=num_warps, **pdl_options(x.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
     return out
 
 
@@ -167,10 +166,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
         block_k = group
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    on = pdl(x.device)
     _matmul_kernel[grid](
         x, weight, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on, num_warps=num_warps)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        **pdl_options(x.device, m, max_rows=0))
     return out
