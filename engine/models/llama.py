@@ -23,6 +23,7 @@ from engine.models.fused_ops import DecoderOps, rms_norm_ref, takes_fp8
 from engine.models.rope import RotaryEmbedding
 from engine.parallel import PartialSum, Shard, TensorParallel, TPShard, local_arch
 from engine.quant.fp8 import Fp8Path, QuantizedRows
+from engine.quant.convert import set_int4_words
 from engine.quant.int4 import Int4Path
 
 
@@ -222,8 +223,10 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Triton kernels for RMSNorm (+ residual), q/k norm + rotary, SwiGLU and the quantized
-        projections': CUDA only."""
+        projections': CUDA only. 4-bit weights move to the layout their kernel reads (or back)."""
         self.ops = DecoderOps(triton=enabled, fp8_path=self.fp8_path, int4_path=self.int4_path)
+        if self.int4_path is not None:
+            set_int4_words(self, self.ops.int4.words)
 
     def forward(
         self,

@@ -6,7 +6,8 @@ Each decoder layer's q/k/v, o, gate/up and down projections get a quantized `wei
 (`<name>_weight`, `<name>_weight_scale`) hold their parts as views, as in bfloat16. The embedding,
 lm_head and norms stay in the model's dtype. A tensor-parallel rank's FP8 scales follow its weight
 rows (column-parallel) or are whole (row-parallel: its columns share the rows' scales); its 4-bit
-scales follow its rows, or its columns' whole groups.
+scales follow its rows, or its columns' whole groups. Loaders fill 4-bit projections in
+pack_nibbles' layout; `set_int4_words` then moves those the CUDA kernel takes into its own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from engine.parallel import Shard
 from engine.quant.fp8 import FP8, Fp8Path
-from engine.quant.int4 import Int4Path
+from engine.quant.int4 import Int4Path, from_words, to_words, words_block_n
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -93,3 +94,44 @@ def convert_to_int4(model: nn.Module, group_size: int, path: Int4Path) -> None:
 
     model.int4_path = path
     _convert(model, lambda w: torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device), scales)
+
+
+WORDS_CHUNK_ROWS = 4096
+"""Rows `set_int4_words` moves at a time (to_words' temporaries are 8 bytes a weight, so an 8B gate/up at
+once would take 0.9 GB more)."""
+
+
+def _int4_products(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, weight_scale) of every 4-bit product the forward multiplies: the fused wholes, o and down."""
+    products = []
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        for owner in (layer.self_attn, layer.mlp):
+            for fused in _FUSED:
+                if getattr(owner, f"{fused}_weight_scale", None) is not None:
+                    products.append((getattr(owner, f"{fused}_weight"), getattr(owner, f"{fused}_weight_scale")))
+            for name in ("o_proj", "down_proj"):
+                linear = getattr(owner, name, None)
+                if linear is not None and linear.weight_scale is not None:
+                    products.append((linear.weight, linear.weight_scale))
+    return [(w, s) for w, s in products if w.dtype == torch.uint8]
+
+
+@torch.no_grad()
+def set_int4_words(model: nn.Module, words: bool) -> None:
+    """Holds every 4-bit product `words_block_n` takes in int4.to_words' layout (words) or in
+    pack_nibbles' (not), in place, `WORDS_CHUNK_ROWS` rows at a time; model.int4_words records which.
+    The fused parts' views (q/k/v, gate/up) then hold their rows' tiles only where a part's rows are
+    whole tiles; nothing reads them after loading."""
+    if getattr(model, "int4_words", False) == words:
+        return
+    move = to_words if words else from_words
+    for weight, scale in _int4_products(model):
+        block_n = words_block_n(weight, scale)
+        if block_n is None:
+            continue
+        for start in range(0, weight.shape[0], WORDS_CHUNK_ROWS):
+            rows = slice(start, min(start + WORDS_CHUNK_ROWS, weight.shape[0]))
+            w, s = move(weight[rows], scale[rows], block_n)
+            weight[rows] = w
+            scale[rows] = s
+    model.int4_words = words

@@ -7,10 +7,11 @@ in the low nibble, 2j + 1 in the high one) and `weight_scale` float16 [out, in /
     weight[n, k] = (q[n, k] - z[n, k // group]) * s[n, k // group]
 
 exact in float32 (s a float16, z an integer in [0, 15]). Activations stay in the model's dtype.
-Two paths: `cuda` (int4_kernels: up to SMALL_MATMUL_MAX_ROWS rows a CUDA-core kernel, more rows
-tensor-core tiles with the weight dequantized to the activations' dtype in registers) and
-`reference` (dequantize to the activations' dtype, then multiply; any device). Knows nothing of
-checkpoints (checkpoint.py) or modules (convert.py).
+Two paths: `cuda` with Triton (int4_kernels.words_matmul, on tensor cores, for every projection
+whose shape `words_block_n` takes; the weights then held in `to_words`' layout, convert.py's
+`set_int4_words` says when) and `reference` (dequantize to the activations' dtype, then multiply;
+any device, and CUDA projections of other shapes). Knows nothing of checkpoints (checkpoint.py)
+or modules (convert.py).
 """
 
 from __future__ import annotations
@@ -67,6 +68,42 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dt
     return w.view(out, cols).to(dtype)
 
 
+def words_block_n(weight: torch.Tensor, weight_scale: torch.Tensor) -> int | None:
+    """The rows a tile of `to_words`' layout for this projection (64, else 32 or 16: what divides its
+    rows), or None when the layout does not take it: K a multiple of 128 (a trip of the kernel), and
+    groups of 16, 32, 64 or a multiple of 128 columns (a group within one 16-column product)."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    group = k // weight_scale.shape[1]
+    if k % 128 or group % 16 or (128 % group and group % 128):
+        return None
+    return next((b for b in (64, 32, 16) if n % b == 0), None)
+
+
+def to_words(weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_nibbles' bytes [N, K / 2] and scales [N, groups, 2] -> the same shapes and bytes in the
+    kernel's layout: int32 words [N / block_n, K / 128, block_n, 16] (nibble i of word w is column
+    16 i + w of its 128) and scales [N / block_n, groups, block_n, 2]: a tile's trip contiguous."""
+    n, half = weight.shape
+    groups = weight_scale.shape[1]
+    q = unpack_nibbles(weight).to(torch.int32).view(n // block_n, block_n, half // 64, 8, 16).transpose(1, 2)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight.device).view(8, 1)
+    words = (q << shifts).sum(3, dtype=torch.int32)  # [tiles, trips, block_n, 16]: disjoint bits, so + is |
+    scale = weight_scale.view(n // block_n, block_n, groups, 2).transpose(1, 2)
+    return words.contiguous().view(torch.uint8).view(n, half), scale.contiguous().view(n, groups, 2)
+
+
+def from_words(weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_words' inverse."""
+    n, half = weight.shape
+    groups = weight_scale.shape[1]
+    words = weight.view(torch.int32).view(n // block_n, half // 64, block_n, 1, 16)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight.device).view(8, 1)
+    q = (words >> shifts) & 0xF  # [tiles, trips, block_n, 8, 16]
+    q = q.transpose(1, 2).reshape(n, 2 * half)
+    scale = weight_scale.view(n // block_n, groups, block_n, 2).transpose(1, 2)
+    return pack_nibbles(q), scale.contiguous().view(n, groups, 2)
+
+
 def int4_path(device: torch.device, dtype: torch.dtype) -> Int4Path:
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         return "cuda"
@@ -74,25 +111,29 @@ def int4_path(device: torch.device, dtype: torch.dtype) -> Int4Path:
 
 
 class Int4Matmul:
-    """y = x @ W.T for 4-bit weights on one path; `triton`: the Triton kernel (CUDA) where it serves."""
+    """y = x @ W.T for 4-bit weights on one path; `triton` on the cuda path: `words` is set, and each
+    projection `words_block_n` takes is in to_words' layout and multiplies in int4_kernels."""
 
     def __init__(self, path: Int4Path, triton: bool) -> None:
         self.path = path
-        self._small = self._tiles = None
-        self._small_max_rows = 0
-        if triton and path == "cuda":
+        self.words = triton and path == "cuda"
+        self._words_matmul = None
+        # NOTE: one count buffer a device for all of a model's products: they run one after another
+        # on its stream, and each leaves the counts zeroed (as fp8.Fp8Matmul's).
+        self._counts: dict[torch.device, torch.Tensor] = {}
+        if self.words:
             from engine.quant import int4_kernels  # NOTE: imports triton; only CUDA models (and interpreted tests) do
 
-            self._small, self._small_max_rows = int4_kernels.small_matmul, int4_kernels.SMALL_MATMUL_MAX_ROWS
-            self._tiles = int4_kernels.matmul
+            self._words_matmul, self._split_k_counts = int4_kernels.words_matmul, int4_kernels.split_k_counts
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= self._small_max_rows:
-            out = self._small(rows, weight, weight_scale, bias)
-        elif self._tiles is not None:
-            out = self._tiles(rows, weight, weight_scale, bias)
+        block_n = words_block_n(weight, weight_scale) if self._words_matmul is not None else None
+        if block_n is not None:
+            if x.device not in self._counts:
+                self._counts[x.device] = self._split_k_counts(x.device)
+            out = self._words_matmul(rows, weight, weight_scale, bias, block_n, self._counts[x.device])
         else:
             out = torch.nn.functional.linear(rows, dequantize(weight, weight_scale, x.dtype), bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,8 +1,22 @@
-"""The Triton kernel behind `int4.Int4Matmul` for a few rows: 4-bit weights unpacked, shifted by
-their zero points and scaled in registers (exact in float32, as int4.dequantize), products with the
-activations summed in float32; imported only by CUDA models and interpreted tests."""
+"""The Triton kernel behind `int4.Int4Matmul` on CUDA: 4-bit weights in `int4.to_words`' layout made
+bfloat16 (or float16) in registers by their bits and multiplied on tensor cores, the weight the
+product's first operand (its rows fill Hopper's wgmma M), x's rows the second; imported only by
+CUDA models and interpreted tests.
+
+A trip of the K loop is 128 columns: a tile's BLOCK_N x 16 int32 words, nibble i of word w column
+16 i + w, so nibble i of every word is one product of 16 columns against x's 16 contiguous ones.
+Two words (a thread's two adjacent columns) become eight registers of two numbers OFFSET + q by one
+PTX block (two byte permutes, six shifts, eight AND-ORs: a nibble in the low mantissa bits of 128.0,
+bfloat16, or 1024.0, float16, reads OFFSET + q exactly); OFFSET + z comes off each (exact, a packed
+add for two), and a group's scale applies to its products' float32 tile. K is split over programs;
+the last program of a tile sums the slices in order (as fp8_kernels' split-K). The kernels it
+replaced, on one H200 at Llama-3.1-8B's four projections (bench/results/int4_gemv_sweep_nvidia-h200
+_r8_words_tiles.json): 70.7 against 91.1 us at one row, 72.0 against 140.1 at two, 76.7 / 83.1 /
+152.6 against 280 / 281 / 519 at 8, 16 and 64 (bench/diag/int4_gemv_sweep.py says how it was found)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -10,166 +24,186 @@ import triton.language as tl
 
 from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
 
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+"""Per activation dtype, the bits and value (OFFSET) of 128.0 or 1024.0: a nibble q in their low
+mantissa bits reads OFFSET + q."""
+
+
+def word_asm(magic: int) -> str:
+    """PTX: two words (columns 16 i + w and 16 i + w + 1 at nibble i) -> eight registers, nibble i's
+    pair OFFSET + q (magic: MAGIC's bits)."""
+    pair = hex(magic * 0x10001)
+    lines = ["{", ".reg .b32 t<2>, u;", "prmt.b32 t0, $8, $9, 0x5410;", "prmt.b32 t1, $8, $9, 0x7632;"]
+    for i in range(8):
+        t, shift = f"t{i // 4}", 4 * (i % 4)
+        if shift:
+            lines.append(f"shr.b32 u, {t}, {shift};")
+        lines.append(f"lop3.b32 ${i}, {'u' if shift else t}, 0x000F000F, {pair}, 0xEA;")
+    return "\n".join(lines + ["}"])
+
+
+@triton.jit
+def _group_scales(s_ptr, tile, g, BLOCK_N: tl.constexpr, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+    """Group g's scales (float32) and OFFSET + zero points (DTYPE, exact) of a tile's rows: [BLOCK_N, 1] each."""
+    row = s_ptr + ((tile + g) * BLOCK_N + tl.arange(0, BLOCK_N)) * 2
+    s = tl.load(row).to(tl.float32)
+    zb = (tl.load(row + 1).to(tl.float32) + OFFSET).to(DTYPE)
+    return s[:, None], zb[:, None]
+
+
+@triton.jit
+def _nibble_step(acc, part, nib, i: tl.constexpr, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, OFFSET: tl.constexpr, DTYPE: tl.constexpr, s, zb):
+    """Nibble i of a trip's words (OFFSET + q, as int16 bits) times x's 16 columns k0 + 16 i: into
+    `part`, which goes into `acc` scaled at its group's last nibble. With groups under 128 columns a
+    group's scales load at its first nibble (s, zb: those of the trip's group otherwise)."""
+    NIBBLES: tl.constexpr = GROUP // 16 if GROUP < 128 else 8  # a group's nibbles in a trip
+    if GROUP < 128 and i % NIBBLES == 0:
+        s, zb = _group_scales(s_ptr, tile, k0 // GROUP + i // NIBBLES, BLOCK_N, OFFSET, DTYPE)
+    x = tl.load(x_ptr + rm[None, :] * stride_x + (k0 + 16 * i + tl.arange(0, 16))[:, None], mask=m_ok[None, :],
+                other=0.0)  # [16, BLOCK_M]
+    part = tl.dot(nib.to(DTYPE, bitcast=True) - zb, x, part)
+    if (i + 1) % NIBBLES == 0:
+        acc += part * s
+        part = tl.zeros_like(part)
+    return acc, part, s, zb
+
 
 # NOTE: M (the step's rows) is not specialized: one variant per BLOCK_M serves every batch size,
 # none is compiled mid-serving (see engine/attention/triton_kernels.py's _decode_kernel).
 @triton.jit(do_not_specialize=["M"])
-def _small_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_sn, stride_o,
+def _words_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_x, stride_o,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, ASM: tl.constexpr, WORD_ASM: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[:, n-block] for all M (<= BLOCK_M) rows on CUDA cores; BLOCK_K a multiple of GROUP, K of
-    BLOCK_K. The weight is read as int32 words (w_ptr: the uint8 weight viewed as int32, stride_w in
-    words); nibble i of word c is column 8c + i. Few instructions a weight and row, as the product
-    (not the read) bounds this kernel (bench/diag/int4_gemv_sweep.py):
-    - a nibble becomes a float by its bits, no conversion: masked into mantissa bits 19-22 under
-      the exponent of 1.0 it reads 1 + q/16, into bits 15-18 under that of 16.0 it reads 16 + q/16
-      (exact), so one AND-OR (LOP3) a nibble and one shift for every two (by 3 and 11 left, 5
-      right, and a rotation by 19 for nibbles 0 and 7);
-    - one FMA a nibble and row sums x * f over a word, d = sum_i x_i f_i - A with the offsets'
-      part A = sum_i a_i x_i (a_i in {1, 16}) taken out first, so d = (sum_i x_i q_i) / 16;
-    - the group's zero point and scale apply a word, not a weight: s (sum x q - z sum x) is
-      (16 s) d - (s z) X with X = sum_i x_i, two FMAs a word and row.
-    Compiled for sm_90 at one row, its loop issues 4.3 instructions a weight (the kernel before it,
-    which subtracted the zero point and scaled each weight: 6.4). Sums in float32: d's terms are at
-    most 17 |x| against a 1/16 step, so the result keeps about 20 bits of sum_k |x_k| 8 s_k."""
-    pid = tl.program_id(0)
-    WPG: tl.constexpr = GROUP // 8  # words a group
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    rm = tl.arange(0, BLOCK_M)[:, None, None, None]
-    n4 = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None, None]
-    g4 = tl.arange(0, GROUPS)[None, None, :, None]
-    word = g4 * WPG + tl.arange(0, WPG)[None, None, None, :]  # [1, 1, GROUPS, WPG]: a tile's words
-    m_ok, n_ok = rm < M, n4 < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS, WPG], dtype=tl.float32)
-    after_previous(PDL)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = tl.load(w_ptr + n4 * stride_w + (k0 // 8 + word), mask=n_ok, other=0)  # [1, BN, GROUPS, WPG]
-        s_row = s_ptr + n4 * stride_sn + (k0 // GROUP + g4) * 2
-        s = tl.load(s_row, mask=n_ok, other=0.0).to(tl.float32)  # [1, BN, GROUPS, 1]
-        z = tl.load(s_row + 1, mask=n_ok, other=0.0).to(tl.float32)
-        xp = x_ptr + rm * stride_x + (k0 + 8 * word)  # [BM, 1, GROUPS, WPG]: column 8 * word + i at + i
-        x0 = tl.load(xp + 0, mask=m_ok, other=0.0).to(tl.float32)
-        x1 = tl.load(xp + 1, mask=m_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(xp + 2, mask=m_ok, other=0.0).to(tl.float32)
-        x3 = tl.load(xp + 3, mask=m_ok, other=0.0).to(tl.float32)
-        x4 = tl.load(xp + 4, mask=m_ok, other=0.0).to(tl.float32)
-        x5 = tl.load(xp + 5, mask=m_ok, other=0.0).to(tl.float32)
-        x6 = tl.load(xp + 6, mask=m_ok, other=0.0).to(tl.float32)
-        x7 = tl.load(xp + 7, mask=m_ok, other=0.0).to(tl.float32)
-        at_16 = x1 + x3 + x5 + x7  # the nibbles read as 16 + q/16
-        at_1 = x0 + x2 + x4 + x6  # those read as 1 + q/16
-        unsigned = w.to(tl.uint32, bitcast=True)
-        turned = ((unsigned << 19) | (unsigned >> 13)).to(tl.int32, bitcast=True)  # nibbles 7, 0 at 15, 19
-        up3 = w << 3  # nibbles 3, 4 at bits 15, 19
-        up11 = w << 11  # 1, 2
-        down5 = w >> 5  # 5, 6
-        d = -(16.0 * at_16 + at_1)
-        d += x0 * ((turned & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-        d += x1 * ((up11 & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
-        d += x2 * ((up11 & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-        d += x3 * ((up3 & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
-        d += x4 * ((up3 & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-        d += x5 * ((down5 & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
-        d += x6 * ((down5 & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-        d += x7 * ((turned & 0x78000) | 0x41800000).to(tl.float32, bitcast=True)
-        acc += (s * 16.0) * d - (s * z) * (at_16 + at_1)
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BM, BN]
-    rm2 = tl.arange(0, BLOCK_M)[:, None]
-    rn2 = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn2, mask=rn2 < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rm2 * stride_o + rn2, out.to(out_ptr.dtype.element_ty), mask=(rm2 < M) & (rn2 < N))
-
-
-SMALL_MATMUL_MAX_ROWS = 2
-"""The most rows Int4Matmul sends to `small_matmul` (more: the tensor-core tiles of `matmul`)."""
-
-SMALL_MATMUL_CONFIGS = {1: (16, 1024, 4, 3), 2: (16, 512, 4, 3)}
-"""small_matmul's (block_n, block_k, num_warps, num_stages) by rows: the tiles of least summed time over
-Llama-3.1-8B's four projections on an H200 (bench/results/int4_gemv_sweep_nvidia-h200_r5_words.json)."""
-
-
-def small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Int4Matmul for x [M, K] with few rows: one launch. config: (block_n, block_k, num_warps,
-    num_stages); block_k a multiple of the group size that divides K. The defaults: see
-    SMALL_MATMUL_CONFIGS."""
-    m, k = x.shape
-    n, groups = weight.shape[0], weight_scale.shape[1]
-    group = k // groups
-    if group % 8 or group & (group - 1):
-        raise ValueError(f"small_matmul reads 8 columns a word: the group size must be a power of two of at least 8; "
-                         f"got {group} ({k} columns in {groups} groups)")
-    block_n, block_k, num_warps, num_stages = config or SMALL_MATMUL_CONFIGS[min(m, SMALL_MATMUL_MAX_ROWS)]
-    block_k = max(block_k, group)
-    while k % block_k or block_k % group:
-        block_k //= 2
-    words = weight.view(torch.int32)  # [N, K / 8]: bytes 4c..4c+3 little-endian, nibble i column 8c + i
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _small_matmul_kernel[(triton.cdiv(n, block_n),)](
-        x, words, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), words.stride(0),
-        weight_scale.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        num_warps=num_warps, **pdl_options(x.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
-    return out
-
-
-@triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_sn, stride_o,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """out[m-block, n-block] on tensor cores: each K tile of the weight dequantized in registers to
-    the activations' dtype (rounded as int4.dequantize then a cast rounds it), float32 accumulation.
-    BLOCK_K a multiple of GROUP that divides K."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """out[m-block, n-block] over one k_per_split slice of K (a multiple of 128) per program along axis
+    1; slices summed as fp8_kernels._split_k_matmul_kernel's. ASM: the PTX conversion (CUDA); else
+    Triton's operations compute the same (the interpreter runs no PTX)."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = rm < M, rn < N
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, 16)
+    n_ok, m_ok = rn < N, rm < M
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    groups = K // GROUP
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     after_previous(PDL)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=m_ok[:, None], other=0.0)
-        rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_ptr + rn[:, None] * stride_w + rb[None, :], mask=n_ok[:, None], other=0)
-        q = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-        g = k0 // GROUP + tl.arange(0, GROUPS)
-        s_row = s_ptr + rn[:, None] * stride_sn + g[None, :] * 2
-        scale = tl.load(s_row, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(s_row + 1, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        w = ((q.reshape(BLOCK_N, GROUPS, GROUP) - zero[:, :, None]) * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    for k0 in tl.range(k_begin, k_end, 128, num_stages=NUM_STAGES):
+        tile = pid_n * groups  # the tile's first group's scales (to_words: [N / BLOCK_N, groups, BLOCK_N, 2])
+        words = tl.load(w_ptr + ((pid_n * (K // 128) + k0 // 128) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * 16
+                        + c[None, :])  # [BLOCK_N, 16]
+        if ASM:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words], dtype=(tl.int16,) * 8, is_pure=True, pack=2)
+        else:
+            n0 = ((words & 0xF) | MAGIC).to(tl.int16)
+            n1 = (((words >> 4) & 0xF) | MAGIC).to(tl.int16)
+            n2 = (((words >> 8) & 0xF) | MAGIC).to(tl.int16)
+            n3 = (((words >> 12) & 0xF) | MAGIC).to(tl.int16)
+            n4 = (((words >> 16) & 0xF) | MAGIC).to(tl.int16)
+            n5 = (((words >> 20) & 0xF) | MAGIC).to(tl.int16)
+            n6 = (((words >> 24) & 0xF) | MAGIC).to(tl.int16)
+            n7 = (((words >> 28) & 0xF) | MAGIC).to(tl.int16)
+        s, zb = _group_scales(s_ptr, tile, k0 // GROUP, BLOCK_N, OFFSET, DTYPE)
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc, part, s, zb = _nibble_step(acc, part, n0, 0, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+        acc, part, s, zb = _nibble_step(acc, part, n1, 1, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+        acc, part, s, zb = _nibble_step(acc, part, n2, 2, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+        acc, part, s, zb = _nibble_step(acc, part, n3, 3, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+        acc, part, s, zb = _nibble_step(acc, part, n4, 4, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+        acc, part, s, zb = _nibble_step(acc, part, n5, 5, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+        acc, part, s, zb = _nibble_step(acc, part, n6, 6, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+        acc, part, s, zb = _nibble_step(acc, part, n7, 7, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
+                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    ok = m_ok[:, None] & n_ok[None, :]
+    out = out_ptr + rm[:, None] * stride_o + rn[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        parts = part_ptr + rm[:, None] * N + rn[None, :]  # slice s at + s * M * N
+        tl.store(parts + pid_k * M * N, acc, mask=ok)
+        # NOTE: every thread's stores before the count (the barrier), the count released at GPU scope;
+        # the last program acquires it, and reads the slices past L1 (.cg), which may hold stale lines.
+        tl.debug_barrier()
+        count = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(parts + split * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """Int4Matmul for x [M, K], any M: one launch of tensor-core tiles. config: (block_m, block_n,
-    block_k, num_warps, num_stages); by default block_m from M (16..64), 128 x 128 otherwise."""
+WORDS_PROGRAMS = 512
+"""Programs (tiles times K slices) `words_config` aims for up to 32 rows, half of it from 33 (K split in
+powers of two until then, at most 16 slices of at least two trips): on an H200 the split-K rule
+picked the sweep's best tile at every 8B projection up to 16 rows, and at 64 rows split 4 gained
+1.4x on o and down over split 8 (bench/results/int4_gemv_sweep_nvidia-h200_r8_words_tiles.json)."""
+
+MAX_TILES = 1 << 14
+"""Output tiles of one `words_matmul` split over K its count buffer (`split_k_counts`) serves."""
+
+
+def words_config(m: int, n: int, k: int, block_n: int) -> tuple[int, int]:
+    """(block_m, split_k) for x [m, k] against a weight of n rows in tiles of block_n: 16, 32 or 64
+    rows a tile (a grid of 64-row tiles past 64), K split only within one row tile (past it, every
+    split variant would be another compiled kernel)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if m > 64:
+        return block_m, 1
+    tiles, trips = triton.cdiv(n, block_n), k // 128
+    target = WORDS_PROGRAMS if block_m <= 32 else WORDS_PROGRAMS // 2
+    split = 1
+    while tiles * split < target and split < 16 and trips // (2 * split) >= 2:
+        split *= 2
+    return block_m, split
+
+
+def split_k_counts(device: torch.device) -> torch.Tensor:
+    """A zeroed count per output tile for `words_matmul`'s slices; each launch leaves it zeroed."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
+def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 block_n: int, counts: torch.Tensor, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (float16 or bfloat16) @ W.T (+ bias) for W in int4.to_words' layout of block_n rows a
+    tile (weight as its bytes [N, K / 2], weight_scale [N, groups, 2]); counts: split_k_counts'.
+    config: (block_m, split_k), words_config's by default."""
     m, k = x.shape
-    n, groups = weight.shape[0], weight_scale.shape[1]
+    n, groups = weight_scale.shape[0], weight_scale.shape[1]
     group = k // groups
-    block_m, block_n, block_k, num_warps, num_stages = config or (min(64, max(16, triton.next_power_of_2(m))),
-                                                                  128, 128, 4, 3)
-    block_k = max(block_k, group)
-    while k % block_k or block_k % group:
-        block_k //= 2
-    if block_k < group:
-        block_k = group
+    magic, offset = MAGIC[x.dtype]
+    block_m, split_k = config or words_config(m, n, k, block_n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _matmul_kernel[grid](
-        x, weight, weight_scale, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
-        weight_scale.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        **pdl_options(x.device, m, max_rows=0))
+    if m == 0:
+        return out
+    k_per_split = triton.cdiv(k // 128, split_k) * 128
+    split_k = triton.cdiv(k, k_per_split)  # no empty slice
+    grid = (n // block_n, split_k, triton.cdiv(m, block_m))
+    if split_k > 1 and grid[0] * grid[2] > MAX_TILES:  # NOTE: words_config splits within one row tile only
+        raise ValueError(f"words_matmul of {m} x {n} split over K takes {grid[0] * grid[2]} counts; "
+                         f"at most {MAX_TILES}")
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    compiled = x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    _words_kernel[grid](
+        x, weight.view(torch.int32), weight_scale, bias if bias is not None else x, out, part, counts, m, n, k,
+        k_per_split, x.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, SPLIT_K=split_k, ASM=compiled, WORD_ASM=word_asm(magic), MAGIC=magic, OFFSET=offset,
+        NUM_STAGES=3, num_warps=4, **pdl_options(x.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
     return out

@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-LLAMA_8B_SHAPE = Path(__file__).resolve().parents[2] / "bench" / "shapes" / "llama-3.1-8b"
+SHAPES = Path(__file__).resolve().parents[2] / "bench" / "shapes"
 
 # Batches of prompt lengths, each added at once: one prompt and several, lengths of every class
 # (multiples of 16 and not, one token past a block, a prompt chunked over steps), batches of 1-17;
@@ -78,10 +78,11 @@ def varied_batches() -> list[tuple[list[int], dict]]:
     return batches + [(lengths, {"temperature": 0.7, "top_p": 0.9, "seed": 7}) for lengths in SAMPLED]
 
 
-@pytest.mark.parametrize("quantization", ["auto", "fp8"])
-def test_no_step_compiles_a_kernel_after_start(make_llm, quantization):
+@pytest.mark.parametrize("shape, quantization", [("llama-3.1-8b", "auto"), ("llama-3.1-8b", "fp8"),
+                                                 ("llama-3.1-8b-awq", "auto")], ids=["auto", "fp8", "w4a16"])
+def test_no_step_compiles_a_kernel_after_start(make_llm, shape, quantization):
     forget_compiled_kernels()
-    llm = make_llm(str(LLAMA_8B_SHAPE), device="cuda", dtype="bfloat16", load_format="dummy", quantization=quantization,
+    llm = make_llm(str(SHAPES / shape), device="cuda", dtype="bfloat16", load_format="dummy", quantization=quantization,
                    num_blocks=4096, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=2048)
     assert compiled_while_serving(llm.engine, varied_batches()) == []
 

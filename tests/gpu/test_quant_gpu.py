@@ -105,27 +105,34 @@ def test_fp8_kv_cache_on_triton_equals_torch_backend(hf_checkpoints, make_llm) -
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 300])
 def test_int4_cuda_path_equals_reference_path(rows: int) -> None:
-    from engine.quant.int4 import Int4Matmul, pack_nibbles
+    """int4_kernels' words kernel (its PTX conversion; row tiles of 16 and 64, K split and a grid of
+    row tiles) against dequantize-then-multiply."""
+    from engine.quant.int4 import Int4Matmul, pack_nibbles, to_words
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
     q = torch.randint(0, 16, (1536, 4096), device="cuda", generator=gen)
     scale = torch.stack((torch.rand(1536, 32, device="cuda", generator=gen).half() * 0.01,
                          torch.randint(0, 16, (1536, 32), device="cuda", generator=gen).half()), -1)
-    fast = Int4Matmul("cuda", triton=True)(x, pack_nibbles(q), scale, None)
+    fast = Int4Matmul("cuda", triton=True)(x, *to_words(pack_nibbles(q), scale, 64), None)
     slow = Int4Matmul("reference", triton=False)(x, pack_nibbles(q), scale, None)
     torch.testing.assert_close(fast.float(), slow.float(), atol=0.05, rtol=1e-2)
 
 
-def test_awq_model_on_cuda_equals_reference_path(hf_checkpoints, make_llm, tmp_path) -> None:
+def test_awq_model_on_cuda_equals_reference_path(make_llm, tmp_path) -> None:
+    """Every projection of a model of 128 hidden columns is one the words kernel takes (K a multiple of
+    128); the reference model moves them back (use_fused_ops(False))."""
+    from tests.builders import make_hf_checkpoint
     from tests.quant_builders import write_int4
 
-    write_int4(hf_checkpoints("qwen2"), tmp_path / "awq", group=32)
+    src = make_hf_checkpoint("qwen2", tmp_path / "src", hidden_size=128, intermediate_size=256, head_dim=32)
+    write_int4(src, tmp_path / "awq", group=32)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [[0, 17, 400, 33, 1021, 7], list(range(40, 90))]
     fast = make_llm(str(tmp_path / "awq"), device="cuda", dtype="bfloat16", num_blocks=64)
     assert fast.engine.weights == "4-bit projections on the cuda path"
     slow = make_llm(str(tmp_path / "awq"), device="cuda", dtype="bfloat16", num_blocks=64, enforce_eager=True)
-    slow.engine.runner.model.ops.int4.path = "reference"
-    slow.engine.runner.model.ops.int4._small_max_rows = 0
+    assert fast.engine.runner.model.int4_words
+    slow.engine.runner.model.use_fused_ops(False)
+    assert not slow.engine.runner.model.int4_words
     _same_until_a_near_tie(fast.generate(prompts, params), slow.generate(prompts, params))

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 # (module, kernel, signature, constexprs): the bf16 model's arguments; "constexpr" entries set below
 CASES = """
+from engine.quant.int4_kernels import word_asm
 P = "*bf16"
+WORD_ASM = word_asm(0x4300)
 CASES = [
     ("engine.models.fused_kernels", "_add_rms_norm_kernel",
      dict(x_ptr=P, res_ptr=P, w_ptr=P, out_ptr="*fp8e4nv", res_out_ptr=P, scale_ptr="*fp32", stride_x="i32",
@@ -55,14 +57,16 @@ CASES = [
           out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32",
           stride_x="i32", stride_w="i32", stride_o="i32"),
      dict(HAS_BIAS=False, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, PDL=True)),
-    ("engine.quant.int4_kernels", "_small_matmul_kernel",
-     dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, M="i32", N="i32", K="i32", stride_x="i32",
-          stride_w="i32", stride_sn="i32", stride_o="i32"),
-     dict(GROUP=128, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, NUM_STAGES=3, PDL=True)),
-    ("engine.quant.int4_kernels", "_small_matmul_kernel",
-     dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, M="i32", N="i32", K="i32", stride_x="i32",
-          stride_w="i32", stride_sn="i32", stride_o="i32"),
-     dict(GROUP=32, HAS_BIAS=True, BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, NUM_STAGES=3, PDL=True)),
+    ("engine.quant.int4_kernels", "_words_kernel",  # its PTX conversion assembled too
+     dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32",
+          N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32"),
+     dict(GROUP=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, ASM=True, WORD_ASM=WORD_ASM, MAGIC=0x4300,
+          OFFSET=128.0, NUM_STAGES=3, PDL=True)),
+    ("engine.quant.int4_kernels", "_words_kernel",
+     dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32",
+          N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32"),
+     dict(GROUP=32, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=32, SPLIT_K=1, ASM=True, WORD_ASM=WORD_ASM, MAGIC=0x4300,
+          OFFSET=128.0, NUM_STAGES=3, PDL=True)),
     ("engine.parallel.symm_kernels", "_allreduce_add_rms_norm_kernel",
      dict(buffer_ptrs="i64", signal_pads="i64", calls_ptr="*i32", x_ptr=P, res_ptr=P, w_ptr=P, out_ptr="*fp8e4nv",
           res_out_ptr=P, scale_ptr="*fp32", stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32", n="i32",

@@ -19,7 +19,7 @@ from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F4
 
 SPLIT_K_MAX_ROWS = import_interpreted("engine.quant.fp8_kernels", "_quantize_rows_kernel").SPLIT_K_MAX_ROWS
 PDL = import_interpreted("engine.pdl", "after_previous")
-SMALL_MATMUL_MAX_ROWS = import_interpreted("engine.quant.int4_kernels", "_matmul_kernel").SMALL_MATMUL_MAX_ROWS
+INT4 = import_interpreted("engine.quant.int4_kernels", "_words_kernel")
 import_interpreted("engine.attention.triton_kernels", "_decode_kernel")
 import_interpreted("engine.attention.triton_prefill", "_prefill_kernel")
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
@@ -49,12 +49,12 @@ def test_steps_reach_every_row_class_and_both_decode_plans():
     steps = warm_up_steps(8192, 16)
     rows = [_rows(seqs) for seqs in steps]
     # The FP8 split-K tile classes (<= 16, <= SPLIT_K_MAX_ROWS rows), each 16-row tile launched early
-    # (PDL) and not, the scaled matmul past them, and the 4-bit small kernel's row counts (1 ..
-    # SMALL_MATMUL_MAX_ROWS).
+    # (PDL) and not, the scaled matmul past them, and the 4-bit kernel's (row tiles of 16, 32, 64 with
+    # K split and a grid of 64-row tiles without).
     assert any(r <= PDL.PDL_PRODUCT_MAX_ROWS for r in rows) and any(PDL.PDL_PRODUCT_MAX_ROWS < r <= 16 for r in rows)
     assert any(16 < r <= SPLIT_K_MAX_ROWS for r in rows)
     assert any(r > SPLIT_K_MAX_ROWS for r in rows)
-    assert set(range(1, SMALL_MATMUL_MAX_ROWS + 1)) <= set(rows)
+    assert {INT4.words_config(r, 4096, 4096, 64) for r in rows} == {(16, 8), (32, 8), (64, 4), (64, 1)}
     # Decode launched with its keys split over programs, and whole; beside prompts and alone.
     config, num_kv_heads = TritonAttentionConfig(), 8
     splits = [

@@ -13,8 +13,10 @@ import torch
 
 from engine import SamplingParams
 from bench.int4_rtn import awq_pack, gptq_pack_columns, gptq_pack_rows
-from engine.quant.int4 import (Int4Matmul, dequantize, pack_nibbles, unpack_awq_columns, unpack_gptq_columns,
-                               unpack_gptq_rows, unpack_nibbles)
+from engine.models import build_model
+from engine.quant.convert import set_int4_words
+from engine.quant.int4 import (Int4Matmul, dequantize, from_words, pack_nibbles, to_words, unpack_awq_columns,
+                               unpack_gptq_columns, unpack_gptq_rows, unpack_nibbles, words_block_n)
 from tests.builders import ARCHITECTURES, assert_greedy_equals_hf, load_hf_model
 from tests.quant_builders import dequantized_reference, write_int4
 
@@ -32,6 +34,42 @@ def test_unpacking_inverts_autoawq_and_gptq_packing() -> None:
     # the formats' definitions, spelled out: AWQ's nibble i is column AWQ_ORDER[i]; GPTQ's bits 4j are row j
     assert int(awq_pack(torch.arange(8).view(1, 8))) == 0x75316420
     assert int(gptq_pack_rows(torch.arange(8).view(8, 1))) == 0x76543210
+
+
+def test_words_layout_places_each_nibble_and_inverts() -> None:
+    """to_words (the CUDA kernel's layout): tile t, trip r, row j, word w holds column 128 r + 16 i + w
+    of row t * block_n + j at nibble i; scales by tile and group; from_words gives both back."""
+    q = torch.randint(0, 16, (96, 384))
+    scale = torch.randn(96, 12, 2).half()
+    assert words_block_n(pack_nibbles(q), scale) == 32
+    weight, tiled = to_words(pack_nibbles(q), scale, 32)
+    assert weight.shape == (96, 192) and tiled.shape == (96, 12, 2)
+    words = weight.view(torch.int32).view(3, 3, 32, 16)
+    for t, r, j, w, i in [(0, 0, 0, 0, 0), (2, 1, 5, 7, 3), (1, 2, 31, 15, 7)]:
+        assert int(words[t, r, j, w] >> (4 * i) & 0xF) == int(q[32 * t + j, 128 * r + 16 * i + w])
+    assert torch.equal(tiled.view(3, 12, 32, 2)[1, 4, 5], scale[32 + 5, 4])
+    back = from_words(weight, tiled, 32)
+    assert torch.equal(back[0], pack_nibbles(q)) and torch.equal(back[1], scale)
+    # shapes the layout does not take: K not a multiple of 128, groups straddling a 16-column product
+    assert words_block_n(pack_nibbles(q[:, :320]), scale[:, :10]) is None
+    assert words_block_n(pack_nibbles(q), torch.zeros(96, 48, 2)) is None  # groups of 8
+
+
+def test_set_int4_words_moves_the_products_the_kernel_takes_and_back(hf_checkpoints, tmp_path) -> None:
+    """Only down (K = 128 here) fits the kernel's layout; moving there and back gives every byte back."""
+    write_int4(hf_checkpoints("llama"), tmp_path / "awq", group=32)
+    model, _ = build_model(tmp_path / "awq", torch.float32, torch.device("cpu"))
+    mlp, attn = model.model.layers[0].mlp, model.model.layers[0].self_attn
+    before = {name: t.clone() for name, t in [("down", mlp.down_proj.weight), ("down_s", mlp.down_proj.weight_scale),
+                                               ("qkv", attn.qkv_weight), ("gate_up", mlp.gate_up_weight)]}
+    set_int4_words(model, True)
+    assert model.int4_words
+    assert not torch.equal(mlp.down_proj.weight, before["down"])
+    assert torch.equal(attn.qkv_weight, before["qkv"]) and torch.equal(mlp.gate_up_weight, before["gate_up"])
+    set_int4_words(model, True)  # already there: unchanged
+    set_int4_words(model, False)
+    assert torch.equal(mlp.down_proj.weight, before["down"]) and torch.equal(mlp.down_proj.weight_scale,
+                                                                              before["down_s"])
 
 
 def test_reference_path_is_dequantize_then_matmul() -> None:

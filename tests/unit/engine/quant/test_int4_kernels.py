@@ -1,45 +1,72 @@
 """The Triton 4-bit kernel (engine/quant/int4_kernels.py) against the reference path under Triton's
-CPU interpreter: group sizes that split a K tile or fill it, odd output counts, bias, 1-2 rows.
-NOTE: imported under TRITON_INTERPRET (tests/interpreted.py says how, and why this skips otherwise)."""
+CPU interpreter, on float16 rows (the interpreter multiplies bfloat16 as their bits): groups under,
+at and over a 128-column trip, tiles of 64, 32 and 16 rows, one to two row tiles, K split and not,
+bias. Its PTX conversion runs on a GPU only (tests/gpu/test_quant_gpu.py); the interpreter runs the
+same numbers in Triton's operations. NOTE: imported under TRITON_INTERPRET (tests/interpreted.py
+says how, and why this skips otherwise)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.quant.int4 import Int4Matmul, pack_nibbles
+from engine.quant.int4 import Int4Matmul, pack_nibbles, to_words, words_block_n
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
-int4_kernels = import_interpreted("engine.quant.int4_kernels", "_small_matmul_kernel")
+int4_kernels = import_interpreted("engine.quant.int4_kernels", "_words_kernel")
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 
-@pytest.mark.parametrize("rows, n, k, group", [(1, 48, 256, 128), (2, 40, 512, 128), (1, 17, 96, 32), (2, 8, 512, 64)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_small_matmul_equals_reference_path(rows: int, n: int, k: int, group: int, bias: bool) -> None:
-    gen = torch.Generator().manual_seed(n * k)
-    x = torch.randn(rows, k, generator=gen)
+def _case(rows: int, n: int, k: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).half()
     q = torch.randint(0, 16, (n, k), generator=gen)
     scale = torch.stack((torch.rand(n, k // group, generator=gen).half() * 0.1,
                          torch.randint(0, 16, (n, k // group), generator=gen).half()), -1)
-    b = torch.randn(n, generator=gen) if bias else None
-    got = int4_kernels.small_matmul(x, pack_nibbles(q), scale, b)
-    want = Int4Matmul("reference", triton=False)(x.double(), pack_nibbles(q), scale, b.double() if bias else None)
-    # the kernel's float32 word sums keep about 20 bits of sum_k |x_k| 8 s_k (its terms' scale; the
-    # kernel's docstring says why): within 2e-6 of it, where a bfloat16 output rounds at 4e-3
-    term_scale = x.double().abs() @ (8 * scale[..., 0].double().repeat_interleave(group, 1)).T
-    assert ((got.double() - want).abs() <= 2e-6 * term_scale).all()
+    return x, pack_nibbles(q), scale
 
 
-@pytest.mark.parametrize("rows, n, k, group", [(3, 48, 256, 128), (33, 40, 512, 128), (20, 17, 96, 32)])
-def test_tiled_matmul_equals_reference_path(rows: int, n: int, k: int, group: int) -> None:
-    """The tensor-core kernel for more rows (float32 here: exact products, float32 sums)."""
-    gen = torch.Generator().manual_seed(rows * n)
-    x = torch.randn(rows, k, generator=gen)
-    q = torch.randint(0, 16, (n, k), generator=gen)
-    scale = torch.stack((torch.rand(n, k // group, generator=gen).half() * 0.1,
-                         torch.randint(0, 16, (n, k // group), generator=gen).half()), -1)
-    b = torch.randn(n, generator=gen)
-    got = int4_kernels.matmul(x, pack_nibbles(q), scale, b, (16, 32, 64, 4, 2))
-    want = Int4Matmul("reference", triton=False)(x, pack_nibbles(q), scale, b)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+@pytest.mark.parametrize("rows, n, k, group, bias", [
+    (1, 64, 512, 128, False),  # K split in two
+    (3, 48, 384, 32, True),  # tiles of 16 rows; four groups a trip
+    (17, 32, 256, 64, False),  # 32-row tile; two groups a trip
+    (2, 64, 512, 256, True),  # a group over two trips
+    (70, 64, 128, 16, True),  # two 64-row tiles (unsplit); eight groups a trip
+])
+def test_words_matmul_equals_reference_path(rows: int, n: int, k: int, group: int, bias: bool) -> None:
+    x, weight, scale = _case(rows, n, k, group, seed=rows * n + k)
+    b = torch.randn(n).half() if bias else None
+    want = Int4Matmul("reference", triton=False)(x.double(), weight, scale, b.double() if bias else None)
+    block_n = words_block_n(weight, scale)
+    assert block_n == max(b for b in (64, 32, 16) if n % b == 0)
+    assert (int4_kernels.words_config(rows, n, k, block_n)[1] > 1) == (k == 512)
+    counts = int4_kernels.split_k_counts(torch.device("cpu"))
+    got = int4_kernels.words_matmul(x, *to_words(weight, scale, block_n), b, block_n, counts)
+    # exact products of (q - z) and x summed in float32, scaled in float32, rounded to float16 once
+    term_scale = x.double().abs() @ (16 * scale[..., 0].double().repeat_interleave(group, 1)).T
+    assert ((got.double() - want).abs() <= 2**-10 * want.abs() + 1e-6 * term_scale + 1e-6).all()
+    assert not counts.any()  # each launch leaves the split-K counts zeroed
+
+
+def test_words_config_splits_k_for_few_tiles_only() -> None:
+    assert int4_kernels.words_config(1, 64, 512, 64) == (16, 2)  # one tile: K split while slices keep 2 trips
+    assert int4_kernels.words_config(1, 64, 256, 64) == (16, 1)
+    assert int4_kernels.words_config(1, 4096, 4096, 64)[1] == 8  # 64 tiles: split to 512 programs
+    assert int4_kernels.words_config(1, 28672, 4096, 64)[1] == 2
+    assert int4_kernels.words_config(40, 4096, 4096, 64) == (64, 4)  # half the programs from 33 rows
+    assert int4_kernels.words_config(100, 4096, 4096, 64) == (64, 1)  # a grid of row tiles: no split
+
+
+def test_int4_matmul_takes_the_kernel_where_the_layout_does() -> None:
+    """On the cuda path with Triton (run here on CPU tensors, interpreted), a projection in to_words'
+    layout goes through the kernel; one whose K is no multiple of 128 stays in bytes and is
+    dequantized and multiplied."""
+    matmul = Int4Matmul("cuda", triton=True)
+    assert matmul.words
+    for k in (256, 64):
+        x, weight, scale = _case(2, 32, k, 32, seed=k)
+        want = Int4Matmul("reference", triton=False)(x.double(), weight, scale, None)
+        block_n = words_block_n(weight, scale)
+        assert (block_n is None) == (k == 64)
+        held = to_words(weight, scale, block_n) if block_n else (weight, scale)
+        torch.testing.assert_close(matmul(x, *held, None).double(), want, rtol=2e-3, atol=2e-3)
