@@ -1,34 +1,30 @@
-"""How fast `int4_kernels.small_matmul` (W4A16, group 128, one or two rows) reads its weight, over a
-grid of tiles, beside `read`: the same weight tiles read and their bytes summed, no product (what
-reading alone costs). Shapes: Llama-3.1-8B's projections (qkv, o, gate_up, down). Each timing
-cycles through copies of the weight holding at least 256 MiB together (no call finds its weight
-in L2); one CUDA graph of a cycle, the median of 10 replays. Outputs are checked against
-`int4.dequantize` then a float32 product first.
+"""How fast the 4-bit kernels (W4A16, group 128) multiply Llama-3.1-8B's projections (qkv, o, gate_up,
+down) by rows, over a grid of tiles, beside `read`: bytes-layout weight tiles read and their bytes
+summed, no product (what reading costs alone). Each timing cycles through copies of the weight
+holding at least 256 MiB together (no call finds its weight in L2); one CUDA graph of a cycle, the
+median of 10 replays. Outputs are checked against `int4.dequantize` then a float32 product first.
 
-What the runs on one H200 found (bench/results/int4_gemv_sweep_nvidia-h200_r*.json; one row, best
-tile each, time / floor of weight + scale bytes over the copy bandwidth):
-  r1  small_matmul as it was (int-to-float conversion, nibbles joined and reshaped) 3.7-5.1x; the
-      same with the float-bits conversion (q | 0x4B000000 is the float 2^23 + q; one subtraction of
-      2^23 + z gives q - z) 3.2-4.4x; each group's products summed within the K step, then scaled
-      once, 6.0-7.4x
-  r2  the float-bits kernel over K slices a program (2-16; more programs, fewer steps each) and an
-      ordered sum of the slices: 4.5-6.0x, slower at every split
-  r3  the float-bits kernel with each group loaded and scaled on its own (no reshape): 3.5-5.6x;
-      at two rows the float-bits kernel 4.6-5.9x against the old kernel's 4.4-5.7x
-  r4  reading alone 1.1-2.1x (gate_up 1.09x); one row in 2-D tiles with int32 words, scales
-      gathered a word, 6.7-9.0x
-  r5  int32 words, a nibble made a float by one AND-OR under a 1.0 or 16.0 exponent, the zero point
-      and scale applied a word (4.3 instructions a weight in the compiled loop against 6.4), against
-      the float-bits kernel in the same call (`_r5_words`, `_r5_before_words`): one row, best tiles,
-      qkv 12.5 vs 14.3 us, o 9.8 vs 9.5, gate_up 44.3 vs 52.8, down 24.0 vs 24.7 (2.9-4.5x the
-      floor); summed over the four at one tile each, 90.6 vs 103.0 us at one row (16 x 1,024 both)
-      and 148.8 vs 154.7 at two (16 x 512 vs the old default 16 x 256; the old kernel's best, 8 x 512,
-      144.4). The words kernel became small_matmul's.
-So the product, not the read, bounds the kernel, and not by its instruction count alone: a third
-fewer instructions a weight bought 12% at one row. What would reach the goal is likely tensor cores
-fed by a cheaper conversion (two nibbles a half2 instruction, as Marlin converts), not measured here.
+What the runs on one H200 found (bench/results/int4_gemv_sweep_nvidia-h200_r*.json; best tile each,
+time / floor of weight + scale bytes over the copy bandwidth; sums over the four projections):
+  r1-r5  a CUDA-core kernel for one or two rows (the engine's until r8), its conversion of a nibble
+      cut from 6.4 to 4.3 instructions a weight: 90.6 us at one row (2.9-4.5x the floor), 148.8 at
+      two; reading alone 1.1-2.1x. A third fewer instructions bought 12%: not the instruction count
+      alone bounded it.
+  r6  tensor cores, a byte's nibbles as columns j and 64 + j of a group: the weight as the product's
+      first operand (wgmma) 93 us at one row and 96 at 16 (the tile kernel then: 281); x first
+      (mma.sync) 1.3-1.5x slower; a byte's nibbles as columns 2j, 2j + 1 (x loads strided) 1.3-1.5x
+      slower.
+  r7  a tile's group contiguous, the zero point taken from each weight (packed adds) rather than
+      through x's sums over the group, int32 words with nibble i of word w column 16 i + w (eight
+      products of 16 columns), one PTX block converting two words: 71.4 us at one row, 83.0 at 16
+      (`words_asm_zsub`); each of the four choices gained alone.
+  r8  that kernel (int4_kernels.words_matmul since) by rows: 70.7 / 72.0 / 76.7 / 83.1 / 152.6 us
+      at 1 / 2 / 8 / 16 / 64 rows, against the CUDA-core kernel's 91.1 and 140.1 at one and two and
+      the tile kernel's 280 / 281 / 519 at 8, 16 and 64; at one row gate_up 2.0x its floor, down 2.6x,
+      qkv 3.3x, o 4.1x (their fixed costs). Tiles of 64 rows (the layout's) and split-K to 512
+      programs were the best or within 4% of it up to 16 rows.
 
-    python -m bench.diag.int4_gemv_sweep --out DIR [--rows 1 2] [--variants small_matmul read]
+    python -m bench.diag.int4_gemv_sweep --out DIR [--rows 1 16] [--variants words read]
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ import triton.language as tl
 from bench.common import device_slug, graph_seconds
 from bench.offline_throughput import copy_bandwidth
 from engine.quant import int4_kernels
-from engine.quant.int4 import dequantize
+from engine.quant.int4 import dequantize, to_words
 
 SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096), "8b_down": (4096, 14336)}
 GROUP = 128
@@ -60,7 +56,7 @@ def _read_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """No product: small_matmul's weight tiles read and their bytes summed (what reading costs alone)."""
+    """No product: bytes-layout weight tiles read and their bytes summed (what reading costs alone)."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -83,23 +79,41 @@ def launch(kernel: Callable, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, 
     return out
 
 
+def words(x, w, s, layouts, cfg):
+    """int4_kernels.words_matmul at (block_n, block_m, split_k)."""
+    if x.device not in COUNTS:
+        COUNTS[x.device] = int4_kernels.split_k_counts(x.device)
+    return int4_kernels.words_matmul(x, *layouts[cfg[0]], None, cfg[0], COUNTS[x.device], cfg[1:])
+
+
+COUNTS: dict[torch.device, torch.Tensor] = {}
 VARIANTS: dict[str, Callable] = {
-    "small_matmul": lambda x, w, s, cfg: int4_kernels.small_matmul(x, w, s, None, cfg),
-    "read": lambda x, w, s, cfg: launch(_read_kernel, x, w, s, cfg),
+    "words": words,
+    "dequantize": lambda x, w, s, layouts, cfg: torch.nn.functional.linear(x, dequantize(w, s, x.dtype)),
+    "read": lambda x, w, s, layouts, cfg: launch(_read_kernel, x, w, s, cfg),
 }
 
 
-def configs(variant: str) -> list[tuple[int, ...]]:
+def configs(variant: str, rows: int) -> list[tuple[int, ...]]:
+    if variant == "words":  # (block_n, block_m, split_k)
+        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        return list(itertools.product([32, 64, 128], [block_m], [1, 2, 4, 8, 16]))
+    if variant == "dequantize":  # what Int4Matmul does for shapes the layout does not take
+        return [()]
     tiles = itertools.product([8, 16, 32, 64], [256, 512, 1024, 2048], [4, 8], [3])
-    return [(bn, bk, warps, stages) for bn, bk, warps, stages in tiles
-            if bn * bk <= (65536 if variant == "read" else 32768)]  # past it an accumulator spills
+    return [(bn, bk, warps, stages) for bn, bk, warps, stages in tiles if bn * bk <= 65536]
+
+
+def word_layouts(w: torch.Tensor, s: torch.Tensor) -> dict:
+    """int4.to_words' weight and scales by tile rows."""
+    return {bn: to_words(w, s, bn) for bn in (32, 64, 128)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["words", "read"], choices=list(VARIANTS))
     parser.add_argument("--tag", default="", help="appended to the output file's name")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -114,14 +128,15 @@ def main() -> None:
                                  torch.randint(0, 16, (n, k // GROUP), device=device, generator=gen).float()],
                                 -1).half())
                    for _ in range(copies)]
+        weights = [(w, s, word_layouts(w, s)) for w, s in weights]
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-            want = x.float() @ dequantize(*weights[0], torch.float32).T
+            want = x.float() @ dequantize(*weights[0][:2], torch.float32).T
             floor_us = 1e6 * nbytes / bandwidth
             for variant in args.variants:
                 fn = VARIANTS[variant]
                 best = None
-                for cfg in configs(variant):
+                for cfg in configs(variant, m):
                     try:
                         got = fn(x, *weights[0], cfg).float()
                     except Exception as err:  # a tile past shared memory or registers: skipped, named

@@ -4,11 +4,13 @@ instructions between the widest backward branch and its target counted, by opcod
 weights a thread takes a loop trip, that is the issue cost of a weight (of every lane's share).
 Pointers, strides, N and K are compiled as multiples of 16, as Triton's launcher specializes them.
 
-Kernels: `int4_small` (int4_kernels._small_matmul_kernel: BLOCK_N x BLOCK_K weights a trip).
-What it counted (2026-11-28): the words kernel 4.33 a weight at one row (16 x 1,024, 4 warps), 3.95 at
-32 x 1,024; the float-bits kernel before it 6.39 at 16 x 1,024.
+Kernel: int4_kernels._words_kernel (BLOCK_N x 128 weights a trip).
+What it counted: the CUDA-core kernel before it (2026-11-28) 4.33 a weight at one row (16 x 1,024, 4
+warps), 3.95 at 32 x 1,024, and the one before that 6.39; the tensor-core words kernel (2026-11-29,
+Triton 3.9 here) 4.34 at 64 rows a tile, 3.17 at 128, of which 1.6 convert (PTX) and take the zero
+point (packed adds).
 
-    python -m bench.diag.sass_loop [--rows 1] [--tile 16 1024] [--warps 4]
+    python -m bench.diag.sass_loop [--block-n 64] [--group 128] [--warps 4]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -29,7 +32,8 @@ INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,5})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+
 
 def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int):
     names = list(signature)
-    aligned = [a for a in names if signature[a].startswith("*") or a.startswith("stride") or a in ("N", "K")]
+    aligned = [a for a in names
+               if signature[a].startswith("*") or a.startswith("stride") or a in ("N", "K", "k_per_split")]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, attrs=attrs)
@@ -58,24 +62,24 @@ def loop_opcodes(text: str) -> collections.Counter:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--tile", type=int, nargs=2, default=[16, 1024], metavar=("BLOCK_N", "BLOCK_K"))
+    parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--group", type=int, default=128)
     args = parser.parse_args()
-    from engine.quant.int4_kernels import _small_matmul_kernel
+    from engine.quant.int4_kernels import MAGIC, _words_kernel, word_asm
 
     bf16 = "*bf16"
-    signature = dict(x_ptr=bf16, w_ptr="*i32", s_ptr="*fp16", bias_ptr=bf16, out_ptr=bf16, M="i32", N="i32", K="i32",
-                     stride_x="i32", stride_w="i32", stride_sn="i32", stride_o="i32")
-    block_n, block_k = args.tile
-    kernel = compile_sm90(_small_matmul_kernel, signature,
-                          dict(GROUP=args.group, HAS_BIAS=False, BLOCK_M=triton.next_power_of_2(args.rows),
-                               BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=3), args.warps)
+    signature = dict(x_ptr=bf16, w_ptr="*i32", s_ptr="*fp16", bias_ptr=bf16, out_ptr=bf16, part_ptr="*fp32",
+                     count_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32")
+    magic, offset = MAGIC[torch.bfloat16]
+    kernel = compile_sm90(_words_kernel, signature,
+                          dict(GROUP=args.group, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=args.block_n, SPLIT_K=4, ASM=True,
+                               WORD_ASM=word_asm(magic), MAGIC=magic, OFFSET=offset, NUM_STAGES=3, PDL=True),
+                          args.warps)
     ops = loop_opcodes(sass(kernel))
-    weights = block_n * block_k / (32 * args.warps)
+    weights = args.block_n * 128 / (32 * args.warps)
     total = sum(ops.values())
-    print(f"int4_small rows {args.rows} tile {block_n} x {block_k} warps {args.warps}: {total} instructions a trip, "
+    print(f"int4 words block_n {args.block_n} group {args.group} warps {args.warps}: {total} instructions a trip, "
           f"{total / weights:.2f} a weight")
     print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
 
