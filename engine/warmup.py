@@ -11,7 +11,7 @@ so the values below are the only ones that pick a variant:
 | decode keys split over programs or not          | attention decode (+ reduce) | 1 / 2, 4      |
 | one row (launched early: engine/pdl.py) or more | every Triton kernel         | 4, 6 / others |
 | rows <= 8 (launched early), <= 16, <= 32, more  | FP8 split-K / scaled matmul | 2, 7, 1, 5    |
-| rows <= 16, <= 32, <= 64 (K split), more (not)  | 4-bit words matmul          | 2, 1, 8, 5    |
+| rows <= 16, <= 32, <= 64, more                  | 4-bit words / dequantize    | 2, 1, 8, 5    |
 | unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
 | drafts a row, to the next power of two          | fused verification          | the verifier  |
 

@@ -23,6 +23,13 @@ time / floor of weight + scale bytes over the copy bandwidth; sums over the four
       the tile kernel's 280 / 281 / 519 at 8, 16 and 64; at one row gate_up 2.0x its floor, down 2.6x,
       qkv 3.3x, o 4.1x (their fixed costs). Tiles of 64 rows (the layout's) and split-K to 512
       programs were the best or within 4% of it up to 16 rows.
+  r9  prefill rows: the kernel over a grid of 64-row tiles against dequantizing in torch and
+      multiplying in cuBLAS (`dequantize`): 418 against 2,864 us at 256 rows, 2,822 against 3,808
+      at 2,048.
+  r10 against int4_kernels.dequantize_words (one kernel, bit for bit int4.dequantize) then cuBLAS
+      (`words_dequantize`): 186 against 319 us at 64 rows, 401 (K unsplit; 314 split as at 64 rows)
+      against 332 at 128, 550-600 against 366 at 256, 2,822 against 1,309 at 2,048: the kernel
+      takes up to 64 rows (WORDS_MAX_ROWS), the dequantization more.
 
     python -m bench.diag.int4_gemv_sweep --out DIR [--rows 1 16] [--variants words read]
 """
@@ -90,6 +97,8 @@ COUNTS: dict[torch.device, torch.Tensor] = {}
 VARIANTS: dict[str, Callable] = {
     "words": words,
     "dequantize": lambda x, w, s, layouts, cfg: torch.nn.functional.linear(x, dequantize(w, s, x.dtype)),
+    "words_dequantize": lambda x, w, s, layouts, cfg: torch.nn.functional.linear(
+        x, int4_kernels.dequantize_words(*layouts[64], x.dtype, 64)),
     "read": lambda x, w, s, layouts, cfg: launch(_read_kernel, x, w, s, cfg),
 }
 
@@ -98,7 +107,7 @@ def configs(variant: str, rows: int) -> list[tuple[int, ...]]:
     if variant == "words":  # (block_n, block_m, split_k)
         block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
         return list(itertools.product([32, 64, 128], [block_m], [1, 2, 4, 8, 16]))
-    if variant == "dequantize":  # what Int4Matmul does for shapes the layout does not take
+    if variant in ("dequantize", "words_dequantize"):  # the torch reference path; the Triton one then cuBLAS
         return [()]
     tiles = itertools.product([8, 16, 32, 64], [256, 512, 1024, 2048], [4, 8], [3])
     return [(bn, bk, warps, stages) for bn, bk, warps, stages in tiles if bn * bk <= 65536]

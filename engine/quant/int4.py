@@ -7,9 +7,9 @@ in the low nibble, 2j + 1 in the high one) and `weight_scale` float16 [out, in /
     weight[n, k] = (q[n, k] - z[n, k // group]) * s[n, k // group]
 
 exact in float32 (s a float16, z an integer in [0, 15]). Activations stay in the model's dtype.
-Two paths: `cuda` with Triton (int4_kernels.words_matmul, on tensor cores, for every projection
-whose shape `words_block_n` takes; the weights then held in `to_words`' layout, convert.py's
-`set_int4_words` says when) and `reference` (dequantize to the activations' dtype, then multiply;
+Two paths: `cuda` with Triton (int4_kernels.words_matmul, on tensor cores, up to WORDS_MAX_ROWS
+rows, past them dequantize_words and cuBLAS, for every projection whose shape `words_block_n`
+takes; the weights then held in `to_words`' layout, convert.py's `set_int4_words` says when) and `reference` (dequantize to the activations' dtype, then multiply;
 any device, and CUDA projections of other shapes). Knows nothing of checkpoints (checkpoint.py)
 or modules (convert.py).
 """
@@ -112,12 +112,14 @@ def int4_path(device: torch.device, dtype: torch.dtype) -> Int4Path:
 
 class Int4Matmul:
     """y = x @ W.T for 4-bit weights on one path; `triton` on the cuda path: `words` is set, and each
-    projection `words_block_n` takes is in to_words' layout and multiplies in int4_kernels."""
+    projection `words_block_n` takes is in to_words' layout and multiplies in int4_kernels (up to
+    WORDS_MAX_ROWS rows; more are multiplied by cuBLAS, the weight dequantized by a kernel first)."""
 
     def __init__(self, path: Int4Path, triton: bool) -> None:
         self.path = path
         self.words = triton and path == "cuda"
         self._words_matmul = None
+        self._words_max_rows = 0
         # NOTE: one count buffer a device for all of a model's products: they run one after another
         # on its stream, and each leaves the counts zeroed (as fp8.Fp8Matmul's).
         self._counts: dict[torch.device, torch.Tensor] = {}
@@ -125,12 +127,15 @@ class Int4Matmul:
             from engine.quant import int4_kernels  # NOTE: imports triton; only CUDA models (and interpreted tests) do
 
             self._words_matmul, self._split_k_counts = int4_kernels.words_matmul, int4_kernels.split_k_counts
+            self._words_max_rows, self._dequantize_words = int4_kernels.WORDS_MAX_ROWS, int4_kernels.dequantize_words
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         block_n = words_block_n(weight, weight_scale) if self._words_matmul is not None else None
-        if block_n is not None:
+        if block_n is not None and rows.shape[0] > self._words_max_rows:
+            out = torch.nn.functional.linear(rows, self._dequantize_words(weight, weight_scale, x.dtype, block_n), bias)
+        elif block_n is not None:
             if x.device not in self._counts:
                 self._counts[x.device] = self._split_k_counts(x.device)
             out = self._words_matmul(rows, weight, weight_scale, bias, block_n, self._counts[x.device])

@@ -1,4 +1,5 @@
-"""The Triton kernel behind `int4.Int4Matmul` on CUDA: 4-bit weights in `int4.to_words`' layout made
+"""The Triton kernels behind `int4.Int4Matmul` on CUDA, up to WORDS_MAX_ROWS rows (past it
+`dequantize_words` and cuBLAS): 4-bit weights in `int4.to_words`' layout made
 bfloat16 (or float16) in registers by their bits and multiplied on tensor cores, the weight the
 product's first operand (its rows fill Hopper's wgmma M), x's rows the second; imported only by
 CUDA models and interpreted tests.
@@ -78,12 +79,12 @@ def _words_kernel(
     SPLIT_K: tl.constexpr, ASM: tl.constexpr, WORD_ASM: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[m-block, n-block] over one k_per_split slice of K (a multiple of 128) per program along axis
+    """out[:, n-block] (M <= BLOCK_M) over one k_per_split slice of K (a multiple of 128) per program along axis
     1; slices summed as fp8_kernels._split_k_matmul_kernel's. ASM: the PTX conversion (CUDA); else
     Triton's operations compute the same (the interpreter runs no PTX)."""
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = tl.arange(0, BLOCK_M)
     c = tl.arange(0, 16)
     n_ok, m_ok = rn < N, rm < M
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -139,7 +140,7 @@ def _words_kernel(
         # NOTE: every thread's stores before the count (the barrier), the count released at GPU scope;
         # the last program acquires it, and reads the slices past L1 (.cg), which may hold stale lines.
         tl.debug_barrier()
-        count = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        count = count_ptr + pid_n
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
@@ -149,6 +150,13 @@ def _words_kernel(
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
+
+WORDS_MAX_ROWS = 64
+"""The most rows `words_matmul` takes (one row tile); Int4Matmul multiplies more with cuBLAS after
+`dequantize_words`. On an H200 at the 8B projections, summed (bench/results/int4_gemv_sweep_nvidia-h200_
+r10_dequantize.json), the kernel against that: 186 against 319 us at 64 rows; at 128 rows in two 64-row
+tiles 401 against 332 (K unsplit; split as at 64 rows, 314), at 256 rows 550-600 against 366, at 2,048
+2,822 against 1,309 (each row tile converts the whole weight again)."""
 
 WORDS_PROGRAMS = 512
 """Programs (tiles times K slices) `words_config` aims for up to 32 rows, half of it from 33 (K split in
@@ -161,12 +169,9 @@ MAX_TILES = 1 << 14
 
 
 def words_config(m: int, n: int, k: int, block_n: int) -> tuple[int, int]:
-    """(block_m, split_k) for x [m, k] against a weight of n rows in tiles of block_n: 16, 32 or 64
-    rows a tile (a grid of 64-row tiles past 64), K split only within one row tile (past it, every
-    split variant would be another compiled kernel)."""
+    """(block_m, split_k) for x [m, k] (m <= WORDS_MAX_ROWS) against a weight of n rows in tiles of
+    block_n: 16, 32 or 64 rows a tile."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    if m > 64:
-        return block_m, 1
     tiles, trips = triton.cdiv(n, block_n), k // 128
     target = WORDS_PROGRAMS if block_m <= 32 else WORDS_PROGRAMS // 2
     split = 1
@@ -186,6 +191,9 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     tile (weight as its bytes [N, K / 2], weight_scale [N, groups, 2]); counts: split_k_counts'.
     config: (block_m, split_k), words_config's by default."""
     m, k = x.shape
+    if m > WORDS_MAX_ROWS:
+        raise ValueError(f"words_matmul takes at most WORDS_MAX_ROWS={WORDS_MAX_ROWS} rows, got {m}: "
+                         "multiply more after dequantize_words")
     n, groups = weight_scale.shape[0], weight_scale.shape[1]
     group = k // groups
     magic, offset = MAGIC[x.dtype]
@@ -195,10 +203,9 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return out
     k_per_split = triton.cdiv(k // 128, split_k) * 128
     split_k = triton.cdiv(k, k_per_split)  # no empty slice
-    grid = (n // block_n, split_k, triton.cdiv(m, block_m))
-    if split_k > 1 and grid[0] * grid[2] > MAX_TILES:  # NOTE: words_config splits within one row tile only
-        raise ValueError(f"words_matmul of {m} x {n} split over K takes {grid[0] * grid[2]} counts; "
-                         f"at most {MAX_TILES}")
+    grid = (n // block_n, split_k)
+    if split_k > 1 and grid[0] > MAX_TILES:
+        raise ValueError(f"words_matmul of {n} output rows split over K takes {grid[0]} counts; at most {MAX_TILES}")
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     compiled = x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     _words_kernel[grid](
@@ -206,4 +213,37 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         k_per_split, x.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, SPLIT_K=split_k, ASM=compiled, WORD_ASM=word_asm(magic), MAGIC=magic, OFFSET=offset,
         NUM_STAGES=3, num_warps=4, **pdl_options(x.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
+    return out
+
+
+@triton.jit
+def _dequantize_words_kernel(w_ptr, s_ptr, out_ptr, K, stride_o, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PDL: tl.constexpr):
+    """One tile's trip (BLOCK_N rows x 128 columns) of to_words' layout -> (q - z) * s in out's dtype,
+    rounded once from float32 (as int4.dequantize)."""
+    pid_n, trip = tl.program_id(0), tl.program_id(1)
+    c = tl.arange(0, 16)
+    r = tl.arange(0, BLOCK_N)
+    groups = K // GROUP
+    after_previous(PDL)
+    words = tl.load(w_ptr + ((pid_n * (K // 128) + trip) * BLOCK_N + r)[:, None] * 16 + c[None, :])
+    out = out_ptr + (pid_n * BLOCK_N + r)[:, None] * stride_o + trip * 128 + c[None, :]
+    for i in tl.static_range(8):
+        g = (trip * 128 + 16 * i) // GROUP
+        scale = s_ptr + ((pid_n * groups + g) * BLOCK_N + r) * 2
+        s = tl.load(scale).to(tl.float32)[:, None]
+        z = tl.load(scale + 1).to(tl.float32)[:, None]
+        q = ((words >> (4 * i)) & 0xF).to(tl.float32)
+        tl.store(out + 16 * i, ((q - z) * s).to(out_ptr.dtype.element_ty))
+
+
+def dequantize_words(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
+                     block_n: int) -> torch.Tensor:
+    """int4.dequantize for a weight in to_words' layout of block_n rows a tile -> [N, K] in `dtype`."""
+    n, half = weight.shape
+    k = 2 * half
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    _dequantize_words_kernel[(n // block_n, k // 128)](
+        weight.view(torch.int32), weight_scale, out, k, out.stride(0), GROUP=k // weight_scale.shape[1],
+        BLOCK_N=block_n, num_warps=4, **pdl_options(weight.device, n, max_rows=0))
     return out

@@ -67,6 +67,8 @@ CASES = [
           N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32"),
      dict(GROUP=32, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=32, SPLIT_K=1, ASM=True, WORD_ASM=WORD_ASM, MAGIC=0x4300,
           OFFSET=128.0, NUM_STAGES=3, PDL=True)),
+    ("engine.quant.int4_kernels", "_dequantize_words_kernel",
+     dict(w_ptr="*i32", s_ptr="*fp16", out_ptr=P, K="i32", stride_o="i32"), dict(GROUP=32, BLOCK_N=64, PDL=True)),
     ("engine.parallel.symm_kernels", "_allreduce_add_rms_norm_kernel",
      dict(buffer_ptrs="i64", signal_pads="i64", calls_ptr="*i32", x_ptr=P, res_ptr=P, w_ptr=P, out_ptr="*fp8e4nv",
           res_out_ptr=P, scale_ptr="*fp32", stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32", n="i32",

@@ -49,12 +49,14 @@ def test_steps_reach_every_row_class_and_both_decode_plans():
     steps = warm_up_steps(8192, 16)
     rows = [_rows(seqs) for seqs in steps]
     # The FP8 split-K tile classes (<= 16, <= SPLIT_K_MAX_ROWS rows), each 16-row tile launched early
-    # (PDL) and not, the scaled matmul past them, and the 4-bit kernel's (row tiles of 16, 32, 64 with
-    # K split and a grid of 64-row tiles without).
+    # (PDL) and not, the scaled matmul past them, and the 4-bit kernel's (row tiles of 16, 32 and 64)
+    # and its dequantization past WORDS_MAX_ROWS.
     assert any(r <= PDL.PDL_PRODUCT_MAX_ROWS for r in rows) and any(PDL.PDL_PRODUCT_MAX_ROWS < r <= 16 for r in rows)
     assert any(16 < r <= SPLIT_K_MAX_ROWS for r in rows)
     assert any(r > SPLIT_K_MAX_ROWS for r in rows)
-    assert {INT4.words_config(r, 4096, 4096, 64) for r in rows} == {(16, 8), (32, 8), (64, 4), (64, 1)}
+    small = [r for r in rows if r <= INT4.WORDS_MAX_ROWS]
+    assert {INT4.words_config(r, 4096, 4096, 64) for r in small} == {(16, 8), (32, 8), (64, 4)}
+    assert any(r > INT4.WORDS_MAX_ROWS for r in rows)
     # Decode launched with its keys split over programs, and whole; beside prompts and alone.
     config, num_kv_heads = TritonAttentionConfig(), 8
     splits = [

@@ -1,7 +1,7 @@
 """The Triton 4-bit kernel (engine/quant/int4_kernels.py) against the reference path under Triton's
 CPU interpreter, on float16 rows (the interpreter multiplies bfloat16 as their bits): groups under,
-at and over a 128-column trip, tiles of 64, 32 and 16 rows, one to two row tiles, K split and not,
-bias. Its PTX conversion runs on a GPU only (tests/gpu/test_quant_gpu.py); the interpreter runs the
+at and over a 128-column trip, tiles of 64, 32 and 16 rows, row tiles of 16, 32 and 64, K split and not,
+bias; the dequantization past its rows. Its PTX conversion runs on a GPU only (tests/gpu/test_quant_gpu.py); the interpreter runs the
 same numbers in Triton's operations. NOTE: imported under TRITON_INTERPRET (tests/interpreted.py
 says how, and why this skips otherwise)."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quant.int4 import Int4Matmul, pack_nibbles, to_words, words_block_n
+from engine.quant.int4 import Int4Matmul, dequantize, pack_nibbles, to_words, words_block_n
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
 int4_kernels = import_interpreted("engine.quant.int4_kernels", "_words_kernel")
@@ -31,7 +31,7 @@ def _case(rows: int, n: int, k: int, group: int, seed: int):
     (3, 48, 384, 32, True),  # tiles of 16 rows; four groups a trip
     (17, 32, 256, 64, False),  # 32-row tile; two groups a trip
     (2, 64, 512, 256, True),  # a group over two trips
-    (70, 64, 128, 16, True),  # two 64-row tiles (unsplit); eight groups a trip
+    (40, 64, 128, 16, True),  # a 64-row tile; eight groups a trip
 ])
 def test_words_matmul_equals_reference_path(rows: int, n: int, k: int, group: int, bias: bool) -> None:
     x, weight, scale = _case(rows, n, k, group, seed=rows * n + k)
@@ -54,7 +54,9 @@ def test_words_config_splits_k_for_few_tiles_only() -> None:
     assert int4_kernels.words_config(1, 4096, 4096, 64)[1] == 8  # 64 tiles: split to 512 programs
     assert int4_kernels.words_config(1, 28672, 4096, 64)[1] == 2
     assert int4_kernels.words_config(40, 4096, 4096, 64) == (64, 4)  # half the programs from 33 rows
-    assert int4_kernels.words_config(100, 4096, 4096, 64) == (64, 1)  # a grid of row tiles: no split
+    with pytest.raises(ValueError, match="WORDS_MAX_ROWS"):
+        int4_kernels.words_matmul(torch.zeros(65, 128).half(), *_case(1, 16, 128, 128, 0)[1:], None, 16,
+                                  int4_kernels.split_k_counts(torch.device("cpu")))
 
 
 def test_int4_matmul_takes_the_kernel_where_the_layout_does() -> None:
@@ -70,3 +72,15 @@ def test_int4_matmul_takes_the_kernel_where_the_layout_does() -> None:
         assert (block_n is None) == (k == 64)
         held = to_words(weight, scale, block_n) if block_n else (weight, scale)
         torch.testing.assert_close(matmul(x, *held, None).double(), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("n, k, group", [(64, 256, 128), (48, 384, 32), (32, 512, 256), (64, 128, 16)])
+def test_dequantize_words_equals_dequantize(n: int, k: int, group: int) -> None:
+    """The kernel Int4Matmul dequantizes with past WORDS_MAX_ROWS rows: int4.dequantize's numbers, bit for bit."""
+    _, weight, scale = _case(1, n, k, group, seed=n + k)
+    block_n = words_block_n(weight, scale)
+    got = int4_kernels.dequantize_words(*to_words(weight, scale, block_n), torch.float16, block_n)
+    assert torch.equal(got, dequantize(weight, scale, torch.float16))
+    rows = torch.randn(int4_kernels.WORDS_MAX_ROWS + 1, k).half()
+    torch.testing.assert_close(Int4Matmul("cuda", triton=True)(rows, *to_words(weight, scale, block_n), None),
+                               rows @ got.T)
