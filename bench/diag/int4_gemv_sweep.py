@@ -24,7 +24,7 @@ time / floor of weight + scale bytes over the copy bandwidth; sums over the four
       qkv 3.3x, o 4.1x (their fixed costs). Tiles of 64 rows (the layout's) and split-K to 512
       programs were the best or within 4% of it up to 16 rows.
   r9  prefill rows: the kernel over a grid of 64-row tiles against dequantizing in torch and
-      multiplying in cuBLAS (`dequantize`): 418 against 2,864 us at 256 rows, 2,822 against 3,808
+      multiplying in cuBLAS (`dequantize`): 418 against 2,864 us at 256 rows, 2,816 against 3,808
       at 2,048.
   r10 against int4_kernels.dequantize_words (one kernel, bit for bit int4.dequantize) then cuBLAS
       (`words_dequantize`): 186 against 319 us at 64 rows, 401 (K unsplit; 314 split as at 64 rows)
