@@ -11,6 +11,7 @@ import triton.language as tl
 
 from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
 from engine.quant.fp8 import FP8, FP8_MAX, MIN_SCALE
+from engine.quant.split_k import store_split_k
 
 
 @triton.jit
@@ -107,12 +108,8 @@ def _split_k_matmul_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[m-block, n-block] of quantized rows on tensor cores (E4M3 x E4M3 -> float32), over one
-    k_per_split slice of K (a multiple of BLOCK_K) per program along axis 2. One slice: the scales
-    and bias applied, `out` written. Several: each slice's scaled float32 sum goes to part[split],
-    then the tile's count (count_ptr, zero between launches) goes up by one; the program that
-    brings it to SPLIT_K adds every slice in split order (deterministic: the same sums whichever
-    program is last), writes `out` and sets the count back to zero (for the next launch, a CUDA
-    graph's replay too). One launch: a second, summing kernel cost a launch a product."""
+    k_per_split slice of K (a multiple of BLOCK_K) per program along axis 2, the scales applied to
+    each slice's sums; the slices summed by split_k.store_split_k."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,27 +126,10 @@ def _split_k_matmul_kernel(
     x_scale = tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)
     w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    out = out_ptr + rm[:, None] * stride_o + rn[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        parts = part_ptr + rm[:, None] * N + rn[None, :]  # slice s at + s * M * N
-        tl.store(parts + pid_k * M * N, acc, mask=ok)
-        # NOTE: every thread's stores before the count (the barrier), the count released at GPU scope;
-        # the last program acquires it, and reads the slices past L1 (.cg), which may hold stale lines.
-        tl.debug_barrier()
-        count = count_ptr + pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                total += tl.load(parts + split * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+    # slice s of the sums at part_ptr + s * M * N; a count a tile
+    store_split_k(acc, out_ptr + rm[:, None] * stride_o + rn[None, :], part_ptr + rm[:, None] * N + rn[None, :],
+                  m_ok[:, None] & n_ok[None, :], pid_k, count_ptr + pid_m * tl.num_programs(1) + pid_n, M, N, bias_ptr,
+                  rn, n_ok, HAS_BIAS, SPLIT_K)
 
 
 SplitKConfig = tuple[int, int, int, int, int, int]

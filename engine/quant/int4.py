@@ -9,8 +9,9 @@ in the low nibble, 2j + 1 in the high one) and `weight_scale` float16 [out, in /
 exact in float32 (s a float16, z an integer in [0, 15]). Activations stay in the model's dtype.
 Two paths: `cuda` with Triton (int4_kernels.words_matmul, on tensor cores, up to WORDS_MAX_ROWS
 rows, past them dequantize_words and cuBLAS, for every projection whose shape `words_block_n`
-takes; the weights then held in `to_words`' layout, convert.py's `set_int4_words` says when) and `reference` (dequantize to the activations' dtype, then multiply;
-any device, and CUDA projections of other shapes). Knows nothing of checkpoints (checkpoint.py)
+takes; the weights then held in `to_words`' layout, convert.py's `set_int4_words` says when) and
+`reference` (dequantize to the activations' dtype, then multiply; any device, and CUDA projections
+of other shapes). Knows nothing of checkpoints (checkpoint.py)
 or modules (convert.py).
 """
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
+from engine.quant.split_k import store_split_k
 
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 """Per activation dtype, the bits and value (OFFSET) of 128.0 or 1024.0: a nibble q in their low
@@ -80,7 +81,7 @@ def _words_kernel(
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[:, n-block] (M <= BLOCK_M) over one k_per_split slice of K (a multiple of 128) per program along axis
-    1; slices summed as fp8_kernels._split_k_matmul_kernel's. ASM: the PTX conversion (CUDA); else
+    1; slices summed by split_k.store_split_k. ASM: the PTX conversion (CUDA); else
     Triton's operations compute the same (the interpreter runs no PTX)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,27 +129,9 @@ def _words_kernel(
         acc, part, s, zb = _nibble_step(acc, part, n7, 7, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
                                         BLOCK_N, OFFSET, DTYPE, s, zb)
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    ok = m_ok[:, None] & n_ok[None, :]
-    out = out_ptr + rm[:, None] * stride_o + rn[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        parts = part_ptr + rm[:, None] * N + rn[None, :]  # slice s at + s * M * N
-        tl.store(parts + pid_k * M * N, acc, mask=ok)
-        # NOTE: every thread's stores before the count (the barrier), the count released at GPU scope;
-        # the last program acquires it, and reads the slices past L1 (.cg), which may hold stale lines.
-        tl.debug_barrier()
-        count = count_ptr + pid_n
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                total += tl.load(parts + split * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+    # slice s of the sums at part_ptr + s * M * N
+    store_split_k(acc, out_ptr + rm[:, None] * stride_o + rn[None, :], part_ptr + rm[:, None] * N + rn[None, :],
+                  m_ok[:, None] & n_ok[None, :], pid_k, count_ptr + pid_n, M, N, bias_ptr, rn, n_ok, HAS_BIAS, SPLIT_K)
 
 
 WORDS_MAX_ROWS = 64
