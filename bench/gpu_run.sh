@@ -72,9 +72,10 @@
 #   quant   (one GPU): the FP8 GPU tests, then bench.quantized ($VARIANTS, default bfloat16 vs FP8 projections
 #           + FP8 KV, at the Llama-3.1-8B shape: decode steps vs the floor, KV capacity, offline ISL/OSL
 #           1000/1000 with up to 512 sequences; $REQUESTS requests, default 1024, 0 for the decode figures alone).
-#   session_checks (one GPU): what the last session's PDL change left unrun on a GPU: the compile warm-up tests
-#           (both launch modes warmed), the quantized and engine GPU tests under the kept rule, then the decode
-#           steps at batches 1 2 8 16 (FP8, W4A16, bfloat16; the quant part with REQUESTS=0 and those batches).
+#   session_checks (one GPU): what the last session left unrun on a GPU: the FP8 split-K kernel ending its tiles
+#           through split_k.store_split_k (shared with the 4-bit kernel; same SASS compiled on the CPU) in the
+#           quantized GPU tests, the compile warm-up tests (W4A16 too), then the decode steps at batches 1 2 8 16 64
+#           (FP8, W4A16, bfloat16; the quant part with REQUESTS=0 and those batches) and the 4-bit sweep by rows.
 #   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
@@ -112,7 +113,8 @@ case "$part" in
     run 240 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu/test_compile_warmup_gpu.py \
       tests/gpu/test_quant_gpu.py tests/gpu/test_engine_gpu.py
     run 240 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-      --variants fp8 w4a16 bfloat16 --batches 1 2 8 16 --requests 0 --out "$out"
+      --variants fp8 w4a16 bfloat16 --batches 1 2 8 16 64 --requests 0 --out "$out"
+    run 200 python3 -m bench.diag.int4_gemv_sweep --out "$out" --rows 1 16 64 --variants words read
     ;;
   int4_words)
     # (one GPU) the 4-bit small product reading int32 words (a nibble a LOP3 and an FMA): its GPU tests, its
