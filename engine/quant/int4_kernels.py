@@ -10,7 +10,7 @@ Two words (a thread's two adjacent columns) become eight registers of two number
 PTX block (two byte permutes, six shifts, eight AND-ORs: a nibble in the low mantissa bits of 128.0,
 bfloat16, or 1024.0, float16, reads OFFSET + q exactly); OFFSET + z comes off each (exact, a packed
 add for two), and a group's scale applies to its products' float32 tile. K is split over programs;
-the last program of a tile sums the slices in order (as fp8_kernels' split-K). The kernels it
+the last program of a tile sums the slices in order (split_k.store_split_k). The kernels it
 replaced, on one H200 at Llama-3.1-8B's four projections (bench/results/int4_gemv_sweep_nvidia-h200
 _r8_words_tiles.json): 70.7 against 91.1 us at one row, 72.0 against 140.1 at two, 76.7 / 83.1 /
 152.6 against 280 / 281 / 519 at 8, 16 and 64 (bench/diag/int4_gemv_sweep.py says how it was found)."""
