@@ -97,15 +97,47 @@ class StepProfile(BaseModel):
 
     def decode_step_ms(self, batch: int, context: float) -> float:
         """Interpolated over the contexts in the two batch rows around `batch`, then between them (the
-        rows the batch interpolation reads: the planner's simulation calls this once a simulated step)."""
+        rows the batch interpolation reads). The planner's simulation calls this once a simulated
+        step: the three interpolations are _interpolate's, inlined, sharing one search of the contexts
+        (the rows share them) and the batch's rows looked up once a batch size; the same numbers."""
         if batch <= 0:
             return 0.0
-        batches, contexts, rows = self.decode_batches, self.decode_contexts, self.decode_ms
-        if len(batches) == 1:
-            return _interpolate(contexts, rows[0], context)
-        i = min(max(bisect.bisect_right(batches, batch), 1), len(batches) - 1)
-        pair = (_interpolate(contexts, rows[i - 1], context), _interpolate(contexts, rows[i], context))
-        return _interpolate(batches[i - 1 : i + 1], pair, batch)
+        contexts = self.decode_contexts
+        rows = self._batch_rows(batch)
+        if len(contexts) == 1:
+            ya, yb = rows[2][0], rows[3][0]
+        else:
+            j = bisect.bisect_right(contexts, context)
+            j = 1 if j < 1 else len(contexts) - 1 if j > len(contexts) - 1 else j
+            x0, x1 = contexts[j - 1], contexts[j]
+            ra, rb = rows[2], rows[3]
+            ya = ra[j - 1] + (ra[j] - ra[j - 1]) * (context - x0) / (x1 - x0)
+            yb = rb[j - 1] + (rb[j] - rb[j - 1]) * (context - x0) / (x1 - x0)
+            ya, yb = (ya if ya > 0.0 else 0.0), (yb if yb > 0.0 else 0.0)
+        b0, b1 = rows[0], rows[1]
+        if b0 == b1:  # one batch row
+            return ya
+        y = ya + (yb - ya) * (batch - b0) / (b1 - b0)
+        return y if y > 0.0 else 0.0
+
+    def _batch_rows(self, batch: int) -> tuple[int, int, tuple[float, ...], tuple[float, ...]]:
+        """(batch row below, batch row above, their times by context) for `batch`, as decode_step_ms's
+        interpolation picks them; cached per batch size beside the fields it read (a copy with other
+        fields starts a new cache; pydantic's equality and dumps ignore it)."""
+        state = self.__dict__.get("_rows_by_batch")
+        if state is None or state[0] is not self.decode_batches or state[1] is not self.decode_ms:
+            state = (self.decode_batches, self.decode_ms, {})
+            self.__dict__["_rows_by_batch"] = state
+        found = state[2].get(batch)
+        if found is None:
+            batches, rows = self.decode_batches, self.decode_ms
+            if len(batches) == 1:
+                found = (batches[0], batches[0], rows[0], rows[0])
+            else:
+                i = min(max(bisect.bisect_right(batches, batch), 1), len(batches) - 1)
+                found = (batches[i - 1], batches[i], rows[i - 1], rows[i])
+            state[2][batch] = found
+        return found
 
 
 @lru_cache(maxsize=64)
