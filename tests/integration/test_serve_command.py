@@ -113,17 +113,19 @@ def test_http_and_grpc_listen_on_loopback_only(server):
     assert "served by 2 router replicas" in http_line, http_line
     proxy_port = int(http_line.split("Serve's proxy also on :")[1].split(")")[0])
     ports = (server.port, server.grpc_port, proxy_port)
-    listening: dict[int, set[str]] = {}
-    owners: dict[int, set[str]] = {}
+    listening: dict[int, set[tuple[str, int | None]]] = {}  # port -> (address, pid) of each listener
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports:
-            listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip.removeprefix("::ffff:"))  # v4-mapped
-            owners.setdefault(conn.laddr.port, set()).add(psutil.Process(conn.pid).name() if conn.pid else "?")
-    assert listening == {port: {"127.0.0.1"} for port in ports}
+            listening.setdefault(conn.laddr.port, set()).add((conn.laddr.ip.removeprefix("::ffff:"), conn.pid))
+    # NOTE: ours are the processes on 127.0.0.1:port; another process may hold the same number on another
+    # address (a Ray process on the node's address once did, in CI), which is not a port of this server.
+    ours = {port: {pid for ip, pid in listening.get(port, ()) if ip == "127.0.0.1"} for port in ports}
+    assert all(ours.values()), listening
+    assert not [(port, ip) for port in ports for ip, pid in listening[port] if ip != "127.0.0.1"
+                and (pid in ours[port] or ip in ("0.0.0.0", "::"))], listening
     # --port is the router replicas' own servers (no proxy hop); the proxy listens elsewhere.
-    assert any("Router" in name for name in owners[server.port]), owners
-    pids = {conn.pid for conn in psutil.net_connections(kind="tcp")
-            if conn.status == psutil.CONN_LISTEN and conn.laddr.port in (server.port, server.grpc_port)}
+    assert any("Router" in psutil.Process(pid).name() for pid in ours[server.port] if pid), ours
+    pids = ours[server.port] | ours[server.grpc_port]
     assert len(pids) == 2, pids  # each router replica listens on both ports
 
 
