@@ -11,12 +11,12 @@ Two paths: `cuda` with Triton (int4_kernels.words_matmul, on tensor cores, up to
 rows, past them dequantize_words and cuBLAS, for every projection whose shape `words_block_n`
 takes; the weights then held in `to_words`' layout, convert.py's `set_int4_words` says when) and
 `reference` (dequantize to the activations' dtype, then multiply; any device, and CUDA projections
-of other shapes). Knows nothing of checkpoints (checkpoint.py)
-or modules (convert.py).
+of other shapes). Knows nothing of checkpoints (checkpoint.py) or modules (convert.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -73,8 +73,13 @@ def words_block_n(weight: torch.Tensor, weight_scale: torch.Tensor) -> int | Non
     """The rows a tile of `to_words`' layout for this projection (64, else 32 or 16: what divides its
     rows), or None when the layout does not take it: K a multiple of 128 (a trip of the kernel), and
     groups of 16, 32, 64 or a multiple of 128 columns (a group within one 16-column product)."""
-    n, k = weight.shape[0], weight.shape[1] * 2
-    group = k // weight_scale.shape[1]
+    return _block_n(weight.shape[0], weight.shape[1] * 2, weight_scale.shape[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _block_n(n: int, k: int, groups: int) -> int | None:
+    """words_block_n by shape, once a shape (Int4Matmul asks at every product of every step)."""
+    group = k // groups
     if k % 128 or group % 16 or (128 % group and group % 128):
         return None
     return next((b for b in (64, 32, 16) if n % b == 0), None)

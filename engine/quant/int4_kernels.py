@@ -92,10 +92,10 @@ def _words_kernel(
     groups = K // GROUP
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
+    tile = pid_n * groups  # the tile's first group's scales (to_words: [N / BLOCK_N, groups, BLOCK_N, 2])
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     after_previous(PDL)
     for k0 in tl.range(k_begin, k_end, 128, num_stages=NUM_STAGES):
-        tile = pid_n * groups  # the tile's first group's scales (to_words: [N / BLOCK_N, groups, BLOCK_N, 2])
         words = tl.load(w_ptr + ((pid_n * (K // 128) + k0 // 128) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * 16
                         + c[None, :])  # [BLOCK_N, 16]
         if ASM:
