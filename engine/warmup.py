@@ -51,7 +51,7 @@ def warm_up_steps(max_seq_tokens: int, block_size: int) -> list[list[ForwardSeq]
         [prompt(min(64, cap)), prompt(min(37, cap))],  # 101 rows
         [decode(cap)],  # one row, its keys split
         [prompt(min(12, cap))],  # 12 rows
-        [prompt(min(40, cap))],
+        [prompt(min(40, cap))],  # 40 rows: the 4-bit kernel's 64-row tile
     ]
 
 

@@ -105,8 +105,8 @@ def test_fp8_kv_cache_on_triton_equals_torch_backend(hf_checkpoints, make_llm) -
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 300])
 def test_int4_cuda_path_equals_reference_path(rows: int) -> None:
-    """int4_kernels' words kernel (its PTX conversion; row tiles of 16 and 64, K split and a grid of
-    row tiles) against dequantize-then-multiply."""
+    """int4_kernels' words kernel (its PTX conversion; row tiles of 16 and 64, K split) and, at 300 rows,
+    its dequantization for cuBLAS, against dequantize-then-multiply."""
     from engine.quant.int4 import Int4Matmul, pack_nibbles, to_words
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
