@@ -118,7 +118,10 @@ def test_load_tracker_refreshes_and_drops_gone_workers():
         expected = WorkerLoad("a", 2, 1, 7, 9, "decode", fetched_at=5.0, max_num_seqs=64)  # fetched_at: call sent
         assert tracker.loads["a"] == expected and "dead" not in tracker.loads
         tracker.track(["b"])
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # NOTE: polled, at most 5 s: one fixed 0.1 s sleep lost to a loaded CI machine once
+            if set(tracker.loads) == {"b"}:
+                break
+            await asyncio.sleep(0.01)
         assert set(tracker.loads) == {"b"}
         tracker.close()
 
