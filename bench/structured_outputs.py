@@ -5,7 +5,9 @@ unconstrained, in one process:
       [100, 1024], temperature 0.6, ignore EOS, dummy weights at the model's shape): unconstrained,
       then every request under LONG_SCHEMA (records of bounded fields, at least 100,000 of them, so
       no output completes before its max_tokens and both runs generate the same tokens), in turns
-      A B, B A, ...; output tokens per second and the ratio per round.
+      A B, B A, ...; output tokens per second and the ratio per round, and where the host's time went
+      (waiting for the device's tokens, the grammar book's work, the engine thread's wait for it) and
+      the device's (its waits at the gate for masks still filling).
   (2) batch 1, one request of --batch1-tokens output tokens, plain and constrained in turns (4 each,
       ABBA): median time per token, their difference (what the grammar adds per token), and the
       host's mask fill per token timed on its own.
@@ -111,20 +113,70 @@ def train_vocab(model_dir: Path, vocab_size: int, out: Path) -> dict[str, Any]:
             "train_s": time.perf_counter() - started}
 
 
-def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], grammar: GrammarSpec | None) -> dict:
+class HostClock:
+    """Where a run's host time goes, timed around the grammar book's calls of this engine (an
+    instrument on the instance; the engine is unchanged): `fill_s` its matchers' advance and mask fill
+    (on its thread, or inline for few rows), `settle_s` the engine thread blocked on that work."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.fill_s = self.settle_s = 0.0
+        book = engine.grammars
+
+        def timed(fn: Any, into: str) -> Any:
+            def call(*args: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    setattr(self, into, getattr(self, into) + time.perf_counter() - started)
+
+            return call
+
+        book._advance = timed(book._advance, "fill_s")  # type: ignore[method-assign]
+        book._fill = timed(book._fill, "fill_s")  # type: ignore[method-assign]
+        book.settle = timed(book.settle, "settle_s")  # type: ignore[method-assign]
+        self._gate_events: list[tuple[Any, Any]] = []
+        if engine.device.type == "cuda":  # the device's waits at the gate, between events around each
+            gate, wait = book.gate, book.gate.wait
+
+            def timed_wait(ticket: int) -> None:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+                wait(ticket)
+                after.record()
+                self._gate_events.append((before, after))
+
+            gate.wait = timed_wait  # type: ignore[method-assign]
+
+    def gate_s(self) -> float:
+        """The device's time at the gate since the last call (synchronized before)."""
+        events, self._gate_events = self._gate_events, []
+        return sum(a.elapsed_time(b) for a, b in events) / 1e3
+
+
+def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], grammar: GrammarSpec | None,
+        clock: HostClock | None = None) -> dict:
+    """One timed run; with a clock, the host's time by part: waiting for the device's tokens
+    (engine.wait_seconds), the grammar book's work and the engine thread's wait for it."""
     if grammar is not None:
         engine.grammars.compile_within(grammar)  # as a worker does, off the timed path
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.6, ignore_eos=True, grammar=grammar))
     synchronize(engine.device)
+    before = (engine.wait_seconds, clock.fill_s, clock.settle_s, clock.gate_s()) if clock else None
     start = time.perf_counter()
-    num_out = 0
+    num_out = steps = 0
     while engine.has_unfinished():
         num_out += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
     synchronize(engine.device)
     elapsed = time.perf_counter() - start
     check_no_leak(engine)
-    return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed}
+    result = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed, "steps": steps}
+    if clock and before:
+        result["host"] = {"device_wait_s": engine.wait_seconds - before[0], "grammar_work_s": clock.fill_s - before[1],
+                          "settle_wait_s": clock.settle_s - before[2], "device_gate_s": clock.gate_s()}
+    return result
 
 
 def fill_cost(engine: EngineCore, spec: GrammarSpec, num_tokens: int) -> dict[str, float]:
@@ -194,22 +246,25 @@ def main() -> None:
     warm = [[t % vocab for t in p[:256]] for p in nano_vllm_workload(len(prompts), 99)[0]]
     run(engine, warm, [32] * len(warm), None)  # warm-up at full batch: kernels, graphs, allocator, both paths
     run(engine, warm, [32] * len(warm), long_spec)
+    run(engine, prompts, max_tokens, None)  # NOTE: a whole run too: the first measured ~8% slower than the rest
     record["workload"] = {"num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                           "output_tokens": sum(max_tokens), "temperature": 0.6, "ignore_eos": True,
                           "schema": LONG_SCHEMA}
     rounds: list[dict[str, Any]] = []
+    clock = HostClock(engine)
     for r in range(args.rounds):
         if r % 2 == 0:
-            plain = run(engine, prompts, max_tokens, None)
-            constrained = run(engine, prompts, max_tokens, long_spec)
+            plain = run(engine, prompts, max_tokens, None, clock)
+            constrained = run(engine, prompts, max_tokens, long_spec, clock)
         else:  # NOTE: in turns A B, B A: neither always runs first
-            constrained = run(engine, prompts, max_tokens, long_spec)
-            plain = run(engine, prompts, max_tokens, None)
+            constrained = run(engine, prompts, max_tokens, long_spec, clock)
+            plain = run(engine, prompts, max_tokens, None, clock)
         assert plain["output_tokens"] == constrained["output_tokens"] == sum(max_tokens)
         rounds.append({"unconstrained": plain, "json_schema": constrained,
                        "ratio": constrained["output_tok_per_s"] / plain["output_tok_per_s"]})
         print(f"round {r}: unconstrained {plain['output_tok_per_s']:.0f} tok/s, json_schema "
-              f"{constrained['output_tok_per_s']:.0f} tok/s, ratio {rounds[-1]['ratio']:.3f}")
+              f"{constrained['output_tok_per_s']:.0f} tok/s, ratio {rounds[-1]['ratio']:.3f}; host "
+              f"{json.dumps({'unconstrained': plain['host'], 'json_schema': constrained['host']})}")
     record["throughput"] = {"rounds": rounds, "mean_ratio": statistics.fmean(r["ratio"] for r in rounds)}
 
     one = prompts[0][:256]

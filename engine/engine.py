@@ -73,7 +73,7 @@ from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecC
 from engine.stats import EngineStats
 from engine.step_rates import StepRates
 from engine.step_timer import step_timer_for
-from engine.warmup import warm_up_sampler, warm_up_verifier
+from engine.warmup import warm_up_gate, warm_up_sampler, warm_up_verifier
 from engine.validation import InvalidRequestError, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class EngineCore:
         self._rank_stats = RankStats(leader.group, leader.send) if leader is not None else None
         self.wait_seconds = 0.0  # the host's wait for asynchronous steps' tokens, since start (stats)
         warm_up_sampler(self.sampler, arch.vocab_size, self.device)
+        warm_up_gate(self.grammars, self.device)
         if self.proposer is not None:
             warm_up_verifier(self.sampler, arch.vocab_size, self.device, config.speculative.num_draft_tokens)
 
@@ -466,18 +467,19 @@ class EngineCore:
     ) -> tuple[list[StepOutput], TokenMask | None]:
         """Reads a launched step's tokens into place of its placeholders; its StepOutputs, and the mask
         of `then` (the next draw's requests). The constrained requests' matchers take the tokens and
-        fill that mask on the grammar book's thread while this one builds the outputs."""
+        fill that mask on the grammar book's thread while this one builds the outputs and goes on: the
+        mask comes back still filling (the draw that uses it waits for it on the device)."""
         if step.pending is None:
             return [], self._mask(then)
         started = time.perf_counter()
         result = self.sampler.finish(step.pending)
         self.wait_seconds += time.perf_counter() - started
-        job = None
+        mask = None
         if self.grammars:
             tokens = [(s.request.request_id, [result.token_ids[i]]) for i, s in enumerate(step.sampling)
                       if not s.request.is_finished and s.request.request_id in self.grammars]
             if tokens or then:
-                job = self.grammars.submit(tokens, [s.request.request_id for s in then])
+                mask = self.grammars.submit(tokens, [s.request.request_id for s in then])
         outputs: list[StepOutput] = []
         for i, s in enumerate(step.sampling):
             request = s.request
@@ -489,7 +491,7 @@ class EngineCore:
             status = self._stop_status(request, token)
             logprobs, top_logprobs = _one(result.logprobs[i], result.top_logprobs[i])
             outputs.append(self._report(request, [token], status, logprobs, top_logprobs))
-        return outputs, (job.result() if job is not None else None)
+        return outputs, mask
 
     def _drafts_now(self) -> bool:
         """Whether this step drafts: a proposer, and a running batch no larger than

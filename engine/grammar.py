@@ -34,7 +34,9 @@ from engine.pinned import upload
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["GrammarBook", "GrammarCompiler", "GrammarError", "TokenMask", "apply_token_mask"]
+    from engine.host_gate import HostGate
+
+__all__ = ["Filling", "GrammarBook", "GrammarCompiler", "GrammarError", "TokenMask", "apply_token_mask"]
 
 COMPILE_TIMEOUT_S = 10.0
 """Longest a grammar may take to compile; a slower one is refused (its compile finishes unheeded)."""
@@ -58,6 +60,24 @@ class TokenMask(NamedTuple):
     # [len(rows), ceil(vocab / 32)] int32, on the host (pinned when the logits are on CUDA, so its
     # copy is queued behind the device's work instead of waiting for it)
     bitmask: torch.Tensor
+    filling: Filling | None = None  # None: filled
+
+
+class Filling(NamedTuple):
+    """A mask still being filled on the grammar book's thread: `done` when it is; on CUDA, `ticket`
+    of `gate` opens then too."""
+
+    done: Future[None]
+    gate: HostGate | None
+    ticket: int
+
+    def before_use(self, device: torch.device) -> None:
+        """Makes what is queued next on device see the filled mask: on CUDA the device waits (the
+        host goes on); elsewhere the host waits for the fill."""
+        if self.gate is not None and device.type == "cuda":
+            self.gate.wait(self.ticket)
+        else:
+            self.done.result()
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
@@ -67,6 +87,8 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
         return logits
     import xgrammar as xgr
 
+    if mask.filling is not None:
+        mask.filling.before_use(logits.device)
     bitmask = mask.bitmask.to(logits.device, non_blocking=True)
     if len(mask.rows) == logits.shape[0]:  # NOTE: every row masked (rows ascending): no gather
         masked = logits.clone()
@@ -216,9 +238,11 @@ class GrammarBook:
         self._make_compiler = make_compiler
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
-        self._pin_memory = pin_memory
+        self._pin_memory = pin_memory  # NOTE: the logits are on CUDA: pinned masks, and draws wait on the device
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills many rows on its threads
         self._thread: ThreadPoolExecutor | None = None  # `submit`'s
+        self._gate: HostGate | None = None  # `submit`'s draws wait on it (CUDA)
+        self._working: Future[None] | None = None  # the last work `submit` handed to the thread
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._turn = 0
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
@@ -230,6 +254,15 @@ class GrammarBook:
             if self._compiler is None:
                 self._compiler = self._make_compiler()
             return self._compiler
+
+    @property
+    def gate(self) -> HostGate:
+        """Where `submit`'s draws wait for their masks on the device (built on first use: it imports triton)."""
+        if self._gate is None:
+            from engine.host_gate import HostGate
+
+            self._gate = HostGate(pin_memory=self._pin_memory)
+        return self._gate
 
     def compile_within(self, spec: GrammarSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         """Compiles spec into the cache, or raises GrammarError; any thread (a worker's, so that
@@ -256,28 +289,49 @@ class GrammarBook:
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
+    def settle(self) -> None:
+        """Waits for the work `submit` handed to the thread, and raises its error if it failed. Every
+        call that touches a matcher on this thread settles first."""
+        working, self._working = self._working, None
+        if working is not None:
+            working.result()
+
     def accept(self, tokens: Sequence[tuple[str, Sequence[int]]]) -> None:
         """Advances each listed request's matcher by its new tokens, in order (a batch of single
         tokens in one call). The tokens were drawn under these matchers' masks: a refusal is a bug,
         raised. A matcher that took an end-of-sequence token is terminated: the request ends."""
+        self.settle()
         self._advance([(self._matchers[rid], list(new)) for rid, new in tokens])
 
-    def submit(
-        self, tokens: Sequence[tuple[str, Sequence[int]]], request_ids: Sequence[str]
-    ) -> Future[TokenMask | None]:
-        """`accept(tokens)`, then `mask(request_ids)`, on the book's own thread (xgrammar releases the
-        GIL): the engine thread goes on with the step's other work meanwhile. The engine thread
-        touches no matcher until the future is done; matchers dropped meanwhile are already in hand."""
+    def submit(self, tokens: Sequence[tuple[str, Sequence[int]]], request_ids: Sequence[str]) -> TokenMask | None:
+        """`accept(tokens)`, then the mask of a draw whose row i is request_ids[i] (None: no row is
+        constrained), on the book's own thread (xgrammar releases the GIL): the mask comes back at
+        once, still `filling`, and the engine thread goes on. The next call that touches a matcher
+        settles first, raising the work's error."""
+        self.settle()
         advancing = [(self._matchers[rid], list(new)) for rid, new in tokens]
         masked = [(i, self._matchers[rid]) for i, rid in enumerate(request_ids) if rid in self._matchers]
+        bitmask = self._bitmask(len(masked)) if masked else None
         if len(advancing) + len(masked) <= INLINE_ROWS:  # NOTE: less work than a hand-off to the thread
-            done: Future[TokenMask | None] = Future()
             self._advance(advancing)
-            done.set_result(self._fill(masked))
-            return done
+            return self._fill(masked, bitmask)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._thread.submit(lambda: (self._advance(advancing), self._fill(masked))[1])
+        gate = self.gate if bitmask is not None and self._pin_memory else None
+        ticket = gate.take() if gate is not None else 0
+
+        def work() -> None:
+            try:
+                self._advance(advancing)
+                self._fill(masked, bitmask)
+            finally:
+                if gate is not None:
+                    gate.open(ticket)
+
+        self._working = self._thread.submit(work)
+        if bitmask is None:
+            return None
+        return TokenMask([i for i, _ in masked], bitmask, Filling(self._working, gate, ticket))
 
     @staticmethod
     def _advance(advancing: list[tuple[Any, list[int]]]) -> None:
@@ -308,13 +362,15 @@ class GrammarBook:
     def mask(self, request_ids: Sequence[str]) -> TokenMask | None:
         """The mask of one draw whose row i is request_ids[i]: a bitmask row per constrained one
         (a finished request's row is left out: its draw is dropped). None: no row is constrained."""
-        return self._fill([(i, self._matchers[rid]) for i, rid in enumerate(request_ids) if rid in self._matchers])
+        self.settle()
+        masked = [(i, self._matchers[rid]) for i, rid in enumerate(request_ids) if rid in self._matchers]
+        return self._fill(masked, self._bitmask(len(masked)) if masked else None)
 
-    def _fill(self, masked: list[tuple[int, Any]]) -> TokenMask | None:
-        """(draw row, matcher) -> the draw's mask; a terminated matcher's row allows all (its draw is dropped)."""
-        if not masked:
+    def _fill(self, masked: list[tuple[int, Any]], bitmask: torch.Tensor | None) -> TokenMask | None:
+        """(draw row, matcher) -> the draw's mask, in bitmask; a terminated matcher's row allows all
+        (its draw is dropped)."""
+        if not masked or bitmask is None:
             return None
-        bitmask = self._bitmask(len(masked))
         live = []
         for j, (_, matcher) in enumerate(masked):
             if matcher.is_terminated():
@@ -336,6 +392,7 @@ class GrammarBook:
         positions. Position k of a constrained row gets the matcher's mask after drafts[:k]; past a
         draft the grammar forbids, the rest are all allowed (verification rejects that draft at the
         position before, so they are never used). The matcher ends where it started (rollback)."""
+        self.settle()
         positions: list[int] = []
         matchers: list[tuple[int, Any, Sequence[int]]] = []
         start = 0

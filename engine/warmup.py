@@ -14,6 +14,7 @@ so the values below are the only ones that pick a variant:
 | rows <= 16, <= 32, <= 64, more                  | 4-bit words / dequantize    | 2, 1, 8, 5    |
 | unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
 | drafts a row, to the next power of two          | fused verification          | the verifier  |
+| int32 / int64 tickets                           | a constrained draw's gate   | the gate      |
 
 (A launch with PDL is a variant of its own: Triton keys its compiled kernels by it too.)
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import SamplingParams
+from engine.grammar import GrammarBook
 from engine.runner import ForwardSeq, ModelRunner
 from engine.sampler import Sampler, SamplingRow, VerifyRow
 
@@ -77,6 +79,16 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device) -> 
     generator = torch.Generator(device=device).manual_seed(0)
     for params in kinds:
         sampler(logits, [SamplingRow(p, [0], []) for p in params], generator)
+    torch.cuda.synchronize(device)
+
+
+def warm_up_gate(grammars: GrammarBook, device: torch.device) -> None:
+    """Compiles the gate's wait (a constrained draw's, engine/host_gate.py) for int32 and int64 tickets,
+    each already open."""
+    if device.type != "cuda":
+        return
+    for ticket in (0, -(1 << 40)):
+        grammars.gate.wait(ticket)
     torch.cuda.synchronize(device)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.config import GrammarSpec, SamplingParams
-from engine.grammar import GrammarCompiler, GrammarError, TokenMask
+from engine.grammar import INLINE_ROWS, GrammarBook, GrammarCompiler, GrammarError, TokenMask, apply_token_mask
 from engine.models import DEFAULT_MODEL_DIR
 from engine.sampler import Sampler, SamplingRow
 from engine.validation import InvalidRequestError
@@ -143,6 +143,48 @@ def test_masked_rows_draw_only_allowed_tokens_and_keep_raw_logprobs() -> None:
         assert result.logprobs[0] == pytest.approx(expected, abs=1e-5)  # of the raw logits
     assert seen == {35, 39}
     assert torch.equal(logits, torch.randn(3, 64, generator=torch.Generator().manual_seed(0)))  # not changed
+
+
+# ---- the book's thread
+
+
+def _book(compiler: GrammarCompiler, rows: int) -> GrammarBook:
+    book = GrammarBook(lambda: compiler)
+    for i in range(rows):
+        book.add(f"r{i}", _json_spec(SCHEMAS["nested"]), [])
+    return book
+
+
+def test_submit_returns_the_mask_while_its_fill_is_still_under_way(compiler) -> None:
+    import threading
+
+    rows = INLINE_ROWS + 4  # more than the inline rows: the book's thread fills
+    ids = [f"r{i}" for i in range(rows)]
+    expected = _book(compiler, rows).mask(ids).bitmask.clone()
+    book = _book(compiler, rows)
+    book.submit([], ids).filling.done.result(timeout=30)  # starts the thread
+    held = threading.Event()
+    book._thread.submit(held.wait, 30)  # the thread is busy: the next fill waits behind it
+    mask = book.submit([], ids)
+    assert mask is not None and mask.filling is not None and not mask.filling.done.done()
+    assert mask.rows == list(range(rows))
+    held.set()
+    masked = apply_token_mask(torch.zeros(rows, VOCAB), mask)  # on the CPU the host waits for the fill
+    assert mask.filling.done.done()
+    assert torch.equal(mask.bitmask, expected)
+    for row, bits in zip(masked, expected):
+        assert set(row.isfinite().nonzero().flatten().tolist()) == _allowed(bits)  # the filled mask applied
+
+
+def test_an_error_on_the_books_thread_is_raised_by_the_next_call(compiler) -> None:
+    rows = INLINE_ROWS + 4
+    ids = [f"r{i}" for i in range(rows)]
+    book = _book(compiler, rows)
+    refused = next(t for t in range(VOCAB) if t not in _allowed(book.mask(["r0"]).bitmask[0]))
+    book.submit([(rid, [refused]) for rid in ids], ids)  # returns: the thread finds the refusal
+    with pytest.raises(RuntimeError, match="refused by the grammar"):
+        book.mask(ids)
+    book.mask(ids)  # raised once; the book goes on
 
 
 # ---- constrained generation with the default model

@@ -1,0 +1,77 @@
+"""The gate a constrained draw waits on (engine/host_gate.py): under Triton's interpreter its wait ends
+when another thread opens the ticket, not before; an open ticket (or an earlier one) passes at once, int32
+and int64 alike; and compiled for Hopper on the CPU, its loop reads the host word through the bus (a
+volatile load) and lets no later kernel in early. NOTE: the module is imported under TRITON_INTERPRET
+(tests/interpreted.py says how, and why this skips otherwise)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
+
+host_gate = import_interpreted("engine.host_gate", "_wait_kernel")
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_a_wait_ends_when_another_thread_opens_its_ticket() -> None:
+    gate = host_gate.HostGate(pin_memory=False)
+    ticket = gate.take()
+    assert not gate.is_open(ticket)
+    opened_at: list[float] = []
+
+    def open_later() -> None:
+        time.sleep(0.3)
+        opened_at.append(time.perf_counter())
+        gate.open(ticket)
+
+    opener = threading.Thread(target=open_later)
+    opener.start()
+    gate.wait(ticket)
+    returned = time.perf_counter()
+    opener.join(timeout=10)
+    assert opened_at and returned >= opened_at[0]  # it waited for the open, not less
+    assert gate.is_open(ticket)
+
+
+def test_open_and_earlier_tickets_pass_at_once() -> None:
+    gate = host_gate.HostGate(pin_memory=False)
+    first, second = gate.take(), gate.take()
+    assert second == first + 1
+    gate.open(second)
+    started = time.perf_counter()
+    for ticket in (first, second, 0, -(1 << 40)):  # an int64 ticket too (the warm-up's)
+        gate.wait(ticket)
+    assert time.perf_counter() - started < 5  # nothing spins: every word already reached
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.host_gate import _wait_kernel
+kernel = triton.compile(ASTSource(fn=_wait_kernel, signature={"word_ptr": "*i64", "ticket": "i64"}, constexprs={}),
+                        target=GPUTarget("cuda", 90, 32))
+print(kernel.asm["ptx"])
+"""
+
+
+def test_the_wait_compiles_for_hopper_reading_the_host_word_each_turn() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = done.stdout
+    loop = ptx[ptx.index("Loop Header") :]
+    assert "ld.volatile.global.b64" in loop.split("bra")[0]  # the load is inside the loop, never cached
+    assert "griddepcontrol" not in ptx  # what is queued after starts only once the wait has ended
