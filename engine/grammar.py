@@ -71,10 +71,10 @@ class Filling(NamedTuple):
     gate: HostGate | None
     ticket: int
 
-    def before_use(self, device: torch.device) -> None:
-        """Makes what is queued next on device see the filled mask: on CUDA the device waits (the
-        host goes on); elsewhere the host waits for the fill."""
-        if self.gate is not None and device.type == "cuda":
+    def before_use(self) -> None:
+        """Makes what is queued next see the filled mask: with a gate (CUDA) the device waits and the
+        host goes on; without one the host waits for the fill."""
+        if self.gate is not None:
             self.gate.wait(self.ticket)
         else:
             self.done.result()
@@ -88,7 +88,7 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
     import xgrammar as xgr
 
     if mask.filling is not None:
-        mask.filling.before_use(logits.device)
+        mask.filling.before_use()
     bitmask = mask.bitmask.to(logits.device, non_blocking=True)
     if len(mask.rows) == logits.shape[0]:  # NOTE: every row masked (rows ascending): no gather
         masked = logits.clone()

@@ -42,9 +42,11 @@ class HostGate:
         return self._taken
 
     def open(self, ticket: int) -> None:
+        """Lets the waits for ticket (and earlier ones) end; any thread."""
         self._host[0] = ticket
 
     def is_open(self, ticket: int) -> bool:
+        """Whether ticket has opened (as the host sees the word)."""
         return int(self._host[0]) >= ticket
 
     def wait(self, ticket: int) -> None:
