@@ -290,11 +290,16 @@ class GrammarBook:
         self._matchers.pop(request_id, None)
 
     def settle(self) -> None:
-        """Waits for the work `submit` handed to the thread, and raises its error if it failed. Every
-        call that touches a matcher on this thread settles first."""
+        """Waits for the work `submit` handed to the thread, and raises its error if it failed, or if
+        the device gave up waiting for a mask. Every call that touches a matcher on this thread
+        settles first."""
         working, self._working = self._working, None
         if working is not None:
             working.result()
+        if self._gate is not None and (late := self._gate.late()):
+            raise RuntimeError(f"the device gave up waiting for a constrained draw's mask (ticket {late}, after "
+                               f"{self._gate.max_spins} reads): its tokens were drawn unmasked; the host's "
+                               "grammar thread stalled, restart the worker")
 
     def accept(self, tokens: Sequence[tuple[str, Sequence[int]]]) -> None:
         """Advances each listed request's matcher by its new tokens, in order (a batch of single

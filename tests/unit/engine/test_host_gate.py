@@ -1,7 +1,8 @@
 """The gate a constrained draw waits on (engine/host_gate.py): under Triton's interpreter its wait ends
 when another thread opens the ticket, not before; an open ticket (or an earlier one) passes at once, int32
-and int64 alike; and compiled for Hopper on the CPU, its loop reads the host word through the bus (a
-volatile load) and lets no later kernel in early. NOTE: the module is imported under TRITON_INTERPRET
+and int64 alike; a wait nobody opens gives up after its reads and says so (the grammar book raises); and
+compiled for Hopper on the CPU, its loop reads the host word through the bus (a volatile load) and lets no
+later kernel in early. NOTE: the module is imported under TRITON_INTERPRET
 (tests/interpreted.py says how, and why this skips otherwise)."""
 
 from __future__ import annotations
@@ -54,13 +55,30 @@ def test_open_and_earlier_tickets_pass_at_once() -> None:
     assert time.perf_counter() - started < 5  # nothing spins: every word already reached
 
 
+def test_a_wait_nobody_opens_gives_up_and_the_book_raises() -> None:
+    from engine.grammar import GrammarBook
+
+    book = GrammarBook(lambda: None)
+    book._gate = gate = host_gate.HostGate(pin_memory=False, max_spins=50)
+    first, second = gate.take(), gate.take()
+    gate.open(first)
+    gate.wait(first)
+    assert gate.late() == 0
+    book.settle()  # nothing late: no error
+    gate.wait(second)  # never opened: ends after 50 reads
+    assert gate.late() == second
+    with pytest.raises(RuntimeError, match="gave up waiting for a constrained draw's mask"):
+        book.settle()
+
+
 COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from engine.host_gate import _wait_kernel
-kernel = triton.compile(ASTSource(fn=_wait_kernel, signature={"word_ptr": "*i64", "ticket": "i64"}, constexprs={}),
-                        target=GPUTarget("cuda", 90, 32))
+kernel = triton.compile(ASTSource(fn=_wait_kernel, signature={"word_ptr": "*i64", "ticket": "i64",
+                                                           "MAX_SPINS": "constexpr"},
+                                  constexprs={"MAX_SPINS": 1 << 25}), target=GPUTarget("cuda", 90, 32))
 print(kernel.asm["ptx"])
 """
 
@@ -74,4 +92,5 @@ def test_the_wait_compiles_for_hopper_reading_the_host_word_each_turn() -> None:
     ptx = done.stdout
     loop = ptx[ptx.index("Loop Header") :]
     assert "ld.volatile.global.b64" in loop.split("bra")[0]  # the load is inside the loop, never cached
+    assert "st.global.b64" in ptx  # the ticket given up on, written back
     assert "griddepcontrol" not in ptx  # what is queued after starts only once the wait has ended
