@@ -21,7 +21,7 @@ serve: setup
 	$(VENV)/bin/pdserve serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+	$(PY) -m pytest -q -m "not gpu" --durations=15 $(ARGS)
 
 bench: setup
 	$(PY) -m bench.batching $(ARGS)
