@@ -11,7 +11,10 @@ unconstrained, in one process:
   (2) batch 1, one request of --batch1-tokens output tokens, plain and constrained in turns (4 each,
       ABBA): median time per token, their difference (what the grammar adds per token), and the
       host's mask fill per token timed on its own.
-  (3) compile time of the test schemas (tests/unit/engine/test_grammar.py's set, repeated here):
+  (3) the grammar book's work for one step of 64 and 256 constrained rows on the host alone (advance
+      a token, fill every mask, on its thread), and while another thread runs Python half the time
+      or all of it: what the engine thread's own work costs the fill.
+  (4) compile time of the test schemas (tests/unit/engine/test_grammar.py's set, repeated here):
       first compile with a fresh compiler, and the cached one.
 
 The vocabulary: the GPU machines have no Qwen3 tokenizer and no downloads; `--train-vocab N` trains a
@@ -36,6 +39,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +51,7 @@ from bench.offline_throughput import nano_vllm_workload
 from bench.train_models import corpus_files
 from engine import EngineCore, SamplingParams
 from engine.config import GrammarSpec
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarBook, GrammarCompiler
 
 RECORD = {
     "type": "object",
@@ -201,6 +205,69 @@ def fill_cost(engine: EngineCore, spec: GrammarSpec, num_tokens: int) -> dict[st
             "max_ms": times[-1] * 1e3, "mean_ms": statistics.fmean(times) * 1e3}
 
 
+def _spin(stop: threading.Event, busy_s: float, idle_s: float) -> None:
+    """Keeps the interpreter busy (pure Python) for busy_s, then sleeps idle_s (the GIL free), until stop."""
+    while not stop.is_set():
+        until = time.perf_counter() + busy_s
+        while time.perf_counter() < until:
+            pass
+        if idle_s:
+            time.sleep(idle_s)
+
+
+def batch_fill_cost(engine: EngineCore, spec: GrammarSpec, rows: int, steps: int, spread: int = 200) -> dict[str, Any]:
+    """The grammar book's work for one step of `rows` constrained requests (each matcher advanced by a
+    token, then every row's mask filled, on the book's thread: `GrammarBook.submit` to its fill done),
+    the rows in spread-out states (`spread` steps first, each row advancing or not by a coin), per step:
+    alone, while another thread runs Python half the time (2 ms on, 2 ms off: an engine thread that
+    also waits for its device), and all the time. Tokens: drawn from each row's mask (seeded)."""
+    vocab = engine.arch.vocab_size
+    book = GrammarBook(lambda: engine.grammars.compiler)  # NOTE: unpinned: no gate, the host waits for the fill
+    ids = [f"b{i}" for i in range(rows)]
+    for rid in ids:
+        book.add(rid, spec, [])
+    generator = torch.Generator().manual_seed(0)
+    shifts = torch.arange(32, dtype=torch.int32)
+
+    def draw(mask: Any) -> list[int]:
+        allowed = ((mask.bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab].float()
+        return torch.multinomial(allowed, 1, generator=generator).flatten().tolist()
+
+    def step(tokens: list[int], moving: list[bool]) -> tuple[float, list[int]]:
+        started = time.perf_counter()
+        mask = book.submit([(rid, [t]) for rid, t, m in zip(ids, tokens, moving) if m], ids)
+        if mask.filling is not None:
+            mask.filling.done.result()
+        return time.perf_counter() - started, draw(mask)
+
+    mask = book.mask(ids)
+    tokens = draw(mask)
+    coin = torch.Generator().manual_seed(1)
+    for _ in range(spread):
+        moving = (torch.rand(rows, generator=coin) < 0.5).tolist()
+        _, drawn = step(tokens, moving)
+        tokens = [d if m else t for d, t, m in zip(drawn, tokens, moving)]
+    out: dict[str, Any] = {"rows": rows, "steps": steps}
+    for name, duty in (("alone", None), ("python_half_the_time", (0.002, 0.002)), ("python_all_the_time", (1.0, 0.0))):
+        stop = threading.Event()
+        spinner = threading.Thread(target=_spin, args=(stop, *duty), daemon=True) if duty else None
+        if spinner is not None:
+            spinner.start()
+        times = []
+        try:
+            for _ in range(steps):
+                elapsed, tokens = step(tokens, [True] * rows)
+                times.append(elapsed)
+        finally:
+            stop.set()
+            if spinner is not None:
+                spinner.join(timeout=10)
+        out[name] = {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
+                     "max_ms": max(times) * 1e3}
+    book.settle()
+    return out
+
+
 def compile_times(model_dir: Path, engine: EngineCore) -> dict[str, dict[str, float]]:
     arch = engine.arch
     compiler = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)  # fresh: an empty cache
@@ -222,6 +289,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2, help="turns of (unconstrained, constrained)")
     parser.add_argument("--batch1-tokens", type=int, default=512)
+    parser.add_argument("--fill-steps", type=int, default=50, help="timed steps of the grammar book alone, by rows")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
@@ -278,6 +346,9 @@ def main() -> None:
     record["batch1"] = {**batch1, "tokens": args.batch1_tokens, "grammar_ms_per_token": json_ms - plain_ms,
                         "host_fill": fill_cost(engine, long_spec, args.batch1_tokens)}
     print("batch1", json.dumps(record["batch1"]))
+    fill_rows, spread = ((16, 64), 20) if args.quick else ((64, 256), 200)
+    record["batch_fill"] = [batch_fill_cost(engine, long_spec, rows, args.fill_steps, spread) for rows in fill_rows]
+    print("batch_fill", json.dumps(record["batch_fill"]))
 
     env = environment(engine, args)
     env["model"]["name"] = shape  # NOTE: the shape's directory; the vocabulary is record["vocabulary"]
