@@ -220,7 +220,9 @@ def batch_fill_cost(engine: EngineCore, spec: GrammarSpec, rows: int, steps: int
     token, then every row's mask filled, on the book's thread: `GrammarBook.submit` to its fill done),
     the rows in spread-out states (`spread` steps first, each row advancing or not by a coin), per step:
     alone, while another thread runs Python half the time (2 ms on, 2 ms off: an engine thread that
-    also waits for its device), and all the time. Tokens: drawn from each row's mask (seeded)."""
+    also waits for its device), and all the time; with the means of its two halves (advancing the
+    matchers: xgrammar's batch_accept_token, serial; filling: its batched fill, on its threads).
+    Tokens: drawn from each row's mask (seeded)."""
     vocab = engine.arch.vocab_size
     book = GrammarBook(lambda: engine.grammars.compiler)  # NOTE: unpinned: no gate, the host waits for the fill
     ids = [f"b{i}" for i in range(rows)]
@@ -248,12 +250,27 @@ def batch_fill_cost(engine: EngineCore, spec: GrammarSpec, rows: int, steps: int
         _, drawn = step(tokens, moving)
         tokens = [d if m else t for d, t, m in zip(drawn, tokens, moving)]
     out: dict[str, Any] = {"rows": rows, "steps": steps}
+    parts: dict[str, float] = {"advance": 0.0, "fill": 0.0}  # the book's two halves, on its thread
+
+    def timed(fn: Any, part: str) -> Any:
+        def call(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                parts[part] += time.perf_counter() - started
+
+        return call
+
+    book._advance = timed(book._advance, "advance")  # type: ignore[method-assign]
+    book._fill = timed(book._fill, "fill")  # type: ignore[method-assign]
     for name, duty in (("alone", None), ("python_half_the_time", (0.002, 0.002)), ("python_all_the_time", (1.0, 0.0))):
         stop = threading.Event()
         spinner = threading.Thread(target=_spin, args=(stop, *duty), daemon=True) if duty else None
         if spinner is not None:
             spinner.start()
         times = []
+        parts.update(advance=0.0, fill=0.0)
         try:
             for _ in range(steps):
                 elapsed, tokens = step(tokens, [True] * rows)
@@ -263,7 +280,8 @@ def batch_fill_cost(engine: EngineCore, spec: GrammarSpec, rows: int, steps: int
             if spinner is not None:
                 spinner.join(timeout=10)
         out[name] = {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
-                     "max_ms": max(times) * 1e3}
+                     "max_ms": max(times) * 1e3, "advance_mean_ms": parts["advance"] / steps * 1e3,
+                     "fill_mean_ms": parts["fill"] / steps * 1e3}
     book.settle()
     return out
 
