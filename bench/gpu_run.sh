@@ -76,6 +76,8 @@
 #           through split_k.store_split_k (shared with the 4-bit kernel; same SASS compiled on the CPU) in the
 #           quantized GPU tests, the compile warm-up tests (W4A16 too), then the decode steps at batches 1 2 8 16 64
 #           (FP8, W4A16, bfloat16; the quant part with REQUESTS=0 and those batches) and the 4-bit sweep by rows.
+#   structured (one GPU, BUNDLE=.benchbundle): bench.structured_outputs on the Qwen3-0.6B shape with a trained
+#           151,643-token BPE ($ROUNDS rounds, default 6).
 #   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
@@ -85,7 +87,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -115,6 +117,13 @@ case "$part" in
     run 240 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --variants fp8 w4a16 bfloat16 --batches 1 2 8 16 64 --requests 0 --out "$out"
     run 200 python3 -m bench.diag.int4_gemv_sweep --out "$out" --rows 1 16 64 --variants words read
+    ;;
+  structured)
+    # (one GPU; BUNDLE=.benchbundle: xgrammar) a JSON schema on every request against none (ABBA, $ROUNDS rounds),
+    # where the host's and the device's time go (the gate), the grammar book's step work by rows alone and under
+    # a Python-busy thread, batch-1 cost, compile times
+    run 400 python3 -m bench.structured_outputs --model bench/shapes/qwen3-0.6b --load-format dummy \
+      --train-vocab 151643 --rounds "${ROUNDS:-6}" --out "$out"
     ;;
   int4_words)
     # (one GPU) the 4-bit small product reading int32 words (a nibble a LOP3 and an FMA): its GPU tests, its
