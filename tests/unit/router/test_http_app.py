@@ -6,6 +6,8 @@ gets a 4xx OpenAI error body; a client that leaves early leaves no KV block held
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import faulthandler
 import http.client
 import json
 import threading
@@ -53,7 +55,14 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 10) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        """coro's result on the server's loop; past timeout_s every thread's stack goes to stderr first
+        (a CI run once timed out closing the dispatcher here, and the stacks say what the loop was doing)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            faulthandler.dump_traceback(all_threads=True)
+            raise
 
     def client(self, api_key: str = API_KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
