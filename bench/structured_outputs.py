@@ -117,28 +117,31 @@ def train_vocab(model_dir: Path, vocab_size: int, out: Path) -> dict[str, Any]:
             "train_s": time.perf_counter() - started}
 
 
+def _timed(fn: Any, totals: dict[str, float], key: str) -> Any:
+    """fn, each call's duration added to totals[key] (on whichever thread calls it)."""
+
+    def call(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            totals[key] += time.perf_counter() - started
+
+    return call
+
+
 class HostClock:
     """Where a run's host time goes, timed around the grammar book's calls of this engine (an
-    instrument on the instance; the engine is unchanged): `fill_s` its matchers' advance and mask fill
-    (on its thread, or inline for few rows), `settle_s` the engine thread blocked on that work."""
+    instrument on the instance; the engine is unchanged): `seconds["fill"]` its matchers' advance and
+    mask fill (on its thread, or inline for few rows), `seconds["settle"]` the engine thread blocked
+    on that work."""
 
     def __init__(self, engine: EngineCore) -> None:
-        self.fill_s = self.settle_s = 0.0
+        self.seconds = {"fill": 0.0, "settle": 0.0}
         book = engine.grammars
-
-        def timed(fn: Any, into: str) -> Any:
-            def call(*args: Any) -> Any:
-                started = time.perf_counter()
-                try:
-                    return fn(*args)
-                finally:
-                    setattr(self, into, getattr(self, into) + time.perf_counter() - started)
-
-            return call
-
-        book._advance = timed(book._advance, "fill_s")  # type: ignore[method-assign]
-        book._fill = timed(book._fill, "fill_s")  # type: ignore[method-assign]
-        book.settle = timed(book.settle, "settle_s")  # type: ignore[method-assign]
+        book._advance = _timed(book._advance, self.seconds, "fill")  # type: ignore[method-assign]
+        book._fill = _timed(book._fill, self.seconds, "fill")  # type: ignore[method-assign]
+        book.settle = _timed(book.settle, self.seconds, "settle")  # type: ignore[method-assign]
         self._gate_events: list[tuple[Any, Any]] = []
         if engine.device.type == "cuda":  # the device's waits at the gate, between events around each
             gate, wait = book.gate, book.gate.wait
@@ -167,7 +170,7 @@ def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], gra
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.6, ignore_eos=True, grammar=grammar))
     synchronize(engine.device)
-    before = (engine.wait_seconds, clock.fill_s, clock.settle_s, clock.gate_s()) if clock else None
+    before = (engine.wait_seconds, clock.seconds["fill"], clock.seconds["settle"], clock.gate_s()) if clock else None
     start = time.perf_counter()
     num_out = steps = 0
     while engine.has_unfinished():
@@ -178,8 +181,9 @@ def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], gra
     check_no_leak(engine)
     result = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed, "steps": steps}
     if clock and before:
-        result["host"] = {"device_wait_s": engine.wait_seconds - before[0], "grammar_work_s": clock.fill_s - before[1],
-                          "settle_wait_s": clock.settle_s - before[2], "device_gate_s": clock.gate_s()}
+        result["host"] = {"device_wait_s": engine.wait_seconds - before[0],
+                          "grammar_work_s": clock.seconds["fill"] - before[1],
+                          "settle_wait_s": clock.seconds["settle"] - before[2], "device_gate_s": clock.gate_s()}
     return result
 
 
@@ -250,20 +254,9 @@ def batch_fill_cost(engine: EngineCore, spec: GrammarSpec, rows: int, steps: int
         _, drawn = step(tokens, moving)
         tokens = [d if m else t for d, t, m in zip(drawn, tokens, moving)]
     out: dict[str, Any] = {"rows": rows, "steps": steps}
-    parts: dict[str, float] = {"advance": 0.0, "fill": 0.0}  # the book's two halves, on its thread
-
-    def timed(fn: Any, part: str) -> Any:
-        def call(*args: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                parts[part] += time.perf_counter() - started
-
-        return call
-
-    book._advance = timed(book._advance, "advance")  # type: ignore[method-assign]
-    book._fill = timed(book._fill, "fill")  # type: ignore[method-assign]
+    parts = {"advance": 0.0, "fill": 0.0}  # the book's two halves, on its thread
+    book._advance = _timed(book._advance, parts, "advance")  # type: ignore[method-assign]
+    book._fill = _timed(book._fill, parts, "fill")  # type: ignore[method-assign]
     for name, duty in (("alone", None), ("python_half_the_time", (0.002, 0.002)), ("python_all_the_time", (1.0, 0.0))):
         stop = threading.Event()
         spinner = threading.Thread(target=_spin, args=(stop, *duty), daemon=True) if duty else None
