@@ -372,9 +372,9 @@ class GrammarBook:
         return self._fill(masked, self._bitmask(len(masked)) if masked else None)
 
     def _fill(self, masked: list[tuple[int, Any]], bitmask: torch.Tensor | None) -> TokenMask | None:
-        """(draw row, matcher) -> the draw's mask, in bitmask; a terminated matcher's row allows all
-        (its draw is dropped)."""
-        if not masked or bitmask is None:
+        """(draw row, matcher) -> the draw's mask, in bitmask (None: no row is masked); a terminated
+        matcher's row allows all (its draw is dropped)."""
+        if bitmask is None:
             return None
         live = []
         for j, (_, matcher) in enumerate(masked):
