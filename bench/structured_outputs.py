@@ -11,9 +11,10 @@ unconstrained, in one process:
   (2) batch 1, one request of --batch1-tokens output tokens, plain and constrained in turns (4 each,
       ABBA): median time per token, their difference (what the grammar adds per token), and the
       host's mask fill per token timed on its own.
-  (3) the grammar book's work for one step of 64 and 256 constrained rows on the host alone (advance
-      a token, fill every mask, on its thread), and while another thread runs Python half the time
-      or all of it: what the engine thread's own work costs the fill.
+  (3) the grammar work of one step of 64 and 256 constrained rows (advance a token, fill every mask),
+      call to filled mask, alone and while another thread runs Python half the time or all of it
+      (what the engine thread's own work costs the fill): in the grammar process (the product), and
+      on a thread of this process (the design before it, built here as the baseline).
   (4) compile time of the test schemas (tests/unit/engine/test_grammar.py's set, repeated here):
       first compile with a fresh compiler, and the cached one.
 
@@ -41,6 +42,7 @@ import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,8 @@ from bench.offline_throughput import nano_vllm_workload
 from bench.train_models import corpus_files
 from engine import EngineCore, SamplingParams
 from engine.config import GrammarSpec
-from engine.grammar import GrammarBook, GrammarCompiler
+from engine.grammar import GrammarCompiler
+from engine.grammar_book import GrammarBook
 
 RECORD = {
     "type": "object",
@@ -131,19 +134,19 @@ def _timed(fn: Any, totals: dict[str, float], key: str) -> Any:
 
 
 class HostClock:
-    """Where a run's host time goes, timed around the grammar book's calls of this engine (an
-    instrument on the instance; the engine is unchanged): `seconds["fill"]` its matchers' advance and
-    mask fill (on its thread, or inline for few rows), `seconds["settle"]` the engine thread blocked
-    on that work."""
+    """Where a run's grammar time goes, timed around this engine's grammar book (an instrument on the
+    instance; the engine is unchanged): `seconds["calls"]` the engine thread in the book's calls
+    (reading acks, sending the work), `seconds["wait"]` the host waiting for a fill (a CPU draw's; on
+    CUDA the device waits instead, at the gate); the process's own work is the book's work_seconds."""
 
     def __init__(self, engine: EngineCore) -> None:
-        self.seconds = {"fill": 0.0, "settle": 0.0}
-        book = engine.grammars
-        book._advance = _timed(book._advance, self.seconds, "fill")  # type: ignore[method-assign]
-        book._fill = _timed(book._fill, self.seconds, "fill")  # type: ignore[method-assign]
-        book.settle = _timed(book.settle, self.seconds, "settle")  # type: ignore[method-assign]
+        self.seconds = {"calls": 0.0, "wait": 0.0}
+        self.book = book = engine.grammars
+        for name in ("submit", "accept", "mask_drafts"):  # NOTE: mask() is a submit
+            setattr(book, name, _timed(getattr(book, name), self.seconds, "calls"))
+        book.wait = _timed(book.wait, self.seconds, "wait")  # type: ignore[method-assign]
         self._gate_events: list[tuple[Any, Any]] = []
-        if engine.device.type == "cuda":  # the device's waits at the gate, between events around each
+        if book.gate is not None:  # the device's waits at the gate, between events around each
             gate, wait = book.gate, book.gate.wait
 
             def timed_wait(ticket: int) -> None:
@@ -155,22 +158,25 @@ class HostClock:
 
             gate.wait = timed_wait  # type: ignore[method-assign]
 
-    def gate_s(self) -> float:
-        """The device's time at the gate since the last call (synchronized before)."""
+    def read(self) -> dict[str, float]:
+        """The totals so far; the device's time at the gate since the last read (synchronized before)."""
         events, self._gate_events = self._gate_events, []
-        return sum(a.elapsed_time(b) for a, b in events) / 1e3
+        return {"grammar_calls_s": self.seconds["calls"], "grammar_wait_s": self.seconds["wait"],
+                "grammar_process_work_s": self.book.work_seconds,
+                "device_gate_s": sum(a.elapsed_time(b) for a, b in events) / 1e3}
 
 
 def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], grammar: GrammarSpec | None,
         clock: HostClock | None = None) -> dict:
     """One timed run; with a clock, the host's time by part: waiting for the device's tokens
-    (engine.wait_seconds), the grammar book's work and the engine thread's wait for it."""
+    (engine.wait_seconds), the engine thread in the grammar book's calls and waiting for its fills,
+    the grammar process's work, and the device's waits at the gate."""
     if grammar is not None:
         engine.grammars.compile_within(grammar)  # as a worker does, off the timed path
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.6, ignore_eos=True, grammar=grammar))
     synchronize(engine.device)
-    before = (engine.wait_seconds, clock.seconds["fill"], clock.seconds["settle"], clock.gate_s()) if clock else None
+    before = (engine.wait_seconds, clock.read()) if clock else None
     start = time.perf_counter()
     num_out = steps = 0
     while engine.has_unfinished():
@@ -181,28 +187,29 @@ def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], gra
     check_no_leak(engine)
     result = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed, "steps": steps}
     if clock and before:
+        after = clock.read()
         result["host"] = {"device_wait_s": engine.wait_seconds - before[0],
-                          "grammar_work_s": clock.seconds["fill"] - before[1],
-                          "settle_wait_s": clock.seconds["settle"] - before[2], "device_gate_s": clock.gate_s()}
+                          **{k: after[k] - before[1][k] for k in after if k != "device_gate_s"},
+                          "device_gate_s": after["device_gate_s"]}
     return result
 
 
-def fill_cost(engine: EngineCore, spec: GrammarSpec, num_tokens: int) -> dict[str, float]:
+def fill_cost(compiler: GrammarCompiler, spec: GrammarSpec, num_tokens: int) -> dict[str, float]:
     """The host's mask fill per token for one matcher walking num_tokens allowed tokens (seeded choice)."""
     import random
 
     import xgrammar as xgr
 
     rng = random.Random(0)
-    matcher = xgr.GrammarMatcher(engine.grammars.compiler.compile(spec))
-    bitmask = xgr.allocate_token_bitmask(1, engine.arch.vocab_size)
+    matcher = xgr.GrammarMatcher(compiler.compile(spec))
+    bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
     shifts = torch.arange(32, dtype=torch.int32)
     times = []
     for _ in range(num_tokens):
         started = time.perf_counter()
         matcher.fill_next_token_bitmask(bitmask)
         times.append(time.perf_counter() - started)
-        allowed = (((bitmask[0].unsqueeze(-1) >> shifts) & 1).flatten()[: engine.arch.vocab_size]).nonzero()
+        allowed = (((bitmask[0].unsqueeze(-1) >> shifts) & 1).flatten()[: compiler.vocab_size]).nonzero()
         assert matcher.accept_token(int(allowed[rng.randrange(len(allowed))]))
     times.sort()
     return {"median_ms": statistics.median(times) * 1e3, "p90_ms": times[int(0.9 * len(times))] * 1e3,
@@ -219,63 +226,108 @@ def _spin(stop: threading.Event, busy_s: float, idle_s: float) -> None:
             time.sleep(idle_s)
 
 
-def batch_fill_cost(engine: EngineCore, spec: GrammarSpec, rows: int, steps: int, spread: int = 200) -> dict[str, Any]:
-    """The grammar book's work for one step of `rows` constrained requests (each matcher advanced by a
-    token, then every row's mask filled, on the book's thread: `GrammarBook.submit` to its fill done),
-    the rows in spread-out states (`spread` steps first, each row advancing or not by a coin), per step:
-    alone, while another thread runs Python half the time (2 ms on, 2 ms off: an engine thread that
-    also waits for its device), and all the time; with the means of its two halves (advancing the
-    matchers: xgrammar's batch_accept_token, serial; filling: its batched fill, on its threads).
-    Tokens: drawn from each row's mask (seeded)."""
+class _ProcessBook:
+    """The product's grammar work: a GrammarBook, its matchers in the grammar process (unregistered
+    slots: the host waits for each fill)."""
+
+    def __init__(self, engine: EngineCore, spec: GrammarSpec, rows: int) -> None:
+        arch = engine.arch
+        self.book = GrammarBook(engine.model_dir, arch.vocab_size, arch.eos_token_ids, rows)
+        self.ids = [f"b{i}" for i in range(rows)]
+        for rid in self.ids:
+            self.book.add(rid, spec, [])
+
+    @property
+    def work_seconds(self) -> float:
+        return self.book.work_seconds
+
+    def step(self, tokens: list[int], moving: list[bool]) -> torch.Tensor:
+        mask = self.book.submit([(rid, [t]) for rid, t, m in zip(self.ids, tokens, moving) if m], self.ids)
+        assert mask is not None and mask.filling is not None
+        mask.filling.before_use()
+        return mask.bitmask
+
+    def close(self) -> None:
+        self.book.close()
+
+
+class _ThreadBook:
+    """Baseline (measured beside the product, not part of it): the design before the grammar process,
+    the matchers in this process and each step's advance and fill on one thread of it."""
+
+    def __init__(self, compiler: GrammarCompiler, spec: GrammarSpec, rows: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.matchers = [xgr.GrammarMatcher(compiler.compile(spec)) for _ in range(rows)]
+        self.batch = xgr.BatchGrammarMatcher()
+        self.bitmask = xgr.allocate_token_bitmask(rows, compiler.vocab_size)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.work_seconds = 0.0
+
+    def step(self, tokens: list[int], moving: list[bool]) -> torch.Tensor:
+        def work() -> None:
+            started = time.perf_counter()
+            moved = [(m, t) for m, t, go in zip(self.matchers, tokens, moving) if go]
+            assert all(self.xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in moved], [t for _, t in moved]))
+            self.batch.batch_fill_next_token_bitmask(self.matchers, self.bitmask)
+            self.work_seconds += time.perf_counter() - started
+
+        self.thread.submit(work).result()
+        return self.bitmask
+
+    def close(self) -> None:
+        self.thread.shutdown()
+
+
+def batch_fill_cost(engine: EngineCore, compiler: GrammarCompiler, spec: GrammarSpec, rows: int, steps: int,
+                    spread: int = 200) -> dict[str, Any]:
+    """The grammar work of one step of `rows` constrained requests (each matcher advanced by a token,
+    then every row's mask filled), from the call to the filled mask, by design: the grammar process
+    (the product's GrammarBook) and, beside it, a thread of this process (the design before). The rows
+    in spread-out states (`spread` steps first, each row advancing or not by a coin); per step: alone,
+    while another thread runs Python half the time (2 ms on, 2 ms off: an engine thread that also
+    waits for its device), and all the time; with the mean of the work itself (on the process or the
+    thread). Tokens: drawn from each row's mask (seeded)."""
     vocab = engine.arch.vocab_size
-    book = GrammarBook(lambda: engine.grammars.compiler)  # NOTE: unpinned: no gate, the host waits for the fill
-    ids = [f"b{i}" for i in range(rows)]
-    for rid in ids:
-        book.add(rid, spec, [])
-    generator = torch.Generator().manual_seed(0)
     shifts = torch.arange(32, dtype=torch.int32)
-
-    def draw(mask: Any) -> list[int]:
-        allowed = ((mask.bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab].float()
-        return torch.multinomial(allowed, 1, generator=generator).flatten().tolist()
-
-    def step(tokens: list[int], moving: list[bool]) -> tuple[float, list[int]]:
-        started = time.perf_counter()
-        mask = book.submit([(rid, [t]) for rid, t, m in zip(ids, tokens, moving) if m], ids)
-        if mask.filling is not None:
-            mask.filling.done.result()
-        return time.perf_counter() - started, draw(mask)
-
-    mask = book.mask(ids)
-    tokens = draw(mask)
-    coin = torch.Generator().manual_seed(1)
-    for _ in range(spread):
-        moving = (torch.rand(rows, generator=coin) < 0.5).tolist()
-        _, drawn = step(tokens, moving)
-        tokens = [d if m else t for d, t, m in zip(drawn, tokens, moving)]
     out: dict[str, Any] = {"rows": rows, "steps": steps}
-    parts = {"advance": 0.0, "fill": 0.0}  # the book's two halves, on its thread
-    book._advance = _timed(book._advance, parts, "advance")  # type: ignore[method-assign]
-    book._fill = _timed(book._fill, parts, "fill")  # type: ignore[method-assign]
-    for name, duty in (("alone", None), ("python_half_the_time", (0.002, 0.002)), ("python_all_the_time", (1.0, 0.0))):
-        stop = threading.Event()
-        spinner = threading.Thread(target=_spin, args=(stop, *duty), daemon=True) if duty else None
-        if spinner is not None:
-            spinner.start()
-        times = []
-        parts.update(advance=0.0, fill=0.0)
-        try:
-            for _ in range(steps):
-                elapsed, tokens = step(tokens, [True] * rows)
-                times.append(elapsed)
-        finally:
-            stop.set()
+    for design, book in (("process", _ProcessBook(engine, spec, rows)), ("thread", _ThreadBook(compiler, spec, rows))):
+        generator = torch.Generator().manual_seed(0)
+
+        def draw(bitmask: torch.Tensor) -> list[int]:
+            allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab].float()
+            return torch.multinomial(allowed, 1, generator=generator).flatten().tolist()
+
+        tokens = draw(book.step([], [False] * rows))
+        coin = torch.Generator().manual_seed(1)
+        for _ in range(spread):
+            moving = (torch.rand(rows, generator=coin) < 0.5).tolist()
+            drawn = draw(book.step(tokens, moving))
+            tokens = [d if m else t for d, t, m in zip(drawn, tokens, moving)]
+        modes: dict[str, Any] = {}
+        for name, duty in (("alone", None), ("python_half_the_time", (0.002, 0.002)),
+                           ("python_all_the_time", (1.0, 0.0))):
+            stop = threading.Event()
+            spinner = threading.Thread(target=_spin, args=(stop, *duty), daemon=True) if duty else None
             if spinner is not None:
-                spinner.join(timeout=10)
-        out[name] = {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
-                     "max_ms": max(times) * 1e3, "advance_mean_ms": parts["advance"] / steps * 1e3,
-                     "fill_mean_ms": parts["fill"] / steps * 1e3}
-    book.settle()
+                spinner.start()
+            times = []
+            work_before = book.work_seconds
+            try:
+                for _ in range(steps):
+                    started = time.perf_counter()
+                    bitmask = book.step(tokens, [True] * rows)
+                    times.append(time.perf_counter() - started)
+                    tokens = draw(bitmask)
+            finally:
+                stop.set()
+                if spinner is not None:
+                    spinner.join(timeout=10)
+            modes[name] = {"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
+                           "max_ms": max(times) * 1e3, "work_mean_ms": (book.work_seconds - work_before) / steps * 1e3}
+        book.close()
+        out[design] = modes
     return out
 
 
@@ -294,6 +346,20 @@ def compile_times(model_dir: Path, engine: EngineCore) -> dict[str, dict[str, fl
     return out
 
 
+def _plot_fill(ax: Any, fills: list[dict[str, Any]]) -> None:
+    """Part (3): median ms from the call to the filled mask, by rows and the other thread's duty, by design."""
+    modes = ("alone", "python_half_the_time", "python_all_the_time")
+    labels = [f"{f['rows']} rows\n{m.replace('python_', 'busy ').replace('_', ' ')}" for f in fills for m in modes]
+    for k, (design, color) in enumerate((("process", "tab:blue"), ("thread", "tab:gray"))):
+        values = [f[design][m]["median_ms"] for f in fills for m in modes]
+        ax.bar([i + 0.4 * k for i in range(len(values))], values, width=0.4, color=color, label=design)
+    ax.set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title("grammar work of one step: call to filled mask")
+    ax.legend()
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--train-vocab", type=int, default=0, help="train a byte-level BPE of this many tokens")
@@ -303,6 +369,7 @@ def main() -> None:
     parser.add_argument("--fill-steps", type=int, default=50, help="timed steps of the grammar book alone, by rows")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--fill-only", action="store_true", help="parts (3) and (4) alone (the host's share)")
     args = parser.parse_args()
     record: dict[str, Any] = {"method": "one process; runs in turns A B, B A, ... (A unconstrained); times of "
                                         "engine.step() loops from the first step to the last token, synchronized"}
@@ -317,6 +384,21 @@ def main() -> None:
     long_spec = GrammarSpec(kind="json_schema", text=json.dumps(LONG_SCHEMA))
     record["compile"] = compile_times(engine.model_dir, engine)
     print("compile", json.dumps(record["compile"]))
+    compiler = GrammarCompiler(engine.model_dir, vocab, engine.arch.eos_token_ids)
+    fill_rows, spread = ((16, 64), 20) if args.quick else ((64, 256), 200)
+    record["batch_fill"] = [batch_fill_cost(engine, compiler, long_spec, rows, args.fill_steps, spread)
+                            for rows in fill_rows]
+    print("batch_fill", json.dumps(record["batch_fill"]))
+    env = environment(engine, args)
+    env["model"]["name"] = shape  # NOTE: the shape's directory; the vocabulary is record["vocabulary"]
+    vocabulary = f"vocabulary: {'trained BPE ' + str(args.train_vocab) if args.train_vocab else args.model}"
+    if args.fill_only:
+        paths = write_results(args.out, "structured_outputs_fill", env, record,
+                              lambda fig: _plot_fill(fig.subplots(1, 1), record["batch_fill"]),
+                              title("Grammar work of one step: the grammar process vs a thread", env,
+                                    f"{vocabulary}; LONG_SCHEMA on every row"))
+        print("wrote", *paths)
+        return
 
     prompts, max_tokens = nano_vllm_workload(args.num_seqs, args.seed)
     prompts = [[t % vocab for t in p] for p in prompts]
@@ -355,17 +437,11 @@ def main() -> None:
             batch1[key].append(result["elapsed_s"] / result["output_tokens"] * 1e3)
     plain_ms, json_ms = (statistics.median(batch1[k]) for k in batch1)
     record["batch1"] = {**batch1, "tokens": args.batch1_tokens, "grammar_ms_per_token": json_ms - plain_ms,
-                        "host_fill": fill_cost(engine, long_spec, args.batch1_tokens)}
+                        "host_fill": fill_cost(compiler, long_spec, args.batch1_tokens)}
     print("batch1", json.dumps(record["batch1"]))
-    fill_rows, spread = ((16, 64), 20) if args.quick else ((64, 256), 200)
-    record["batch_fill"] = [batch_fill_cost(engine, long_spec, rows, args.fill_steps, spread) for rows in fill_rows]
-    print("batch_fill", json.dumps(record["batch_fill"]))
-
-    env = environment(engine, args)
-    env["model"]["name"] = shape  # NOTE: the shape's directory; the vocabulary is record["vocabulary"]
 
     def plot(fig: Any) -> None:
-        ax1, ax2, ax3 = fig.subplots(1, 3)
+        ax1, ax2, ax3, ax4 = fig.subplots(1, 4)
         tp = [statistics.fmean(r[k]["output_tok_per_s"] for r in rounds) for k in ("unconstrained", "json_schema")]
         ax1.bar(["unconstrained", "JSON schema"], tp, color=["tab:gray", "tab:blue"])
         ax1.set_title(f"nano-vllm workload: output tok/s (ratio {record['throughput']['mean_ratio']:.3f})")
@@ -375,11 +451,11 @@ def main() -> None:
         ax3.bar(names, [record["compile"][n]["first_ms"] for n in names], color="tab:green")
         ax3.set_title("first compile, ms")
         ax3.tick_params(axis="x", rotation=30)
+        _plot_fill(ax4, record["batch_fill"])
 
     paths = write_results(args.out, "structured_outputs", env, record, plot,
                           title("Structured outputs: JSON schema on every request vs unconstrained", env,
-                                f"{len(prompts)} seqs, nano-vllm workload; vocabulary: "
-                                f"{'trained BPE ' + str(args.train_vocab) if args.train_vocab else args.model}"))
+                                f"{len(prompts)} seqs, nano-vllm workload; {vocabulary}"))
     print("wrote", *paths)
 
 

@@ -48,7 +48,8 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams
 from engine.cuda_graphs import graph_max_rows
-from engine.grammar import GrammarBook, GrammarCompiler, GrammarError, TokenMask
+from engine.grammar import GrammarError, TokenMask
+from engine.grammar_book import GrammarBook
 from engine.kv_cache import BlockPool, IntegrityError
 from engine.models import ArchConfig, check_quantized_parallel
 from engine.parallel import RankSet, RankStarter, TensorParallel, check_tensor_parallel
@@ -167,9 +168,9 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.bind(num_blocks, min(self.max_model_len, num_blocks * block_size))
         self.spec_counters = SpecCounters()
-        self.grammars = GrammarBook(
-            lambda: GrammarCompiler(self.model_dir, arch.vocab_size, arch.eos_token_ids), self.device.type == "cuda"
-        )
+        drafts = config.speculative.num_draft_tokens if self.proposer is not None else 0
+        self.grammars = GrammarBook(self.model_dir, arch.vocab_size, arch.eos_token_ids,
+                                    config.scheduler.max_num_seqs * (1 + drafts), self.device.type == "cuda")
         self.block_bytes = parts.block_bytes  # this rank's heads
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool)
@@ -194,12 +195,14 @@ class EngineCore:
         self._rank_stats = RankStats(leader.group, leader.send) if leader is not None else None
         self.wait_seconds = 0.0  # the host's wait for asynchronous steps' tokens, since start (stats)
         warm_up_sampler(self.sampler, arch.vocab_size, self.device)
-        warm_up_gate(self.grammars, self.device)
+        warm_up_gate(self.device)
         if self.proposer is not None:
             warm_up_verifier(self.sampler, arch.vocab_size, self.device, config.speculative.num_draft_tokens)
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel worker (they leave their loops); idempotent."""
+        """Stops the grammar process and the other ranks of a tensor-parallel worker (they leave their
+        loops); idempotent."""
+        self.grammars.close()
         if self.runner.leader is not None:
             self.runner.leader.send(Stop())
             self.runner.leader = None
@@ -595,6 +598,7 @@ class EngineCore:
             self._drop_proposer_state(victim.request_id)
         self.scheduler.advance(out)
         outputs: list[StepOutput] = []
+        accepted: list[tuple[str, list[int]]] = []  # the constrained requests' new tokens: one message
         for s, sample in zip([s for s in out.scheduled if s.will_sample], sampled):
             request = s.request
             request.draft = None  # drafted for the tokens before this step's
@@ -606,7 +610,7 @@ class EngineCore:
                 request.token_ids.append(new_tokens[0])
                 status = self._stop_status(request, new_tokens[0])
             if request.request_id in self.grammars:
-                self.grammars.accept([(request.request_id, new_tokens)])
+                accepted.append((request.request_id, new_tokens))
             n = len(new_tokens)
             outputs.append(
                 self._report(
@@ -615,6 +619,8 @@ class EngineCore:
                     sample.top_logprobs[:n] if sample.top_logprobs is not None else None,
                 )
             )
+        if accepted:
+            self.grammars.accept(accepted)
         return outputs
 
     def _mask(self, sampling: Sequence[ScheduledRequest]) -> TokenMask | None:

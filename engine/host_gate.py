@@ -1,18 +1,17 @@
 """A draw's wait, on the device, for a grammar mask the host is still filling.
 
-The grammar book fills a draw's bitmask on its own thread while the engine thread goes on (builds
-the step's outputs, schedules and launches the next forward). The draw is queued at once behind
-`HostGate.wait(ticket)`: one program that spins on a pinned host word until the host's
-`open(ticket)` writes it, so the mask's copy, queued after the wait, reads the filled buffer, and
-the engine thread never blocks on the fill: the fill overlaps the device's forward instead of
-adding to the host's share of the step.
+The grammar process fills a draw's bitmask while the engine thread goes on (builds the step's
+outputs, schedules and launches the next forward). The draw is queued at once behind
+`HostGate.wait(ticket)`: one program that spins on a host word (pinned or registered, shared with
+that process) until the process writes the ticket there, so the mask's copy, queued after the
+wait, reads the filled buffer, and the engine thread never blocks on the fill: the fill overlaps
+the device's forward instead of adding to the host's share of the step.
 
-Invariants: the work that opens a ticket is handed to its thread before the launch that waits for
-it, and opens it whatever happens (finally), so a queued wait always ends; tickets open in the order
-they were taken (a ticket's fill starts after the previous gated draw's tokens were read). Should a
-wait still outlast MAX_SPINS reads of the word (tens of seconds: a host that stopped), it ends
-anyway and writes its ticket to the gate's second word, so the host raises (`late`) instead of the
-device hanging with every request in it.
+Invariants: the work that opens a ticket is sent before the launch that waits for it, and opens it
+whatever happens (finally), so a queued wait always ends; tickets open in the order they were taken
+(the process does its work in order). Should a wait still outlast MAX_SPINS reads of the word (tens
+of seconds: a process that stopped), it ends anyway and writes its ticket to the gate's second
+word, so the host raises (`late`) instead of the device hanging with every request in it.
 """
 
 from __future__ import annotations
@@ -39,19 +38,13 @@ def _wait_kernel(word_ptr, ticket, MAX_SPINS: tl.constexpr):
 
 
 class HostGate:
-    """One engine's gate: tickets taken by the engine thread, opened by whichever thread fills."""
+    """One engine's gate over two int64 host words the device can read: word 0 the last ticket
+    opened (by whichever thread or process fills), word 1 a ticket the device gave up on."""
 
-    def __init__(self, pin_memory: bool = True, max_spins: int = MAX_SPINS) -> None:
-        # NOTE: pinned: the device reads word 0 (the last ticket opened) and writes word 1 (one it gave up on)
-        self._words = torch.zeros(2, dtype=torch.int64, pin_memory=pin_memory)
-        self._host = self._words.numpy()  # NOTE: plain loads and stores, no torch dispatch, from any thread
-        self._taken = 0
+    def __init__(self, words: torch.Tensor, max_spins: int = MAX_SPINS) -> None:
+        self._words = words
+        self._host = words.numpy()  # NOTE: plain loads and stores, no torch dispatch, from any thread
         self.max_spins = max_spins
-
-    def take(self) -> int:
-        """A new ticket, closed until `open(it)`."""
-        self._taken += 1
-        return self._taken
 
     def open(self, ticket: int) -> None:
         """Lets the waits for ticket (and earlier ones) end; any thread."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from engine.config import SamplingParams
-from engine.grammar import GrammarBook
 from engine.runner import ForwardSeq, ModelRunner
 from engine.sampler import Sampler, SamplingRow, VerifyRow
 
@@ -82,13 +81,16 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device) -> 
     torch.cuda.synchronize(device)
 
 
-def warm_up_gate(grammars: GrammarBook, device: torch.device) -> None:
+def warm_up_gate(device: torch.device) -> None:
     """Compiles the gate's wait (a constrained draw's, engine/host_gate.py) for int32 and int64 tickets,
-    each already open."""
+    each already open (on words of its own: the book's come with its grammar process)."""
     if device.type != "cuda":
         return
+    from engine.host_gate import HostGate
+
+    gate = HostGate(torch.zeros(2, dtype=torch.int64, pin_memory=True))
     for ticket in (0, -(1 << 40)):
-        grammars.gate.wait(ticket)
+        gate.wait(ticket)
     torch.cuda.synchronize(device)
 
 

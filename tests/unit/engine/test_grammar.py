@@ -6,6 +6,7 @@ speculation, and a request continued on another engine (its matcher rebuilt from
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from engine.config import GrammarSpec, SamplingParams
-from engine.grammar import INLINE_ROWS, GrammarBook, GrammarCompiler, GrammarError, TokenMask, apply_token_mask
+from engine.grammar import GrammarCompiler, GrammarError, TokenMask, apply_token_mask
+from engine.grammar_book import GrammarBook
 from engine.models import DEFAULT_MODEL_DIR
 from engine.sampler import Sampler, SamplingRow
 from engine.validation import InvalidRequestError
@@ -145,46 +147,122 @@ def test_masked_rows_draw_only_allowed_tokens_and_keep_raw_logprobs() -> None:
     assert torch.equal(logits, torch.randn(3, 64, generator=torch.Generator().manual_seed(0)))  # not changed
 
 
-# ---- the book's thread
+# ---- the book's process
 
 
-def _book(compiler: GrammarCompiler, rows: int) -> GrammarBook:
-    book = GrammarBook(lambda: compiler)
-    for i in range(rows):
-        book.add(f"r{i}", _json_spec(SCHEMAS["nested"]), [])
-    return book
+@pytest.fixture
+def book():
+    book = GrammarBook(DEFAULT_MODEL_DIR, VOCAB, [EOS], capacity=16)
+    yield book
+    book.close()
 
 
-def test_submit_returns_the_mask_while_its_fill_is_still_under_way(compiler) -> None:
+def _add_rows(book: GrammarBook, rows: int) -> list[str]:
+    ids = [f"r{i}" for i in range(rows)]
+    for rid in ids:
+        book.add(rid, _json_spec(SCHEMAS["nested"]), [])
+    return ids
+
+
+def _filled(mask: TokenMask) -> torch.Tensor:
+    if mask.filling is not None:
+        mask.filling.before_use()  # NOTE: on the CPU the host waits for the fill
+    return mask.bitmask
+
+
+def test_submit_returns_the_mask_while_the_process_still_fills_it(book, compiler) -> None:
+    import signal
     import threading
 
-    rows = INLINE_ROWS + 4  # more than the inline rows: the book's thread fills
-    ids = [f"r{i}" for i in range(rows)]
-    expected = _book(compiler, rows).mask(ids).bitmask.clone()
-    book = _book(compiler, rows)
-    book.submit([], ids).filling.done.result(timeout=30)  # starts the thread
-    held = threading.Event()
-    book._thread.submit(held.wait, 30)  # the thread is busy: the next fill waits behind it
-    mask = book.submit([], ids)
-    assert mask is not None and mask.filling is not None and not mask.filling.done.done()
-    assert mask.rows == list(range(rows))
-    held.set()
-    masked = apply_token_mask(torch.zeros(rows, VOCAB), mask)  # on the CPU the host waits for the fill
-    assert mask.filling.done.done()
-    assert torch.equal(mask.bitmask, expected)
-    for row, bits in zip(masked, expected):
+    import xgrammar as xgr
+
+    ids = _add_rows(book, 12)
+    pid = book._process.pid
+    os.kill(pid, signal.SIGSTOP)  # NOTE: the process can do nothing until SIGCONT
+    try:
+        returned: list[TokenMask] = []
+        submitting = threading.Thread(target=lambda: returned.append(book.submit([], ids)))
+        submitting.start()
+        submitting.join(10)
+        assert returned, "submit waited for the process"
+        mask = returned[0]
+        assert mask.filling is not None and mask.rows == list(range(12))
+        assert not book._process.acks.poll(0.5)  # nothing answered: the mask is not filled yet
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    masked = apply_token_mask(torch.zeros(12, VOCAB), mask)  # the host waits for the fill
+    expected = xgr.allocate_token_bitmask(1, VOCAB)
+    xgr.GrammarMatcher(compiler.compile(_json_spec(SCHEMAS["nested"]))).fill_next_token_bitmask(expected)
+    for row, bits in zip(masked, mask.bitmask):
+        assert torch.equal(bits, expected[0])  # the process's fill is xgrammar's own
         assert set(row.isfinite().nonzero().flatten().tolist()) == _allowed(bits)  # the filled mask applied
 
 
-def test_an_error_on_the_books_thread_is_raised_by_the_next_call(compiler) -> None:
-    rows = INLINE_ROWS + 4
-    ids = [f"r{i}" for i in range(rows)]
-    book = _book(compiler, rows)
-    refused = next(t for t in range(VOCAB) if t not in _allowed(book.mask(["r0"]).bitmask[0]))
-    book.submit([(rid, [refused]) for rid in ids], ids)  # returns: the thread finds the refusal
+def test_an_error_in_the_process_is_raised_by_the_next_call(book) -> None:
+    ids = _add_rows(book, 12)
+    refused = next(t for t in range(VOCAB) if t not in _allowed(_filled(book.mask(["r0"]))[0]))
+    book.submit([(rid, [refused]) for rid in ids], ids)  # returns: the process finds the refusal
     with pytest.raises(RuntimeError, match="refused by the grammar"):
+        _filled(book.mask(ids))
+    _filled(book.mask(ids))  # raised once; the book goes on
+
+
+def test_bad_grammars_and_bad_output_are_refused_by_the_process_with_its_message(book) -> None:
+    with pytest.raises(GrammarError, match="regex does not compile"):
+        book.compile_within(GrammarSpec(kind="regex", text="(unclosed"))
+    with pytest.raises(GrammarError, match="regex does not compile"):
+        book.add("r", GrammarSpec(kind="regex", text="(unclosed"), [])
+    a = _token("a")
+    with pytest.raises(GrammarError, match=r"output token 1 \(\d+\) does not follow the request's regex"):
+        book.add("r", GrammarSpec(kind="regex", text="ab"), [a, a])
+    assert "r" not in book and len(book) == 0
+
+
+def test_a_draw_past_the_books_capacity_is_refused(book) -> None:
+    ids = _add_rows(book, 17)
+    with pytest.raises(ValueError, match="17 constrained rows is more than the grammar book holds"):
         book.mask(ids)
-    book.mask(ids)  # raised once; the book goes on
+
+
+def test_a_dead_process_is_a_clear_error_not_a_hang(book) -> None:
+    import signal
+
+    ids = _add_rows(book, 2)
+    _filled(book.mask(ids))
+    os.kill(book._process.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"grammar process \(pid \d+\) exited"):
+        for _ in range(3):  # NOTE: the first send may land in the pipe's buffer; its wait finds the EOF
+            _filled(book.mask(ids))
+
+
+def test_close_ends_the_process_and_a_dropped_book_ends_it_too() -> None:
+    import gc
+    import time
+
+    def gone(process) -> bool:
+        deadline = time.monotonic() + 10
+        while process.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not process.is_alive()
+
+    book = GrammarBook(DEFAULT_MODEL_DIR, VOCAB, [EOS], capacity=4)
+    book.add("r", GrammarSpec(kind="regex", text="ab"), [])
+    process = book._process
+    assert process.is_alive()
+    book.close()
+    assert gone(process)
+    book = GrammarBook(DEFAULT_MODEL_DIR, VOCAB, [EOS], capacity=4)
+    book.add("r", GrammarSpec(kind="regex", text="ab"), [])
+    process = book._process
+    del book
+    gc.collect()
+    assert gone(process)
+
+
+def _token(ch: str) -> int:
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(DEFAULT_MODEL_DIR).encode(ch, add_special_tokens=False)[0]
 
 
 # ---- constrained generation with the default model
@@ -295,14 +373,14 @@ def test_a_drafted_token_the_grammar_forbids_is_rejected_and_the_matcher_rolls_b
     tok = llm.tokenizer
     a, b, c, e, z = (tok.encode(ch, add_special_tokens=False)[0] for ch in "abcez")
     book = engine.grammars
-    before = book.mask(["r"]).bitmask.clone()
+    before = _filled(book.mask(["r"])).clone()
     mask = book.mask_drafts([("r", [a, b, z, e]), ("free", [a, a])])
     assert mask.rows == [0, 1, 2, 3, 4]  # the constrained row's 5 positions only
-    first, second, third = (_allowed(mask.bitmask[k]) for k in range(3))
+    first, second, third = (_allowed(_filled(mask)[k]) for k in range(3))
     assert a in first and b not in first and z not in first
     assert b in second and a not in second
     assert c in third and z not in third  # so verification rejects the drafted z here
     assert len(_allowed(mask.bitmask[3])) == VOCAB  # past the forbidden draft: never used
-    assert torch.equal(book.mask(["r"]).bitmask, before)  # rolled back exactly
+    assert torch.equal(_filled(book.mask(["r"])), before)  # rolled back exactly
     engine.abort_request("r")
     assert "r" not in book

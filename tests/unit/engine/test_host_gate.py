@@ -24,9 +24,15 @@ pytestmark = pytest.mark.usefixtures("interpreted_triton")
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def _gate(**kwargs) -> object:
+    import torch
+
+    return host_gate.HostGate(torch.zeros(2, dtype=torch.int64), **kwargs)
+
+
 def test_a_wait_ends_when_another_thread_opens_its_ticket() -> None:
-    gate = host_gate.HostGate(pin_memory=False)
-    ticket = gate.take()
+    gate = _gate()
+    ticket = 1
     assert not gate.is_open(ticket)
     opened_at: list[float] = []
 
@@ -45,9 +51,8 @@ def test_a_wait_ends_when_another_thread_opens_its_ticket() -> None:
 
 
 def test_open_and_earlier_tickets_pass_at_once() -> None:
-    gate = host_gate.HostGate(pin_memory=False)
-    first, second = gate.take(), gate.take()
-    assert second == first + 1
+    gate = _gate()
+    first, second = 1, 2
     gate.open(second)
     started = time.perf_counter()
     for ticket in (first, second, 0, -(1 << 40)):  # an int64 ticket too (the warm-up's)
@@ -56,11 +61,12 @@ def test_open_and_earlier_tickets_pass_at_once() -> None:
 
 
 def test_a_wait_nobody_opens_gives_up_and_the_book_raises() -> None:
-    from engine.grammar import GrammarBook
+    from engine.grammar_book import GrammarBook
+    from engine.models import DEFAULT_MODEL_DIR
 
-    book = GrammarBook(lambda: None)
-    book._gate = gate = host_gate.HostGate(pin_memory=False, max_spins=50)
-    first, second = gate.take(), gate.take()
+    book = GrammarBook(DEFAULT_MODEL_DIR, 2048, [1], capacity=1)
+    book._gate = gate = _gate(max_spins=50)
+    first, second = 1, 2
     gate.open(first)
     gate.wait(first)
     assert gate.late() == 0
