@@ -12,9 +12,10 @@ unconstrained, in one process:
       ABBA): median time per token, their difference (what the grammar adds per token), and the
       host's mask fill per token timed on its own.
   (3) the grammar work of one step of 64 and 256 constrained rows (advance a token, fill every mask),
-      call to filled mask, alone and while another thread runs Python half the time or all of it
-      (what the engine thread's own work costs the fill): in the grammar process (the product), and
-      on a thread of this process (the design before it, built here as the baseline).
+      call to mask ready (where a draw waiting at its gate goes on), alone and while another thread
+      runs Python half the time or all of it (what the engine thread's own work costs the fill): in
+      the grammar process (the product), and on a thread of this process (the design before it,
+      built here as the baseline).
   (4) compile time of the test schemas (tests/unit/engine/test_grammar.py's set, repeated here):
       first compile with a fresh compiler, and the cached one.
 
@@ -241,11 +242,12 @@ class _ProcessBook:
     def work_seconds(self) -> float:
         return self.book.work_seconds
 
-    def step(self, tokens: list[int], moving: list[bool]) -> torch.Tensor:
+    def step(self, tokens: list[int], moving: list[bool]) -> tuple[torch.Tensor, float]:
+        """The filled bitmask, and when it was ready (the ticket's word written: a waiting draw goes on)."""
         mask = self.book.submit([(rid, [t]) for rid, t, m in zip(self.ids, tokens, moving) if m], self.ids)
         assert mask is not None and mask.filling is not None
         mask.filling.before_use()
-        return mask.bitmask
+        return mask.bitmask, self.book.finished_at
 
     def close(self) -> None:
         self.book.close()
@@ -265,16 +267,21 @@ class _ThreadBook:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.work_seconds = 0.0
 
-    def step(self, tokens: list[int], moving: list[bool]) -> torch.Tensor:
-        def work() -> None:
+    def step(self, tokens: list[int], moving: list[bool]) -> tuple[torch.Tensor, float]:
+        """The filled bitmask, and when it was ready (the work's end on the thread, where it opened its gate)."""
+
+        def work() -> float:
             started = time.perf_counter()
             moved = [(m, t) for m, t, go in zip(self.matchers, tokens, moving) if go]
-            assert all(self.xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in moved], [t for _, t in moved]))
+            if moved:
+                assert all(self.xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in moved],
+                                                                           [t for _, t in moved]))
             self.batch.batch_fill_next_token_bitmask(self.matchers, self.bitmask)
-            self.work_seconds += time.perf_counter() - started
+            finished = time.perf_counter()
+            self.work_seconds += finished - started
+            return finished
 
-        self.thread.submit(work).result()
-        return self.bitmask
+        return self.bitmask, self.thread.submit(work).result()
 
     def close(self) -> None:
         self.thread.shutdown()
@@ -283,27 +290,32 @@ class _ThreadBook:
 def batch_fill_cost(engine: EngineCore, compiler: GrammarCompiler, spec: GrammarSpec, rows: int, steps: int,
                     spread: int = 200) -> dict[str, Any]:
     """The grammar work of one step of `rows` constrained requests (each matcher advanced by a token,
-    then every row's mask filled), from the call to the filled mask, by design: the grammar process
+    then every row's mask filled), from the call to the mask ready (where a draw waiting at its gate
+    would go on; the same clock in both processes), by design: the grammar process
     (the product's GrammarBook) and, beside it, a thread of this process (the design before). The rows
     in spread-out states (`spread` steps first, each row advancing or not by a coin); per step: alone,
     while another thread runs Python half the time (2 ms on, 2 ms off: an engine thread that also
     waits for its device), and all the time; with the mean of the work itself (on the process or the
     thread). Tokens: drawn from each row's mask (seeded)."""
-    vocab = engine.arch.vocab_size
     shifts = torch.arange(32, dtype=torch.int32)
     out: dict[str, Any] = {"rows": rows, "steps": steps}
     for design, book in (("process", _ProcessBook(engine, spec, rows)), ("thread", _ThreadBook(compiler, spec, rows))):
         generator = torch.Generator().manual_seed(0)
 
         def draw(bitmask: torch.Tensor) -> list[int]:
-            allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab].float()
-            return torch.multinomial(allowed, 1, generator=generator).flatten().tolist()
+            """An allowed token of each row: a random word with a bit set, then a random bit of it (not
+            uniform over tokens; cheap at a large vocabulary)."""
+            scores = torch.rand(bitmask.shape, generator=generator) * (bitmask != 0)
+            word = scores.argmax(dim=1)
+            bits = (bitmask.gather(1, word[:, None]) >> shifts) & 1  # [rows, 32]
+            bit = (torch.rand(bits.shape, generator=generator) * bits).argmax(dim=1)
+            return (word * 32 + bit).tolist()
 
-        tokens = draw(book.step([], [False] * rows))
+        tokens = draw(book.step([], [False] * rows)[0])
         coin = torch.Generator().manual_seed(1)
         for _ in range(spread):
             moving = (torch.rand(rows, generator=coin) < 0.5).tolist()
-            drawn = draw(book.step(tokens, moving))
+            drawn = draw(book.step(tokens, moving)[0])
             tokens = [d if m else t for d, t, m in zip(drawn, tokens, moving)]
         modes: dict[str, Any] = {}
         for name, duty in (("alone", None), ("python_half_the_time", (0.002, 0.002)),
@@ -317,8 +329,8 @@ def batch_fill_cost(engine: EngineCore, compiler: GrammarCompiler, spec: Grammar
             try:
                 for _ in range(steps):
                     started = time.perf_counter()
-                    bitmask = book.step(tokens, [True] * rows)
-                    times.append(time.perf_counter() - started)
+                    bitmask, ready_at = book.step(tokens, [True] * rows)
+                    times.append(ready_at - started)
                     tokens = draw(bitmask)
             finally:
                 stop.set()
@@ -356,7 +368,7 @@ def _plot_fill(ax: Any, fills: list[dict[str, Any]]) -> None:
     ax.set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("ms per step (median)")
-    ax.set_title("grammar work of one step: call to filled mask")
+    ax.set_title("grammar work of one step: call to mask ready")
     ax.legend()
 
 

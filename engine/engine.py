@@ -21,8 +21,8 @@ staging, post-processing) overlaps the device's instead of leaving it idle. One 
    device (runner.TokenPatch), then the sampler's kernels; nothing waits for the device;
 3. resolve N: read its tokens (the host waits for N only; N+1 is queued behind it), put them in
    place of the placeholders, check stop conditions, finish requests, build N's StepOutputs;
-   when N+1 draws for a request with a grammar, its mask needs N's token: the grammar book fills
-   it on its thread while the device runs N+1's forward, and N+1's draw is queued after this
+   when N+1 draws for a request with a grammar, its mask needs N's token: the grammar process fills
+   it (engine/grammar_book.py) while the device runs N+1's forward, and N+1's draw is queued after this
    stage, behind a gate on the device that the fill opens (engine/host_gate.py);
 4. book N+1: its KV counts and block commits (every token in them is real by now), and its own
    placeholders. step() returns N's outputs: each token reaches the caller one call later.
@@ -408,8 +408,8 @@ class EngineCore:
             mask = None
             if self._constrains(sampling):
                 if prev is not None:
-                    # A grammar's mask follows N's tokens: the host reads them and hands the fill to
-                    # the grammar book's thread; the draw is queued behind the fill's gate.
+                    # A grammar's mask follows N's tokens: the host reads them and sends the fill to
+                    # the grammar process; the draw is queued behind the fill's gate.
                     (outputs, mask), prev = self._resolve(prev, sampling), None
                 else:
                     mask = self._mask(sampling)
@@ -471,7 +471,7 @@ class EngineCore:
     ) -> tuple[list[StepOutput], TokenMask | None]:
         """Reads a launched step's tokens into place of its placeholders; its StepOutputs, and the mask
         of `then` (the next draw's requests). The constrained requests' matchers take the tokens and
-        fill that mask on the grammar book's thread while this one builds the outputs and goes on: the
+        fill that mask in the grammar process while this thread builds the outputs and goes on: the
         mask comes back still filling (the draw that uses it waits for it on the device)."""
         if step.pending is None:
             return [], self._mask(then)

@@ -77,6 +77,7 @@ class _ForkServer:
                 socket.send_fds(self._socket, [json.dumps(config).encode()], fds)
                 answer = self._socket.recv(1 << 12)
             except (OSError, TimeoutError) as err:
+                self.process.kill()  # NOTE: a late answer would be taken for the next fork's: the next call starts anew
                 raise GrammarError(f"the grammar processes' fork server (pid {self.process.pid}) did not answer "
                                    f"within {START_TIMEOUT_S:g} s: {err}") from None
             if not answer:
@@ -118,6 +119,10 @@ class _Process:
             config = {"capacity": capacity, "words": words, "model_dir": str(model_dir), "vocab_size": vocab_size,
                       "stop_token_ids": list(stop_token_ids)}
             self.pid = _ForkServers.fork(config, theirs)
+        except BaseException:
+            for fd in (pipes[0][1], pipes[1][0], pipes[2][1], pipes[3][0]):
+                os.close(fd)
+            raise
         finally:
             for fd in theirs:  # NOTE: the child's ends: EOF here when it exits
                 os.close(fd)
@@ -162,6 +167,8 @@ class _Process:
                             "lost: restart the worker")
 
     def is_alive(self) -> bool:
+        if self.pid <= 0:
+            return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -213,6 +220,7 @@ class GrammarBook:
         self._acked = 0  # the last ticket whose work's ack was read
         self._errors: list[str] = []  # work that failed, raised by the next settle
         self.work_seconds = 0.0  # the process's time on the work acked so far (stats)
+        self.finished_at = 0.0  # when the last work acked was done (time.perf_counter: the process's clock is ours)
         self._turn = 0
 
     def _started(self) -> _Process:
@@ -287,11 +295,11 @@ class GrammarBook:
 
     def _read_ack(self, process: _Process) -> None:
         try:
-            ticket, error, seconds = process.acks.recv()
+            ticket, error, started, self.finished_at = process.acks.recv()
         except (EOFError, OSError):
             raise process.exited() from None
         self._acked = ticket
-        self.work_seconds += seconds
+        self.work_seconds += self.finished_at - started
         if error is not None:
             self._errors.append(error)
 

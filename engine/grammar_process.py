@@ -8,8 +8,8 @@ after each of xgrammar's calls, a switch interval (5 ms) each time; here it hold
 Channels (multiprocessing connections, pickled tuples), each with one reader:
 - work (the engine thread -> the work loop, in order): ("fill", ticket, drops, advancing, slot,
   keys) and ("drafts", ticket, drops, slot, rows). Each is answered on `acks` with (ticket, error
-  or None, seconds of work) after the ticket was written to the region's first word, whatever
-  happened: a device waiting for that word always goes on.
+  or None, started, finished: time.perf_counter, one clock for every process) after the ticket was
+  written to the region's first word, whatever happened: a device waiting for it always goes on.
 - control (any engine thread -> the control loop): ("compile", call, spec), each on a thread of its
   own, and ("add", call, key, spec, output); answered on `replies` with (call, error or None).
   Call 0 is the start: the compiler built, or why not.
@@ -212,7 +212,7 @@ def serve(work: Connection, acks: Connection, control: Connection, replies: Conn
             error = _error(err)
         finally:
             opened[0] = ticket
-        acks.send((ticket, error, time.perf_counter() - started))
+        acks.send((ticket, error, started, time.perf_counter()))
 
 
 def fork_server(requests: socket.socket) -> None:

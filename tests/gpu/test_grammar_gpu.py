@@ -54,3 +54,46 @@ def test_greedy_constrained_output_equals_the_cpu_engine_s(make_llm):
     cpu = [o.outputs[0].token_ids for o in make_llm(device="cpu", num_blocks=512).generate(prompts, params)]
     assert gpu == cpu
     assert re.fullmatch("(red|green|blue)-[0-9]{2,5}", make_llm(**OPTIONS).tokenizer.decode(gpu[1]))
+
+
+def test_a_draw_waits_on_the_device_for_the_grammar_process_not_on_the_host(make_llm):
+    """The region is registered with CUDA: with the grammar process stopped, the mask comes back and
+    the draw's copy is queued behind the gate without the host waiting; the device waits until the
+    process goes on, then reads the filled mask."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import xgrammar as xgr
+
+    from engine.grammar import apply_token_mask
+
+    llm = make_llm(**OPTIONS)
+    book, vocab = llm.engine.grammars, llm.engine.arch.vocab_size
+    book.compile_within(SPEC)
+    book.add("r", SPEC, [])
+    assert book._process.region.slots.is_pinned()
+    pid = book._process.pid
+    logits = torch.zeros(1, vocab, device="cuda")
+    queued: list[torch.Tensor] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        drawing = threading.Thread(target=lambda: queued.append(apply_token_mask(logits, book.mask(["r"]))))
+        drawing.start()
+        drawing.join(5)
+        assert queued, "the host waited for the stopped grammar process"
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.3)
+        assert not done.query()  # the device waits at the gate
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    torch.cuda.synchronize()
+    again = book.mask(["r"])  # the same matcher state, filled while the host waits for it
+    again.filling.wait(again.filling.ticket)
+    expected = torch.zeros(1, vocab)
+    xgr.apply_token_bitmask_inplace(expected, again.bitmask.clone(), vocab_size=vocab)
+    assert torch.equal(queued[0].isfinite().cpu(), expected.isfinite())
+    assert 0 < int(expected.isfinite().sum()) < vocab
+    book.settle()  # no error, and the device gave up on no ticket

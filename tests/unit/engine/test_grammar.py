@@ -259,6 +259,24 @@ def test_close_ends_the_process_and_a_dropped_book_ends_it_too() -> None:
     assert gone(process)
 
 
+def test_a_dead_fork_server_is_replaced_and_its_children_live_on(book) -> None:
+    from engine.grammar_book import _ForkServers
+
+    book.add("r", GrammarSpec(kind="regex", text="ab"), [])
+    server = _ForkServers._server
+    assert server is not None
+    server.process.kill()
+    server.process.wait(10)
+    assert len(_allowed(_filled(book.mask(["r"]))[0])) >= 1  # the forked process serves on
+    other = GrammarBook(DEFAULT_MODEL_DIR, VOCAB, [EOS], capacity=4)
+    try:
+        other.add("s", GrammarSpec(kind="regex", text="ab"), [])  # a fresh server forks its process
+        assert _ForkServers._server is not server
+        assert _allowed(_filled(other.mask(["s"]))[0]) == _allowed(_filled(book.mask(["r"]))[0])
+    finally:
+        other.close()
+
+
 def _token(ch: str) -> int:
     from engine.tokenizer import Tokenizer
 
