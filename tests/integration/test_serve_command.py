@@ -52,14 +52,16 @@ class Server:
         self.stop()
         raise AssertionError("pdserve serve did not come up:\n" + "".join(self.output[-40:]))
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 180 s; the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(180)  # NOTE: its Serve and Ray shutdown, beside other servers, on 2 busy cores
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,9 @@ def server() -> Iterator[Server]:
             raise
         s = Server()
     yield s
-    s.stop()
+    # SIGTERM, whose handler Ray's start replaces with one that aborts the process, stops the server
+    # cleanly (exit code 0, its Ray cluster gone): checked here, on the module's server, at its end.
+    assert s.stop() == 0, "".join(s.output[-40:])
 
 
 def test_openai_client_completions_and_chat(server):
@@ -259,15 +263,14 @@ def test_a_long_prompt_goes_through_the_prefill_worker_over_its_channel(server):
     assert channels.get("prefill-0") in ("1", "2") and channels.get("decode-0") in ("1", "2"), status.stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_a_server_started_with_sigint_ignored(server, sig):
+def test_sigint_stops_a_server_started_with_sigint_ignored(server):
     """A background job of a non-interactive script inherits SIGINT as ignored; the server installs
-    its own handler, so SIGINT still stops it, and cleanly (exit code 0, its Ray cluster gone). So does
-    SIGTERM, whose handler Ray's start replaces with one that aborts the process."""
+    its own handler, so SIGINT still stops it, and cleanly (exit code 0, its Ray cluster gone). SIGTERM
+    is checked on the module's server when it stops (the fixture)."""
     del server  # NOTE: after the module's server is up: one Ray start at a time on a 2-core machine
     s = Server(ignore_sigint=True, num_router_replicas=1)  # NOTE: the fewest processes beside the module's server
     try:
-        s.proc.send_signal(sig)
+        s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(180) == 0  # NOTE: its Serve and Ray shutdown, beside the module's server, on 2 busy cores
     finally:
         s.stop()
