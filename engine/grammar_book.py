@@ -205,10 +205,9 @@ class GrammarBook:
     def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: Sequence[int], capacity: int,
                  pin_memory: bool = False) -> None:
         """capacity: the most rows one draw masks (a batch, or a verification's positions)."""
-        # NOTE: pin_memory: the logits are on CUDA: registered slots, and draws wait on the device
-        self._start_args = (Path(model_dir), vocab_size, tuple(stop_token_ids), capacity, -(-vocab_size // 32),
-                            pin_memory)
+        self._start_args = (Path(model_dir), vocab_size, tuple(stop_token_ids), capacity, -(-vocab_size // 32))
         self.capacity = capacity
+        self._pin_memory = pin_memory  # NOTE: the logits are on CUDA: registered slots, draws wait on the device
         self._starting = threading.Lock()
         self._process: _Process | None = None
         self._gate: HostGate | None = None
@@ -226,9 +225,9 @@ class GrammarBook:
     def _started(self) -> _Process:
         with self._starting:  # NOTE: the first grammars' compile calls race from worker threads
             if self._process is None:
-                self._process = _Process(*self._start_args)
+                self._process = _Process(*self._start_args, self._pin_memory)
                 weakref.finalize(self, self._process.close)  # NOTE: a book dropped unclosed ends its process too
-                if self._start_args[-1]:
+                if self._pin_memory:
                     from engine.host_gate import HostGate
 
                     self._gate = HostGate(self._process.region.words)
@@ -240,8 +239,9 @@ class GrammarBook:
         return self._gate
 
     def close(self) -> None:
-        """Ends the process (its matchers with it); idempotent."""
+        """Ends the process, its matchers with it (their requests are gone: the engine closes); idempotent."""
         process, self._process = self._process, None
+        self._keys.clear()
         if process is not None:
             process.close()
 

@@ -19,7 +19,7 @@ ticket] and two bitmask slots of [capacity, words] int32. Invariant: a key is ad
 sent) before any work names it and never reused, so the two loops never race on a matcher.
 
 Each grammar process is forked by `fork_server` (`python -m engine.grammar_process`, one per engine
-process, which imported xgrammar and torch once and runs no threads): a book's process starts in
+process, which imported xgrammar and torch once and starts no threads of its own): a book's process starts in
 milliseconds, not the seconds of those imports, and is no fork of the engine's threads. It exits
 when the engine closes its channels or exits.
 """
