@@ -724,6 +724,7 @@ class EngineCore:
             weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), parallel=self.parallel,
             num_alloc_retries=retries + others.alloc_retries, num_device_frees=frees + others.device_frees,
             step_device_seconds=self.rates.device_seconds, step_wait_seconds=self.wait_seconds,
+            grammar_work_seconds=self.grammars.work_seconds,
             follower_forward_seconds=others.forward_seconds, follower_call_seconds=others.call_seconds,
             follower_longest_call_seconds=others.longest_call_seconds, follower_gc_seconds=others.gc_seconds,
             follower_longest_gc_seconds=others.longest_gc_seconds,

@@ -50,6 +50,9 @@ class EngineStats:
     # tokens inside steps, since start: what a step's wall time leaves beside these two is the host's own work
     step_device_seconds: float = 0.0
     step_wait_seconds: float = 0.0
+    # the grammar process's (engine/grammar_book.py) seconds on the engine's constrained work it has answered:
+    # advancing matchers and filling masks, beside the engine thread; since start
+    grammar_work_seconds: float = 0.0
     # the other ranks' loops (engine/parallel/follower.py), the most of any rank, since start, one stats call
     # behind: seconds launching forwards, in RankCalls (KV moves), and the longest RankCall of the last 10 s
     follower_forward_seconds: float = 0.0

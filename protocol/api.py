@@ -64,6 +64,7 @@ class WorkerStatsMsg(Msg):
     # loops (the most of any rank): seconds launching forwards, in KV moves, the longest move lately
     step_device_seconds: float = 0.0
     step_wait_seconds: float = 0.0
+    grammar_work_seconds: float = 0.0  # its grammar process's, on constrained requests' masks, since start
     follower_forward_seconds: float = 0.0
     follower_call_seconds: float = 0.0
     follower_longest_call_seconds: float = 0.0

@@ -57,6 +57,8 @@ ROW_GAUGES: tuple[tuple[str, str, str], ...] = (
      "The device time of a worker's steps (rank 0's stream), since start."),
     ("step_wait_seconds", "pdserve:engine_step_wait_seconds",
      "Wall seconds a worker's engine thread waited for its steps' tokens, since start."),
+    ("grammar_work_seconds", "pdserve:grammar_work_seconds",
+     "Seconds a worker's grammar process spent advancing matchers and filling masks (beside the engine), since start."),
     ("follower_forward_seconds", "pdserve:rank_forward_seconds",
      "Wall seconds a tensor-parallel worker's other ranks spent launching forwards (the most of any), since start."),
     ("follower_call_seconds", "pdserve:rank_call_seconds",

@@ -309,6 +309,7 @@ def test_json_schemas_at_temperature_one_always_validate(make_llm, options) -> N
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         _validate(out.outputs[0].text, schema)
     assert all(len(out.outputs[0].token_ids) == 20 for out in outputs[len(schemas):])
+    assert llm.engine.stats().grammar_work_seconds > 0  # the grammar process's work, counted for the metrics
     assert len(llm.engine.grammars) == 0  # every matcher dropped
 
 

@@ -66,7 +66,8 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
                                num_blocks=10, num_free_blocks=4, num_engine_steps=1200, engine_step_seconds=14.5,
                                engine_command_seconds=0.75, longest_recent_step_seconds=0.18,
                                num_alloc_retries=4, num_device_frees=9, step_device_seconds=12.5,
-                               step_wait_seconds=10.25, follower_forward_seconds=1.5, follower_call_seconds=0.5,
+                               step_wait_seconds=10.25, grammar_work_seconds=2.5, follower_forward_seconds=1.5,
+                               follower_call_seconds=0.5,
                                follower_longest_call_seconds=0.125, gc_seconds=0.75,
                                longest_recent_gc_seconds=0.0625, follower_gc_seconds=1.25,
                                follower_longest_gc_seconds=0.25)]
@@ -80,6 +81,7 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
     assert lines['pdserve:cuda_device_frees{model_name="m",worker="d0"}'] == 9
     assert lines['pdserve:engine_step_device_seconds{model_name="m",worker="d0"}'] == 12.5
     assert lines['pdserve:engine_step_wait_seconds{model_name="m",worker="d0"}'] == 10.25
+    assert lines['pdserve:grammar_work_seconds{model_name="m",worker="d0"}'] == 2.5
     assert lines['pdserve:rank_forward_seconds{model_name="m",worker="d0"}'] == 1.5
     assert lines['pdserve:rank_call_seconds{model_name="m",worker="d0"}'] == 0.5
     assert lines['pdserve:rank_longest_recent_call_seconds{model_name="m",worker="d0"}'] == 0.125
