@@ -143,7 +143,7 @@ class HostClock:
     def __init__(self, engine: EngineCore) -> None:
         self.seconds = {"calls": 0.0, "wait": 0.0}
         self.book = book = engine.grammars
-        for name in ("submit", "accept", "mask_drafts"):  # NOTE: mask() is a submit
+        for name in ("submit", "mask_drafts"):  # NOTE: mask() and accept() are submits
             setattr(book, name, _timed(getattr(book, name), self.seconds, "calls"))
         book.wait = _timed(book.wait, self.seconds, "wait")  # type: ignore[method-assign]
         self._gate_events: list[tuple[Any, Any]] = []

@@ -43,6 +43,10 @@ COMPILED_KEPT = 256
 class GrammarError(ValueError):
     """A grammar that does not compile, or not in time; the message is the compiler's."""
 
+    @classmethod
+    def too_slow(cls, spec: GrammarSpec, timeout_s: float) -> GrammarError:
+        return cls(f"the {spec.kind} did not compile within {timeout_s:g} s; simplify it")
+
 
 class TokenMask(NamedTuple):
     """Which tokens some logits rows may take: bit t of bitmask[i] set = token t allowed in rows[i]."""
@@ -216,7 +220,7 @@ class GrammarCompiler:
 
         threading.Thread(target=run, name="grammar-compile", daemon=True).start()
         if not done.wait(timeout_s):
-            raise GrammarError(f"the {spec.kind} did not compile within {timeout_s:g} s; simplify it")
+            raise GrammarError.too_slow(spec, timeout_s)
         if isinstance(result[0], BaseException):
             raise result[0]
         return result[0]

@@ -214,8 +214,7 @@ class GrammarBook:
         self._keys: dict[str, int] = {}  # request id -> its matcher's key in the process
         self._next_key = itertools.count(1)
         self._drops: list[int] = []  # keys to drop, sent with the next work
-        self._tickets = itertools.count(1)
-        self._last_ticket = 0  # the last work's
+        self._last_ticket = 0  # the last work's (tickets count up from 1)
         self._acked = 0  # the last ticket whose work's ack was read
         self._errors: list[str] = []  # work that failed, raised by the next settle
         self.work_seconds = 0.0  # the process's time on the work acked so far (stats)
@@ -253,7 +252,7 @@ class GrammarBook:
         try:
             error = process.call(("compile", spec), timeout_s)
         except FutureTimeout:
-            raise GrammarError(f"the {spec.kind} did not compile within {timeout_s:g} s; simplify it") from None
+            raise GrammarError.too_slow(spec, timeout_s) from None
         if error is not None:
             raise GrammarError(error)
 
@@ -318,7 +317,8 @@ class GrammarBook:
 
     def _send(self, message: tuple[Any, ...]) -> int:
         """Sends ("kind", ticket, drops, ...) with a new ticket; the ticket."""
-        ticket = self._last_ticket = next(self._tickets)
+        self._last_ticket += 1
+        ticket = self._last_ticket
         drops, self._drops = self._drops, []
         process = self._process
         assert process is not None, "a matcher was added, so the process started"
@@ -347,17 +347,14 @@ class GrammarBook:
         request dropped since (it finished with them) is skipped. The tokens were drawn under these
         matchers' masks: a refusal is a bug, raised by a later call. A matcher that took an
         end-of-sequence token is terminated: the request ends."""
-        self.settle()
-        advancing = [(self._keys[rid], list(new)) for rid, new in tokens if rid in self._keys]
-        if advancing:
-            self._send(("fill", advancing, 0, []))
+        self.submit(tokens, [])
 
     def submit(self, tokens: Sequence[tuple[str, Sequence[int]]], request_ids: Sequence[str]) -> TokenMask | None:
         """`accept(tokens)`, then the mask of a draw whose row i is request_ids[i] (None: no row is
         constrained; a finished request's row is left out: its draw is dropped), in one message."""
         self.settle()
         masked = [(i, self._keys[rid]) for i, rid in enumerate(request_ids) if rid in self._keys]
-        advancing = [(self._keys[rid], list(new)) for rid, new in tokens]
+        advancing = [(self._keys[rid], list(new)) for rid, new in tokens if rid in self._keys]
         if not masked:
             if advancing:
                 self._send(("fill", advancing, 0, []))
