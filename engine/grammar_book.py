@@ -129,13 +129,15 @@ class _Process:
         self.work, self.control = Connection(pipes[0][1], readable=False), Connection(pipes[2][1], readable=False)
         self.acks, self.replies = Connection(pipes[1][0], writable=False), Connection(pipes[3][0], writable=False)
         self.region: Region = Region.of(self._buffer, capacity, words)
+        self._registered = 0  # the region's address while registered with CUDA
         if pin_memory:  # NOTE: the device reads the words and copies the slots without a staging copy
             cudart = torch.cuda.cudart()
-            flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
-            status = cudart.cudaHostRegister(flat.data_ptr(), size, 3)  # cudaHostRegisterPortable | Mapped
+            address = torch.frombuffer(self._buffer, dtype=torch.uint8).data_ptr()
+            status = cudart.cudaHostRegister(address, size, 3)  # cudaHostRegisterPortable | Mapped
             if status != cudart.cudaError.success:
                 self.close()
                 raise RuntimeError(f"cudaHostRegister of the grammar region ({size} bytes) failed: {status}")
+            self._registered = address
         self._calls = itertools.count(1)
         self._answers: dict[int, Future[str | None]] = {0: Future()}
         self._sending = threading.Lock()  # NOTE: control calls come from several threads
@@ -189,7 +191,8 @@ class _Process:
             self._answers.pop(call, None)
 
     def close(self) -> None:
-        """Closes the channels the process reads (it exits on their end), killing it after 5 s."""
+        """Closes the channels the process reads (it exits on their end), killing it after 5 s, and
+        unregisters the region; idempotent."""
         for end in (self.work, self.control):
             end.close()
         deadline = time.monotonic() + 5
@@ -197,6 +200,12 @@ class _Process:
             time.sleep(0.01)
         if self.is_alive():
             os.kill(self.pid, signal.SIGKILL)
+        if self._registered:
+            # NOTE: a registration outlives the mapping: unregistered here, or the next region mapped at this
+            # address fails to register. Once the device is idle: no queued gate or copy reads it after.
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = 0
 
 
 class GrammarBook:
