@@ -195,6 +195,29 @@ def run(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int], gra
     return result
 
 
+def profile_runs(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int],
+                 spec: GrammarSpec, top: int = 30) -> dict[str, Any]:
+    """One unconstrained and one constrained run under cProfile (this thread: the engine's): the
+    functions whose own time grows most with the grammar, and each run's total."""
+    import cProfile
+    import pstats
+
+    own: dict[str, dict[str, tuple[float, int]]] = {}
+    elapsed: dict[str, float] = {}
+    for name, grammar in (("unconstrained", None), ("json_schema", spec)):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        elapsed[name] = run(engine, prompts, max_tokens, grammar)["elapsed_s"]
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+        own[name] = {f"{Path(f).name}:{line}:{fn}": (tt, calls) for (f, line, fn), (_, calls, tt, _, _) in stats.items()}
+    plain, constrained = own["unconstrained"], own["json_schema"]
+    grown = sorted(constrained, key=lambda k: constrained[k][0] - plain.get(k, (0.0, 0))[0], reverse=True)[:top]
+    return {"elapsed_s": elapsed, "own_s": {k: {"unconstrained": plain.get(k, (0.0, 0))[0],
+                                                 "json_schema": constrained[k][0], "calls": constrained[k][1]}
+                                             for k in grown}}
+
+
 def fill_cost(compiler: GrammarCompiler, spec: GrammarSpec, num_tokens: int) -> dict[str, float]:
     """The host's mask fill per token for one matcher walking num_tokens allowed tokens (seeded choice)."""
     import random
@@ -382,6 +405,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--fill-only", action="store_true", help="parts (3) and (4) alone (the host's share)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, one run of each under cProfile: the engine thread's functions by "
+                             "the time the constrained run adds (a diagnosis: cProfile slows Python several-fold)")
     args = parser.parse_args()
     record: dict[str, Any] = {"method": "one process; runs in turns A B, B A, ... (A unconstrained); times of "
                                         "engine.step() loops from the first step to the last token, synchronized"}
@@ -439,6 +465,9 @@ def main() -> None:
               f"{constrained['output_tok_per_s']:.0f} tok/s, ratio {rounds[-1]['ratio']:.3f}; host "
               f"{json.dumps({'unconstrained': plain['host'], 'json_schema': constrained['host']})}")
     record["throughput"] = {"rounds": rounds, "mean_ratio": statistics.fmean(r["ratio"] for r in rounds)}
+    if args.profile:
+        record["profile"] = profile_runs(engine, prompts, max_tokens, long_spec)
+        print("profile", json.dumps(record["profile"]))
 
     one = prompts[0][:256]
     batch1: dict[str, list[float]] = {"unconstrained_ms_per_token": [], "json_schema_ms_per_token": []}

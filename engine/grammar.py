@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from engine.host_gate import HostGate
 
-__all__ = ["Filling", "GrammarCompiler", "GrammarError", "TokenMask", "apply_token_mask"]
+__all__ = ["Filling", "GrammarCompiler", "GrammarError", "TokenMask", "apply_token_mask", "device_bitmask", "mask_logits"]
 
 COMPILE_TIMEOUT_S = 10.0
 """Longest a grammar may take to compile; a slower one is refused (its compile finishes unheeded)."""
@@ -75,21 +75,32 @@ class Filling(NamedTuple):
             self.wait(self.ticket)
 
 
-def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
-    """logits [n, vocab] float with -inf at the tokens each masked row may not take; out of place
-    (the caller's logits stay raw, for logprobs). One kernel over the masked rows (xgrammar's)."""
-    if mask is None:
-        return logits
-    import xgrammar as xgr
-
+def device_bitmask(mask: TokenMask, device: torch.device) -> torch.Tensor:
+    """mask's bitmask on device, for what is queued next: a copy queued behind the fill (CUDA: the
+    device waits at the gate, not the host), or after the host waited for it (CPU)."""
     if mask.filling is not None:
         mask.filling.before_use()
-    bitmask = mask.bitmask.to(logits.device, non_blocking=True)
-    if len(mask.rows) == logits.shape[0]:  # NOTE: every row masked (rows ascending): no gather
+    return mask.bitmask.to(device, non_blocking=True)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
+    """logits [n, vocab] float with -inf at the tokens each masked row may not take; out of place
+    (the caller's logits stay raw, for logprobs)."""
+    if mask is None:
+        return logits
+    return mask_logits(logits, mask.rows, device_bitmask(mask, logits.device))
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """logits with -inf where bitmask (on their device) forbids, row i of bitmask for logits row
+    rows[i] (ascending); out of place. One kernel over the masked rows (xgrammar's)."""
+    import xgrammar as xgr
+
+    if len(rows) == logits.shape[0]:  # NOTE: every row masked (rows ascending): no gather
         masked = logits.clone()
         xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[1])
         return masked
-    index = upload(mask.rows, torch.long, logits.device)
+    index = upload(rows, torch.long, logits.device)
     rows = logits.index_select(0, index)
     xgr.apply_token_bitmask_inplace(rows, bitmask, vocab_size=logits.shape[1])
     return logits.index_copy(0, index, rows)

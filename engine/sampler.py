@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.config import SamplingParams
-from engine.grammar import TokenMask, apply_token_mask
+from engine.grammar import TokenMask, apply_token_mask, device_bitmask, mask_logits
 from engine.pinned import Download, upload
 
 if TYPE_CHECKING:
@@ -248,23 +248,25 @@ class Sampler:
             )
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor; got dtype {logits.dtype}")
-        raw = logits.float()
-        masked = apply_token_mask(raw, mask)  # NOTE: raw stays unmasked: logprobs are of the raw logits
+        raw = logits.float()  # NOTE: raw stays unmasked: logprobs are of the raw logits
+        device = logits.device
+        words = None if mask is None else device_bitmask(mask, device)
         fused = [i for i, row in enumerate(rows) if _fusable(row.params)] if self.fused else []
         if fused and len(fused) == len(rows):
-            token_ids = self._draw_fused(masked, rows, generator)
+            token_ids = self._draw_fused(raw, rows, generator, _words(mask, words, fused, device))
         elif not fused:
-            token_ids = self._draw(masked, rows, generator)
+            token_ids = self._draw(raw if mask is None else mask_logits(raw, mask.rows, words), rows, generator)
         else:  # NOTE: each kind on its own rows, then one token tensor in row order
             fused_set = set(fused)
             rest = [i for i in range(len(rows)) if i not in fused_set]
-            device = logits.device
             fused_index, rest_index = upload(fused, torch.long, device), upload(rest, torch.long, device)
             token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
             token_ids.index_copy_(
                 0, fused_index,
-                self._draw_fused(masked.index_select(0, fused_index), [rows[i] for i in fused], generator),
+                self._draw_fused(raw.index_select(0, fused_index), [rows[i] for i in fused], generator,
+                                 _words(mask, words, fused, device)),
             )
+            masked = raw if mask is None else mask_logits(raw, mask.rows, words)
             token_ids.index_copy_(
                 0, rest_index, self._draw(masked.index_select(0, rest_index), [rows[i] for i in rest], generator)
             )
@@ -280,14 +282,18 @@ class Sampler:
         return self._race_into(token_ids, random_rows, probs, rows, generator)
 
     def _draw_fused(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None,
+        words: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One token per row [rows] int64 from the fused kernel; every row `_fusable`. Penalties and
-        min_tokens masks apply first, as on the torch path."""
+        min_tokens masks apply first, as on the torch path; a grammar's words in the kernel's pass."""
         device = logits.device
         penalized = _apply_penalties(_apply_min_tokens(logits, rows, self.eos_token_ids), rows)
         inv_temp = upload([1.0 / row.params.temperature for row in rows], torch.float32, device)
-        return self._kernel_module().race(penalized, inv_temp, _row_keys(rows, device, generator))
+        keys = _row_keys(rows, device, generator)
+        if words is None:
+            return self._kernel_module().race(penalized, inv_temp, keys)
+        return self._kernel_module().race(penalized, inv_temp, keys, words=words[0], word_rows=words[1])
 
     def _noise_kernels(self) -> ModuleType | None:
         """engine.sampling_kernels where seeded rows' noise comes from its kernel (fused), else None."""
@@ -496,6 +502,16 @@ class Sampler:
         for j, i in enumerate(random_rows):
             num_accepted[i] = read[j]
             token_ids[i] = [*rows[i].draft_token_ids[: read[j]], read[n + j]]
+
+
+def _words(mask: TokenMask | None, bitmask: torch.Tensor | None, draw_rows: list[int],
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused draw's grammar words: (bitmask on the device, [len(draw_rows)] int32 rows of it:
+    draw row r's, or -1 where it has no grammar); None without a mask."""
+    if mask is None or bitmask is None:
+        return None
+    where = {row: k for k, row in enumerate(mask.rows)}
+    return bitmask, upload([where.get(r, -1) for r in draw_rows], torch.int32, device)
 
 
 def _fusable(params: SamplingParams) -> bool:

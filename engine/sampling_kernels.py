@@ -117,20 +117,28 @@ def _torch_exponential(key, cols, threads):
 
 @triton.jit
 def _race_kernel(
-    logits_ptr, inv_temp_ptr, key_ptr, best_ptr, index_ptr, stride, vocab, num_chunks, threads,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr, inv_temp_ptr, key_ptr, words_ptr, word_row_ptr, best_ptr, index_ptr, stride, words_stride, vocab,
+    num_chunks, threads, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Grid (rows, chunks): the best score of chunk c of row r, and the smallest index holding it."""
+    """Grid (rows, chunks): the best score of chunk c of row r, and the smallest index holding it.
+    MASKED: row r may take token t only if bit t % 32 of words[word_row[r], t // 32] is set (no
+    mask where word_row[r] < 0)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
     key = tl.load(key_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
+    if MASKED:
+        word_row = tl.load(word_row_ptr + row).to(tl.int64)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < vocab
         x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if MASKED:  # NOTE: a word loaded by its 32 lanes at once (one transaction), none for a row without a mask
+            has_words = ok & (cols * 0 + word_row >= 0)
+            word = tl.load(words_ptr + word_row * words_stride + cols // 32, mask=has_words, other=-1)
+            x = tl.where(((word >> (cols % 32)) & 1) != 0, x, float("-inf"))
         score = x * inv_temp - tl.log(_torch_exponential(key, cols, threads))
         better = ok & (score > best)  # NaN scores never win
         best = tl.where(better, score, best)
@@ -143,12 +151,15 @@ def _race_kernel(
 
 def race(
     logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, chunk: int = _CHUNK, block: int = _BLOCK,
-    threads: int | None = None,
+    threads: int | None = None, words: torch.Tensor | None = None, word_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [rows, vocab] (any float dtype), inv_temp [rows] float32 (1 / T, > 0), keys [rows]
     int64 (a 64-bit key's bits) -> one token per row [rows] int64, drawn from softmax(logits / T).
     chunk (a multiple of block) and block: powers of two; only the speed depends on them (tests make
-    them small). threads: torch's fill's (`torch_threads`, the default)."""
+    them small). threads: torch's fill's (`torch_threads`, the default).
+    words [m, ceil(vocab / 32)] int32 and word_rows [rows] int32 (on the logits' device): a grammar's
+    bitmask (bit t set: token t allowed) for row r in words[word_rows[r]], none where it is < 0; the
+    same tokens as masking the logits to -inf first, read in the same pass."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -156,8 +167,14 @@ def race(
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     threads = threads or torch_threads(vocab, logits.device)
+    masked = words is not None
+    if masked and (word_rows is None or word_rows.shape != (rows,) or words.shape[1] * 32 < vocab):
+        raise ValueError(f"words must be [m, >= {-(-vocab // 32)}] with word_rows [{rows}]; got "
+                         f"{tuple(words.shape)} and {None if word_rows is None else tuple(word_rows.shape)}")
     _race_kernel[(rows, num_chunks)](
-        logits, inv_temp, keys, best, index, logits.stride(0), vocab, num_chunks, threads, CHUNK=chunk, BLOCK=block
+        logits, inv_temp, keys, words if masked else keys, word_rows if masked else keys, best, index,
+        logits.stride(0), words.stride(0) if masked else 0, vocab, num_chunks, threads, CHUNK=chunk, BLOCK=block,
+        MASKED=masked,
     )
     if num_chunks == 1:
         return index.view(rows).clamp_max(vocab - 1).to(torch.long)

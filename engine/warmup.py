@@ -13,6 +13,7 @@ so the values below are the only ones that pick a variant:
 | rows <= 8 (launched early), <= 16, <= 32, more  | FP8 split-K / scaled matmul | 2, 7, 1, 5    |
 | rows <= 16, <= 32, <= 64, more                  | 4-bit words / dequantize    | 2, 1, 8, 5    |
 | unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
+| a grammar's mask in the draw or none           | fused race                  | the sampler   |
 | drafts a row, to the next power of two          | fused verification          | the verifier  |
 | int32 / int64 tickets                           | a constrained draw's gate   | the gate      |
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import SamplingParams
+from engine.grammar import TokenMask
 from engine.runner import ForwardSeq, ModelRunner
 from engine.sampler import Sampler, SamplingRow, VerifyRow
 
@@ -78,6 +80,8 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, device: torch.device) -> 
     generator = torch.Generator(device=device).manual_seed(0)
     for params in kinds:
         sampler(logits, [SamplingRow(p, [0], []) for p in params], generator)
+    every_token = TokenMask([0, 1], torch.full((2, -(-vocab_size // 32)), -1, dtype=torch.int32))
+    sampler(logits, [SamplingRow(p, [0], []) for p in kinds[0]], generator, every_token)  # the race reading words
     torch.cuda.synchronize(device)
 
 

@@ -97,3 +97,39 @@ def test_a_draw_waits_on_the_device_for_the_grammar_process_not_on_the_host(make
     assert torch.equal(queued[0].isfinite().cpu(), expected.isfinite())
     assert 0 < int(expected.isfinite().sum()) < vocab
     book.settle()  # no error, and the device gave up on no ticket
+
+
+def test_books_closed_in_turn_each_register_their_region():
+    """A CUDA registration outlives its mapping: a closed book unregisters its region, so that the
+    next book's region (mapped at the same address as often as not) registers, and no CUDA error is
+    left behind for a later kernel to report."""
+    import gc
+
+    from engine.grammar_book import GrammarBook
+    from engine.models import DEFAULT_MODEL_DIR
+
+    addresses = []
+    for _ in range(3):
+        book = GrammarBook(DEFAULT_MODEL_DIR, 2048, [1], capacity=4, pin_memory=True)
+        book.compile_within(SPEC)
+        book.add("r", SPEC, [])
+        assert book._process.region.slots.is_pinned()
+        addresses.append(book._process.region.slots.data_ptr())
+        book.close()
+        del book
+        gc.collect()
+    print("region addresses", [hex(a) for a in addresses])  # NOTE: a repeat is what failed before
+    torch.ones(4, device="cuda").add_(1)
+    torch.cuda.synchronize()
+
+
+def test_no_constrained_step_compiles_a_kernel_after_start(make_llm):
+    """The draw that reads a grammar's words (the fused race's masked variant) is compiled while the
+    engine starts, not by the first constrained step."""
+    from tests.gpu.test_compile_warmup_gpu import compiled_while_serving, forget_compiled_kernels
+
+    forget_compiled_kernels()
+    llm = make_llm(**OPTIONS)
+    batches = [([30, 7], {"temperature": 0.8, "grammar": SPEC}),
+               ([12, 40, 5], {"temperature": 0.8, "seed": 3, "grammar": SPEC})]
+    assert compiled_while_serving(llm.engine, batches) == []

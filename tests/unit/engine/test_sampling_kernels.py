@@ -93,6 +93,70 @@ def test_fused_sampler_keeps_the_other_rows_as_the_unfused_one_gives_them(monkey
     assert fused[2] in top3 and all(0 <= t < vocab for t in fused)
 
 
+def _random_words(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 bitmask words, about a third of the tokens allowed; bits past
+    vocab set (the kernel must ignore them)."""
+    bits = torch.rand(rows, -(-vocab // 32) * 32, generator=torch.Generator().manual_seed(seed)) < 0.35
+    bits[:, vocab:] = True
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    return ((bits.view(rows, -1, 32).long() * weights).sum(-1) - (bits.view(rows, -1, 32)[..., 31].long() << 32)).int()
+
+
+def _allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    cols = torch.arange(vocab)
+    return ((words[:, cols // 32] >> (cols % 32)) & 1).bool()
+
+
+def test_race_with_a_grammar_s_words_draws_what_it_draws_from_masked_logits() -> None:
+    """The words read in the race's own pass (a grammar's bitmask, row by row through word_rows, -1
+    for a row without one) give the very tokens of the race over logits masked to -inf first, for
+    rows of one allowed token too, and over short last chunks."""
+    vocab, rows = 70, 6
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8)) * 3
+    words = _random_words(4, vocab, 9)
+    words[3] = 0
+    words[3, 65 // 32] = 1 << (65 % 32)  # token 65 alone
+    word_rows = torch.tensor([2, -1, 0, 3, 1, 2], dtype=torch.int32)
+    temperature, seeds = torch.full((rows,), 1.3), _seeds(rows, 10)
+    allowed = torch.ones(rows, vocab, dtype=torch.bool)
+    allowed[word_rows >= 0] = _allowed(words, vocab)[word_rows[word_rows >= 0].long()]
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    for chunk, block in ((64, 16), (8, 8)):
+        fused = sampling_kernels.race(logits, temperature, seeds, chunk, block, words=words, word_rows=word_rows)
+        assert torch.equal(fused, sampling_kernels.race(masked, temperature, seeds, chunk, block))
+        assert all(allowed[r, t] for r, t in enumerate(fused.tolist()))
+        assert fused[3] == 65
+    unmasked = sampling_kernels.race(logits, temperature, seeds, 8, 8)
+    assert fused[1] == unmasked[1], "a row without words draws as without a grammar"
+    with pytest.raises(ValueError, match="word_rows"):
+        sampling_kernels.race(logits, temperature, seeds, words=words, word_rows=word_rows[:3])
+
+
+def test_fused_sampler_applies_a_grammar_mask_to_mixed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TokenMask over some rows of a batch of kernel rows and torch-path rows: every token is one
+    its mask allows, and the kernel rows draw what the unfused race draws from masked logits."""
+    from engine.grammar import TokenMask
+
+    monkeypatch.setattr(sampling_kernels, "_CHUNK", 16)
+    monkeypatch.setattr(sampling_kernels, "_BLOCK", 8)
+    vocab = 40
+    rows = [_row(temperature=0.9, seed=1), _row(temperature=0.8, top_k=5), _row(temperature=1.1, seed=2),
+            _row(temperature=1.0, seed=3)]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(11))
+    mask = TokenMask(rows=[0, 1, 3], bitmask=_random_words(3, vocab, 12))
+    allowed = _allowed(mask.bitmask, vocab)
+    sampler = Sampler([EOS], fused=True)
+    for batch in (rows, [rows[0], rows[2], rows[3], rows[0]]):  # mixed kinds, then kernel rows alone
+        tokens = sampler.launch(logits, batch, torch.Generator().manual_seed(0), mask).token_ids.tolist()
+        for k, row in enumerate(mask.rows):
+            assert allowed[k, tokens[row]], (batch, row, tokens)
+        plain = [r for r, row in enumerate(batch) if row.params.top_k <= 0]
+        masked = logits.clone()
+        masked[mask.rows] = masked[mask.rows].masked_fill(~allowed, float("-inf"))
+        alone = [sampler(masked[r : r + 1], [batch[r]]).token_ids[0] for r in plain]
+        assert [tokens[r] for r in plain] == alone
+
+
 def test_seeded_rows_draw_the_same_noise_in_the_kernel_and_on_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """A seeded row without truncation is drawn by the race kernel; with top_k = vocab (no truncation,
     but not a row the kernel takes) by the torch path over `keyed_noise`: the same key (seed, output
