@@ -290,10 +290,9 @@ class Sampler:
         device = logits.device
         penalized = _apply_penalties(_apply_min_tokens(logits, rows, self.eos_token_ids), rows)
         inv_temp = upload([1.0 / row.params.temperature for row in rows], torch.float32, device)
-        keys = _row_keys(rows, device, generator)
-        if words is None:
-            return self._kernel_module().race(penalized, inv_temp, keys)
-        return self._kernel_module().race(penalized, inv_temp, keys, words=words[0], word_rows=words[1])
+        bitmask, word_rows = words if words is not None else (None, None)
+        return self._kernel_module().race(penalized, inv_temp, _row_keys(rows, device, generator), words=bitmask,
+                                          word_rows=word_rows)
 
     def _noise_kernels(self) -> ModuleType | None:
         """engine.sampling_kernels where seeded rows' noise comes from its kernel (fused), else None."""
