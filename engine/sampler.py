@@ -220,6 +220,7 @@ class Sampler:
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in eos_token_ids)
         self.fused = fused
         self._kernels: ModuleType | None = None  # engine.sampling_kernels, imported on the first fused draw
+        self._race_counts: torch.Tensor | None = None  # the fused draw's counts (sampling_kernels.race_counts)
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None,
@@ -291,8 +292,11 @@ class Sampler:
         penalized = _apply_penalties(_apply_min_tokens(logits, rows, self.eos_token_ids), rows)
         inv_temp = upload([1.0 / row.params.temperature for row in rows], torch.float32, device)
         bitmask, word_rows = words if words is not None else (None, None)
-        return self._kernel_module().race(penalized, inv_temp, _row_keys(rows, device, generator), words=bitmask,
-                                          word_rows=word_rows)
+        kernels = self._kernel_module()
+        if self._race_counts is None or self._race_counts.numel() < len(rows) or self._race_counts.device != device:
+            self._race_counts = kernels.race_counts(max(len(rows), 256), device)
+        return kernels.race(penalized, inv_temp, _row_keys(rows, device, generator), words=bitmask,
+                            word_rows=word_rows, counts=self._race_counts)
 
     def _noise_kernels(self) -> ModuleType | None:
         """engine.sampling_kernels where seeded rows' noise comes from its kernel (fused), else None."""

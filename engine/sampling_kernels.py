@@ -117,12 +117,15 @@ def _torch_exponential(key, cols, threads):
 
 @triton.jit
 def _race_kernel(
-    logits_ptr, inv_temp_ptr, key_ptr, words_ptr, word_row_ptr, best_ptr, index_ptr, stride, words_stride, vocab,
-    num_chunks, threads, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+    logits_ptr, inv_temp_ptr, key_ptr, words_ptr, word_row_ptr, best_ptr, index_ptr, count_ptr, out_ptr, stride,
+    words_stride, vocab, num_chunks, threads, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Grid (rows, chunks): the best score of chunk c of row r, and the smallest index holding it.
-    MASKED: row r may take token t only if bit t % 32 of words[word_row[r], t // 32] is set (no
-    mask where word_row[r] < 0)."""
+    """Grid (rows, chunks): chunk c of row r finds its best score and the smallest index holding it;
+    the row's token (out[r], int64) is the first chunk's holding the row's best, picked by whichever
+    of the row's programs ends last (CHUNKS: num_chunks to the next power of two; with one chunk the
+    program writes it). MASKED: row r may take token t only if bit t % 32 of words[word_row[r], t // 32]
+    is set (no mask where word_row[r] < 0)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
@@ -144,44 +147,71 @@ def _race_kernel(
         best = tl.where(better, score, best)
         best_index = tl.where(better, cols, best_index)
     top = tl.max(best, 0)
-    index = tl.min(tl.where(best == top, best_index, 2147483647), 0)
-    tl.store(best_ptr + row * num_chunks + chunk, top)
-    tl.store(index_ptr + row * num_chunks + chunk, index)
+    # NOTE: only a chunk of NaN or -inf scores has no index (2**31 - 1): the last id stands in, a valid token
+    index = tl.minimum(tl.min(tl.where(best == top, best_index, 2147483647), 0), vocab - 1)
+    if CHUNKS == 1:
+        tl.store(out_ptr + row, index.to(tl.int64))
+    else:
+        tl.store(best_ptr + row * num_chunks + chunk, top)
+        tl.store(index_ptr + row * num_chunks + chunk, index)
+        # NOTE: as split_k.store_split_k: the stores before the count (barrier, release at GPU scope); the
+        # last program acquires it and reads the chunks past L1 (.cg); it leaves the count zero for the next
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
+            chunks = tl.arange(0, CHUNKS)
+            there = chunks < num_chunks
+            tops = tl.load(best_ptr + row * num_chunks + chunks, mask=there, other=float("-inf"), cache_modifier=".cg")
+            indices = tl.load(index_ptr + row * num_chunks + chunks, mask=there, other=0, cache_modifier=".cg")
+            first = tl.min(tl.where(there & (tops == tl.max(tops, 0)), chunks, CHUNKS), 0)  # all -inf: chunk 0
+            tl.store(out_ptr + row, tl.sum(tl.where(chunks == first, indices, 0), 0).to(tl.int64))
+            tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
+
+
+def race_counts(rows: int, device: torch.device) -> torch.Tensor:
+    """A zeroed count a row for `race` (each launch leaves it zeroed): one a caller keeps per device
+    and stream, grown when a launch has more rows."""
+    return torch.zeros(max(rows, 1), dtype=torch.int32, device=device)
 
 
 def race(
     logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, chunk: int = _CHUNK, block: int = _BLOCK,
     threads: int | None = None, words: torch.Tensor | None = None, word_rows: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [rows, vocab] (any float dtype), inv_temp [rows] float32 (1 / T, > 0), keys [rows]
-    int64 (a 64-bit key's bits) -> one token per row [rows] int64, drawn from softmax(logits / T).
-    chunk (a multiple of block) and block: powers of two; only the speed depends on them (tests make
-    them small). threads: torch's fill's (`torch_threads`, the default).
+    int64 (a 64-bit key's bits) -> one token per row [rows] int64, drawn from softmax(logits / T),
+    in one launch. chunk (a multiple of block) and block: powers of two; only the speed depends on
+    them (tests make them small). threads: torch's fill's (`torch_threads`, the default).
     words [m, ceil(vocab / 32)] int32 and word_rows [rows] int32 (on the logits' device): a grammar's
     bitmask (bit t set: token t allowed) for row r in words[word_rows[r]], none where it is < 0; the
-    same tokens as masking the logits to -inf first, read in the same pass."""
+    same tokens as masking the logits to -inf first, read in the same pass.
+    counts: `race_counts`' buffer of at least rows (one is made here without it)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    device = logits.device
     num_chunks = triton.cdiv(vocab, chunk)
-    best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
-    index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    threads = threads or torch_threads(vocab, logits.device)
+    out = torch.empty(rows, dtype=torch.long, device=device)
+    if num_chunks > 1:
+        best = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
+        index = torch.empty(rows, num_chunks, dtype=torch.int32, device=device)
+        counts = counts if counts is not None else race_counts(rows, device)
+        if counts.numel() < rows:
+            raise ValueError(f"counts holds {counts.numel()} rows; the race has {rows}")
+    else:
+        best = index = counts = out  # NOTE: unused with one chunk
+    threads = threads or torch_threads(vocab, device)
     masked = words is not None
     if masked and (word_rows is None or word_rows.shape != (rows,) or words.shape[1] * 32 < vocab):
         raise ValueError(f"words must be [m, >= {-(-vocab // 32)}] with word_rows [{rows}]; got "
                          f"{tuple(words.shape)} and {None if word_rows is None else tuple(word_rows.shape)}")
-    _race_kernel[(rows, num_chunks)](
-        logits, inv_temp, keys, words if masked else keys, word_rows if masked else keys, best, index,
-        logits.stride(0), words.stride(0) if masked else 0, vocab, num_chunks, threads, CHUNK=chunk, BLOCK=block,
-        MASKED=masked,
-    )
-    if num_chunks == 1:
-        return index.view(rows).clamp_max(vocab - 1).to(torch.long)
-    winner = best.argmax(dim=1, keepdim=True)  # [rows, 1]: the first chunk holding the row's best
-    # NOTE: only a row of NaN or -inf logits has no winner (index 2**31 - 1): it gets the last id,
-    # a valid token, as torch's argmax gives some index for such a row.
-    return index.gather(1, winner).squeeze(1).clamp_max(vocab - 1).to(torch.long)
+    if rows:
+        _race_kernel[(rows, num_chunks)](
+            logits, inv_temp, keys, words if masked else keys, word_rows if masked else keys, best, index, counts,
+            out, logits.stride(0), words.stride(0) if masked else 0, vocab, num_chunks, threads, CHUNK=chunk,
+            BLOCK=block, CHUNKS=triton.next_power_of_2(num_chunks), MASKED=masked,
+        )
+    return out
 
 
 # NOTE: keys may start anywhere in an upload of (rows, keys): not specialized on their alignment,

@@ -64,6 +64,27 @@ def test_race_does_not_depend_on_chunks_or_other_rows() -> None:
     assert any(o != fine.tolist() for o in others)
 
 
+def test_one_launch_picks_each_row_s_token_across_its_chunks_and_leaves_the_counts_zeroed() -> None:
+    """The last of a row's chunk programs picks its token: the argmax of the scores the noise gives
+    (first index on a tie), a row of -inf logits the last id, a lone finite logit in the last chunk
+    that token; the counts are zero after the launch, so the next one reusing them draws the same."""
+    vocab, rows = 50, 4
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(12)) * 2
+    logits[2] = float("-inf")
+    logits[3] = float("-inf")
+    logits[3, 45] = 0.0
+    inv_temp, seeds = torch.full((rows,), 0.8), _seeds(rows, 13)
+    counts = sampling_kernels.race_counts(rows, torch.device("cpu"))
+    tokens = sampling_kernels.race(logits, inv_temp, seeds, 8, 8, counts=counts)  # 7 chunks, the last short
+    assert torch.equal(counts, torch.zeros_like(counts))
+    noise = sampling_kernels.keyed_noise(seeds, vocab)
+    expected = (logits * inv_temp[:, None] - noise.log()).argmax(dim=1)
+    assert tokens[:2].tolist() == expected[:2].tolist() and tokens[2] == vocab - 1 and tokens[3] == 45
+    assert torch.equal(sampling_kernels.race(logits, inv_temp, seeds, 8, 8, counts=counts), tokens)
+    with pytest.raises(ValueError, match="counts holds 2 rows"):
+        sampling_kernels.race(logits, inv_temp, seeds, 8, 8, counts=counts[:2])
+
+
 def test_race_tends_to_the_argmax_as_temperature_falls() -> None:
     vocab, rows = 40, 8
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)).to(torch.float16)
