@@ -101,9 +101,9 @@ def mask_logits(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) ->
         xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[1])
         return masked
     index = upload(rows, torch.long, logits.device)
-    rows = logits.index_select(0, index)
-    xgr.apply_token_bitmask_inplace(rows, bitmask, vocab_size=logits.shape[1])
-    return logits.index_copy(0, index, rows)
+    picked = logits.index_select(0, index)
+    xgr.apply_token_bitmask_inplace(picked, bitmask, vocab_size=logits.shape[1])
+    return logits.index_copy(0, index, picked)
 
 
 def _vocab_type(tokenizer_json: dict[str, Any]) -> tuple[str, bool]:

@@ -42,17 +42,10 @@ class HostGate:
     opened (by whichever thread or process fills), word 1 a ticket the device gave up on."""
 
     def __init__(self, words: torch.Tensor, max_spins: int = MAX_SPINS) -> None:
+        """words: the two words, written by the filler (word 0: engine/grammar_process.py)."""
         self._words = words
-        self._host = words.numpy()  # NOTE: plain loads and stores, no torch dispatch, from any thread
+        self._host = words.numpy()  # NOTE: a plain load, no torch dispatch
         self.max_spins = max_spins
-
-    def open(self, ticket: int) -> None:
-        """Lets the waits for ticket (and earlier ones) end; any thread."""
-        self._host[0] = ticket
-
-    def is_open(self, ticket: int) -> bool:
-        """Whether ticket has opened (as the host sees the word)."""
-        return int(self._host[0]) >= ticket
 
     def late(self) -> int:
         """A ticket whose wait gave up before it opened (its draw ran on an unfilled mask), or 0."""
