@@ -88,8 +88,8 @@ def host_breakdown(engine: EngineCore, repeats: int = 300) -> dict[str, float]:
 
     device, vocab = engine.device, engine.arch.vocab_size
     logits = torch.randn(1, vocab, device=device, dtype=torch.bfloat16)
-    temperature = torch.ones(1, device=device)
-    keys = torch.randint(0, 1 << 62, (1,), device=device)
+    draws = torch.tensor([12_345, 0, 0], device=device)
+    draws[2:].view(torch.float64).fill_(1.0)  # the row's a, b and its 1 / T's float64 bits (RaceRows' layout)
     token = torch.zeros(1, dtype=torch.long, device=device)
     greedy = [SamplingRow(params_for("greedy", 0, 16), [1, 2, 3], [4])]
     sampled = [SamplingRow(params_for("sampled", 0, 16), [1, 2, 3], [4])]
@@ -105,7 +105,8 @@ def host_breakdown(engine: EngineCore, repeats: int = 300) -> dict[str, float]:
         "launch seeded": lambda: engine.sampler.launch(logits, seeded, engine.generator),
     }
     if device.type == "cuda":
-        pieces["race kernel (launch)"] = lambda: sampling_kernels.race(logits, temperature, keys)
+        pieces["race kernel (launch)"] = lambda: sampling_kernels.race(logits, draws, 0)
+        pieces.update(_launch_pieces(engine, logits, draws))
     out = {}
     for name, piece in pieces.items():
         for _ in range(20):
@@ -117,6 +118,32 @@ def host_breakdown(engine: EngineCore, repeats: int = 300) -> dict[str, float]:
         out[name] = (time.perf_counter() - start) / repeats * 1e6
         synchronize(device)
     return out
+
+
+def _launch_pieces(engine: EngineCore, logits: torch.Tensor, draws: torch.Tensor) -> dict[str, Any]:
+    """Diagnostics of the draw's host time: its rows (RaceRows.next of an unchanged row), and the race kernel's
+    launch through Triton's launcher against its compiled kernel called directly (the launcher's
+    binding and cache lookup skipped: what a cached launch could save)."""
+    from engine import draw_keys, sampling_kernels
+
+    race_rows = draw_keys.RaceRows(engine.device)
+    out = torch.empty(1, dtype=torch.long, device=engine.device)
+    vocab = logits.shape[1]
+    chunks = -(-vocab // 8192)
+    args = (logits, draws, 0, draws, draws, out, out, out, out, logits.stride(0), 0, vocab, chunks,
+            sampling_kernels.torch_threads(vocab, engine.device), 8192, 1024, 1 << (chunks - 1).bit_length(), False)
+    grid = (1, chunks, 1)
+    pieces: dict[str, Any] = {
+        "race rows, a steady batch": lambda: race_rows.next([(None, 1.0, 0)], engine.generator),
+        "race kernel launcher": lambda: sampling_kernels._race_kernel[grid](*args),
+    }
+    try:
+        compiled = sampling_kernels._race_kernel[grid](*args)
+        compiled[grid](*args)
+        pieces["race kernel compiled, called directly"] = lambda: compiled[grid](*args)
+    except Exception as error:  # NOTE: the CompiledKernel interface differs between Triton versions
+        print(f"direct launch unavailable: {error!r}", flush=True)
+    return pieces
 
 
 def profile_table(engine: EngineCore, prompts: list[list[int]], mode: str, steps: int, top: int) -> str:

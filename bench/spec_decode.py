@@ -275,7 +275,7 @@ def _host_call_times(engine: EngineCore, num_steps: int) -> dict[str, dict[str, 
     """Host seconds of the calls a step makes that may wait on the device or the driver (a CUDA
     graph's replay, the staging buffer's hand-out and upload), per call: median, max and count per
     step, over num_steps unsynchronised steps."""
-    from engine.runner import HostStaging
+    from engine.pinned import HostStaging
 
     targets = {"graph_replay": (torch.cuda.CUDAGraph, "replay"), "staging_host": (HostStaging, "host"),
                "staging_upload": (HostStaging, "upload")}

@@ -58,7 +58,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.models import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from engine.runner import ForwardSeq, HostStaging, TokenPatch
+    from engine.pinned import HostStaging
+    from engine.runner import ForwardSeq, TokenPatch
 
 __all__ = [
     "DEFAULT_MAX_MULTI_ROW_KEYS",

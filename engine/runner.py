@@ -17,14 +17,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import LlamaForCausalLM
 from engine.parallel import TPGroup
-from engine.pinned import upload
+from engine.pinned import HostStaging, upload
 from engine.scheduler import ScheduledRequest
 
 class ForwardSeq(NamedTuple):  # NOTE: a NamedTuple, not a frozen dataclass: one is built per request a step
@@ -50,50 +49,6 @@ class TokenPatch:
         n = len(self.dst)
         index = upload(self.dst + self.src, torch.long, ids.device)
         ids.index_copy_(0, index[:n], self.tokens.index_select(0, index[n:]))
-
-
-class HostStaging:
-    """One growable host buffer of int64 values, pinned on CUDA, and its copy to the device.
-
-    `host(n)` hands out the first n values to write (numpy view); `upload(n)` copies them to the
-    device (CUDA: non_blocking, from pinned memory, so the host does not wait; CPU: a copy).
-    NOTE: a non_blocking copy may still be reading the buffer when the next step wants to write
-    it, so `host` first waits for the previous copy's event. That copy is queued right behind the
-    step before it, whose tokens the host has read by then (with asynchronous scheduling too), so
-    the wait is short when it is not a mere query.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.is_cuda = device.type == "cuda"
-        self._buffer = self._allocate(1 << 12)
-        self._copied = torch.cuda.Event() if self.is_cuda else None
-        self._is_copy_pending = False
-
-    def _allocate(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=torch.long, pin_memory=self.is_cuda)
-
-    def host(self, num_values: int) -> np.ndarray:
-        """Writable view of the first num_values values (int64)."""
-        if self._is_copy_pending:
-            assert self._copied is not None
-            if not self._copied.query():
-                self._copied.synchronize()
-            self._is_copy_pending = False
-        if num_values > self._buffer.numel():
-            # NOTE: the old buffer's pending copy finished above; pinned memory is freed safely.
-            self._buffer = self._allocate(max(num_values, 2 * self._buffer.numel()))
-        return self._buffer[:num_values].numpy()
-
-    def upload(self, num_values: int) -> torch.Tensor:
-        """The first num_values values as an int64 tensor on the device."""
-        if not self.is_cuda:
-            return self._buffer[:num_values].clone()
-        assert self._copied is not None
-        staged = self._buffer[:num_values].to(self.device, non_blocking=True)
-        self._copied.record(torch.cuda.current_stream(self.device))
-        self._is_copy_pending = True
-        return staged
 
 
 class ForwardStep(NamedTuple):

@@ -66,7 +66,6 @@ and the shared generator, and decides what a sampled EOS or stop token means.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +75,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.config import SamplingParams
+from engine.draw_keys import RaceRows, as_int64, draw_seed
 from engine.grammar import TokenMask, apply_token_mask, device_bitmask, mask_logits
 from engine.pinned import Download, upload
 
@@ -89,37 +89,10 @@ __all__ = [
     "SamplingRow",
     "VerifyResult",
     "VerifyRow",
-    "draw_seed",
     "has_penalty",
 ]
 
 _NEG_INF = float("-inf")
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64's finalizer (Steele et al., 2014): a bijection of 64-bit ints that scatters every bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def draw_seed(seed: int, output_position: int) -> int:
-    """The torch seed (64 bits) of a seeded request's draws for the token at `output_position`.
-
-    Neighbouring seeds and positions give unrelated streams. NOTE: torch's CPU generator keeps only
-    the low 32 bits of a seed (CUDA's Philox keeps all 64): the mix spreads every input bit into them.
-    """
-    return _splitmix64(_seed_mix(seed) ^ output_position)
-
-
-@functools.lru_cache(maxsize=4096)
-def _seed_mix(seed: int) -> int:
-    """A request's seed mixed once (a request draws with it every step)."""
-    return _splitmix64(seed & _MASK64)
-
-
 class SamplingRow(NamedTuple):  # NOTE: a NamedTuple (cheap to build): one a request a step
     """One sequence's view at one sampling step."""
 
@@ -208,9 +181,10 @@ class Sampler:
     `fused` (CUDA): `__call__` draws the random rows without top-k, top-p or min-p in one Triton
     kernel (engine/sampling_kernels.py `race`): the same exponential race, a seeded row's noise the
     very values its torch generator would draw (so its tokens are the torch path's), an unseeded
-    row's keyed by one seed a row from the shared generator. The torch path's seeded rows (truncated
-    ones, `sample_with_probs`, a seeded verification) take their noise from one kernel for all rows
-    (`keyed_noise`) rather than a generator a row. `verify` verifies in one kernel and one read when
+    row's keyed by a random value drawn from the shared generator when the rows were staged and the
+    launch's step (engine/draw_keys.py: the rows are uploaded only when they change). The torch path's
+    seeded rows (truncated ones, `sample_with_probs`, a seeded verification) take their noise from one
+    kernel for all rows (`keyed_noise`) rather than a generator a row. `verify` verifies in one kernel and one read when
     every row is unseeded, without truncation, penalties, logprobs or a min_tokens still to reach
     (`_verifies_fused`): the same rejection sampling, its uniforms and noise counted by (the row's
     seed, token id).
@@ -221,6 +195,7 @@ class Sampler:
         self.fused = fused
         self._kernels: ModuleType | None = None  # engine.sampling_kernels, imported on the first fused draw
         self._race_counts: torch.Tensor | None = None  # the fused draw's counts (sampling_kernels.race_counts)
+        self._race_rows: RaceRows | None = None  # the fused draw's rows on the device, uploaded when they change
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None,
@@ -290,13 +265,15 @@ class Sampler:
         min_tokens masks apply first, as on the torch path; a grammar's words in the kernel's pass."""
         device = logits.device
         penalized = _apply_penalties(_apply_min_tokens(logits, rows, self.eos_token_ids), rows)
-        inv_temp = upload([1.0 / row.params.temperature for row in rows], torch.float32, device)
+        if self._race_rows is None or self._race_rows.device != device:
+            self._race_rows = RaceRows(device)
+        draws, step = self._race_rows.next([(row.params.seed, row.params.temperature, row.output_position)
+                                            for row in rows], generator)
         bitmask, word_rows = words if words is not None else (None, None)
         kernels = self._kernel_module()
         if self._race_counts is None or self._race_counts.numel() < len(rows) or self._race_counts.device != device:
             self._race_counts = kernels.race_counts(max(len(rows), 256), device)
-        return kernels.race(penalized, inv_temp, _row_keys(rows, device, generator), words=bitmask,
-                            word_rows=word_rows, counts=self._race_counts)
+        return kernels.race(penalized, draws, step, words=bitmask, word_rows=word_rows, counts=self._race_counts)
 
     def _noise_kernels(self) -> ModuleType | None:
         """engine.sampling_kernels where seeded rows' noise comes from its kernel (fused), else None."""
@@ -676,26 +653,6 @@ def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return probs
 
 
-def _row_keys(rows: Sequence[SamplingRow], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """[rows] int64: each row's 64-bit noise key as int64 bits, `_draw_key` for seeded rows, one
-    drawn from `generator` for the others. Uploads only what the host knows; draws only when asked."""
-    keys = [_draw_key(row) for row in rows]
-    seeded = [i for i, key in enumerate(keys) if key is not None]
-    if len(seeded) == len(rows):
-        return upload([_as_int64(key) for key in keys], torch.long, device)  # type: ignore[arg-type]
-    drawn = torch.randint(0, 1 << 62, (len(rows),), device=device, generator=generator)
-    if seeded:
-        index_and_keys = upload([*seeded, *(_as_int64(keys[i]) for i in seeded)],  # type: ignore[arg-type]
-                                torch.long, device)
-        drawn.index_copy_(0, index_and_keys[: len(seeded)], index_and_keys[len(seeded) :])
-    return drawn
-
-
-def _as_int64(key: int) -> int:
-    """A 64-bit key as the int64 with its bits."""
-    return key - (1 << 64) if key >= 1 << 63 else key
-
-
 def _draw_key(row: SamplingRow) -> int | None:
     """The draw seed of a seeded row's token; None for rows that share the caller's generator."""
     seed = row.params.seed
@@ -716,7 +673,7 @@ def _exponential_race(
     keyed_rows = [i for i, key in enumerate(keys) if key is not None]
     if keyed_rows and kernels is not None:
         n = len(keyed_rows)
-        rows_and_keys = upload([*keyed_rows, *(_as_int64(keys[i]) for i in keyed_rows)],  # type: ignore[arg-type]
+        rows_and_keys = upload([*keyed_rows, *(as_int64(keys[i]) for i in keyed_rows)],  # type: ignore[arg-type]
                                torch.long, probs.device)
         keyed_noise = kernels.keyed_noise(rows_and_keys[n:], probs.shape[1])
         if n == len(keys):

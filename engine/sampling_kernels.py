@@ -7,7 +7,8 @@ Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET test asks for
 The unfused draw reads and writes [rows, vocab] float32 about seven times (scale, softmax, noise,
 clamp, divide, argmax); `race` reads the logits once and writes [rows, chunks] pairs. Per token i
 of a row with temperature T and 64-bit key s (a seeded row's `draw_seed(seed, n)`, another row's
-drawn from the engine's generator):
+from a value drawn from the engine's generator and the launch's step; the kernel computes both,
+engine/draw_keys.py says how):
 
     E_i = torch_exponential(s, i),  token = argmax_i (x_i / T - log E_i) = argmax_i (softmax(x / T)_i / E_i)
 
@@ -116,20 +117,33 @@ def _torch_exponential(key, cols, threads):
 
 
 @triton.jit
+def _splitmix64(x):
+    """engine/draw_keys.py's _splitmix64 of uint64 values (wrapping products)."""
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+# NOTE: step changes at every launch: not specialized (one variant; warm-up compiles it).
+@triton.jit(do_not_specialize=["step"])
 def _race_kernel(
-    logits_ptr, inv_temp_ptr, key_ptr, words_ptr, word_row_ptr, best_ptr, index_ptr, count_ptr, out_ptr, stride,
+    logits_ptr, draw_ptr, step, words_ptr, word_row_ptr, best_ptr, index_ptr, count_ptr, out_ptr, stride,
     words_stride, vocab, num_chunks, threads, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
     MASKED: tl.constexpr,
 ):  # fmt: skip
     """Grid (rows, chunks): chunk c of row r finds its best score and the smallest index holding it;
     the row's token (out[r], int64) is the first chunk's holding the row's best, picked by whichever
     of the row's programs ends last (CHUNKS: num_chunks to the next power of two; with one chunk the
-    program writes it). MASKED: row r may take token t only if bit t % 32 of words[word_row[r], t // 32]
-    is set (no mask where word_row[r] < 0)."""
+    program writes it). draw_ptr: row r's a, b at 3r, 3r + 1, its key splitmix64(a ^ (b + step)), and its
+    1 / T's float64 bits at 3r + 2 (rounded to float32 here, as torch rounds a Python float). MASKED: row r
+    may take token t only if bit t % 32 of words[word_row[r], t // 32] is set (no mask where word_row[r] < 0)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    inv_temp = tl.load(inv_temp_ptr + row)
-    key = tl.load(key_ptr + row)
+    a = tl.load(draw_ptr + 3 * row).to(tl.uint64, bitcast=True)
+    b = tl.load(draw_ptr + 3 * row + 1).to(tl.uint64, bitcast=True)
+    key = _splitmix64(a ^ (b + step.to(tl.uint64))).to(tl.int64, bitcast=True)
+    inv_temp = tl.load(draw_ptr + 3 * row + 2).to(tl.float64, bitcast=True).to(tl.float32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
     if MASKED:
@@ -174,19 +188,21 @@ def race_counts(rows: int, device: torch.device) -> torch.Tensor:
 
 
 def race(
-    logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, chunk: int = _CHUNK, block: int = _BLOCK,
+    logits: torch.Tensor, draws: torch.Tensor, step: int, chunk: int = _CHUNK, block: int = _BLOCK,
     threads: int | None = None, words: torch.Tensor | None = None, word_rows: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [rows, vocab] (any float dtype), inv_temp [rows] float32 (1 / T, > 0), keys [rows]
-    int64 (a 64-bit key's bits) -> one token per row [rows] int64, drawn from softmax(logits / T),
-    in one launch. chunk (a multiple of block) and block: powers of two; only the speed depends on
-    them (tests make them small). threads: torch's fill's (`torch_threads`, the default).
+    """logits [rows, vocab] (any float dtype), draws [3 * rows] int64 and step in [0, 2**31) (engine/
+    draw_keys.py's RaceRows: row r's (a, b, float64 bits of 1 / T > 0), its key splitmix64(a ^ (b + step)))
+    -> one token per row [rows] int64, drawn from softmax(logits / T), in one launch. chunk (a multiple
+    of block) and block: powers of two; only the speed depends on them (tests make them small). threads: torch's fill's (`torch_threads`, the default).
     words [m, ceil(vocab / 32)] int32 and word_rows [rows] int32 (on the logits' device): a grammar's
     bitmask (bit t set: token t allowed) for row r in words[word_rows[r]], none where it is < 0; the
     same tokens as masking the logits to -inf first, read in the same pass.
     counts: `race_counts`' buffer of at least rows (one is made here without it)."""
     rows, vocab = logits.shape
+    if draws.dtype != torch.int64 or draws.shape != (3 * rows,):
+        raise ValueError(f"draws must be [3 * rows] = [{3 * rows}] int64; got {tuple(draws.shape)} {draws.dtype}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     device = logits.device
@@ -207,7 +223,7 @@ def race(
                          f"{tuple(words.shape)} and {None if word_rows is None else tuple(word_rows.shape)}")
     if rows:
         _race_kernel[(rows, num_chunks)](
-            logits, inv_temp, keys, words if masked else keys, word_rows if masked else keys, best, index, counts,
+            logits, draws, step, words if masked else draws, word_rows if masked else draws, best, index, counts,
             out, logits.stride(0), words.stride(0) if masked else 0, vocab, num_chunks, threads, CHUNK=chunk,
             BLOCK=block, CHUNKS=triton.next_power_of_2(num_chunks), MASKED=masked,
         )

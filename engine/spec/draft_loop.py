@@ -44,7 +44,7 @@ from engine.pinned import upload
 from engine.sampler import has_penalty
 
 if TYPE_CHECKING:
-    from engine.runner import HostStaging
+    from engine.pinned import HostStaging
 
 __all__ = ["DraftLoopGraphs", "LoopRow"]
 

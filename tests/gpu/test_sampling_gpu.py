@@ -21,6 +21,12 @@ pytestmark = [
 EOS = 0
 
 
+def _draws(a: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """`race`'s rows (engine/draw_keys.py's RaceRows layout): these a, b = 0, one 1 / T."""
+    temps = torch.full_like(a, 0, dtype=torch.float64).fill_(inv_temp).view(torch.int64)
+    return torch.stack([a, torch.zeros_like(a), temps], dim=1).reshape(-1)
+
+
 def _counts(tokens: list[int]) -> dict[object, int]:
     counts: dict[object, int] = {}
     for t in tokens:
@@ -42,8 +48,7 @@ def test_fused_draw_follows_softmax_over_temperature(vocab: int, temperature: fl
         logits[top] = torch.randn(10, device="cuda", generator=gen) * 2
     seeds = torch.randint(0, 1 << 62, (num_draws,), device="cuda", generator=gen)
     tokens = sampling_kernels.race(
-        logits.expand(num_draws, vocab), torch.full((num_draws,), 1 / temperature, device="cuda"), seeds
-    )
+        logits.expand(num_draws, vocab), _draws(seeds, 1 / temperature), 0)
     expected = torch.softmax(logits / temperature, dim=0)
     support = {i: p for i, p in enumerate(expected.tolist()) if p > 0}
     assert chi_square_p_value(_counts(tokens.tolist()), support) > MIN_P_VALUE
@@ -55,7 +60,7 @@ def test_fused_draw_tends_to_the_argmax_at_a_real_vocabulary() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(64, 151_936, device="cuda", generator=gen).to(torch.bfloat16)
     seeds = torch.randint(0, 1 << 62, (64,), device="cuda", generator=gen)
-    tokens = sampling_kernels.race(logits, torch.full((64,), 1e4, device="cuda"), seeds)
+    tokens = sampling_kernels.race(logits, _draws(seeds, 1e4), 0)
     # NOTE: bf16 rounds 151,936 normal draws onto few values near the top: a row's maximum is often
     # held by several tokens, any of which the race may pick. Each pick must hold its row's maximum.
     top = logits.float().max(dim=1).values
@@ -137,10 +142,10 @@ def test_keyed_noise_is_torch_cuda_exponential(vocab: int) -> None:
     """`keyed_noise` equals, bit for bit, what torch's `exponential_` writes from a generator seeded
     with the key (600,000 entries: more than torch's grid has threads, so threads draw several uniforms)."""
     from engine import sampling_kernels
-    from engine.sampler import _as_int64
+    from engine.draw_keys import as_int64
 
     keys = [0, 1, 2**40 + 7, 2**63 + 5, 2**64 - 1]
-    noise = sampling_kernels.keyed_noise(torch.tensor([_as_int64(k) for k in keys], device="cuda"), vocab)
+    noise = sampling_kernels.keyed_noise(torch.tensor([as_int64(k) for k in keys], device="cuda"), vocab)
     for i, key in enumerate(keys):
         want = torch.empty(vocab, device="cuda").exponential_(generator=torch.Generator("cuda").manual_seed(key))
         differ = noise[i] != want
@@ -152,7 +157,8 @@ def test_seeded_tokens_of_the_kernel_are_the_torch_paths() -> None:
     with a generator a row: the same tokens for the same (seed, output position), but where the two
     best scores are within rounding of each other (a near-tie)."""
     from engine import sampling_kernels
-    from engine.sampler import _as_int64, _draw_key
+    from engine.draw_keys import as_int64
+    from engine.sampler import _draw_key
 
     vocab, num = 151_936, 512
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -166,7 +172,27 @@ def test_seeded_tokens_of_the_kernel_are_the_torch_paths() -> None:
     for i in differ:  # each a near-tie: the torch path's scores of the two tokens within 1e-5
         t = rows[i].params.temperature
         probs = torch.softmax(logits[i] / t, dim=0)
-        key = torch.tensor([_as_int64(_draw_key(rows[i]))], device="cuda")
+        key = torch.tensor([as_int64(_draw_key(rows[i]))], device="cuda")
         noise = sampling_kernels.keyed_noise(key, vocab)[0]
         a, b = float(probs[fused[i]] / noise[fused[i]]), float(probs[plain[i]] / noise[plain[i]])
         assert abs(a - b) <= 1e-5 * max(a, b), f"row {i}: {a} vs {b} is no near-tie"
+
+
+def test_step_keys_advance_a_cuda_generator_on_the_host() -> None:
+    """An unseeded fused draw's key comes from the CUDA generator's seed and offset (no kernel, no
+    wait): the same seed gives the same key, each draw moves the offset on by one draw's 4, and two
+    fused draws from one generator over the same logits differ (the second is not the first again)."""
+    from engine.draw_keys import step_key
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    keys = [step_key(gen, device) for _ in range(3)]
+    assert gen.get_offset() == 12 and len(set(keys)) == 3
+    assert step_key(torch.Generator(device="cuda").manual_seed(11), device) == keys[0]
+    sampler = Sampler([EOS], fused=True)
+    logits = torch.zeros(64, 1000, device="cuda")  # uniform rows: a repeated key would repeat all 64 tokens
+    rows = [SamplingRow(SamplingParams(temperature=1.0, max_tokens=4), [1], []) for _ in range(64)]
+    first = sampler(logits, rows, gen).token_ids
+    second = sampler(logits, rows, gen).token_ids
+    assert first != second
+    assert len(set(first)) > 40  # rows keyed apart: not one token for all

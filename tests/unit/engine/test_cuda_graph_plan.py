@@ -25,7 +25,8 @@ from engine.cuda_graphs import (
 )
 from engine.kv_cache import allocate_kv_tensors
 from engine.models import DEFAULT_MODEL_DIR, ArchConfig, build_model
-from engine.runner import ForwardSeq, HostStaging, ModelRunner
+from engine.pinned import HostStaging
+from engine.runner import ForwardSeq, ModelRunner
 
 
 def decode(token: int, position: int, blocks: list[int]) -> ForwardSeq:

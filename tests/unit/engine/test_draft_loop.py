@@ -12,7 +12,8 @@ from engine.attention import AttentionSpec
 from engine.config import SamplingParams
 from engine.kv_cache import allocate_kv_tensors
 from engine.models import DEFAULT_MODEL_DIR, build_model
-from engine.runner import ForwardSeq, HostStaging, ModelRunner
+from engine.pinned import HostStaging
+from engine.runner import ForwardSeq, ModelRunner
 from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 
 

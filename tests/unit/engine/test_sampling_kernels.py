@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
+from engine.draw_keys import _splitmix64, as_int64, draw_seed, seed_mix
 from engine.sampler import Sampler, SamplingRow, VerifyRow
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 from tests.unit.engine.test_spec_sampling import MIN_P_VALUE, chi_square_p_value
@@ -26,6 +27,19 @@ sampling_kernels = import_interpreted("engine.sampling_kernels", "_race_kernel")
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 EOS = 0
+
+
+def draws(inv_temp: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`race`'s rows as RaceRows stages them: row r's (a, b, float64 bits of 1 / T); b = 0 by default."""
+    b = torch.zeros_like(a) if b is None else b
+    return torch.stack([a.long(), b.long(), inv_temp.double().view(torch.int64)], dim=1).reshape(-1)
+
+
+def keys_of(a: torch.Tensor, b: torch.Tensor | None = None, step: int = 0) -> torch.Tensor:
+    """The rows' keys the race computes: splitmix64(a ^ (b + step)), as int64 bits."""
+    b = torch.zeros_like(a) if b is None else b
+    return torch.tensor([as_int64(_splitmix64((x % (1 << 64)) ^ ((y + step) % (1 << 64))))
+                         for x, y in zip(a.tolist(), b.tolist())])
 
 
 def _seeds(n: int, seed: int) -> torch.Tensor:
@@ -37,7 +51,8 @@ def test_race_follows_softmax_over_temperature(vocab: int, temperature: float, c
     num_draws = 1500  # one interpreted program a draw: about 7 ms each
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * 2
     tokens = sampling_kernels.race(
-        logits.expand(num_draws, vocab), torch.full((num_draws,), 1 / temperature), _seeds(num_draws, 1), chunk, block
+        logits.expand(num_draws, vocab), draws(torch.full((num_draws,), 1 / temperature), _seeds(num_draws, 1)), 0,
+        chunk, block,
     )
     assert tokens.dtype == torch.long and tokens.shape == (num_draws,)
     counts: dict[object, int] = {}
@@ -51,16 +66,17 @@ def test_race_does_not_depend_on_chunks_or_other_rows() -> None:
     vocab, rows = 50, 6
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
     temperature, seeds = torch.full((rows,), 1.0), _seeds(rows, 2)
-    coarse = sampling_kernels.race(logits, temperature, seeds, 64, 16)
-    fine = sampling_kernels.race(logits, temperature, seeds, 8, 8)  # 7 chunks, the last one short
+    coarse = sampling_kernels.race(logits, draws(temperature, seeds), 0, 64, 16)
+    fine = sampling_kernels.race(logits, draws(temperature, seeds), 0, 8, 8)  # 7 chunks, the last one short
     assert torch.equal(coarse, fine)
     alone = [
-        sampling_kernels.race(logits[i : i + 1], temperature[i : i + 1], seeds[i : i + 1], 8, 8).item()
+        sampling_kernels.race(logits[i : i + 1], draws(temperature[i : i + 1], seeds[i : i + 1]), 0, 8, 8).item()
         for i in range(rows)
     ]
     assert alone == fine.tolist()
     # Other seeds draw other tokens: the noise is keyed by the row's seed.
-    others = [sampling_kernels.race(logits, temperature, _seeds(rows, s), 8, 8).tolist() for s in range(3, 8)]
+    others = [sampling_kernels.race(logits, draws(temperature, _seeds(rows, s)), 0, 8, 8).tolist()
+              for s in range(3, 8)]
     assert any(o != fine.tolist() for o in others)
 
 
@@ -75,20 +91,41 @@ def test_one_launch_picks_each_row_s_token_across_its_chunks_and_leaves_the_coun
     logits[3, 45] = 0.0
     inv_temp, seeds = torch.full((rows,), 0.8), _seeds(rows, 13)
     counts = sampling_kernels.race_counts(rows, torch.device("cpu"))
-    tokens = sampling_kernels.race(logits, inv_temp, seeds, 8, 8, counts=counts)  # 7 chunks, the last short
+    tokens = sampling_kernels.race(logits, draws(inv_temp, seeds), 0, 8, 8, counts=counts)  # 7 chunks, last short
     assert torch.equal(counts, torch.zeros_like(counts))
-    noise = sampling_kernels.keyed_noise(seeds, vocab)
+    noise = sampling_kernels.keyed_noise(keys_of(seeds), vocab)
     expected = (logits * inv_temp[:, None] - noise.log()).argmax(dim=1)
     assert tokens[:2].tolist() == expected[:2].tolist() and tokens[2] == vocab - 1 and tokens[3] == 45
-    assert torch.equal(sampling_kernels.race(logits, inv_temp, seeds, 8, 8, counts=counts), tokens)
+    assert torch.equal(sampling_kernels.race(logits, draws(inv_temp, seeds), 0, 8, 8, counts=counts), tokens)
     with pytest.raises(ValueError, match="counts holds 2 rows"):
-        sampling_kernels.race(logits, inv_temp, seeds, 8, 8, counts=counts[:2])
+        sampling_kernels.race(logits, draws(inv_temp, seeds), 0, 8, 8, counts=counts[:2])
+
+
+def test_the_race_keys_rows_by_splitmix_of_a_xor_b_plus_step() -> None:
+    """Each row's key is splitmix64(a ^ (b + step)), bit for bit as draw_keys computes it on the host
+    (any other key draws other noise): a seeded row's a = seed_mix(seed) and b + step = its output
+    position give draw_seed(seed, position); the same rows at another step draw with other keys."""
+    vocab, rows, step = 50, 6, 1_000_003
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(21))
+    seeds, positions = [3, 2**40 + 7, 0, 99, 2**63 + 5, 12], [0, 5, 17, 1 << 33, 2, 7]
+    a = torch.tensor([as_int64(seed_mix(x)) for x in seeds])
+    b = torch.tensor([p - step for p in positions])  # negative for most: b + step wraps as 64-bit keys do
+    inv_temp = torch.full((rows,), 1.25)
+    tokens = sampling_kernels.race(logits, draws(inv_temp, a, b), step, 8, 8)
+    keys = torch.tensor([as_int64(draw_seed(x, p)) for x, p in zip(seeds, positions)])
+    assert torch.equal(keys, keys_of(a, b, step))
+    expected = (logits * 1.25 - sampling_kernels.keyed_noise(keys, vocab).log()).argmax(dim=1)
+    assert tokens.tolist() == expected.tolist()
+    later = [sampling_kernels.race(logits, draws(inv_temp, a, b), step + k, 8, 8).tolist() for k in range(1, 5)]
+    assert any(t != tokens.tolist() for t in later)
+    with pytest.raises(ValueError, match=r"draws must be \[3 \* rows\]"):
+        sampling_kernels.race(logits, draws(inv_temp, a, b)[:-1], step)
 
 
 def test_race_tends_to_the_argmax_as_temperature_falls() -> None:
     vocab, rows = 40, 8
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)).to(torch.float16)
-    tokens = sampling_kernels.race(logits, torch.full((rows,), 1e4), _seeds(rows, 5), 16, 8)
+    tokens = sampling_kernels.race(logits, draws(torch.full((rows,), 1e4), _seeds(rows, 5)), 0, 16, 8)
     assert torch.equal(tokens, logits.float().argmax(dim=1))
 
 
@@ -143,14 +180,15 @@ def test_race_with_a_grammar_s_words_draws_what_it_draws_from_masked_logits() ->
     allowed[word_rows >= 0] = _allowed(words, vocab)[word_rows[word_rows >= 0].long()]
     masked = logits.masked_fill(~allowed, float("-inf"))
     for chunk, block in ((64, 16), (8, 8)):
-        fused = sampling_kernels.race(logits, temperature, seeds, chunk, block, words=words, word_rows=word_rows)
-        assert torch.equal(fused, sampling_kernels.race(masked, temperature, seeds, chunk, block))
+        fused = sampling_kernels.race(logits, draws(temperature, seeds), 0, chunk, block, words=words,
+                                        word_rows=word_rows)
+        assert torch.equal(fused, sampling_kernels.race(masked, draws(temperature, seeds), 0, chunk, block))
         assert all(allowed[r, t] for r, t in enumerate(fused.tolist()))
         assert fused[3] == 65
-    unmasked = sampling_kernels.race(logits, temperature, seeds, 8, 8)
+    unmasked = sampling_kernels.race(logits, draws(temperature, seeds), 0, 8, 8)
     assert fused[1] == unmasked[1], "a row without words draws as without a grammar"
     with pytest.raises(ValueError, match="word_rows"):
-        sampling_kernels.race(logits, temperature, seeds, words=words, word_rows=word_rows[:3])
+        sampling_kernels.race(logits, draws(temperature, seeds), 0, words=words, word_rows=word_rows[:3])
 
 
 def test_fused_sampler_applies_a_grammar_mask_to_mixed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
