@@ -51,6 +51,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.random import philox
 
+from engine.direct_launch import DirectLaunch
 from engine.pinned import upload
 
 if TYPE_CHECKING:
@@ -181,6 +182,10 @@ def _race_kernel(
             tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
+_RACE = DirectLaunch(_race_kernel)
+"""The race's launches: one a step (engine/direct_launch.py)."""
+
+
 def race_counts(rows: int, device: torch.device) -> torch.Tensor:
     """A zeroed count a row for `race` (each launch leaves it zeroed): one a caller keeps per device
     and stream, grown when a launch has more rows."""
@@ -195,7 +200,8 @@ def race(
     """logits [rows, vocab] (any float dtype), draws [3 * rows] int64 and step in [0, 2**31) (engine/
     draw_keys.py's RaceRows: row r's (a, b, float64 bits of 1 / T > 0), its key splitmix64(a ^ (b + step)))
     -> one token per row [rows] int64, drawn from softmax(logits / T), in one launch. chunk (a multiple
-    of block) and block: powers of two; only the speed depends on them (tests make them small). threads: torch's fill's (`torch_threads`, the default).
+    of block) and block: powers of two; only the speed depends on them (tests make them small).
+    threads: torch's fill's (`torch_threads`, the default).
     words [m, ceil(vocab / 32)] int32 and word_rows [rows] int32 (on the logits' device): a grammar's
     bitmask (bit t set: token t allowed) for row r in words[word_rows[r]], none where it is < 0; the
     same tokens as masking the logits to -inf first, read in the same pass.
@@ -222,11 +228,13 @@ def race(
         raise ValueError(f"words must be [m, >= {-(-vocab // 32)}] with word_rows [{rows}]; got "
                          f"{tuple(words.shape)} and {None if word_rows is None else tuple(word_rows.shape)}")
     if rows:
-        _race_kernel[(rows, num_chunks)](
-            logits, draws, step, words if masked else draws, word_rows if masked else draws, best, index, counts,
-            out, logits.stride(0), words.stride(0) if masked else 0, vocab, num_chunks, threads, CHUNK=chunk,
-            BLOCK=block, CHUNKS=triton.next_power_of_2(num_chunks), MASKED=masked,
-        )
+        words, word_rows = (words, word_rows) if masked else (draws, draws)
+        stride, words_stride = logits.stride(0), words.stride(0) if masked else 0
+        # NOTE: DirectLaunch's key: what Triton specializes the kernel on (step is not specialized)
+        key = (logits.device, logits.dtype, stride, words_stride, vocab, num_chunks, threads, chunk, block, masked,
+               *(t.data_ptr() % 16 == 0 for t in (logits, draws, words, word_rows, best, index, counts, out)))
+        _RACE(key, (rows, num_chunks, 1), logits, draws, step, words, word_rows, best, index, counts, out, stride,
+              words_stride, vocab, num_chunks, threads, chunk, block, triton.next_power_of_2(num_chunks), masked)
     return out
 
 

@@ -196,3 +196,23 @@ def test_step_keys_advance_a_cuda_generator_on_the_host() -> None:
     second = sampler(logits, rows, gen).token_ids
     assert first != second
     assert len(set(first)) > 40  # rows keyed apart: not one token for all
+
+
+def test_the_race_s_direct_launches_draw_as_its_first_and_split_by_alignment() -> None:
+    """The race's second launch of a key calls its compiled variant directly (engine/direct_launch.py): it
+    draws what the first drew for the same rows and step. A logits view 4 bytes off 16-byte alignment is
+    another key (another variant, as Triton's launcher would pick): the same tokens as the aligned copy."""
+    from engine import sampling_kernels
+
+    vocab, rows = 8192, 8
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    seeds = torch.randint(0, 1 << 62, (rows,), device="cuda", generator=gen)
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen)
+    first = sampling_kernels.race(logits, _draws(seeds, 1.0), 17)
+    assert torch.equal(sampling_kernels.race(logits, _draws(seeds, 1.0), 17), first)
+    assert not torch.equal(sampling_kernels.race(logits, _draws(seeds, 1.0), 18), first)
+    shifted = torch.empty(rows * vocab + 1, device="cuda")[1:].view(rows, vocab)  # 4 bytes past alignment
+    shifted.copy_(logits)
+    assert shifted.data_ptr() % 16 == 4 and shifted.stride() == logits.stride()  # only the alignment differs
+    for _ in range(2):
+        assert torch.equal(sampling_kernels.race(shifted, _draws(seeds, 1.0), 17), first)
