@@ -23,7 +23,7 @@ __all__ = ["RaceRows", "as_int64", "draw_seed", "seed_mix", "step_key"]
 
 _MASK64 = (1 << 64) - 1
 _UNSEEDED = 0x5851F42D4C957F2D
-"""Mixed into the step keys only: an unseeded draw's key never follows a seeded one's by construction."""
+"""Mixed into `step_key`'s offset, so that its keys are not draw_seed's of the same two numbers."""
 STEP_WRAP = 1 << 31
 """Steps run 0 .. STEP_WRAP - 1 (one int32 kernel argument, never retyped), then the rows are staged anew."""
 
@@ -94,12 +94,11 @@ class RaceRows:
         step = self._step
         signature = [(t, None, 0) if s is None else (t, s, p - step) for s, t, p in rows]
         if signature != self._signature or self._rows is None or step == 0:
-            self._rows, self._signature = self._stage(signature, step, generator), signature
+            self._rows, self._signature = self._stage(signature, generator), signature
         self._step = (step + 1) % STEP_WRAP
         return self._rows, step
 
-    def _stage(self, signature: list[tuple[float, int | None, int]], step: int,
-               generator: torch.Generator | None) -> torch.Tensor:
+    def _stage(self, signature: list[tuple[float, int | None, int]], generator: torch.Generator | None) -> torch.Tensor:
         n = len(signature)
         host = self._staging.host(3 * n)
         if any(seed is None for _, seed, _ in signature):

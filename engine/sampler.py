@@ -184,10 +184,10 @@ class Sampler:
     row's keyed by a random value drawn from the shared generator when the rows were staged and the
     launch's step (engine/draw_keys.py: the rows are uploaded only when they change). The torch path's
     seeded rows (truncated ones, `sample_with_probs`, a seeded verification) take their noise from one
-    kernel for all rows (`keyed_noise`) rather than a generator a row. `verify` verifies in one kernel and one read when
-    every row is unseeded, without truncation, penalties, logprobs or a min_tokens still to reach
-    (`_verifies_fused`): the same rejection sampling, its uniforms and noise counted by (the row's
-    seed, token id).
+    kernel for all rows (`keyed_noise`) rather than a generator a row. `verify` verifies in one kernel
+    and one read when every row is unseeded, without truncation, penalties, logprobs or a min_tokens
+    still to reach (`_verifies_fused`): the same rejection sampling, its uniforms and noise counted by
+    (the row's seed, token id).
     """
 
     def __init__(self, eos_token_ids: Sequence[int], fused: bool = False) -> None:
