@@ -10,7 +10,7 @@ so the values below are the only ones that pick a variant:
 |-------------------------------------------------|-----------------------------|---------------|
 | decode keys split over programs or not          | attention decode (+ reduce) | 1 / 2, 4      |
 | one row (launched early: engine/pdl.py) or more | every Triton kernel         | 4, 6 / others |
-| rows <= 8 (launched early), <= 16, <= 32, more  | FP8 split-K / scaled matmul | 2, 7, 1, 5    |
+| one row / <= 8 (early), <= 16, <= 32, more      | FP8 gemv / split-K / scaled | 4, 6 / 2, 7, 1, 5 |
 | rows <= 16, <= 32, <= 64, more                  | 4-bit words / dequantize    | 2, 1, 8, 5    |
 | unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
 | a grammar's mask in the draw or none           | fused race                  | the sampler   |

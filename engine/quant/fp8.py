@@ -9,8 +9,9 @@ engine/models/fused_ops.py), and
     y = (x_q @ weight.T) * x_scale * weight_scale (+ bias)
 
 with float32 accumulation. Two paths compute it: `cuda` (CUDA with compute capability 8.9+ and
-bfloat16 activations: the Triton quantization, then up to fp8_kernels.SPLIT_K_MAX_ROWS rows a Triton
-split-K tensor-core product, more rows torch._scaled_mm with row-wise scales) and
+bfloat16 activations: the Triton quantization, then one row a Triton product on the CUDA cores, up to
+fp8_kernels.SPLIT_K_MAX_ROWS rows a Triton split-K tensor-core product, more rows torch._scaled_mm with
+row-wise scales) and
 `reference` (everywhere else: the same quantized operands multiplied in float32, slowly). Knows
 nothing of checkpoints (checkpoint.py) or of which modules are quantized (convert.py).
 """
@@ -62,12 +63,13 @@ def fp8_path(device: torch.device, dtype: torch.dtype) -> Fp8Path:
 
 class Fp8Matmul:
     """y = x @ W.T for FP8 weights, on one path; `triton`: the Triton kernels (CUDA) where they serve:
-    the activation quantization, and the product of a few rows."""
+    the activation quantization, and the product of one row and of a few rows."""
 
     def __init__(self, path: Fp8Path, triton: bool) -> None:
         self.path = path
         self._quantize = quantize_rows
         self._split_k_matmul = None
+        self._gemv_matmul = None
         self._split_k_max_rows = 0
         self._split_k_counts = None
         # NOTE: one count buffer a device for all of a model's products: they run one after another
@@ -78,7 +80,7 @@ class Fp8Matmul:
 
             self._quantize = fp8_kernels.quantize_rows
             if path == "cuda":
-                self._split_k_matmul = fp8_kernels.split_k_matmul
+                self._split_k_matmul, self._gemv_matmul = fp8_kernels.split_k_matmul, fp8_kernels.gemv_matmul
                 self._split_k_max_rows = fp8_kernels.SPLIT_K_MAX_ROWS
                 self._split_k_counts = fp8_kernels.split_k_counts
 
@@ -91,7 +93,9 @@ class Fp8Matmul:
             x_q, x_scale = self._quantize(x.reshape(-1, x.shape[-1]))
             dtype, lead = x.dtype, x.shape[:-1]
         device = x_q.device
-        if self._split_k_matmul is not None and x_q.shape[0] <= self._split_k_max_rows:
+        if self._gemv_matmul is not None and x_q.shape[0] == 1:
+            out = self._gemv_matmul(x_q, x_scale, weight, weight_scale, bias, dtype)
+        elif self._split_k_matmul is not None and x_q.shape[0] <= self._split_k_max_rows:
             if device not in self._counts:
                 self._counts[device] = self._split_k_counts(device)
             out = self._split_k_matmul(x_q, x_scale, weight, weight_scale, bias, dtype, self._counts[device])

@@ -1,7 +1,7 @@
 """The Triton kernels behind `fp8.Fp8Matmul`: the activation quantization (equal to
-`fp8.quantize_rows` bit for bit; a few long rows spread in chunks over SMs), and a split-K
-tensor-core product of quantized rows for small batches; imported only by CUDA models and
-interpreted tests."""
+`fp8.quantize_rows` bit for bit; a few long rows spread in chunks over SMs), the product of one
+quantized row on the CUDA cores (`gemv_matmul`), and a split-K tensor-core product of quantized rows
+for other small batches; imported only by CUDA models and interpreted tests."""
 
 from __future__ import annotations
 
@@ -130,6 +130,59 @@ def _split_k_matmul_kernel(
     store_split_k(acc, out_ptr + rm[:, None] * stride_o + rn[None, :], part_ptr + rm[:, None] * N + rn[None, :],
                   m_ok[:, None] & n_ok[None, :], pid_k, count_ptr + pid_m * tl.num_programs(1) + pid_n, M, N, bias_ptr,
                   rn, n_ok, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _gemv_kernel(
+    xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out[0, n-block] of one quantized row on the CUDA cores: E4M3 products, exact in float32, summed
+    in float32 lane by lane over K, then across the tile's columns; the scales and bias after."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    after_previous(PDL)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(xq_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    total = tl.sum(acc, 1) * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+GemvConfig = tuple[int, int, int, int]
+"""(block_n, block_k, num_warps, num_stages) of `gemv_matmul`."""
+
+
+def gemv_config(n: int) -> GemvConfig:
+    """The sweep's rule (bench/results/fp8_gemv_sweep_nvidia-h200.json, one row, Llama-3.1-8B's projections):
+    8 weight rows a program, K in steps of 1024 up to 512 programs (N <= 4096: o and down), of 512
+    past them (qkv, gate_up); K unsplit (split in two at 512-column steps: +26 / +9 / +22 / -2 %). On
+    that H200 it took 8.7 / 6.4 / 31.5 / 17.0 us against split_k_matmul's 9.6 / 7.7 / 34.8 / 20.9
+    (qkv / o / gate_up / down; floors 6.2 / 4.2 / 29.1 / 14.5)."""
+    return 8, 1024 if n <= 4096 else 512, 4, 3
+
+
+def gemv_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemvConfig | None = None) -> torch.Tensor:
+    """split_k_matmul's product for one quantized row xq [1, K], on the CUDA cores (float32 products
+    and sums); config: gemv_config's by default."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if m != 1:
+        raise ValueError(f"gemv_matmul multiplies one row; got {m} (split_k_matmul takes more)")
+    block_n, block_k, num_warps, num_stages = config or gemv_config(n)
+    out = torch.empty(1, n, dtype=out_dtype, device=xq.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        xq, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        **pdl_options(xq.device, 1, max_rows=PDL_PRODUCT_MAX_ROWS))
+    return out
 
 
 SplitKConfig = tuple[int, int, int, int, int, int]

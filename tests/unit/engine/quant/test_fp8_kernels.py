@@ -96,6 +96,40 @@ def test_split_k_sums_every_slice_once_in_order_and_leaves_the_counts_zeroed(bia
     assert torch.equal(again, got)
 
 
+@pytest.mark.parametrize("n, k, config", [
+    (48, 300, (8, 128, 4, 2)),     # K not a multiple of its steps
+    (45, 520, (16, 256, 4, 2)),    # N not a multiple of the tile
+    (64, 2048, None),              # gemv_config's tiles (1024-column steps)
+    (4104, 1024, None),            # past 4096 rows: 512-column steps
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matmul_equals_reference_path(n: int, k: int, config: tuple | None, bias: bool) -> None:
+    """One row on the CUDA cores: E4M3 products exact in float32, the sums in another order."""
+    gen = torch.Generator().manual_seed(n * k)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    wq, ws = quantize_rows(w)
+    xq, xs = fp8_kernels.quantize_rows(x)
+    got = fp8_kernels.gemv_matmul(xq, xs, wq, ws.view(-1), b, torch.float32, config)
+    want = Fp8Matmul("reference", triton=False)(x, wq, ws.view(-1), b)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="one row; got 2"):
+        fp8_kernels.gemv_matmul(torch.cat([xq, xq]), xs, wq, ws.view(-1), b, torch.float32, config)
+
+
+def test_fp8_matmul_takes_one_row_to_the_gemv_and_more_to_split_k() -> None:
+    """Fp8Matmul's one-row product is gemv_matmul's, bit for bit; two rows take split_k_matmul's tiles."""
+    gen = torch.Generator().manual_seed(4)
+    served = Fp8Matmul("cuda", triton=True)
+    x, w = torch.randn(2, 512, generator=gen), torch.randn(40, 512, generator=gen)
+    wq, ws = quantize_rows(w)
+    xq, xs = fp8_kernels.quantize_rows(x)
+    one = served(x[:1], wq, ws.view(-1), None)
+    assert torch.equal(one, fp8_kernels.gemv_matmul(xq[:1], xs[:1], wq, ws.view(-1), None, torch.float32))
+    two = served(x, wq, ws.view(-1), None)
+    assert torch.equal(two, fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), None, torch.float32))
+
+
 def test_fp8_matmul_shares_one_count_buffer_across_its_products() -> None:
     """The served path's products of a few rows (interpreted here on CPU tensors) reuse one zeroed
     count buffer a device, whatever their shapes."""

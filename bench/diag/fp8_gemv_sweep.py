@@ -1,0 +1,88 @@
+"""One row through an FP8 projection: split_k_matmul's tensor-core tiles, Fp8Matmul as it stands (the
+quantization, then gemv_matmul) and gemv_matmul (CUDA cores, float32 lanes) over a grid of tiles, warps and stages, at
+Llama-3.1-8B's projections; the floor beside (weight bytes / copy bandwidth). Timing as
+bench.diag.fp8_split_k_sweep: weights cycled past L2, one CUDA graph a cycle, median of its replays.
+
+    python -m bench.diag.fp8_gemv_sweep --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from bench.diag.fp8_split_k_sweep import CYCLE_BYTES, SHAPES, per_call_us
+from bench.offline_throughput import copy_bandwidth
+from engine.quant import fp8_kernels
+from engine.quant.fp8 import Fp8Matmul, quantize_rows
+
+
+def first_grid() -> list[fp8_kernels.GemvConfig]:
+    """(block_n, block_k, warps, stages 3). The committed sweep also split K in 2, 4 and 8 (configs of five:
+    the split third): it lost everywhere but down at 512-column steps, and gemv_matmul lost the split."""
+    return [(8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3),
+            (16, 1024, 8, 3), (32, 512, 8, 3), (64, 256, 8, 3)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["8b_qkv", "8b_o", "8b_gate_up", "8b_down"])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    served = Fp8Matmul("cuda", triton=True)
+    counts = fp8_kernels.split_k_counts(torch.device("cuda"))
+    rows = []
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        copies = max(2, -(-CYCLE_BYTES // (n * k)))
+        weights = []
+        for _ in range(copies):
+            wq, ws = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+            weights.append((wq, ws.view(-1)))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        xq, xs = fp8_kernels.quantize_rows(x)
+        want = fp8_kernels.split_k_matmul(xq, xs, *weights[0], None, torch.float32, counts)
+        row = {"shape": name, "n": n, "k": k, "floor_us": 1e6 * n * k / bandwidth,
+               "split_k_us": per_call_us(lambda i: fp8_kernels.split_k_matmul(xq, xs, *weights[i], None, torch.bfloat16,
+                                                                              counts), copies),
+               "served_us": per_call_us(lambda i: served(x, *weights[i], None), copies), "configs": []}
+        for stage in ("grid", "refine"):
+            if stage == "grid":
+                configs = first_grid()
+            else:
+                bn, bk, _, _ = min(row["configs"], key=lambda r: r["us"])["config"]
+                configs = [(bn, bk, w, s) for w, s in itertools.product([4, 8], [2, 3, 4, 5])]
+            for c in configs:
+                if any(r["config"] == c for r in row["configs"]):
+                    continue
+
+                def call(i: int, c: fp8_kernels.GemvConfig = c) -> torch.Tensor:
+                    return fp8_kernels.gemv_matmul(xq, xs, *weights[i], None, torch.bfloat16, c)
+                try:
+                    got = fp8_kernels.gemv_matmul(xq, xs, *weights[0], None, torch.float32, c)
+                except Exception as e:  # noqa: BLE001 (a configuration past the registers or shared memory)
+                    print(f"  skipped {c}: {type(e).__name__}", flush=True)
+                    continue
+                error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+                row["configs"].append({"config": c, "us": per_call_us(call, copies), "max_rel_vs_split_k": error})
+        best = min(row["configs"], key=lambda r: r["us"])
+        row["best_gemv"] = best
+        print(f"{name}: floor {row['floor_us']:.1f} split-K {row['split_k_us']:.1f} served {row['served_us']:.1f} "
+              f"gemv best {best['us']:.1f} {best['config']} (rel err {best['max_rel_vs_split_k']:.1e})", flush=True)
+        rows.append(row)
+        weights.clear()
+        torch.cuda.empty_cache()
+    slug = torch.cuda.get_device_name().lower().replace(" ", "-")
+    (args.out / f"fp8_gemv_sweep_{slug}.json").write_text(json.dumps(
+        {"device_name": torch.cuda.get_device_name(), "torch_version": torch.__version__,
+         "triton_version": __import__("triton").__version__, "copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows},
+        indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
