@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
     from engine.host_gate import HostGate
 
-__all__ = ["Filling", "GrammarCompiler", "GrammarError", "TokenMask", "apply_token_mask", "device_bitmask", "mask_logits"]
+__all__ = [
+    "Filling", "GrammarCompiler", "GrammarError", "TokenMask", "apply_token_mask", "device_bitmask", "mask_logits",
+]
 
 COMPILE_TIMEOUT_S = 10.0
 """Longest a grammar may take to compile; a slower one is refused (its compile finishes unheeded)."""

@@ -231,7 +231,7 @@ def race(
         words, word_rows = (words, word_rows) if masked else (draws, draws)
         stride, words_stride = logits.stride(0), words.stride(0) if masked else 0
         # NOTE: DirectLaunch's key: what Triton specializes the kernel on (step is not specialized)
-        key = (logits.device, logits.dtype, stride, words_stride, vocab, num_chunks, threads, chunk, block, masked,
+        key = (device, logits.dtype, stride, words_stride, vocab, num_chunks, threads, chunk, block, masked,
                *(t.data_ptr() % 16 == 0 for t in (logits, draws, words, word_rows, best, index, counts, out)))
         _RACE(key, (rows, num_chunks, 1), logits, draws, step, words, word_rows, best, index, counts, out, stride,
               words_stride, vocab, num_chunks, threads, chunk, block, triton.next_power_of_2(num_chunks), masked)

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 
 import torch
 
-from bench.diag.fp8_split_k_sweep import CYCLE_BYTES, SHAPES, per_call_us
+from bench.diag.fp8_split_k_sweep import SHAPES, per_call_us, weight_copies, write_sweep
 from bench.offline_throughput import copy_bandwidth
 from engine.quant import fp8_kernels
-from engine.quant.fp8 import Fp8Matmul, quantize_rows
+from engine.quant.fp8 import Fp8Matmul
 
 
 def first_grid() -> list[fp8_kernels.GemvConfig]:
@@ -39,11 +38,8 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
-        copies = max(2, -(-CYCLE_BYTES // (n * k)))
-        weights = []
-        for _ in range(copies):
-            wq, ws = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-            weights.append((wq, ws.view(-1)))
+        weights = weight_copies(n, k)
+        copies = len(weights)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = fp8_kernels.quantize_rows(x)
         want = fp8_kernels.split_k_matmul(xq, xs, *weights[0], None, torch.float32, counts)
@@ -78,10 +74,7 @@ def main() -> None:
         weights.clear()
         torch.cuda.empty_cache()
     slug = torch.cuda.get_device_name().lower().replace(" ", "-")
-    (args.out / f"fp8_gemv_sweep_{slug}.json").write_text(json.dumps(
-        {"device_name": torch.cuda.get_device_name(), "torch_version": torch.__version__,
-         "triton_version": __import__("triton").__version__, "copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows},
-        indent=2) + "\n")
+    write_sweep(args.out / f"fp8_gemv_sweep_{slug}.json", bandwidth, rows)
 
 
 if __name__ == "__main__":

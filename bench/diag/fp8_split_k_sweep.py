@@ -40,6 +40,23 @@ def per_call_us(fn: Callable[[int], object], copies: int) -> float:
     return 1e6 * graph_seconds(lambda: fn(next(calls)), torch.device("cuda"), copies) / copies
 
 
+def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Quantized random [n, k] weights and their scales, enough copies to hold CYCLE_BYTES together."""
+    weights = []
+    for _ in range(max(2, -(-CYCLE_BYTES // (n * k)))):
+        wq, ws = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        weights.append((wq, ws.view(-1)))
+    return weights
+
+
+def write_sweep(path: Path, bandwidth: float, rows: list[dict]) -> None:
+    """A sweep's JSON: the device, torch and Triton versions, the copy bandwidth and the rows."""
+    path.write_text(json.dumps(
+        {"device_name": torch.cuda.get_device_name(), "torch_version": torch.__version__,
+         "triton_version": __import__("triton").__version__, "copy_bandwidth_gbs": bandwidth / 1e9,
+         "rows": rows}, indent=2) + "\n")
+
+
 def grid(m: int) -> list[fp8_kernels.SplitKConfig]:
     block_m = min(32, max(16, 1 << (m - 1).bit_length()))  # 64: wgmma, inexact FP8 sums
     return [(block_m, bn, bk, split, 4, 4) for bn, bk, split in itertools.product([32, 64, 128], [128, 256],
@@ -101,11 +118,8 @@ def main() -> None:
     rows_out = []
     for name in args.shapes:
         n, k = SHAPES[name]
-        copies = max(2, -(-CYCLE_BYTES // (n * k)))
-        weights = []
-        for _ in range(copies):
-            wq, ws = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-            weights.append((wq, ws.view(-1)))
+        weights = weight_copies(n, k)
+        copies = len(weights)
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = fp8_kernels.quantize_rows(x)
@@ -144,10 +158,7 @@ def main() -> None:
         weights.clear()
         torch.cuda.empty_cache()
     slug = torch.cuda.get_device_name().lower().replace(" ", "-")
-    (args.out / f"fp8_split_k_sweep{args.tag}_{slug}.json").write_text(json.dumps(
-        {"device_name": torch.cuda.get_device_name(), "torch_version": torch.__version__,
-         "triton_version": __import__("triton").__version__, "copy_bandwidth_gbs": bandwidth / 1e9,
-         "rows": rows_out}, indent=2) + "\n")
+    write_sweep(args.out / f"fp8_split_k_sweep{args.tag}_{slug}.json", bandwidth, rows_out)
 
 
 if __name__ == "__main__":
