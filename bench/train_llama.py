@@ -159,15 +159,25 @@ class TrainLlama(nn.Module):
                     std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [batch, seq] -> logits [batch, seq, vocab]
-        seq = input_ids.shape[1]
-        freqs = torch.arange(seq, device=input_ids.device).float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [seq, head_dim], float32 as transformers computes it
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [len(positions), head_dim] of the given positions, computed in float32 as transformers does."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] -> the last layer's output [batch, seq, hidden], before the final norm."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rope(torch.arange(input_ids.shape[1], device=input_ids.device), x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [batch, seq] -> logits [batch, seq, vocab]
+        return self.logits(self.hidden(input_ids))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """transformers' tensor names, float32, contiguous, on the CPU: ready for safetensors."""

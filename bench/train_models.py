@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from bench.make_default_model import BOS, CHAT_TEMPLATE, EOS, IM_END, SPECIAL_TOKENS, train_bpe, write_json
@@ -267,6 +267,18 @@ def save_checkpoint(out: Path, model: TrainLlama, tokenizer: Tokenizer) -> int:
     tokenizer.save(str(out / "tokenizer.json"))
     save_file(model.hf_state_dict(), str(out / "model.safetensors"), metadata={"format": "pt"})
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+
+
+def load_checkpoint(model_dir: Path) -> TrainLlama:
+    """The TrainLlama a `save_checkpoint` directory holds, in eval mode, on the CPU."""
+    c = json.loads((model_dir / "config.json").read_text())
+    shape = ModelShape(
+        c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
+        c["num_key_value_heads"], c["head_dim"],
+    )
+    model = TrainLlama(shape, c["vocab_size"], seed=0)
+    model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
+    return model.eval()
 
 
 def resolve_device(name: str) -> torch.device:

@@ -12,11 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from bench import train_models
-from bench.train_llama import ModelShape, TrainLlama
 from engine import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -34,17 +32,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, di
     finally:
         torch.set_num_threads(num_threads)  # --num-threads is process-wide: give the next tests theirs back
     yield out, summary
-
-
-def _load_trainer_model(model_dir: Path) -> TrainLlama:
-    c = json.loads((model_dir / "config.json").read_text())
-    shape = ModelShape(
-        c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
-        c["num_key_value_heads"], c["head_dim"],
-    )
-    model = TrainLlama(shape, c["vocab_size"], seed=0)
-    model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
-    return model.eval()
 
 
 def _held_out_batch(model_dir: Path) -> torch.Tensor:  # [2, 33]
@@ -96,7 +83,7 @@ def test_transformers_loads_it_and_matches_the_trainer(trained: tuple[Path, dict
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     batch = _held_out_batch(model_dir)
     with torch.no_grad():
-        expected = _load_trainer_model(model_dir)(batch)
+        expected = train_models.load_checkpoint(model_dir)(batch)
         actual = hf.eval()(input_ids=batch).logits
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
