@@ -1,0 +1,144 @@
+"""Which CUDA graph launch costs a batch-1 speculative step its host time: `bench.spec_decode
+--profile` saw two replays a step at 111 us median (max 273) against the plain step's one at 17.
+On the trained pair's shapes (bench.train_models --size gpu; dummy weights, greedy, context 256):
+
+1. In steps: the host time of every CUDAGraph.replay during --steps speculative steps, by graph.
+2. A cProfile of --steps more speculative steps: where the host's time goes (own and cumulative).
+3. Alone: each graph replayed with the device idle before it (synchronised), so nothing queued
+   ahead can hold the launch; and the runtime calls its captured body makes when run eagerly
+   (torch.profiler), its graph's node count give or take.
+
+    python -m bench.diag.spec_graph_launch --load-format dummy --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import base_parser, build_engine, random_prompts, synchronize
+from bench.train_models import MAX_POSITIONS, SIZES
+from engine import SamplingParams, SpeculativeConfig
+
+CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+         "cudaMemsetAsync")
+
+
+def shape_dir(which: str) -> str:
+    plan = SIZES["gpu"]
+    path = Path(tempfile.mkdtemp(prefix=f"pair-{which}-"))
+    shape = plan.target if which == "target" else plan.draft
+    (path / "config.json").write_text(json.dumps(shape.hf_config(plan.vocab_size, 1, 2, MAX_POSITIONS)))
+    return str(path)
+
+
+def body_calls(body: Any, size: int) -> dict[str, int]:
+    """Runtime calls of one eager run of a graph's captured body."""
+    synchronize(torch.device("cuda"))
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        body(size)
+        torch.cuda.synchronize()
+    counts: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.name in CALLS:
+            counts[e.name] += 1
+    return dict(counts)
+
+
+def alone(graph: torch.cuda.CUDAGraph, iters: int) -> dict[str, float]:
+    host, total = [], []
+    for _ in range(iters + 5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        mid = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append(mid - start)
+        total.append(time.perf_counter() - start)
+    return {"replay_host_us": statistics.median(host[5:]) * 1e6, "replay_sync_us": statistics.median(total[5:]) * 1e6}
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    args.model = shape_dir("target")
+    spec = SpeculativeConfig(method="draft", draft_model=shape_dir("draft"), num_draft_tokens=4)
+    engine = build_engine(args, speculative=spec, max_num_seqs=4)
+    proposer = engine.proposer
+    named: dict[int, str] = {}
+    for size, g in engine.runner.graphs._graphs.items():
+        named[id(g)] = f"target_decode_{size}"
+    for size, g in proposer.runner.graphs._graphs.items():
+        named[id(g)] = f"draft_decode_{size}"
+    for size, g in proposer.loop._graphs.items():
+        named[id(g)] = f"draft_loop_{size}"
+    times: dict[str, list[float]] = defaultdict(list)
+    original = torch.cuda.CUDAGraph.replay
+
+    def timed(self: torch.cuda.CUDAGraph) -> None:
+        start = time.perf_counter()
+        original(self)
+        times[named.get(id(self), "other")].append(time.perf_counter() - start)
+
+    prompt = random_prompts(1, 256, engine.arch.vocab_size, 1)[0]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=args.steps * 6 + 100, temperature=0.0, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    synchronize(engine.device)
+    torch.cuda.CUDAGraph.replay = timed  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        synchronize(engine.device)
+        step_us = (time.perf_counter() - start) / args.steps * 1e6
+    finally:
+        torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.steps):
+        engine.step()
+    synchronize(engine.device)
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    print(text.getvalue(), flush=True)
+    in_steps = {name: {"median_us": statistics.median(t) * 1e6, "max_us": max(t) * 1e6, "count": len(t)}
+                for name, t in times.items()}
+    engine.abort_request("r")
+    while engine.has_unfinished():
+        engine.step()
+    target_graphs = engine.runner.graphs._graphs
+    verify_size = min(size for size in target_graphs if size >= 5)
+    graphs = {"target_decode_1": (target_graphs[1], engine.runner.graphs._body, 1),
+              f"target_decode_{verify_size}": (target_graphs[verify_size], engine.runner.graphs._body, verify_size),
+              "draft_loop_1": (proposer.loop._graphs[1], proposer.loop._body, 1)}
+    print(json.dumps({"step_us": step_us, "in_steps": in_steps}, indent=1), flush=True)
+    alone_rows = {}
+    for name, (graph, body, size) in graphs.items():
+        try:
+            alone_rows[name] = {**alone(graph, 50), "eager_body_calls": body_calls(body, size)}
+        except Exception as e:  # NOTE: a diagnostic: report what failed and go on to the next graph
+            alone_rows[name] = {"error": repr(e)}
+        print(name, alone_rows[name], flush=True)
+    record = {"device_name": torch.cuda.get_device_name(), "torch": torch.__version__, "step_us": step_us,
+              "in_steps": in_steps, "alone": alone_rows, "verifications": engine.stats().num_spec_verifications}
+    print(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
