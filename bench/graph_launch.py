@@ -32,7 +32,7 @@ def _add_one(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
 
-def _replay_times(graph: torch.cuda.CUDAGraph, iters: int, busy_cycles: int = 0) -> tuple[float, float]:
+def replay_times(graph: torch.cuda.CUDAGraph, iters: int, busy_cycles: int = 0) -> tuple[float, float]:
     """Median host seconds of replay() alone, and of replay() + synchronize(). busy_cycles: the
     stream is first given a spin kernel of that many cycles (replay() then queues behind it)."""
     for _ in range(5):
@@ -69,7 +69,7 @@ def synthetic(nodes: list[int], iters: int) -> list[dict[str, Any]]:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 body()
-            host_s, total_s = _replay_times(graph, iters)
+            host_s, total_s = replay_times(graph, iters)
             rows.append({"kind": kind, "nodes": n, "replay_host_s": host_s, "replay_sync_s": total_s,
                          "host_us_per_node": host_s / n * 1e6})
             print(rows[-1], flush=True)
@@ -93,9 +93,9 @@ def engine_graph(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     runner.graphs = graphs
     launches = sum(1 for e in prof.events() if e.name in _LAUNCHES)
     runner.forward(seqs)  # the graph of size 1, staged
-    host_s, total_s = _replay_times(graphs._graphs[1], args.iters)
+    host_s, total_s = replay_times(graphs._graphs[1], args.iters)
     # The same with the stream busy (~1 ms of a spin kernel ahead): does replay() wait for it?
-    busy_host_s, _ = _replay_times(graphs._graphs[1], args.iters, busy_cycles=2_000_000)
+    busy_host_s, _ = replay_times(graphs._graphs[1], args.iters, busy_cycles=2_000_000)
     # And the runner's whole graph step (staging, copies, replay, logits) as the engine calls it.
     step = []
     for _ in range(args.iters):

@@ -41,13 +41,14 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def pair_target_dir() -> str:
-    """A config-only checkpoint directory of bench.train_models' gpu target shape."""
+def pair_shape_dir(which: str = "target") -> str:
+    """A config-only checkpoint directory of bench.train_models' gpu target shape (or its draft's)."""
     from bench.train_models import MAX_POSITIONS, SIZES
 
     plan = SIZES["gpu"]
-    path = Path(tempfile.mkdtemp(prefix="pair-target-"))
-    (path / "config.json").write_text(json.dumps(plan.target.hf_config(plan.vocab_size, 1, 2, MAX_POSITIONS)))
+    shape = {"target": plan.target, "draft": plan.draft}[which]
+    path = Path(tempfile.mkdtemp(prefix=f"pair-{which}-"))
+    (path / "config.json").write_text(json.dumps(shape.hf_config(plan.vocab_size, 1, 2, MAX_POSITIONS)))
     return str(path)
 
 
@@ -202,7 +203,7 @@ def main() -> None:
             "Sampled vs greedy decode step", record["environment"], record["workload"]))
         return
     if args.model == "pair-target":
-        args.model = pair_target_dir()
+        args.model = pair_shape_dir()
     batches = [int(b) for b in args.batches.split(",")]
     engine = build_engine(args, max_num_seqs=max(batches))
     vocab = engine.arch.vocab_size

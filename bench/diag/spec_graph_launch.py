@@ -18,28 +18,19 @@ import io
 import json
 import pstats
 import statistics
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import base_parser, build_engine, random_prompts, synchronize
-from bench.train_models import MAX_POSITIONS, SIZES
+from bench.graph_launch import replay_times
+from bench.sampling_step import pair_shape_dir
 from engine import SamplingParams, SpeculativeConfig
 
 CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
          "cudaMemsetAsync")
-
-
-def shape_dir(which: str) -> str:
-    plan = SIZES["gpu"]
-    path = Path(tempfile.mkdtemp(prefix=f"pair-{which}-"))
-    shape = plan.target if which == "target" else plan.draft
-    (path / "config.json").write_text(json.dumps(shape.hf_config(plan.vocab_size, 1, 2, MAX_POSITIONS)))
-    return str(path)
 
 
 def body_calls(body: Any, size: int) -> dict[str, int]:
@@ -57,24 +48,17 @@ def body_calls(body: Any, size: int) -> dict[str, int]:
 
 
 def alone(graph: torch.cuda.CUDAGraph, iters: int) -> dict[str, float]:
-    host, total = [], []
-    for _ in range(iters + 5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        graph.replay()
-        mid = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append(mid - start)
-        total.append(time.perf_counter() - start)
-    return {"replay_host_us": statistics.median(host[5:]) * 1e6, "replay_sync_us": statistics.median(total[5:]) * 1e6}
+    """Host microseconds of a replay on an idle device, and of a replay + synchronize (medians)."""
+    host_s, total_s = replay_times(graph, iters)
+    return {"replay_host_us": host_s * 1e6, "replay_sync_us": total_s * 1e6}
 
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    args.model = shape_dir("target")
-    spec = SpeculativeConfig(method="draft", draft_model=shape_dir("draft"), num_draft_tokens=4)
+    args.model = pair_shape_dir()
+    spec = SpeculativeConfig(method="draft", draft_model=pair_shape_dir("draft"), num_draft_tokens=4)
     engine = build_engine(args, speculative=spec, max_num_seqs=4)
     proposer = engine.proposer
     named: dict[int, str] = {}

@@ -15,7 +15,7 @@ import pstats
 import time
 
 from bench.common import base_parser, build_engine, random_prompts, synchronize
-from bench.sampling_step import pair_target_dir, params_for
+from bench.sampling_step import pair_shape_dir, params_for
 from engine import EngineCore
 
 MODES = ("greedy", "sampled", "seeded")
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     if args.model == "pair-target":
-        args.model = pair_target_dir()
+        args.model = pair_shape_dir()
     engine = build_engine(args, max_num_seqs=4)
     out = {}
     for mode in MODES:
