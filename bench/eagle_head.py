@@ -9,17 +9,25 @@ place of h, so it is trained as it drafts (EAGLE-3's training-time test): step s
 training reads step s-1's outputs shifted by one, and its attention sees what decoding would show
 it: keys of true features up to the chain's start, then one key from each earlier step (ttt_mask).
 Loss: KL(target || head) over the full next-token distribution at temperature 1, every step.
+
+Checkpoint (`save_head`, `load_head`): config.json (architectures ["EagleHead"], the layer's shape, the
+target's hidden size, layer count and vocabulary it reads) and model.safetensors with `fc.weight` and
+`layers.0.*` in transformers' Llama names, float32; the target's embedding, final norm and lm_head are
+not in it (shared).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from bench.train_llama import DecoderLayer, ModelShape, TrainLlama, _rotate_half
+from bench.train_llama import RMS_NORM_EPS, ROPE_THETA, DecoderLayer, ModelShape, TrainLlama, _rotate_half
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [batch, kv_heads, seq, head_dim]
 
@@ -40,7 +48,7 @@ class EagleHead(nn.Module):
         t = target.shape
         self.shape = ModelShape(t.hidden_size, t.intermediate_size, 1, t.num_heads, t.num_kv_heads, t.head_dim)
         self.fc = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=False)
-        self.layer = DecoderLayer(self.shape)
+        self.layers = nn.ModuleList([DecoderLayer(self.shape)])  # NOTE: a list of one: Llama's tensor names
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -48,6 +56,10 @@ class EagleHead(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         # NOTE: a plain attribute, not a submodule: the target is frozen and saved apart.
         self.__dict__["target"] = target
+
+    @property
+    def layer(self) -> DecoderLayer:
+        return self.layers[0]  # type: ignore[return-value]
 
     @property
     def num_params(self) -> int:
@@ -125,3 +137,45 @@ def head_loss(head: EagleHead, target: TrainLlama, steps: int) -> Callable[[torc
         return total / steps
 
     return loss
+
+
+def head_config(head: EagleHead, unroll: int) -> dict:
+    target, shape = head.target, head.shape
+    return {
+        "architectures": ["EagleHead"],
+        "model_type": "eagle_head",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_theta": ROPE_THETA,
+        "torch_dtype": "float32",
+        "training_unroll": unroll,
+        "target": {"hidden_size": target.shape.hidden_size, "num_hidden_layers": target.shape.num_layers,
+                   "vocab_size": target.lm_head.weight.shape[0]},
+    }
+
+
+def save_head(out: Path, head: EagleHead, unroll: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(head_config(head, unroll), indent=2) + "\n")
+    tensors = {name: t.detach().float().cpu().contiguous() for name, t in head.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_head(head_dir: Path, target: TrainLlama) -> EagleHead:
+    """The head `save_head` wrote, for `target` (which must be the one it read: same hidden size, layer
+    count and vocabulary), in eval mode, on the target's device."""
+    config = json.loads((head_dir / "config.json").read_text())
+    expected = {"hidden_size": target.shape.hidden_size, "num_hidden_layers": target.shape.num_layers,
+                "vocab_size": target.lm_head.weight.shape[0]}
+    for key, value in expected.items():
+        if config["target"].get(key) != value:
+            raise ValueError(f"{head_dir}/config.json: target.{key} is {config['target'].get(key)}, "
+                             f"the target's is {value}: this head was trained on another target")
+    head = EagleHead(target, seed=0)
+    head.load_state_dict(load_file(str(head_dir / "model.safetensors")))
+    return head.to(target.lm_head.weight.device).eval()

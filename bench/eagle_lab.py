@@ -13,8 +13,9 @@ pdserve has no such proposer; this decides whether to build one.
    model alike, so their ratios and not their levels carry over to the engine), and a projection:
    tokens per verification x plain step / (verification + drafting).
 
-    python -m bench.eagle_lab --pair DIR [--head-seconds 90] [--out bench/results]
-DIR: bench.train_models' --out (target/, draft/, held_out.txt).
+    python -m bench.eagle_lab --pair DIR [--head-seconds 90] [--save-head DIR2] [--out bench/results]
+DIR: bench.train_models' --out (target/, draft/, held_out.txt). --head DIR2 measures a head saved
+before (bench/eagle_head.py save_head) instead of training one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from bench.common import save_plot
 from bench.draft_costs import Costs
-from bench.eagle_head import EagleHead, head_loss
+from bench.eagle_head import EagleHead, head_loss, load_head, save_head
 from bench.spec_sim import HeadDrafter, ModelDrafter, simulate
 from bench.train_llama import TrainConfig, TrainLlama, Windows, run_training
 from bench.train_models import SIZES, load_checkpoint, prepare_corpus, resolve_device
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", type=Path, required=True, help="bench.train_models' --out folder.")
     p.add_argument("--size", default="gpu", choices=list(SIZES), help="The train_models size the pair was trained at.")
+    p.add_argument("--head", type=Path, default=None, help="A saved head to measure (no training).")
+    p.add_argument("--save-head", type=Path, default=None, help="Where to save the trained head.")
     p.add_argument("--head-seconds", type=float, default=90.0)
     p.add_argument("--head-steps", type=int, default=2_000, help="Training steps at most.")
     p.add_argument("--unroll", type=int, default=4, help="Drafting steps unrolled in training (training-time test).")
@@ -148,10 +151,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     draft = load_checkpoint(args.pair / "draft").to(device).requires_grad_(False)
     plan = SIZES[args.size]
     corpus = prepare_corpus(plan, target.lm_head.weight.shape[0], args.pair / "target")
-    head = EagleHead(target, args.seed).to(device)
     cfg = TrainConfig(args.head_steps, args.head_seconds, args.batch_size or plan.batch_size, plan.seq_len, args.lr)
-    windows = Windows(corpus.train_stream, plan.seq_len, args.seed + 7, device)
-    run = run_training(head, head_loss(head, target, args.unroll), windows, cfg, device, "head", print)
+    if args.head is not None:
+        head, training = load_head(args.head, target), {"loaded_from": str(args.head)}
+    else:
+        head = EagleHead(target, args.seed).to(device)
+        windows = Windows(corpus.train_stream, plan.seq_len, args.seed + 7, device)
+        run = run_training(head, head_loss(head, target, args.unroll), windows, cfg, device, "head", print)
+        if not math.isfinite(run.final_loss):
+            raise RuntimeError(f"the head's training diverged: final loss {run.final_loss}")
+        training = {"num_steps": run.num_steps, "seconds": run.seconds, "final_loss": run.final_loss,
+                    "tokens_per_s": run.tokens_per_s, "unroll": args.unroll, "lr": args.lr,
+                    "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
+        if args.save_head is not None:
+            save_head(args.save_head, head, args.unroll)
     head.requires_grad_(False)
     eval_windows = corpus.eval_windows[: args.eval_windows]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -182,9 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "target_params": target.num_params,
         "draft_params": draft.num_params,
         "head_params": head.num_params,
-        "head_training": {"num_steps": run.num_steps, "seconds": run.seconds, "final_loss": run.final_loss,
-                          "tokens_per_s": run.tokens_per_s, "unroll": args.unroll, "lr": args.lr,
-                          "batch_size": cfg.batch_size, "seq_len": cfg.seq_len},
+        "head_training": training,
         "workload": {"k": args.k, "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                      "max_tokens": args.max_tokens, "dtype": str(dtype), "seed": args.seed},
         "teacher_forced_acceptance_t1": teacher,
@@ -205,7 +216,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save_plot(stem.with_suffix(".png"), plot(record),
               f"EAGLE-style head vs draft model (lab only), {record['device_name']}, K={args.k}, "
               f"{args.num_prompts} held-out prompts x {args.max_tokens} tokens")
-    assert math.isfinite(run.final_loss), "the head's training diverged"
     return record
 
 

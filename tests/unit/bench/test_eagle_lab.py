@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from bench import eagle_lab, train_models
 from bench.draft_costs import Costs
-from bench.eagle_head import EagleHead, ttt_mask
+from bench.eagle_head import EagleHead, load_head, save_head, ttt_mask
 from bench.make_default_model import train_bpe
 from bench.spec_sim import HeadDrafter, ModelDrafter, distribution, simulate, verify
 from bench.train_llama import ModelShape, TrainLlama
@@ -107,6 +109,22 @@ def test_dense_cache_rows_are_the_forward() -> None:
     assert distribution(torch.tensor([1.0, 3.0, 2.0]), 0.0).tolist() == [0.0, 1.0, 0.0]
 
 
+@torch.no_grad()
+def test_saved_head_loads_with_llama_names_and_refuses_another_target(tmp_path: Path) -> None:
+    target, _, head = _models()
+    save_head(tmp_path / "head", head, unroll=3)
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["architectures"] == ["EagleHead"] and config["training_unroll"] == 3
+    assert config["target"] == {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": VOCAB}
+    loaded = load_head(tmp_path / "head", target)
+    assert "layers.0.self_attn.q_proj.weight" in loaded.state_dict() and "fc.weight" in loaded.state_dict()
+    tokens, feats = torch.randint(0, VOCAB, (1, 7)), torch.randn(1, 7, 32)
+    torch.testing.assert_close(loaded(tokens, feats), head(tokens, feats), atol=0, rtol=0)
+    other = TrainLlama(ModelShape(32, 64, 3, 4, 2, 8), VOCAB, seed=0)
+    with pytest.raises(ValueError, match="target.num_hidden_layers is 2, the target's is 3"):
+        load_head(tmp_path / "head", other)
+
+
 def _tiny_pair(out: Path) -> None:
     texts, held = train_models.split_corpus(max_train_bytes=60_000, max_held_out_bytes=20_000)
     tokenizer = train_bpe(texts, VOCAB)
@@ -126,14 +144,24 @@ def test_lab_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
             "--pair", str(tmp_path), "--size", "cpu-tiny", "--head-seconds", "20", "--head-steps", "3",
             "--batch-size", "2", "--num-prompts", "2", "--prompt-len", "12", "--max-tokens", "6",
             "--eval-windows", "2", "--device", "cpu", "--out", str(tmp_path / "out"),
+            "--save-head", str(tmp_path / "head"),
+        ])
+        again = eagle_lab.main([
+            "--pair", str(tmp_path), "--size", "cpu-tiny", "--head", str(tmp_path / "head"), "--num-prompts", "2",
+            "--prompt-len", "12", "--max-tokens", "6", "--eval-windows", "2", "--device", "cpu",
+            "--out", str(tmp_path / "again"),
         ])
     finally:
         torch.set_num_threads(threads)
     assert record["head_training"]["num_steps"] == 3
+    assert (tmp_path / "head" / "model.safetensors").is_file()
     assert record["greedy_outputs_equal"] is True
     saved = json.loads((tmp_path / "out" / "eagle_lab_pair88m_cpu.json").read_text())
     assert saved["simulated"].keys() == {"draft_model_t0", "head_t0", "draft_model_t1", "head_t1"}
     for figures in saved["simulated"].values():
         assert 1.0 <= figures["tokens_per_verification"] <= 5.0
+    # the saved head measured again: no training, the same held-out figures
+    assert again["head_training"] == {"loaded_from": str(tmp_path / "head")}
+    assert again["teacher_forced_acceptance_t1"] == pytest.approx(record["teacher_forced_acceptance_t1"])
     steps = saved["teacher_forced_acceptance_t1"]["head_by_step"]
     assert len(steps) == 4 and all(0.0 < a <= 1.0 for a in steps)
