@@ -30,6 +30,8 @@
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (4 minutes), then bench.spec_decode on it
 #           at T = 1 and T = 0 (batch 1 at K = 4 and 6 side by side; the large batch).
 #           spec_bench: the same without the GPU tests.
+#   eagle   (one GPU): trains the pair (the plan's 5 minutes), then bench.eagle_lab on it (an EAGLE-style head
+#           trained 120 s, saved to $out/head; acceptance simulated against the draft model, pieces timed).
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
@@ -87,7 +89,7 @@
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -364,6 +366,11 @@ case "$part" in
         --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 6 --repeats 5 --temperature "$t" --dtype bfloat16 \
         --out "$out/t$t"
     done
+    ;;
+  eagle)
+    run 330 python3 -m bench.train_models --out /tmp/pair --size gpu --quiet
+    cp /tmp/pair/summary.json "$out/pair_summary_gpu.json"
+    run 270 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds 120 --save-head "$out/head" --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
