@@ -104,7 +104,7 @@ def held_out_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]
                                                    for _ in range(args.num_prompts))]
 
 
-def projection(sim: dict[str, Any], costs: dict[str, float], k: int) -> dict[str, float]:
+def projection(sim: dict[str, Any], costs: dict[str, float]) -> dict[str, float]:
     """Speculative over plain decode speed, from the simulated tokens per verification and the costs."""
     loops = {"draft_model": costs["draft_model_loop"], "head": costs["head_loop"]}
     return {
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         costs = Costs(target, draft, head, args.k, args.prompt_len + args.max_tokens // 2).measure(count=20)
         record["costs_s"] = costs
-        record["projected_speedup"] = projection(sim, costs, args.k)
+        record["projected_speedup"] = projection(sim, costs)
         print("costs (us):", {n: round(c * 1e6, 1) for n, c in costs.items()})
         print("projected:", {n: round(v, 2) for n, v in record["projected_speedup"].items()})
     record["seconds"] = time.perf_counter() - start

@@ -165,3 +165,11 @@ def test_lab_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert again["teacher_forced_acceptance_t1"] == pytest.approx(record["teacher_forced_acceptance_t1"])
     steps = saved["teacher_forced_acceptance_t1"]["head_by_step"]
     assert len(steps) == 4 and all(0.0 < a <= 1.0 for a in steps)
+
+
+def test_projection_is_tokens_per_verification_times_plain_over_the_speculative_step() -> None:
+    sim = {f"{d}_t{t}": {"tokens_per_verification": v} for d, v in (("draft_model", 3.0), ("head", 4.0))
+           for t in ("0", "1")}
+    costs = {"plain_step": 1.0, "verification": 1.5, "draft_model_loop": 1.5, "head_loop": 0.5}
+    got = eagle_lab.projection(sim, costs)
+    assert got["draft_model_t0"] == 1.0 and got["head_t1"] == 2.0
