@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from engine.attention.triton_backend import TritonAttentionConfig, _cdiv, _num_sms, decode_split_plan
+from engine.cuda_graphs import capture_graphs
 
 SHAPES = {  # name: (query heads, kv heads, head_dim, layers)
     "pair-target": (12, 4, 64, 12),
@@ -63,14 +64,7 @@ def case(name: str, context: int, max_context: int, device: torch.device, repeat
         row[f"rel_err_vs_1_split_{splits}"] = err
         if device.type != "cuda":
             continue
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step()
+        graph = capture_graphs([1], lambda _: step(), device)[1]
         times = []
         for _ in range(repeats + 5):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from bench.graph_launch import replay_times
+from engine.cuda_graphs import capture_graphs
 from engine.pdl import after_previous, pdl
 
 
@@ -67,14 +68,7 @@ def main() -> None:
     x = torch.zeros(256, device=device)
     rows = {}
     for name, body in bodies(x, args.nodes, pdl(device)).items():
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            body()
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            body()
+        graph = capture_graphs([1], lambda _, body=body: body(), device)[1]
         idle_s, idle_sync_s = replay_times(graph, args.iters)
         busy_s, _ = replay_times(graph, args.iters, busy_cycles=2_000_000)
         rows[name] = {"idle_host_us": idle_s * 1e6, "idle_replay_sync_us": idle_sync_s * 1e6,
