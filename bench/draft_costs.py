@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from bench.common import graph_seconds
 from bench.eagle_head import EagleHead
-from bench.train_llama import RMS_NORM_EPS, DecoderLayer, ModelShape, TrainLlama, _rotate_half
+from bench.train_llama import RMS_NORM_EPS, DecoderLayer, ModelShape, TrainLlama
 
 
 class DenseCache:
@@ -35,10 +35,7 @@ def layer_rows(layer: DecoderLayer, shape: ModelShape, x: torch.Tensor, cos: tor
     n = x.shape[1]
     attn = layer.self_attn
     h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, RMS_NORM_EPS)
-    q = attn.q_proj(h).view(1, n, shape.num_heads, shape.head_dim).transpose(1, 2)
-    k = attn.k_proj(h).view(1, n, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-    v = attn.v_proj(h).view(1, n, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q, k, v = attn.project(h, cos, sin)
     k_cache[:, :, start : start + n] = k
     v_cache[:, :, start : start + n] = v
     end = start + n

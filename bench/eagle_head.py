@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from bench.train_llama import RMS_NORM_EPS, ROPE_THETA, DecoderLayer, ModelShape, TrainLlama, _rotate_half
+from bench.train_llama import RMS_NORM_EPS, ROPE_THETA, DecoderLayer, ModelShape, TrainLlama
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [batch, kv_heads, seq, head_dim]
 
@@ -78,10 +78,7 @@ class EagleHead(nn.Module):
         attn = layer.self_attn
         batch, seq, _ = x.shape
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(batch, seq, shape.num_heads, shape.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(batch, seq, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(batch, seq, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k, v = attn.project(h, cos, sin)
         all_k = torch.cat([kk for kk, _ in keys or []] + [k], dim=2)
         all_v = torch.cat([vv for _, vv in keys or []] + [v], dim=2)
         group = shape.num_heads // shape.num_kv_heads

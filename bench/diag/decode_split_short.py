@@ -2,8 +2,8 @@
 (bench.profile_step) spent 44 + 51 us of its ~440 in the split decode and its reduce over 12 layers
 at a 256-token context. Here, per shape and context: `layers` decode launches (one per layer, each
 layer its own cache, as a step reads them) captured in one CUDA graph and replayed, at num_splits
-1, 2, 4 and the engine's plan (`decode_split_plan` for the graphs' max context); the median replay
-over the layer count. On a CPU (TRITON_INTERPRET=1) it only checks that every plan computes the
+1, 2, 4 and the engine's plan (`decode_split_plan` for the graphs' max context); the median of 10
+replays (bench.common.graph_seconds) over the layer count. On a CPU (TRITON_INTERPRET=1) it only checks that every plan computes the
 same output.
 
     python -m bench.diag.decode_split_short [--max-context 2048]
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from bench.common import graph_seconds
 from engine.attention.triton_backend import TritonAttentionConfig, _cdiv, _num_sms, decode_split_plan
-from engine.cuda_graphs import capture_graphs
 
 SHAPES = {  # name: (query heads, kv heads, head_dim, layers)
     "pair-target": (12, 4, 64, 12),
@@ -27,7 +26,7 @@ SHAPES = {  # name: (query heads, kv heads, head_dim, layers)
 BLOCK = 16
 
 
-def case(name: str, context: int, max_context: int, device: torch.device, repeats: int) -> dict[str, object]:
+def case(name: str, context: int, max_context: int, device: torch.device) -> dict[str, object]:
     from engine.attention import triton_kernels as tk
 
     heads, kv_heads, dim, layers = SHAPES[name]
@@ -64,16 +63,7 @@ def case(name: str, context: int, max_context: int, device: torch.device, repeat
         row[f"rel_err_vs_1_split_{splits}"] = err
         if device.type != "cuda":
             continue
-        graph = capture_graphs([1], lambda _: step(), device)[1]
-        times = []
-        for _ in range(repeats + 5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / layers)
-        row[f"us_a_layer_splits_{splits}"] = statistics.median(times[5:])
+        row[f"us_a_layer_splits_{splits}"] = 1e6 * graph_seconds(step, device, 1) / layers
     return row
 
 
@@ -81,10 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-context", type=int, default=2048, help="The graphs' max context (the plan's input).")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
-    parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = [case(name, c, max(args.max_context, c), device, args.repeats) for name in SHAPES for c in args.contexts]
+    rows = [case(name, c, max(args.max_context, c), device) for name in SHAPES for c in args.contexts]
     print(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows},
                      indent=1))
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.diag.fp8_split_k_sweep import SHAPES, per_call_us, weight_copies, write_sweep
+from bench.diag.fp8_split_k_sweep import SHAPES, per_call_us, sweep_configs, weight_copies, write_sweep
 from bench.offline_throughput import copy_bandwidth
 from engine.quant import fp8_kernels
 from engine.quant.fp8 import Fp8Matmul
@@ -25,6 +26,11 @@ def first_grid() -> list[fp8_kernels.GemvConfig]:
     the split third): it lost everywhere but down at 512-column steps, and gemv_matmul lost the split."""
     return [(8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3),
             (16, 1024, 8, 3), (32, 512, 8, 3), (64, 256, 8, 3)]
+
+
+def refine(best: fp8_kernels.GemvConfig) -> list[fp8_kernels.GemvConfig]:
+    bn, bk, _, _ = best
+    return [(bn, bk, w, s) for w, s in itertools.product([4, 8], [2, 3, 4, 5])]
 
 
 def main() -> None:
@@ -47,25 +53,15 @@ def main() -> None:
                "split_k_us": per_call_us(lambda i: fp8_kernels.split_k_matmul(xq, xs, *weights[i], None, torch.bfloat16,
                                                                               counts), copies),
                "served_us": per_call_us(lambda i: served(x, *weights[i], None), copies), "configs": []}
-        for stage in ("grid", "refine"):
-            if stage == "grid":
-                configs = first_grid()
-            else:
-                bn, bk, _, _ = min(row["configs"], key=lambda r: r["us"])["config"]
-                configs = [(bn, bk, w, s) for w, s in itertools.product([4, 8], [2, 3, 4, 5])]
-            for c in configs:
-                if any(r["config"] == c for r in row["configs"]):
-                    continue
 
-                def call(i: int, c: fp8_kernels.GemvConfig = c) -> torch.Tensor:
-                    return fp8_kernels.gemv_matmul(xq, xs, *weights[i], None, torch.bfloat16, c)
-                try:
-                    got = fp8_kernels.gemv_matmul(xq, xs, *weights[0], None, torch.float32, c)
-                except Exception as e:  # noqa: BLE001 (a configuration past the registers or shared memory)
-                    print(f"  skipped {c}: {type(e).__name__}", flush=True)
-                    continue
-                error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
-                row["configs"].append({"config": c, "us": per_call_us(call, copies), "max_rel_vs_split_k": error})
+        def call_for(c: fp8_kernels.GemvConfig) -> Callable[[int], torch.Tensor]:
+            return lambda i: fp8_kernels.gemv_matmul(xq, xs, *weights[i], None, torch.bfloat16, c)
+
+        def check(c: fp8_kernels.GemvConfig) -> float:
+            got = fp8_kernels.gemv_matmul(xq, xs, *weights[0], None, torch.float32, c)
+            return float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+
+        row["configs"] = sweep_configs(first_grid(), refine, call_for, check, "max_rel_vs_split_k", copies)
         best = min(row["configs"], key=lambda r: r["us"])
         row["best_gemv"] = best
         print(f"{name}: floor {row['floor_us']:.1f} split-K {row['split_k_us']:.1f} served {row['served_us']:.1f} "
@@ -73,8 +69,7 @@ def main() -> None:
         rows.append(row)
         weights.clear()
         torch.cuda.empty_cache()
-    slug = torch.cuda.get_device_name().lower().replace(" ", "-")
-    write_sweep(args.out / f"fp8_gemv_sweep_{slug}.json", bandwidth, rows)
+    write_sweep(args.out, "fp8_gemv_sweep", bandwidth, rows)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bench.common import graph_seconds, save_plot
+from bench.common import device_slug, graph_seconds, save_plot
 from bench.offline_throughput import copy_bandwidth
 from engine.quant import fp8_kernels
 from engine.quant.fp8 import Fp8Matmul, quantize_rows
@@ -49,12 +50,40 @@ def weight_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return weights
 
 
-def write_sweep(path: Path, bandwidth: float, rows: list[dict]) -> None:
-    """A sweep's JSON: the device, torch and Triton versions, the copy bandwidth and the rows."""
-    path.write_text(json.dumps(
+def write_sweep(out_dir: Path, stem: str, bandwidth: float, rows: list[dict]) -> None:
+    """A sweep's JSON, OUT_DIR/<stem>_<device slug>.json: the device, torch and Triton versions, the copy
+    bandwidth and the rows."""
+    (out_dir / f"{stem}_{device_slug(torch.device('cuda'))}.json").write_text(json.dumps(
         {"device_name": torch.cuda.get_device_name(), "torch_version": torch.__version__,
          "triton_version": __import__("triton").__version__, "copy_bandwidth_gbs": bandwidth / 1e9,
          "rows": rows}, indent=2) + "\n")
+
+
+def sweep_configs(first: Sequence[Any], refine_best: Callable[[Any], Sequence[Any]],
+                  call_for: Callable[[Any], Callable[[int], object]], check: Callable[[Any], float], error_key: str,
+                  copies: int) -> list[dict]:
+    """Times every config of `first`, then of refine_best(the fastest so far), each once: per config its
+    microseconds a call and check(config) under error_key. A config Triton cannot build (past the
+    registers or shared memory) is skipped."""
+    rows: list[dict] = []
+    tried = set()
+
+    def time_each(configs: Sequence[Any]) -> None:
+        for c in configs:
+            if c in tried:
+                continue
+            tried.add(c)
+            try:
+                error = check(c)
+            except Exception as e:  # noqa: BLE001 (a configuration Triton cannot build: skipped)
+                print(f"  skipped {c}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"config": c, "us": per_call_us(call_for(c), copies), error_key: error})
+
+    time_each(first)
+    if rows:
+        time_each(refine_best(min(rows, key=lambda r: r["us"])["config"]))
+    return rows
 
 
 def grid(m: int) -> list[fp8_kernels.SplitKConfig]:
@@ -132,22 +161,13 @@ def main() -> None:
                        out_dtype=torch.bfloat16), copies),
                    "split_k_config": fp8_kernels.split_k_config(m, k, n), "configs": []}
             row["served_vs_floor"] = row["served_us"] / row["floor_us"]
-            tried = set()
-            for config in (grid(m) + ["refine"]) if args.grid else []:
-                for c in (refine(min(row["configs"], key=lambda r: r["us"])["config"]) if config == "refine"
-                          else [config]):
-                    if c in tried:
-                        continue
-                    tried.add(c)
+            if args.grid:
+                def call_for(c: fp8_kernels.SplitKConfig) -> Callable[[int], torch.Tensor]:
+                    return lambda i: fp8_kernels.split_k_matmul(xq, xs, *weights[i], None, torch.bfloat16, counts, c)
 
-                    def call(i: int, c: fp8_kernels.SplitKConfig = c) -> torch.Tensor:
-                        return fp8_kernels.split_k_matmul(xq, xs, *weights[i], None, torch.bfloat16, counts, c)
-                    try:
-                        error = float((call(0).float() - want).abs().max())
-                    except Exception as e:  # noqa: BLE001 (a configuration past the shared memory: skipped)
-                        print(f"  skipped {c}: {type(e).__name__}", flush=True)
-                        continue
-                    row["configs"].append({"config": c, "us": per_call_us(call, copies), "max_abs_vs_served": error})
+                row["configs"] = sweep_configs(grid(m), refine, call_for,
+                                               lambda c: float((call_for(c)(0).float() - want).abs().max()),
+                                               "max_abs_vs_served", copies)
             best = min(row["configs"], key=lambda r: r["us"]) if row["configs"] else None
             row["best_split_k"] = best
             print(f"{name} m={m}: floor {row['floor_us']:.1f} served {row['served_us']:.1f} "
@@ -157,8 +177,7 @@ def main() -> None:
             rows_out.append(row)
         weights.clear()
         torch.cuda.empty_cache()
-    slug = torch.cuda.get_device_name().lower().replace(" ", "-")
-    write_sweep(args.out / f"fp8_split_k_sweep{args.tag}_{slug}.json", bandwidth, rows_out)
+    write_sweep(args.out, f"fp8_split_k_sweep{args.tag}", bandwidth, rows_out)
 
 
 if __name__ == "__main__":
