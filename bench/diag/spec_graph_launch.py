@@ -8,7 +8,12 @@ On the trained pair's shapes (bench.train_models --size gpu; dummy weights, gree
    ahead can hold the launch; and the runtime calls its captured body makes when run eagerly
    (torch.profiler), its graph's node count give or take.
 
-    python -m bench.diag.spec_graph_launch --load-format dummy --dtype bfloat16
+With --pdl-rows N every kernel launches with programmatic dependent launch up to N rows (engine/pdl.py's
+PDL_ANY_MAX_ROWS, 1 in the product), and N = 0 compiles none with it: does the 8-row graph launch slowly because
+it mixes PDL and plain launches, as the 1-row graph (all PDL) does not? (bench.diag.graph_launch_pdl's synthetic
+graphs of tiny kernels launched in 3 us whatever the mix.)
+
+    python -m bench.diag.spec_graph_launch --load-format dummy --dtype bfloat16 [--pdl-rows N]
 """
 
 from __future__ import annotations
@@ -56,7 +61,15 @@ def alone(graph: torch.cuda.CUDAGraph, iters: int) -> dict[str, float]:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--pdl-rows", type=int, default=None, help="PDL for any kernel up to this many rows (0: none)")
     args = parser.parse_args()
+    if args.pdl_rows is not None:
+        import engine.pdl
+
+        if args.pdl_rows == 0:
+            engine.pdl._capable = lambda index: False  # type: ignore[assignment]  # NOTE: pdl() reads it per call
+        else:
+            engine.pdl.pdl_options.__defaults__ = (args.pdl_rows,)  # NOTE: max_rows's default, bound at definition
     args.model = pair_shape_dir()
     spec = SpeculativeConfig(method="draft", draft_model=pair_shape_dir("draft"), num_draft_tokens=4)
     engine = build_engine(args, speculative=spec, max_num_seqs=4)
@@ -119,7 +132,8 @@ def main() -> None:
         except Exception as e:  # NOTE: a diagnostic: report what failed and go on to the next graph
             alone_rows[name] = {"error": repr(e)}
         print(name, alone_rows[name], flush=True)
-    record = {"device_name": torch.cuda.get_device_name(), "torch": torch.__version__, "step_us": step_us,
+    record = {"device_name": torch.cuda.get_device_name(), "torch": torch.__version__, "pdl_rows": args.pdl_rows,
+              "step_us": step_us,
               "in_steps": in_steps, "alone": alone_rows, "verifications": engine.stats().num_spec_verifications}
     print(json.dumps(record, indent=1))
 
