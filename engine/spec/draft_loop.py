@@ -19,7 +19,8 @@ each with at most two tokens to catch up. Every row drafts K: a row proposing fe
 keeps the first ones, which is cheaper than leaving the graph for pass-by-pass drafting. A random
 row's draw is the exponential race over softmax(logits / temperature), the Sampler's own draw for
 such a row; its noise comes from the engine's generator, drawn eagerly into a static buffer just
-before the replay (the graph itself draws nothing). The distribution each draft was drawn from
+before the replay (the graph itself draws nothing; a batch of greedy rows draws none). Each pass's
+draw is one Triton launch (engine/spec/draft_draw.py). The distribution each draft was drawn from
 (softmax, or one-hot for greedy rows) is returned for verification, so rejection sampling stays
 exact.
 
@@ -31,7 +32,7 @@ the same code eagerly (CPU tests check it that way, through the Triton interpret
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +41,6 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import SamplingParams
 from engine.cuda_graphs import capture_graphs, capture_sizes, graph_attention, graph_size_for
 from engine.models import LlamaForCausalLM
-from engine.pinned import upload
 from engine.sampler import has_penalty
 
 if TYPE_CHECKING:
@@ -84,21 +84,27 @@ class DraftLoopGraphs:
         b, p = self.sizes[-1], num_passes
         self.vocab_size = vocab = model.lm_head.weight.shape[0]
         self.max_block_cols = -(-max_context // self.block_size)
-        # Inputs (padding until a run fills them), written in place before each replay. The first
-        # pass's rows: 2j and 2j + 1 are request j's positions start - 1 and start.
-        self.first_tokens = torch.zeros(2 * b, dtype=torch.long, device=device)
-        self.first_positions = torch.zeros(2 * b, dtype=torch.long, device=device)
-        self.first_slots = torch.full((2 * b,), -1, dtype=torch.long, device=device)
+        # Inputs, written in place before each replay (padding until a run fills them), all but the
+        # block tables in one int64 buffer that one copy fills: the first pass's rows 2j and 2j + 1 are
+        # request j's positions start - 1 and start; passes 1 .. K - 1 have one row a request (row i - 1
+        # of the [q, b] ones); greedy flags, then temperatures as float64 bits. The graph converts the
+        # sequence lengths to the attention's int32 itself.
+        q = max(p - 1, 1)
+        self._regions = {"first_tokens": 2 * b, "first_positions": 2 * b, "first_slots": 2 * b, "first_lens": 2 * b,
+                         "positions": q * b, "slots": q * b, "lens": q * b, "greedy": b, "temperature": b}
+        self._num_inputs = sum(self._regions.values())
+        self._inputs = torch.zeros(self._num_inputs, dtype=torch.long, device=device)
+        inputs = self._views(self._inputs, q, b)
+        self.first_tokens, self.first_positions, self.first_slots = (
+            inputs["first_tokens"], inputs["first_positions"], inputs["first_slots"])
+        self.positions, self.slots = inputs["positions"], inputs["slots"]
+        self._first_lens, self._lens, self._greedy = inputs["first_lens"], inputs["lens"], inputs["greedy"]
+        self._temperature = inputs["temperature"].view(torch.float64)
         self.first_seq_lens = torch.ones(2 * b, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(q, b, dtype=torch.int32, device=device)
         self.first_block_tables = torch.zeros(2 * b, self.max_block_cols, dtype=torch.int32, device=device)
-        # Passes 1 .. K - 1 (row i - 1 of these), one row a request.
-        self.positions = torch.zeros(max(p - 1, 1), b, dtype=torch.long, device=device)
-        self.slots = torch.full((max(p - 1, 1), b), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(max(p - 1, 1), b, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(b, self.max_block_cols, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(2 * b + 1, dtype=torch.int32, device=device)
-        self.temperature = torch.ones(b, dtype=torch.float32, device=device)
-        self.greedy = torch.zeros(b, dtype=torch.bool, device=device)
         self.noise = torch.ones(p, b, vocab, dtype=torch.float32, device=device)
         # Outputs: each pass's draws and the distributions they were drawn from.
         self.tokens = torch.zeros(p, b, dtype=torch.long, device=device)
@@ -107,6 +113,15 @@ class DraftLoopGraphs:
         self._metadata = {size: [self._metadata_for(size, i) for i in range(p - 1)] for size in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_runs = 0
+
+    def _views(self, values: torch.Tensor | np.ndarray, q: int, b: int) -> dict[str, Any]:
+        """The input regions of `values` (the device buffer, or its host image), by name."""
+        views, offset = {}, 0
+        for name, count in self._regions.items():
+            view = values[offset : offset + count]
+            views[name] = view.reshape(q, b) if name in ("positions", "slots", "lens") else view
+            offset += count
+        return views
 
     def _first_metadata_for(self, size: int) -> AttentionMetadata:
         n = 2 * size
@@ -147,19 +162,20 @@ class DraftLoopGraphs:
         return True
 
     def _draw(self, logits: torch.Tensor, i: int, size: int) -> torch.Tensor:
-        """Pass i's draws from logits [size, vocab] float32 into tokens[i] and dists[i]; returns them."""
-        temperature, greedy = self.temperature[:size].unsqueeze(1), self.greedy[:size]
-        probs = torch.softmax(logits / temperature, dim=-1)
-        argmax = logits.argmax(dim=-1)
-        tokens = torch.where(greedy, argmax, (probs / self.noise[i, :size]).argmax(dim=-1))
-        self.tokens[i, :size].copy_(tokens)
-        one_hot = torch.nn.functional.one_hot(argmax, self.vocab_size).to(probs.dtype)
-        self.dists[i, :size].copy_(torch.where(greedy.unsqueeze(1), one_hot, probs))
+        """Pass i's draws from logits [size, vocab] float32 into tokens[i] and dists[i] (one launch,
+        engine/spec/draft_draw.py); returns tokens[i]."""
+        from engine.spec.draft_draw import draft_draw  # NOTE: Triton, imported where a loop runs (as the sampler's)
+
+        tokens = self.tokens[i, :size]
+        draft_draw(logits, self._temperature[:size], self._greedy[:size], self.noise[i, :size], tokens,
+                   self.dists[i, :size])
         return tokens
 
     def _body(self, size: int) -> None:
         """The captured work: the two-row first pass, then num_passes - 1 passes feeding the last draws."""
         n = 2 * size
+        self.first_seq_lens[:n].copy_(self._first_lens[:n])
+        self.seq_lens[:, :size].copy_(self._lens[:, :size])
         self.first_block_tables[:n].copy_(self.block_tables[:size].repeat_interleave(2, dim=0))
         hidden = self.model(
             self.first_tokens[:n], self.first_positions[:n], self.kv_caches, self._first_metadata[size], self.backend
@@ -187,23 +203,20 @@ class DraftLoopGraphs:
         if size is None or any(r.start + p > self.max_context or r.start < 1 for r in rows):
             return None
         cols = max(-(-(r.start + p) // bs) for r in rows)
-        q = p - 1
-        # One int64 upload, padding rows of this size included (position 0, slot -1: nothing stored,
-        # one key of block 0, greedy off): the first pass's tokens, positions, slots and seq_lens
-        # [2 * size] each; then the other passes' positions, slots and seq_lens [q, size] each; then
-        # the greedy flags [size] and the block tables [size, cols].
-        first, rest = 8 * size, 3 * q * size
-        values = self.staging.host(first + rest + size + size * cols)
-        values.fill(0)
-        f_tokens, f_pos, f_slots, f_lens = (values[i * 2 * size : (i + 1) * 2 * size] for i in range(4))
-        pos, slots, lens = (values[first + i * q * size : first + (i + 1) * q * size].reshape(q, size)
-                            for i in range(3))
-        greedy = values[first + rest : first + rest + size]
-        tables = values[first + rest + size :].reshape(size, cols)
-        f_slots[:] = -1
-        f_lens[:] = 1
-        slots[:] = -1
-        lens[:] = 1
+        # One int64 upload: the inputs' buffer image (rows past `size` are not read by its graph; rows
+        # n .. size - 1 are padding: position 0, slot -1, one key of block 0, greedy off, temperature 1),
+        # then the block tables [size, cols].
+        values = self.staging.host(self._num_inputs + size * cols)
+        image = self._views(values, max(p - 1, 1), self.sizes[-1])
+        f_tokens, f_pos, f_slots, f_lens = (image[name][: 2 * size] for name in
+                                            ("first_tokens", "first_positions", "first_slots", "first_lens"))
+        pos, slots, lens = (image[name][:, :size] for name in ("positions", "slots", "lens"))
+        greedy, temperature = image["greedy"][:size], image["temperature"][:size].view(np.float64)
+        tables = values[self._num_inputs :].reshape(size, cols)
+        f_tokens[:] = f_pos[:] = pos[:] = greedy[:] = tables[:] = 0
+        f_slots[:] = slots[:] = -1
+        f_lens[:] = lens[:] = 1
+        temperature[:] = 1.0
         for j, r in enumerate(rows):
             blocks = np.asarray(r.block_ids[: -(-(r.start + p) // bs)], dtype=np.int64)
             both = np.array([r.start - 1, r.start])
@@ -212,25 +225,15 @@ class DraftLoopGraphs:
             f_slots[2 * j : 2 * j + 2] = blocks[both // bs] * bs + both % bs
             f_lens[2 * j : 2 * j + 2] = both + 1
             span = np.arange(r.start + 1, r.start + p)
-            pos[:, j], slots[:, j], lens[:, j] = span, blocks[span // bs] * bs + span % bs, span + 1
+            pos[: p - 1, j], slots[: p - 1, j], lens[: p - 1, j] = span, blocks[span // bs] * bs + span % bs, span + 1
             tables[j, : len(blocks)] = blocks
             greedy[j] = r.temperature <= 0
+            temperature[j] = r.temperature if r.temperature > 0 else 1.0
         staged = self.staging.upload(values.size)
-        self.first_tokens[: 2 * size].copy_(staged[: 2 * size])
-        self.first_positions[: 2 * size].copy_(staged[2 * size : 4 * size])
-        self.first_slots[: 2 * size].copy_(staged[4 * size : 6 * size])
-        self.first_seq_lens[: 2 * size].copy_(staged[6 * size : first])
-        if q:
-            self.positions[:, :size].copy_(staged[first : first + q * size].view(q, size))
-            self.slots[:, :size].copy_(staged[first + q * size : first + 2 * q * size].view(q, size))
-            self.seq_lens[:, :size].copy_(staged[first + 2 * q * size : first + rest].view(q, size))
-        self.greedy[:size].copy_(staged[first + rest : first + rest + size])
-        self.block_tables[:size, :cols].copy_(staged[first + rest + size :].view(size, cols))
-        temperatures = [r.temperature if r.temperature > 0 else 1.0 for r in rows] + [1.0] * (size - n)
-        self.temperature[:size].copy_(upload(temperatures, torch.float32, self.device))
-        noise = self.noise[:, :size]
-        noise.exponential_(generator=generator)
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # NOTE: as the Sampler's race: no 0/0
+        self._inputs.copy_(staged[: self._num_inputs])
+        self.block_tables[:size, :cols].copy_(staged[self._num_inputs :].view(size, cols))
+        if any(r.temperature > 0 for r in rows):  # NOTE: greedy rows read no noise (the draw clamps it above 0)
+            self.noise[:, :size].exponential_(generator=generator)
         if self.is_cuda:
             self._graphs[size].replay()
         else:
