@@ -420,8 +420,10 @@ class Sampler:
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor; got dtype {logits.dtype}")
         n = len(rows)
-        seeds = torch.randint(0, 1 << 62, (n,), device=logits.device, generator=generator)
-        temperatures = [vr.row.params.temperature for vr in rows]
+        # NOTE: greedy rows draw nothing: a batch of them takes no seeds from the generator
+        seeds = (torch.zeros(n, dtype=torch.long, device=logits.device) if all(vr.row.params.is_greedy for vr in rows)
+                 else torch.randint(0, 1 << 62, (n,), device=logits.device, generator=generator))
+        temperatures = [0.0 if vr.row.params.is_greedy else vr.row.params.temperature for vr in rows]
         draft_probs = [vr.draft_probs for vr in rows]
         # NOTE: a draft on the device is passed as placeholders of its length, patched there.
         drafts = [vr.draft_token_ids if vr.draft_on_device is None else [0] * len(vr.draft_token_ids) for vr in rows]
@@ -505,13 +507,12 @@ def _fusable(params: SamplingParams) -> bool:
 
 
 def _verifies_fused(vr: VerifyRow) -> bool:
-    """A row the fused verification takes: `_fusable`, unseeded (a seeded row's token is its own race's,
-    not rejection sampling's), no penalty, no logprobs, and min_tokens met at its first position (so
-    at every one: no EOS mask applies)."""
+    """A row the fused verification takes: greedy, or `_fusable` and unseeded (a seeded row's token is
+    its own race's, not rejection sampling's); no penalty, no logprobs, and min_tokens met at its first
+    position (so at every one: no EOS mask applies)."""
     params = vr.row.params
     return (
-        _fusable(params)
-        and params.seed is None
+        (params.is_greedy or (_fusable(params) and params.seed is None))
         and not has_penalty(params)
         and params.logprobs is None
         and len(vr.row.output_token_ids) >= params.min_tokens

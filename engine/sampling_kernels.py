@@ -1,7 +1,8 @@
 """The Triton kernels behind the sampler's fused paths (engine/sampler.py, `Sampler(fused=True)`),
 for rows with no top-k, top-p or min-p: `race`, the exponential race over temperature-scaled logits
 in one pass over the logits, `keyed_noise`, the race's noise of seeded rows for the sampler's torch
-path, and `verify`, speculative decoding's rejection sampling of unseeded rows in one launch.
+path, and `verify`, speculative decoding's verification of greedy rows and rejection sampling of
+unseeded random rows in one launch.
 Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET test asks for it).
 
 The unfused draw reads and writes [rows, vocab] float32 about seven times (scale, softmax, noise,
@@ -33,7 +34,9 @@ row and one Philox stream s a row (Leviathan et al., 2023):
 
 which emits d_0..d_{m-1} and the last token, distributed exactly as the target's own tokens. The
 softmax statistics of all K + 1 positions come from one pass over [positions, vocabulary] tiles, the
-last token from a second pass at position m: two passes a row, whatever K.
+last token from a second pass at position m: two passes a row, whatever K. A greedy row (T = 0)
+takes the argmax of each position from the first pass: it accepts the drafts equal to it and ends
+with the argmax at m (the lowest index of a tie, as torch's argmax), and skips the second.
 """
 
 from __future__ import annotations
@@ -270,7 +273,9 @@ def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_pt
     """Grid (rows,): row r's accepted drafts m into out[r], its last token into out[rows + r].
 
     host_ptr (int32), blocks of `rows` entries but the last: | first logits row | K | first q row
-    (-1: point masses) | temperature (float32 bits) | drafts, max_drafts a row, zero-padded |.
+    (-1: point masses) | temperature (float32 bits; 0: greedy) | drafts, max_drafts a row, zero-padded |.
+    A greedy row accepts the drafts that are each position's argmax (the lowest index of a tie, as
+    torch's argmax) and ends with the argmax after them: pass 1 alone.
     NOTE: masks bound a block by a scalar (cols < limit) rather than `& flag`: the interpreter
     mistypes a block & a scalar.
     """
@@ -279,6 +284,8 @@ def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_pt
     num_drafts = tl.load(host_ptr + rows + row)
     q_start = tl.load(host_ptr + 2 * rows + row)
     temperature = tl.load(host_ptr + 3 * rows + row).to(tl.float32, bitcast=True)
+    greedy = temperature == 0.0
+    temperature = tl.where(greedy, 1.0, temperature)  # NOTE: a greedy row's statistics: its argmax alone
     seed = tl.load(seed_ptr + row)
     q_row = q_ptr + tl.maximum(q_start, 0).to(tl.int64) * q_stride  # the row's first draft distribution
     num_q = tl.where(q_start >= 0, num_drafts, 0)  # draft distributions to read: K, or 0 for point masses
@@ -287,16 +294,19 @@ def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_pt
     ks = tl.arange(0, K_BLOCK)  # positions; those past K are padding
     position_ptr = logits_ptr + (start + ks)[:, None] * logits_stride  # [K_BLOCK, 1]
     top = tl.full([K_BLOCK, STATS_BLOCK], float("-inf"), tl.float32)
+    top_index = tl.full([K_BLOCK, STATS_BLOCK], 2147483647, tl.int32)
     total = tl.zeros([K_BLOCK, STATS_BLOCK], tl.float32)
     for col in range(0, vocab, STATS_BLOCK):
         cols = col + tl.arange(0, STATS_BLOCK)
         tile_ok = (ks <= num_drafts)[:, None] & (cols < vocab)[None, :]
         tile = tl.load(position_ptr + cols[None, :], mask=tile_ok, other=float("-inf")).to(tl.float32) / temperature
+        top_index = tl.where(tile > top, cols[None, :], top_index)  # NOTE: a lane keeps its first maximum
         new_top = tl.maximum(top, tile)
         tile_shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # NOTE: -inf - -inf would be NaN
         total = total * tl.exp(top - tile_shift) + tl.exp(tile - tile_shift)
         top = new_top
     row_top = tl.max(top, 1)
+    argmax = tl.minimum(tl.min(tl.where(top == row_top[:, None], top_index, 2147483647), 1), vocab - 1)
     shift = tl.where(row_top == float("-inf"), 0.0, row_top)  # [K_BLOCK]
     total = tl.sum(total * tl.exp(top - shift[:, None]), 1)
     total = tl.where(total > 0, total, 1.0)  # padding: p = 0 rather than 0 / 0
@@ -311,7 +321,7 @@ def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_pt
     q_draft = tl.load(q_row + ks * q_stride + drafts, mask=(ks < num_q) & in_vocab, other=1.0).to(tl.float32)
     u_accept = tl.rand(seed, vocab + ks)  # NOTE: counters past the race's 0..vocab - 1: independent of its noise
     # NOTE: u < p / q (u in [0, 1)) rather than <=: a token of p = 0 is never accepted, even at u = 0
-    rejected = drafted & (u_accept * q_draft >= p_draft)
+    rejected = drafted & tl.where(greedy, drafts != argmax, u_accept * q_draft >= p_draft)
     m = tl.min(tl.where(rejected, ks, K_BLOCK), 0)
     m = tl.minimum(m, num_drafts)
     shift_m = tl.sum(tl.where(ks == m, shift, 0.0), 0)
@@ -330,7 +340,7 @@ def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_pt
     index_r = tl.full([BLOCK], 2147483647, tl.int32)
     index_p = tl.full([BLOCK], 2147483647, tl.int32)
     residual_mass = tl.zeros([BLOCK], tl.float32)
-    for col in range(0, vocab, BLOCK):
+    for col in range(0, tl.where(greedy, 0, vocab), BLOCK):  # NOTE: none for a greedy row (its token is known)
         cols = col + tl.arange(0, BLOCK)
         ok = cols < vocab
         x = tl.load(x_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
@@ -349,6 +359,7 @@ def _verify_kernel(logits_ptr, logits_stride, q_ptr, q_stride, host_ptr, seed_pt
     token_r = tl.min(tl.where(best_r == tl.max(best_r, 0), index_r, 2147483647), 0)
     token_p = tl.min(tl.where(best_p == tl.max(best_p, 0), index_p, 2147483647), 0)
     token = tl.where(tl.sum(residual_mass, 0) > 0, token_r, token_p)
+    token = tl.where(greedy, tl.sum(tl.where(ks == m, argmax, 0), 0), token)
     tl.store(out_ptr + row, m)
     tl.store(out_ptr + rows + row, tl.minimum(token, vocab - 1))
 
@@ -367,8 +378,9 @@ def verify(
     on the device: each row's accepted drafts m, then each row's last token.
 
     logits [sum of (K_i + 1), vocab] (any float dtype): row i's K_i + 1 positions in a run, divided
-    by temperatures[i] (> 0). draft_token_ids[i]: K_i >= 1 drafts; draft_probs[i]: [K_i, vocab] (any
-    float dtype), the distributions they were drawn from, or None for point masses. seeds [rows]
+    by temperatures[i] (> 0; 0: a greedy row, see _verify_kernel). draft_token_ids[i]: K_i >= 1
+    drafts; draft_probs[i]: [K_i, vocab] (any float dtype), the distributions they were drawn from,
+    or None for point masses. seeds [rows]
     int64: each row's Philox stream. draft_on_device[i], when given: row i's drafts are on the device
     there (its draft_token_ids are placeholders of the same length), copied in on the device. block
     and stats_block (the second pass's and the first's vocabulary entries per iteration; by default

@@ -423,7 +423,7 @@ def test_fused_sampler_verifies_in_one_kernel_only_rows_that_qualify(monkeypatch
 
     others = [
         {"seed": 3}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"top_p": 0.9}, {"top_k": 3},
-        {"min_p": 0.1}, {"logprobs": 2}, {"min_tokens": 5}, {"temperature": 0.0},
+        {"min_p": 0.1}, {"logprobs": 2}, {"min_tokens": 5}, {"temperature": 0.0, "logprobs": 1},
     ]  # fmt: skip
     for params in others:
         rows = [*plain[:2], _verify_row([2, 2], None, **{"temperature": 0.7, **params})]
@@ -432,6 +432,48 @@ def test_fused_sampler_verifies_in_one_kernel_only_rows_that_qualify(monkeypatch
         assert [len(t) for t in result.token_ids] == [m + 1 for m in result.num_accepted]
     Sampler([EOS], fused=False).verify(logits, plain, torch.Generator().manual_seed(20))
     assert calls == [1], "an unfused sampler never takes the kernel"
+
+
+def test_fused_greedy_verification_gives_the_torch_path_s_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows (alone, and beside random ones in one launch) take the kernel and give what the torch
+    path gives: the drafts that are each position's argmax, then the argmax after them; a tie of maxima
+    (one lane of the 8-entry blocks) goes to the lower index, as torch's argmax. A batch of greedy rows
+    takes no seeds from the generator."""
+    calls: list[int] = []
+    real_verify = sampling_kernels.verify
+
+    def counting_verify(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real_verify(*args, block=8, stats_block=8)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling_kernels, "verify", counting_verify)
+    vocab = 37
+    logits = torch.randn(14, vocab, generator=torch.Generator().manual_seed(21)) * 2
+    argmax = logits.argmax(dim=-1).tolist()
+    logits[5, 3] = logits[5, 19] = logits[5].max() + 1.0  # a tie at position 5 (row 1's second): 3 wins
+    argmax[5] = 3
+    rows = [
+        _verify_row([argmax[0], argmax[1], argmax[2]], None, temperature=0.0),  # all three accepted: the bonus
+        _verify_row([argmax[4], 19, argmax[6]], None, temperature=0.0),  # rejected at the tie's loser
+        _verify_row([(argmax[8] + 1) % vocab], None, temperature=0.0),  # rejected at once
+        _verify_row([argmax[10], argmax[11], (argmax[12] + 1) % vocab], None, temperature=0.0),
+    ]  # positions 0-3, 4-7, 8-9, 10-13
+    fused = Sampler([EOS], fused=True).verify(logits, rows, None)
+    torch_path = Sampler([EOS], fused=False).verify(logits, rows, None)
+    assert calls == [1]
+    assert fused.token_ids == torch_path.token_ids and fused.num_accepted == torch_path.num_accepted
+    assert fused.num_accepted == [3, 1, 0, 2]
+    assert fused.token_ids[0] == [*argmax[0:3], argmax[3]] and fused.token_ids[1] == [argmax[4], 3]
+    generator = torch.Generator().manual_seed(5)
+    Sampler([EOS], fused=True).verify(logits, rows, generator)
+    assert torch.equal(generator.get_state(), torch.Generator().manual_seed(5).get_state())
+    # Beside a random row, in the same launch: the greedy rows' tokens stay the same.
+    mixed = [*rows[:2], _verify_row([1, 2], None, temperature=0.8), rows[3]]
+    mixed_logits = torch.cat([logits[:8], torch.randn(3, vocab, generator=torch.Generator().manual_seed(22)),
+                              logits[10:]])
+    result = Sampler([EOS], fused=True).verify(mixed_logits, mixed, torch.Generator().manual_seed(23))
+    assert calls == [1, 1, 1]
+    assert [result.token_ids[i] for i in (0, 1, 3)] == [fused.token_ids[i] for i in (0, 1, 3)]
 
 
 def test_fused_sampler_verification_rejects_bad_logits() -> None:
