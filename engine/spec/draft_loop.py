@@ -90,11 +90,12 @@ class DraftLoopGraphs:
         # of the [q, b] ones); greedy flags, then temperatures as float64 bits. The graph converts the
         # sequence lengths to the attention's int32 itself.
         q = max(p - 1, 1)
+        self._shape = (q, b)  # the passes after the first, by rows
         self._regions = {"first_tokens": 2 * b, "first_positions": 2 * b, "first_slots": 2 * b, "first_lens": 2 * b,
                          "positions": q * b, "slots": q * b, "lens": q * b, "greedy": b, "temperature": b}
         self._num_inputs = sum(self._regions.values())
         self._inputs = torch.zeros(self._num_inputs, dtype=torch.long, device=device)
-        inputs = self._views(self._inputs, q, b)
+        inputs = self._views(self._inputs)
         self.first_tokens, self.first_positions, self.first_slots = (
             inputs["first_tokens"], inputs["first_positions"], inputs["first_slots"])
         self.positions, self.slots = inputs["positions"], inputs["slots"]
@@ -114,12 +115,12 @@ class DraftLoopGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_runs = 0
 
-    def _views(self, values: torch.Tensor | np.ndarray, q: int, b: int) -> dict[str, Any]:
+    def _views(self, values: torch.Tensor | np.ndarray) -> dict[str, Any]:
         """The input regions of `values` (the device buffer, or its host image), by name."""
         views, offset = {}, 0
         for name, count in self._regions.items():
             view = values[offset : offset + count]
-            views[name] = view.reshape(q, b) if name in ("positions", "slots", "lens") else view
+            views[name] = view.reshape(self._shape) if name in ("positions", "slots", "lens") else view
             offset += count
         return views
 
@@ -207,7 +208,7 @@ class DraftLoopGraphs:
         # n .. size - 1 are padding: position 0, slot -1, one key of block 0, greedy off, temperature 1),
         # then the block tables [size, cols].
         values = self.staging.host(self._num_inputs + size * cols)
-        image = self._views(values, max(p - 1, 1), self.sizes[-1])
+        image = self._views(values)
         f_tokens, f_pos, f_slots, f_lens = (image[name][: 2 * size] for name in
                                             ("first_tokens", "first_positions", "first_slots", "first_lens"))
         pos, slots, lens = (image[name][:, :size] for name in ("positions", "slots", "lens"))
