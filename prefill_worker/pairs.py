@@ -5,12 +5,17 @@ compared there), carries one push at a time (a lock from the handshake until the
 is issued, so the decode side, which posts its receives in the order it accepted handshakes, posts
 them in the order they are sent), and is dropped when a transfer on it fails, never waiting on the
 peer. Epochs make sure a failed transfer drops only the pair it ran on, not one re-formed since.
+A handshake that fails (the pair cannot be formed, or the decode worker does not answer) fails the
+handshakes that waited for the lock meanwhile at once, with its reason: each of them would try again
+for up to a pair timeout in turn, holding its prompt's blocks all the while (a burst of pushes to a
+peer that cannot pair took minutes to drain).
 Knows nothing of jobs, leases' blocks or routers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from kvtransfer.ranked import RankedKv
@@ -50,13 +55,19 @@ class Pairs:
         self.pair_timeout_s = pair_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
         self._epochs: dict[str, int] = {}  # decode worker -> how many times a pair with it was formed
+        self._failed: dict[str, tuple[float, str]] = {}  # decode worker -> when its last handshake failed, why
 
     async def handshake(self, decode: DecodeClient, ready: KvReadyMsg) -> Handshake:
         """Takes the pair's lock, forms the pair if needed and has the decode worker post its
         receives. Returns with the lock HELD; raises PushFailed (the lock released) otherwise."""
         decode_id = decode.worker_id
         lock = self._locks.setdefault(decode_id, asyncio.Lock())
+        queued_at = time.monotonic()
         await lock.acquire()
+        failed = self._failed.get(decode_id)
+        if failed is not None and failed[0] >= queued_at:
+            lock.release()
+            raise PushFailed(f"KV push to {decode_id} failed: a handshake while this one waited: {failed[1]}", False)
         epoch = -1
         try:
             await self._ensure_pair(decode)
@@ -67,7 +78,9 @@ class Pairs:
             self.drop(decode_id, epoch)
             if isinstance(err, asyncio.CancelledError):
                 raise
-            raise PushFailed(f"KV push to {decode_id} failed: {type(err).__name__}: {err}", False) from None
+            reason = f"{type(err).__name__}: {err}"
+            self._failed[decode_id] = (time.monotonic(), reason)
+            raise PushFailed(f"KV push to {decode_id} failed: {reason}", False) from None
         if not accept.accepted:
             lock.release()
             if accept.is_unpaired:
