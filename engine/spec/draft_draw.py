@@ -65,8 +65,9 @@ def _draft_draw_kernel(logits_ptr, logits_stride, temperature_ptr, greedy_ptr, n
 
 def draft_draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor,
                tokens: torch.Tensor, dists: torch.Tensor, block: int = _BLOCK) -> None:
-    """logits [rows, vocab] float32, temperature [rows] float32 (> 0; a greedy row's is unused but must
-    not be 0), greedy [rows] bool, noise [rows, vocab] float32 -> tokens [rows] int64 and dists
+    """logits [rows, vocab] float32, temperature [rows] of any float dtype (> 0; a greedy row's is unused
+    but must not be 0; the loop passes float64), greedy [rows] of bool or any integer dtype (nonzero:
+    greedy; the loop passes int64), noise [rows, vocab] float32 -> tokens [rows] int64 and dists
     [rows, vocab] float32, written in place (the module docstring's draw). block: a power of two; only
     the speed depends on it."""
     rows, vocab = logits.shape

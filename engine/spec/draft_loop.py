@@ -82,7 +82,7 @@ class DraftLoopGraphs:
         first_sizes = [2 * size for size in self.sizes]  # the first pass runs twice as many rows
         self.backend = graph_attention(backend, max_context, sorted({*self.sizes, *first_sizes}), device)
         b, p = self.sizes[-1], num_passes
-        self.vocab_size = vocab = model.lm_head.weight.shape[0]
+        vocab = model.lm_head.weight.shape[0]
         self.max_block_cols = -(-max_context // self.block_size)
         # Inputs, written in place before each replay (padding until a run fills them), all but the
         # block tables in one int64 buffer that one copy fills: the first pass's rows 2j and 2j + 1 are
