@@ -1,6 +1,6 @@
 """What the torch.distributed transports (gloo, NCCL) share: one process group of size 2 per pair,
-built on a PrefixStore over the rank-0 side's TCPStore with no default process group, so pairs
-form and fail independently (shared/gpu/README.md, point 1); pairing with the layout check;
+built on a PrefixStore over a polling view of the rank-0 side's TCPStore with no default process
+group, so pairs form and fail independently (shared/gpu/README.md, point 1; rendezvous.py); pairing with the layout check;
 dropping without blocking; and, for backends whose works cannot be polled, a waiter thread.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.layout import KvLayout, LayoutMismatchError
-from kvtransfer.rendezvous import Rendezvous, handshake
+from kvtransfer.rendezvous import PollingStore, Rendezvous, handshake
 from kvtransfer.transport import EventHandle, PairAddress, TransferError, TransferHandle, Transport
 
 __all__ = ["PairGroupTransport", "Pair", "Waiter", "TAG_DATA", "TAG_LAYOUT"]
@@ -35,6 +35,7 @@ class Pair:
         self.peer_rank = 1 - rank
         self.group = group
         self.stream = stream  # NCCL: the pair's own CUDA stream (a dead peer poisons only it)
+        self.store: PollingStore | None = None  # the group's store: kept alive as long as the group
         self.lock = threading.Lock()  # guards is_dropped and the waiters
         self.is_dropped = False
         self.waiters: dict[str, Waiter] = {}  # gloo: "send"/"recv" -> waiter thread
@@ -112,15 +113,18 @@ class PairGroupTransport(Transport):
         except RuntimeError as e:  # the store itself failed (its host died?): reconnect next time
             self._rendezvous.forget(address)
             raise TransferError(f"{what}: the rendezvous at {address.host}:{address.port} failed: {e}") from e
+        view = PollingStore(store, deadline, self.max_transfer_s, what)
         try:
-            pair = self._form(peer_id, rank, dist.PrefixStore(prefix, store))
+            pair = self._form(peer_id, rank, dist.PrefixStore(prefix, view))
         except Exception as e:
             raise TransferError(f"forming the {self.name} group of {host_id!r} and {joiner_id!r} failed: {e}") from e
+        pair.store = view
         try:
-            self._exchange_layouts(pair, deadline - time.monotonic())
+            self._exchange_layouts(pair, deadline - time.monotonic())  # NCCL's lazy init uses the view here
         except BaseException:
             self._release(pair)
             raise
+        view.deadline = None  # formed: a later store call of the group waits its own timeout
         with self._lock:
             old = self._pairs.pop(peer_id, None)  # a concurrent pair() with the same peer lost the race
             self._pairs[peer_id] = pair

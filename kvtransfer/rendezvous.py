@@ -23,8 +23,11 @@ and a restarted host starts a new store at a new address. Keys, under "pdserve/k
     {gen}/group/...  the process group's own rendezvous (PrefixStore)
 
 The handshake bounds pairing by `timeout_s` before any process group is built; once both sides
-passed it, the group forms in milliseconds. (A side that dies inside that window leaves the other
-waiting for the group's own timeout.)
+passed it, the group forms in milliseconds, through a PollingStore: the group's own store calls poll
+the shared store object instead of blocking it, and fail at the pairing's deadline. So a side that
+dies inside that window fails only its own pairing, at the deadline; built straight on the store
+object, a gloo group waited on it for the group's whole timeout (max_transfer_s) and held up every
+other pairing of that worker meanwhile.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch.distributed as dist
 
 from kvtransfer.transport import PairAddress
 
-__all__ = ["Rendezvous", "handshake"]
+__all__ = ["PollingStore", "Rendezvous", "handshake"]
 
 _WITHDRAWN = b"withdrawn"
 _POLL_S = 0.002
@@ -89,6 +92,59 @@ class Rendezvous:
                 self._master = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False,
                                              timeout=timedelta(seconds=30))
             return self._master
+
+
+class PollingStore(dist.Store):
+    """A view of a shared store for one pair's process group: `get` and `wait` poll with `check`
+    instead of blocking the shared object, and raise TimeoutError at `deadline` (a monotonic time;
+    None once the pair has formed, when a call waits at most its own timeout or `call_timeout_s`).
+
+    NOTE: the group holds only the C++ half of this object; whoever builds the group must keep a
+    reference to it for the group's life, or the group's next store call finds no Python methods.
+    """
+
+    def __init__(self, store: dist.Store, deadline: float | None, call_timeout_s: float, what: str) -> None:
+        super().__init__()
+        self._store = store
+        self.deadline = deadline
+        self._call_timeout_s = call_timeout_s
+        self._what = what
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._wait([key], None)
+        return self._store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def has_extended_api(self) -> bool:
+        return False  # callers fall back to set/get/wait, which poll
+
+    def _wait(self, keys: list[str], timeout: timedelta | None) -> None:
+        limit_s = timeout.total_seconds() if timeout is not None else self._call_timeout_s
+        deadline = time.monotonic() + limit_s
+        if self.deadline is not None:
+            deadline = min(deadline, self.deadline)
+        while not self._store.check(keys):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self._what}: the peer did not build its side of the group in time "
+                                   f"(waiting for {keys}); did it die after the handshake?")
+            time.sleep(_POLL_S)
 
 
 def _poll(store: dist.TCPStore, key: str, deadline: float, what: str) -> bytes:

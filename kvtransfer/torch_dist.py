@@ -154,6 +154,12 @@ class NcclTransport(PairGroupTransport):
         super().__init__(self_id, layout, device, host, max_transfer_s)
 
     def _form(self, peer_id: str, rank: int, prefix_store: dist.PrefixStore) -> Pair:
+        # NOTE: NCCL's communicator forms at the first op and, with a peer that never comes, blocks
+        # there with no deadline; so both sides first meet in the store, which fails at the pairing's
+        # deadline (rendezvous.PollingStore). A peer dying between this and its first op still hangs
+        # our pairing thread (never the store, never other pairs).
+        prefix_store.set(f"ready/{rank}", "1")
+        prefix_store.wait([f"ready/{1 - rank}"])
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=self.max_transfer_s)
         # NOTE: a high-priority stream: a KV push sent during a prefill runs beside the step's kernels

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from kvtransfer import (
     KvLayout, LayoutMismatchError, TransferError, Transport, available_transports, create_transport,
     gather_blocks, scatter_blocks,
 )
-from tests.unit.kvtransfer.conftest import LAYOUT, Builder, pair_both
+from kvtransfer.rendezvous import handshake
+from tests.unit.kvtransfer.conftest import _NEEDS_TWO_GPUS, LAYOUT, Builder, pair_both
 
 WAIT_S = 5.0  # generous bound for transfers that should finish in milliseconds
 
@@ -140,6 +143,39 @@ def test_pairing_works_after_an_abandoned_attempt(builder: Builder) -> None:
         b.pair(a.self_id, a.address(), 1, 0.1)  # a never came
     assert pair_both(a, b) == [None, None]
     _move(builder, a, b, [0], [1])
+
+
+@pytest.mark.parametrize("builder", ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, _NEEDS_TWO_GPUS])],
+                         indirect=True)
+def test_a_peer_gone_after_the_handshake_fails_only_its_own_pairing(builder: Builder) -> None:
+    """A joiner that passes the handshake and never builds the group (it died there) fails the host's
+    pairing with it at the pairing's deadline, and meanwhile the host pairs with others."""
+    host, other = builder.make("decode-0", index=1), builder.make("prefill-1", index=0)
+    address = host.address()
+    ghost_store = dist.TCPStore(address.host, address.port, is_master=False, wait_for_workers=False,
+                                timeout=timedelta(seconds=5))
+    failures: list[BaseException] = []
+    started = time.monotonic()
+
+    def host_pairs_with_the_ghost() -> None:
+        try:
+            host.pair("prefill-0", address, 0, 3.0)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            failures.append(e)
+
+    thread = threading.Thread(target=host_pairs_with_the_ghost, daemon=True)
+    thread.start()
+    handshake(ghost_store, "decode-0", "prefill-0", 1, 3.0)  # ... and never builds its side
+    time.sleep(0.2)  # the host is inside its group build now, waiting for the ghost
+    assert thread.is_alive()
+    assert pair_both(host, other, timeout_s=2.0) == [None, None]  # NOTE: shared store held: timed out here
+    assert time.monotonic() - started < 2.8  # formed while the ghost's pairing still waited
+    thread.join(5.0)
+    assert not thread.is_alive() and time.monotonic() - started < 4.5  # at its 3 s deadline, not the group's 30 s
+    assert len(failures) == 1 and isinstance(failures[0], TransferError)
+    assert "did not build its side of the group" in str(failures[0])
+    assert not host.is_paired("prefill-0")
+    _move(builder, other, host, [3], [4])
 
 
 def test_transfers_on_one_pair_keep_their_order(builder: Builder) -> None:
