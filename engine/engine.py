@@ -69,7 +69,7 @@ from engine.rank import (
 )
 from engine.request import Request, RequestStatus
 from engine.runner import TokenPatch
-from engine.sampler import PendingSample, Sampler, SamplingRow, VerifyRow, has_penalty
+from engine.sampler import PendingSample, PendingVerify, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.stats import EngineStats
@@ -586,7 +586,11 @@ class EngineCore:
         # NOTE: only a constrained row's drafts are read on the host here: its matcher walks them.
         mask = self.grammars.mask_drafts([(sampling[i].request.request_id, vr.draft_token_ids)
                                           for i, vr in zip(verifying, vrows)]) if self.grammars else None
-        verified = self.sampler.verify(verifying_logits, vrows, self.generator, mask)
+        launched = self.sampler.launch_verify(verifying_logits, vrows, self.generator, mask)
+        if isinstance(launched, PendingVerify) and self.proposer is not None and self._drafts_now():
+            # The next step's drafts, queued on the device before this step's tokens are read.
+            self.proposer.chain([sampling[i].request.request_id for i in verifying], launched.out, self.generator)
+        verified = self.sampler.finish_verify(launched)
         for j, i in enumerate(verifying):
             results[i] = _Sampled(
                 verified.token_ids[j], verified.logprobs[j], verified.top_logprobs[j], verified.num_accepted[j]

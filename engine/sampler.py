@@ -145,6 +145,15 @@ class VerifyRow:
 
 
 @dataclass(frozen=True)
+class PendingVerify:
+    """A fused verification queued on the device and not yet read (`Sampler.launch_verify`)."""
+
+    out: torch.Tensor  # [2 * rows] int32 on the device: each row's accepted drafts, then its last token
+    download: Download  # out's copy to the host, behind the verification alone
+    rows: Sequence[VerifyRow]
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     """Per row: the accepted drafted tokens, then one token of the target's (1 to K+1 tokens)."""
 
@@ -350,9 +359,18 @@ class Sampler:
         """The target's side: logits [sum of (K_i + 1), vocab], row i's K_i + 1 positions in a run.
         generator: shared by the rows without a seed. mask: by position (GrammarBook.mask_drafts): a
         drafted token the grammar forbids has probability 0 where it is verified, so it is rejected."""
+        return self.finish_verify(self.launch_verify(logits, rows, generator, mask))
+
+    def launch_verify(
+        self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None = None,
+        mask: TokenMask | None = None,
+    ) -> PendingVerify | VerifyResult:
+        """`verify` queued without a read where the fused kernel takes every row: a PendingVerify for
+        `finish_verify` (the device work queued after it is not waited for there); otherwise the
+        result, read already."""
         if self.fused and rows and all(_verifies_fused(vr) for vr in rows):
             # NOTE: unmasked logits go as they are (no float32 copy on the hot path)
-            return self._verify_fused(logits if mask is None else apply_token_mask(logits.float(), mask), rows,
+            return self._launch_fused(logits if mask is None else apply_token_mask(logits.float(), mask), rows,
                                       generator)
         expanded: list[SamplingRow] = []  # one per position
         for vr in rows:
@@ -413,10 +431,20 @@ class Sampler:
                 top_logprobs[i].append(top)  # type: ignore[union-attr, arg-type]
         return VerifyResult(token_ids, num_accepted, logprobs, top_logprobs)
 
-    def _verify_fused(
+    @staticmethod
+    def finish_verify(launched: PendingVerify | VerifyResult) -> VerifyResult:
+        """A launched verification's result (the host waits for the verification alone here)."""
+        if isinstance(launched, VerifyResult):
+            return launched
+        read = launched.download.read()  # the accepted drafts per row, then the last token per row
+        n = len(launched.rows)
+        token_ids = [[*vr.draft_token_ids[: read[i]], read[n + i]] for i, vr in enumerate(launched.rows)]
+        return VerifyResult(token_ids, read[:n], [None] * n, [None] * n)
+
+    def _launch_fused(
         self, logits: torch.Tensor, rows: Sequence[VerifyRow], generator: torch.Generator | None
-    ) -> VerifyResult:
-        """`verify` of rows that all pass `_verifies_fused`: one kernel, one read."""
+    ) -> PendingVerify:
+        """`launch_verify` of rows that all pass `_verifies_fused`: one kernel, read later."""
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor; got dtype {logits.dtype}")
         n = len(rows)
@@ -429,9 +457,7 @@ class Sampler:
         drafts = [vr.draft_token_ids if vr.draft_on_device is None else [0] * len(vr.draft_token_ids) for vr in rows]
         on_device = [vr.draft_on_device for vr in rows]
         out = self._kernel_module().verify(logits, drafts, draft_probs, temperatures, seeds, on_device)
-        read = out.tolist()  # NOTE: the one read: the accepted drafts per row, then the last token per row
-        token_ids = [[*vr.draft_token_ids[: read[i]], read[n + i]] for i, vr in enumerate(rows)]
-        return VerifyResult(token_ids, read[:n], [None] * n, [None] * n)
+        return PendingVerify(out, Download(out), rows)
 
     @staticmethod
     def _verify_random(

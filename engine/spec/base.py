@@ -65,6 +65,13 @@ class Proposer(Protocol):
         `generator` serves requests without a seed."""
         ...
 
+    def chain(self, request_ids: Sequence[str], verified: torch.Tensor, generator: torch.Generator | None) -> bool:
+        """Called once the target's verification of the last proposal is queued, before its read:
+        may queue the next proposal for those requests on the device, from `verified` (the fused
+        verification's output, engine/sampling_kernels.verify; rows in `request_ids`' order), for
+        the next `propose` to adopt. False: nothing queued."""
+        ...
+
     def drop(self, request_id: str) -> None:
         """Forgets a request and frees what it held; idempotent."""
         ...

@@ -84,32 +84,37 @@ class DraftLoopGraphs:
         b, p = self.sizes[-1], num_passes
         vocab = model.lm_head.weight.shape[0]
         self.max_block_cols = -(-max_context // self.block_size)
-        # Inputs, written in place before each replay (padding until a run fills them), all but the
-        # block tables in one int64 buffer that one copy fills: the first pass's rows 2j and 2j + 1 are
-        # request j's positions start - 1 and start; passes 1 .. K - 1 have one row a request (row i - 1
-        # of the [q, b] ones); greedy flags, then temperatures as float64 bits. The graph converts the
-        # sequence lengths to the attention's int32 itself.
-        q = max(p - 1, 1)
-        self._shape = (q, b)  # the passes after the first, by rows
-        self._regions = {"first_tokens": 2 * b, "first_positions": 2 * b, "first_slots": 2 * b, "first_lens": 2 * b,
-                         "positions": q * b, "slots": q * b, "lens": q * b, "greedy": b, "temperature": b}
+        # Inputs, written in place before each replay (padding until a run fills them): per row its
+        # last token's position `start`, its tokens at start - 1 and start, whether it is a row of the
+        # run, its greedy flag and temperature (float64 bits), in one int64 buffer that one copy fills;
+        # and the block tables. The graph derives every pass's positions, slots and sequence lengths
+        # from them (`_derive`), so a chained run (`chain`) only moves `start` and the two tokens.
+        self._regions = {name: b for name in ("start", "prev", "last", "valid", "greedy", "temperature")}
         self._num_inputs = sum(self._regions.values())
         self._inputs = torch.zeros(self._num_inputs, dtype=torch.long, device=device)
         inputs = self._views(self._inputs)
-        self.first_tokens, self.first_positions, self.first_slots = (
-            inputs["first_tokens"], inputs["first_positions"], inputs["first_slots"])
-        self.positions, self.slots = inputs["positions"], inputs["slots"]
-        self._first_lens, self._lens, self._greedy = inputs["first_lens"], inputs["lens"], inputs["greedy"]
+        self._start, self._prev, self._last = inputs["start"], inputs["prev"], inputs["last"]
+        self._valid, self._greedy = inputs["valid"], inputs["greedy"]
         self._temperature = inputs["temperature"].view(torch.float64)
+        # Derived in the graph: the first pass's rows 2j and 2j + 1 are row j's positions start - 1 and
+        # start; passes 1 .. K - 1 have one row a request (row i - 1 of the [q, b] ones).
+        q = max(p - 1, 1)
+        self.first_tokens = torch.zeros(2 * b, dtype=torch.long, device=device)
+        self.first_positions = torch.zeros(2 * b, dtype=torch.long, device=device)
+        self.first_slots = torch.full((2 * b,), -1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(q, b, dtype=torch.long, device=device)
+        self.slots = torch.full((q, b), -1, dtype=torch.long, device=device)
         self.first_seq_lens = torch.ones(2 * b, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(q, b, dtype=torch.int32, device=device)
         self.first_block_tables = torch.zeros(2 * b, self.max_block_cols, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(b, self.max_block_cols, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(2 * b + 1, dtype=torch.int32, device=device)
+        self._offsets = torch.arange(1, q + 1, dtype=torch.long, device=device).unsqueeze(1)  # [q, 1]: passes 1 ..
         self.noise = torch.ones(p, b, vocab, dtype=torch.float32, device=device)
         # Outputs: each pass's draws and the distributions they were drawn from.
         self.tokens = torch.zeros(p, b, dtype=torch.long, device=device)
         self.dists = torch.zeros(p, b, vocab, dtype=torch.float32, device=device)
+        self._rows = 0  # rows of the last run, whose draws `tokens` holds (0: none since the last capture)
         self._first_metadata = {size: self._first_metadata_for(size) for size in self.sizes}
         self._metadata = {size: [self._metadata_for(size, i) for i in range(p - 1)] for size in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -119,8 +124,7 @@ class DraftLoopGraphs:
         """The input regions of `values` (the device buffer, or its host image), by name."""
         views, offset = {}, 0
         for name, count in self._regions.items():
-            view = values[offset : offset + count]
-            views[name] = view.reshape(self._shape) if name in ("positions", "slots", "lens") else view
+            views[name] = values[offset : offset + count]
             offset += count
         return views
 
@@ -172,12 +176,32 @@ class DraftLoopGraphs:
                    self.dists[i, :size])
         return tokens
 
+    def _derive(self, size: int) -> None:
+        """Every pass's tokens, positions, slots and sequence lengths of the first `size` rows, from
+        the rows' inputs and block tables (padding rows: position 0, slot -1, one key)."""
+        bs = self.block_size
+        start, valid = self._start[:size], self._valid[:size] != 0
+        tables = self.block_tables[:size]
+        self.first_block_tables[: 2 * size].copy_(tables.repeat_interleave(2, dim=0))
+        first = torch.stack([start - 1, start], dim=1).view(-1) * valid.repeat_interleave(2)  # [2 * size]
+        first_slots = self.first_block_tables[: 2 * size].gather(1, (first // bs).unsqueeze(1)).squeeze(1) * bs
+        self.first_tokens[: 2 * size].copy_(torch.stack([self._prev[:size], self._last[:size]], dim=1).view(-1))
+        self.first_positions[: 2 * size].copy_(first)
+        self.first_slots[: 2 * size].copy_(torch.where(valid.repeat_interleave(2), first_slots + first % bs, -1))
+        self.first_seq_lens[: 2 * size].copy_(first + 1)
+        if self.num_passes == 1:
+            return  # NOTE: no later pass (start + 1 may lie past the block tables)
+        later = (start.unsqueeze(0) + self._offsets) * valid  # [q, size]
+        slots = tables.gather(1, (later // bs).t()).t() * bs + later % bs
+        self.positions[:, :size].copy_(later)
+        self.slots[:, :size].copy_(torch.where(valid, slots, -1))
+        self.seq_lens[:, :size].copy_(later + 1)
+
     def _body(self, size: int) -> None:
-        """The captured work: the two-row first pass, then num_passes - 1 passes feeding the last draws."""
+        """The captured work: the inputs derived, the two-row first pass, then num_passes - 1 passes
+        feeding the last draws."""
         n = 2 * size
-        self.first_seq_lens[:n].copy_(self._first_lens[:n])
-        self.seq_lens[:, :size].copy_(self._lens[:, :size])
-        self.first_block_tables[:n].copy_(self.block_tables[:size].repeat_interleave(2, dim=0))
+        self._derive(size)
         hidden = self.model(
             self.first_tokens[:n], self.first_positions[:n], self.kv_caches, self._first_metadata[size], self.backend
         )
@@ -199,45 +223,78 @@ class DraftLoopGraphs:
         """Drafts num_passes tokens for each row. Returns views of the static outputs, read before
         the next run: tokens [passes, rows] and dists [passes, rows, vocab]; None when no captured
         size holds the rows or a row's drafts would pass max_context."""
-        n, p, bs = len(rows), self.num_passes, self.block_size
+        n, p = len(rows), self.num_passes
         size = graph_size_for(n, self.sizes)
         if size is None or any(r.start + p > self.max_context or r.start < 1 for r in rows):
             return None
-        cols = max(-(-(r.start + p) // bs) for r in rows)
         # One int64 upload: the inputs' buffer image (rows past `size` are not read by its graph; rows
-        # n .. size - 1 are padding: position 0, slot -1, one key of block 0, greedy off, temperature 1),
-        # then the block tables [size, cols].
+        # n .. size - 1 are padding: not valid, greedy off, temperature 1), then the block tables.
+        cols = max(-(-(r.start + p) // self.block_size) for r in rows)
         values = self.staging.host(self._num_inputs + size * cols)
         image = self._views(values)
-        f_tokens, f_pos, f_slots, f_lens = (image[name][: 2 * size] for name in
-                                            ("first_tokens", "first_positions", "first_slots", "first_lens"))
-        pos, slots, lens = (image[name][:, :size] for name in ("positions", "slots", "lens"))
+        start, prev, last, valid = (image[name][:size] for name in ("start", "prev", "last", "valid"))
         greedy, temperature = image["greedy"][:size], image["temperature"][:size].view(np.float64)
         tables = values[self._num_inputs :].reshape(size, cols)
-        f_tokens[:] = f_pos[:] = pos[:] = greedy[:] = tables[:] = 0
-        f_slots[:] = slots[:] = -1
-        f_lens[:] = lens[:] = 1
+        start[:] = prev[:] = last[:] = valid[:] = greedy[:] = tables[:] = 0
         temperature[:] = 1.0
         for j, r in enumerate(rows):
-            blocks = np.asarray(r.block_ids[: -(-(r.start + p) // bs)], dtype=np.int64)
-            both = np.array([r.start - 1, r.start])
-            f_tokens[2 * j : 2 * j + 2] = r.tokens
-            f_pos[2 * j : 2 * j + 2] = both
-            f_slots[2 * j : 2 * j + 2] = blocks[both // bs] * bs + both % bs
-            f_lens[2 * j : 2 * j + 2] = both + 1
-            span = np.arange(r.start + 1, r.start + p)
-            pos[: p - 1, j], slots[: p - 1, j], lens[: p - 1, j] = span, blocks[span // bs] * bs + span % bs, span + 1
+            start[j], (prev[j], last[j]), valid[j] = r.start, r.tokens, 1
+            blocks = r.block_ids[: -(-(r.start + p) // self.block_size)]
             tables[j, : len(blocks)] = blocks
             greedy[j] = r.temperature <= 0
             temperature[j] = r.temperature if r.temperature > 0 else 1.0
         staged = self.staging.upload(values.size)
         self._inputs.copy_(staged[: self._num_inputs])
         self.block_tables[:size, :cols].copy_(staged[self._num_inputs :].view(size, cols))
-        if any(r.temperature > 0 for r in rows):  # NOTE: greedy rows read no noise (the draw clamps it above 0)
+        self._replay(n, size, any(r.temperature > 0 for r in rows), generator)
+        return self.tokens[:, :n], self.dists[:, :n]
+
+    @torch.inference_mode()
+    def chain(
+        self, verified: torch.Tensor, order: Sequence[int], block_ids: Sequence[Sequence[int]], is_random: bool,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next run of the last run's rows, queued before the host knows how many of their drafts
+        the target kept: `verified` [2 * v] int32 on the device is the verification of those drafts
+        (engine/sampling_kernels.verify: v accepted counts, then v last tokens) and row j's is number
+        order[j] there (-1: a row no request drafts from any more, padding from now on). Row j moves
+        on on the device: m accepted, its new last token at start + m + 1
+        (the target's), the one before it d_m (this loop's draw of the last run; its old last token
+        when m = 0). block_ids[j] covers the furthest that can reach, start + 2K + 1 positions (the
+        caller checked max_context). Returns `run`'s views."""
+        n = self._rows
+        if n == 0 or len(order) != n or len(block_ids) != n:
+            raise ValueError(f"chain() continues the last run's {n} rows; got {len(order)} rows")
+        size = graph_size_for(n, self.sizes)
+        assert size is not None
+        v = verified.shape[0] // 2
+        cols = max(len(b) for b in block_ids)
+        values = self.staging.host(n + size * cols)
+        values[:n] = order
+        tables = values[n:].reshape(size, cols)
+        tables[:] = 0
+        for j, blocks in enumerate(block_ids):
+            tables[j, : len(blocks)] = blocks
+        staged = self.staging.upload(values.size)
+        self.block_tables[:size, :cols].copy_(staged[n:].view(size, cols))
+        where = staged[:n]
+        if any(v < 0 for v in order):  # rows no request drafts from any more: padding from now on
+            self._valid[:n].mul_(where >= 0)
+            where = where.clamp_min(0)
+        accepted = verified.index_select(0, where).long()  # [n]
+        drafted = self.tokens[:, :n].gather(0, (accepted - 1).clamp_min(0).unsqueeze(0)).squeeze(0)
+        self._prev[:n].copy_(torch.where(accepted > 0, drafted, self._last[:n]))
+        self._last[:n].copy_(verified.index_select(0, where + v).long())
+        self._start[:n].add_(accepted + 1)
+        self._replay(n, size, is_random, generator)
+        return self.tokens[:, :n], self.dists[:, :n]
+
+    def _replay(self, n: int, size: int, is_random: bool, generator: torch.Generator | None) -> None:
+        if is_random:  # NOTE: greedy rows read no noise (the draw clamps it above 0)
             self.noise[:, :size].exponential_(generator=generator)
         if self.is_cuda:
             self._graphs[size].replay()
         else:
             self._body(size)
+        self._rows = n
         self.num_runs += 1
-        return self.tokens[:, :n], self.dists[:, :n]

@@ -13,6 +13,12 @@ verification) replays one graph for all K passes and their draws (engine/spec/dr
 other steps run pass by pass, replaying the draft runner's decode graphs (engine/cuda_graphs.py)
 as the target's do when the pass is short.
 
+Chained drafting (`chain`): once the target's verification of a loop run's drafts is queued, the
+next run of the same rows is queued behind it, its inputs moved on the device by the verification's
+results, so the device drafts step N + 1 while the host reads step N and plans. The next `propose`
+adopts those drafts for the requests that ask again (their tokens then match what the device
+assumed: the engine appends exactly the verified tokens to a request that goes on).
+
 Does not know the target's blocks or scheduler: a request it cannot give blocks to gets no draft.
 """
 
@@ -26,6 +32,7 @@ import torch
 
 from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
+from engine.pinned import Download
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import SamplingRow, has_penalty
@@ -50,9 +57,12 @@ class _Job:
     seq: _DraftSeq
     num_new: int  # tokens fed in the first pass
     is_drafting: bool  # False: a partial catch-up, no draft this step
+    start: int = -1  # a loop row's last token's position (its logits drew d_1); -1 elsewhere
+    feeds_seq: bool = True  # the draft cache's inputs (seq.token_ids) end with this job's fed drafts
     token_ids: list[int] = field(default_factory=list)  # drafted so far (the loop graph drafts K for every job)
     probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] each
     draft_ids: list[int] | None = None  # the draft proposed: token_ids' first request.max_draft_tokens
+    read: _DraftRead | None = None  # the one read of its tokens, while on the device
 
     def proposed(self) -> list[int]:
         """The draft's list of tokens (filled in place when read, see _DraftRead)."""
@@ -78,7 +88,12 @@ class DraftModelProposer:
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
         self.loop: DraftLoopGraphs | None = None  # all K passes in one graph (CUDA), set by bind
-        self._pending: _DraftRead | None = None  # the last proposal's tokens, while on the device
+        self._unread: list[_DraftRead] = []  # proposals' tokens still on the device
+        # The loop's last run's rows, in order, while `chain` may continue them (None: a row no
+        # request drafts from any more), and a chained run's rows until the next propose adopts them.
+        self._looped: list[_Job | None] = []
+        self._chained: list[_Job | None] = []
+        self.num_chained = 0  # chained runs queued
 
     def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
         ctx = self.context
@@ -165,30 +180,99 @@ class DraftModelProposer:
         when first used (engine/request.py Draft). Requests with penalties need each drafted token's
         value for the next draw: with one among them, every pass is read before the next."""
         assert self.runner is not None, "bind() first"
+        chained = {j.request.request_id: j for j in self._chained if j is not None}
+        adopted = {r.request_id: self._adopt(r, chained[r.request_id]) for r in requests
+                   if r.request_id in chained and self._continues(r, chained[r.request_id])}
+        # NOTE: their distributions are views of the loop's output: stacked before it runs again
+        drafts = {r.request_id: self._draft_of(r, adopted[r.request_id]) for r in requests if r.request_id in adopted}
+        rows, self._chained, self._looped = self._chained, [], []
+        if len(adopted) == len(requests):
+            # The chained run's rows, those not adopted left out: chain() may continue them.
+            self._looped = [j if j is not None and j.request.request_id in adopted else None for j in rows]
+            return [drafts[r.request_id] for r in requests]
+        requests_left = [r for r in requests if r.request_id not in adopted]
         self._read_pending()  # NOTE: before _plan: rolling back compares the cache's inputs
-        jobs = self._plan(requests)
+        jobs = self._plan(requests_left, keep={r.request_id for r in requests})
         drafting = [j for j in jobs if j.is_drafting]
         on_device = not any(has_penalty(j.request.params) for j in drafting)
         passes: list[tuple[torch.Tensor, list[_Job]]] = []  # each pass's draws [active jobs] on the device, its jobs
         if not (on_device and drafting and len(drafting) == len(jobs) and self._loop(drafting, passes, generator)):
             self._pass_by_pass(jobs, drafting, passes, generator, on_device)
-        pending = _DraftRead(drafting, passes) if on_device and passes else None
-        self._pending = pending
+        if on_device and passes:
+            self._unread.append(_DraftRead(drafting, passes))
         by_id = {j.request.request_id: j for j in drafting}
-        drafts: list[Draft | None] = []
-        for r in requests:
-            j = by_id.get(r.request_id)
+        drafts.update((r.request_id, self._draft_of(r, by_id[r.request_id])) for r in requests if r.request_id in by_id)
+        return [drafts.get(r.request_id) for r in requests]
+
+    def _draft_of(self, r: DraftRequest, j: _Job) -> Draft:
+        probs = None if r.params.is_greedy else torch.stack(j.probs[: r.max_draft_tokens])
+        if j.read is None:
+            return Draft(j.token_ids, probs)
+        # NOTE: j.proposed() holds placeholders until the read fills it in place
+        proposed = j.proposed()
+        return Draft(proposed, probs, DeviceTokens(j.read.tokens, j.read.index[id(j)][: len(proposed)]), j.read.read)
+
+    # ---- chained drafting
+    def chain(self, request_ids: Sequence[str], verified: torch.Tensor, generator: torch.Generator | None) -> bool:
+        """Queues the loop's next run for the rows of its last run, which are the requests verified
+        now (`request_ids`, in the order of `verified`: engine/sampling_kernels.verify's output, on
+        the device): their drafts for the step after this one, before the host reads this one's
+        results. False (nothing queued) when those are not the same requests, a row would pass the
+        loop's context, or the draft pool cannot cover the furthest a row can reach."""
+        looped, self._looped = self._looped, []
+        loop = self.loop
+        live = [j for j in looped if j is not None]
+        if loop is None or not live or len(request_ids) != len(live):
+            return False
+        order = {rid: v for v, rid in enumerate(request_ids)}
+        if any(j.request.request_id not in order for j in live):
+            return False
+        k = loop.num_passes
+        # A row's next run writes up to position start + 2K (m = K accepted, then K - 1 fed drafts).
+        if any(j.start + 2 * k + 1 > loop.max_context for j in live):
+            return False
+        if not all(self._reserve(j.seq, j.start + 2 * k + 1, order) for j in live):
+            return False
+        rows: list[_Job | None] = []
+        for j in looped:
             if j is None:
-                drafts.append(None)
+                rows.append(None)
                 continue
-            probs = None if r.params.is_greedy else torch.stack(j.probs[: r.max_draft_tokens])
-            if pending is None:
-                drafts.append(Draft(j.token_ids, probs))
-            else:  # NOTE: j.proposed() holds placeholders until pending.read fills it in place
-                proposed = j.proposed()
-                where = DeviceTokens(pending.tokens, pending.index[id(j)][: len(proposed)])
-                drafts.append(Draft(proposed, probs, where, pending.read))
-        return drafts
+            # The draft cache's inputs go back to the request's own tokens, which the next run's
+            # inputs follow on from: this run's drafts (placeholders still) are no longer fed there.
+            j.feeds_seq = False
+            del j.seq.token_ids[j.start + 1 :]
+            j.seq.num_trusted = len(j.seq.token_ids)
+            rows.append(_Job(j.request, j.seq, 0, True, start=j.start, feeds_seq=False,
+                             token_ids=[PLACEHOLDER] * k))
+        is_random = any(not j.request.params.is_greedy for j in live)
+        tokens, dists = loop.chain(verified, [-1 if j is None else order[j.request.request_id] for j in looped],
+                                   [[] if j is None else j.seq.block_ids for j in looped], is_random, generator)
+        for row, j in enumerate(rows):
+            if j is not None:  # NOTE: views: stacked (adopted) before the loop's next run
+                j.probs.extend(dists[i, row] for i in range(k))
+        self._unread = [pending for pending in self._unread if not pending.is_done]
+        self._unread.append(_DraftRead(rows, [(tokens[i], rows) for i in range(k)]))
+        self._chained = rows
+        self.num_chained += 1
+        return True
+
+    def _continues(self, r: DraftRequest, j: _Job) -> bool:
+        """Whether a chained row's request went on as its run assumed: 1 to K + 1 tokens past its start
+        (the verified ones; a request that stopped leaves instead)."""
+        assert self.loop is not None
+        is_ours = self.seqs.get(r.request_id) is j.seq
+        return is_ours and j.start + 1 < len(r.token_ids) <= j.start + self.loop.num_passes + 2
+
+    def _adopt(self, r: DraftRequest, j: _Job) -> _Job:
+        """A chained row's drafts become the request's proposal: the draft cache holds the request's
+        tokens and the fed drafts d_1 .. d_{K-1} (placeholders until read)."""
+        assert self.loop is not None
+        j.request, j.start = r, len(r.token_ids) - 1
+        j.seq.token_ids[:] = [*r.token_ids, *[PLACEHOLDER] * (self.loop.num_passes - 1)]
+        j.seq.num_trusted = len(r.token_ids)
+        j.feeds_seq = True
+        return j
 
     def _pass_by_pass(
         self,
@@ -233,11 +317,11 @@ class DraftModelProposer:
             previous = active
 
     def _read_pending(self) -> None:
-        """The last proposal's drafted tokens, read now if no one asked for them (the draft cache's
-        inputs hold placeholders until then)."""
-        if self._pending is not None:
-            self._pending.read()
-            self._pending = None
+        """The proposals' drafted tokens, read now if no one asked for them (the draft cache's inputs
+        hold placeholders until then)."""
+        for pending in self._unread:
+            pending.read()
+        self._unread.clear()
 
     def _loop(
         self, drafting: list[_Job], passes: list[tuple[torch.Tensor, list[_Job]]], generator: torch.Generator | None
@@ -262,9 +346,11 @@ class DraftModelProposer:
         if out is None:
             return False
         tokens, dists = out
-        for r, j in zip(requests, drafting):
+        for r, j, row in zip(requests, drafting, rows):
             j.seq.token_ids.extend(r.token_ids[len(j.seq.token_ids) :])  # caught up
             j.seq.num_trusted = len(j.seq.token_ids)
+            j.start = row.start
+        self._looped = list(drafting)
         for i in range(k):
             passes.append((tokens[i], drafting))
             for row, j in enumerate(drafting):
@@ -274,10 +360,10 @@ class DraftModelProposer:
                 j.probs.append(dists[i, row])  # NOTE: a view of the graph's output: stacked before the next run
         return True
 
-    def _plan(self, requests: Sequence[DraftRequest]) -> list[_Job]:
+    def _plan(self, requests: Sequence[DraftRequest], keep: Collection[str]) -> list[_Job]:
         """Rolls each request back, then gives blocks and the step's token budget: the requests with
-        the least to catch up first; one that does not fit whole catches up in part, undrafted."""
-        keep = {r.request_id for r in requests}
+        the least to catch up first; one that does not fit whole catches up in part, undrafted.
+        keep: the requests whose draft state no shortage of blocks may drop."""
         synced = sorted(
             ((r, self._sync(r)) for r in requests), key=lambda rs: len(rs[0].token_ids) - len(rs[1].token_ids)
         )
@@ -341,32 +427,39 @@ class DraftModelProposer:
 class _DraftRead:
     """A proposal's drafted tokens on the device (one flat tensor) and their one read back into
     place of the jobs' placeholders: in their drafts, and in the draft cache's inputs of
-    d_1 .. d_{K-1}."""
+    d_1 .. d_{K-1}. A row of None in a pass (a chained run's row no request drafts from) is drawn
+    and never read."""
 
-    def __init__(self, drafting: list[_Job], passes: list[tuple[torch.Tensor, list[_Job]]]) -> None:
+    def __init__(
+        self, drafting: Sequence[_Job | None], passes: Sequence[tuple[torch.Tensor, Sequence[_Job | None]]]
+    ) -> None:
         # NOTE: a copy even of one pass: the loop graph's draws are views of its static output, which
         # its next run overwrites while an unscheduled request's draft may still be unread.
         self.tokens = torch.cat([t for t, _ in passes])  # [sum of pass sizes] int64
-        self.jobs = drafting
-        self.index: dict[int, list[int]] = {id(j): [] for j in drafting}  # a job's tokens in self.tokens
+        self._download = Download(self.tokens)  # NOTE: a read waits for this proposal alone
+        self.jobs = [j for j in drafting if j is not None]
+        self.index: dict[int, list[int]] = {id(j): [] for j in self.jobs}  # a job's tokens in self.tokens
         offset = 0
         for tokens, active in passes:
             assert len(active) == len(tokens), "a pass draws one token per active job"
             for row, j in enumerate(active):
-                self.index[id(j)].append(offset + row)
+                if j is not None:
+                    self.index[id(j)].append(offset + row)
             offset += len(active)
+        for j in self.jobs:
+            j.read = self
         self.is_done = False
 
     def read(self) -> None:
         if self.is_done:
             return
         self.is_done = True
-        values = self.tokens.tolist()
+        values = self._download.read()
         for j in self.jobs:
             index = self.index[id(j)]
             j.token_ids[: len(index)] = [values[x] for x in index]
             if j.draft_ids is not None:
                 j.draft_ids[:] = j.token_ids[: len(j.draft_ids)]
             num_fed = len(j.token_ids) - 1  # d_1 .. d_{K-1} were fed to the draft model
-            if num_fed:
+            if num_fed and j.feeds_seq:
                 j.seq.token_ids[-num_fed:] = j.token_ids[:num_fed]

@@ -51,6 +51,9 @@ class NgramProposer:
             drafts.append(Draft(found) if found else None)
         return drafts
 
+    def chain(self, request_ids: Sequence[str], verified: torch.Tensor, generator: torch.Generator | None) -> bool:
+        return False  # a lookup needs the verified tokens on the host
+
     def drop(self, request_id: str) -> None:
         pass
 

@@ -101,6 +101,7 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
     spec = SpeculativeConfig(method="draft", draft_model=draft_model, num_draft_tokens=3,
                              enable_adaptive_draft_length=adaptive)
     llm = make_llm(block_size=4, speculative=spec)
+    llm.engine.sampler.fused = True  # as on CUDA: the fused verification, which a chained run follows
     proposer = llm.engine.proposer
     arch = proposer.arch
     spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
@@ -120,14 +121,44 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
     assert len([n for n in by_pass if n]) == 1, by_pass
     stats = llm.engine.stats()
     # The loop drafts every step but a request's first (its whole prompt to catch up) and those
-    # near max_tokens (fewer than K drafts): at least 3 of the own draft's 6 steps.
+    # near max_tokens (fewer than K drafts): at least 3 of the own draft's 6 steps; from the second
+    # on, each run is queued behind the verification before it (chained), its inputs moved on the
+    # device.
     assert proposer.loop.num_runs >= 3
+    assert proposer.num_chained >= proposer.loop.num_runs - 2, (proposer.num_chained, proposer.loop.num_runs)
     if draft == "own":
         assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
     else:
         assert stats.num_spec_rejections > 0 and proposer.loop.num_runs >= 6
     if adaptive:  # some steps proposed fewer than the 3 drafted
         assert stats.num_spec_draft_tokens < 3 * stats.num_spec_verifications
+
+
+def test_chained_runs_draft_the_target_s_own_distribution_at_temperature(interpreted_kernels, make_llm):
+    """Sampled at T = 0.8 with the target as its own draft, chained loop runs (their inputs moved on
+    the device by each verification) draft from the distribution the target verifies with: no
+    drafted token is rejected. A chained run fed a wrong token or position would draft from
+    another distribution and see rejections."""
+    from engine import SpeculativeConfig
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+
+    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3)
+    llm = make_llm(block_size=4, speculative=spec)
+    llm.engine.sampler.fused = True
+    proposer = llm.engine.proposer
+    arch = proposer.arch
+    attention = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    backend = TritonAttention(attention, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16,
+                                                                prefill_block_n=16))
+    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
+                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    # The second request stops first: the chained runs go on with its row left as padding.
+    params = [SamplingParams(max_tokens=n, temperature=0.8, ignore_eos=True) for n in (24, 10)]
+    outputs = llm.generate([[5, 9, 300, 17], list(range(40, 51))], params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [24, 10]
+    stats = llm.engine.stats()
+    assert proposer.num_chained >= 4, proposer.num_chained
+    assert stats.num_spec_draft_tokens >= 15 and stats.num_spec_rejections == 0, stats
 
 
 def test_a_proposal_s_drafts_outlive_the_loop_s_next_run():

@@ -56,8 +56,8 @@ class _DraftSpy:
                 self.adopted.append(request_id)
             return blocks
 
-        def planning(requests):
-            jobs = plan(requests)
+        def planning(requests, keep):
+            jobs = plan(requests, keep)
             self.catch_ups += [j.num_new for j in jobs if j.is_drafting]
             return jobs
 
