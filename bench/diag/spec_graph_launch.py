@@ -7,6 +7,8 @@ On the trained pair's shapes (bench.train_models --size gpu; dummy weights, gree
 3. Alone: each graph replayed with the device idle before it (synchronised), so nothing queued
    ahead can hold the launch; and the runtime calls its captured body makes when run eagerly
    (torch.profiler), its graph's node count give or take.
+4. The device's busy time a step (torch.profiler's kernels and copies, graphs' included) beside the
+   step's wall time: which of the host and the device bounds a step.
 
 With --pdl-rows N every kernel launches with programmatic dependent launch up to N rows (engine/pdl.py's
 PDL_ANY_MAX_ROWS, 1 in the product), and N = 0 compiles none with it: does the 8-row graph launch slowly because
@@ -58,6 +60,27 @@ def alone(graph: torch.cuda.CUDAGraph, iters: int) -> dict[str, float]:
     return {"replay_host_us": host_s * 1e6, "replay_sync_us": total_s * 1e6}
 
 
+def device_time_per_step(engine: Any, steps: int) -> float:
+    """The device's busy time a step (torch.profiler: every kernel and copy, those replayed in graphs
+    included), in microseconds: against the step's wall time it says whether the host or the device
+    bounds a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        synchronize(engine.device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(e.device_time)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:30]
+    print("device time a step by kernel (us, count a step):", flush=True)
+    for name, durations in top:
+        print(f"  {sum(durations) / steps:8.1f} {len(durations) / steps:6.1f}  {name[:110]}", flush=True)
+    return sum(e.device_time for e in kernels) / steps
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -103,6 +126,7 @@ def main() -> None:
         step_us = (time.perf_counter() - start) / args.steps * 1e6
     finally:
         torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
+    device_us = device_time_per_step(engine, args.steps)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.steps):
@@ -124,7 +148,8 @@ def main() -> None:
     graphs = {"target_decode_1": (target_graphs[1], engine.runner.graphs._body, 1),
               f"target_decode_{verify_size}": (target_graphs[verify_size], engine.runner.graphs._body, verify_size),
               "draft_loop_1": (proposer.loop._graphs[1], proposer.loop._body, 1)}
-    print(json.dumps({"step_us": step_us, "in_steps": in_steps}, indent=1), flush=True)
+    print(json.dumps({"step_us": step_us, "device_us_per_step": device_us, "in_steps": in_steps}, indent=1),
+          flush=True)
     alone_rows = {}
     for name, (graph, body, size) in graphs.items():
         try:
@@ -133,7 +158,7 @@ def main() -> None:
             alone_rows[name] = {"error": repr(e)}
         print(name, alone_rows[name], flush=True)
     record = {"device_name": torch.cuda.get_device_name(), "torch": torch.__version__, "pdl_rows": args.pdl_rows,
-              "step_us": step_us,
+              "step_us": step_us, "device_us_per_step": device_us,
               "in_steps": in_steps, "alone": alone_rows, "verifications": engine.stats().num_spec_verifications}
     print(json.dumps(record, indent=1))
 

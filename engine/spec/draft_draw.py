@@ -8,7 +8,9 @@ replay; values under float32's tiny count as tiny, as the sampler's race clamps 
 the same tokens and distributions as the torch ops it replaces (scale, softmax, two argmaxes, where,
 one-hot, copies: about ten launches a pass, each reading or writing [rows, vocab]), up to the rounding
 of a near-tie. One program a row, three passes over its logits (maximum, sum, then the distribution
-and the race). Ties go to the lowest index, as torch's argmax.
+and the race), each in as few iterations as a block of up to 8,192 entries allows: at batch 1 the
+draw is one program's dependent loads, so their count sets its time. Ties go to the lowest index,
+as torch's argmax.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024  # vocabulary entries per loop iteration
+_MAX_BLOCK = 8192  # vocabulary entries per loop iteration, at most (a vocabulary up to it: one iteration a pass)
 _TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
 _NO_INDEX = tl.constexpr(2147483647)
 
@@ -64,12 +66,12 @@ def _draft_draw_kernel(logits_ptr, logits_stride, temperature_ptr, greedy_ptr, n
 
 
 def draft_draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor,
-               tokens: torch.Tensor, dists: torch.Tensor, block: int = _BLOCK) -> None:
+               tokens: torch.Tensor, dists: torch.Tensor, block: int | None = None) -> None:
     """logits [rows, vocab] float32, temperature [rows] of any float dtype (> 0; a greedy row's is unused
     but must not be 0; the loop passes float64), greedy [rows] of bool or any integer dtype (nonzero:
     greedy; the loop passes int64), noise [rows, vocab] float32 -> tokens [rows] int64 and dists
-    [rows, vocab] float32, written in place (the module docstring's draw). block: a power of two; only
-    the speed depends on it."""
+    [rows, vocab] float32, written in place (the module docstring's draw). block: a power of two (by
+    default the vocabulary's, up to _MAX_BLOCK); only the speed depends on it."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or noise.shape != logits.shape or dists.shape != logits.shape:
         raise ValueError(f"logits, noise and dists must be [rows, vocab] float32 alike; got {logits.dtype} "
@@ -80,6 +82,8 @@ def draft_draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Te
     for name, t in (("logits", logits), ("noise", noise), ("dists", dists)):
         if t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous along the vocabulary (stride {t.stride(1)})")
+    if block is None:
+        block = min(triton.next_power_of_2(vocab), _MAX_BLOCK)
     if rows:
         _draft_draw_kernel[(rows,)](logits, logits.stride(0), temperature, greedy, noise, noise.stride(0), tokens,
-                                    dists, dists.stride(0), vocab, BLOCK=block)
+                                    dists, dists.stride(0), vocab, BLOCK=block, num_warps=8 if block >= 4096 else 4)
