@@ -84,6 +84,7 @@ def device_time_per_step(engine: Any, steps: int) -> float:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=1, help="Requests decoding at once.")
     parser.add_argument("--pdl-rows", type=int, default=None, help="PDL for any kernel up to this many rows (0: none)")
     args = parser.parse_args()
     if args.pdl_rows is not None:
@@ -95,7 +96,7 @@ def main() -> None:
             engine.pdl.pdl_options.__defaults__ = (args.pdl_rows,)  # NOTE: max_rows's default, bound at definition
     args.model = pair_shape_dir()
     spec = SpeculativeConfig(method="draft", draft_model=pair_shape_dir("draft"), num_draft_tokens=4)
-    engine = build_engine(args, speculative=spec, max_num_seqs=4)
+    engine = build_engine(args, speculative=spec, max_num_seqs=max(4, args.batch))
     proposer = engine.proposer
     named: dict[int, str] = {}
     for size, g in engine.runner.graphs._graphs.items():
@@ -112,8 +113,9 @@ def main() -> None:
         original(self)
         times[named.get(id(self), "other")].append(time.perf_counter() - start)
 
-    prompt = random_prompts(1, 256, engine.arch.vocab_size, 1)[0]
-    engine.add_request("r", prompt, SamplingParams(max_tokens=args.steps * 6 + 100, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=args.steps * 20 + 100, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(args.batch, 256, engine.arch.vocab_size, 1)):
+        engine.add_request(f"r{i}", prompt, params)
     for _ in range(10):
         engine.step()
     synchronize(engine.device)
@@ -140,7 +142,8 @@ def main() -> None:
     print(text.getvalue(), flush=True)
     in_steps = {name: {"median_us": statistics.median(t) * 1e6, "max_us": max(t) * 1e6, "count": len(t)}
                 for name, t in times.items()}
-    engine.abort_request("r")
+    for i in range(args.batch):
+        engine.abort_request(f"r{i}")
     while engine.has_unfinished():
         engine.step()
     target_graphs = engine.runner.graphs._graphs

@@ -60,7 +60,9 @@ class _Job:
     start: int = -1  # a loop row's last token's position (its logits drew d_1); -1 elsewhere
     feeds_seq: bool = True  # the draft cache's inputs (seq.token_ids) end with this job's fed drafts
     token_ids: list[int] = field(default_factory=list)  # drafted so far (the loop graph drafts K for every job)
-    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] each
+    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] each (pass by pass)
+    # A loop row's distributions: its run's [K, rows, vocab] (a copy of the loop's output) and its row
+    row_dists: tuple[torch.Tensor, int] | None = None
     draft_ids: list[int] | None = None  # the draft proposed: token_ids' first request.max_draft_tokens
     read: _DraftRead | None = None  # the one read of its tokens, while on the device
 
@@ -205,7 +207,13 @@ class DraftModelProposer:
         return [drafts.get(r.request_id) for r in requests]
 
     def _draft_of(self, r: DraftRequest, j: _Job) -> Draft:
-        probs = None if r.params.is_greedy else torch.stack(j.probs[: r.max_draft_tokens])
+        k = r.max_draft_tokens
+        if r.params.is_greedy:
+            probs = None
+        elif j.row_dists is not None:
+            probs = j.row_dists[0][:k, j.row_dists[1]]  # [k, vocab], rows strided: verification takes it so
+        else:
+            probs = torch.stack(j.probs[:k])
         if j.read is None:
             return Draft(j.token_ids, probs)
         # NOTE: j.proposed() holds placeholders until the read fills it in place
@@ -248,9 +256,11 @@ class DraftModelProposer:
         is_random = any(not j.request.params.is_greedy for j in live)
         tokens, dists = loop.chain(verified, [-1 if j is None else order[j.request.request_id] for j in looped],
                                    [[] if j is None else j.seq.block_ids for j in looped], is_random, generator)
-        for row, j in enumerate(rows):
-            if j is not None:  # NOTE: views: stacked (adopted) before the loop's next run
-                j.probs.extend(dists[i, row] for i in range(k))
+        if is_random:
+            run_dists = dists.clone()  # NOTE: the loop's next run overwrites its output; a draft may wait longer
+            for row, j in enumerate(rows):
+                if j is not None:
+                    j.row_dists = (run_dists, row)
         self._unread = [pending for pending in self._unread if not pending.is_done]
         self._unread.append(_DraftRead(rows, [(tokens[i], rows) for i in range(k)]))
         self._chained = rows
@@ -269,8 +279,9 @@ class DraftModelProposer:
         tokens and the fed drafts d_1 .. d_{K-1} (placeholders until read)."""
         assert self.loop is not None
         j.request, j.start = r, len(r.token_ids) - 1
-        j.seq.token_ids[:] = [*r.token_ids, *[PLACEHOLDER] * (self.loop.num_passes - 1)]
-        j.seq.num_trusted = len(r.token_ids)
+        j.seq.token_ids.extend(r.token_ids[len(j.seq.token_ids) :])  # NOTE: chain() cut it back to its start
+        j.seq.num_trusted = len(j.seq.token_ids)
+        j.seq.token_ids.extend([PLACEHOLDER] * (self.loop.num_passes - 1))
         j.feeds_seq = True
         return j
 
@@ -351,13 +362,14 @@ class DraftModelProposer:
             j.seq.num_trusted = len(j.seq.token_ids)
             j.start = row.start
         self._looped = list(drafting)
-        for i in range(k):
-            passes.append((tokens[i], drafting))
-            for row, j in enumerate(drafting):
-                if i < k - 1:
-                    j.seq.token_ids.append(PLACEHOLDER)  # d_{i+1} was fed
-                j.token_ids.append(PLACEHOLDER)
-                j.probs.append(dists[i, row])  # NOTE: a view of the graph's output: stacked before the next run
+        # NOTE: the loop's next run overwrites its output, and a draft left unscheduled waits for longer
+        run_dists = dists.clone() if any(not r.params.is_greedy for r in requests) else None
+        for row, j in enumerate(drafting):
+            j.seq.token_ids.extend([PLACEHOLDER] * (k - 1))  # d_1 .. d_{K-1} were fed
+            j.token_ids.extend([PLACEHOLDER] * k)
+            if run_dists is not None:
+                j.row_dists = (run_dists, row)
+        passes.extend((tokens[i], drafting) for i in range(k))
         return True
 
     def _plan(self, requests: Sequence[DraftRequest], keep: Collection[str]) -> list[_Job]:
