@@ -69,6 +69,50 @@ def test_loop_passes_equal_drafting_pass_by_pass(interpreted_kernels):
     assert loop.run([LoopRow(0, (0, prompts[0][0]), tables[0], 0.0)], None) is None
 
 
+def test_a_chained_run_equals_a_run_of_the_rows_moved_on(interpreted_kernels):
+    """`chain` moves each row on the device by its verification (m accepted: its last token at
+    start + m + 1, the one before it d_m, or its old last token when m = 0) and runs the loop again:
+    the same draws and KV as a fresh `run` of the rows so moved, for m = 0, m = K and one between;
+    a row no request drafts from any more (-1) is padding from then on and stores nothing."""
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+
+    torch.manual_seed(0)
+    cpu, block_size, k = torch.device("cpu"), 4, 3
+    model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
+    eager = ModelRunner(model, allocate_kv_tensors(arch, 40, block_size, torch.float32, cpu), backend, cpu)
+    tables = [[5, 0, 11, 2, 30], [3, 14, 9, 21, 31], [19, 1, 22, 7, 32], [8, 12, 25, 26, 33]]
+    prompts = [torch.randint(2, arch.vocab_size, (n,)).tolist() for n in (5, 9, 7, 6)]
+    eager.forward([ForwardSeq(t[:-1], 0, b, 0) for t, b in zip(prompts, tables)])
+    chained = DraftLoopGraphs(model, eager.kv_caches.clone(), backend, HostStaging(cpu), k, max_batch=4,
+                              max_context=24)
+    rows = [LoopRow(len(p) - 1, (p[-2], p[-1]), t, 0.0) for p, t in zip(prompts, tables)]
+    out = chained.run(rows, None)
+    assert out is not None
+    drafted = out[0].clone()  # [k, rows]
+    accepted, last = [0, k, 1, 2], [101, 102, 103, 104]  # row 3's request stopped: order -1
+    order = [1, 0, 2, -1]  # row j's verification is number order[j]
+    verified = torch.zeros(6, dtype=torch.int32)
+    for j, v in enumerate(order[:3]):
+        verified[v], verified[3 + v] = accepted[j], last[j]
+    fresh = DraftLoopGraphs(model, chained.kv_caches.clone(), backend, HostStaging(cpu), k, max_batch=4,
+                            max_context=24)
+    tokens, dists = chained.chain(verified, order, tables, False, None)
+    moved = []
+    for j in range(3):
+        m, start = accepted[j], rows[j].start
+        before = int(drafted[m - 1, j]) if m else rows[j].tokens[1]
+        moved.append(LoopRow(start + m + 1, (before, last[j]), tables[j], 0.0))
+    want = fresh.run(moved, None)
+    assert want is not None
+    assert torch.equal(tokens[:, :3], want[0])
+    torch.testing.assert_close(dists[:, :3], want[1])
+    torch.testing.assert_close(chained.kv_caches, fresh.kv_caches)  # the padding row stored nothing
+    with pytest.raises(ValueError, match="continues the last run's 4 rows"):
+        chained.chain(verified, order[:2], tables[:2], False, None)
+
+
 def test_loop_serves_temperature_and_greedy_rows_proposing_up_to_its_k():
     plain, greedy = SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)
     assert DraftLoopGraphs.serves([plain, greedy], [0, 3], [4, 4], k=4)
