@@ -258,10 +258,10 @@ class DraftLoopGraphs:
         the target kept: `verified` [2 * v] int32 on the device is the verification of those drafts
         (engine/sampling_kernels.verify: v accepted counts, then v last tokens) and row j's is number
         order[j] there (-1: a row no request drafts from any more, padding from now on). Row j moves
-        on on the device: m accepted, its new last token at start + m + 1
-        (the target's), the one before it d_m (this loop's draw of the last run; its old last token
-        when m = 0). block_ids[j] covers the furthest that can reach, start + 2K + 1 positions (the
-        caller checked max_context). Returns `run`'s views."""
+        on on the device: m accepted, its new last token at start + m + 1 (the target's), the one
+        before it d_m (this loop's draw of the last run; its old last token when m = 0). block_ids[j]
+        covers the furthest that can reach, start + 2K + 1 positions (the caller checked max_context).
+        Returns `run`'s views."""
         n = self._rows
         if n == 0 or len(order) != n or len(block_ids) != n:
             raise ValueError(f"chain() continues the last run's {n} rows; got {len(order)} rows")
@@ -278,7 +278,7 @@ class DraftLoopGraphs:
         staged = self.staging.upload(values.size)
         self.block_tables[:size, :cols].copy_(staged[n:].view(size, cols))
         where = staged[:n]
-        if any(v < 0 for v in order):  # rows no request drafts from any more: padding from now on
+        if min(order) < 0:  # rows no request drafts from any more: padding from now on
             self._valid[:n].mul_(where >= 0)
             where = where.clamp_min(0)
         accepted = verified.index_select(0, where).long()  # [n]

@@ -185,7 +185,6 @@ class DraftModelProposer:
         chained = {j.request.request_id: j for j in self._chained if j is not None}
         adopted = {r.request_id: self._adopt(r, chained[r.request_id]) for r in requests
                    if r.request_id in chained and self._continues(r, chained[r.request_id])}
-        # NOTE: their distributions are views of the loop's output: stacked before it runs again
         drafts = {r.request_id: self._draft_of(r, adopted[r.request_id]) for r in requests if r.request_id in adopted}
         rows, self._chained, self._looped = self._chained, [], []
         if len(adopted) == len(requests):
@@ -207,6 +206,8 @@ class DraftModelProposer:
         return [drafts.get(r.request_id) for r in requests]
 
     def _draft_of(self, r: DraftRequest, j: _Job) -> Draft:
+        """The request's Draft of a job's tokens: its first max_draft_tokens, their distributions
+        (random rows), and where they lie on the device until read."""
         k = r.max_draft_tokens
         if r.params.is_greedy:
             probs = None
