@@ -1,7 +1,8 @@
 """What the torch.distributed transports (gloo, NCCL) share: one process group of size 2 per pair,
 built on a PrefixStore over a polling view of the rank-0 side's TCPStore with no default process
-group, so pairs form and fail independently (shared/gpu/README.md, point 1; rendezvous.py); pairing with the layout check;
-dropping without blocking; and, for backends whose works cannot be polled, a waiter thread.
+group, so pairs form and fail independently (shared/gpu/README.md, point 1; rendezvous.py); pairing
+with the layout check; dropping without blocking; and, for backends whose works cannot be polled, a
+waiter thread.
 """
 
 from __future__ import annotations

@@ -229,23 +229,20 @@ class DraftLoopGraphs:
             return None
         # One int64 upload: the inputs' buffer image (rows past `size` are not read by its graph; rows
         # n .. size - 1 are padding: not valid, greedy off, temperature 1), then the block tables.
-        cols = max(-(-(r.start + p) // self.block_size) for r in rows)
+        blocks = [r.block_ids[: -(-(r.start + p) // self.block_size)] for r in rows]
+        cols = max(len(b) for b in blocks)
         values = self.staging.host(self._num_inputs + size * cols)
         image = self._views(values)
         start, prev, last, valid = (image[name][:size] for name in ("start", "prev", "last", "valid"))
         greedy, temperature = image["greedy"][:size], image["temperature"][:size].view(np.float64)
-        tables = values[self._num_inputs :].reshape(size, cols)
-        start[:] = prev[:] = last[:] = valid[:] = greedy[:] = tables[:] = 0
+        start[:] = prev[:] = last[:] = valid[:] = greedy[:] = 0
         temperature[:] = 1.0
         for j, r in enumerate(rows):
             start[j], (prev[j], last[j]), valid[j] = r.start, r.tokens, 1
-            blocks = r.block_ids[: -(-(r.start + p) // self.block_size)]
-            tables[j, : len(blocks)] = blocks
             greedy[j] = r.temperature <= 0
             temperature[j] = r.temperature if r.temperature > 0 else 1.0
-        staged = self.staging.upload(values.size)
+        staged = self._upload_with_tables(values, self._num_inputs, size, blocks)
         self._inputs.copy_(staged[: self._num_inputs])
-        self.block_tables[:size, :cols].copy_(staged[self._num_inputs :].view(size, cols))
         self._replay(n, size, any(r.temperature > 0 for r in rows), generator)
         return self.tokens[:, :n], self.dists[:, :n]
 
@@ -268,16 +265,9 @@ class DraftLoopGraphs:
         size = graph_size_for(n, self.sizes)
         assert size is not None
         v = verified.shape[0] // 2
-        cols = max(len(b) for b in block_ids)
-        values = self.staging.host(n + size * cols)
+        values = self.staging.host(n + size * max(len(b) for b in block_ids))
         values[:n] = order
-        tables = values[n:].reshape(size, cols)
-        tables[:] = 0
-        for j, blocks in enumerate(block_ids):
-            tables[j, : len(blocks)] = blocks
-        staged = self.staging.upload(values.size)
-        self.block_tables[:size, :cols].copy_(staged[n:].view(size, cols))
-        where = staged[:n]
+        where = self._upload_with_tables(values, n, size, block_ids)[:n]
         if min(order) < 0:  # rows no request drafts from any more: padding from now on
             self._valid[:n].mul_(where >= 0)
             where = where.clamp_min(0)
@@ -288,6 +278,20 @@ class DraftLoopGraphs:
         self._start[:n].add_(accepted + 1)
         self._replay(n, size, is_random, generator)
         return self.tokens[:, :n], self.dists[:, :n]
+
+    def _upload_with_tables(
+        self, values: np.ndarray, offset: int, size: int, block_ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Writes the rows' block tables [size, cols] (zeros past each row's blocks and past the rows)
+        into the staged `values` from `offset`, uploads it all, fills `block_tables`; the staged copy."""
+        cols = max(len(b) for b in block_ids)
+        tables = values[offset : offset + size * cols].reshape(size, cols)
+        tables[:] = 0
+        for j, blocks in enumerate(block_ids):
+            tables[j, : len(blocks)] = blocks
+        staged = self.staging.upload(offset + size * cols)
+        self.block_tables[:size, :cols].copy_(staged[offset:].view(size, cols))
+        return staged
 
     def _replay(self, n: int, size: int, is_random: bool, generator: torch.Generator | None) -> None:
         if is_random:  # NOTE: greedy rows read no noise (the draw clamps it above 0)

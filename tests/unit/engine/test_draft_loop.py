@@ -127,6 +127,21 @@ def test_loop_serves_temperature_and_greedy_rows_proposing_up_to_its_k():
     assert DraftLoopGraphs.serves([SamplingParams(temperature=0.8, min_tokens=5)], [5], [4], k=4)
 
 
+def _with_a_loop(llm, k: int):  # type: ignore[no-untyped-def]
+    """Gives the engine's draft model a loop graph of k passes (run eagerly on the CPU, through the
+    interpreted kernels) and the fused verification, as on CUDA, which chained runs follow; its proposer."""
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+
+    llm.engine.sampler.fused = True
+    proposer = llm.engine.proposer
+    arch = proposer.arch
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
+    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, k,
+                                    max_batch=4, max_context=llm.engine.max_seq_tokens + k)
+    return proposer
+
+
 @pytest.mark.parametrize(("draft", "adaptive"), [("own", False), ("poor", False), ("poor", True)])
 def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_checkpoints, draft, adaptive):
     """The draft model's proposer with a loop graph (run eagerly here, through the interpreter)
@@ -135,7 +150,6 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
     rejected (one token to catch up); with adaptive K its requests propose fewer than the loop
     drafts, and still draft through it."""
     from engine import SpeculativeConfig
-    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
 
     # NOTE: a poor draft's steps make one token each, every one through the interpreted kernels: fewer of them
     greedy = SamplingParams(max_tokens=24 if draft == "own" else 12, temperature=0.0, ignore_eos=True)
@@ -145,13 +159,7 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
     spec = SpeculativeConfig(method="draft", draft_model=draft_model, num_draft_tokens=3,
                              enable_adaptive_draft_length=adaptive)
     llm = make_llm(block_size=4, speculative=spec)
-    llm.engine.sampler.fused = True  # as on CUDA: the fused verification, which a chained run follows
-    proposer = llm.engine.proposer
-    arch = proposer.arch
-    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
-    backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
-    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
-                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    proposer = _with_a_loop(llm, 3)
     by_pass: list[int] = []  # drafting jobs of each step drafted pass by pass
     pass_by_pass = proposer._pass_by_pass
 
@@ -184,18 +192,10 @@ def test_chained_runs_draft_the_target_s_own_distribution_at_temperature(interpr
     drafted token is rejected. A chained run fed a wrong token or position would draft from
     another distribution and see rejections."""
     from engine import SpeculativeConfig
-    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
 
     spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3)
     llm = make_llm(block_size=4, speculative=spec)
-    llm.engine.sampler.fused = True
-    proposer = llm.engine.proposer
-    arch = proposer.arch
-    attention = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
-    backend = TritonAttention(attention, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16,
-                                                                prefill_block_n=16))
-    proposer.loop = DraftLoopGraphs(proposer.model, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
-                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    proposer = _with_a_loop(llm, 3)
     # The second request stops first: the chained runs go on with its row left as padding.
     params = [SamplingParams(max_tokens=n, temperature=0.8, ignore_eos=True) for n in (24, 10)]
     outputs = llm.generate([[5, 9, 300, 17], list(range(40, 51))], params)
