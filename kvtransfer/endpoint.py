@@ -65,6 +65,16 @@ class TransferEndpoint:
 
         return await self._call(check)
 
+    async def cache_delta(self, epoch: str, cursor: int) -> dict[str, Any]:
+        """What the prefix cache stored and removed since a reader's (epoch, cursor) (engine/cache_events.py),
+        with its block size: routers mirror it to send each prompt where its prefix is cached
+        (protocol.api.CacheDeltaMsg's fields)."""
+
+        def read(engine: EngineCore) -> dict[str, Any]:
+            return {**engine.pool.journal.since(epoch, cursor)._asdict(), "block_size": engine.pool.block_size}
+
+        return await self._call(read)
+
     async def health(self) -> bool:
         return self._error is None and self.loop.is_alive and self.loop.engine.ranks_alive
 

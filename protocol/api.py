@@ -90,11 +90,25 @@ class WorkerStatsMsg(Msg):
     jobs_ended: dict[str, int] = Field(default_factory=dict)  # by final state (prefill_worker/job.py)
 
 
+class CacheDeltaMsg(Msg):
+    """A worker's prefix-cache changes since a router's cursor (engine/cache_events.py's CacheDelta):
+    blocks of `block_size` tokens, named by their chained hashes, STORED (1) or REMOVED (0) in order, or
+    (is_snapshot) every block held now."""
+
+    epoch: str
+    cursor: int
+    is_snapshot: bool
+    kinds: bytes
+    hashes: list[bytes]
+    block_size: int
+
+
 class WorkerAPI(Protocol):
     worker_id: str
 
     async def abort(self, request_id: str) -> bool: ...
     async def stats(self) -> WorkerStatsMsg: ...
+    async def cache_delta(self, epoch: str, cursor: int) -> CacheDeltaMsg: ...
     async def health(self) -> bool: ...
     async def check_integrity(self) -> int: ...
 
@@ -113,4 +127,4 @@ class PrefillAPI(WorkerAPI, Protocol):
     async def prefill(self, task: PrefillTaskMsg, decode: DecodeAPI) -> PrefillResultMsg: ...
 
 
-__all__ = ["DecodeAPI", "PrefillAPI", "WorkerAPI", "WorkerStatsMsg"]
+__all__ = ["CacheDeltaMsg", "DecodeAPI", "PrefillAPI", "WorkerAPI", "WorkerStatsMsg"]

@@ -2,9 +2,9 @@
 wraps its worker's target, a Ray actor handle or (in-process, in tests) the worker object itself,
 and, once given one (`with_channel`), the request channel to it: the calls every request makes
 (submit, prefill_locally, reserve, prefill, abort) and the token batches go over the channel, the
-rest (stats, pairing, the KV hand-off between workers) to the target. Callers never see which. It
-encodes the typed messages going out and decodes those coming back. `invoke` is the one way a
-target's method is called.
+rest (stats, the prefix cache's changes, pairing, the KV hand-off between workers) to the target.
+Callers never see which. It encodes the typed messages going out and decodes those coming back.
+`invoke` is the one way a target's method is called.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 from typing import Any, TypeVar
 
 from kvtransfer.ranked import RankTable
-from protocol.api import WorkerStatsMsg
+from protocol.api import CacheDeltaMsg, WorkerStatsMsg
 from protocol.channel import Call, ChannelAddress, ChannelClient, Refs
 from protocol.messages import (
     GenerateRequestMsg,
@@ -61,6 +61,10 @@ class WorkerClient:
 
     async def stats(self) -> WorkerStatsMsg:
         return await invoke(self.target.stats)
+
+    async def cache_delta(self, epoch: str, cursor: int) -> CacheDeltaMsg:
+        """What the worker's prefix cache stored and removed since (epoch, cursor), or a snapshot of it."""
+        return CacheDeltaMsg(**await invoke(self.target.cache_delta, epoch, cursor))
 
     async def health(self) -> bool:
         return await invoke(self.target.health)

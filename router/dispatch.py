@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.config import SamplingParams
 from engine.validation import InvalidRequestError
-from protocol.api import WorkerStatsMsg
+from protocol.api import CacheDeltaMsg, WorkerStatsMsg
 from protocol.clients import DecodeClient, PrefillClient, WorkerClient
 from router.policy import (
     CacheAwarePolicy,
@@ -68,6 +68,7 @@ from router.policy import (
     create_prefill_rule,
     prefill_rule_names,
 )
+from router.prefix_index import CacheMirror, PrefixIndex
 from protocol.messages import (
     GenerateRequestMsg,
     LeaseMsg,
@@ -290,15 +291,18 @@ class Dispatcher:
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._stall_watch: asyncio.Task[None] | None = None  # fails attempts whose worker went quiet
         self._failed_until: dict[str, float] = {}  # worker id -> clock() until which it gets no new attempt
-        # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker.
+        # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker and by a
+        # mirror of the workers' prefix caches, which the default policy and prefill rule share.
         self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
-        self.policy = policy or CacheAwarePolicy(loads=self.loads.loads, clock=self.loads.clock)
+        self.prefix = PrefixIndex()
+        self.cache = CacheMirror(self.prefix, self._fetch_cache_delta, self.config.load_refresh_s)
+        self.policy = policy or CacheAwarePolicy(loads=self.loads.loads, clock=self.loads.clock, prefix=self.prefix)
         local = self.config.local_prefill
         step_ms = self.config.slo.step_budget_ms
         self.prefill_rule = prefill_rule or create_prefill_rule(
             local.rule, max_short_prompt_tokens=local.max_short_prompt_tokens,
             min_cached_fraction=local.min_cached_fraction, loads=self.loads.loads,
-            step_s=step_ms / 1e3 if step_ms is not None else None, clock=self.loads.clock,
+            step_s=step_ms / 1e3 if step_ms is not None else None, clock=self.loads.clock, prefix=self.prefix,
         )
 
     def num_streaming(self) -> dict[str, int]:
@@ -314,6 +318,12 @@ class Dispatcher:
         if client is None:
             raise KeyError(worker_id)
         return await client.stats()
+
+    async def _fetch_cache_delta(self, worker_id: str, epoch: str, cursor: int) -> CacheDeltaMsg:
+        client = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
+        if client is None:
+            raise KeyError(worker_id)
+        return await client.cache_delta(epoch, cursor)
 
     # ---- the worker set
     def set_workers(self, workers: Workers) -> None:
@@ -360,7 +370,9 @@ class Dispatcher:
         """The token pollers of the decode workers, and the stall watchdog (every attempt starts here)."""
         if self._stall_watch is None or self._stall_watch.done():
             self._stall_watch = asyncio.get_running_loop().create_task(self._watch_stalls())
-        self.loads.track([*self.workers.prefill, *self.workers.decode])
+        worker_ids = [*self.workers.prefill, *self.workers.decode]
+        self.loads.track(worker_ids)
+        self.cache.track(worker_ids)
         now = self.clock()
         for worker_id, handle in self.workers.decode.items():
             task = self._pollers.get(worker_id)
@@ -391,6 +403,7 @@ class Dispatcher:
 
     async def close(self) -> None:
         self.loads.close()
+        self.cache.close()
         tasks = [*self._pollers.values(), *([self._stall_watch] if self._stall_watch is not None else [])]
         for task in tasks:
             task.cancel()

@@ -4,8 +4,9 @@
 believed to hold in its prefix cache, then by queue depth; a decode worker with KV room by the
 smallest running batch, then by free KV blocks. The router learns both without asking per request:
 
-- prefix: `PrefixIndex` remembers the full-block hashes of the prompts this router sent to each
-  prefill worker (bounded, least recently used dropped first) — an estimate, since workers evict;
+- prefix: `PrefixIndex` (router/prefix_index.py) holds, per worker, the full-block hashes its prefix
+  cache reported (mirrored from the worker's journal: what every router replica sent it, less what it
+  evicted) and those of prompts this router sent it since;
 - load: `LoadTracker` refreshes every worker's `stats()` in the background, and the policy adds
   the requests this router assigned since the last refresh.
 
@@ -14,8 +15,8 @@ The Dispatcher takes any DispatchPolicy it is given (tests give their own).
 Prefill rules (disaggregated mode) decide which prompts skip the prefill workers and are computed
 by their decode worker itself: no lease, no KV push, two fewer hops, but the prompt's compute lands
 in that worker's decode batch. `ShortOrCachedRule` (the default) skips for short prompts and for
-prompts a decode worker is believed to hold mostly in its prefix cache (a second PrefixIndex, of
-what each decode worker computed or received); `RemotePrefillRule` never skips. They register by
+prompts a decode worker is believed to hold mostly in its prefix cache (the Dispatcher gives policy
+and rule one PrefixIndex); `RemotePrefillRule` never skips. They register by
 name too (`register_prefill_rule`).
 """
 
@@ -26,13 +27,14 @@ import itertools
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from engine.kv_cache import BlockHash, hash_block, hash_full_blocks
+from engine.kv_cache import BlockHash
 from protocol.api import WorkerStatsMsg
+from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -84,54 +86,6 @@ class DispatchPolicy(Protocol):
         ...
 
     def on_finished(self, worker_id: str) -> None: ...
-
-
-class PrefixIndex:
-    """Per worker, the block hashes of prompts sent there; at most `max_blocks` per worker."""
-
-    def __init__(self, block_size: int, max_blocks: int = 100_000) -> None:
-        self.block_size = block_size
-        self.max_blocks = max_blocks
-        self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
-
-    def hashes(self, prompt: Sequence[int]) -> list[BlockHash]:
-        return hash_full_blocks(prompt, self.block_size, [])
-
-    def add(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
-        blocks = self._blocks.setdefault(worker_id, OrderedDict())
-        for h in hashes:
-            blocks[h] = None
-            blocks.move_to_end(h)
-        while len(blocks) > self.max_blocks:
-            blocks.popitem(last=False)
-
-    def match_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
-        """Leading blocks of `hashes` believed cached on `worker_id`."""
-        blocks = self._blocks.get(worker_id, {})
-        count = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            count += 1
-        return count
-
-    def forget(self, worker_id: str) -> None:
-        self._blocks.pop(worker_id, None)
-
-    def longest_matches(self, prompt: Sequence[int], worker_ids: Sequence[str]) -> dict[str, int]:
-        """Per worker, leading blocks of `prompt` believed cached there. Hashes only as far as some
-        worker still matches: a prompt no one holds costs one hash, not one per block."""
-        matched = dict.fromkeys(worker_ids, 0)
-        live = [w for w in worker_ids if self._blocks.get(w)]
-        parent: BlockHash | None = None
-        for start in range(0, len(prompt) - self.block_size + 1, self.block_size):
-            if not live:
-                break
-            parent = hash_block(parent, prompt[start : start + self.block_size])
-            live = [w for w in live if parent in self._blocks[w]]
-            for w in live:
-                matched[w] += 1
-        return matched
 
 
 class LoadTracker:
@@ -221,9 +175,9 @@ class CacheAwarePolicy:
 
     def __init__(
         self, block_size: int = 16, loads: Mapping[str, WorkerLoad] | None = None, min_free_fraction: float = 0.05,
-        clock: Callable[[], float] = time.monotonic, **_: Any,
+        clock: Callable[[], float] = time.monotonic, prefix: PrefixIndex | None = None, **_: Any,
     ) -> None:
-        self.prefix = PrefixIndex(block_size)
+        self.prefix = prefix if prefix is not None else PrefixIndex(block_size)
         self.sent = SentSinceReport(clock)
         self.min_free_fraction = min_free_fraction
         # NOTE: prefill_order and on_assigned see the same prompt one after the other: hash it once.
@@ -377,11 +331,11 @@ class ShortOrCachedRule:
 
     def __init__(
         self, max_short_prompt_tokens: int = 0, min_cached_fraction: float = 1.0, block_size: int = 16,
-        max_blocks: int = 100_000, **_: Any,
+        max_blocks: int = 100_000, prefix: PrefixIndex | None = None, **_: Any,
     ) -> None:
         self.max_short_prompt_tokens = max_short_prompt_tokens
         self.min_cached_fraction = min_cached_fraction
-        self.prefix = PrefixIndex(block_size, max_blocks)
+        self.prefix = prefix if prefix is not None else PrefixIndex(block_size, max_blocks)
 
     def local_workers(self, prompt: Sequence[int], decode_ids: Sequence[str]) -> tuple[list[str], int]:
         if len(prompt) < self.max_short_prompt_tokens:

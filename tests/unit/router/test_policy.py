@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from protocol.api import WorkerStatsMsg
-from router.policy import CacheAwarePolicy, LoadTracker, PrefixIndex, WorkerLoad, create_prefill_rule
+from router.policy import CacheAwarePolicy, LoadTracker, WorkerLoad, create_prefill_rule
 
 
 def test_prefill_goes_where_the_prefix_was_sent():
@@ -91,16 +91,6 @@ def test_ties_rotate():
     assert firsts == {"a", "b", "c"}
 
 
-def test_prefix_index_is_bounded_lru():
-    index = PrefixIndex(block_size=2, max_blocks=3)
-    index.add("w", index.hashes([1, 2, 3, 4, 5, 6]))
-    assert index.match_blocks("w", index.hashes([1, 2, 3, 4, 9, 9])) == 2
-    index.add("w", index.hashes([7, 8]))  # evicts the oldest block ([1, 2])
-    assert index.match_blocks("w", index.hashes([1, 2, 3, 4])) == 0
-    index.forget("w")
-    assert index.match_blocks("w", index.hashes([7, 8])) == 0
-
-
 def test_load_tracker_refreshes_and_drops_gone_workers():
     async def main():
         calls = []
@@ -142,23 +132,6 @@ def test_short_or_cached_rule_picks_short_prompts_and_prompts_a_decode_worker_mo
     assert remote.local_workers([1, 2, 3], ["d0"]) == ([], 0)
     with pytest.raises(ValueError, match="prefill rule 'nearest' is unknown; known: remote, short_or_cached"):
         create_prefill_rule("nearest")
-
-
-def test_longest_matches_hashes_only_while_some_worker_matches(monkeypatch):
-    from router import policy
-
-    calls = []
-    real = policy.hash_block
-    monkeypatch.setattr(policy, "hash_block", lambda parent, tokens: calls.append(1) or real(parent, tokens))
-    index = PrefixIndex(block_size=2)
-    index.add("a", index.hashes([1, 2, 3, 4, 5, 6]))
-    index.add("b", index.hashes([1, 2, 7, 8]))
-    calls.clear()
-    assert index.longest_matches([1, 2, 3, 4, 9, 9, 9, 9, 9, 9], ["a", "b", "c"]) == {"a": 2, "b": 1, "c": 0}
-    assert len(calls) == 3  # [1, 2] [3, 4] [9, 9], then no worker matches
-    calls.clear()
-    assert index.longest_matches(list(range(50, 90)), ["a", "b"]) == {"a": 0, "b": 0}
-    assert len(calls) == 1
 
 
 def test_local_prefill_config_is_validated():
