@@ -95,15 +95,44 @@ def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
     return out
 
 
-def router_ttft_sum_count(base_url: str) -> tuple[float, float]:
-    total = count = 0.0
-    text = scrape_metrics(base_url.removesuffix("/v1"))
-    for line in text.splitlines():
-        if line.startswith("pdserve:time_to_first_token_seconds_sum"):
-            total += float(line.split()[-1])
-        elif line.startswith("pdserve:time_to_first_token_seconds_count"):
-            count += float(line.split()[-1])
-    return total, count
+# series summed over the server (every router replica, every worker): the router's TTFT histogram, prompt tokens
+# and those found in prefix caches; and per worker (its label), its engine thread's steps and seconds in them
+_SUMMED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
+           "pdserve:prompt_tokens_total", "pdserve:prefix_cache_hit_tokens_total")
+_PER_WORKER = ("pdserve:engine_steps", "pdserve:engine_step_seconds", "pdserve:engine_step_device_seconds")
+
+
+def served_counts(base_url: str) -> dict[str, float]:
+    """The series above from the server's /metrics: `name` summed, or `name{worker}` per worker."""
+    out: dict[str, float] = {}
+    for line in scrape_metrics(base_url.removesuffix("/v1")).splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _SUMMED:
+            out[name] = out.get(name, 0.0) + float(line.split()[-1])
+        elif name in _PER_WORKER:
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            out[f"{name}{{{worker}}}"] = float(line.split()[-1])
+    return out
+
+
+def _served_figures(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """What the server did during the timed run: the share of its prompt tokens served from prefix caches
+    (the warm-up left every prompt cached somewhere: a miss is a prompt sent where it was not), and per
+    worker its steps, their mean wall and device time, and the share of the run its engine thread was in one."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    prompt = delta("pdserve:prompt_tokens_total")
+    workers = sorted({k.split("{", 1)[1][:-1] for k in after if k.startswith("pdserve:engine_steps{")})
+    per_worker = {}
+    for w in workers:
+        steps = delta(f"pdserve:engine_steps{{{w}}}")
+        seconds = delta(f"pdserve:engine_step_seconds{{{w}}}")
+        per_worker[w] = {"steps": int(steps), "step_ms_mean": seconds / steps * 1e3 if steps else None,
+                         "device_ms_mean": delta(f"pdserve:engine_step_device_seconds{{{w}}}") / steps * 1e3
+                         if steps else None, "in_steps_share_of_run": seconds / wall_s}
+    return {"prefix_cache_hit_share": delta("pdserve:prefix_cache_hit_tokens_total") / prompt if prompt else None,
+            "workers_during_run": per_worker}
 
 
 def _config(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
@@ -212,6 +241,9 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
         await _warm_up(client, prompts)
         if clients > 1:
             procs, start_at = await _start_shards(base_url, model, vocab, prompts, max_tokens, jsonl.parent, clients)
+            await asyncio.sleep(max(0.0, start_at - 1.0 - time.perf_counter()))  # NOTE: the shards' warm-ups are over
+        counts_before = await asyncio.to_thread(served_counts, base_url)
+        if clients > 1:
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         cpu_before, wall_before = ray_cpu_seconds(), time.perf_counter()
         if clients == 1:
@@ -229,7 +261,9 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
         busy = dict(sorted(((k, round(v, 3)) for k, v in busy.items() if v >= 0.02), key=lambda kv: -kv[1]))
         # NOTE: the router replicas' summed counts (router/metrics_share.py) are each up to a second old
         await asyncio.sleep(1.5)
-        sum0, count0 = await asyncio.to_thread(router_ttft_sum_count, base_url)
+        counts_after = await asyncio.to_thread(served_counts, base_url)
+        figures.update(_served_figures(counts_before, counts_after, wall))
+        sum0, count0 = (counts_after.get(k, 0.0) for k in _SUMMED[:2])
         ttfts = []
         for i, p in enumerate(ttft_prompts):
             record = await client.send(10_000 + i, _request(p, 2), time.perf_counter())
@@ -237,7 +271,8 @@ async def http_part(base_url: str, model: str, vocab: int, prompts: list[list[in
                 raise RuntimeError(f"TTFT probe failed: {record.error}")
             ttfts.append(record.ttft)
         await asyncio.sleep(1.5)
-        sum1, count1 = await asyncio.to_thread(router_ttft_sum_count, base_url)
+        counts_end = await asyncio.to_thread(served_counts, base_url)
+        sum1, count1 = (counts_end.get(k, 0.0) for k in _SUMMED[:2])
     return {**figures, "clients": clients,
             "ttft_s": ttfts, "cpu_cores_busy_at_256_streams": busy, "cpu_us_per_token_at_256_streams": us_per_token,
             "router_ttft_mean_ms": (sum1 - sum0) / max(1.0, count1 - count0) * 1e3,

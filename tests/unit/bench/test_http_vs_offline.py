@@ -43,3 +43,32 @@ def test_a_client_shard_opens_its_connections_with_its_requests_cut_short_before
     assert sorted(m for m, _ in sent[2:]) == [40, 50] and all(t >= start_at for _, t in sent[2:])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(printed["records"]) == 2 and printed["started"] >= start_at
+
+
+def test_the_server_s_counts_over_the_run_give_its_cache_hits_and_each_worker_s_steps(monkeypatch):
+    import bench.http_vs_offline as hvo
+
+    def page(prompt, hit, steps, seconds):
+        return "\n".join([
+            "# HELP pdserve:prompt_tokens_total Prompt tokens.",
+            f'pdserve:prompt_tokens_total{{model_name="m"}} {prompt}',
+            f'pdserve:prefix_cache_hit_tokens_total{{model_name="m"}} {hit}',
+            'pdserve:time_to_first_token_seconds_sum{model_name="m"} 2.0',
+            'pdserve:time_to_first_token_seconds_count{model_name="m"} 4.0',
+            f'pdserve:engine_steps{{model_name="m",worker="d0"}} {steps}',
+            f'pdserve:engine_step_seconds{{model_name="m",worker="d0"}} {seconds}',
+            f'pdserve:engine_steps{{model_name="m",worker="d1"}} {steps + 10}',
+            f'pdserve:engine_step_seconds{{model_name="m",worker="d1"}} {seconds}',
+            'pdserve:engine_steps_created{model_name="m",worker="d1"} 1.7e9',
+        ])
+
+    pages = iter([page(1000, 100, 50, 1.0), page(3000, 1700, 150, 1.5)])
+    monkeypatch.setattr(hvo, "scrape_metrics", lambda base: next(pages))
+    before, after = hvo.served_counts("http://x/v1"), hvo.served_counts("http://x/v1")
+    assert before["pdserve:time_to_first_token_seconds_count"] == 4.0
+    figures = hvo._served_figures(before, after, wall_s=2.0)
+    assert figures["prefix_cache_hit_share"] == pytest.approx(1600 / 2000)
+    d0 = figures["workers_during_run"]["d0"]
+    assert d0["steps"] == 100 and d0["step_ms_mean"] == pytest.approx(5.0) and d0["device_ms_mean"] == 0.0
+    assert d0["in_steps_share_of_run"] == pytest.approx(0.25)
+    assert set(figures["workers_during_run"]) == {"d0", "d1"}
