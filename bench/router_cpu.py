@@ -7,7 +7,7 @@ CPU per request until the worker had every request (the router's admission of a 
 steps' tokens stream meanwhile). The garbage collector is set as a router replica sets it once built. With --step-ms
 high enough that the router keeps up, every step's token is its own event (no coalescing).
 
-    python -m bench.router_cpu --streams 256 --max-tokens 100 --step-ms 20 [--profile]
+    python -m bench.router_cpu --streams 256 --max-tokens 100 --step-ms 20 [--prompt-len 8] [--profile]
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ class FakeWorker:
                               num_running=len(self.running), num_waiting=0, num_blocks=1000, num_free_blocks=1000)
 
 
-async def one_stream(app: Any, i: int, max_tokens: int, counts: list[int]) -> None:
-    body = json.dumps({"model": DEFAULT_MODEL, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": max_tokens,
+async def one_stream(app: Any, i: int, max_tokens: int, counts: list[int], prompt_len: int) -> None:
+    prompt = [(i * 7919 + k * 31) % 1000 + 4 for k in range(prompt_len)]  # distinct prompts: none shares a block
+    body = json.dumps({"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": max_tokens,
                        "stream": True, "ignore_eos": True, "temperature": 0.6}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
@@ -119,7 +120,7 @@ async def one_stream(app: Any, i: int, max_tokens: int, counts: list[int]) -> No
     await app(scope, receive, send)
 
 
-async def run(streams: int, max_tokens: int, step_s: float) -> dict[str, Any]:
+async def run(streams: int, max_tokens: int, step_s: float, prompt_len: int) -> dict[str, Any]:
     tokenizer = Tokenizer.from_dir(DEFAULT_MODEL_DIR)
     worker = FakeWorker(tokenizer.vocab_size, step_s)
     dispatcher = Dispatcher("r0", Workers.of(prefill={}, decode={"w0": worker}))
@@ -130,7 +131,7 @@ async def run(streams: int, max_tokens: int, step_s: float) -> dict[str, Any]:
     counts = [0]
     started_wall, started_cpu = time.perf_counter(), time.process_time()
     try:
-        await asyncio.gather(*(one_stream(app, i, max_tokens, counts) for i in range(streams)))
+        await asyncio.gather(*(one_stream(app, i, max_tokens, counts, prompt_len) for i in range(streams)))
     finally:
         wall, cpu = time.perf_counter() - started_wall, time.process_time() - started_cpu
         await dispatcher.close()
@@ -141,7 +142,7 @@ async def run(streams: int, max_tokens: int, step_s: float) -> dict[str, Any]:
     tokens = streams * max_tokens
     assert worker.num_submitted == streams and worker.all_submitted_at is not None
     admit_wall, admit_cpu = worker.all_submitted_at[0] - started_wall, worker.all_submitted_at[1] - started_cpu
-    return {"streams": streams, "max_tokens": max_tokens, "step_ms": step_s * 1e3, "wall_s": wall, "cpu_s": cpu,
+    return {"streams": streams, "max_tokens": max_tokens, "prompt_len": prompt_len, "step_ms": step_s * 1e3, "wall_s": wall, "cpu_s": cpu,
             "tokens": tokens, "sse_events": counts[0], "worker_steps": worker.num_steps,
             "cpu_us_per_token": cpu / tokens * 1e6, "tokens_per_s": tokens / wall,
             # until the worker had every request: the router's admission (and the first tokens' streaming)
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--prompt-len", type=int, default=8, help="token ids a prompt (issue 29's workload: 100-1,024)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the last repeat, top 30 by own time")
     args = parser.parse_args()
@@ -161,7 +163,7 @@ def main() -> None:
         profiler = cProfile.Profile() if args.profile and i == args.repeats - 1 else None
         if profiler:
             profiler.enable()
-        rows.append(asyncio.run(run(args.streams, args.max_tokens, args.step_ms / 1e3)))
+        rows.append(asyncio.run(run(args.streams, args.max_tokens, args.step_ms / 1e3, args.prompt_len)))
         if profiler:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(30)

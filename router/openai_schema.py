@@ -271,8 +271,10 @@ class _SamplingRequest(_Request):
             raise from_validation_error(err, names) from None
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _are_token_ids(values: list[Any]) -> bool:
+    """Every value a JSON integer (not a bool). One pass in C: 256 prompts of 560 ids at once spent 0.26 ms each
+    in a Python test per id, on the router's event loop."""
+    return set(map(type, values)) == {int}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -290,11 +292,11 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and value:
-            if all(_is_token_id(t) for t in value):
+            if _are_token_ids(value):
                 return [value]
             if all(isinstance(p, str) for p in value):
                 return value
-            if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            if all(isinstance(p, list) and p and _are_token_ids(p) for p in value):
                 return value
         raise ValueError("must be a non-empty string, list of strings, list of token ids, or list of token-id lists")
 

@@ -363,6 +363,10 @@ def test_body_limit_with_and_without_content_length(disagg):
         (b'{"model": "default", "prompt": "hi", "echo": true}', "echo", "not supported"),
         (b'{"model": "default", "prompt": "hi", "n": 9}', "n", "at most 8"),
         (b'{"model": "default", "prompt": [5, 2048]}', "prompt", "outside the vocabulary [0, 2048)"),
+        (b'{"model": "default", "prompt": [5, -1, 7]}', "prompt", "prompt[1]: token id -1 is outside the vocabulary"),
+        (b'{"model": "default", "prompt": [5, true]}', "prompt", "list of token ids"),  # a bool is no token id
+        (b'{"model": "default", "prompt": [5, 1.5]}', "prompt", "list of token ids"),
+        (b'{"model": "default", "prompt": [[5], [6, false]]}', "prompt", "list of token ids"),
         (b'{"model": "default", "messages": 5}', "messages", "valid list"),
         # valid JSON that is not text: a lone UTF-16 surrogate
         (b'{"model": "default", "prompt": "a\\ud800b"}', "prompt", "lone surrogate"),
