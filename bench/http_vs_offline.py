@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -99,7 +100,8 @@ def ray_cpu_seconds() -> dict[int, tuple[str, float]]:
 # and those found in prefix caches; and per worker (its label), its engine thread's steps and seconds in them
 _SUMMED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
            "pdserve:prompt_tokens_total", "pdserve:prefix_cache_hit_tokens_total")
-_PER_WORKER = ("pdserve:engine_steps", "pdserve:engine_step_seconds", "pdserve:engine_step_device_seconds")
+_PER_WORKER = ("pdserve:engine_steps", "pdserve:engine_step_seconds", "pdserve:engine_step_device_seconds",
+               "pdserve:worker_requests_joined")
 
 
 def served_counts(base_url: str) -> dict[str, float]:
@@ -128,11 +130,15 @@ def _served_figures(before: dict[str, float], after: dict[str, float], wall_s: f
     for w in workers:
         steps = delta(f"pdserve:engine_steps{{{w}}}")
         seconds = delta(f"pdserve:engine_step_seconds{{{w}}}")
-        per_worker[w] = {"steps": int(steps), "step_ms_mean": seconds / steps * 1e3 if steps else None,
+        per_worker[w] = {"requests": int(delta(f"pdserve:worker_requests_joined{{{w}}}")),
+                         "steps": int(steps), "step_ms_mean": seconds / steps * 1e3 if steps else None,
                          "device_ms_mean": delta(f"pdserve:engine_step_device_seconds{{{w}}}") / steps * 1e3
                          if steps else None, "in_steps_share_of_run": seconds / wall_s}
+    count = delta("pdserve:time_to_first_token_seconds_count")
     return {"prefix_cache_hit_share": delta("pdserve:prefix_cache_hit_tokens_total") / prompt if prompt else None,
-            "workers_during_run": per_worker}
+            # admitted at a router -> its first token there (the client's TTFT adds its send, HTTP, the reply)
+            "router_ttft_mean_ms_during_run": delta("pdserve:time_to_first_token_seconds_sum") / count * 1e3
+            if count else None, "workers_during_run": per_worker}
 
 
 def _config(base_url: str, model: str, vocab: int, prompts: list[list[int]], max_tokens: list[int],
@@ -149,7 +155,8 @@ def _figures(m: Any) -> dict[str, Any]:
     return {"output_tokens": m.total_completion_tokens, "duration_s": m.duration_s,
             "output_tok_per_s": m.output_token_throughput, "num_completed": m.num_completed,
             "num_errored": m.num_errored, "num_off_length": m.num_off_length,
-            "ttft_median_ms_at_256_streams": m.ttft_ms.median, "tpot_median_ms_at_256_streams": m.tpot_ms.median}
+            "ttft_median_ms_at_256_streams": m.ttft_ms.median, "ttft_ms_at_256_streams": dataclasses.asdict(m.ttft_ms),
+            "tpot_median_ms_at_256_streams": m.tpot_ms.median}
 
 
 async def _timed_run(client: Any, config: Any) -> tuple[Any, float, float, float]:
@@ -202,8 +209,6 @@ async def _warm_up(client: Any, prompts: list[list[int]]) -> None:
 def client_shard_main(args: argparse.Namespace) -> None:
     """One client process of _start_shards: its shard's requests cut short (its connections opened), then at
     once from args.start_at; prints its records."""
-    import dataclasses
-
     from loadgen.cli import client_for
 
     rows = [json.loads(line) for line in args.client_shard.read_text().splitlines()]

@@ -34,6 +34,8 @@ ROW_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("num_running", "pdserve:num_requests_running", "Requests in a worker's running batch."),
     ("num_waiting", "pdserve:num_requests_waiting", "Requests waiting in a worker."),
     ("num_preemptions", "pdserve:num_preemptions", "Preemptions since the worker started."),
+    ("num_requests", "pdserve:worker_requests_joined",
+     "Requests that joined a decode worker's batch since it started (how evenly the routers spread them)."),
     # what the 'slo' prefill rule, the step budget and the autoscaler read of each engine's speed
     ("decode_step_s", "pdserve:decode_step_seconds",
      "A worker's measured time of a step that only decodes (0: not measured yet)."),

@@ -53,9 +53,10 @@ def test_the_server_s_counts_over_the_run_give_its_cache_hits_and_each_worker_s_
             "# HELP pdserve:prompt_tokens_total Prompt tokens.",
             f'pdserve:prompt_tokens_total{{model_name="m"}} {prompt}',
             f'pdserve:prefix_cache_hit_tokens_total{{model_name="m"}} {hit}',
-            'pdserve:time_to_first_token_seconds_sum{model_name="m"} 2.0',
-            'pdserve:time_to_first_token_seconds_count{model_name="m"} 4.0',
+            f'pdserve:time_to_first_token_seconds_sum{{model_name="m"}} {seconds * 4}',
+            f'pdserve:time_to_first_token_seconds_count{{model_name="m"}} {steps // 10}',
             f'pdserve:engine_steps{{model_name="m",worker="d0"}} {steps}',
+            f'pdserve:worker_requests_joined{{model_name="m",worker="d0"}} {steps // 10}',
             f'pdserve:engine_step_seconds{{model_name="m",worker="d0"}} {seconds}',
             f'pdserve:engine_steps{{model_name="m",worker="d1"}} {steps + 10}',
             f'pdserve:engine_step_seconds{{model_name="m",worker="d1"}} {seconds}',
@@ -65,10 +66,11 @@ def test_the_server_s_counts_over_the_run_give_its_cache_hits_and_each_worker_s_
     pages = iter([page(1000, 100, 50, 1.0), page(3000, 1700, 150, 1.5)])
     monkeypatch.setattr(hvo, "scrape_metrics", lambda base: next(pages))
     before, after = hvo.served_counts("http://x/v1"), hvo.served_counts("http://x/v1")
-    assert before["pdserve:time_to_first_token_seconds_count"] == 4.0
+    assert before["pdserve:time_to_first_token_seconds_count"] == 5.0
     figures = hvo._served_figures(before, after, wall_s=2.0)
     assert figures["prefix_cache_hit_share"] == pytest.approx(1600 / 2000)
+    assert figures["router_ttft_mean_ms_during_run"] == pytest.approx((6.0 - 4.0) / (15 - 5) * 1e3)
     d0 = figures["workers_during_run"]["d0"]
-    assert d0["steps"] == 100 and d0["step_ms_mean"] == pytest.approx(5.0) and d0["device_ms_mean"] == 0.0
+    assert d0["requests"] == 10 and d0["steps"] == 100 and d0["step_ms_mean"] == pytest.approx(5.0) and d0["device_ms_mean"] == 0.0
     assert d0["in_steps_share_of_run"] == pytest.approx(0.25)
     assert set(figures["workers_during_run"]) == {"d0", "d1"}

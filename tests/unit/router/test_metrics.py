@@ -70,10 +70,11 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
                                follower_call_seconds=0.5,
                                follower_longest_call_seconds=0.125, gc_seconds=0.75,
                                longest_recent_gc_seconds=0.0625, follower_gc_seconds=1.25,
-                               follower_longest_gc_seconds=0.25)]
+                               follower_longest_gc_seconds=0.25, num_requests=77)]
 
     lines = _lines(asyncio.run(PrometheusMetrics("m", worker_stats=worker_stats).render()))
     assert lines['pdserve:engine_steps{model_name="m",worker="d0"}'] == 1200
+    assert lines['pdserve:worker_requests_joined{model_name="m",worker="d0"}'] == 77
     assert lines['pdserve:engine_step_seconds{model_name="m",worker="d0"}'] == 14.5
     assert lines['pdserve:engine_command_seconds{model_name="m",worker="d0"}'] == 0.75
     assert lines['pdserve:engine_longest_recent_step_seconds{model_name="m",worker="d0"}'] == 0.18
