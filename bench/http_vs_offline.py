@@ -206,7 +206,7 @@ async def _warm_up(client: Any, prompts: list[list[int]]) -> None:
         raise RuntimeError(f"warm-up failed: {[r.error for r in warm if not r.is_success][:3]}")
 
 
-WARM_LEAD_S = 6.0  # a client shard's warm-up starts this long before the common start (at most)
+WARM_LEAD_S = 10.0  # a client shard warms up this long before the common start: under aiohttp's 15 s keep-alive
 
 
 def client_shard_main(args: argparse.Namespace) -> None:
