@@ -1,22 +1,25 @@
 """router.prefix_index: what a router believes each worker's prefix cache holds. Its predictions (prompts
 it sent) are bounded; the workers' journals, mirrored by CacheMirror, make it exact up to the last read,
 whatever another router replica sent and whatever a worker evicted. Two routers in one process over the
-same two colocated workers (no Ray): the second sends every prompt the first warmed to the worker that
-holds it."""
+same workers (no Ray), two colocated ones, or two prefill workers and a decode worker: the second router
+sends every prompt the first warmed to the worker that holds it."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 
+import pytest
+
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
 from engine.cache_events import REMOVED, STORED
 from engine.llm import engine_config
 from kvtransfer import LocalHub
+from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from protocol.api import CacheDeltaMsg
 from router import Dispatcher, Workers
-from router.dispatch import DispatcherConfig
+from router.dispatch import DispatcherConfig, LocalPrefillConfig
 from router.prefix_index import CacheMirror, PrefixIndex
 
 
@@ -106,10 +109,16 @@ def test_the_mirror_reads_from_each_worker_s_cursor_and_forgets_workers_gone():
     asyncio.run(main())
 
 
-def _worker(worker_id: str) -> DecodeWorker:
+def _worker(worker_id: str, hub: LocalHub | None = None) -> DecodeWorker:
     engine = engine_config(device="cpu", block_size=8, num_blocks=256)
     return DecodeWorker(DecodeWorkerConfig(worker_id=worker_id, engine=engine, transport="local"),
-                        transport_options={"hub": LocalHub()})
+                        transport_options={"hub": hub or LocalHub()})
+
+
+def _prefill_worker(worker_id: str, hub: LocalHub) -> PrefillWorker:
+    engine = engine_config(device="cpu", block_size=8, num_blocks=256)
+    return PrefillWorker(PrefillWorkerConfig(worker_id=worker_id, engine=engine, transport="local"),
+                         transport_options={"hub": hub})
 
 
 async def _cached_tokens(dispatcher: Dispatcher, prompts: list[list[int]], tag: str) -> list[int]:
@@ -124,23 +133,34 @@ async def _cached_tokens(dispatcher: Dispatcher, prompts: list[list[int]], tag: 
     return list(await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 120))
 
 
-def test_a_second_router_sends_prompts_where_the_first_router_s_left_them_cached():
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_a_second_router_sends_prompts_where_the_first_router_s_left_them_cached(mode):
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 2048) for _ in range(rng.randrange(24, 64))] for _ in range(12)]
     full_blocks = [len(p) // 8 * 8 - (8 if len(p) % 8 == 0 else 0) for p in prompts]  # a last token is computed
-    config = DispatcherConfig(load_refresh_s=0.02)
+    # disaggregated: every prompt through one of two prefill workers (the prefill rule 'remote')
+    local = LocalPrefillConfig(rule="remote" if mode == "disaggregated" else "short_or_cached")
+    config = DispatcherConfig(load_refresh_s=0.02, local_prefill=local)
 
     async def main():
-        workers_list = [_worker("d0"), _worker("d1")]
-        workers = Workers.of(prefill={}, decode={w.worker_id: w for w in workers_list})
+        hub = LocalHub()
+        if mode == "colocated":
+            holders = [_worker("d0"), _worker("d1")]
+            workers_list = holders
+            workers = Workers.of(prefill={}, decode={w.worker_id: w for w in holders})
+        else:
+            holders = [_prefill_worker("p0", hub), _prefill_worker("p1", hub)]
+            workers_list = [*holders, _worker("d0", hub)]
+            workers = Workers.of(prefill={w.worker_id: w for w in holders}, decode={"d0": workers_list[2]})
+        names = [w.worker_id for w in holders]
         first, second = (Dispatcher(name, workers, poll_timeout_s=0.2, config=config) for name in ("rA", "rB"))
         try:
             assert await _cached_tokens(first, prompts, "cold") == [0] * len(prompts)
             assert await _cached_tokens(first, prompts, "again") == full_blocks  # the router that sent them
             await _cached_tokens(second, [[1, 2, 3]], "start")  # its mirror starts with its first request
             index = second.prefix
-            for _ in range(500):  # NOTE: polled, at most 5 s, until it has read both workers' caches
-                if all(max(index.match_blocks(w, index.hashes(p)) for w in ("d0", "d1")) for p in prompts):
+            for _ in range(500):  # NOTE: polled, at most 5 s, until it has read the workers' caches
+                if all(max(index.match_blocks(w, index.hashes(p)) for w in names) for p in prompts):
                     break
                 await asyncio.sleep(0.01)
             assert await _cached_tokens(second, prompts, "other") == full_blocks
@@ -152,4 +172,4 @@ def test_a_second_router_sends_prompts_where_the_first_router_s_left_them_cached
             await w.shutdown()
         return held
 
-    assert asyncio.run(main()) == [0, 0]
+    assert asyncio.run(main()) == [0] * (2 if mode == "colocated" else 3)
