@@ -313,17 +313,17 @@ class Dispatcher:
                 counts[attempt.worker_id] = counts.get(attempt.worker_id, 0) + 1
         return counts
 
-    async def _fetch_stats(self, worker_id: str) -> WorkerStatsMsg:
+    def _client(self, worker_id: str) -> WorkerClient:
         client = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
         if client is None:
             raise KeyError(worker_id)
-        return await client.stats()
+        return client
+
+    async def _fetch_stats(self, worker_id: str) -> WorkerStatsMsg:
+        return await self._client(worker_id).stats()
 
     async def _fetch_cache_delta(self, worker_id: str, epoch: str, cursor: int) -> CacheDeltaMsg:
-        client = self.workers.decode.get(worker_id) or self.workers.prefill.get(worker_id)
-        if client is None:
-            raise KeyError(worker_id)
-        return await client.cache_delta(epoch, cursor)
+        return await self._client(worker_id).cache_delta(epoch, cursor)
 
     # ---- the worker set
     def set_workers(self, workers: Workers) -> None:
