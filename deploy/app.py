@@ -49,4 +49,4 @@ def build_app(args: dict[str, Any] | ServeAppConfig) -> Application:
                                max_ongoing_requests=max(100, config.router.max_in_flight))
     metrics_dir = config.metrics_dir or str(Path(tempfile.gettempdir()) / f"pdserve-metrics-{uuid.uuid4().hex[:12]}")
     return ingress.bind(controller, config.router, str(model_dir), max_model_len, config.dispatch, grpc=config.grpc,
-                        http=config.http, metrics_dir=metrics_dir)
+                        http=config.http, metrics_dir=metrics_dir, block_size=engine.cache.block_size)

@@ -278,7 +278,10 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         policy: DispatchPolicy | None = None,
         prefill_rule: PrefillRule | None = None,
+        block_size: int = 16,
     ) -> None:
+        """block_size: the workers' KV block size, which the prefix index hashes prompts in (it adopts the
+        workers' own once it reads their caches; prompts sent before that are remembered in this one)."""
         self.router_id = router_id
         self.on_prefill_result = on_prefill_result  # metrics: prefill and KV-push timings
         self.workers = workers
@@ -294,7 +297,7 @@ class Dispatcher:
         # Which worker first: by default cache-aware (prefix, then load), fed by a load tracker and by a
         # mirror of the workers' prefix caches, which the default policy and prefill rule share.
         self.loads = LoadTracker(self._fetch_stats, self.config.load_refresh_s)
-        self.prefix = PrefixIndex()
+        self.prefix = PrefixIndex(block_size)
         self.cache = CacheMirror(self.prefix, self._fetch_cache_delta, self.config.load_refresh_s)
         self.policy = policy or CacheAwarePolicy(loads=self.loads.loads, clock=self.loads.clock, prefix=self.prefix)
         local = self.config.local_prefill

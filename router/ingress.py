@@ -39,7 +39,7 @@ class RouterIngress:
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors
         self, controller: Any, config: RouterConfig, model_dir: str, max_model_len: int,
         dispatch: DispatcherConfig | None = None, refresh_s: float = 1.0, grpc: ListenAddress | None = None,
-        http: ListenAddress | None = None, metrics_dir: str | None = None,
+        http: ListenAddress | None = None, metrics_dir: str | None = None, block_size: int = 16,
     ) -> None:
         from ray.actor import ActorHandle
 
@@ -53,7 +53,7 @@ class RouterIngress:
         self.publishing: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
             self.router_id, Workers(prefill={}, decode={}), config=dispatch,
-            on_prefill_result=lambda result: self.core.on_prefill_result(result),
+            on_prefill_result=lambda result: self.core.on_prefill_result(result), block_size=block_size,
         )
         # NOTE: a scrape reaches any replica of the node (a shared port, or Serve's proxy): each shares its counts
         metrics = PrometheusMetrics(config.model_name, worker_stats=self._worker_stats, replica=self.router_id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -133,6 +134,19 @@ async def _cached_tokens(dispatcher: Dispatcher, prompts: list[list[int]], tag: 
     return list(await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 120))
 
 
+async def _settled(dispatcher: Dispatcher, names: list[str], prompts: list[list[int]]) -> None:
+    """Until the workers' loads were reported after now (the prompts this router sent count as queued till
+    then, and could outweigh a cached prefix) and its index has a home for every prompt; polled, at most 5 s."""
+    now = time.monotonic()
+    index = dispatcher.prefix
+    for _ in range(500):
+        loads = dispatcher.loads.loads
+        if all(w in loads and loads[w].fetched_at > now for w in names) and all(
+                max(index.match_blocks(w, index.hashes(p)) for w in names) for p in prompts):
+            return
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_a_second_router_sends_prompts_where_the_first_router_s_left_them_cached(mode):
     rng = random.Random(0)
@@ -153,16 +167,14 @@ def test_a_second_router_sends_prompts_where_the_first_router_s_left_them_cached
             workers_list = [*holders, _worker("d0", hub)]
             workers = Workers.of(prefill={w.worker_id: w for w in holders}, decode={"d0": workers_list[2]})
         names = [w.worker_id for w in holders]
-        first, second = (Dispatcher(name, workers, poll_timeout_s=0.2, config=config) for name in ("rA", "rB"))
+        first, second = (Dispatcher(name, workers, poll_timeout_s=0.2, config=config, block_size=8)
+                         for name in ("rA", "rB"))
         try:
             assert await _cached_tokens(first, prompts, "cold") == [0] * len(prompts)
+            await _settled(first, names, prompts)
             assert await _cached_tokens(first, prompts, "again") == full_blocks  # the router that sent them
             await _cached_tokens(second, [[1, 2, 3]], "start")  # its mirror starts with its first request
-            index = second.prefix
-            for _ in range(500):  # NOTE: polled, at most 5 s, until it has read the workers' caches
-                if all(max(index.match_blocks(w, index.hashes(p)) for w in names) for p in prompts):
-                    break
-                await asyncio.sleep(0.01)
+            await _settled(second, names, prompts)
             assert await _cached_tokens(second, prompts, "other") == full_blocks
         finally:
             await first.close()
