@@ -22,9 +22,7 @@ name too (`register_prefill_rule`).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import logging
 import math
 import time
 from collections import deque
@@ -35,8 +33,8 @@ from typing import Any, ClassVar, Protocol
 from engine.kv_cache import BlockHash
 from protocol.api import WorkerStatsMsg
 from router.prefix_index import PrefixIndex
+from router.worker_refresh import WorkerRefresh
 
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,31 +86,24 @@ class DispatchPolicy(Protocol):
     def on_finished(self, worker_id: str) -> None: ...
 
 
-class LoadTracker:
+class LoadTracker(WorkerRefresh):
     """The workers' last reported load, refreshed every `interval_s` by one stats() call each."""
 
     def __init__(self, fetch: Callable[[str], Awaitable[WorkerStatsMsg]], interval_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(interval_s)
         self.fetch = fetch
-        self.interval_s = interval_s
         self.clock = clock
         self.loads: dict[str, WorkerLoad] = {}
-        self._task: asyncio.Task[None] | None = None
-        self.worker_ids: list[str] = []
 
-    def track(self, worker_ids: Sequence[str]) -> None:
-        self.worker_ids = list(worker_ids)
-        for gone in set(self.loads) - set(worker_ids):
+    def _forget_all_but(self, kept: set[str]) -> None:
+        for gone in set(self.loads) - kept:
             del self.loads[gone]
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
 
     async def refresh(self) -> None:
-        ids = list(self.worker_ids)
         fetched_at = self.clock()
-        rows = await asyncio.gather(*(asyncio.wait_for(self.fetch(i), 2.0) for i in ids), return_exceptions=True)
-        for worker_id, row in zip(ids, rows):
-            if isinstance(row, WorkerStatsMsg):
+        for worker_id, row in await self._ask_each(self.fetch):
+            if isinstance(row, WorkerStatsMsg) and worker_id in self.worker_ids:
                 push = row.push_totals
                 self.loads[worker_id] = WorkerLoad(
                     worker_id, row.num_running, row.num_waiting, row.num_free_blocks, row.num_blocks, row.role,
@@ -120,18 +111,6 @@ class LoadTracker:
                     push.push_bytes / push.push_seconds if push.push_seconds > 0 else 0.0, fetched_at,
                     row.max_num_seqs,
                 )
-
-    async def _refresh_forever(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except Exception as err:  # noqa: BLE001 - a failed refresh keeps the last loads
-                log.debug("load refresh failed: %s", err)
-            await asyncio.sleep(self.interval_s)
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
 
 class SentSinceReport:

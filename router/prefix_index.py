@@ -10,7 +10,6 @@ removal replaces the prediction of that block.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from engine.cache_events import STORED
 from engine.kv_cache import BlockHash, hash_block, hash_full_blocks
 from protocol.api import CacheDeltaMsg
+from router.worker_refresh import WorkerRefresh
 
 log = logging.getLogger(__name__)
 
@@ -91,47 +91,29 @@ class PrefixIndex:
         return matched
 
 
-class CacheMirror:
+class CacheMirror(WorkerRefresh):
     """Keeps `index` up to date with every tracked worker's prefix cache: one `fetch(worker_id, epoch,
     cursor)` a worker every `interval_s`, in the background."""
 
     def __init__(self, index: PrefixIndex, fetch: Callable[[str, str, int], Awaitable[CacheDeltaMsg]],
                  interval_s: float = 0.25) -> None:
+        super().__init__(interval_s)
         self.index = index
         self.fetch = fetch
-        self.interval_s = interval_s
-        self.worker_ids: list[str] = []
         self._cursors: dict[str, tuple[str, int]] = {}  # worker -> (its journal's epoch, where the next read starts)
-        self._task: asyncio.Task[None] | None = None
 
-    def track(self, worker_ids: Sequence[str]) -> None:
-        self.worker_ids = list(worker_ids)
-        for gone in set(self._cursors) - set(worker_ids):
+    def _forget_all_but(self, kept: set[str]) -> None:
+        for gone in set(self._cursors) - kept:
             del self._cursors[gone]
             self.index.forget(gone)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
 
     async def refresh(self) -> None:
-        ids = list(self.worker_ids)
-        cursors = [self._cursors.get(i, ("", -1)) for i in ids]
-        deltas = await asyncio.gather(*(asyncio.wait_for(self.fetch(i, *c), 2.0) for i, c in zip(ids, cursors)),
-                                      return_exceptions=True)
-        for worker_id, delta in zip(ids, deltas):
+        def read(worker_id: str) -> Awaitable[CacheDeltaMsg]:
+            return self.fetch(worker_id, *self._cursors.get(worker_id, ("", -1)))
+
+        for worker_id, delta in await self._ask_each(read):
             if isinstance(delta, CacheDeltaMsg) and worker_id in self.worker_ids:
                 self.index.apply(worker_id, delta)
                 self._cursors[worker_id] = (delta.epoch, delta.cursor)
             elif isinstance(delta, BaseException):
                 log.debug("prefix cache read of %s failed: %s", worker_id, delta)
-
-    async def _refresh_forever(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except Exception as err:  # noqa: BLE001 - a failed read keeps what the index believed
-                log.debug("prefix cache refresh failed: %s", err)
-            await asyncio.sleep(self.interval_s)
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
