@@ -222,9 +222,8 @@ def client_shard_main(args: argparse.Namespace) -> None:
         async with client_for(config) as client:
             # NOTE: its shard at once, cut short, as the one client's warm-up does: the timed run then streams over
             # connections already open (the two-worker runs' shards, started cold, saw TTFT medians of 0.5-1.0 s
-            # at 256 streams a worker against 0.3 s with one warmed client). Warmed WARM_LEAD_S before the start
-            # at most: aiohttp closes a connection idle 15 s, and shards that warmed up on starting had every
-            # timed request open a new connection (client TTFT p99 1.3-1.7 s where the routers' was 52-109 ms).
+            # at 256 streams a worker against 0.3 s with one warmed client). Warmed WARM_LEAD_S before the start:
+            # aiohttp closes a connection idle 15 s, so shards that warmed up on starting opened new ones anyway.
             await asyncio.sleep(max(0.0, args.start_at - WARM_LEAD_S - time.perf_counter()))
             await _warm_up(client, [r["prompt"] for r in rows])
             if time.perf_counter() > args.start_at:

@@ -142,7 +142,8 @@ async def run(streams: int, max_tokens: int, step_s: float, prompt_len: int) -> 
     tokens = streams * max_tokens
     assert worker.num_submitted == streams and worker.all_submitted_at is not None
     admit_wall, admit_cpu = worker.all_submitted_at[0] - started_wall, worker.all_submitted_at[1] - started_cpu
-    return {"streams": streams, "max_tokens": max_tokens, "prompt_len": prompt_len, "step_ms": step_s * 1e3, "wall_s": wall, "cpu_s": cpu,
+    return {"streams": streams, "max_tokens": max_tokens, "prompt_len": prompt_len, "step_ms": step_s * 1e3,
+            "wall_s": wall, "cpu_s": cpu,
             "tokens": tokens, "sse_events": counts[0], "worker_steps": worker.num_steps,
             "cpu_us_per_token": cpu / tokens * 1e6, "tokens_per_s": tokens / wall,
             # until the worker had every request: the router's admission (and the first tokens' streaming)

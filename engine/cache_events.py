@@ -48,13 +48,13 @@ class CacheJournal:
         return self._first + len(self._hashes)
 
     def stored(self, block_hash: bytes) -> None:
-        self._kinds.append(STORED)
-        self._hashes.append(block_hash)
-        if len(self._hashes) >= 2 * self.capacity:
-            self._trim()
+        self._add(STORED, block_hash)
 
     def removed(self, block_hash: bytes) -> None:
-        self._kinds.append(REMOVED)
+        self._add(REMOVED, block_hash)
+
+    def _add(self, kind: int, block_hash: bytes) -> None:
+        self._kinds.append(kind)
         self._hashes.append(block_hash)
         if len(self._hashes) >= 2 * self.capacity:
             self._trim()

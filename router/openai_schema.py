@@ -272,8 +272,8 @@ class _SamplingRequest(_Request):
 
 
 def _are_token_ids(values: list[Any]) -> bool:
-    """Every value a JSON integer (not a bool). One pass in C: 256 prompts of 560 ids at once spent 0.26 ms each
-    in a Python test per id, on the router's event loop."""
+    """Every value a JSON integer (not a bool), in one pass in C: a Python test per id cost each long prompt
+    tens of microseconds of the router's event loop."""
     return set(map(type, values)) == {int}
 
 

@@ -36,7 +36,6 @@ from router.prefix_index import PrefixIndex
 from router.worker_refresh import WorkerRefresh
 
 
-
 @dataclass(frozen=True)
 class WorkerLoad:
     worker_id: str

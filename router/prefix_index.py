@@ -61,12 +61,14 @@ class PrefixIndex:
                 held.discard(h)
             predicted.pop(h, None)
 
+    def _holds(self, worker_id: str, block: BlockHash) -> bool:
+        return block in self._held.get(worker_id, ()) or block in self._predicted.get(worker_id, ())
+
     def match_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of `hashes` believed cached on `worker_id`."""
-        held, predicted = self._held.get(worker_id, ()), self._predicted.get(worker_id, ())
         count = 0
         for h in hashes:
-            if h not in held and h not in predicted:
+            if not self._holds(worker_id, h):
                 break
             count += 1
         return count
@@ -85,7 +87,7 @@ class PrefixIndex:
             if not live:
                 break
             parent = hash_block(parent, prompt[start : start + self.block_size])
-            live = [w for w in live if parent in self._held.get(w, ()) or parent in self._predicted.get(w, ())]
+            live = [w for w in live if self._holds(w, parent)]
             for w in live:
                 matched[w] += 1
         return matched

@@ -258,10 +258,7 @@ class DraftModelProposer:
         tokens, dists = loop.chain(verified, [-1 if j is None else order[j.request.request_id] for j in looped],
                                    [[] if j is None else j.seq.block_ids for j in looped], is_random, generator)
         if is_random:
-            run_dists = dists.clone()  # NOTE: the loop's next run overwrites its output; a draft may wait longer
-            for row, j in enumerate(rows):
-                if j is not None:
-                    j.row_dists = (run_dists, row)
+            _keep_row_dists(rows, dists)
         self._unread = [pending for pending in self._unread if not pending.is_done]
         self._unread.append(_DraftRead(rows, [(tokens[i], rows) for i in range(k)]))
         self._chained = rows
@@ -363,13 +360,11 @@ class DraftModelProposer:
             j.seq.num_trusted = len(j.seq.token_ids)
             j.start = row.start
         self._looped = list(drafting)
-        # NOTE: the loop's next run overwrites its output, and a draft left unscheduled waits for longer
-        run_dists = dists.clone() if any(not r.params.is_greedy for r in requests) else None
-        for row, j in enumerate(drafting):
+        for j in drafting:
             j.seq.token_ids.extend([PLACEHOLDER] * (k - 1))  # d_1 .. d_{K-1} were fed
             j.token_ids.extend([PLACEHOLDER] * k)
-            if run_dists is not None:
-                j.row_dists = (run_dists, row)
+        if any(not r.params.is_greedy for r in requests):
+            _keep_row_dists(drafting, dists)
         passes.extend((tokens[i], drafting) for i in range(k))
         return True
 
@@ -435,6 +430,15 @@ class DraftModelProposer:
             raise IntegrityError(
                 f"the draft pool holds {self.pool.num_held_blocks} blocks, its requests claim {claimed}"
             )
+
+
+def _keep_row_dists(rows: Sequence[_Job | None], dists: torch.Tensor) -> None:
+    """Gives each job its row of a loop run's distributions [K, rows, vocab], copied once for the run: the
+    loop's next run overwrites its output, and a draft left unscheduled waits for longer."""
+    kept = dists.clone()
+    for row, j in enumerate(rows):
+        if j is not None:
+            j.row_dists = (kept, row)
 
 
 class _DraftRead:
