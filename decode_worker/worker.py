@@ -212,13 +212,11 @@ class DecodeWorker(TransferEndpoint):
         return arrived
 
     async def prefill_locally(self, local: bytes) -> bytes:
-        """A request whose prompt is computed here unless it would wait: disaggregated, one that skips
-        the prefill workers; colocated, the router's first try of each worker (`needs_seat`). Computes
-        its prompt here (prefix-cache hits reused, chunked into the running batch like any prompt) and
-        decodes it, as `submit` does. Answers a LocalPrefillReplyMsg; declined (nothing changed, the
-        router goes through a prefill worker, or to another worker) when draining, when it needs a seat
-        and the running batch is full, when the prompt's blocks cannot be had now, or when the prefix
-        cache holds fewer than `min_cached_tokens` of it."""
+        """Disaggregated mode, a request that skips the prefill workers: computes its prompt here
+        (prefix-cache hits reused, chunked into the running batch like any prompt) and decodes it,
+        as `submit` does. Answers a LocalPrefillReplyMsg; declined (nothing changed, the router
+        goes through a prefill worker) when draining, when the prompt's blocks cannot be had now,
+        or when the prefix cache holds fewer than `min_cached_tokens` of it."""
         self._bind()
         msg = LocalPrefillMsg.decode(local)
         request = msg.request
@@ -228,7 +226,7 @@ class DecodeWorker(TransferEndpoint):
             raise ValueError(f"request {request.request_id!r} already has a lease or runs here")
 
         def admit(engine: EngineCore) -> LocalPrefillReplyMsg:
-            reply = _local_admission(engine, request.prompt_token_ids, msg.min_cached_tokens, msg.needs_seat)
+            reply = _local_admission(engine, request.prompt_token_ids, msg.min_cached_tokens)
             if reply.accepted:
                 engine.add_request(request.request_id, request.prompt_token_ids, request.params,
                                    num_prior_output_tokens=request.num_prior_output_tokens)
@@ -511,33 +509,29 @@ class DecodeWorker(TransferEndpoint):
         self.transport.close()
 
 
-def _local_admission(engine: EngineCore, prompt: list[int], min_cached_tokens: int,
-                     needs_seat: bool) -> LocalPrefillReplyMsg:
-    """Ask, then act: whether a prompt may be prefilled here now. A seat means fewer requests here
-    than max_num_seqs; room means blocks for the whole prompt and its first token (as a lease would
-    take) beyond what the waiting requests will take; cached prefix blocks are not subtracted (an idle
-    one counts as free already). The prompt is hashed only to check `min_cached_tokens`."""
-    max_num_seqs, num_here = engine.config.scheduler.max_num_seqs, engine.scheduler.num_unfinished
-    if needs_seat and num_here >= max_num_seqs:
-        return LocalPrefillReplyMsg(accepted=False,
-                                    reason=f"no seat: {num_here} requests here, max_num_seqs {max_num_seqs}")
+def _local_admission(engine: EngineCore, prompt: list[int], min_cached_tokens: int) -> LocalPrefillReplyMsg:
+    """Ask, then act: whether a prompt may be prefilled here now. Room means blocks for the whole
+    prompt and its first token (as a lease would take) beyond what the waiting requests will take;
+    cached prefix blocks are not subtracted (an idle one counts as free already)."""
     pool = engine.pool
     block_size = pool.block_size
-    if min_cached_tokens > 0:
-        max_hit_blocks = (len(prompt) - 1) // block_size  # the last token is always computed
-        hits = pool.find_cached_prefix(hash_full_blocks(prompt, block_size, [])[:max_hit_blocks])
-        num_cached = len(hits) * block_size
-        if num_cached < min_cached_tokens:
-            return LocalPrefillReplyMsg(
-                accepted=False, reason=f"{num_cached} prompt tokens cached here, fewer than {min_cached_tokens}")
+    max_hit_blocks = (len(prompt) - 1) // block_size  # the last token is always computed
+    hits = pool.find_cached_prefix(hash_full_blocks(prompt, block_size, [])[:max_hit_blocks])
+    num_cached = len(hits) * block_size
+    if num_cached < min_cached_tokens:
+        return LocalPrefillReplyMsg(
+            accepted=False, reason=f"{num_cached} prompt tokens cached here, fewer than {min_cached_tokens}",
+            num_cached_tokens=num_cached,
+        )
     num_waiting_blocks = sum(-(-(r.num_tokens + 1) // block_size) for r in engine.scheduler.waiting)
     num_blocks = -(-(len(prompt) + 1) // block_size)
     if not pool.can_allocate(num_blocks + num_waiting_blocks):
         return LocalPrefillReplyMsg(
-            accepted=False, reason=f"{num_blocks} KV blocks for the prompt cannot be had ({pool.num_free_blocks} free, "
+            accepted=False, num_cached_tokens=num_cached,
+            reason=f"{num_blocks} KV blocks for the prompt cannot be had ({pool.num_free_blocks} free, "
             f"{num_waiting_blocks} wanted by waiting requests)",
         )
-    return LocalPrefillReplyMsg(accepted=True)
+    return LocalPrefillReplyMsg(accepted=True, num_cached_tokens=num_cached)
 
 
 def _refusal(lease: Lease | None, msg: KvReadyMsg) -> str:

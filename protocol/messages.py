@@ -65,15 +65,12 @@ class LocalPrefillMsg(Msg):
     # Decline unless the prefix cache holds at least this many leading prompt tokens (0: no condition):
     # the router's belief about the decode worker's cache, checked where the cache is.
     min_cached_tokens: int = 0
-    # Decline when the worker's requests already fill its running batch (max_num_seqs): the prompt
-    # would wait there for a sequence to end. Colocated routers ask this first, so that replicas
-    # that cannot see each other's sends within a burst still fill every worker's seats.
-    needs_seat: bool = False
 
 
 class LocalPrefillReplyMsg(Msg):
     accepted: bool
-    reason: str = ""  # why not: draining, no seat, no room for the prompt's blocks, too little of it cached
+    reason: str = ""  # why not: draining, no room for the prompt's blocks, too little of it cached
+    num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache
 
 
 class ReserveMsg(Msg):

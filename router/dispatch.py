@@ -3,10 +3,7 @@ other workers when the ones it is on fail.
 
 Disaggregated: reserve a lease on a decode worker, then one call to a prefill worker with the
 request and the lease -> first token (the prefill worker pushes the KV after answering) -> the
-decode worker's token batches. Colocated: submit to one worker -> its token batches; with several
-workers, each in the policy's order is first asked to take the request only if it has a seat
-(`prefill_locally` with `needs_seat`: fewer requests there than max_num_seqs, blocks for the prompt),
-and the policy's first choice takes it anyway when none has.
+decode worker's token batches. Colocated: submit to one worker -> its token batches.
 Disaggregated, a prompt the prefill rule picks (DispatcherConfig.local_prefill: a short one, or one
 a decode worker mostly holds in its prefix cache) skips the prefill workers: its decode worker
 computes it itself (`prefill_locally`) and streams its tokens as a colocated worker would; if no
@@ -293,7 +290,6 @@ class Dispatcher:
         self.clock = clock
         self.num_migrations = 0  # attempts started after a failed one, since start
         self.num_local_prefills = 0  # disaggregated attempts prefilled on their decode worker, since start
-        self.num_seat_declines = 0  # colocated workers that had no seat for an attempt asked to take it, since start
         self._attempts: dict[str, _Attempt] = {}  # attempt id -> the attempt, while it runs
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._stall_watch: asyncio.Task[None] | None = None  # fails attempts whose worker went quiet
@@ -538,38 +534,12 @@ class Dispatcher:
     async def _submit_colocated(self, attempt: _Attempt, progress: _Progress) -> None:
         prompt = attempt.request.prompt_token_ids
         usable = await self._wait_for_workers("colocated", lambda: self.workers.decode, progress.failed_workers, prompt)
-        if len(usable) > 1 and await self._seat_colocated(attempt, usable):
-            return
         worker_id, client = usable[0]
         self._place(attempt, client)
         self.policy.on_sent(worker_id, prompt)
         if len(usable) > 1:  # NOTE: hashed by colocated_order just now; with one worker it goes unhashed
             self.policy.on_prompt(worker_id, prompt)
         await self._call_placed(worker_id, client.submit(attempt.request), "colocated worker")
-
-    async def _seat_colocated(self, attempt: _Attempt, usable: list[tuple[str, DecodeClient]]) -> bool:
-        """Places the attempt on the first worker, in the policy's order, that has a seat for it (asked:
-        other router replicas' sends within a burst are not in this one's loads); workers last reported
-        full are not asked. False: none took it, nothing was placed."""
-        prompt = attempt.request.prompt_token_ids
-        seated = LocalPrefillMsg(request=attempt.request, needs_seat=True)
-        for worker_id, client in usable:
-            if not self.loads.has_seat(worker_id):
-                continue
-            self._place(attempt, client)
-            # NOTE: counted before the call goes, for requests arriving together; a decline leaves it counted
-            # until the worker's next report, which steers the burst's next prompts elsewhere, as it should.
-            self.policy.on_sent(worker_id, prompt)
-            reply = await self._call_placed(worker_id, client.prefill_locally(seated), "colocated worker")
-            if reply.accepted:
-                self.policy.on_prompt(worker_id, prompt)
-                return True
-            log.debug("colocated worker %s declined %s: %s", worker_id, attempt.request.request_id, reply.reason)
-            self.num_seat_declines += 1
-            self.policy.on_finished(worker_id)
-            attempt.worker_id = None
-            attempt.touched.pop()
-        return False
 
     def _place(self, attempt: _Attempt, client: DecodeClient) -> None:
         """The attempt now runs on the worker. NOTE: before the call: its first tokens may be polled

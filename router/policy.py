@@ -99,11 +99,6 @@ class LoadTracker(WorkerRefresh):
         for gone in set(self.loads) - kept:
             del self.loads[gone]
 
-    def has_seat(self, worker_id: str) -> bool:
-        """Whether a worker's last report left a seat in its running batch (True: not reported yet, or no cap)."""
-        load = self.loads.get(worker_id)
-        return load is None or not load.max_num_seqs or load.num_running + load.num_waiting < load.max_num_seqs
-
     async def refresh(self) -> None:
         fetched_at = self.clock()
         for worker_id, row in await self._ask_each(self.fetch):

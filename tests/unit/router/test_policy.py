@@ -118,17 +118,6 @@ def test_load_tracker_refreshes_and_drops_gone_workers():
     asyncio.run(main())
 
 
-def test_load_tracker_says_which_workers_reported_a_seat():
-    tracker = LoadTracker(None, clock=lambda: 5.0)
-    tracker.loads.update({
-        "free": WorkerLoad("free", 62, 1, max_num_seqs=64),
-        "full": WorkerLoad("full", 60, 4, max_num_seqs=64),  # waiting requests take seats too
-        "uncapped": WorkerLoad("uncapped", 500, 0),
-    })
-    assert [w for w in ("free", "full", "uncapped", "unreported") if tracker.has_seat(w)] == [
-        "free", "uncapped", "unreported"]
-
-
 def test_short_or_cached_rule_picks_short_prompts_and_prompts_a_decode_worker_mostly_holds():
     rule = create_prefill_rule("short_or_cached", max_short_prompt_tokens=8, min_cached_fraction=0.75, block_size=4)
     assert rule.local_workers([1, 2, 3], ["d0", "d1"]) == (["d0", "d1"], 0)  # short: any, no condition
