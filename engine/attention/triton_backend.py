@@ -59,6 +59,10 @@ class TritonAttentionConfig:
     decode_block_n: int = 64  # keys per tile of the decode kernel
     decode_num_warps: int = 4
     decode_num_stages: int = 2
+    # The decode kernel's tiles over an FP8 cache (its dots in float16: bench.diag.fp8_decode_attention's sweep)
+    decode_fp8_block_n: int = 128
+    decode_fp8_num_warps: int = 4
+    decode_fp8_num_stages: int = 3
     prefill_block_m: int = 128  # rows (query tokens x group heads) per prefill program
     prefill_block_n: int = 64  # keys per tile of the prefill kernel
     prefill_num_warps: int = 8
@@ -69,7 +73,7 @@ class TritonAttentionConfig:
     graph_max_context: int | None = None  # fixed context bound for decode launch sizes (CUDA graphs)
 
     def __post_init__(self) -> None:
-        for name in ("decode_block_n", "prefill_block_m", "prefill_block_n"):
+        for name in ("decode_block_n", "decode_fp8_block_n", "prefill_block_m", "prefill_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16 (tl.dot tile)")
@@ -79,17 +83,24 @@ class TritonAttentionConfig:
         if self.graph_max_context is not None and self.graph_max_context < 1:
             raise ValueError(f"graph_max_context={self.graph_max_context} must be at least 1 or None")
 
+    def decode_tiles(self, fp8_cache: bool) -> tuple[int, int, int]:
+        """(keys a tile, warps, stages) of the decode kernel over a cache of FP8 or another dtype."""
+        if fp8_cache:
+            return self.decode_fp8_block_n, self.decode_fp8_num_warps, self.decode_fp8_num_stages
+        return self.decode_block_n, self.decode_num_warps, self.decode_num_stages
+
 
 def decode_split_plan(
-    num_decode_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, config: TritonAttentionConfig
+    num_decode_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, config: TritonAttentionConfig,
+    fp8_cache: bool = False,
 ) -> tuple[int, int]:
     """(num_splits, tokens_per_split) for a decode launch: enough programs to fill the device,
-    splits of at least min_split_tokens keys, tokens_per_split a multiple of decode_block_n, and
-    num_splits * tokens_per_split >= max_context."""
+    splits of at least min_split_tokens keys, tokens_per_split a multiple of the decode tile's keys
+    (`decode_tiles(fp8_cache)`), and num_splits * tokens_per_split >= max_context."""
     programs = max(1, num_decode_seqs * num_kv_heads)
     wanted = _cdiv(config.target_programs_per_sm * num_sms, programs)
     num_splits = max(1, min(wanted, _cdiv(max_context, config.min_split_tokens), config.max_splits))
-    block_n = config.decode_block_n
+    block_n = config.decode_tiles(fp8_cache)[0]
     tokens_per_split = _cdiv(_cdiv(max_context, num_splits), block_n) * block_n
     return _cdiv(max_context, tokens_per_split), tokens_per_split
 
@@ -138,18 +149,19 @@ class TritonAttention:
             )
         twin = TritonAttention(self.spec, dataclasses.replace(self.config, graph_max_context=max_context))
         twin.is_graph_mode = True
-        numel = max(twin._graph_workspace_numel(b, device) for b in batch_sizes)
+        # NOTE: the cache's dtype is not known here: room for the larger workspace of either tile plan
+        numel = max(twin._graph_workspace_numel(b, device, fp8) for b in batch_sizes for fp8 in (False, True))
         twin._workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
         return twin
 
-    def _graph_split_plan(self, num_seqs: int, device: torch.device) -> tuple[int, int]:
+    def _graph_split_plan(self, num_seqs: int, device: torch.device, fp8_cache: bool) -> tuple[int, int]:
         assert self.config.graph_max_context is not None
         return decode_split_plan(
-            num_seqs, self.spec.num_kv_heads, self.config.graph_max_context, self._sms(device), self.config
+            num_seqs, self.spec.num_kv_heads, self.config.graph_max_context, self._sms(device), self.config, fp8_cache
         )
 
-    def _graph_workspace_numel(self, num_seqs: int, device: torch.device) -> int:
-        num_splits, _ = self._graph_split_plan(num_seqs, device)
+    def _graph_workspace_numel(self, num_seqs: int, device: torch.device, fp8_cache: bool) -> int:
+        num_splits, _ = self._graph_split_plan(num_seqs, device, fp8_cache)
         return self._kernels.decode_workspace_numel(num_seqs, self.spec.num_heads, num_splits, self.spec.head_dim)
 
     def forward(
@@ -180,14 +192,16 @@ class TritonAttention:
                         f"a decode context of {max_context} tokens exceeds graph_max_context={cfg.graph_max_context}"
                     )
                 max_context = cfg.graph_max_context
+            fp8 = k_cache.dtype == torch.float8_e4m3fn
             num_splits, tokens_per_split = decode_split_plan(
-                num_decode, spec.num_kv_heads, max_context, self._sms(q.device), cfg
+                num_decode, spec.num_kv_heads, max_context, self._sms(q.device), cfg, fp8
             )
+            block_n, num_warps, num_stages = cfg.decode_tiles(fp8)
             self._kernels.decode_attention(
                 q, k_cache, v_cache, out, *tensors,
                 scale=spec.scale, sliding_window=spec.sliding_window,
                 num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-                block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+                block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             )  # fmt: skip
         if num_decode < meta.num_seqs:
             self._prefill.prefill_attention(
@@ -218,13 +232,15 @@ class TritonAttention:
         self._kernels.check_dtype("q", q)
         self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device)
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device, fp8)
         cfg, spec = self.config, self.spec
+        block_n, num_warps, num_stages = cfg.decode_tiles(fp8)
         self._kernels.decode_attention(
             q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
             scale=spec.scale, sliding_window=spec.sliding_window,
             num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-            block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+            block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             workspace=self._workspace,
         )  # fmt: skip
         return out

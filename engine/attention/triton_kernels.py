@@ -133,13 +133,15 @@ def _decode_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) attends the GROUP
     query heads of kv_head over the split-th of num_splits even parts (whole BLOCK_N tiles) of the
     sequence's keys (its context, clipped to the window). Sequences whose query count is
     not 1 are left to the prefill kernel. IS_SPLIT: write unnormalised partials (acc, max, sum) for
-    `_decode_reduce_kernel`; else the one split covers the whole context and writes `out`."""
+    `_decode_reduce_kernel`; else the one split covers the whole context and writes `out`.
+    F16_DOTS (an FP8 cache, bfloat16 queries): the dots take float16 operands, the queries clamped to
+    its range: E4M3 converts to float16 exactly in one instruction, where bfloat16 takes several."""
     after_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,6 +165,8 @@ def _decode_kernel(
         q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if F16_DOTS:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -329,7 +333,8 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **options,
+        PRECISION=dot_precision(q.dtype), F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages, **options,
     )  # fmt: skip
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](

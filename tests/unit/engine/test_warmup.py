@@ -57,18 +57,20 @@ def test_steps_reach_every_row_class_and_both_decode_plans():
     small = [r for r in rows if r <= INT4.WORDS_MAX_ROWS]
     assert {INT4.words_config(r, 4096, 4096, 64) for r in small} == {(16, 8), (32, 8), (64, 4)}
     assert any(r > INT4.WORDS_MAX_ROWS for r in rows)
-    # Decode launched with its keys split over programs, and whole; beside prompts and alone.
+    # Decode launched with its keys split over programs, and whole; beside prompts and alone; over a
+    # cache of either tile plan (bfloat16's, FP8's).
     config, num_kv_heads = TritonAttentionConfig(), 8
-    splits = [
-        decode_split_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config)[0]
-        for ctx in map(_decode_contexts, steps)
-        if ctx
-    ]
-    assert max(splits) > 1 and min(splits) == 1
-    # One decode row alone (every kernel launched early), its keys split and whole.
     alone = [_decode_contexts(seqs) for seqs in steps if _rows(seqs) == PDL.PDL_ANY_MAX_ROWS == len(seqs)]
-    assert {decode_split_plan(1, num_kv_heads, ctx[0], H100_SMS, config)[0] > 1 for ctx in alone if ctx} == {
-        True, False}
+    for fp8 in (False, True):
+        splits = [
+            decode_split_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config, fp8)[0]
+            for ctx in map(_decode_contexts, steps)
+            if ctx
+        ]
+        assert max(splits) > 1 and min(splits) == 1
+        # One decode row alone (every kernel launched early), its keys split and whole.
+        assert {decode_split_plan(1, num_kv_heads, ctx[0], H100_SMS, config, fp8)[0] > 1
+                for ctx in alone if ctx} == {True, False}
 
 
 def test_steps_run_on_the_interpreted_kernels_in_one_block():

@@ -59,9 +59,11 @@ def interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 # Small tiles: fewer interpreted operations. Decode contexts > 16 split into 16-key splits (the
 # interpreter counts as 8 SMs; 64 programs a SM are never reached here).
 SMALL = TritonAttentionConfig(
-    decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16, target_programs_per_sm=64
+    decode_block_n=16, decode_fp8_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16,
+    target_programs_per_sm=64,
 )
-TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3}}
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+             torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 @dataclass
@@ -174,6 +176,19 @@ def test_fp8_cache_matches_reference(dtype):
     assert batch.k.float().abs().max() > 448
     check_against_reference(batch, magnitude=150.0)
     assert batch.k_cache.dtype == torch.float8_e4m3fn
+
+
+def test_fp8_cache_decodes_bfloat16_queries_through_float16_dots():
+    """Decode-only batches of bfloat16 queries over an FP8 cache (the served FP8 KV path: its dots in
+    float16, its own tiles), one split and several, against the reference."""
+    seqs = [(1, 70), (1, 45), (1, 3), (1, 17), (1, 1), (1, 32)]
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, seed=3,
+                       cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
+    assert decode_split_plan(len(seqs), 2, 70, 8, SMALL, fp8_cache=True)[0] > 1
+    check_against_reference(batch, magnitude=150.0)
+    one_split = dataclasses.replace(SMALL, target_programs_per_sm=1, decode_fp8_block_n=32)
+    assert decode_split_plan(len(seqs), 2, 70, 8, one_split, fp8_cache=True)[0] == 1
+    check_against_reference(batch, one_split, magnitude=150.0)
 
 
 def test_k_and_v_as_strided_views_of_a_fused_qkv_projection():
