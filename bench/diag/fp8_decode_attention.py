@@ -10,6 +10,9 @@ blocks), one layer's decode launch over a paged cache of random non-contiguous b
   (q clamped to its range)), how it loads K (`cols`: a [head_dim, keys] tile as the product, `rows`: [keys,
   head_dim] then transposed), keys a tile, warps and stages;
 each beside the floor (K/V bytes / the copy bandwidth), with its error against the product's FP8 output.
+The committed result (`fp8_decode_attention_nvidia-h200.json`) was taken when the product's FP8 path was the
+lab's `bf16, cols, 64, 4, 2`; the product has taken `f16, cols, 128, 4, 3` since, so a run now times that as
+"product fp8".
 
     python -m bench.diag.fp8_decode_attention --out DIR
 """
