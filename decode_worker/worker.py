@@ -106,7 +106,7 @@ class DecodeWorker(TransferEndpoint):
         engine = engine if engine is not None else EngineCore(config.engine, start_ranks=start_ranks)
         engine.itl_budget_ms = config.engine.scheduler.itl_budget_ms  # NOTE: a kept engine may have had it off
         self.block_size = engine.pool.block_size
-        self.layout = model_layout(engine.runner.kv_caches, engine.arch.num_kv_heads)
+        self.layout = model_layout(engine.runner.kv_caches, engine.arch.num_kv_heads, engine.kv_scales)
         draft = engine.draft_kv  # a draft model's cache: a prefill worker may send a prompt's KV for it
         self.draft_layout, self.draft_fingerprint = (KvLayout.from_kv(draft[0]), draft[1]) if draft else (None, None)
         host = resolve_host(config.host)

@@ -337,6 +337,7 @@ def status_command(args: argparse.Namespace) -> int:
     for row in rows:
         if not isinstance(row, str) and row.weights:
             print(f"engine of {row.worker_id}: weights {row.weights}, KV cache {row.kv_cache_dtype}"
+                  + (f" ({row.kv_scales} scales)" if row.kv_scales else "")
                   + (f", {row.parallel}" if row.parallel else ""))
     if trace is not None:
         args.trace.write_text(json.dumps(trace))

@@ -139,7 +139,7 @@ class EngineCore:
         parts = build_parts(config, self.model_dir, self.device, self.dtype, self.tp)
         arch = parts.arch
         self.arch: ArchConfig = arch
-        model, self.kv_dtype = parts.model, parts.kv_dtype
+        model, self.kv_dtype, self.kv_scales = parts.model, parts.kv_dtype, parts.kv_scales
         self.weights = (f"fp8 projections on the {model.fp8_path} path" if model.fp8_path is not None
                         else f"4-bit projections on the {model.int4_path} path" if model.int4_path is not None
                         else str(self.dtype).removeprefix("torch."))
@@ -147,7 +147,10 @@ class EngineCore:
             f"TP={self.tp.group.size}, small all-reduces on "
             + ("symmetric memory" if self.tp.group.reduces_symmetrically
                else "NCCL" if self.device.type == "cuda" else "gloo"))
-        log.info("pdserve engine: %s on %s, weights %s%s", config.model.model, self.device, self.weights,
+        fp8_cache = self.kv_dtype == torch.float8_e4m3fn
+        self.kv_scales_kind = ("checkpoint" if self.kv_scales is not None else "unit") if fp8_cache else ""
+        log.info("pdserve engine: %s on %s, weights %s, KV cache %s%s%s", config.model.model, self.device, self.weights,
+                 str(self.kv_dtype).removeprefix("torch."), f" ({self.kv_scales_kind} scales)" if fp8_cache else "",
                  self.parallel and f", {self.parallel}")
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.max_model_len = max_model_len(arch, config.model.max_model_len)
@@ -725,7 +728,8 @@ class EngineCore:
             kv_bytes_per_token=self.block_bytes * (self.tp.shard.size if self.tp is not None else 1)
             // self.pool.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,
-            weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), parallel=self.parallel,
+            weights=self.weights, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_scales=self.kv_scales_kind, parallel=self.parallel,
             num_alloc_retries=retries + others.alloc_retries, num_device_frees=frees + others.device_frees,
             step_device_seconds=self.rates.device_seconds, step_wait_seconds=self.wait_seconds,
             grammar_work_seconds=self.grammars.work_seconds,

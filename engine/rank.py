@@ -21,7 +21,9 @@ from engine.models import DEFAULT_MODEL_DIR, ArchConfig, LlamaForCausalLM, build
 from engine.models.arch import load_arch
 from engine.models.gguf_file import GGUFMetadata, arch_from_gguf, find_gguf
 from engine.models.gguf_tokenizer import checkpoint_dir
+from engine.models.loader import checkpoint_kv_scales
 from engine.parallel import TensorParallel
+from engine.quant.kv_scales import KvScales
 from engine.runner import ModelRunner, StepLeader
 from engine.sizing import num_kv_blocks
 from engine.warmup import warm_up_runner
@@ -67,6 +69,7 @@ class RankParts:
     local_arch: ArchConfig  # this rank's heads and rows (the whole model's without tensor parallelism)
     backend: AttentionBackend
     kv_dtype: torch.dtype  # the cache's (CacheConfig.kv_cache_dtype)
+    kv_scales: KvScales | None  # an FP8 cache's per-layer scales from the checkpoint (None: a unit scale)
     block_bytes: int  # this rank's KV bytes per block
 
 
@@ -80,7 +83,11 @@ def build_parts(config: EngineConfig, model_dir: Path, device: torch.device, dty
                          local.sliding_window)
     backend = create_backend(m.attention_backend, spec, device)
     kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-    return RankParts(model, arch, local, backend, kv_dtype, bytes_per_block(local, config.cache.block_size, kv_dtype))
+    fp8_cache = kv_dtype == torch.float8_e4m3fn
+    scales = checkpoint_kv_scales(model_dir, m.load_format, arch.num_layers) if fp8_cache else None
+    model.set_kv_scales(scales)
+    return RankParts(model, arch, local, backend, kv_dtype, scales,
+                     bytes_per_block(local, config.cache.block_size, kv_dtype))
 
 
 def build_cache(config: EngineConfig, parts: RankParts, device: torch.device, max_model_len: int,

@@ -35,6 +35,7 @@ class EngineStats:
     max_num_seqs: int = 0  # the running batch's cap (SchedulerConfig.max_num_seqs)
     weights: str = ""  # how its projections are stored and multiplied (EngineCore.weights)
     kv_cache_dtype: str = ""
+    kv_scales: str = ""  # an FP8 cache's scales: "checkpoint" (per layer, from it) or "unit"; "" for another cache
     parallel: str = ""  # a tensor-parallel worker's ranks and its small all-reduces' path (EngineCore.parallel)
     # Where the engine thread's time went, since start (engine/loop.py fills them; 0 without a loop): steps
     # taken, wall seconds inside them and inside the commands run between them (requests joining, stats)

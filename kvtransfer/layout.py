@@ -29,7 +29,7 @@ DTYPES: tuple[str, ...] = (
 )
 
 # Version tag at the head of the int encoding: a peer speaking another encoding fails loudly.
-_INTS_MAGIC = 0x4B56_0001  # "KV", version 1
+_INTS_MAGIC = 0x4B56_0002  # "KV", version 2 (version 1 had no KV scales)
 _KV_NDIM = 6
 
 
@@ -50,28 +50,34 @@ class KvLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # a name from DTYPES, e.g. "float16"
+    # an FP8 cache's per-layer scales, as engine/quant/kv_scales.py fingerprints them (0: a unit scale):
+    # blocks stored under one layer's scales mean other values under another's
+    scales: int = 0
 
-    # [magic, num_layers, block_size, num_kv_heads, head_dim, dtype index]
-    NUM_INTS = 6
+    # [magic, num_layers, block_size, num_kv_heads, head_dim, dtype index, scales]
+    NUM_INTS = 7
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KvLayout.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.scales, int) or not 0 <= self.scales < 1 << 31:
+            raise ValueError(f"KvLayout.scales must be a 31-bit fingerprint, got {self.scales!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"KvLayout.dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPES)}")
 
     @classmethod
-    def from_kv(cls, kv: torch.Tensor) -> KvLayout:
-        """The layout of a cache tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    def from_kv(cls, kv: torch.Tensor, scales: int = 0) -> KvLayout:
+        """The layout of a cache tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim] holding
+        values under the KV scales of fingerprint `scales`."""
         if kv.dim() != _KV_NDIM or kv.shape[1] != 2:
             raise ValueError(
                 "a KV cache must have shape [layers, 2, num_blocks, block_size, kv_heads, head_dim]; "
                 f"got {tuple(kv.shape)}"
             )
         layers, _, _, block_size, kv_heads, head_dim = kv.shape
-        return cls(layers, block_size, kv_heads, head_dim, _dtype_name(kv.dtype))
+        return cls(layers, block_size, kv_heads, head_dim, _dtype_name(kv.dtype), scales)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -84,7 +90,7 @@ class KvLayout:
     def to_ints(self) -> torch.Tensor:
         """Fixed-length int64 encoding, [NUM_INTS], for exchanging over a process group."""
         values = [_INTS_MAGIC, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                  DTYPES.index(self.dtype)]
+                  DTYPES.index(self.dtype), self.scales]
         return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
@@ -92,26 +98,31 @@ class KvLayout:
         values = [int(v) for v in (ints.tolist() if isinstance(ints, torch.Tensor) else ints)]
         if len(values) != cls.NUM_INTS or values[0] != _INTS_MAGIC:
             raise LayoutMismatchError(
-                f"the peer's layout encoding is not KvLayout v1 (got {values[:cls.NUM_INTS]}); "
+                f"the peer's layout encoding is not KvLayout v2 (got {values[:cls.NUM_INTS]}); "
                 "are both workers running the same pdserve version?"
             )
-        _, layers, block_size, kv_heads, head_dim, dtype_index = values
+        _, layers, block_size, kv_heads, head_dim, dtype_index, scales = values
         if not 0 <= dtype_index < len(DTYPES):
             raise LayoutMismatchError(f"the peer's dtype index {dtype_index} is unknown to this worker "
                                       f"(known: 0..{len(DTYPES) - 1}); upgrade this worker")
-        return cls(layers, block_size, kv_heads, head_dim, DTYPES[dtype_index])
+        return cls(layers, block_size, kv_heads, head_dim, DTYPES[dtype_index], scales)
 
     def check_compatible(self, other: KvLayout) -> None:
         """Raise LayoutMismatchError naming every field that differs ("self" is this worker)."""
+        def shown(layout: KvLayout, name: str) -> object:
+            value = getattr(layout, name)
+            return value if name != "scales" else f"per-layer scales {value:#010x}" if value else "a unit scale"
+
         diffs = [
-            f"{f.name}: this worker has {getattr(self, f.name)}, the peer has {getattr(other, f.name)}"
+            f"{f.name}: this worker has {shown(self, f.name)}, the peer has {shown(other, f.name)}"
             for f in fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         ]
         if diffs:
             raise LayoutMismatchError(
                 "KV layouts differ, so blocks cannot move between these workers: " + "; ".join(diffs)
-                + ". Serve the same model with the same cache config (block_size, kv dtype) on both."
+                + ". Serve the same model (the same checkpoint's KV scales) with the same cache config "
+                "(block_size, kv dtype) on both."
             )
 
 

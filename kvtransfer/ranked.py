@@ -29,6 +29,7 @@ import torch
 
 from engine.parallel import TPGroup, kv_head_range
 from engine.parallel.follower import RankCall
+from engine.quant.kv_scales import KvScales, fingerprint
 from kvtransfer.layout import KvLayout, gather_blocks, scatter_blocks
 from kvtransfer.transport import PairAddress, TransferError, TransferHandle, Transport, create_transport
 
@@ -307,10 +308,10 @@ def _scatter_all(kv: torch.Tensor, first_head: int, received: list[tuple[int, in
         _scatter_heads(kv, lo - first_head, hi - first_head, block_ids, buf)
 
 
-def model_layout(kv: torch.Tensor, num_kv_heads: int) -> KvLayout:
+def model_layout(kv: torch.Tensor, num_kv_heads: int, scales: KvScales | None) -> KvLayout:
     """The layout two workers compare when they pair: the cache's, with the MODEL's KV heads (each
-    rank holds some of them; messages carry the heads of their route)."""
-    return dataclasses.replace(KvLayout.from_kv(kv), num_kv_heads=num_kv_heads)
+    rank holds some of them; messages carry the heads of their route) and its KV scales (EngineCore.kv_scales)."""
+    return dataclasses.replace(KvLayout.from_kv(kv, fingerprint(scales)), num_kv_heads=num_kv_heads)
 
 
 def _shape(layout: KvLayout, num_blocks: int, heads: int) -> tuple[int, ...]:

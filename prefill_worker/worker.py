@@ -66,8 +66,8 @@ class PrefillWorker(TransferEndpoint):
         host = resolve_host(config.host)
         options = kv_transport_options(config.transport, host, transport_options)
         kv = engine.runner.kv_caches
-        self.transport = create_transport(config.transport, self.worker_id, model_layout(kv, engine.arch.num_kv_heads),
-                                          engine.device, **options)
+        layout = model_layout(kv, engine.arch.num_kv_heads, engine.kv_scales)
+        self.transport = create_transport(config.transport, self.worker_id, layout, engine.device, **options)
         # Every rank's share of each push (kvtransfer/ranked.py); with TP=1 this transport alone.
         self.kv = RankedKv(self.worker_id, self.transport, kv, engine.arch.num_kv_heads,
                            engine.tp.group if engine.tp is not None else None, config.transport, options,

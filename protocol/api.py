@@ -51,6 +51,7 @@ class WorkerStatsMsg(Msg):
     max_num_seqs: int = 0  # its running batch's cap (0: not reported)
     weights: str = ""  # e.g. "bfloat16", "fp8 projections on the cuda path" (engine.EngineCore.weights)
     kv_cache_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
+    kv_scales: str = ""  # an FP8 cache's: "checkpoint" (per-layer scales read from it) or "unit"; "" otherwise
     parallel: str = ""  # e.g. "TP=2, small all-reduces on symmetric memory"; "" for one GPU
     # its engine thread since start (engine/stats.py): steps, wall seconds in steps and in commands between
     # them; its CUDA allocator's retried cudaMallocs and its cudaFrees (each free synchronizes the device)

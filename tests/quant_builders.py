@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +142,14 @@ def agrees_until_a_flip(got: list[int], want: list[int], deviations: list[float]
 HF_ATTENTION_MODULES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def fp8_kv_reference(monkeypatch: Any) -> None:
+def fp8_kv_reference(monkeypatch: Any, scales: Sequence[tuple[float, float]] | None = None) -> None:
     """transformers' eager attention (of every test architecture) fed K (after rotary) and V rounded
-    through FP8 E4M3 with a unit scale (saturating at +-448): what an FP8 KV cache holds."""
+    through FP8 E4M3 (saturating at +-448) under a unit scale, or under layer i's (k_scale, v_scale) of
+    `scales` (x / scale rounded, times scale): what an FP8 KV cache holds."""
     import importlib
 
-    def rounded(x: torch.Tensor) -> torch.Tensor:
-        return x.float().clamp(-448, 448).to(FP8).to(x.dtype)
+    def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return ((x.float() / scale).clamp(-448, 448).to(FP8).float() * scale).to(x.dtype)
 
     for name in HF_ATTENTION_MODULES:
         module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -155,7 +157,8 @@ def fp8_kv_reference(monkeypatch: Any) -> None:
 
         def patched(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                     _eager: Any = eager, **kwargs: Any) -> Any:
-            return _eager(attn, query, rounded(key), rounded(value), *args, **kwargs)
+            k_scale, v_scale = scales[attn.layer_idx] if scales is not None else (1.0, 1.0)
+            return _eager(attn, query, rounded(key, k_scale), rounded(value, v_scale), *args, **kwargs)
 
         monkeypatch.setattr(module, "eager_attention_forward", patched)
 

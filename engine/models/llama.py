@@ -13,6 +13,8 @@ all-reduce; logits all-gathered, every rank gets the full row).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,6 +98,9 @@ class Attention(nn.Module):
         self.o_proj = linear_layer(self.q_size, hidden, arch.o_bias)
         self.qk_norm = arch.qk_norm
         self.eps = arch.rms_norm_eps
+        # (k_scale, v_scale) of an FP8 cache that holds K / k_scale and V / v_scale (engine/quant/kv_scales.py);
+        # None: the cache holds K and V as they are
+        self.kv_scales: tuple[float, float] | None = None
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
@@ -117,7 +122,11 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = ops.norm_rope_qk(qk, self.num_heads, cos, sin, self.q_norm.weight if self.qk_norm else None,
                                 self.k_norm.weight if self.qk_norm else None, self.eps)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        if self.kv_scales is None:
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        else:  # NOTE: q . k unchanged, the output of the values' sums scaled back
+            k_scale, v_scale = self.kv_scales
+            out = backend.forward(q * k_scale, k / k_scale, v / v_scale, kv_cache[0], kv_cache[1], meta) * v_scale
         return row_parallel(self.o_proj, out.reshape(tokens, self.q_size), ops, tp)
 
 
@@ -220,6 +229,13 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding((input_ids - start).masked_fill(outside, 0), self.model.embed_tokens.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.tp.group.all_reduce_later(x) if self.ops.triton else self.tp.group.all_reduce(x)
+
+    def set_kv_scales(self, scales: Sequence[tuple[float, float]] | None) -> None:
+        """Each layer's (k_scale, v_scale) of an FP8 cache (None: a unit scale)."""
+        if scales is not None and len(scales) != len(self.model.layers):
+            raise ValueError(f"{len(scales)} KV-cache scales for {len(self.model.layers)} layers")
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_scales = None if scales is None else tuple(scales[i])
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Triton kernels for RMSNorm (+ residual), q/k norm + rotary, SwiGLU and the quantized

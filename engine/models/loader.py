@@ -26,6 +26,7 @@ from engine.quant.int4 import pack_nibbles, unpack_awq_columns, unpack_gptq_colu
 from engine.quant.checkpoint import (SCALE_SUFFIXES, CheckpointQuant, channel_scales, checkpoint_quant,
                                      dequantize_blocks)
 from engine.quant.fp8 import FP8, fp8_path, quantize_rows
+from engine.quant.kv_scales import KvScales, read_kv_scales
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -47,6 +48,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             "use load_format='dummy' for random weights"
         )
     return files
+
+
+def checkpoint_kv_scales(model_dir: str | Path, load_format: str, num_layers: int) -> KvScales | None:
+    """The per-layer FP8 KV-cache scales an HF checkpoint publishes (engine/quant/kv_scales.py); None for
+    one without, a GGUF file, or random weights."""
+    model_dir = Path(model_dir)
+    if load_format == "dummy" or find_gguf(model_dir) is not None:
+        return None
+    return read_kv_scales(safetensors_files(model_dir), num_layers)
 
 
 def checkpoint_shape(param: torch.Tensor) -> tuple[int, ...]:
