@@ -4,7 +4,8 @@
 - whole models of every test architecture whose V runs far past E4M3's range (v_proj scaled up, o_proj
   down by as much: the same function), with per-layer scales in the checkpoint, against transformers
   whose attention reads K and V rounded through FP8 under those scales (tests/quant_builders);
-- the cache holds K / k_scale and V / v_scale (against the same checkpoint under a unit scale);
+- the cache holds K / k_scale and V / v_scale (against the same checkpoint under a unit scale), on every
+  tensor-parallel rank;
 - two workers pair only under the same scales, the error naming both.
 """
 
@@ -21,7 +22,7 @@ from engine import SamplingParams
 from engine.quant.kv_scales import fingerprint, read_kv_scales
 from kvtransfer import KvLayout, LayoutMismatchError
 from tests.builders import ARCHITECTURES, load_hf_model
-from tests.quant_builders import count_close_sequences, fp8_kv_reference
+from tests.quant_builders import agrees_until_a_flip, count_close_sequences, fp8_kv_reference
 
 pytest.importorskip("transformers")
 
@@ -135,6 +136,23 @@ def test_the_cache_holds_values_over_their_scales(hf_checkpoints, make_llm, tmp_
     assert (k_err == 0).float().mean() > 0.9 and (v_err == 0).float().mean() > 0.9
     plain = make_llm(str(scaled), num_blocks=64)
     assert plain.engine.kv_scales is None and plain.engine.stats().kv_scales == ""
+
+
+def test_every_tensor_parallel_rank_stores_under_the_scales(hf_checkpoints, make_llm, tmp_path):
+    """TP=2 on the checkpoint whose V runs past E4M3's range: each rank's cache holds its KV heads under
+    the scales (a rank under a unit scale would saturate V): TP=1's tokens up to a flip."""
+    path = _scaled_checkpoint(hf_checkpoints("qwen3"), tmp_path / "qwen3", [(0.75, 12.0), (1.25, 20.0)], V_GAIN)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = make_llm(str(path), kv_cache_dtype="fp8", num_blocks=64).generate(PROMPTS, params)
+    llm = make_llm(str(path), kv_cache_dtype="fp8", num_blocks=64, tensor_parallel_size=2)
+    two = llm.generate(PROMPTS, params)
+    llm.close()
+    close = 0
+    for a, b in zip(two, one, strict=True):
+        got, want = a.outputs[0], b.outputs[0]
+        close += agrees_until_a_flip(got.token_ids, want.token_ids,
+                                     [abs(x - y) for x, y in zip(got.logprobs, want.logprobs)], exact=1e-4)
+    assert close >= 2, f"only {close} of {len(PROMPTS)} sequences within 1e-4"
 
 
 def test_workers_pair_only_under_the_same_scales():
