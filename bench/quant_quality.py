@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from tokenizers import Tokenizer
 
+from bench.gguf_write import write_gguf
 from bench.int4_rtn import write_int4_rtn
 from bench.common import base_parser, device_name, model_label, write_results
 from bench.train_models import held_out_windows, pack
@@ -24,9 +26,11 @@ from engine import LLM
 from engine.attention import AttentionMetadata
 
 VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
-            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "w4a16-rtn": {}}
+            "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "w4a16-rtn": {}, "gguf-q4k": {}}
 """w4a16-rtn: the checkpoint written in AutoAWQ's format by round-to-nearest, --group columns a scale
-(bench/int4_rtn.py)."""
+(bench/int4_rtn.py). gguf-q4k: the checkpoint as a GGUF file whose every 2-D tensor is Q4_K
+(bench/gguf_write.py, bench/k_quants.py; the engine dequantizes it at load); its widths must be
+multiples of 256 (bench.train_models --size cpu-wide or gpu)."""
 
 
 @torch.inference_mode()
@@ -66,6 +70,9 @@ def main() -> None:
         if variant == "w4a16-rtn":
             checkpoint = Path(tempfile.mkdtemp()) / "awq"
             write_int4_rtn(args.checkpoint, checkpoint, args.group)
+        elif variant == "gguf-q4k":
+            checkpoint = write_gguf(args.checkpoint, Path(tempfile.mkdtemp()) / "model-q4_k.gguf",
+                                    GGMLQuantizationType.Q4_K)
         llm = LLM(str(checkpoint), dtype=args.dtype, device=args.device, enforce_eager=True,
                   num_blocks=-(-args.seq_len // 16) + 1, max_model_len=args.seq_len + 1, **VARIANTS[variant])
         nll = sum(window_nll(llm, w) for w in windows)

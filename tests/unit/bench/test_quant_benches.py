@@ -29,11 +29,11 @@ def test_quant_quality_scores_every_variant_on_the_same_windows(hf_checkpoints, 
     monkeypatch.setattr(sys, "argv", [
         "quant_quality", "--checkpoint", str(hf_checkpoints("llama")), "--held-out", str(held_out), "--device", "cpu",
         "--seq-len", "32", "--max-tokens", "200", "--group", "32", "--out", str(tmp_path),
-        "--variants", "bfloat16", "fp8", "fp8-kv", "w4a16-rtn"])
+        "--variants", "bfloat16", "fp8", "fp8-kv", "w4a16-rtn", "gguf-q4k"])
     quant_quality.main()
     record = json.loads(next(tmp_path.glob("quant_quality_*.json")).read_text())
     runs = {r["variant"]: r for r in record["runs"]}
-    assert list(runs) == ["bfloat16", "fp8", "fp8-kv", "w4a16-rtn"]
+    assert list(runs) == ["bfloat16", "fp8", "fp8-kv", "w4a16-rtn", "gguf-q4k"]
     assert runs["fp8"]["weights"] == "fp8 projections on the reference path"
     assert runs["w4a16-rtn"]["weights"] == "4-bit projections on the reference path"
     base = runs["bfloat16"]
@@ -41,7 +41,7 @@ def test_quant_quality_scores_every_variant_on_the_same_windows(hf_checkpoints, 
         assert r["num_tokens"] == base["num_tokens"] == 6 * 32  # 200 tokens: six windows of 33
         assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
         assert r["perplexity_vs_bfloat16"] == pytest.approx(r["perplexity"] / base["perplexity"])
-    assert len({r["loss"] for r in runs.values()}) == 4  # each variant computed its own numbers
+    assert len({r["loss"] for r in runs.values()}) == 5  # each variant computed its own numbers
     assert next(tmp_path.glob("quant_quality_*.png")).stat().st_size > 0
 
 
