@@ -231,7 +231,7 @@ def test_graph_path_equals_eager_path_with_padding(interpreted_kernels):
     eager, graphed, arch = _eager_and_graphed(max_rows=4, seed=0)
     graphs = graphed.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
-    assert graphs.backend._graph_split_plan(4, cpu)[0] > 1, "the test should cover split-K"
+    assert graphs.backend._graph_split_plan(4, cpu, False)[0] > 1, "the test should cover split-K"
 
     # Three sequences on scattered blocks (block 0 among them); prompts of 5, 9 and 12 tokens.
     tables = [[5, 0, 11, 2, 17, 8], [3, 14, 9, 21, 6, 12], [19, 1, 22, 7, 15, 4]]
