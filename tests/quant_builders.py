@@ -139,6 +139,17 @@ def agrees_until_a_flip(got: list[int], want: list[int], deviations: list[float]
     return True
 
 
+def count_runs_agreeing(got_runs: Any, want_runs: Any, exact: float) -> int:
+    """Two engines' greedy outputs of the same prompts (with logprobs=1), each pair checked by
+    agrees_until_a_flip; how many agreed within `exact` all along."""
+    close = 0
+    for a, b in zip(got_runs, want_runs, strict=True):
+        got, want = a.outputs[0], b.outputs[0]
+        close += agrees_until_a_flip(got.token_ids, want.token_ids,
+                                     [abs(x - y) for x, y in zip(got.logprobs, want.logprobs)], exact=exact)
+    return close
+
+
 HF_ATTENTION_MODULES = ("llama", "mistral", "qwen2", "qwen3")
 
 
