@@ -147,10 +147,8 @@ class EngineCore:
             f"TP={self.tp.group.size}, small all-reduces on "
             + ("symmetric memory" if self.tp.group.reduces_symmetrically
                else "NCCL" if self.device.type == "cuda" else "gloo"))
-        fp8_cache = self.kv_dtype == torch.float8_e4m3fn
-        self.kv_scales_kind = ("checkpoint" if self.kv_scales is not None else "unit") if fp8_cache else ""
         log.info("pdserve engine: %s on %s, weights %s, KV cache %s%s%s", config.model.model, self.device, self.weights,
-                 str(self.kv_dtype).removeprefix("torch."), f" ({self.kv_scales_kind} scales)" if fp8_cache else "",
+                 str(self.kv_dtype).removeprefix("torch."), self.kv_scales_kind and f" ({self.kv_scales_kind} scales)",
                  self.parallel and f", {self.parallel}")
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.max_model_len = max_model_len(arch, config.model.max_model_len)
@@ -700,6 +698,13 @@ class EngineCore:
         the longest sequence."""
         num_output = num_tokens - len(request.prompt_token_ids)
         return num_output >= request.params.max_tokens or num_tokens >= self.max_seq_tokens
+
+    @property
+    def kv_scales_kind(self) -> str:
+        """An FP8 cache's scales: "checkpoint" (per layer, read from it) or "unit"; "" for another cache."""
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return ""
+        return "checkpoint" if self.kv_scales is not None else "unit"
 
     def stats(self) -> EngineStats:
         retries, frees = allocator_counts(self.device)
