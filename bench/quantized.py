@@ -70,7 +70,11 @@ def one_variant(args: Any, variant: str) -> dict[str, Any]:
     }
     if args.requests:
         result["offline"] = offline(llm, args.requests, args.isl, args.osl)
-        print(f"{variant} offline: {result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+        o = result["offline"]
+        steps = ", ".join(f"{k} steps {v['steps']} {v['device_s']:.1f} s (rows {v['mean_decode_rows']:.0f})"
+                          for k, v in o["steps"].items())
+        print(f"{variant} offline: {o['output_tok_per_s']:.0f} output tok/s in {o['elapsed_s']:.1f} s; {steps}",
+              flush=True)
     result["env"] = {"device": str(engine.device), "model": {"name": model_label(args.model),
                                                              "num_params": engine.arch.num_params}}
     return result

@@ -59,13 +59,34 @@ def offline(llm: LLM, requests: int, isl: int, osl: int) -> dict[str, Any]:
         prompt = [rng.randrange(engine.arch.vocab_size) for _ in range(isl)]
         engine.add_request(f"o{i}", prompt, SamplingParams(max_tokens=osl, ignore_eos=True, temperature=0.6))
     synchronize(engine.device)
+    kinds = {"prompt": [0.0, 0, 0, 0], "decode": [0.0, 0, 0, 0]}  # device s, steps, prompt tokens, decode rows
+    observe = engine.rates.observe
+
+    def counted(seconds: float, prompt_tokens: int, decode_rows: int) -> None:
+        kind = kinds["prompt" if prompt_tokens else "decode"]
+        kind[0] += max(seconds, 0.0)
+        kind[1] += 1
+        kind[2] += prompt_tokens
+        kind[3] += decode_rows
+        observe(seconds, prompt_tokens, decode_rows)
+
+    engine.rates.observe = counted  # type: ignore[method-assign]
     start, num_out = time.perf_counter(), 0
-    while engine.has_unfinished():
-        num_out += sum(len(o.new_token_ids) for o in engine.step())
-    synchronize(engine.device)
+    try:
+        while engine.has_unfinished():
+            num_out += sum(len(o.new_token_ids) for o in engine.step())
+        synchronize(engine.device)
+        engine.step_timer.collect(engine.rates)  # the last steps' times
+    finally:
+        engine.rates.observe = observe  # type: ignore[method-assign]
     elapsed = time.perf_counter() - start
+    steps = {name: {"device_s": s, "steps": n, "prompt_tokens": p, "mean_decode_rows": r / n if n else 0.0}
+             for name, (s, n, p, r) in kinds.items()}
     return {"requests": requests, "isl": isl, "osl": osl, "elapsed_s": elapsed, "output_tokens": num_out,
-            "output_tok_per_s": num_out / elapsed, "preemptions": engine.stats().num_preemptions}
+            "output_tok_per_s": num_out / elapsed, "preemptions": engine.stats().num_preemptions,
+            # where the time went: steps that computed prompt tokens and steps that only decoded, by the
+            # engine's device timing of each step (engine/step_timer.py); the rest of elapsed_s the device idled
+            "steps": steps}
 
 
 def one_size(args: Any, tp: int) -> dict[str, Any]:

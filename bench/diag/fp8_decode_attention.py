@@ -8,11 +8,17 @@ blocks), one layer's decode launch over a paged cache of random non-contiguous b
 - a lab copy of its kernel (one split, below) on the FP8 cache, by how it turns the FP8 tiles into dot
   operands (`bf16`: as the product, `f16`: half precision, which Hopper converts from E4M3 in one instruction
   (q clamped to its range)), how it loads K (`cols`: a [head_dim, keys] tile as the product, `rows`: [keys,
-  head_dim] then transposed), keys a tile, warps and stages;
-each beside the floor (K/V bytes / the copy bandwidth), with its error against the product's FP8 output.
-The committed result (`fp8_decode_attention_nvidia-h200.json`) was taken when the product's FP8 path was the
-lab's `bf16, cols, 64, 4, 2`; the product has taken `f16, cols, 128, 4, 3` since, so a run now times that as
-"product fp8".
+  head_dim] then transposed), keys a tile, warps, stages and the registers a thread may take;
+or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take); each beside
+the floor (K/V bytes / the copy bandwidth), with its error against the product's FP8 output; and by how the
+cache lies in memory (`--layouts`, paged_cache).
+
+Found (one H200, batch 256, context 1500, floor 193 us; the `_dots`, `_ahead`, `_layout`, `_maxnreg` and
+`_ncu` results): the loads alone took as long as the whole kernel (330 us); ncu: 212 registers a thread, two
+programs an SM, half the DRAM bandwidth used; a program's time a tile is its loads' latency. Head-major
+blocks gained 1-3%; dots on FP8 tensor cores (queries and weights in E4M3) nothing, at 3.5% error; loads
+issued a tile ahead in registers ran slower (more registers still). Capping registers at 128 took the
+kernel to 286 us (512 sequences: 641 -> 546 us), which the product takes since (its `maxnreg`).
 
     python -m bench.diag.fp8_decode_attention --out DIR
 """
@@ -42,7 +48,7 @@ def _lab_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, F16: tl.constexpr, K_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOTS: tl.constexpr, K_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads): the product's `_decode_kernel` with one split, every sequence one query."""
     seq = tl.program_id(0)
@@ -53,7 +59,7 @@ def _lab_decode_kernel(
     row_ok = rows < GROUP
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if F16:
+    if DOTS == "f16":
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -71,7 +77,10 @@ def _lab_decode_kernel(
         else:
             k = tl.load(k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ko + kv_head * stride_kh
                         + d[:, None], mask=key_ok[None, :], other=0.0)
-        s = tl.dot(q, k.to(q.dtype)) * scale_log2
+        if DOTS == "loads":  # no dots: what the loads and conversions alone take
+            s = tl.broadcast_to(tl.sum(k.to(tl.float32), 0)[None, :], [BLOCK_M, BLOCK_N]) * scale_log2
+        else:
+            s = tl.dot(q, k.to(q.dtype)) * scale_log2
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -79,7 +88,10 @@ def _lab_decode_kernel(
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko + kv_head * stride_kh
                     + d[None, :], mask=key_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        if DOTS == "loads":
+            acc = acc * alpha[:, None] + tl.sum(v.to(tl.float32), 0)[None, :] * tl.sum(p, 1)[:, None]
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     o = acc / l[:, None]
     tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -87,14 +99,15 @@ def _lab_decode_kernel(
 
 
 def lab_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, config: tuple[str, str, int, int, int]) -> torch.Tensor:
-    dots, k_load, block_n, num_warps, num_stages = config
+               seq_lens: torch.Tensor, scale: float, config: tuple[str, str, int, int, int, int]) -> torch.Tensor:
+    dots, k_load, block_n, num_warps, num_stages, maxnreg = config
     out = torch.empty_like(q)
+    cap = {"maxnreg": maxnreg} if maxnreg else {}
     _lab_decode_kernel[(q.shape[0], KV_HEADS)](
         q, k_cache, v_cache, out, block_tables, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_N=block_n, BLOCK_SIZE=BLOCK_SIZE,
-        F16=dots == "f16", K_ROWS=k_load == "rows", num_warps=num_warps, num_stages=num_stages,
+        DOTS=dots, K_ROWS=k_load == "rows", num_warps=num_warps, num_stages=num_stages, **cap,
     )  # fmt: skip
     return out
 
@@ -103,7 +116,20 @@ def median_us(fn: Any) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def point(batch: int, context: int, bandwidth: float, configs: list[tuple[str, str, int, int, int]]) -> dict[str, Any]:
+def paged_cache(num_blocks: int, dtype: torch.dtype, layout: str, device: torch.device) -> torch.Tensor:
+    """[num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM] as the kernels index it; `token`: stored so (a token's heads
+    side by side, one head's keys of a block 128 B rows 1 KB apart in FP8), `head`: stored
+    [num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM] and viewed through strides (one head's keys of a block in one
+    run of bytes)."""
+    if layout == "token":
+        shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        return torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype)
+    shape = (num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    return torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype).permute(0, 2, 1, 3)
+
+
+def point(batch: int, context: int, bandwidth: float, configs: list[tuple[str, str, int, int, int, int]],
+          layouts: list[str]) -> dict[str, Any]:
     device = torch.device("cuda")
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
@@ -115,33 +141,32 @@ def point(batch: int, context: int, bandwidth: float, configs: list[tuple[str, s
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     scale = HEAD_DIM ** -0.5
     row: dict[str, Any] = {"batch": batch, "context": context}
-    outs = {}
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype)
-        v_cache = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype)
-        cfg = TritonAttentionConfig()
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_splits, tps = decode_split_plan(batch, KV_HEADS, context, sms, cfg)
+    cfg = TritonAttentionConfig()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for layout, dtype in itertools.product(layouts, (torch.bfloat16, torch.float8_e4m3fn)):
+        fp8 = dtype == torch.float8_e4m3fn
+        k_cache = paged_cache(num_blocks, dtype, layout, device)
+        v_cache = paged_cache(num_blocks, dtype, layout, device)
+        num_splits, tps = decode_split_plan(batch, KV_HEADS, context, sms, cfg, fp8_cache=fp8)
+        tiles = cfg.decode_tiles(fp8)
         out = torch.empty_like(q)
 
         def product() -> None:
             decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale=scale,
                              sliding_window=None, num_splits=num_splits, tokens_per_split=tps,
-                             max_splits=cfg.max_splits, block_n=cfg.decode_block_n, num_warps=cfg.decode_num_warps,
-                             num_stages=cfg.decode_num_stages)
+                             max_splits=cfg.max_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
+                             num_stages=tiles.num_stages, maxnreg=tiles.maxnreg)
 
-        name = "bf16" if dtype == torch.bfloat16 else "fp8"
+        name = f"{'fp8' if fp8 else 'bf16'}_{layout}"
         kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
         product()
-        outs[name] = out.clone()
+        ref = out.float().clone()
         row[f"product_{name}"] = {"us": median_us(product), "floor_us": 1e6 * kv_bytes / bandwidth,
-                                  "num_splits": num_splits}
+                                  "num_splits": num_splits, "tiles": list(tiles)}
         print(f"batch {batch} ctx {context} product {name}: {row[f'product_{name}']}", flush=True)
-        if dtype != torch.float8_e4m3fn:
+        if not fp8:
             continue
-        ref = outs["fp8"].float()
-        row["lab_fp8"] = []
+        row[f"lab_{name}"] = []
         for c in configs:
             try:
                 got = lab_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, c).float()
@@ -150,9 +175,9 @@ def point(batch: int, context: int, bandwidth: float, configs: list[tuple[str, s
                 continue
             err = float((got - ref).norm() / ref.norm())
             us = median_us(lambda: lab_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, c))
-            row["lab_fp8"].append({"config": c, "us": us, "rel_err_vs_product": err})
-            print(f"  {c}: {us:.1f} us (floor {row['product_fp8']['floor_us']:.1f}), err {err:.1e}", flush=True)
-    torch.cuda.empty_cache()
+            row[f"lab_{name}"].append({"config": c, "us": us, "rel_err_vs_product": err})
+            print(f"  {layout} {c}: {us:.1f} us (floor {row[f'product_{name}']['floor_us']:.1f}), err {err:.1e}",
+                  flush=True)
     return row
 
 
@@ -160,17 +185,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--points", default="256:1500,64:1500")
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads")
+    parser.add_argument("--k-loads", default="cols,rows")
+    parser.add_argument("--block-n", default="64,128")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--maxnreg", default="0", help="registers a thread at most (Triton's maxnreg); 0: no cap")
+    parser.add_argument("--layouts", default="token", help="of token head (paged_cache)")
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    configs = list(itertools.product(args.dots.split(","), args.k_loads.split(","), ints(args.block_n),
+                                     ints(args.warps), ints(args.stages), ints(args.maxnreg)))
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    configs = [(dots, k_load, bn, w, s) for dots, k_load, bn, w, s in itertools.product(
-        ["bf16", "f16"], ["cols", "rows"], [64, 128], [4, 8], [2, 3])]
     rows = []
     for p in args.points.split(","):
         batch, context = (int(x) for x in p.split(":"))
-        rows.append(point(batch, context, bandwidth, configs))
+        rows.append(point(batch, context, bandwidth, configs, args.layouts.split(",")))
     name = torch.cuda.get_device_name()
     slug = name.lower().replace(" ", "-")
-    (args.out / f"fp8_decode_attention_{slug}.json").write_text(json.dumps(
+    (args.out / f"fp8_decode_attention{args.tag}_{slug}.json").write_text(json.dumps(
         {"lab_only": "a copy of the decode kernel with knobs, to find why FP8 reads are slow", "device_name": name,
          "torch_version": torch.__version__, "triton_version": triton.__version__,
          "copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=2) + "\n")

@@ -42,7 +42,7 @@ import dataclasses
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -62,7 +62,10 @@ class TritonAttentionConfig:
     # The decode kernel's tiles over an FP8 cache (its dots in float16: bench.diag.fp8_decode_attention's sweep)
     decode_fp8_block_n: int = 128
     decode_fp8_num_warps: int = 4
-    decode_fp8_num_stages: int = 3
+    decode_fp8_num_stages: int = 2
+    # Registers a thread of it may take. Uncapped the compiler takes 212, two programs fit an SM, and
+    # too few tiles are in flight to hide their loads' latency (bench/results/fp8_decode_attention_maxnreg_*).
+    decode_fp8_maxnreg: int | None = 128
     prefill_block_m: int = 128  # rows (query tokens x group heads) per prefill program
     prefill_block_n: int = 64  # keys per tile of the prefill kernel
     prefill_num_warps: int = 8
@@ -83,11 +86,19 @@ class TritonAttentionConfig:
         if self.graph_max_context is not None and self.graph_max_context < 1:
             raise ValueError(f"graph_max_context={self.graph_max_context} must be at least 1 or None")
 
-    def decode_tiles(self, fp8_cache: bool) -> tuple[int, int, int]:
-        """(keys a tile, warps, stages) of the decode kernel over a cache of FP8 or another dtype."""
+    def decode_tiles(self, fp8_cache: bool) -> DecodeTiles:
+        """The decode kernel's launch over a cache of FP8 or another dtype."""
         if fp8_cache:
-            return self.decode_fp8_block_n, self.decode_fp8_num_warps, self.decode_fp8_num_stages
-        return self.decode_block_n, self.decode_num_warps, self.decode_num_stages
+            return DecodeTiles(self.decode_fp8_block_n, self.decode_fp8_num_warps, self.decode_fp8_num_stages,
+                               self.decode_fp8_maxnreg)
+        return DecodeTiles(self.decode_block_n, self.decode_num_warps, self.decode_num_stages, None)
+
+
+class DecodeTiles(NamedTuple):
+    block_n: int  # keys a tile
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None  # registers a thread at most; None: as the compiler likes
 
 
 def decode_split_plan(
@@ -196,12 +207,12 @@ class TritonAttention:
             num_splits, tokens_per_split = decode_split_plan(
                 num_decode, spec.num_kv_heads, max_context, self._sms(q.device), cfg, fp8
             )
-            block_n, num_warps, num_stages = cfg.decode_tiles(fp8)
+            tiles = cfg.decode_tiles(fp8)
             self._kernels.decode_attention(
                 q, k_cache, v_cache, out, *tensors,
                 scale=spec.scale, sliding_window=spec.sliding_window,
                 num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-                block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg,
             )  # fmt: skip
         if num_decode < meta.num_seqs:
             self._prefill.prefill_attention(
@@ -235,12 +246,12 @@ class TritonAttention:
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device, fp8)
         cfg, spec = self.config, self.spec
-        block_n, num_warps, num_stages = cfg.decode_tiles(fp8)
+        tiles = cfg.decode_tiles(fp8)
         self._kernels.decode_attention(
             q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
             scale=spec.scale, sliding_window=spec.sliding_window,
             num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-            block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg,
             workspace=self._workspace,
         )  # fmt: skip
         return out

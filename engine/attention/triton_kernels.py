@@ -283,6 +283,7 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    maxnreg: int | None = None,
     workspace: torch.Tensor | None = None,
 ) -> None:
     """Attention of every sequence with exactly one new token (others are skipped on the device).
@@ -324,6 +325,7 @@ def decode_attention(
         part_acc = part_m = part_l = out  # not read
     window = sliding_window or 0
     options = pdl_options(q.device, num_seqs)
+    kernel_options = {"maxnreg": maxnreg} if maxnreg is not None else {}
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
@@ -334,7 +336,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
         PRECISION=dot_precision(q.dtype), F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **options,
+        num_warps=num_warps, num_stages=num_stages, **options, **kernel_options,
     )  # fmt: skip
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](

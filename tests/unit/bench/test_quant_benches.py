@@ -62,3 +62,8 @@ def test_quantized_variants_side_by_side(tmp_path, monkeypatch) -> None:
     assert fp8["offline"]["speedup_vs_bfloat16"] == pytest.approx(
         fp8["offline"]["output_tok_per_s"] / bf16["offline"]["output_tok_per_s"])
     assert fp8["kv_capacity_vs_bfloat16"] == pytest.approx(fp8["kv_capacity_tokens"] / bf16["kv_capacity_tokens"])
+    for run in (bf16, fp8):  # where the offline time went: every prompt token in steps that computed prompt tokens
+        steps = run["offline"]["steps"]
+        assert steps["prompt"]["prompt_tokens"] == 3 * 8 and steps["decode"]["prompt_tokens"] == 0
+        assert steps["prompt"]["steps"] >= 1 and steps["decode"]["steps"] >= 1
+        assert 0 < steps["prompt"]["device_s"] + steps["decode"]["device_s"] <= run["offline"]["elapsed_s"]

@@ -191,6 +191,30 @@ def test_fp8_cache_decodes_bfloat16_queries_through_float16_dots():
     check_against_reference(batch, one_split, magnitude=150.0)
 
 
+def test_decode_launch_over_fp8_caps_registers(monkeypatch):
+    """The decode kernel over an FP8 cache launches with the config's register cap (more programs an SM:
+    bench/results/fp8_decode_attention_maxnreg_*); over another dtype with none."""
+    caps: list[int | None] = []
+    kernel = triton_kernels._decode_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                caps.append(options.get("maxnreg"))
+                return kernel[grid](*args, **options)
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_decode_kernel", Recorded())
+    seqs = [(1, 40), (1, 9)]
+    fp8 = make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16, seed=5,
+                     cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
+    check_against_reference(fp8, magnitude=150.0)
+    assert caps and set(caps) == {SMALL.decode_fp8_maxnreg} and SMALL.decode_fp8_maxnreg is not None
+    caps.clear()
+    check_against_reference(make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=5))
+    assert caps and set(caps) == {None}
+
+
 def test_k_and_v_as_strided_views_of_a_fused_qkv_projection():
     """The model passes q, k, v as column slices of one [tokens, (heads + 2 kv_heads) * head_dim]
     projection; the kernels read them through their row strides, with no copy."""
