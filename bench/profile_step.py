@@ -95,6 +95,45 @@ def device_profile(engine: EngineCore, num_steps: int, top: int) -> tuple[str, l
     return averages.table(sort_by="self_cuda_time_total", row_limit=top), rows
 
 
+def prompt_steps(engine: EngineCore, args: Any, rng: random.Random) -> dict[str, Any]:
+    """Steps that compute prompt tokens beside the running batch's decoding (the offline run's other kind):
+    prompts of --prompt-len queued for steps of --prompt-tokens each; --prompt-steps of them timed, as many
+    profiled (CUDA); their device
+    kernels (as device_profile) and wall time, synchronised, each step's prompt tokens and decoding rows."""
+    vocab = engine.arch.vocab_size
+    counted = {"prompt": 0, "rows": 0, "steps": 0}
+    schedule = engine.scheduler.schedule
+
+    def counting(*a: Any, **k: Any) -> Any:
+        out = schedule(*a, **k)
+        counted["prompt"] += out.num_prompt_tokens
+        counted["rows"] += out.num_decode_rows
+        counted["steps"] += 1
+        return out
+
+    num = -(-args.prompt_tokens * (2 * args.prompt_steps + 1) // args.prompt_len)  # the timed, the profiled
+    for i in range(num):
+        prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+        engine.add_request(f"p{i}-{rng.random()}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True,
+                                                                          temperature=args.temperature))
+    engine.step()  # the first such step: compiles and plans whatever the mixed shapes need
+    engine.scheduler.schedule = counting  # type: ignore[method-assign]
+    try:
+        synchronize(engine.device)
+        start = time.perf_counter()
+        for _ in range(args.prompt_steps):
+            engine.step()
+        synchronize(engine.device)
+        step_s = (time.perf_counter() - start) / args.prompt_steps
+        counts = dict(counted)
+        _, kernels = device_profile(engine, args.prompt_steps, 0)
+    finally:
+        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    steps = max(counts["steps"], 1)
+    return {"prompt_tokens_a_step": counts["prompt"] / steps, "decode_rows_a_step": counts["rows"] / steps,
+            "step_s": step_s, "kernels_us_a_step": sum(r["us_a_step"] for r in kernels), "device_kernels": kernels}
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,64,256")
@@ -107,6 +146,12 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the profiles are rank 0's)")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="also profile steps computing this many prompt tokens beside each batch's decoding "
+                             "(prompts of --prompt-len; the step's token budget is --max-num-batched-tokens)")
+    parser.add_argument("--prompt-len", type=int, default=1000)
+    parser.add_argument("--prompt-steps", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--replot", type=Path, help="only draw the PNG of this profile_step JSON again, and exit")
     args = parser.parse_args()
     if args.replot:
@@ -114,13 +159,16 @@ def main() -> None:
         return
     # NOTE: synchronous steps: the phases are the synchronous step's, run one by one (with
     # asynchronous scheduling they overlap, and a step's inputs may still be on the device).
-    engine = build_engine(args, max_num_seqs=256, max_num_batched_tokens=16384,
+    batches = [int(b) for b in args.batches.split(",")]
+    extra = -(-args.prompt_tokens * (2 * args.prompt_steps + 1) // args.prompt_len) if args.prompt_tokens else 0
+    engine = build_engine(args, max_num_seqs=max(256, max(batches) + extra),
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend, fused_ops=not args.no_fused_ops,
                           async_scheduling=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                           tensor_parallel_size=args.tp)
     rng = random.Random(args.seed)
     record: dict[str, Any] = {"context": args.context, "temperature": args.temperature, "batches": []}
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in batches:
         fill(engine, batch, args.context, args.temperature, rng)
         for _ in range(3):
             engine.step()  # warm-up
@@ -132,6 +180,12 @@ def main() -> None:
             print(table, flush=True)
             print(f"device kernels: {sum(r['us_a_step'] for r in row['device_kernels']):.1f} us a step in "
                   f"{sum(r['launches_a_step'] for r in row['device_kernels']):.0f} launches", flush=True)
+        if args.prompt_tokens:
+            row["prompt_steps"] = prompt_steps(engine, args, rng)
+            p = row["prompt_steps"]
+            print(f"steps with {p['prompt_tokens_a_step']:.0f} prompt tokens and {p['decode_rows_a_step']:.0f} "
+                  f"decoding rows: {p['step_s'] * 1e3:.1f} ms each; kernels {p['kernels_us_a_step'] / 1e3:.1f} ms",
+                  flush=True)
         record["batches"].append(row)
         for r in list(engine.scheduler.running):
             engine.abort_request(r.request_id)

@@ -51,41 +51,50 @@ def _add_rms_norm_kernel(
 @triton.jit
 def _norm_rope_kernel(
     x_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_out_ptr, k_out_ptr, stride_xt, stride_xh, stride_qt, stride_qh,
-    stride_kt, stride_kh, stride_c, eps, num_q_heads,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    stride_kt, stride_kh, stride_c, eps, num_q_heads, num_heads,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens, q heads + k heads): one head of one token, normalized (HAS_NORM: q's or k's
-    weight) then rotated, into q_out or k_out. q and k in one launch (they are adjacent in qkv)."""
+    """Grid (tokens, cdiv(q heads + k heads, BLOCK_H)): BLOCK_H heads of one token, each normalized
+    (HAS_NORM: q's or k's weight) then rotated, into q_out or k_out. q and k in one launch (they are
+    adjacent in qkv). NOTE: BLOCK_H heads a program, not one: a program per head was a launch of
+    tokens x 40 one-warp programs at the 8B shape, 387 us for 8,192 tokens
+    (bench/results/profile_step_8b_prompt_steps_*)."""
     after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, HALF)
-    if h < num_q_heads:
-        w_ptr = wq_ptr
-        dst = q_out_ptr + t * stride_qt + h * stride_qh
-    else:
-        w_ptr = wk_ptr
-        dst = k_out_ptr + t * stride_kt + (h - num_q_heads) * stride_kh
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    is_q = h < num_q_heads
+    q_rows = (is_q & (h < num_heads))[:, None]
+    k_rows = ((h >= num_q_heads) & (h < num_heads))[:, None]
+    d = tl.arange(0, HALF)[None, :]
     dtype = q_out_ptr.dtype.element_ty
-    src = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(src + d)
-    x2 = tl.load(src + HALF + d)
+    src = x_ptr + t * stride_xt + h[:, None] * stride_xh + d
+    x1 = tl.load(src, mask=q_rows | k_rows, other=0.0)
+    x2 = tl.load(src + HALF, mask=q_rows | k_rows, other=0.0)
     if HAS_NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / HEAD_DIM + eps)
-        w1 = tl.load(w_ptr + d).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
-        x1 = (w1 * (f1 * inv).to(dtype).to(tl.float32)).to(dtype)
-        x2 = (w2 * (f2 * inv).to(dtype).to(tl.float32)).to(dtype)
+        inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)
+        w1 = tl.where(is_q[:, None], tl.load(wq_ptr + d), tl.load(wk_ptr + d)).to(tl.float32)
+        w2 = tl.where(is_q[:, None], tl.load(wq_ptr + HALF + d), tl.load(wk_ptr + HALF + d)).to(tl.float32)
+        x1 = (w1 * (f1 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (f2 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype)
     c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = (f1 * c1).to(dtype).to(tl.float32) + (-f2 * s1).to(dtype).to(tl.float32)
-    o2 = (f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)
-    tl.store(dst + d, o1.to(dtype))
-    tl.store(dst + HALF + d, o2.to(dtype))
+    o1 = ((f1 * c1).to(dtype).to(tl.float32) + (-f2 * s1).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)).to(dtype)
+    q_dst = q_out_ptr + t * stride_qt + h[:, None] * stride_qh + d
+    k_dst = k_out_ptr + t * stride_kt + (h - num_q_heads)[:, None] * stride_kh + d
+    tl.store(q_dst, o1, mask=q_rows)
+    tl.store(q_dst + HALF, o2, mask=q_rows)
+    tl.store(k_dst, o1, mask=k_rows)
+    tl.store(k_dst + HALF, o2, mask=k_rows)
+
+
+NORM_ROPE_HEADS = 8
+"""Heads a program of `_norm_rope_kernel` rotates (2 warps: 8 elements a thread a half at head_dim 128)."""
+
 
 @triton.jit
 def _swiglu(row_ptr, cols, n):
@@ -182,11 +191,11 @@ def norm_rope_qk(
     q = torch.empty((tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     k = torch.empty((tokens, heads - num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     if tokens:
-        _norm_rope_kernel[(tokens, heads)](
+        _norm_rope_kernel[(tokens, triton.cdiv(heads, NORM_ROPE_HEADS))](
             qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q, k,
             qk.stride(0), qk.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
-            num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=q_weight is not None, num_warps=1,
-            **pdl_options(qk.device, tokens),
+            num_q_heads, heads, HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_H=NORM_ROPE_HEADS,
+            HAS_NORM=q_weight is not None, num_warps=2, **pdl_options(qk.device, tokens),
         )  # fmt: skip
     return q, k
 

@@ -52,10 +52,13 @@ def test_add_rms_norm_equals_reference(dtype: torch.dtype, width: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_norm_rope_of_q_and_k_in_one_launch_equals_reference(dtype: torch.dtype, with_norm: bool) -> None:
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (10, 3)])
+def test_norm_rope_of_q_and_k_in_one_launch_equals_reference(dtype: torch.dtype, with_norm: bool, heads: int,
+                                                               kv_heads: int) -> None:
     """q and k of a fused qkv output (a strided view, q's heads then k's), each normalized by its
-    own weight, rotated, in one launch; the refusal of one weight without the other."""
-    tokens, heads, kv_heads, head_dim = 7, 4, 2, 16
+    own weight, rotated, in one launch (a program's heads q's and k's both, or past the last head);
+    the refusal of one weight without the other."""
+    tokens, head_dim = 7, 16
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
