@@ -85,6 +85,9 @@ class TritonAttentionConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.graph_max_context is not None and self.graph_max_context < 1:
             raise ValueError(f"graph_max_context={self.graph_max_context} must be at least 1 or None")
+        cap = self.decode_fp8_maxnreg
+        if cap is not None and not 16 <= cap <= 255:
+            raise ValueError(f"decode_fp8_maxnreg={cap} must be in [16, 255] registers (what ptxas takes) or None")
 
     def decode_tiles(self, fp8_cache: bool) -> DecodeTiles:
         """The decode kernel's launch over a cache of FP8 or another dtype."""

@@ -306,3 +306,5 @@ def test_registered_for_cuda_only():
         create_backend("triton", spec, torch.device("cpu"))
     with pytest.raises(ValueError, match="power of two"):
         TritonAttentionConfig(prefill_block_n=24)
+    with pytest.raises(ValueError, match=r"decode_fp8_maxnreg=8 must be in \[16, 255\]"):
+        TritonAttentionConfig(decode_fp8_maxnreg=8)
