@@ -9,7 +9,9 @@ blocks), one layer's decode launch over a paged cache of random non-contiguous b
   operands (`bf16`: as the product, `f16`: half precision, which Hopper converts from E4M3 in one instruction
   (q clamped to its range)), how it loads K (`cols`: a [head_dim, keys] tile as the product, `rows`: [keys,
   head_dim] then transposed), keys a tile, warps, stages and the registers a thread may take;
-or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take); each beside
+or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take), or with each
+cache block's keys of a head read by one TMA copy (`tma`, keys a tile 16 or 32: _lab_tma_kernel; checked
+against the product's output only in Triton's interpreter so far); each beside
 the floor (K/V bytes / the copy bandwidth), with its error against the product's FP8 output; and by how the
 cache lies in memory (`--layouts`, paged_cache).
 
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.offline_throughput import copy_bandwidth
 from engine.attention.triton_backend import TritonAttentionConfig, decode_split_plan
@@ -98,11 +101,74 @@ def _lab_decode_kernel(
              mask=row_ok[:, None])
 
 
+@triton.jit
+def _lab_tma_kernel(
+    q_ptr, k_desc, v_desc, out_ptr, block_tables_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGES: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_seqs, num_kv_heads): the `f16` kernel with each cache block's keys of one head read by one TMA
+    copy ([BLOCK_SIZE, HEAD_DIM] of the cache viewed [blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]): no address
+    a thread, the copies in flight with no registers held; PAGES (1 or 2) blocks a tile."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    col = kv_head * HEAD_DIM
+    TILE: tl.constexpr = PAGES * BLOCK_SIZE
+    for j in range(0, seq_len, TILE):
+        page = j // BLOCK_SIZE
+        b0 = tl.load(bt_row + page)
+        k = k_desc.load([b0 * BLOCK_SIZE, col])
+        v = v_desc.load([b0 * BLOCK_SIZE, col])
+        if PAGES == 2:
+            b1 = tl.load(bt_row + page + 1, mask=j + BLOCK_SIZE < seq_len, other=0)
+            k = tl.reshape(tl.permute(tl.join(k, k_desc.load([b1 * BLOCK_SIZE, col])), (2, 0, 1)), (TILE, HEAD_DIM))
+            v = tl.reshape(tl.permute(tl.join(v, v_desc.load([b1 * BLOCK_SIZE, col])), (2, 0, 1)), (TILE, HEAD_DIM))
+        keys = j + tl.arange(0, TILE)
+        s = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
+        s = tl.where((keys < seq_len)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.where((keys < seq_len)[:, None], v.to(tl.float16), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
 def lab_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, config: tuple[str, str, int, int, int, int]) -> torch.Tensor:
     dots, k_load, block_n, num_warps, num_stages, maxnreg = config
     out = torch.empty_like(q)
     cap = {"maxnreg": maxnreg} if maxnreg else {}
+    if dots == "tma":  # block_n: keys a tile, 16 or 32 (one or two cache blocks)
+        if k_cache.stride(1) != KV_HEADS * HEAD_DIM or k_cache.stride(3) != 1:
+            raise ValueError("the TMA variant reads the token-major layout only")
+        if block_n not in (BLOCK_SIZE, 2 * BLOCK_SIZE):
+            raise ValueError(f"the TMA variant's tiles are one or two cache blocks ({BLOCK_SIZE} or "
+                             f"{2 * BLOCK_SIZE} keys); got {block_n}")
+        flat = (k_cache.shape[0] * BLOCK_SIZE, KV_HEADS * HEAD_DIM)
+        k_desc = TensorDescriptor(k_cache, flat, [KV_HEADS * HEAD_DIM, 1], [BLOCK_SIZE, HEAD_DIM])
+        v_desc = TensorDescriptor(v_cache, flat, [KV_HEADS * HEAD_DIM, 1], [BLOCK_SIZE, HEAD_DIM])
+        _lab_tma_kernel[(q.shape[0], KV_HEADS)](
+            q, k_desc, v_desc, out, block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1),
+            block_tables.stride(0), GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_SIZE=BLOCK_SIZE,
+            PAGES=block_n // BLOCK_SIZE, num_warps=num_warps, num_stages=num_stages, **cap,
+        )  # fmt: skip
+        return out
     _lab_decode_kernel[(q.shape[0], KV_HEADS)](
         q, k_cache, v_cache, out, block_tables, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -185,7 +251,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--points", default="256:1500,64:1500")
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads")
+    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads tma")
     parser.add_argument("--k-loads", default="cols,rows")
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
