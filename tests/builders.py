@@ -101,6 +101,6 @@ def assert_greedy_equals_hf(llm: Any, model: Any, prompts: list[list[int]], num_
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         want, want_logprobs = hf_greedy(model, prompt, num_tokens)
         assert out.outputs[0].token_ids == want
-        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs):
+        for top, ref in zip(out.outputs[0].top_logprobs, want_logprobs, strict=True):
             ids = torch.tensor([t for t, _ in top])
             torch.testing.assert_close(torch.tensor([v for _, v in top]), ref[ids], atol=atol, rtol=0)

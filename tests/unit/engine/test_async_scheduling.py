@@ -95,12 +95,18 @@ def test_async_abort_between_steps_leaves_the_others_unchanged(make_llm, one_tor
             assert tokens[str(i)] == w, f"request {i}"
 
 
-def test_async_with_penalties_reads_the_tokens_first(make_llm, one_torch_thread):
+def test_async_with_penalties_reads_the_tokens_first(make_llm, one_torch_thread, counted_patches):
+    """A penalty needs the last tokens on the host: the asynchronous engine reads each step's tokens
+    before queueing the next, so no placeholder is ever patched on the device, and the tokens are the
+    synchronous engine's."""
     prompts, _ = _workload(2)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
                              frequency_penalty=0.5 * (i % 2)) for i in range(len(prompts))]
     want = _run(make_llm(async_scheduling=False, **ENGINE), prompts, params)
-    assert _run(make_llm(async_scheduling=True, **ENGINE), prompts, params) == want
+    llm = make_llm(async_scheduling=True, **ENGINE)
+    assert llm.engine.async_scheduling
+    assert _run(llm, prompts, params) == want
+    assert counted_patches == []
 
 
 def test_speculation_drafts_in_small_batches_and_steps_asynchronously_in_large_ones(make_llm, one_torch_thread):

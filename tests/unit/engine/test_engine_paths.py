@@ -84,8 +84,10 @@ def test_seeded_sampling_survives_preemption_and_batching(make_llm):
     prompts = _prompts(4, 20, seed=6)
     params = [SamplingParams(max_tokens=30, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
     alone = [make_llm(block_size=4).generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    tight = make_llm(block_size=4, num_blocks=20).generate(prompts, params)
+    tight_llm = make_llm(block_size=4, num_blocks=20)
+    tight = tight_llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in tight] == alone
+    assert tight_llm.engine.stats().num_preemptions > 0  # the tight cache did preempt and recompute
 
 
 def continuation(prompt: list[int], params: SamplingParams, prior: list[int]) -> tuple[list[int], SamplingParams]:

@@ -340,10 +340,14 @@ def test_seeded_constrained_output_is_the_same_with_async_scheduling_and_specula
     params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s, grammar=spec) for s in range(6)]
     greedy = SamplingParams(max_tokens=120, temperature=0.0, grammar=spec)
     texts = []
+    engines = []
     for options in ({}, {"async_scheduling": True}, {"speculative": {"method": "ngram", "num_draft_tokens": 3}}):
-        outputs = make_llm(**options).generate(["p"] * 7, [*params, greedy])
+        llm = make_llm(**options)
+        outputs = llm.generate(["p"] * 7, [*params, greedy])
         texts.append([o.outputs[0].token_ids for o in outputs])
+        engines.append(llm.engine)
     assert texts[0] == texts[1] == texts[2]
+    assert engines[1].async_scheduling and engines[2].stats().num_spec_verifications > 0
 
 
 def test_a_continued_request_rebuilds_its_matcher_from_its_earlier_output(make_llm) -> None:

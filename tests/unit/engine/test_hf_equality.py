@@ -30,7 +30,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers(arch, hf_checkpoints, mak
     for prompt, out in zip(PROMPTS, outs):
         want, want_logprobs = hf_greedy(hf, prompt, NUM_NEW)
         assert out.outputs[0].token_ids == want, f"{arch}: tokens differ from transformers"
-        for step, (top, ref) in enumerate(zip(out.outputs[0].top_logprobs, want_logprobs)):
+        for step, (top, ref) in enumerate(zip(out.outputs[0].top_logprobs, want_logprobs, strict=True)):
+            assert len(top) == 5, f"{arch} step {step}: {len(top)} top logprobs"
             got_ids = torch.tensor([t for t, _ in top])
             got_vals = torch.tensor([v for _, v in top])
             torch.testing.assert_close(got_vals, ref[got_ids], atol=2e-4, rtol=0, msg=f"{arch} step {step}")

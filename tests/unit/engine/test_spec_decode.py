@@ -104,9 +104,9 @@ def test_target_as_its_own_draft_accepts_every_greedy_draft(make_llm):
 
 
 def test_own_draft_accepts_every_greedy_draft_with_penalties_too(make_llm):
-    """The draft model reads its drafted tokens once per propose (the device path) unless a request
-    applies penalties (each pass read before the next): either way the target, as its own draft,
-    accepts every greedy draft, so the draft cache holds exactly the tokens drafted."""
+    """Penalized requests beside plain ones (the draft model then reads each drafting pass before the
+    next, where it otherwise reads its drafts once a propose): the target, as its own draft, still
+    accepts every greedy draft, so the penalties reach the draft's passes as they reach the target."""
     prompts = _prompts(2)
     penalized = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
     _own_draft_accepts_every_draft(make_llm, prompts, [penalized, GREEDY, GREEDY, penalized], num_draft_tokens=4)

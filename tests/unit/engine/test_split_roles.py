@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine import SamplingParams
 
@@ -94,8 +93,8 @@ def test_add_prefilled_rejects_a_short_lease(make_llm):
     engine.reserve("l", 1)
     with pytest.raises(ValueError, match="lease 'l' holds 1 blocks; the prompt needs 3"):
         engine.add_prefilled("r", [5] * 10, 7, SamplingParams(), "l")
-    engine.release_held("l")
-    assert torch.is_tensor(engine.runner.kv_caches)
+    assert not engine.has_unfinished() and engine.pool.num_held_blocks == 1  # refused whole: the lease kept
+    assert engine.release_held("l") and engine.pool.num_held_blocks == 0
 
 
 def test_prefilled_requests_wait_for_room_in_the_batch(make_llm):

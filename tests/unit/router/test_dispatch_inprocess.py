@@ -241,7 +241,9 @@ def test_layout_mismatch_fails_at_pairing_and_names_the_field(option, values, na
 
 def test_colocated_workers_are_chosen_by_the_prompt_tokens_sent_them():
     """Two colocated workers: each request is noted (its uncached tokens) at the worker it goes to
-    before the call, so requests arriving together spread by tokens; the tokens equal offline."""
+    before the call, so requests arriving together spread by tokens, not by count: after a 300-token
+    prompt, six of about 10 tokens all go to the other worker (by count they would split 3 / 3);
+    the tokens equal offline."""
     from router.policy import CacheAwarePolicy
     from tests.spy import Spy
 
@@ -254,7 +256,8 @@ def test_colocated_workers_are_chosen_by_the_prompt_tokens_sent_them():
             super().on_sent(worker_id, prompt)
             self.noted.append((worker_id, len(prompt)))
 
-    prompts = _prompts(8, seed=5)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, 2048) for _ in range(n)] for n in (300, 9, 10, 11, 12, 10, 9)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
 
@@ -275,6 +278,7 @@ def test_colocated_workers_are_chosen_by_the_prompt_tokens_sent_them():
         assert len(policy.noted) == len(prompts)  # every request noted once
         assert sorted(w for w, _ in policy.noted) == sorted(submitted.values())
         assert set(submitted.values()) == {"c0", "c1"}
+        assert [n for w, n in policy.noted if w == submitted["0"]] == [300]  # the short ones all went elsewhere
         assert await _held([s.worker for s in workers.values()]) == [0, 0]
         await _shutdown([s.worker for s in workers.values()])
 

@@ -194,6 +194,7 @@ def test_a_killed_colocated_worker_s_requests_are_resubmitted_with_their_tokens(
         await streams.until(lambda: all(len(t) >= 2 for t in streams.tokens))
         await cluster.decode["c1"].kill()
         assert await streams.results() == expected
+        assert cluster.dispatcher.num_migrations >= 1  # some streams were on c1 and moved, tokens and all
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 

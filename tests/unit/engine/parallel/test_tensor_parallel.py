@@ -40,6 +40,7 @@ def run(one_torch_thread: None) -> Iterator[Callable[..., list[Any]]]:
         finally:
             llm.close()
 
+    generate.built = built  # type: ignore[attr-defined]  # the engines built, for their stats
     yield generate
     for llm in built:
         assert_no_leak(llm)
@@ -68,6 +69,7 @@ def test_async_scheduling_hands_device_tokens_to_the_ranks(hf_checkpoints: Calla
     model = hf_checkpoints("llama3")
     reference = run(model)
     _same(run(model, tensor_parallel_size=2, async_scheduling=True), reference)
+    assert run.built[-1].engine.async_scheduling
 
 
 def test_speculative_decoding_over_tp(hf_checkpoints: Callable[[str], Path], run: Any) -> None:
@@ -76,6 +78,7 @@ def test_speculative_decoding_over_tp(hf_checkpoints: Callable[[str], Path], run
     reference = run(model, prompts)
     _same(run(model, prompts, tensor_parallel_size=2, speculative={"method": "ngram", "num_draft_tokens": 3}),
           reference)
+    assert run.built[-1].engine.stats().num_spec_verifications > 0  # the ranks did verify drafts
 
 
 def test_sizes_that_do_not_divide_name_the_field(hf_checkpoints: Callable[[str], Path]) -> None:

@@ -240,8 +240,9 @@ def test_block_scaled_fp8_errors_are_named(hf_checkpoints, tmp_path) -> None:
 
 
 def test_unknown_quantization_option_is_named(hf_checkpoints) -> None:
-    with pytest.raises(ValueError, match="quantization"):
+    with pytest.raises(ValueError, match="quantization") as error:
         LLM(str(hf_checkpoints("llama")), quantization="int3", device="cpu", num_blocks=16)
+    assert "int3" in str(error.value), str(error.value)  # the value given, beside the field
 
 
 def test_gguf_loads_quantized(hf_checkpoints, tmp_path, monkeypatch, make_llm) -> None:

@@ -72,7 +72,7 @@ def test_one_kv_scale_serves_both_and_none_means_a_unit_scale(tmp_path):
     none = _write(tmp_path / "none.safetensors", {"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)})
     assert read_kv_scales([none], 2) is None
     assert fingerprint(None) == 0
-    assert fingerprint(((1.5, 1.5), (2.5, 2.5))) == fingerprint(((1.5, 1.5), (2.5, 2.5))) != 0
+    assert fingerprint(((1.5, 1.5), (2.5, 2.5))) == 0x3B4852B3  # the same in every process: pairing compares it
     assert fingerprint(((1.5, 1.5), (2.5, 2.5))) != fingerprint(((1.5, 1.5), (2.5, 2.0)))
 
 
