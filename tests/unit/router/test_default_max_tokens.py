@@ -54,3 +54,13 @@ def test_an_asked_limit_is_kept_and_one_over_max_tokens_limit_is_refused():
         _chat_max_tokens(core, max_completion_tokens=4097)
     assert err.value.status_code == 400 and err.value.param == "max_completion_tokens"
     assert "4097 is more than this server's limit of 4096 tokens" in err.value.message
+
+
+def test_an_asked_limit_past_the_room_left_is_refused_naming_the_field():
+    core = _core(2048)
+    room = 2048 - len(core.encode_chat(MESSAGES))
+    assert _chat_max_tokens(core, max_tokens=room) == room
+    with pytest.raises(APIError) as err:
+        _chat_max_tokens(core, max_tokens=room + 1)
+    assert err.value.status_code == 400 and err.value.param == "max_tokens"
+    assert f"at most {room} can be generated" in err.value.message

@@ -68,5 +68,8 @@ def test_stop_frees_the_port() -> None:
         await server.stop(2.0)
         with pytest.raises(OSError):
             await _get(address.port)
+        again = await start_http_server(_app("b"), address)  # the port binds again at once
+        assert await _get(address.port) == "b"
+        await again.stop(2.0)
 
     asyncio.run(main())
