@@ -182,18 +182,16 @@ async def _scenario(
     return figures
 
 
-def _kill_when(kind: str, r: Runner, condition: Callable[[list[Outcome]], bool]
-               ) -> Callable[[list[Outcome]], Awaitable[float]]:
+def _kill_a_decode_worker_when(r: Runner, condition: Callable[[list[Outcome]], bool]
+                               ) -> Callable[[list[Outcome]], Awaitable[float]]:
     async def inject(outcomes: list[Outcome]) -> float:
-        await wait_until(lambda: condition(outcomes), 120.0, f"streams ready for the {kind} kill")
-        handles = r.chaos.handles(kind)
-        victim_id = next(iter(handles))
-        if kind == "decode":
-            # NOTE: the decode worker streaming the most requests now, so the kill lands mid-stream
-            # (the first one listed may have finished all of its own by then: nothing to migrate).
-            assert r.chaos.dispatcher is not None
-            streaming = r.chaos.dispatcher.num_streaming()
-            victim_id = max(handles, key=lambda worker_id: streaming.get(worker_id, 0))
+        await wait_until(lambda: condition(outcomes), 120.0, "streams ready for the decode kill")
+        handles = r.chaos.handles("decode")
+        # NOTE: the decode worker streaming the most requests now, so the kill lands mid-stream
+        # (the first one listed may have finished all of its own by then: nothing to migrate).
+        assert r.chaos.dispatcher is not None
+        streaming = r.chaos.dispatcher.num_streaming()
+        victim_id = max(handles, key=lambda worker_id: streaming.get(worker_id, 0))
         ray.kill(handles[victim_id], no_restart=True)
         return time.time()
 
@@ -209,15 +207,29 @@ def _check(r: Runner, name: str, figures: dict[str, Any], min_migrations: int) -
 
 
 def test_kill_a_decode_worker_mid_stream(runner: Runner) -> None:
-    inject = _kill_when("decode", runner, lambda outs: sum(len(o.tokens) >= 3 for o in outs) >= NUM_REQUESTS - 4)
+    inject = _kill_a_decode_worker_when(runner, lambda outs: sum(len(o.tokens) >= 3 for o in outs) >= NUM_REQUESTS - 4)
     figures = runner.run(_scenario(runner, inject))
     _check(runner, "kill_decode_worker", figures, min_migrations=1)
 
 
+def _kill_the_busiest_prefill_worker(r: Runner) -> Callable[[list[Outcome]], Awaitable[float]]:
+    """Once the first tokens stream, kills the prefill worker holding the most prompt jobs (queued,
+    computing or pushing): the kill lands mid-prefill, so those requests must start again elsewhere."""
+    async def inject(outcomes: list[Outcome]) -> float:
+        await wait_until(lambda: any(o.tokens for o in outcomes), 120.0, "first tokens before the prefill kill")
+        handles = r.chaos.handles("prefill")
+        jobs = {worker_id: (await handle.stats.remote()).num_jobs for worker_id, handle in handles.items()}
+        victim_id = max(jobs, key=lambda worker_id: jobs[worker_id])
+        assert jobs[victim_id] > 0, f"no prefill worker held a prompt when the kill came: {jobs}"
+        ray.kill(handles[victim_id], no_restart=True)
+        return time.time()
+
+    return inject
+
+
 def test_kill_a_prefill_worker_mid_prefill(runner: Runner) -> None:
-    inject = _kill_when("prefill", runner, lambda outs: sum(bool(o.tokens) for o in outs) >= 6)
-    figures = runner.run(_scenario(runner, inject))
-    _check(runner, "kill_prefill_worker", figures, min_migrations=0)
+    figures = runner.run(_scenario(runner, _kill_the_busiest_prefill_worker(runner)))
+    _check(runner, "kill_prefill_worker", figures, min_migrations=1)
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ async def _rank_loops(deployment: Deployment, timeout_s: float = 30.0) -> dict[s
 
 
 async def _serve(config: ClusterConfig, prompts: list[list[int]], params: SamplingParams,
-                 kill_a_rank: bool) -> tuple[list[list[int]], dict[str, int], list[str]]:
+                 kill_a_rank: bool) -> tuple[list[list[int]], dict[str, int], list[str], int]:
     deployment = Deployment(config)
     await deployment.start()
     replaced: list[str] = []
@@ -74,6 +74,7 @@ async def _serve(config: ClusterConfig, prompts: list[list[int]], params: Sampli
             assert not any(t.done() for t in tasks)
             os.kill(_rank_pids()[0], signal.SIGKILL)
         tokens = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        migrations = dispatcher.num_migrations
         await dispatcher.close()
         if not kill_a_rank:
             # the rank actors' loops reach rank 0's stats through Ray: seconds launching forwards, in RankCalls
@@ -88,7 +89,7 @@ async def _serve(config: ClusterConfig, prompts: list[list[int]], params: Sampli
         held = await deployment.held_blocks()
     finally:
         deployment.shutdown()
-    return tokens, held, replaced
+    return tokens, held, replaced, migrations
 
 
 def test_colocated_tp2_workers_equal_offline_tp1(ray_cluster: None) -> None:
@@ -97,9 +98,9 @@ def test_colocated_tp2_workers_equal_offline_tp1(ray_cluster: None) -> None:
     offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
     config = ClusterConfig(engine=engine_config(**ENGINE), mode="colocated", num_decode=1, decode_tp=2,
                            transport="gloo")
-    tokens, held, replaced = asyncio.run(_serve(config, prompts, params, kill_a_rank=False))
+    tokens, held, replaced, migrations = asyncio.run(_serve(config, prompts, params, kill_a_rank=False))
     assert tokens == offline
-    assert set(held.values()) == {0} and not replaced
+    assert set(held.values()) == {0} and not replaced and migrations == 0
 
 
 def test_killing_one_rank_under_load_moves_its_requests_and_loses_nothing(ray_cluster: None) -> None:
@@ -108,8 +109,9 @@ def test_killing_one_rank_under_load_moves_its_requests_and_loses_nothing(ray_cl
     offline = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params)]
     config = ClusterConfig(engine=engine_config(**ENGINE), mode="colocated", num_decode=2, decode_tp=2,
                            transport="gloo")
-    tokens, held, replaced = asyncio.run(_serve(config, prompts, params, kill_a_rank=True))
+    tokens, held, replaced, migrations = asyncio.run(_serve(config, prompts, params, kill_a_rank=True))
     assert tokens == offline
+    assert migrations >= 1, migrations  # the dead worker's requests went on elsewhere, their tokens exact
     assert len(replaced) == 1, replaced  # the worker whose rank died, whole
     assert set(held.values()) == {0}, held
 
