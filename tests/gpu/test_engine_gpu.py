@@ -1,6 +1,5 @@
 """On a CUDA GPU (marked `gpu`, skipped elsewhere): the engine with each attention backend equals
-Hugging Face transformers token for token on the small random checkpoints, in float32; the
-Triton backend equals the torch one in bfloat16 on a real shape's first tokens."""
+Hugging Face transformers token for token on the small random checkpoints, in float32."""
 
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ def test_constrained_sampling_on_cuda_always_validates(make_llm, speculative):
     for out in outs[:12]:
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         _check(out.outputs[0].text)
+    if speculative is not None:  # the drafts were verified under the grammar, not skipped
+        assert llm.engine.stats().num_spec_verifications > 0
 
 
 def test_greedy_constrained_output_equals_the_cpu_engine_s(make_llm):
