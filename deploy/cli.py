@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "GPUs (cluster/autoscaler.py); default: fixed pool sizes")
     serve.add_argument("--autoscale-min-prefill", type=int, default=_default(AutoscalerConfig, "min_prefill"),
                        help=_help(AutoscalerConfig, "min_prefill"))
-    serve.add_argument("--config", default=None, help="a JSON file with a whole ServeAppConfig (overrides flags)")
+    serve.add_argument("--config", default=None,
+                       help="a JSON file with a whole ServeAppConfig: its values win over the flags; where it leaves "
+                       "http, grpc or router.api_key unset, --host/--port/--grpc-port and --api-key fill them")
     serve.add_argument("--exit-after", type=float, default=None, help="stop after this many seconds (smoke tests)")
 
     status = sub.add_parser("status", help="workers of a running pdserve, their load and KV use")
@@ -148,12 +150,42 @@ def _autoscaler(args: argparse.Namespace) -> AutoscalerConfig | None:
                             min_prefill=args.autoscale_min_prefill)
 
 
+def _refuse_ignored_flags(args: argparse.Namespace) -> None:
+    """Exits naming a flag that would do nothing in the mode the others ask for."""
+    if args.prefill is not None and args.prefill < 1:
+        raise SystemExit(f"pdserve serve: --prefill {args.prefill}: disaggregated mode needs at least 1 prefill "
+                         "worker; leave --prefill out to serve colocated")
+    if args.prefill is None:
+        given = [flag for flag, value, default in (
+            ("--prefill-tp", args.prefill_tp, None),
+            ("--local-prefill-rule", args.local_prefill_rule, _default(LocalPrefillConfig, "rule")),
+            ("--local-prefill-max-tokens", args.local_prefill_max_tokens,
+             _default(LocalPrefillConfig, "max_short_prompt_tokens")),
+        ) if value != default]
+        if given:
+            raise SystemExit(f"pdserve serve: {', '.join(given)} apply to prefill workers, which colocated mode has "
+                             "none of: give --prefill N too, or leave them out")
+    if args.autoscale_max_gpus is None and args.autoscale_min_prefill != _default(AutoscalerConfig, "min_prefill"):
+        raise SystemExit("pdserve serve: --autoscale-min-prefill bounds the autoscaler, which only "
+                         "--autoscale-max-gpus starts: give it too, or leave --autoscale-min-prefill out")
+
+
 def app_config(args: argparse.Namespace) -> ServeAppConfig:
     from engine.llm import engine_config
 
     if args.config:
         with open(args.config) as f:
-            return ServeAppConfig.model_validate(json.load(f))
+            config = ServeAppConfig.model_validate(json.load(f))
+        # NOTE: a file without listen addresses would serve neither port, and one without a key would
+        # drop --api-key ($PDSERVE_API_KEY) silently: the flags fill what it leaves unset
+        router = config.router if config.router.api_key is not None else \
+            config.router.model_copy(update={"api_key": args.api_key})
+        return config.model_copy(update={
+            "router": router,
+            "http": config.http or ListenAddress(host=args.host, port=args.port),
+            "grpc": config.grpc or ListenAddress(host=args.host, port=args.grpc_port),
+        })
+    _refuse_ignored_flags(args)
     options = engine_options(args)
     slo = SloConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     cluster = ClusterConfig(
@@ -199,12 +231,15 @@ def serve_command(args: argparse.Namespace) -> int:
 
     stop = _stop_on_signals()
     config = app_config(args)
-    for port, flag in ((args.port, "--port"), (args.grpc_port, "--grpc-port")):
-        _check_port_free(args.host, port, flag)  # NOTE: before Ray starts: its failure would come 25 s later
+    assert config.http is not None and config.grpc is not None  # app_config sets both
+    http, grpc = config.http, config.grpc
+    for address, flag in ((http, "--port"), (grpc, "--grpc-port")):
+        # NOTE: before Ray starts: its failure would come 25 s later
+        _check_port_free(address.host, address.port, flag if not args.config else f"{flag} (or --config's)")
     ensure_generated()
     # NOTE: the router replicas serve --port themselves (router/http_server.py); Serve's HTTP proxy, which
     # Serve always starts, gets a free port of its own on the same host.
-    proxy_port = free_port(args.host)
+    proxy_port = free_port(http.host)
     started = time.monotonic()
     # NOTE: "local" starts a new cluster even when another one runs on this machine.
     # NOTE: Ray's and Serve's own start-up lines (token auth, "ready at" Serve's proxy port...) off: the
@@ -214,10 +249,12 @@ def serve_command(args: argparse.Namespace) -> int:
                        logging_level=logging.ERROR)
     _stop_on_signals(stop)  # NOTE: again: ray.init put Ray's own SIGTERM handler in place, which aborts the process
     # NOTE: the router replicas' shared counts on this node (deploy.schema); the other nodes keep theirs
-    config = config.model_copy(update={"metrics_dir": tempfile.mkdtemp(prefix="pdserve-metrics-")})
+    own_metrics_dir = config.metrics_dir is None  # a directory the file names is the file's to keep
+    if own_metrics_dir:
+        config = config.model_copy(update={"metrics_dir": tempfile.mkdtemp(prefix="pdserve-metrics-")})
     try:
         # NOTE: no Serve gRPC proxy (it binds every interface): the router replicas serve gRPC on host:grpc_port.
-        serve.start(http_options=HTTPOptions(host=args.host, port=proxy_port))
+        serve.start(http_options=HTTPOptions(host=http.host, port=proxy_port))
         try:
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         except RuntimeError as err:  # Serve names the failed deployment; its replicas' errors are in its status
@@ -230,10 +267,10 @@ def serve_command(args: argparse.Namespace) -> int:
         routers = f"{config.num_router_replicas} router replica{'s' if config.num_router_replicas > 1 else ''}"
         if args.address:  # NOTE: a replica serves the port of the node it runs on
             routers += " on the nodes they run on"
-        print(f"  HTTP  http://{args.host}:{args.port}/v1  (OpenAI API; /health, /metrics; served by {routers}; "
+        print(f"  HTTP  http://{http.host}:{http.port}/v1  (OpenAI API; /health, /metrics; served by {routers}; "
               f"Serve's proxy also on :{proxy_port})", flush=True)
         print(f"  Ray   {context.address_info['gcs_address']}  (pdserve status --address ...)", flush=True)
-        print(f"  gRPC  {args.host}:{args.grpc_port}  (pdserve.v1.Generation, reflection on)", flush=True)
+        print(f"  gRPC  {grpc.host}:{grpc.port}  (pdserve.v1.Generation, reflection on)", flush=True)
         _wait(stop, args.exit_after)
     finally:
         if args.address:  # a cluster this joined goes on: take the app off it
@@ -241,7 +278,8 @@ def serve_command(args: argparse.Namespace) -> int:
         # NOTE: the local cluster ray.init started ends with this, Serve and the workers included;
         # serve.shutdown() first made Ctrl-C wait 30 s for Serve's controller (measured ~55 s to exit).
         ray.shutdown()
-        shutil.rmtree(config.metrics_dir, ignore_errors=True)
+        if own_metrics_dir and config.metrics_dir is not None:
+            shutil.rmtree(config.metrics_dir, ignore_errors=True)
     return 0
 
 

@@ -60,3 +60,33 @@ def test_max_in_flight_flag_sets_each_router_replicas_limit():
     assert app_config(args).router.max_in_flight == 512
     with pytest.raises(pydantic.ValidationError, match="max_in_flight"):
         app_config(build_parser().parse_args(["serve", "--max-in-flight", "0"]))
+
+
+def test_a_config_file_takes_the_listen_addresses_and_key_it_leaves_unset_from_the_flags(tmp_path) -> None:
+    """`serve --config`: a file without http/grpc/api_key would serve neither port and drop --api-key;
+    the flags fill them. What the file sets wins."""
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"cluster": {"mode": "colocated"}}')
+    args = build_parser().parse_args(["serve", "--config", str(bare), "--host", "127.0.0.2", "--port", "8123",
+                                      "--grpc-port", "9123", "--api-key", "s3cret"])
+    config = app_config(args)
+    assert (config.http.host, config.http.port, config.grpc.port) == ("127.0.0.2", 8123, 9123)
+    assert config.router.api_key == "s3cret"
+    full = tmp_path / "full.json"
+    full.write_text('{"http": {"host": "127.0.0.1", "port": 7000}, "grpc": {"host": "127.0.0.1", "port": 7001}, '
+                    '"router": {"api_key": "file-key"}}')
+    config = app_config(build_parser().parse_args(["serve", "--config", str(full), "--port", "8123",
+                                                   "--api-key", "flag-key"]))
+    assert (config.http.port, config.grpc.port, config.router.api_key) == (7000, 7001, "file-key")
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--prefill-tp", "2"], "--prefill-tp apply to prefill workers"),
+    (["--local-prefill-rule", "remote", "--local-prefill-max-tokens", "64"],
+     "--local-prefill-rule, --local-prefill-max-tokens apply to prefill workers"),
+    (["--prefill", "0"], "--prefill 0: disaggregated mode needs at least 1 prefill worker"),
+    (["--autoscale-min-prefill", "0"], "--autoscale-min-prefill bounds the autoscaler"),
+])
+def test_flags_that_would_do_nothing_are_refused_by_name(flags, named) -> None:
+    with pytest.raises(SystemExit, match=named):
+        app_config(build_parser().parse_args(["serve", *flags]))
