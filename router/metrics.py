@@ -143,6 +143,9 @@ class PrometheusMetrics:
         # the gauges each worker's stats row sets field for field: (its field, the gauge)
         self._row_gauges = [(field, Gauge(name, help_text, gauge_labels, registry=wr))
                             for field, name, help_text in ROW_GAUGES]
+        self._worker_gauges = [self.role, self.kv_usage, self.leases, self.pushes, self.push_failures,
+                               self.push_cancellations, self.push_seconds, self.push_send_device_seconds,
+                               self.spec_drafts, self.spec_accepted, *(gauge for _, gauge in self._row_gauges)]
 
     # ---- RouterMetrics
     def on_choice_finished(
@@ -180,8 +183,10 @@ class PrometheusMetrics:
                 rows = await asyncio.wait_for(self.worker_stats(), timeout_s)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a scrape never fails for one slow worker
                 rows = []
-            if rows:
-                self.role.clear()  # NOTE: a worker that changed role, or left, keeps no series of before
+            # NOTE: every scrape sets the workers' series afresh: a worker that left, changed role or did not
+            # answer in time keeps no series of before (a stale value would read as a live one)
+            for gauge in self._worker_gauges:
+                gauge.clear()
             for row in rows:
                 w = {**self._labels, "worker": row.worker_id}
                 role = "decode_every_prompt" if row.computes_every_prompt else row.role

@@ -90,3 +90,25 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
     assert lines['pdserve:gc_longest_recent_pause_seconds{model_name="m",worker="d0"}'] == 0.0625
     assert lines['pdserve:rank_gc_pause_seconds{model_name="m",worker="d0"}'] == 1.25
     assert lines['pdserve:rank_gc_longest_recent_pause_seconds{model_name="m",worker="d0"}'] == 0.25
+
+
+def test_a_worker_that_left_or_did_not_answer_keeps_no_series():
+    load = dict(pid=1, is_healthy=True, num_running=0, num_waiting=0, num_blocks=10, num_free_blocks=4)
+    answers: list = [[WorkerStatsMsg(worker_id="p0", role="prefill", **load),
+                      WorkerStatsMsg(worker_id="d0", role="decode", num_leases=2, **load)],
+                     [WorkerStatsMsg(worker_id="d0", role="decode", num_leases=1, **load)],  # p0 retired
+                     RuntimeError("the stats call failed")]
+
+    async def worker_stats():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    metrics = PrometheusMetrics("m", worker_stats=worker_stats)
+    assert any('worker="p0"' in k for k in _lines(asyncio.run(metrics.render())))
+    lines = _lines(asyncio.run(metrics.render()))
+    assert not any('worker="p0"' in k for k in lines), [k for k in lines if "p0" in k]
+    assert lines['pdserve:kv_leases{model_name="m",worker="d0"}'] == 1
+    lines = _lines(asyncio.run(metrics.render()))  # no answer: no worker series, rather than stale ones
+    assert not any('worker="' in k for k in lines), [k for k in lines if "worker=" in k]
