@@ -145,3 +145,12 @@ def test_duplicate_request_id_rejected(make_llm):
     with pytest.raises(ValueError, match="'a' is already running"):
         engine.add_request("a", [5, 6], SamplingParams(max_tokens=2))
     engine.abort_request("a")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:", "mps"])
+def test_an_unknown_device_is_named_with_the_choices(device):
+    from engine.config import ModelConfig
+
+    with pytest.raises(ValidationError, match=rf"device '{device}' is not 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        ModelConfig(device=device)
+    assert ModelConfig(device="cuda:1").device == "cuda:1"
