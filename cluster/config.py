@@ -85,6 +85,11 @@ class ClusterConfig(BaseModel):
     def _check_pools(self) -> ClusterConfig:
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise ValueError("num_prefill must be at least 1 in disaggregated mode")
+        if self.mode == "colocated" and self.engine.scheduler.itl_budget_ms is not None:
+            # NOTE: measured: on 2x H200 it cut colocated goodput at TPOT <= 20 ms from 16 to 4 req/s
+            # (bench/results/adaptive_2xh200*; deploy/cli.py leaves it out for colocated mode too)
+            raise ValueError("engine.scheduler.itl_budget_ms is a decode worker's budget in disaggregated mode; "
+                             "colocated engines keep none: leave it out, or serve disaggregated")
         for name in ("prefill", "decode"):
             fixed = getattr(self, name).model_fields_set & _SET_BY_CLUSTER
             if fixed:

@@ -50,3 +50,12 @@ def test_each_pool_gets_its_tensor_parallel_size():
     assert (cluster.tp_of("prefill"), cluster.tp_of("decode")) == (2, 4)
     assert decode.engine.parallel.tensor_parallel_size == 4
     assert decode.engine.model == cluster.engine.model  # everything else is the cluster's engine
+
+
+def test_a_step_budget_is_refused_for_colocated_engines() -> None:
+    from engine.llm import engine_config
+
+    budgeted = engine_config(device="cpu", itl_budget_ms=30.0)
+    with pytest.raises(ValidationError, match="itl_budget_ms is a decode worker's budget in disaggregated"):
+        ClusterConfig(engine=budgeted, mode="colocated")
+    assert ClusterConfig(engine=budgeted, mode="disaggregated").engine.scheduler.itl_budget_ms == 30.0
