@@ -426,11 +426,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return [*super()._grammars(), None if calling is None else calling.grammar()]
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as chat templates read them (transformers' shape): content '' when null, and
-        a call's arguments as an object."""
+        """The messages as chat templates read them (transformers' shape): content '' when null, a name
+        when given, and a call's arguments as an object."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
             message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.name is not None:  # the participant's name, for templates that render it
+                message["name"] = m.name
             if m.tool_calls:
                 message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
             if m.tool_call_id is not None:

@@ -116,14 +116,14 @@ def test_tool_calling_of_a_request():
 
 def test_tool_messages_reach_the_template_in_transformers_shape():
     request = ChatCompletionRequest.parse({"messages": [
-        {"role": "user", "content": "weather?"},
+        {"role": "user", "content": "weather?", "name": "ann"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
         ]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]})
     assert request.template_messages() == [
-        {"role": "user", "content": "weather?"},
+        {"role": "user", "content": "weather?", "name": "ann"},  # a participant's name, for templates that read it
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
         ]},
