@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from router import structured
 from router.core import ChoiceDelta, RouterCore
-from router.openai_schema import APIError, CompletionRequest, bad_request
+from router.openai_schema import APIError, CompletionRequest, bad_request, from_validation_error
 from router.proto.codegen import ensure_generated
 from router.structured import GrammarFieldError, GrammarSource
 
@@ -60,9 +60,10 @@ def to_completion_request(request: pb.GenerateRequest) -> CompletionRequest:
     try:
         return CompletionRequest.model_validate(fields)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(x) for x in first["loc"])
-        raise bad_request(f"{param}: {first['msg']}", param) from None
+        # NOTE: HTTP's message (the limit, the value sent), with the proto's field names
+        names = {name: f"sampling.{name}" for name in fields if name != "prompt"}
+        names["prompt"] = kind
+        raise from_validation_error(err, names) from None
 
 
 def grammar_of(sampling: pb.SamplingOptions) -> GrammarSource | None:

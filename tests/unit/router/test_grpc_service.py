@@ -73,6 +73,17 @@ def test_a_bad_constraint_names_its_field(options, field, words):
     assert err.value.message.startswith(f"{field}: ") and words in err.value.message
 
 
+@pytest.mark.parametrize(("sampling", "field", "words"), [
+    (pb.SamplingOptions(max_tokens=8, logprobs=50), "sampling.logprobs", "(got 50)"),
+])
+def test_a_bad_sampling_option_is_named_as_the_proto_names_it_with_the_value_sent(sampling, field, words):
+    with pytest.raises(APIError) as err:
+        grpc_service.to_completion_request(pb.GenerateRequest(text="hi", sampling=sampling))
+    assert err.value.status_code == 400 and err.value.param == field
+    assert err.value.message.startswith(f"{field}: ") and words in err.value.message
+    assert "Value error" not in err.value.message
+
+
 def _generate(core: RouterCore, request: pb.GenerateRequest) -> tuple[list[Any], Context]:
     context = Context()
 
