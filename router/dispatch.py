@@ -107,7 +107,8 @@ class LocalPrefillConfig(BaseModel):
     max_short_prompt_tokens: int = Field(
         192, ge=0, le=1 << 20,
         description="short_or_cached: prompts of fewer tokens are prefilled on their decode worker (0: none for "
-        "being short; the default's measurement is in the README).",
+        "being short). The default comes from `bench.skip_prefill` on CPUs with the default toy model "
+        "(bench/results/skip_prefill_cpu.json); it has not been measured on a GPU.",
     )
     min_cached_fraction: float = Field(
         0.75, gt=0.0, lt=1.0,
