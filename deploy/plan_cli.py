@@ -93,6 +93,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     from cluster.planner import SLO, Workload, plan
     from deploy.schema import ServeAppConfig
     from engine.llm import engine_config
+    from router.core import RouterConfig
 
     profiles = _profiles(args, engine_options)
     workload = Workload(prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens),
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             num_prefill=max(best.layout.num_prefill, 1), num_decode=best.layout.num_decode,
             prefill_tp=best.layout.prefill_tp, decode_tp=best.layout.decode_tp,
         )
-        args.out.write_text(ServeAppConfig(cluster=cluster).model_dump_json(indent=2, exclude_defaults=True) + "\n")
+        app = ServeAppConfig(cluster=cluster, router=RouterConfig(model_name=engine_options["model"]))
+        args.out.write_text(app.model_dump_json(indent=2, exclude_defaults=True) + "\n")
         print(f"wrote {args.out}: pdserve serve --config {args.out}")
     return 0

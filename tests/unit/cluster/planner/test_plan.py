@@ -129,8 +129,10 @@ def test_pdserve_plan_takes_a_profile_per_worker_size_and_writes_their_sizes(tmp
                  "--prompt-tokens", "1000", "1000", "--output-tokens", "50", "50", "--num-requests", "200",
                  "--out", str(out), "--device", "cpu"])
     assert code == 0 and "best: 1 colocated TP2" in capsys.readouterr().out
-    cluster = ServeAppConfig.model_validate(json.loads(out.read_text())).cluster
+    app = ServeAppConfig.model_validate(json.loads(out.read_text()))
+    cluster = app.cluster
     assert (cluster.mode, cluster.num_decode, cluster.decode_tp) == ("colocated", 1, 2)
+    assert app.router.model_name == cluster.engine.model.model  # served under the model's name, not 'default'
     paths[1].write_text(flat(25.0, 15.0).model_dump_json())  # both of size 1 now
     with pytest.raises(ValueError, match="tp1.json and .*tp2.json are both of workers of 1 GPUs"):
         main(["plan", "--gpus", "2", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "20", "--profile", *map(str, paths),
