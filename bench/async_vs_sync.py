@@ -68,7 +68,10 @@ def main() -> None:
         mode: statistics.median(r["output_tok_per_s"] for r in runs if r["async_scheduling"] == (mode == "async"))
         for mode in ("async", "sync")
     }
-    record = {"workload": "nano-vllm (256 sequences, 100-1024 in and out, T=0.6, ignore EOS)", "runs": runs,
+    lengths = [len(p) for p in prompts]
+    workload = (f"nano-vllm's: {len(prompts)} sequences, prompts {min(lengths)}-{max(lengths)} tokens, "
+                f"{sum(max_tokens)} output tokens in all, T=0.6, ignore EOS")
+    record = {"workload": workload, "runs": runs,
               "median_output_tok_per_s": summary, "batch1_context512_step_s": batch1}
 
     def plot(fig: Any) -> None:

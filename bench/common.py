@@ -78,6 +78,13 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
 
 
+def machine_tag(device: str) -> str:
+    """A result file's suffix naming the machine: 'cpu', or the GPU count and slug ('2xnvidia-h200')."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"{torch.cuda.device_count()}x{device_slug(torch.device('cuda'))}"
+
+
 def free_device_memory() -> None:
     """Gives the GPU back what dropped engines held. An engine's parts refer to each other, so `del` alone
     leaves its KV cache to the cycle collector: a server started next in this process's GPU ran out of

@@ -55,6 +55,7 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
+from bench.common import machine_tag
 from bench.paired import overhead_summary, rotation
 from bench.raw_peers import raw_bandwidth, raw_bandwidths
 from bench.side_by_side import ModeSpec, SideBySide
@@ -294,7 +295,7 @@ def _shape_report(
     c, d = modes["colocated"], modes.get("disaggregated")
     report: dict[str, Any] = {
         "modes": modes,
-        "same_tokens": d is None or d["tokens"] == c["tokens"],
+        "same_tokens": None if d is None else d["tokens"] == c["tokens"],  # None: nothing to compare
         # ratio of the modes' medians (as in older results)
         "ttft_overhead": d["ttft_median_s"] / c["ttft_median_s"] - 1 if d is not None else None,
         # per round i: ttft_disaggregated[i] / ttft_colocated[i] - 1; its median and bootstrap 95% interval
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", help="'cpu' (with --transport gloo) for a smoke test")
     parser.add_argument("--transport", default="nccl")
     parser.add_argument("--shapes-dir", type=Path, default=SHAPES)
-    parser.add_argument("--tag", default="2xh200", help="suffix of the result files")
+    parser.add_argument("--tag", default=None, help="suffix of the result files (default: the machine's, machine_tag)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"the modes to run side by side, among {', '.join(MODES)} (colocated always)")
     args = parser.parse_args(argv)
+    args.tag = args.tag or machine_tag(args.device)
     ray.init(include_dashboard=False, runtime_env={"env_vars": dict(NCCL_WORKER_ENV)})
     on_gpu = args.device != "cpu"
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if on_gpu else "cpu"

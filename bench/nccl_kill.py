@@ -33,6 +33,7 @@ from typing import Any
 import ray
 import torch
 
+from bench.common import machine_tag
 from cluster.config import ClusterConfig
 from decode_worker import DecodeWorkerConfig
 from engine import SamplingParams
@@ -114,9 +115,10 @@ def main() -> None:
     parser.add_argument("--in-flight-s", type=float, default=0.5, help="how long the send is left unmatched")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--transport", default="nccl")
-    parser.add_argument("--tag", default="2xh200")
+    parser.add_argument("--tag", default=None, help="suffix of the result file (default: the machine's, machine_tag)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    args.tag = args.tag or machine_tag(args.device)
     env = dict(NCCL_WORKER_ENV) if args.device != "cpu" else {"GLOO_SOCKET_IFNAME": "lo"}
     os.environ.update(env)
     ray.init(include_dashboard=False, runtime_env={"env_vars": env})

@@ -169,7 +169,12 @@ def prefill_utilization(engine: EngineCore, length: int, peak: float | None) -> 
         synchronize(engine.device)
         times.append(time.perf_counter() - start)
     attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * length * length  # causal: half of 4*T^2*H*D
-    flops = 2 * arch.num_params * length + attention
+    # the decoder's products for every prompt token, the LM head's for the one row sampled (an embedding row
+    # is a lookup, not a product)
+    lm_head = arch.vocab_size * arch.hidden_size
+    embedding = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) - lm_head
+    decoder = arch.num_params - embedding - lm_head
+    flops = 2 * decoder * length + 2 * lm_head + attention
     step = statistics.median(times[1:])
     return {"prompt_len": length, "step_s": step, "flops": flops, "flops_per_s": flops / step,
             "matmul_peak_flops_per_s": peak, "fraction_of_peak": flops / step / peak if peak else None}
