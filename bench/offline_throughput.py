@@ -108,10 +108,17 @@ def matmul_peak(device: torch.device) -> float | None:
     return 2 * 8192**3 / statistics.median(times[3:])
 
 
+def decode_weight_bytes(arch: Any, itemsize: int) -> int:
+    """Weight bytes a decode step reads: every parameter but an untied embedding table, of which a step
+    reads only its batch's rows (a tied one is read whole, as the LM head)."""
+    embedding_only = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    return (arch.num_params - embedding_only) * itemsize
+
+
 def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int], bandwidth: float | None,
                       num_steps: int = 16) -> list[dict[str, Any]]:
     arch, out = engine.arch, []
-    weight_bytes = arch.num_params * engine.dtype.itemsize
+    weight_bytes = decode_weight_bytes(arch, engine.dtype.itemsize)
     rng = random.Random(1)
     for context in contexts:
         for batch in batches:
@@ -143,7 +150,7 @@ def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int
                 times.append((time.perf_counter() - start) / num_steps)
             for i in range(batch):
                 engine.abort_request(f"d{i}")
-            kv_bytes = engine.block_bytes / engine.pool.block_size * batch * context
+            kv_bytes = engine.block_bytes / engine.pool.block_size * running * context  # the sequences that ran
             floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
             step = statistics.median(times)
             graph_steps = (graphs.num_replays - replays_before) if graphs is not None else 0

@@ -58,7 +58,7 @@ def one_variant(args: Any, variant: str) -> dict[str, Any]:
     weight_bytes = step_weight_bytes(engine.runner.model)
     rows = decode_step_times(engine, args.batches, [args.context], None)
     for row in rows:
-        kv_bytes = engine.block_bytes / engine.pool.block_size * row["batch"] * row["context"]
+        kv_bytes = engine.block_bytes / engine.pool.block_size * row["num_running"] * row["context"]
         row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
         row["floor_ratio"] = row["step_s"] / row["floor_s"] if bandwidth else None
         print(f"{variant} batch {row['batch']}: {row['step_s'] * 1e3:.3f} ms/step"

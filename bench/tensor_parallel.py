@@ -27,7 +27,7 @@ import torch
 
 from bench.common import (base_parser, device_name, graph_seconds, model_label, run_in_processes, synchronize,
                           write_results)
-from bench.offline_throughput import copy_bandwidth, decode_step_times
+from bench.offline_throughput import copy_bandwidth, decode_step_times, decode_weight_bytes
 from engine import LLM, SamplingParams
 from engine.parallel import PartialSum, TPGroup
 from engine.parallel.follower import RankCall
@@ -108,9 +108,9 @@ def one_size(args: Any, tp: int) -> dict[str, Any]:
 
         leader.hand_off = timed_hand_off  # type: ignore[method-assign]
     rows = decode_step_times(engine, args.batches, [args.context], None)
-    weight_bytes = arch.num_params * engine.dtype.itemsize / tp
+    weight_bytes = decode_weight_bytes(arch, engine.dtype.itemsize) / tp
     for row in rows:
-        kv_bytes = engine.block_bytes / engine.pool.block_size * row["batch"] * row["context"]
+        kv_bytes = engine.block_bytes / engine.pool.block_size * row["num_running"] * row["context"]
         row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
         row["floor_ratio"] = row["step_s"] / row["floor_s"] if bandwidth else None
         row["output_tok_per_s"] = row["num_running"] / row["step_s"]
