@@ -108,17 +108,22 @@ def matmul_peak(device: torch.device) -> float | None:
     return 2 * 8192**3 / statistics.median(times[3:])
 
 
-def decode_weight_bytes(arch: Any, itemsize: int) -> int:
-    """Weight bytes a decode step reads: every parameter but an untied embedding table, of which a step
-    reads only its batch's rows (a tied one is read whole, as the LM head)."""
-    embedding_only = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
-    return (arch.num_params - embedding_only) * itemsize
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads (a tensor-parallel rank's: its shards): every parameter's and buffer's storage (each once: the
+    fused projections' parts are views) but the embedding table's, unless the lm_head shares it."""
+    embedding = model.model.embed_tokens.weight.untyped_storage()
+    tied = model.lm_head.weight.untyped_storage().data_ptr() == embedding.data_ptr()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if t is not None}
+    if not tied:
+        storages.pop(embedding.data_ptr())
+    return sum(storages.values())
 
 
 def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int], bandwidth: float | None,
                       num_steps: int = 16) -> list[dict[str, Any]]:
     arch, out = engine.arch, []
-    weight_bytes = decode_weight_bytes(arch, engine.dtype.itemsize)
+    weight_bytes = step_weight_bytes(engine.runner.model)
     rng = random.Random(1)
     for context in contexts:
         for batch in batches:

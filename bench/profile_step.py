@@ -95,11 +95,16 @@ def device_profile(engine: EngineCore, num_steps: int, top: int) -> tuple[str, l
     return averages.table(sort_by="self_cuda_time_total", row_limit=top), rows
 
 
+def num_prompt_requests(args: Any) -> int:
+    """Prompts --prompt-steps timed and as many profiled steps take, one step before them included."""
+    return -(-args.prompt_tokens * (2 * args.prompt_steps + 1) // args.prompt_len) if args.prompt_tokens else 0
+
+
 def prompt_steps(engine: EngineCore, args: Any, rng: random.Random) -> dict[str, Any]:
     """Steps that compute prompt tokens beside the running batch's decoding (the offline run's other kind):
     prompts of --prompt-len queued for steps of --prompt-tokens each; --prompt-steps of them timed, as many
-    profiled (CUDA); their device
-    kernels (as device_profile) and wall time, synchronised, each step's prompt tokens and decoding rows."""
+    profiled (CUDA); their device kernels (as device_profile) and wall time, synchronised, each step's prompt
+    tokens and decoding rows."""
     vocab = engine.arch.vocab_size
     counted = {"prompt": 0, "rows": 0, "steps": 0}
     schedule = engine.scheduler.schedule
@@ -111,8 +116,7 @@ def prompt_steps(engine: EngineCore, args: Any, rng: random.Random) -> dict[str,
         counted["steps"] += 1
         return out
 
-    num = -(-args.prompt_tokens * (2 * args.prompt_steps + 1) // args.prompt_len)  # the timed, the profiled
-    for i in range(num):
+    for i in range(num_prompt_requests(args)):
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
         engine.add_request(f"p{i}-{rng.random()}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True,
                                                                           temperature=args.temperature))
@@ -160,8 +164,7 @@ def main() -> None:
     # NOTE: synchronous steps: the phases are the synchronous step's, run one by one (with
     # asynchronous scheduling they overlap, and a step's inputs may still be on the device).
     batches = [int(b) for b in args.batches.split(",")]
-    extra = -(-args.prompt_tokens * (2 * args.prompt_steps + 1) // args.prompt_len) if args.prompt_tokens else 0
-    engine = build_engine(args, max_num_seqs=max(256, max(batches) + extra),
+    engine = build_engine(args, max_num_seqs=max(256, max(batches) + num_prompt_requests(args)),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend, fused_ops=not args.no_fused_ops,
                           async_scheduling=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,

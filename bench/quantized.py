@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from bench.common import base_parser, device_name, model_label, run_in_processes, write_results
-from bench.offline_throughput import copy_bandwidth, decode_step_times
+from bench.offline_throughput import copy_bandwidth, decode_step_times, step_weight_bytes
 from bench.tensor_parallel import offline
 from engine import LLM
 
@@ -34,18 +34,6 @@ TRT_LLM_FP8_8B_1000_1000 = {"NVIDIA H200": 17_700, "NVIDIA H100 80GB HBM3": 15_2
 VARIANTS = {"bfloat16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
             "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "w4a16": {}}
 """w4a16: --awq-model (a 4-bit AutoAWQ checkpoint or shape) instead of --model."""
-
-
-def step_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter's and buffer's storage (each once: the
-    fused projections' parts are views) but the embedding table's, unless the lm_head shares it."""
-    embedding = model.model.embed_tokens.weight.untyped_storage()
-    tied = model.lm_head.weight.untyped_storage().data_ptr() == embedding.data_ptr()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers()] if t is not None}
-    if not tied:
-        storages.pop(embedding.data_ptr())
-    return sum(storages.values())
 
 
 def one_variant(args: Any, variant: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 
 from bench.common import (base_parser, device_name, graph_seconds, model_label, run_in_processes, synchronize,
                           write_results)
-from bench.offline_throughput import copy_bandwidth, decode_step_times, decode_weight_bytes
+from bench.offline_throughput import copy_bandwidth, decode_step_times, step_weight_bytes
 from engine import LLM, SamplingParams
 from engine.parallel import PartialSum, TPGroup
 from engine.parallel.follower import RankCall
@@ -108,7 +108,7 @@ def one_size(args: Any, tp: int) -> dict[str, Any]:
 
         leader.hand_off = timed_hand_off  # type: ignore[method-assign]
     rows = decode_step_times(engine, args.batches, [args.context], None)
-    weight_bytes = decode_weight_bytes(arch, engine.dtype.itemsize) / tp
+    weight_bytes = step_weight_bytes(engine.runner.model)  # rank 0's shards
     for row in rows:
         kv_bytes = engine.block_bytes / engine.pool.block_size * row["num_running"] * row["context"]
         row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None

@@ -50,14 +50,6 @@ class ModelConfig(_Frozen):
         None, ge=1, description="Longest prompt + output in tokens; default and upper limit: the model's own."
     )
     device: str = Field("auto", description="'auto' (cuda when available), 'cpu', or 'cuda[:N]'.")
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        kind, _, index = value.partition(":")
-        if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
-            return value
-        raise ValueError(f"device {value!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
     seed: int = Field(0, description="Seed of dummy weights and of requests that bring no seed of their own.")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
@@ -84,6 +76,14 @@ class ModelConfig(_Frozen):
         description="Tokens in the largest captured CUDA graph. None: max_num_seqs x (1 + num_draft_tokens with "
         "speculation), at least 512, at most max_num_batched_tokens.",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        kind, _, index = value.partition(":")
+        if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+            return value
+        raise ValueError(f"device {value!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 class CacheConfig(_Frozen):

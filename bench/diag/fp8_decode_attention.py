@@ -47,6 +47,31 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
 @triton.jit
+def _queries(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_M: tl.constexpr):
+    """The GROUP query heads of kv_head for one sequence, as BLOCK_M rows (the rest zero): (q, heads, row_ok)."""
+    rows = tl.arange(0, BLOCK_M)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    return q, heads, row_ok
+
+
+@triton.jit
+def _as_f16(q):
+    """Queries as float16 operands, clamped to its range (E4M3 converts to float16 in one instruction)."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _store(out_ptr, o, seq, heads, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr):
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
 def _lab_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt,
@@ -57,13 +82,10 @@ def _lab_decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_M)
-    heads = kv_head * GROUP + rows
-    row_ok = rows < GROUP
+    q, heads, row_ok = _queries(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     if DOTS == "f16":
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = _as_f16(q)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -96,9 +118,7 @@ def _lab_decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
-    o = acc / l[:, None]
-    tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    _store(out_ptr, acc / l[:, None], seq, heads, row_ok, stride_qt, stride_qh, HEAD_DIM)
 
 
 @triton.jit
@@ -113,12 +133,8 @@ def _lab_tma_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_M)
-    heads = kv_head * GROUP + rows
-    row_ok = rows < GROUP
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    q, heads, row_ok = _queries(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_M)
+    q = _as_f16(q)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -144,9 +160,7 @@ def _lab_tma_kernel(
         v = tl.where((keys < seq_len)[:, None], v.to(tl.float16), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m = m_new
-    o = acc / l[:, None]
-    tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    _store(out_ptr, acc / l[:, None], seq, heads, row_ok, stride_qt, stride_qh, HEAD_DIM)
 
 
 def lab_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
