@@ -88,6 +88,8 @@
 #   `python -m router.proto.codegen`; the GPU machines have no grpcio-tools).
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
+#   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
+#   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
 part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
@@ -96,6 +98,11 @@ bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the pa
 # once per machine: two parts may start at once on disjoint GPUs (CUDA_VISIBLE_DEVICES, OUT of their own)
 flock /tmp/site.lock -c "[ -f /tmp/site/.unpacked ] || { tar -xJf '$bundle/site.tar.xz' -C /tmp && touch /tmp/site/.unpacked; }"
 export PYTHONPATH=/tmp/site:$PWD
+if [ "$bundle" != .benchbundle ] && [ -d .benchbundle ]; then  # xgrammar & gguf behind Ray's own packages
+  flock /tmp/site.lock -c "[ -f /tmp/bench/site/.unpacked ] || { mkdir -p /tmp/bench && \
+    tar -xJf .benchbundle/site.tar.xz -C /tmp/bench && touch /tmp/bench/site/.unpacked; }"
+  export PYTHONPATH=/tmp/site:/tmp/bench/site:$PWD
+fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"

@@ -9,11 +9,12 @@ blocks), one layer's decode launch over a paged cache of random non-contiguous b
   operands (`bf16`: as the product, `f16`: half precision, which Hopper converts from E4M3 in one instruction
   (q clamped to its range)), how it loads K (`cols`: a [head_dim, keys] tile as the product, `rows`: [keys,
   head_dim] then transposed), keys a tile, warps, stages and the registers a thread may take;
-or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take), or with each
-cache block's keys of a head read by one TMA copy (`tma`, keys a tile 16 or 32: _lab_tma_kernel; checked
-against the product's output only in Triton's interpreter so far); each beside
-the floor (K/V bytes / the copy bandwidth), with its error against the product's FP8 output; and by how the
-cache lies in memory (`--layouts`, paged_cache).
+or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take); by the grid's
+order (`--grids`: `seq`, sequences fastest as the product, or `head`, a sequence's KV heads launched side by
+side so they read the same cache rows at once); by KV heads a program (`--heads`: 1 as the product, or 2 or 4
+with batched dots, _lab_heads_kernel, reading 256 or 512 contiguous bytes of a key); each beside the floor
+(K/V bytes / the copy bandwidth), with its error against the product's FP8 output; and by how the cache lies in
+memory (`--layouts`, paged_cache).
 
 Found (one H200, batch 256, context 1500, floor 193 us; the `_dots`, `_ahead`, `_layout`, `_maxnreg` and
 `_ncu` results): the loads alone took as long as the whole kernel (330 us); ncu: 212 registers a thread, two
@@ -21,6 +22,8 @@ programs an SM, half the DRAM bandwidth used; a program's time a tile is its loa
 blocks gained 1-3%; dots on FP8 tensor cores (queries and weights in E4M3) nothing, at 3.5% error; loads
 issued a tile ahead in registers ran slower (more registers still). Capping registers at 128 took the
 kernel to 286 us (512 sequences: 641 -> 546 us), which the product takes since (its `maxnreg`).
+Each cache block's keys of a head read by one TMA copy (16 or 32 keys a tile) took twice as long
+(591 us at batch 256, `_tma`): that variant is gone.
 
     python -m bench.diag.fp8_decode_attention --out DIR
 """
@@ -37,7 +40,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.offline_throughput import copy_bandwidth
 from engine.attention.triton_backend import TritonAttentionConfig, decode_split_plan
@@ -76,11 +78,11 @@ def _lab_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, DOTS: tl.constexpr, K_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOTS: tl.constexpr, K_ROWS: tl.constexpr, HEAD_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_seqs, num_kv_heads): the product's `_decode_kernel` with one split, every sequence one query."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """Grid (num_seqs, num_kv_heads), or its transpose: the product's `_decode_kernel` with one split, every
+    sequence one query."""
+    seq, kv_head = _program_ids(HEAD_FIRST)
     seq_len = tl.load(seq_lens_ptr + seq)
     q, heads, row_ok = _queries(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
@@ -122,72 +124,82 @@ def _lab_decode_kernel(
 
 
 @triton.jit
-def _lab_tma_kernel(
-    q_ptr, k_desc, v_desc, out_ptr, block_tables_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PAGES: tl.constexpr,
+def _program_ids(HEAD_FIRST: tl.constexpr):
+    """(seq, kv-head group) of this program: grid (seqs, groups) as the product, or (groups, seqs)."""
+    if HEAD_FIRST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _lab_heads_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
+    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HPP: tl.constexpr, HEAD_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_seqs, num_kv_heads): the `f16` kernel with each cache block's keys of one head read by one TMA
-    copy ([BLOCK_SIZE, HEAD_DIM] of the cache viewed [blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]): no address
-    a thread, the copies in flight with no registers held; PAGES (1 or 2) blocks a tile."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """The `f16` kernel for HPP adjacent KV heads a program (grid: sequences x num_kv_heads / HPP): a key's
+    HPP * HEAD_DIM bytes are read as one run, the dots batched over the heads ([HPP, BLOCK_M, ...])."""
+    seq, group = _program_ids(HEAD_FIRST)
     seq_len = tl.load(seq_lens_ptr + seq)
-    q, heads, row_ok = _queries(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_M)
-    q = _as_f16(q)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    h = group * HPP + tl.arange(0, HPP)  # [HPP] KV heads
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    heads = h[:, None] * GROUP + r[None, :]  # [HPP, BLOCK_M] query heads
+    row_ok = (r < GROUP)[None, :] & (h >= 0)[:, None]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, :, None] * stride_qh + d[None, None, :],
+                mask=row_ok[:, :, None], other=0.0)
+    q = _as_f16(q)  # [HPP, BLOCK_M, HEAD_DIM]
+    m = tl.full([HPP, BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([HPP, BLOCK_M], tl.float32)
+    acc = tl.zeros([HPP, BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    col = kv_head * HEAD_DIM
-    TILE: tl.constexpr = PAGES * BLOCK_SIZE
-    for j in range(0, seq_len, TILE):
-        page = j // BLOCK_SIZE
-        b0 = tl.load(bt_row + page)
-        k = k_desc.load([b0 * BLOCK_SIZE, col])
-        v = v_desc.load([b0 * BLOCK_SIZE, col])
-        if PAGES == 2:
-            b1 = tl.load(bt_row + page + 1, mask=j + BLOCK_SIZE < seq_len, other=0)
-            k = tl.reshape(tl.permute(tl.join(k, k_desc.load([b1 * BLOCK_SIZE, col])), (2, 0, 1)), (TILE, HEAD_DIM))
-            v = tl.reshape(tl.permute(tl.join(v, v_desc.load([b1 * BLOCK_SIZE, col])), (2, 0, 1)), (TILE, HEAD_DIM))
-        keys = j + tl.arange(0, TILE)
-        s = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
-        s = tl.where((keys < seq_len)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+    for j in range(0, seq_len, BLOCK_N):
+        keys = j + tl.arange(0, BLOCK_N)
+        key_ok = keys < seq_len
+        block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        row = block * stride_kb + (keys % BLOCK_SIZE) * stride_ko  # [BLOCK_N] a key's first byte of head 0
+        k = tl.load(k_cache_ptr + row[None, None, :] + h[:, None, None] * stride_kh + d[None, :, None],
+                    mask=key_ok[None, None, :], other=0.0)  # [HPP, HEAD_DIM, BLOCK_N]
+        s = tl.dot(q, k.to(tl.float16)) * scale_log2  # [HPP, BLOCK_M, BLOCK_N]
+        s = tl.where(key_ok[None, None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 2))
+        p = tl.exp2(s - m_new[:, :, None])
         alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.where((keys < seq_len)[:, None], v.to(tl.float16), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        l = l * alpha + tl.sum(p, 2)
+        v = tl.load(v_cache_ptr + row[None, :, None] + h[:, None, None] * stride_kh + d[None, None, :],
+                    mask=key_ok[None, :, None], other=0.0)  # [HPP, BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
         m = m_new
-    _store(out_ptr, acc / l[:, None], seq, heads, row_ok, stride_qt, stride_qh, HEAD_DIM)
+    o = acc / l[:, :, None]
+    tl.store(out_ptr + seq * stride_qt + heads[:, :, None] * stride_qh + d[None, None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, :, None])
+
+Config = tuple[str, str, int, int, int, int, str, int]
+"""(dots, k loads, keys a tile, warps, stages, maxnreg, grid order, KV heads a program)."""
 
 
 def lab_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, config: tuple[str, str, int, int, int, int]) -> torch.Tensor:
-    dots, k_load, block_n, num_warps, num_stages, maxnreg = config
+               seq_lens: torch.Tensor, scale: float, config: Config) -> torch.Tensor:
+    dots, k_load, block_n, num_warps, num_stages, maxnreg, grid, hpp = config
     out = torch.empty_like(q)
     cap = {"maxnreg": maxnreg} if maxnreg else {}
-    if dots == "tma":  # block_n: keys a tile, 16 or 32 (one or two cache blocks)
-        if k_cache.stride(1) != KV_HEADS * HEAD_DIM or k_cache.stride(3) != 1:
-            raise ValueError("the TMA variant reads the token-major layout only")
-        if block_n not in (BLOCK_SIZE, 2 * BLOCK_SIZE):
-            raise ValueError(f"the TMA variant's tiles are one or two cache blocks ({BLOCK_SIZE} or "
-                             f"{2 * BLOCK_SIZE} keys); got {block_n}")
-        flat = (k_cache.shape[0] * BLOCK_SIZE, KV_HEADS * HEAD_DIM)
-        k_desc = TensorDescriptor(k_cache, flat, [KV_HEADS * HEAD_DIM, 1], [BLOCK_SIZE, HEAD_DIM])
-        v_desc = TensorDescriptor(v_cache, flat, [KV_HEADS * HEAD_DIM, 1], [BLOCK_SIZE, HEAD_DIM])
-        _lab_tma_kernel[(q.shape[0], KV_HEADS)](
-            q, k_desc, v_desc, out, block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1),
-            block_tables.stride(0), GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_SIZE=BLOCK_SIZE,
-            PAGES=block_n // BLOCK_SIZE, num_warps=num_warps, num_stages=num_stages, **cap,
+    head_first = grid == "head"
+    shape = (KV_HEADS // hpp, q.shape[0]) if head_first else (q.shape[0], KV_HEADS // hpp)
+    common = (q, k_cache, v_cache, out, block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1),
+              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    if hpp > 1:
+        if dots != "f16" or k_load != "cols":
+            raise ValueError("several KV heads a program: f16 dots, cols loads only")
+        _lab_heads_kernel[shape](
+            *common, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_SIZE=BLOCK_SIZE, HPP=hpp, HEAD_FIRST=head_first, num_warps=num_warps, num_stages=num_stages, **cap,
         )  # fmt: skip
         return out
-    _lab_decode_kernel[(q.shape[0], KV_HEADS)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_N=block_n, BLOCK_SIZE=BLOCK_SIZE,
-        DOTS=dots, K_ROWS=k_load == "rows", num_warps=num_warps, num_stages=num_stages, **cap,
+    _lab_decode_kernel[shape](
+        *common, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_N=block_n, BLOCK_SIZE=BLOCK_SIZE,
+        DOTS=dots, K_ROWS=k_load == "rows", HEAD_FIRST=head_first, num_warps=num_warps, num_stages=num_stages,
+        **cap,
     )  # fmt: skip
     return out
 
@@ -208,7 +220,7 @@ def paged_cache(num_blocks: int, dtype: torch.dtype, layout: str, device: torch.
     return torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype).permute(0, 2, 1, 3)
 
 
-def point(batch: int, context: int, bandwidth: float, configs: list[tuple[str, str, int, int, int, int]],
+def point(batch: int, context: int, bandwidth: float, configs: list[Config],
           layouts: list[str]) -> dict[str, Any]:
     device = torch.device("cuda")
     blocks_per_seq = -(-context // BLOCK_SIZE)
@@ -265,18 +277,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--points", default="256:1500,64:1500")
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads tma")
+    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads")
     parser.add_argument("--k-loads", default="cols,rows")
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--maxnreg", default="0", help="registers a thread at most (Triton's maxnreg); 0: no cap")
+    parser.add_argument("--grids", default="seq", help="of seq head (_program_ids)")
+    parser.add_argument("--heads", default="1", help="KV heads a program, of 1 2 4 (2 and 4: f16 dots, cols)")
     parser.add_argument("--layouts", default="token", help="of token head (paged_cache)")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     configs = list(itertools.product(args.dots.split(","), args.k_loads.split(","), ints(args.block_n),
-                                     ints(args.warps), ints(args.stages), ints(args.maxnreg)))
+                                     ints(args.warps), ints(args.stages), ints(args.maxnreg), args.grids.split(","),
+                                     ints(args.heads)))
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     for p in args.points.split(","):
