@@ -11,8 +11,7 @@ blocks), one layer's decode launch over a paged cache of random non-contiguous b
   head_dim] then transposed), keys a tile, warps, stages and the registers a thread may take;
 or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take); by the grid's
 order (`--grids`: `seq`, sequences fastest as the product, or `head`, a sequence's KV heads launched side by
-side so they read the same cache rows at once); by KV heads a program (`--heads`: 1 as the product, or 2 or 4
-with batched dots, _lab_heads_kernel, reading 256 or 512 contiguous bytes of a key); each beside the floor
+side so they read the same cache rows at once); each beside the floor
 (K/V bytes / the copy bandwidth), with its error against the product's FP8 output; and by how the cache lies in
 memory (`--layouts`, paged_cache).
 
@@ -23,7 +22,9 @@ blocks gained 1-3%; dots on FP8 tensor cores (queries and weights in E4M3) nothi
 issued a tile ahead in registers ran slower (more registers still). Capping registers at 128 took the
 kernel to 286 us (512 sequences: 641 -> 546 us), which the product takes since (its `maxnreg`).
 Each cache block's keys of a head read by one TMA copy (16 or 32 keys a tile) took twice as long
-(591 us at batch 256, `_tma`): that variant is gone.
+(591 us at batch 256, `_tma`); two or four KV heads a program with batched dots (a key's 256 or 512 bytes
+read as one run) ran slower and the grid's order made no difference (`_grid_heads`): both variants are gone
+but the grid's order, a knob.
 
     python -m bench.diag.fp8_decode_attention --out DIR
 """
@@ -131,71 +132,19 @@ def _program_ids(HEAD_FIRST: tl.constexpr):
     return tl.program_id(0), tl.program_id(1)
 
 
-@triton.jit
-def _lab_heads_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
-    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HPP: tl.constexpr, HEAD_FIRST: tl.constexpr,
-):  # fmt: skip
-    """The `f16` kernel for HPP adjacent KV heads a program (grid: sequences x num_kv_heads / HPP): a key's
-    HPP * HEAD_DIM bytes are read as one run, the dots batched over the heads ([HPP, BLOCK_M, ...])."""
-    seq, group = _program_ids(HEAD_FIRST)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    h = group * HPP + tl.arange(0, HPP)  # [HPP] KV heads
-    r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    heads = h[:, None] * GROUP + r[None, :]  # [HPP, BLOCK_M] query heads
-    row_ok = (r < GROUP)[None, :] & (h >= 0)[:, None]
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, :, None] * stride_qh + d[None, None, :],
-                mask=row_ok[:, :, None], other=0.0)
-    q = _as_f16(q)  # [HPP, BLOCK_M, HEAD_DIM]
-    m = tl.full([HPP, BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([HPP, BLOCK_M], tl.float32)
-    acc = tl.zeros([HPP, BLOCK_M, HEAD_DIM], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for j in range(0, seq_len, BLOCK_N):
-        keys = j + tl.arange(0, BLOCK_N)
-        key_ok = keys < seq_len
-        block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        row = block * stride_kb + (keys % BLOCK_SIZE) * stride_ko  # [BLOCK_N] a key's first byte of head 0
-        k = tl.load(k_cache_ptr + row[None, None, :] + h[:, None, None] * stride_kh + d[None, :, None],
-                    mask=key_ok[None, None, :], other=0.0)  # [HPP, HEAD_DIM, BLOCK_N]
-        s = tl.dot(q, k.to(tl.float16)) * scale_log2  # [HPP, BLOCK_M, BLOCK_N]
-        s = tl.where(key_ok[None, None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 2))
-        p = tl.exp2(s - m_new[:, :, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 2)
-        v = tl.load(v_cache_ptr + row[None, :, None] + h[:, None, None] * stride_kh + d[None, None, :],
-                    mask=key_ok[None, :, None], other=0.0)  # [HPP, BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        m = m_new
-    o = acc / l[:, :, None]
-    tl.store(out_ptr + seq * stride_qt + heads[:, :, None] * stride_qh + d[None, None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, :, None])
-
-Config = tuple[str, str, int, int, int, int, str, int]
-"""(dots, k loads, keys a tile, warps, stages, maxnreg, grid order, KV heads a program)."""
+Config = tuple[str, str, int, int, int, int, str]
+"""(dots, k loads, keys a tile, warps, stages, maxnreg, grid order)."""
 
 
 def lab_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, config: Config) -> torch.Tensor:
-    dots, k_load, block_n, num_warps, num_stages, maxnreg, grid, hpp = config
+    dots, k_load, block_n, num_warps, num_stages, maxnreg, grid = config
     out = torch.empty_like(q)
     cap = {"maxnreg": maxnreg} if maxnreg else {}
     head_first = grid == "head"
-    shape = (KV_HEADS // hpp, q.shape[0]) if head_first else (q.shape[0], KV_HEADS // hpp)
+    shape = (KV_HEADS, q.shape[0]) if head_first else (q.shape[0], KV_HEADS)
     common = (q, k_cache, v_cache, out, block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
-    if hpp > 1:
-        if dots != "f16" or k_load != "cols":
-            raise ValueError("several KV heads a program: f16 dots, cols loads only")
-        _lab_heads_kernel[shape](
-            *common, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_SIZE=BLOCK_SIZE, HPP=hpp, HEAD_FIRST=head_first, num_warps=num_warps, num_stages=num_stages, **cap,
-        )  # fmt: skip
-        return out
     _lab_decode_kernel[shape](
         *common, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_N=block_n, BLOCK_SIZE=BLOCK_SIZE,
         DOTS=dots, K_ROWS=k_load == "rows", HEAD_FIRST=head_first, num_warps=num_warps, num_stages=num_stages,
@@ -284,14 +233,12 @@ def main() -> None:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--maxnreg", default="0", help="registers a thread at most (Triton's maxnreg); 0: no cap")
     parser.add_argument("--grids", default="seq", help="of seq head (_program_ids)")
-    parser.add_argument("--heads", default="1", help="KV heads a program, of 1 2 4 (2 and 4: f16 dots, cols)")
     parser.add_argument("--layouts", default="token", help="of token head (paged_cache)")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     configs = list(itertools.product(args.dots.split(","), args.k_loads.split(","), ints(args.block_n),
-                                     ints(args.warps), ints(args.stages), ints(args.maxnreg), args.grids.split(","),
-                                     ints(args.heads)))
+                                     ints(args.warps), ints(args.stages), ints(args.maxnreg), args.grids.split(",")))
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     for p in args.points.split(","):
