@@ -25,6 +25,11 @@ class DirectLaunch:
         self._kernel = kernel
         self._variants: dict[Hashable, Any] = {}
 
+    def forget(self) -> None:
+        """Drops every key's variant, so the next launch of each goes through Triton's launcher again (a test
+        that starts an engine as a process's first would, tests/gpu/test_compile_warmup_gpu.py)."""
+        self._variants.clear()
+
     def __call__(self, key: Hashable, grid: tuple[int, int, int], *args: Any, **options: Any) -> None:
         variant = self._variants.get(key)
         if variant is None:

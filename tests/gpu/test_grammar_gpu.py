@@ -115,10 +115,12 @@ def test_books_closed_in_turn_each_register_their_region():
         book = GrammarBook(DEFAULT_MODEL_DIR, 2048, [1], capacity=4, pin_memory=True)
         book.compile_within(SPEC)
         book.add("r", SPEC, [])
-        assert book._process.region.slots.is_pinned()
-        addresses.append(book._process.region.slots.data_ptr())
+        slots = book._process.region.slots  # NOTE: held past close, so the mapping outlives the book
+        assert slots.is_pinned()
+        addresses.append(slots.data_ptr())
         book.close()
-        del book
+        assert not slots.is_pinned(), "the closed book left its region registered with CUDA"
+        del book, slots
         gc.collect()
     print("region addresses", [hex(a) for a in addresses])  # NOTE: a repeat is what failed before
     torch.ones(4, device="cuda").add_(1)

@@ -1,8 +1,8 @@
 """DirectLaunch (engine/direct_launch.py) on the CPU, over a stand-in for a @triton.jit kernel that records
 its launches: a key's first launch goes through the launcher (options included) and keeps the variant it
 returns, later launches of that key call the variant with the arguments alone, another key compiles its
-own; a launcher that returns no variant (Triton's interpreter) is used at every launch. The compiled path
-runs on a GPU in tests/gpu/test_sampling_gpu.py."""
+own; a launcher that returns no variant (Triton's interpreter) is used at every launch; `forget` sends every
+key back to the launcher. The compiled path runs on a GPU in tests/gpu/test_sampling_gpu.py."""
 
 from __future__ import annotations
 
@@ -58,3 +58,15 @@ def test_without_a_compiled_variant_every_launch_takes_the_launcher() -> None:
         launch("a", (1, 1, 1), i)
     assert [call[0] for call in kernel.calls] == ["launcher"] * 3
     assert [call[2] for call in kernel.calls] == [(0,), (1,), (2,)]
+
+
+def test_a_forgotten_key_takes_the_launcher_again() -> None:
+    kernel = _Kernel(returns_variant=True)
+    launch = DirectLaunch(kernel)
+    launch("a", (1, 1, 1), 1)
+    launch("a", (1, 1, 1), 2)
+    launch.forget()
+    launch("a", (1, 1, 1), 3)
+    launch("a", (1, 1, 1), 4)
+    assert [call[:2] for call in kernel.calls] == [("launcher", (1, 1, 1)), ("direct", "v1"),
+                                                    ("launcher", (1, 1, 1)), ("direct", "v3")]
