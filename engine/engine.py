@@ -376,6 +376,8 @@ class EngineCore:
 
     def _step(self) -> list[StepOutput]:
         if self.async_scheduling and not self._drafts_now():
+            if self.proposer is not None:
+                self.proposer.skip()
             return self._step_async()
         if self._inflight is not None:
             # From asynchronous steps to a drafting one: this call only reads the step in flight
@@ -515,6 +517,7 @@ class EngineCore:
         if not self._drafts_now():
             for request in running:
                 request.draft = None
+            self.proposer.skip()
             return
         asks: list[DraftRequest] = []
         for r in running:
@@ -533,6 +536,8 @@ class EngineCore:
         if asks:
             for ask, draft in zip(asks, self.proposer.propose(asks, self.generator)):
                 self.scheduler.requests[ask.request_id].draft = draft
+        else:
+            self.proposer.skip()
 
     def _execute(self, out: SchedulerOutput) -> list[_Sampled]:
         """One _Sampled per sampling request, in scheduled order."""

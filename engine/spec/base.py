@@ -72,6 +72,11 @@ class Proposer(Protocol):
         the next `propose` to adopt. False: nothing queued."""
         ...
 
+    def skip(self) -> None:
+        """Called for a step that decodes without asking for drafts: a proposal `chain` queued for a
+        step that would verify it follows tokens the requests no longer end with; drop it."""
+        ...
+
     def drop(self, request_id: str) -> None:
         """Forgets a request and frees what it held; idempotent."""
         ...

@@ -265,6 +265,15 @@ class DraftModelProposer:
         self.num_chained += 1
         return True
 
+    def skip(self) -> None:
+        """Drops the chained run: a step decoded without verifying it, so its rows' drafts and the
+        draft KV it wrote past each row's start follow tokens other than the request's. Its rows'
+        caches trust what they held before it (chain() cut them back), so the next proposal catches
+        up from there. NOTE: adopted instead, a row that the verification and the steps after it left
+        within the run's reach drafted from the wrong position (test_draft_loop.py's
+        test_a_chained_run_is_dropped_when_steps_decode_without_drafting)."""
+        self._chained, self._looped = [], []
+
     def _continues(self, r: DraftRequest, j: _Job) -> bool:
         """Whether a chained row's request went on as its run assumed: 1 to K + 1 tokens past its start
         (the verified ones; a request that stopped leaves instead)."""

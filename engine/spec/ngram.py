@@ -54,6 +54,9 @@ class NgramProposer:
     def chain(self, request_ids: Sequence[str], verified: torch.Tensor, generator: torch.Generator | None) -> bool:
         return False  # a lookup needs the verified tokens on the host
 
+    def skip(self) -> None:
+        pass
+
     def drop(self, request_id: str) -> None:
         pass
 

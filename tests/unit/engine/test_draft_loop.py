@@ -220,3 +220,38 @@ def test_a_proposal_s_drafts_outlive_the_loop_s_next_run():
     assert read.tokens.tolist() == [7, 8]
     read.read()
     assert [j.token_ids for j in jobs] == [[7], [8]]
+
+
+@pytest.mark.parametrize(("plain_steps", "async_scheduling"), [(0, False), (1, False), (2, True)])
+def test_a_chained_run_is_dropped_when_steps_decode_without_drafting(interpreted_kernels, make_llm, plain_steps,
+                                                                     async_scheduling):
+    """A chained run assumes the next step verifies its drafts. When steps decode without drafting
+    in between (the batch over disable_above_batch_size, or the engine's choice), its drafts and
+    the draft cache it wrote follow tokens the request no longer has: the next proposal must not
+    adopt it. With the target as its own draft at T = 0.8 a proposal drafted from a stale cache
+    shows as rejections. Adaptive K at min_draft_gain 0.9 proposes one token a step (of the loop's
+    3), so a verification and a plain step leave the request within the run's reach. The plain steps
+    run synchronously, or asynchronously as on CUDA; none: the control."""
+    from engine import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="draft", draft_model="default", num_draft_tokens=3, min_draft_gain=0.9)
+    llm = make_llm(block_size=4, speculative=spec, async_scheduling=async_scheduling)
+    proposer = _with_a_loop(llm, 3)
+    engine = llm.engine
+    drafts_now, steps = engine._drafts_now, [0]
+    plain = set(range(4, 4 + plain_steps)) | set(range(9, 9 + plain_steps))
+
+    def gated() -> bool:  # NOTE: steps 4.. and 9.. decode without drafting
+        return steps[0] not in plain and drafts_now()
+
+    engine._drafts_now = gated
+    engine.add_request("r", [5, 9, 300, 17], SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True))
+    for _ in range(80):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        steps[0] += 1
+    assert not engine.has_unfinished()
+    stats = engine.stats()
+    assert proposer.num_chained >= 4, proposer.num_chained
+    assert stats.num_spec_draft_tokens >= 15 and stats.num_spec_rejections == 0, stats
