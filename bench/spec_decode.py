@@ -206,6 +206,8 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
                     **run,
                     "spec_acceptance_rate": s.spec_acceptance_rate,
                     "num_spec_verifications": s.num_spec_verifications,
+                    # NOTE: getattr: an A/B runs this bench on a checkout from before the draft gate too
+                    "num_spec_gate_overturns": getattr(s, "num_spec_gate_overturns", None),
                 }
             )
             print(f"batch {batch} {mode}: {rows[-1]['decode_tokens_per_s']:.1f} decode tokens/s (median; best "

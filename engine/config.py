@@ -148,7 +148,8 @@ class SpeculativeConfig(_Frozen):
     request share that noise, so its drafts are often accepted, though less often than rejection
     sampling would (which unseeded requests get). Unseeded requests draw from the engine's shared
     generator: whether a step drafts, which can depend on the batch (disable_above_batch_size, the
-    token budget, free blocks), changes their tokens, never their distribution.
+    draft gate's measurements, the token budget, free blocks), changes their tokens, never their
+    distribution.
     """
 
     method: Literal["none", "ngram", "draft"] = Field(
@@ -177,7 +178,8 @@ class SpeculativeConfig(_Frozen):
         32,
         ge=0,
         description="No drafting while more requests than this are running (a large batch already keeps the GPU "
-        "busy, and verifying drafts costs more than it saves); None: always draft.",
+        "busy, and verifying drafts costs more than it saves); below it the engine drafts where it measures "
+        "drafting faster (engine/spec/gate.py). None: no limit.",
     )
 
     @model_validator(mode="after")

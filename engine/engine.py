@@ -32,8 +32,9 @@ one position it did not need (the KV of its real last token) and its draw is dro
 are safe to hand out at once: any later write to them is queued after N+1's. A step reads N's
 tokens first (the synchronous order) when a request sampled at N applies penalties (they read the
 output's token values) or holds its KV for a push (the prefill role). With a proposer, a step that
-drafts (a batch of at most disable_above_batch_size requests) runs synchronously: the call that
-meets one after asynchronous steps only reads the step in flight.
+drafts (a batch of at most disable_above_batch_size requests, where the draft gate measured drafting
+faster: engine/spec/gate.py) runs synchronously: the call that meets one after asynchronous steps
+only reads the step in flight.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from engine.runner import TokenPatch
 from engine.sampler import PendingSample, PendingVerify, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
+from engine.spec.gate import DraftGate
 from engine.stats import EngineStats
 from engine.step_rates import StepRates
 from engine.step_timer import step_timer_for
@@ -169,6 +171,11 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.bind(num_blocks, min(self.max_model_len, num_blocks * block_size))
         self.spec_counters = SpecCounters()
+        # Whether a step drafts, from the measured rates of steps that did and did not (engine/spec/gate.py)
+        self.draft_gate = DraftGate() if self.proposer is not None else None
+        self._gate_drafts = True  # the gate's answer for the step being taken
+        self._step_drafted = False  # whether the step being taken asked the proposer for drafts
+        self._step_prompted = False  # whether the step being taken computes prompt tokens
         drafts = config.speculative.num_draft_tokens if self.proposer is not None else 0
         self.grammars = GrammarBook(self.model_dir, arch.vocab_size, arch.eos_token_ids,
                                     config.scheduler.max_num_seqs * (1 + drafts), self.device.type == "cuda")
@@ -360,7 +367,18 @@ class EngineCore:
 
     # ---- the step
     def step(self) -> list[StepOutput]:
-        outputs = self._step()
+        gate, batch = self.draft_gate, len(self.scheduler.running)
+        if gate is None:
+            outputs = self._step()
+        else:
+            self._gate_drafts = gate.drafts(batch)
+            prompted, self._step_drafted, self._step_prompted = self._step_prompted, False, False
+            start = self.clock()
+            outputs = self._step()
+            # NOTE: an asynchronous call returns the step before it: one that computed prompt tokens counts too
+            if batch and not (prompted or self._step_prompted):
+                tokens = sum(len(o.new_token_ids) for o in outputs)
+                gate.observe(batch, self._step_drafted, self.clock() - start, tokens)
         self.step_timer.collect(self.rates)  # NOTE: after the reads: the steps they waited for are timed by now
         return outputs
 
@@ -387,6 +405,7 @@ class EngineCore:
         mark = self.step_timer.begin()  # NOTE: a synchronous step's drafting is part of its time
         self._draft()
         out = self.scheduler.schedule(prompt_budget=self._prompt_budget())
+        self._step_prompted = out.num_prompt_tokens > 0
         if not out.scheduled and self.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         sampled = self._execute(out)
@@ -401,6 +420,7 @@ class EngineCore:
         if prev is not None and prev.needs_tokens_first:
             outputs, prev = self._resolve(prev)[0], None
         out = self.scheduler.schedule(prev.ending if prev is not None else frozenset(), self._prompt_budget())
+        self._step_prompted = out.num_prompt_tokens > 0
         if not out.scheduled and prev is None and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError("the scheduler admitted nothing with nothing running: the KV cache is too small")
         pending, sampling = None, []
@@ -501,12 +521,12 @@ class EngineCore:
         return outputs, mask
 
     def _drafts_now(self) -> bool:
-        """Whether this step drafts: a proposer, and a running batch no larger than
-        disable_above_batch_size."""
+        """Whether this step drafts: a proposer, a running batch no larger than
+        disable_above_batch_size, and the draft gate's answer for the batch at the step's start."""
         if self.proposer is None:
             return False
         limit = self.config.speculative.disable_above_batch_size
-        return limit is None or len(self.scheduler.running) <= limit
+        return (limit is None or len(self.scheduler.running) <= limit) and self._gate_drafts
 
     def _draft(self) -> None:
         """Drafts for the decoding requests without a draft, unless the batch is too large to gain."""
@@ -534,6 +554,7 @@ class EngineCore:
                     DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.num_prior_output_tokens, k)
                 )
         if asks:
+            self._step_drafted = True
             for ask, draft in zip(asks, self.proposer.propose(asks, self.generator)):
                 self.scheduler.requests[ask.request_id].draft = draft
         else:
@@ -728,6 +749,7 @@ class EngineCore:
             num_spec_verifications=self.spec_counters.num_verifications,
             num_spec_rejections=self.spec_counters.num_rejections,
             num_spec_emitted_tokens=self.spec_counters.num_emitted_tokens,
+            num_spec_gate_overturns=self.draft_gate.num_overturns if self.draft_gate is not None else 0,
             num_queued_prompt_tokens=sum(
                 r.num_prompt_tokens - r.num_computed_tokens for r in (*self.scheduler.waiting, *self.scheduler.running)
                 if r.num_computed_tokens < r.num_prompt_tokens),

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 __all__ = ["ENGINE_ONLY", "EngineStats"]
 
-ENGINE_ONLY = frozenset({"num_spec_verifications", "num_spec_rejections", "num_spec_emitted_tokens"})
+ENGINE_ONLY = frozenset({"num_spec_verifications", "num_spec_rejections", "num_spec_emitted_tokens",
+                         "num_spec_gate_overturns"})
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class EngineStats:
     num_spec_verifications: int = 0  # request-steps that verified drafted tokens
     num_spec_rejections: int = 0  # verifications that rejected a drafted token
     num_spec_emitted_tokens: int = 0  # tokens the verifications produced
+    num_spec_gate_overturns: int = 0  # probes that changed whether a batch size drafts (engine/spec/gate.py)
     # Speed and queue (engine/step_rates.py; 0.0: not measured yet), for the router's prefill choice.
     num_queued_prompt_tokens: int = 0  # prompt tokens admitted or waiting, not computed yet
     decode_step_s: float = 0.0
