@@ -89,6 +89,12 @@ class OracleProposer:
             drafts.append(Draft(kept) if kept else None)
         return drafts
 
+    def chain(self, request_ids: Sequence[str], verified: torch.Tensor, generator: torch.Generator | None) -> bool:
+        return False  # NOTE: drafts from the host's tokens, after each verification is read
+
+    def skip(self) -> None:
+        pass
+
     def drop(self, request_id: str) -> None:
         pass
 
@@ -167,6 +173,9 @@ def main() -> None:
             for a in accepts:
                 oracle = OracleProposer(continuations, a, k, vocab, seed=int(a * 1000) + k)
                 spec.proposer = oracle  # type: ignore[assignment]
+                # NOTE: the curve is the drafting machinery's at each a and K: the draft gate, which would
+                # stop drafting where it loses (engine/spec/gate.py), is left out
+                spec.draft_gate = None
                 spec_ms, plain_ms, same = [], [], 0
                 before = spec.stats()
                 for r in range(args.repeats):
