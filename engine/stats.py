@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 __all__ = ["ENGINE_ONLY", "EngineStats"]
 
-ENGINE_ONLY = frozenset({"num_spec_verifications", "num_spec_rejections", "num_spec_emitted_tokens",
-                         "num_spec_gate_overturns"})
+ENGINE_ONLY = frozenset({"num_spec_verifications", "num_spec_rejections", "num_spec_emitted_tokens"})
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class WorkerStatsMsg(Msg):
     num_preemptions: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_spec_gate_overturns: int = 0  # the draft gate's changes of whether a batch size drafts (engine/spec/gate.py)
     num_draft_kv_adopted: int = 0  # prompts whose draft KV came from a prefill worker
     num_requests: int = 0  # requests that joined its batch since start (submitted, prefilled here, or pushed)
     computes_every_prompt: bool = False  # no prefill worker is left: it is sent whole requests (DecodeWorker)

@@ -34,6 +34,8 @@ ROW_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("num_running", "pdserve:num_requests_running", "Requests in a worker's running batch."),
     ("num_waiting", "pdserve:num_requests_waiting", "Requests waiting in a worker."),
     ("num_preemptions", "pdserve:num_preemptions", "Preemptions since the worker started."),
+    ("num_spec_gate_overturns", "pdserve:spec_decode_gate_overturns",
+     "Times a worker's draft gate changed whether a batch size drafts, by its measured rates, since start."),
     ("num_requests", "pdserve:worker_requests_joined",
      "Requests that joined a decode worker's batch since it started (how evenly the routers spread them)."),
     # what the 'slo' prefill rule, the step budget and the autoscaler read of each engine's speed

@@ -60,7 +60,7 @@ def test_each_worker_s_role_now_and_not_before():
                      'pdserve:worker_role{model_name="m",role="decode_every_prompt",worker="decode-0"}': 1}
 
 
-def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
+def test_each_worker_s_engine_thread_allocator_and_draft_gate_counters_are_gauges():
     async def worker_stats():
         return [WorkerStatsMsg(worker_id="d0", role="decode", pid=1, is_healthy=True, num_running=3, num_waiting=0,
                                num_blocks=10, num_free_blocks=4, num_engine_steps=1200, engine_step_seconds=14.5,
@@ -70,11 +70,12 @@ def test_each_worker_s_engine_thread_and_allocator_counters_are_gauges():
                                follower_call_seconds=0.5,
                                follower_longest_call_seconds=0.125, gc_seconds=0.75,
                                longest_recent_gc_seconds=0.0625, follower_gc_seconds=1.25,
-                               follower_longest_gc_seconds=0.25, num_requests=77)]
+                               follower_longest_gc_seconds=0.25, num_requests=77, num_spec_gate_overturns=3)]
 
     lines = _lines(asyncio.run(PrometheusMetrics("m", worker_stats=worker_stats).render()))
     assert lines['pdserve:engine_steps{model_name="m",worker="d0"}'] == 1200
     assert lines['pdserve:worker_requests_joined{model_name="m",worker="d0"}'] == 77
+    assert lines['pdserve:spec_decode_gate_overturns{model_name="m",worker="d0"}'] == 3
     assert lines['pdserve:engine_step_seconds{model_name="m",worker="d0"}'] == 14.5
     assert lines['pdserve:engine_command_seconds{model_name="m",worker="d0"}'] == 0.75
     assert lines['pdserve:engine_longest_recent_step_seconds{model_name="m",worker="d0"}'] == 0.18
