@@ -173,7 +173,6 @@ class EngineCore:
         self.spec_counters = SpecCounters()
         # Whether a step drafts, from the measured rates of steps that did and did not (engine/spec/gate.py)
         self.draft_gate = DraftGate() if self.proposer is not None else None
-        self._gate_drafts = True  # the gate's answer for the step being taken
         self._step_drafted = False  # whether the step being taken asked the proposer for drafts
         self._step_prompted = False  # whether the step being taken computes prompt tokens
         drafts = config.speculative.num_draft_tokens if self.proposer is not None else 0
@@ -371,7 +370,6 @@ class EngineCore:
         if gate is None:
             outputs = self._step()
         else:
-            self._gate_drafts = gate.drafts(batch)
             prompted, self._step_drafted, self._step_prompted = self._step_prompted, False, False
             start = self.clock()
             outputs = self._step()
@@ -522,11 +520,11 @@ class EngineCore:
 
     def _drafts_now(self) -> bool:
         """Whether this step drafts: a proposer, a running batch no larger than
-        disable_above_batch_size, and the draft gate's answer for the batch at the step's start."""
-        if self.proposer is None:
+        disable_above_batch_size, and the draft gate's answer for that batch."""
+        if self.proposer is None or self.draft_gate is None:
             return False
-        limit = self.config.speculative.disable_above_batch_size
-        return (limit is None or len(self.scheduler.running) <= limit) and self._gate_drafts
+        limit, batch = self.config.speculative.disable_above_batch_size, len(self.scheduler.running)
+        return (limit is None or batch <= limit) and self.draft_gate.drafts(batch)
 
     def _draft(self) -> None:
         """Drafts for the decoding requests without a draft, unless the batch is too large to gain."""
