@@ -520,11 +520,12 @@ class EngineCore:
 
     def _drafts_now(self) -> bool:
         """Whether this step drafts: a proposer, a running batch no larger than
-        disable_above_batch_size, and the draft gate's answer for that batch."""
-        if self.proposer is None or self.draft_gate is None:
+        disable_above_batch_size, and the draft gate's answer for that batch (no gate: every such batch)."""
+        if self.proposer is None:
             return False
         limit, batch = self.config.speculative.disable_above_batch_size, len(self.scheduler.running)
-        return (limit is None or batch <= limit) and self.draft_gate.drafts(batch)
+        gate = self.draft_gate
+        return (limit is None or batch <= limit) and (gate is None or gate.drafts(batch))
 
     def _draft(self) -> None:
         """Drafts for the decoding requests without a draft, unless the batch is too large to gain."""
