@@ -58,21 +58,14 @@ from engine.parallel.rank_stats import RankReport, RankStats, allocator_counts
 from engine.parallel.follower import Stop
 from engine.parallel.local import LocalRanks
 from engine.pinned import upload
-from engine.rank import (
-    build_cache,
-    build_parts,
-    build_runner,
-    checkpoint_arch,
-    max_model_len,
-    resolve_device,
-    resolve_dtype,
-    resolve_model_dir,
-)
+from engine.rank import (build_cache, build_parts, build_runner, checkpoint_arch, max_model_len, resolve_device,
+                         resolve_dtype, resolve_model_dir)
 from engine.request import Request, RequestStatus
 from engine.runner import TokenPatch
 from engine.sampler import PendingSample, PendingVerify, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
+from engine.spec import (DraftModelProposer, DraftRequest, EagleProposer, ProposerContext, SpecCounters, adaptive,
+                         build_proposer)
 from engine.spec.gate import DraftGate
 from engine.stats import EngineStats
 from engine.step_rates import StepRates
@@ -162,7 +155,7 @@ class EngineCore:
             ProposerContext(
                 config.speculative, config.model, arch, self.device, self.dtype, block_size,
                 config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, self.sampler,
-                None if config.model.enforce_eager else graph_max_rows(config),
+                None if config.model.enforce_eager else graph_max_rows(config), parts.model,
             )
         )
         extra_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
@@ -198,6 +191,7 @@ class EngineCore:
         # worker with no prefill pool left: DecodeWorker.computes_every_prompt)
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
+        self.runner.observer = self.proposer.observe if isinstance(self.proposer, EagleProposer) else None
         leader = self.runner.leader
         self._rank_stats = RankStats(leader.group, leader.send) if leader is not None else None
         self.wait_seconds = 0.0  # the host's wait for asynchronous steps' tokens, since start (stats)
@@ -550,7 +544,8 @@ class EngineCore:
             )
             if k >= 1:
                 asks.append(
-                    DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.num_prior_output_tokens, k)
+                    DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.num_prior_output_tokens, k,
+                                 r.block_ids)
                 )
         if asks:
             self._step_drafted = True

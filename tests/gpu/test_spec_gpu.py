@@ -63,3 +63,61 @@ def test_a_poor_draft_through_the_loop_graph_keeps_greedy_output(make_llm, hf_ch
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     assert llm.engine.proposer.loop.num_runs > 10
     assert llm.engine.stats().num_spec_rejections > 0
+
+
+def _random_eagle_head(out, seed: int):  # type: ignore[no-untyped-def]
+    """An EAGLE-1 head of random weights for the default model (engine/spec/eagle_head.py's layout)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.models import DEFAULT_MODEL_DIR, load_arch
+    from engine.models.llama import DecoderLayer
+
+    raw = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text()) | {"num_hidden_layers": 1}
+    arch = load_arch(DEFAULT_MODEL_DIR)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {f"layers.0.{n}": torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in n else 0.0)
+               for n, p in DecoderLayer(arch).named_parameters()}
+    tensors["fc.weight"] = torch.randn(arch.hidden_size, 2 * arch.hidden_size, generator=gen) * 0.1
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+def test_eagle_head_drafts_the_same_through_its_cuda_graphs_as_eagerly(make_llm, tmp_path):
+    """The EAGLE proposer's head drafts through its loop graph (all K passes in one replay) and its
+    decode graphs: every draft equals the eager head's, pass by pass (checked against transformers on
+    the CPU: tests/unit/engine/test_eagle.py), greedy output is plain decoding's, sampled requests run
+    through the loop too, nothing is held after."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(3)
+    plain = [o.outputs[0].token_ids for o in make_llm(**OPTIONS).generate(prompts, greedy)]
+    spec = SpeculativeConfig(method="eagle", draft_model=str(_random_eagle_head(tmp_path / "head", 0)),
+                             num_draft_tokens=4, enable_adaptive_draft_length=False)
+    drafts = []
+    for eager in (False, True):
+        llm = make_llm(speculative=spec, enforce_eager=eager, **OPTIONS)
+        assert (llm.engine.proposer.runner.graphs is None) == eager
+        seen: list = []
+        propose = llm.engine.proposer.propose
+
+        def recording(requests, generator, seen=seen, propose=propose):  # type: ignore[no-untyped-def]
+            out = propose(requests, generator)
+            seen.extend((tuple(r.token_ids), tuple(d.token_ids)) for r, d in zip(requests, out) if d is not None)
+            return out
+
+        llm.engine.proposer.propose = recording
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
+        drafts.append(list(seen))
+        loop = llm.engine.proposer.loop
+        assert (loop is None) == eager
+        if not eager:
+            runs = loop.num_runs
+            assert runs > 0
+            sampled = SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True)
+            assert all(len(o.outputs[0].token_ids) == 24 for o in llm.generate(_prompts(4), sampled))
+            assert loop.num_runs > runs
+    assert len(drafts[0]) > 10 and drafts[0] == drafts[1]

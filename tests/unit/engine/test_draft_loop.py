@@ -255,3 +255,70 @@ def test_a_chained_run_is_dropped_when_steps_decode_without_drafting(interpreted
     stats = engine.stats()
     assert proposer.num_chained >= 4, proposer.num_chained
     assert stats.num_spec_draft_tokens >= 15 and stats.num_spec_rejections == 0, stats
+
+
+def test_the_eagle_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_checkpoints, tmp_path):
+    """The EAGLE proposer with a loop graph of its head (run eagerly here, through the interpreter):
+    every draft equals a transformers EAGLE-1 head's greedy drafts after the same tokens (features
+    fed again at n - 2 when it was fed, the head's own f chained between passes), greedy output is
+    plain decoding's; sampled rows run through it too."""
+    pytest.importorskip("transformers")
+    from engine import SpeculativeConfig
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+    from tests.builders import load_hf_model
+    from tests.eagle_builders import ReferenceHead, record_proposals
+
+    target_path = hf_checkpoints("llama")
+    reference = ReferenceHead(load_hf_model(target_path), seed=5)
+    spec = SpeculativeConfig(method="eagle", draft_model=str(reference.save(tmp_path / "head")), num_draft_tokens=3)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 300, 17, 44], [7, 1000, 3, 12, 90, 91, 92, 93, 1500]]
+    plain = [o.outputs[0].token_ids for o in make_llm(str(target_path), block_size=4).generate(prompts, greedy)]
+    llm = make_llm(str(target_path), block_size=4, speculative=spec)
+    proposer = llm.engine.proposer
+    arch = proposer.head.arch
+    attention = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    backend = TritonAttention(attention, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16,
+                                                               prefill_block_n=16))
+    proposer.loop = DraftLoopGraphs(proposer.head, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
+                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    proposals = record_proposals(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert proposer.loop.num_runs >= 4 and len(proposals) >= 6
+    for tokens, draft in proposals:
+        assert draft.token_ids == reference.greedy_drafts(tokens, len(draft)), len(tokens)
+    runs = proposer.loop.num_runs
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in llm.generate(prompts, sampled))
+    assert proposer.loop.num_runs > runs
+
+
+def test_an_eagle_head_that_reproduces_its_target_through_the_loop(interpreted_kernels, make_llm, tmp_path):
+    """A head that computes what its one-layer target does (tests/eagle_builders.py oracle_head),
+    drafting through the loop: every greedy draft accepted, so each step feeds the positions of the
+    accepted drafts before the loop's two (the forward before the loop) and output is plain decoding's."""
+    pytest.importorskip("transformers")
+    from engine import SpeculativeConfig
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+    from tests.builders import make_hf_checkpoint
+    from tests.eagle_builders import oracle_head
+
+    one_layer = make_hf_checkpoint("llama", tmp_path / "one_layer", seed=4, num_hidden_layers=1)
+    oracle = oracle_head(one_layer, tmp_path / "oracle")
+    spec = SpeculativeConfig(method="eagle", draft_model=str(oracle / "head"), num_draft_tokens=3)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 300, 17, 44], [7, 1000, 3]]
+    target = str(oracle / "target")
+    plain = [o.outputs[0].token_ids for o in make_llm(target, block_size=4).generate(prompts, greedy)]
+    llm = make_llm(target, block_size=4, speculative=spec)
+    proposer = llm.engine.proposer
+    arch = proposer.head.arch
+    attention = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    backend = TritonAttention(attention, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16,
+                                                               prefill_block_n=16))
+    proposer.loop = DraftLoopGraphs(proposer.head, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
+                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
+    stats = llm.engine.stats()
+    assert proposer.loop.num_runs >= 4
+    assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
