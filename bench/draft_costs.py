@@ -29,12 +29,13 @@ class DenseCache:
 
 
 def layer_rows(layer: DecoderLayer, shape: ModelShape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, input_norm: bool = True) -> torch.Tensor:
     """One decoder layer over new rows x [1, n, hidden] at positions start .. start + n - 1: writes
-    their K and V into the caches [1, kv_heads, max_len, head_dim], attends over all before them."""
+    their K and V into the caches [1, kv_heads, max_len, head_dim], attends over all before them.
+    input_norm False: an EAGLE-1 head's layer, which has none."""
     n = x.shape[1]
     attn = layer.self_attn
-    h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, RMS_NORM_EPS)
+    h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, RMS_NORM_EPS) if input_norm else x
     q, k, v = attn.project(h, cos, sin)
     k_cache[:, :, start : start + n] = k
     v_cache[:, :, start : start + n] = v
@@ -102,8 +103,8 @@ class Costs:
             start = self.context + i
             x = head.inputs(self.token, self.feature)
             f = layer_rows(head.layer, head.shape, x, self.rope[0][start : start + 1], self.rope[1][start : start + 1],
-                           cache.k[0], cache.v[0], start)
-            logits = self.target.logits(f)[0]
+                           cache.k[0], cache.v[0], start, input_norm=False)
+            logits = head.logits(f)[0]
             torch.softmax(logits.float(), dim=-1)
             self.token.copy_(gumbel_draw(logits)[None])
             self.feature.copy_(f)

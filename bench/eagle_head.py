@@ -1,19 +1,21 @@
-"""An EAGLE-style draft head (Li et al., EAGLE-1 and EAGLE-3) for a TrainLlama target, and its
-training: lab only, pdserve has no such proposer (bench/eagle_lab.py decides whether to build one).
+"""An EAGLE-1 draft head (Li et al., 2024) for a TrainLlama target, and its training: the lab side
+of pdserve's EAGLE proposer (engine/spec/eagle.py loads what `save_head` writes).
 
-The head is one Llama decoder layer. At index j it reads fc([embed(x_{j+1}), h_j]): the next
-token's embedding (the target's table) beside the target's last hidden state h_j (before the final
-norm), and outputs f_j, its guess of h_{j+1}; the target's final norm and lm_head (both frozen,
-shared) turn f_j into the distribution of x_{j+2}. Drafting d_2 .. d_K feeds the head its own f in
-place of h, so it is trained as it drafts (EAGLE-3's training-time test): step s of the unrolled
-training reads step s-1's outputs shifted by one, and its attention sees what decoding would show
-it: keys of true features up to the chain's start, then one key from each earlier step (ttt_mask).
+The head is one Llama decoder layer without its input norm (EAGLE-1 drops the first layer's). At
+index j it reads fc([embed(x_{j+1}), h_j]): the next token's embedding (the target's table) beside
+h_j, the target's last hidden state at j after its final norm (`features`: what the target's lm_head
+reads), and outputs f_j, its guess of h_{j+1}, which the target's lm_head (frozen, shared) turns into
+the distribution of x_{j+2} (`logits`). Drafting d_2 .. d_K feeds the head its own f in place of h,
+so it is trained as it drafts (EAGLE-3's training-time test): step s of the unrolled training reads
+step s-1's outputs shifted by one, and its attention sees what decoding would show it: keys of true
+features up to the chain's start, then one key from each earlier step (ttt_mask).
 Loss: KL(target || head) over the full next-token distribution at temperature 1, every step.
 
-Checkpoint (`save_head`, `load_head`): config.json (architectures ["EagleHead"], the layer's shape, the
-target's hidden size, layer count and vocabulary it reads) and model.safetensors with `fc.weight` and
-`layers.0.*` in transformers' Llama names, float32; the target's embedding, final norm and lm_head are
-not in it (shared).
+Checkpoint (`save_head`, `load_head`): config.json (a Llama config of one layer, architectures
+["LlamaForCausalLM"], plus the target it was trained on) and model.safetensors with `fc.weight` and
+`layers.0.*` in transformers' Llama names, float32: the layout EAGLE-1 heads are published in. The
+target's embedding, final norm and lm_head are not in it (shared); layers.0.input_layernorm.weight is
+saved and read by no one.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ class EagleHead(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's last hidden states (TrainLlama.hidden, before its final norm) as the head reads
+        them: after that norm."""
+        return self.target.model.norm(hidden)
+
+    def logits(self, f: torch.Tensor) -> torch.Tensor:
+        """The head's outputs' logits: the target's lm_head, no norm before it."""
+        return self.target.lm_head(f)
+
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(x_{j+1}), h_j]): [batch, seq] tokens, [batch, seq, hidden] features."""
         emb = self.target.model.embed_tokens(tokens).to(features.dtype)
@@ -77,8 +88,7 @@ class EagleHead(nn.Module):
         layer, shape = self.layer, self.shape
         attn = layer.self_attn
         batch, seq, _ = x.shape
-        h = layer.input_layernorm(x)
-        q, k, v = attn.project(h, cos, sin)
+        q, k, v = attn.project(x, cos, sin)  # NOTE: no input norm (EAGLE-1)
         all_k = torch.cat([kk for kk, _ in keys or []] + [k], dim=2)
         all_v = torch.cat([vv for _, vv in keys or []] + [v], dim=2)
         group = shape.num_heads // shape.num_kv_heads
@@ -125,10 +135,11 @@ def head_loss(head: EagleHead, target: TrainLlama, steps: int) -> Callable[[torc
         with torch.no_grad():
             h = target.hidden(inputs)  # [batch, seq, hidden]
             target_logp = F.log_softmax(target.logits(h).float(), dim=-1)  # p_j: the distribution of x_{j+1}
-        outs = head.unrolled(inputs[:, 1:], h[:, : seq - 1], steps)  # index j: (x_{j+1}, h_j) -> x_{j+2}
+            feats = head.features(h)
+        outs = head.unrolled(inputs[:, 1:], feats[:, : seq - 1], steps)  # index j: (x_{j+1}, h_j) -> x_{j+2}
         total = torch.zeros((), device=window.device)
         for step, f in enumerate(outs, start=1):
-            logp = F.log_softmax(target.logits(f[:, step - 1 :]).float(), dim=-1).flatten(0, 1)
+            logp = F.log_softmax(head.logits(f[:, step - 1 :]).float(), dim=-1).flatten(0, 1)
             ref = target_logp[:, step:].flatten(0, 1)
             total = total + F.kl_div(logp, ref, log_target=True, reduction="batchmean")
         return total / steps
@@ -139,8 +150,8 @@ def head_loss(head: EagleHead, target: TrainLlama, steps: int) -> Callable[[torc
 def head_config(head: EagleHead, unroll: int) -> dict:
     target, shape = head.target, head.shape
     return {
-        "architectures": ["EagleHead"],
-        "model_type": "eagle_head",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
         "num_hidden_layers": 1,
@@ -149,10 +160,10 @@ def head_config(head: EagleHead, unroll: int) -> dict:
         "head_dim": shape.head_dim,
         "rms_norm_eps": RMS_NORM_EPS,
         "rope_theta": ROPE_THETA,
+        "vocab_size": target.lm_head.weight.shape[0],
+        "max_position_embeddings": 8192,
         "torch_dtype": "float32",
-        "training_unroll": unroll,
-        "target": {"hidden_size": target.shape.hidden_size, "num_hidden_layers": target.shape.num_layers,
-                   "vocab_size": target.lm_head.weight.shape[0]},
+        "eagle": {"version": 1, "training_unroll": unroll, "target_num_hidden_layers": target.shape.num_layers},
     }
 
 
@@ -167,12 +178,13 @@ def load_head(head_dir: Path, target: TrainLlama) -> EagleHead:
     """The head `save_head` wrote, for `target` (which must be the one it read: same hidden size, layer
     count and vocabulary), in eval mode, on the target's device."""
     config = json.loads((head_dir / "config.json").read_text())
-    expected = {"hidden_size": target.shape.hidden_size, "num_hidden_layers": target.shape.num_layers,
-                "vocab_size": target.lm_head.weight.shape[0]}
+    expected = {"hidden_size": target.shape.hidden_size, "vocab_size": target.lm_head.weight.shape[0],
+                "target_num_hidden_layers": target.shape.num_layers}
+    found = {**config, **config.get("eagle", {})}
     for key, value in expected.items():
-        if config["target"].get(key) != value:
-            raise ValueError(f"{head_dir}/config.json: target.{key} is {config['target'].get(key)}, "
-                             f"the target's is {value}: this head was trained on another target")
+        if found.get(key) != value:
+            raise ValueError(f"{head_dir}/config.json: {key} is {found.get(key)}, the target's is {value}: "
+                             "this head was trained on another target")
     head = EagleHead(target, seed=0)
     head.load_state_dict(load_file(str(head_dir / "model.safetensors")))
     return head.to(target.lm_head.weight.device).eval()

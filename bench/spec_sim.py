@@ -67,11 +67,11 @@ class HeadDrafter:
                 generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
         device = features.device
         seq_tokens = list(tokens[1:])  # x_1 .. x_n beside h_0 .. h_{n-1}
-        feats = features
+        feats = self.head.features(features)
         drafts, qs = [], []
         for _ in range(k):
             f = self.head(torch.tensor([seq_tokens], device=device), feats[None])[0, -1]
-            q = distribution(self.target.logits(f), temperature)
+            q = distribution(self.head.logits(f), temperature)
             d = draw(q, generator)
             drafts.append(d)
             qs.append(q)

@@ -114,14 +114,15 @@ def test_saved_head_loads_with_llama_names_and_refuses_another_target(tmp_path: 
     target, _, head = _models()
     save_head(tmp_path / "head", head, unroll=3)
     config = json.loads((tmp_path / "head" / "config.json").read_text())
-    assert config["architectures"] == ["EagleHead"] and config["training_unroll"] == 3
-    assert config["target"] == {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": VOCAB}
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    assert (config["hidden_size"], config["vocab_size"]) == (32, VOCAB)
+    assert config["eagle"] == {"version": 1, "training_unroll": 3, "target_num_hidden_layers": 2}
     loaded = load_head(tmp_path / "head", target)
     assert "layers.0.self_attn.q_proj.weight" in loaded.state_dict() and "fc.weight" in loaded.state_dict()
     tokens, feats = torch.randint(0, VOCAB, (1, 7)), torch.randn(1, 7, 32)
     torch.testing.assert_close(loaded(tokens, feats), head(tokens, feats), atol=0, rtol=0)
     other = TrainLlama(ModelShape(32, 64, 3, 4, 2, 8), VOCAB, seed=0)
-    with pytest.raises(ValueError, match="target.num_hidden_layers is 2, the target's is 3"):
+    with pytest.raises(ValueError, match="target_num_hidden_layers is 2, the target's is 3"):
         load_head(tmp_path / "head", other)
 
 
@@ -133,6 +134,37 @@ def _tiny_pair(out: Path) -> None:
     train_models.save_checkpoint(out / "target", target, tokenizer)
     train_models.save_checkpoint(out / "draft", draft, tokenizer)
     (out / "held_out.txt").write_text("\n".join(held))
+
+
+@torch.no_grad()
+def test_a_lab_head_drafts_in_the_engine_as_in_the_lab(tmp_path: Path) -> None:
+    """A head save_head wrote, served by the engine's EAGLE proposer beside its target: every draft the
+    engine proposes is the lab head's greedy draft (bench/spec_sim.py HeadDrafter) after the same tokens."""
+    from engine import LLM, SamplingParams, SpeculativeConfig
+
+    _tiny_pair(tmp_path)
+    target, _, head = _models()
+    save_head(tmp_path / "head", head, unroll=2)
+    spec = SpeculativeConfig(method="eagle", draft_model=str(tmp_path / "head"), num_draft_tokens=3)
+    llm = LLM(str(tmp_path / "target"), device="cpu", block_size=4, speculative=spec)
+    proposals: list = []
+    propose = llm.engine.proposer.propose
+
+    def recording(requests, generator):  # type: ignore[no-untyped-def]
+        drafts = propose(requests, generator)
+        proposals.extend((list(r.token_ids), d) for r, d in zip(requests, drafts) if d is not None)
+        return drafts
+
+    llm.engine.proposer.propose = recording
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    llm.engine.check_integrity()
+    drafter = HeadDrafter(head, target)
+    assert len(proposals) >= 6
+    for tokens, draft in proposals:
+        features = target.hidden(torch.tensor([tokens]))[0, :-1]
+        want, _ = drafter.propose(tokens, features, len(draft), 0.0, torch.Generator())
+        assert draft.token_ids == want
 
 
 def test_lab_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
