@@ -30,8 +30,9 @@
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (4 minutes), then bench.spec_decode on it
 #           at T = 1 and T = 0 (batch 1 at K = 4 and 6 side by side; the large batch).
 #           spec_bench: the same without the GPU tests.
-#   eagle   (one GPU): trains the pair (the plan's 5 minutes), then bench.eagle_lab on it (an EAGLE-style head
-#           trained 120 s, saved to $out/head; acceptance simulated against the draft model, pieces timed).
+#   eagle   (one GPU): the EAGLE GPU test, trains the pair ($MINUTES, default 2.5), then an EAGLE-1 head on it
+#           (bench.eagle_lab, $HEAD_SECONDS, default 100: simulated acceptance against the draft model, lab costs),
+#           then bench.spec_decode with the head (method eagle) and with the draft model in turns, T=0 and T=1.
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
@@ -375,9 +376,20 @@ case "$part" in
     done
     ;;
   eagle)
-    run 330 python3 -m bench.train_models --out /tmp/pair --size gpu --quiet
+    run 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py -k eagle
+    run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
     cp /tmp/pair/summary.json "$out/pair_summary_gpu.json"
-    run 270 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds 120 --save-head "$out/head" --out "$out"
+    run 200 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds "${HEAD_SECONDS:-100}" --save-head /tmp/head \
+      --num-prompts 8 --max-tokens 64 --out "$out"
+    cp /tmp/head/config.json "$out/eagle_head_config.json"
+    # The head in the engine against the pair's draft model, alternated: eagle T=0, draft T=0, draft T=1, eagle T=1.
+    for run_ in eagle:0.0 draft:0.0 draft:1.0 eagle:1.0; do
+      m=${run_%%:*} t=${run_##*:}
+      d=$([ "$m" = eagle ] && echo /tmp/head || echo /tmp/pair/draft)
+      run 150 python3 -m bench.spec_decode --target /tmp/pair/target --method "$m" --draft "$d" \
+        --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 5 \
+        --temperature "$t" --dtype bfloat16 --out "$out/${m}_t$t"
+    done
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 formula, and decode tokens/s with and without speculation.
 
 Models: --target and --draft (HF checkpoint directories, or 'default' for the embedded model; the
-draft follows the target's --load-format and --dtype); --method draft (the default) or ngram.
+draft follows the target's --load-format and --dtype); --method draft (the default), eagle (--draft is
+then an EAGLE-1 head's directory, e.g. bench.eagle_lab's --save-head) or ngram.
 
 1. Acceptance, at --temperature (1.0): for each K of --ks, with adaptive K off, --num-requests
    requests run together, each with --max-tokens output tokens (ignore_eos). Prompts are slices of
@@ -80,7 +81,7 @@ def _params(args: argparse.Namespace, num: int) -> list[SamplingParams]:
 def _speculative(args: argparse.Namespace, k: int, adaptive: bool) -> SpeculativeConfig:
     return SpeculativeConfig(
         method=args.method,
-        draft_model=args.draft if args.method == "draft" else None,
+        draft_model=args.draft if args.method in ("draft", "eagle") else None,
         num_draft_tokens=k,
         enable_adaptive_draft_length=adaptive,
         # NOTE: the acceptance runs (not adaptive) draft at every batch size; -1: the speed runs do too
@@ -313,7 +314,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--target", dest="model", help="Target checkpoint directory (same as --model).")
     parser.add_argument("--draft", default="default", help="Draft checkpoint directory, or 'default'.")
-    parser.add_argument("--method", default="draft", choices=["draft", "ngram"])
+    parser.add_argument("--method", default="draft", choices=["draft", "eagle", "ngram"])
     parser.add_argument("--text", type=Path, default=None, help="Held-out text for prompts (else random ids).")
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="Draft lengths K (1 2 4 8; 1 2 4 quick).")
     parser.add_argument("--num-requests", type=int, default=None, help="Acceptance requests (32; 8 quick).")
@@ -383,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         speedups[f"{batch}_paired_by_k"] = {str(r["k"]): r["paired_speedup"] for r in speed
                                             if r["batch_size"] == batch and r["mode"] == "speculative"}
     workload = {
-        "method": args.method, "target": args.model, "draft": args.draft if args.method == "draft" else None,
+        "method": args.method, "target": args.model, "draft": args.draft if args.method in ("draft", "eagle") else None,
         "draft_shape": shape or None,
         "ks": args.ks, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens, "temperature": args.temperature, "large_batch": args.large_batch,
