@@ -17,14 +17,18 @@ past the request's last token, where the target may hold no block yet: those lan
 after the target's, a fixed group per row of the proposal (their KV is read within the proposal
 only; the next proposal feeds those positions again from the target's features).
 
-Drafting (`propose`): pass 1 feeds each request's pending positions up to its last token (x_n at
-head position n - 1) and draws d_1 from the last row's f; pass i feeds d_{i-1} with the previous f
-at position n + i - 2 and draws d_i. Draws are the Sampler's, as the target would process the
-logits, and stay on the device until first read, as the draft model's do.
+Drafting (`propose`): on CUDA, all K passes replay in the draft model's loop graph
+(engine/spec/draft_loop.py, run with the head as its model): after a forward of any positions that
+waited before the last two, its first pass feeds positions n - 2 and n - 1 (x_{n-1}, x_n beside
+h_{n-2}, h_{n-1}; n - 2 again, from the same inputs, when it was fed already) and draws d_1; pass i
+feeds d_{i-1} with the f before it (EagleHead.compute_logits leaves f in the feature buffer) and
+draws d_i. Rows the loop does not serve (penalties, seeds, truncation) draft pass by pass: pass 1
+feeds the positions waiting up to n - 1, each later pass one position, through the head runner's
+decode graphs, with the Sampler's draws. Drafts stay on the device until first read, as the draft
+model's do.
 
-Not here yet: chaining (`chain` queues nothing), one graph for all K passes (each pass is a forward
-through the head runner's decode graphs and a sampler launch), tensor-parallel targets, and
-disaggregated workers (the head's KV of a pushed prompt is not pushed).
+Not here yet: chaining (`chain` queues nothing), tensor-parallel targets, and disaggregated
+workers (the head's KV of a pushed prompt is not pushed).
 """
 
 from __future__ import annotations
