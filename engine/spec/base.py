@@ -19,7 +19,7 @@ import torch
 from engine.config import ModelConfig, SamplingParams, SpeculativeConfig
 from engine.models import ArchConfig, LlamaForCausalLM
 from engine.request import Draft
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplingRow
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,38 @@ class Proposer(Protocol):
         """Raises IntegrityError if state is held for a request not in `live_request_ids`, or a pool
         of the proposer's own is inconsistent."""
         ...
+
+
+class Drafting(Protocol):
+    """One request's drafting in a proposal: its drafts so far and their distributions."""
+
+    request: DraftRequest
+    token_ids: list[int]
+    probs: list[torch.Tensor]
+
+
+DRAFT_PLACEHOLDER = -1  # a drafted token still on the device (read once, when first used)
+
+
+def draw_drafts(sampler: Sampler, jobs: Sequence[Drafting], logits: torch.Tensor, generator: torch.Generator | None,
+                on_device: bool) -> torch.Tensor:
+    """Draws each job's next drafted token from its logits row [jobs, vocab], as the target would
+    process it, and appends it and its distribution to the job; returns the tokens [jobs] on the
+    device. on_device: each job gets DRAFT_PLACEHOLDER (no job applies penalties, so no draw reads
+    the values); else the values, read now."""
+    rows = []
+    for j in jobs:
+        r = j.request
+        output = list(r.token_ids[r.num_prompt_tokens :]) + j.token_ids
+        # A seeded draft races with the target's noise for the same output position: the target
+        # then accepts it as often as that coupling allows (engine/sampler.py).
+        rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.num_prior_output_tokens))
+    token_ids, probs = sampler.launch_with_probs(logits, rows, generator)
+    values = [DRAFT_PLACEHOLDER] * len(jobs) if on_device else token_ids.tolist()
+    for j, token, p in zip(jobs, values, probs):
+        j.token_ids.append(token)
+        j.probs.append(p)
+    return token_ids
 
 
 _PROPOSERS: dict[str, Callable[[ProposerContext], Proposer]] = {}

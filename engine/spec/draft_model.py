@@ -35,13 +35,13 @@ from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, byte
 from engine.pinned import Download
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
-from engine.sampler import SamplingRow, has_penalty
-from engine.spec.base import DraftRequest, ProposerContext, register_proposer
+from engine.sampler import has_penalty
+from engine.spec.base import DRAFT_PLACEHOLDER, DraftRequest, ProposerContext, draw_drafts, register_proposer
 from engine.spec.draft_load import load_draft
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 from engine.warmup import warm_up_runner
 
-PLACEHOLDER = -1  # a drafted token still on the device (read once, when first used: _DraftRead)
+PLACEHOLDER = DRAFT_PLACEHOLDER  # read once, when first used: _DraftRead
 
 
 @dataclass
@@ -316,7 +316,7 @@ class DraftModelProposer:
             j.seq.num_trusted = len(j.seq.token_ids)
         if not drafting:
             return
-        passes.append((self._sample(drafting, logits, generator, on_device), drafting))
+        passes.append((draw_drafts(self.context.sampler, drafting, logits, generator, on_device), drafting))
         previous = drafting
         for i in range(1, max(j.request.max_draft_tokens for j in drafting)):
             active = [j for j in previous if j.request.max_draft_tokens > i]
@@ -331,7 +331,7 @@ class DraftModelProposer:
             logits = self.runner.forward(fwd, patch)
             for j in active:
                 j.seq.token_ids.append(j.token_ids[-1])  # a PLACEHOLDER on the device path, read later
-            passes.append((self._sample(active, logits, generator, on_device), active))
+            passes.append((draw_drafts(self.context.sampler, active, logits, generator, on_device), active))
             previous = active
 
     def _read_pending(self) -> None:
@@ -400,27 +400,6 @@ class DraftModelProposer:
             budget -= num_new
             jobs.append(_Job(r, seq, num_new, is_drafting))
         return jobs
-
-    def _sample(
-        self, jobs: list[_Job], logits: torch.Tensor, generator: torch.Generator | None, on_device: bool
-    ) -> torch.Tensor:
-        """Draws each job's next drafted token from its logits row, as the target would process it;
-        returns them [jobs] on the device. on_device: the jobs' drafts get a PLACEHOLDER each (no
-        job applies penalties, so no draw reads their values); else the values, read now."""
-        assert self.context.sampler is not None
-        rows = []
-        for j in jobs:
-            r = j.request
-            output = list(r.token_ids[r.num_prompt_tokens :]) + j.token_ids
-            # A seeded draft races with the target's noise for the same output position: the target
-            # then accepts it as often as that coupling allows (engine/sampler.py).
-            rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.num_prior_output_tokens))
-        token_ids, probs = self.context.sampler.launch_with_probs(logits, rows, generator)
-        values = [PLACEHOLDER] * len(jobs) if on_device else token_ids.tolist()
-        for j, token, p in zip(jobs, values, probs):
-            j.token_ids.append(token)
-            j.probs.append(p)
-        return token_ids
 
     # ---- invariants
     def check_integrity(self, live_request_ids: Collection[str]) -> None:

@@ -45,16 +45,15 @@ from engine.kv_cache import IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.pinned import Download, upload
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
-from engine.sampler import SamplingRow, has_penalty
+from engine.sampler import has_penalty
 from engine.scheduler import ScheduledRequest
-from engine.spec.base import DraftRequest, ProposerContext, register_proposer
+from engine.spec.base import DRAFT_PLACEHOLDER, DraftRequest, ProposerContext, draw_drafts, register_proposer
 from engine.spec.draft_load import draft_dir
 from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 from engine.spec.eagle_head import EagleHead, load_eagle_head
 from engine.warmup import warm_up_runner
 
 MAX_PENDING = 64  # positions whose features may wait for a draft before they are fed anyway
-PLACEHOLDER = -1  # a drafted token still on the device
 
 
 @dataclass
@@ -235,7 +234,7 @@ class EagleProposer:
         on_device = not any(has_penalty(r.params) for r in ready)
         torch.cat(features, out=self.head.features[: sum(len(f.token_ids) for f in fwd)])
         f = self.runner.forward_hidden(fwd)
-        passes = [(self._sample(jobs, self.head.compute_logits(f), generator, on_device), jobs)]
+        passes = [(draw_drafts(self.context.sampler, jobs, self.head.compute_logits(f), generator, on_device), jobs)]
         active = jobs
         table_of = {id(j): t for j, t in zip(jobs, tables)}
         for i in range(1, max(r.max_draft_tokens for r in ready)):
@@ -255,7 +254,8 @@ class EagleProposer:
                 fwd = [ForwardSeq([j.token_ids[-1]], len(j.request.token_ids) + i - 2, table_of[id(j)], 1)
                        for j in active]
             f = self.runner.forward_hidden(fwd, patch)
-            passes.append((self._sample(active, self.head.compute_logits(f), generator, on_device), active))
+            logits = self.head.compute_logits(f)
+            passes.append((draw_drafts(self.context.sampler, active, logits, generator, on_device), active))
         read = _Read(jobs, passes) if on_device else None
         if read is not None:
             self._unread.append(read)
@@ -294,7 +294,7 @@ class EagleProposer:
         out = loop.run(rows, generator)
         assert out is not None, "served rows within the loop's context"
         tokens, dists = out
-        jobs = [_Row(r, [PLACEHOLDER] * r.max_draft_tokens) for r in ready]
+        jobs = [_Row(r, [DRAFT_PLACEHOLDER] * r.max_draft_tokens) for r in ready]
         read = _Read(jobs, [(tokens[i], jobs) for i in range(k)])
         self._unread.append(read)
         kept = dists.clone() if any(not r.params.is_greedy for r in ready) else None  # the next run overwrites it
@@ -316,21 +316,6 @@ class EagleProposer:
         table.extend(range(scratch, scratch + needed - len(table)))
         assert needed - len(r.block_ids[:needed]) <= self.scratch_per_row, "the target holds the prompt's blocks"
         return table
-
-    def _sample(self, jobs: list[_Row], logits: torch.Tensor, generator: torch.Generator | None,
-                on_device: bool) -> torch.Tensor:
-        """Each job's next drafted token, drawn as the target would process its logits."""
-        rows = []
-        for j in jobs:
-            r = j.request
-            output = list(r.token_ids[r.num_prompt_tokens :]) + j.token_ids
-            rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.num_prior_output_tokens))
-        token_ids, probs = self.context.sampler.launch_with_probs(logits, rows, generator)
-        values = [PLACEHOLDER] * len(jobs) if on_device else token_ids.tolist()
-        for j, token, p in zip(jobs, values, probs):
-            j.token_ids.append(token)
-            j.probs.append(p)
-        return token_ids
 
     def _draft_of(self, j: _Row, read: _Read | None) -> Draft:
         r = j.request

@@ -257,6 +257,20 @@ def test_a_chained_run_is_dropped_when_steps_decode_without_drafting(interpreted
     assert stats.num_spec_draft_tokens >= 15 and stats.num_spec_rejections == 0, stats
 
 
+def _with_an_eagle_loop(llm, k: int):  # type: ignore[no-untyped-def]
+    """Gives the engine's EAGLE proposer a loop graph of its head, k passes (run eagerly on the CPU,
+    through the interpreted kernels), as on CUDA; the proposer."""
+    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
+
+    proposer = llm.engine.proposer
+    arch = proposer.head.arch
+    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+    backend = TritonAttention(spec, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16))
+    proposer.loop = DraftLoopGraphs(proposer.head, proposer.runner.kv_caches, backend, proposer.runner.staging, k,
+                                    max_batch=4, max_context=llm.engine.max_seq_tokens + k)
+    return proposer
+
+
 def test_the_eagle_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_checkpoints, tmp_path):
     """The EAGLE proposer with a loop graph of its head (run eagerly here, through the interpreter):
     every draft equals a transformers EAGLE-1 head's greedy drafts after the same tokens (features
@@ -264,7 +278,6 @@ def test_the_eagle_proposer_drafts_through_the_loop(interpreted_kernels, make_ll
     plain decoding's; sampled rows run through it too."""
     pytest.importorskip("transformers")
     from engine import SpeculativeConfig
-    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
     from tests.builders import load_hf_model
     from tests.eagle_builders import ReferenceHead, record_proposals
 
@@ -275,13 +288,7 @@ def test_the_eagle_proposer_drafts_through_the_loop(interpreted_kernels, make_ll
     prompts = [[5, 9, 300, 17, 44], [7, 1000, 3, 12, 90, 91, 92, 93, 1500]]
     plain = [o.outputs[0].token_ids for o in make_llm(str(target_path), block_size=4).generate(prompts, greedy)]
     llm = make_llm(str(target_path), block_size=4, speculative=spec)
-    proposer = llm.engine.proposer
-    arch = proposer.head.arch
-    attention = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
-    backend = TritonAttention(attention, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16,
-                                                               prefill_block_n=16))
-    proposer.loop = DraftLoopGraphs(proposer.head, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
-                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    proposer = _with_an_eagle_loop(llm, 3)
     proposals = record_proposals(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     assert proposer.loop.num_runs >= 4 and len(proposals) >= 6
@@ -299,7 +306,6 @@ def test_an_eagle_head_that_reproduces_its_target_through_the_loop(interpreted_k
     accepted drafts before the loop's two (the forward before the loop) and output is plain decoding's."""
     pytest.importorskip("transformers")
     from engine import SpeculativeConfig
-    from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig
     from tests.builders import make_hf_checkpoint
     from tests.eagle_builders import oracle_head
 
@@ -311,13 +317,7 @@ def test_an_eagle_head_that_reproduces_its_target_through_the_loop(interpreted_k
     target = str(oracle / "target")
     plain = [o.outputs[0].token_ids for o in make_llm(target, block_size=4).generate(prompts, greedy)]
     llm = make_llm(target, block_size=4, speculative=spec)
-    proposer = llm.engine.proposer
-    arch = proposer.head.arch
-    attention = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
-    backend = TritonAttention(attention, TritonAttentionConfig(decode_block_n=16, prefill_block_m=16,
-                                                               prefill_block_n=16))
-    proposer.loop = DraftLoopGraphs(proposer.head, proposer.runner.kv_caches, backend, proposer.runner.staging, 3,
-                                    max_batch=4, max_context=llm.engine.max_seq_tokens + 3)
+    proposer = _with_an_eagle_loop(llm, 3)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     stats = llm.engine.stats()
     assert proposer.loop.num_runs >= 4
