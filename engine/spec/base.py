@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig, SamplingParams, SpeculativeConfig
 from engine.models import ArchConfig, LlamaForCausalLM
+from engine.pinned import Download
 from engine.request import Draft
 from engine.sampler import Sampler, SamplingRow
 
@@ -119,6 +120,40 @@ def draw_drafts(sampler: Sampler, jobs: Sequence[Drafting], logits: torch.Tensor
         j.token_ids.append(token)
         j.probs.append(p)
     return token_ids
+
+
+class DeviceDrafts:
+    """A proposal's drafted tokens on the device, copied into one flat tensor (a loop graph's draws
+    are views of its static output, which its next run overwrites while a draft may wait unread), and
+    their one read into place of the jobs' placeholders. `passes`: each pass's draws and the jobs
+    they are for, in order (None: a row that is drawn and never read)."""
+
+    def __init__(self, jobs: Sequence[Drafting | None],
+                 passes: Sequence[tuple[torch.Tensor, Sequence[Drafting | None]]]) -> None:
+        self.tokens = torch.cat([t for t, _ in passes])  # [sum of pass sizes] int64
+        self._download = Download(self.tokens)  # NOTE: a read waits for this proposal alone
+        self.jobs = [j for j in jobs if j is not None]
+        self.index: dict[int, list[int]] = {id(j): [] for j in self.jobs}  # a job's tokens in self.tokens
+        offset = 0
+        for tokens, active in passes:
+            assert len(active) == len(tokens), "a pass draws one token per active job"
+            for row, j in enumerate(active):
+                if j is not None:
+                    self.index[id(j)].append(offset + row)
+            offset += len(active)
+        self.is_done = False
+
+    def read(self) -> None:
+        if self.is_done:
+            return
+        self.is_done = True
+        self.fill(self._download.read())
+
+    def fill(self, values: list[int]) -> None:
+        """Each job's placeholders, from the values read (a job keeping fewer than it was drawn for
+        keeps the first ones)."""
+        for j in self.jobs:
+            j.token_ids[:] = [values[x] for x in self.index[id(j)][: len(j.token_ids)]]
 
 
 _PROPOSERS: dict[str, Callable[[ProposerContext], Proposer]] = {}

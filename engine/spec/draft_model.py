@@ -32,11 +32,11 @@ import torch
 
 from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
-from engine.pinned import Download
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import has_penalty
-from engine.spec.base import DRAFT_PLACEHOLDER, DraftRequest, ProposerContext, draw_drafts, register_proposer
+from engine.spec.base import (DRAFT_PLACEHOLDER, DeviceDrafts, DraftRequest, ProposerContext, draw_drafts,
+                              register_proposer)
 from engine.spec.draft_load import load_draft
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 from engine.warmup import warm_up_runner
@@ -429,40 +429,21 @@ def _keep_row_dists(rows: Sequence[_Job | None], dists: torch.Tensor) -> None:
             j.row_dists = (kept, row)
 
 
-class _DraftRead:
-    """A proposal's drafted tokens on the device (one flat tensor) and their one read back into
-    place of the jobs' placeholders: in their drafts, and in the draft cache's inputs of
-    d_1 .. d_{K-1}. A row of None in a pass (a chained run's row no request drafts from) is drawn
-    and never read."""
+class _DraftRead(DeviceDrafts):
+    """DeviceDrafts whose read also fills the draft cache's inputs of d_1 .. d_{K-1} and the jobs'
+    proposed drafts."""
 
     def __init__(
         self, drafting: Sequence[_Job | None], passes: Sequence[tuple[torch.Tensor, Sequence[_Job | None]]]
     ) -> None:
-        # NOTE: a copy even of one pass: the loop graph's draws are views of its static output, which
-        # its next run overwrites while an unscheduled request's draft may still be unread.
-        self.tokens = torch.cat([t for t, _ in passes])  # [sum of pass sizes] int64
-        self._download = Download(self.tokens)  # NOTE: a read waits for this proposal alone
-        self.jobs = [j for j in drafting if j is not None]
-        self.index: dict[int, list[int]] = {id(j): [] for j in self.jobs}  # a job's tokens in self.tokens
-        offset = 0
-        for tokens, active in passes:
-            assert len(active) == len(tokens), "a pass draws one token per active job"
-            for row, j in enumerate(active):
-                if j is not None:
-                    self.index[id(j)].append(offset + row)
-            offset += len(active)
+        super().__init__(drafting, passes)
+        self.jobs: list[_Job] = [j for j in drafting if j is not None]
         for j in self.jobs:
             j.read = self
-        self.is_done = False
 
-    def read(self) -> None:
-        if self.is_done:
-            return
-        self.is_done = True
-        values = self._download.read()
+    def fill(self, values: list[int]) -> None:
+        super().fill(values)
         for j in self.jobs:
-            index = self.index[id(j)]
-            j.token_ids[: len(index)] = [values[x] for x in index]
             if j.draft_ids is not None:
                 j.draft_ids[:] = j.token_ids[: len(j.draft_ids)]
             num_fed = len(j.token_ids) - 1  # d_1 .. d_{K-1} were fed to the draft model

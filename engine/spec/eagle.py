@@ -42,12 +42,13 @@ import torch
 from engine.attention import AttentionSpec, create_backend
 from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import IntegrityError, allocate_kv_tensors, bytes_per_block
-from engine.pinned import Download, upload
+from engine.pinned import upload
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import has_penalty
 from engine.scheduler import ScheduledRequest
-from engine.spec.base import DRAFT_PLACEHOLDER, DraftRequest, ProposerContext, draw_drafts, register_proposer
+from engine.spec.base import (DRAFT_PLACEHOLDER, DeviceDrafts, DraftRequest, ProposerContext, draw_drafts,
+                              register_proposer)
 from engine.spec.draft_load import draft_dir
 from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 from engine.spec.eagle_head import EagleHead, load_eagle_head
@@ -132,7 +133,7 @@ class EagleProposer:
         self.runner: ModelRunner | None = None
         self.loop: DraftLoopGraphs | None = None  # all K passes in one graph (CUDA), set by bind
         self.scratch_base = self.scratch_per_row = 0
-        self._unread: list[_Read] = []
+        self._unread: list[DeviceDrafts] = []
         self.num_resets = 0  # requests whose features did not continue (their head KV may be stale)
 
     def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
@@ -256,7 +257,7 @@ class EagleProposer:
             f = self.runner.forward_hidden(fwd, patch)
             logits = self.head.compute_logits(f)
             passes.append((draw_drafts(self.context.sampler, active, logits, generator, on_device), active))
-        read = _Read(jobs, passes) if on_device else None
+        read = DeviceDrafts(jobs, passes) if on_device else None
         if read is not None:
             self._unread.append(read)
         drafts = {j.request.request_id: self._draft_of(j, read) for j in jobs}
@@ -295,7 +296,7 @@ class EagleProposer:
         assert out is not None, "served rows within the loop's context"
         tokens, dists = out
         jobs = [_Row(r, [DRAFT_PLACEHOLDER] * r.max_draft_tokens) for r in ready]
-        read = _Read(jobs, [(tokens[i], jobs) for i in range(k)])
+        read = DeviceDrafts(jobs, [(tokens[i], jobs) for i in range(k)])
         self._unread.append(read)
         kept = dists.clone() if any(not r.params.is_greedy for r in ready) else None  # the next run overwrites it
         drafts = {}
@@ -317,7 +318,7 @@ class EagleProposer:
         assert needed - len(r.block_ids[:needed]) <= self.scratch_per_row, "the target holds the prompt's blocks"
         return table
 
-    def _draft_of(self, j: _Row, read: _Read | None) -> Draft:
+    def _draft_of(self, j: _Row, read: DeviceDrafts | None) -> Draft:
         r = j.request
         probs = None if r.params.is_greedy else torch.stack(j.probs[: r.max_draft_tokens])
         if read is None:
@@ -343,28 +344,3 @@ class EagleProposer:
         stale = sorted(set(self.seqs) - set(live_request_ids))
         if stale:
             raise IntegrityError(f"the EAGLE head holds features of requests no longer running: {stale[:8]}")
-
-
-class _Read:
-    """A proposal's drafted tokens on the device (one flat tensor) and their one read into place of
-    the rows' placeholders."""
-
-    def __init__(self, jobs: Sequence[_Row], passes: Sequence[tuple[torch.Tensor, Sequence[_Row]]]) -> None:
-        self.tokens = torch.cat([t for t, _ in passes])
-        self._download = Download(self.tokens)
-        self.jobs = list(jobs)
-        self.index: dict[int, list[int]] = {id(j): [] for j in jobs}
-        offset = 0
-        for tokens, active in passes:
-            for row, j in enumerate(active):
-                self.index[id(j)].append(offset + row)
-            offset += len(active)
-        self.is_done = False
-
-    def read(self) -> None:
-        if self.is_done:
-            return
-        self.is_done = True
-        values = self._download.read()
-        for j in self.jobs:  # NOTE: a loop row draws K, its draft keeps its first ones (placeholders until now)
-            j.token_ids[:] = [values[x] for x in self.index[id(j)][: len(j.token_ids)]]

@@ -213,7 +213,7 @@ def test_a_proposal_s_drafts_outlive_the_loop_s_next_run():
     from engine.spec.draft_model import _DraftRead, _DraftSeq, _Job
 
     static = torch.tensor([[7, 8]])  # the loop's tokens [passes = 1, rows]
-    jobs = [_Job(DraftRequest(f"r{i}", [1, 2, 3], 2, SamplingParams(), 0, 1), _DraftSeq(), 1, True, [-1])
+    jobs = [_Job(DraftRequest(f"r{i}", [1, 2, 3], 2, SamplingParams(), 0, 1), _DraftSeq(), 1, True, token_ids=[-1])
             for i in range(2)]
     read = _DraftRead(jobs, [(static[0], jobs)])
     static[0] = torch.tensor([0, 0])  # the next run
