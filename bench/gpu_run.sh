@@ -378,17 +378,19 @@ case "$part" in
   eagle)
     run 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py -k eagle
     run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
-    cp /tmp/pair/summary.json "$out/pair_summary_gpu.json"
+    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
     run 200 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds "${HEAD_SECONDS:-100}" --save-head /tmp/head \
       --num-prompts 8 --max-tokens 64 --out "$out"
-    cp /tmp/head/config.json "$out/eagle_head_config.json"
+    tee -a "$out/log.txt" < /tmp/head/config.json
     # The head in the engine against the pair's draft model, alternated: eagle T=0, draft T=0, draft T=1, eagle T=1.
+    # NOTE: one JSON a run and no plot: the device returns 8 files (gpu.txt, log.txt, the lab's two, these four).
     for run_ in eagle:0.0 draft:0.0 draft:1.0 eagle:1.0; do
       m=${run_%%:*} t=${run_##*:}
       d=$([ "$m" = eagle ] && echo /tmp/head || echo /tmp/pair/draft)
       run 150 python3 -m bench.spec_decode --target /tmp/pair/target --method "$m" --draft "$d" \
         --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 5 \
-        --temperature "$t" --dtype bfloat16 --out "$out/${m}_t$t"
+        --temperature "$t" --dtype bfloat16 --out "/tmp/spec_${m}_t$t"
+      cp /tmp/spec_${m}_t$t/spec_decode_*.json "$out/spec_decode_${m}_t$t.json"
     done
     ;;
   *) echo "unknown part $part"; exit 2 ;;

@@ -15,7 +15,10 @@ in the target's block of position j, so blocks that prefix caching shares carry 
 request that computed them, and the target's pool frees both. Drafting writes up to K - 1 positions
 past the request's last token, where the target may hold no block yet: those land in scratch blocks
 after the target's, a fixed group per row of the proposal (their KV is read within the proposal
-only; the next proposal feeds those positions again from the target's features).
+only; the next proposal feeds those positions again from the target's features). NOTE: a shared
+block's head KV at a position whose next token differs between the requests sharing it (the last
+position of one's prompt, the next prompt token of the other's) is the first request's: drafts after
+it may be accepted less often, output stays exact.
 
 Drafting (`propose`): on CUDA, all K passes replay in the draft model's loop graph
 (engine/spec/draft_loop.py, run with the head as its model): after a forward of any positions that
