@@ -107,11 +107,12 @@ class ModelRunner:
         self.block_size = kv_caches.shape[3]
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
-        # Called after each `execute` with the step's scheduled requests and the hidden states of every
-        # position it computed [tokens, hidden], in scheduled order (a view of a graph's static output:
-        # copy what outlives the step). An EAGLE head's proposer reads its features there.
-        self.observer: Callable[[Sequence[ScheduledRequest], torch.Tensor], None] | None = None
-        self._hidden: torch.Tensor | None = None  # the last forward's, while an observer wants it
+        # Called after each `execute` with the step's scheduled requests, the hidden states of every
+        # position it computed [tokens, hidden] in scheduled order and those positions' cache slots
+        # [tokens] (views of a graph's static buffers: copy what outlives the step). An EAGLE head's
+        # proposer reads its features there.
+        self.observer: Callable[[Sequence[ScheduledRequest], torch.Tensor, torch.Tensor], None] | None = None
+        self._hidden: tuple[torch.Tensor, torch.Tensor] | None = None  # the last forward's, for an observer
 
     def capture_decode_graphs(self, max_rows: int, max_context: int) -> None:
         """Captures CUDA graphs of steps of up to max_rows one-query rows (engine/cuda_graphs.py)
@@ -200,7 +201,8 @@ class ModelRunner:
             hidden = self.graphs.run(seqs, patch)  # None: not a step a graph serves
             if hidden is not None:
                 if self.observer is not None:
-                    self._hidden = self.graphs.hidden[: sum(len(s.token_ids) for s in seqs)]
+                    n = sum(len(s.token_ids) for s in seqs)
+                    self._hidden = self.graphs.hidden[:n], self.graphs.tokens[2, :n]  # NOTE: row 2: slots
                 return hidden
         return self._eager_hidden(seqs, patch)
 
@@ -216,7 +218,7 @@ class ModelRunner:
             patch.apply(ids)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         if self.observer is not None:
-            self._hidden = hidden
+            self._hidden = hidden, meta.slot_mapping
         return hidden.index_select(0, logit_rows)
 
     def execute(
@@ -228,8 +230,8 @@ class ModelRunner:
         seqs, drafts = _forward_seqs(scheduled, patch_drafts=patch is None)
         logits = self.forward(seqs, patch or drafts)
         if self.observer is not None and self._hidden is not None:
-            hidden, self._hidden = self._hidden, None
-            self.observer(scheduled, hidden)
+            (hidden, slots), self._hidden = self._hidden, None
+            self.observer(scheduled, hidden, slots)
         return logits
 
 

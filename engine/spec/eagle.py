@@ -1,24 +1,23 @@
 """The EAGLE proposer: an EAGLE-1 head (engine/spec/eagle_head.py) drafts from the target's own
 hidden states, one decoder layer a drafted token instead of a whole draft model.
 
-Features. The target's runner hands every step's hidden states to `observe` (ModelRunner.observer).
-Head position j needs h_j and the token x_{j+1}, so a position is fed once the token after it is
-known. Per request the proposer keeps `fed` (head positions [0, fed) hold KV from the target's
-features) and the features of the positions after it that the target has computed (`pending`). A
-step that computes prompt tokens feeds what it can at once (all of a chunk but the prompt's last
-position), so pending stays short; so does a request that runs long without drafts (fed once
-MAX_PENDING positions wait). A verification's rows past what it accepts are superseded by the next
-step's and cut.
+Features. The target's runner hands every step's hidden states and their cache slots to `observe`
+(ModelRunner.observer), which writes them into a feature cache paged like the KV cache (slot s of
+the target's cache holds the feature of the position stored there): one copy a step, whatever the
+batch. Head position j needs h_j and the token x_{j+1}, so it is fed once that token is known: a
+step that computes prompt tokens feeds all of its chunk but the prompt's last position at once;
+decoding positions are fed when the request next drafts. Per request the proposer keeps only `fed`
+(head positions [0, fed) hold KV from the target's features).
 
-KV. The head's cache has one layer and is indexed by the target's block ids: head position j lives
-in the target's block of position j, so blocks that prefix caching shares carry the head's KV of the
-request that computed them, and the target's pool frees both. Drafting writes up to K - 1 positions
-past the request's last token, where the target may hold no block yet: those land in scratch blocks
-after the target's, a fixed group per row of the proposal (their KV is read within the proposal
-only; the next proposal feeds those positions again from the target's features). NOTE: a shared
-block's head KV at a position whose next token differs between the requests sharing it (the last
-position of one's prompt, the next prompt token of the other's) is the first request's: drafts after
-it may be accepted less often, output stays exact.
+KV. The head's cache has one layer and is indexed by the target's block ids, as the features are:
+head position j lives in the target's block of position j, so blocks that prefix caching shares
+carry the head's KV and features of the request that computed them, and the target's pool frees
+them. Drafting writes up to K - 1 positions past the request's last token, where the target may hold
+no block yet: those land in scratch blocks after the target's, a fixed group per row of the
+proposal (their KV is read within the proposal only; the next proposal feeds those positions again
+from the target's features). NOTE: a shared block's head KV at a position whose next token differs
+between the requests sharing it (the last position of one's prompt, the next prompt token of the
+other's) is the first request's: drafts after it may be accepted less often, output stays exact.
 
 Drafting (`propose`): on CUDA, all K passes replay in the draft model's loop graph
 (engine/spec/draft_loop.py, run with the head as its model): after a forward of any positions that
@@ -26,7 +25,7 @@ waited before the last two, its first pass feeds positions n - 2 and n - 1 (x_{n
 h_{n-2}, h_{n-1}; n - 2 again, from the same inputs, when it was fed already) and draws d_1; pass i
 feeds d_{i-1} with the f before it (EagleHead.compute_logits leaves f in the feature buffer) and
 draws d_i. Rows the loop does not serve (penalties, seeds, truncation) draft pass by pass: pass 1
-feeds the positions waiting up to n - 1, each later pass one position, through the head runner's
+feeds the positions [fed, n - 1], each later pass one position, through the head runner's
 decode graphs, with the Sampler's draws. Drafts stay on the device until first read, as the draft
 model's do.
 
@@ -57,53 +56,14 @@ from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 from engine.spec.eagle_head import EagleHead, load_eagle_head
 from engine.warmup import warm_up_runner
 
-MAX_PENDING = 64  # positions whose features may wait for a draft before they are fed anyway
-
-
-@dataclass
-class _HeadSeq:
-    fed: int  # head positions [0, fed) hold KV from the target's features
-    # features of positions [fed, fed + sum of rows), in order: views of the steps' copies
-    pending: list[torch.Tensor] = field(default_factory=list)
-    last_fed: torch.Tensor | None = None  # the feature of position fed - 1 (the loop feeds it again)
-
-    @property
-    def end(self) -> int:
-        return self.fed + sum(p.shape[0] for p in self.pending)
-
-    def cut(self, end: int) -> None:
-        """Keeps the features of positions before `end`."""
-        kept, start = [], self.fed
-        for p in self.pending:
-            if start >= end:
-                break
-            kept.append(p[: end - start])
-            start += p.shape[0]
-        self.pending = kept
-
-    def take(self, count: int) -> list[torch.Tensor]:
-        """The first `count` pending rows (they are fed: `fed` moves past them)."""
-        taken, left = [], count
-        while left > 0:
-            p = self.pending[0]
-            taken.append(p[:left])
-            if p.shape[0] > left:
-                self.pending[0] = p[left:]
-            else:
-                self.pending.pop(0)
-            left -= taken[-1].shape[0]
-        self.fed += count
-        if taken:
-            self.last_fed = taken[-1][-1:]
-        return taken
-
 
 class _Feed(NamedTuple):
-    """Positions of one request to feed the head: [seq.fed, up_to)."""
+    """Positions [fed, up_to) of one request to feed the head."""
 
-    seq: _HeadSeq
+    request_id: str
     token_ids: Sequence[int]  # the request's (x_{j+1} feeds position j)
     block_ids: Sequence[int]  # the target's, covering every position fed
+    fed: int
     up_to: int
 
 
@@ -131,13 +91,16 @@ class EagleProposer:
         arch = self.head.arch
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, None)
         self.backend = create_backend(context.model.attention_backend, spec, context.device)
-        self.kv_bytes_per_block = bytes_per_block(arch, context.block_size, context.dtype)
-        self.seqs: dict[str, _HeadSeq] = {}
+        # The head's KV and the target's features, per target block.
+        element = torch.empty((), dtype=context.dtype).element_size()
+        feature_bytes = context.block_size * target.arch.hidden_size * element
+        self.kv_bytes_per_block = bytes_per_block(arch, context.block_size, context.dtype) + feature_bytes
+        self.fed: dict[str, int] = {}  # per request: head positions [0, fed) hold KV from the target's features
+        self.features = torch.empty(0)  # [target slots, hidden]: the feature of the position each slot holds
         self.runner: ModelRunner | None = None
         self.loop: DraftLoopGraphs | None = None  # all K passes in one graph (CUDA), set by bind
         self.scratch_base = self.scratch_per_row = 0
         self._unread: list[DeviceDrafts] = []
-        self.num_resets = 0  # requests whose features did not continue (their head KV may be stale)
 
     def bind(self, num_target_blocks: int, max_seq_tokens: int) -> None:
         ctx = self.context
@@ -145,6 +108,8 @@ class EagleProposer:
         self.scratch_base, self.scratch_per_row = num_target_blocks, -(-k // bs) + 1
         num_blocks = num_target_blocks + ctx.max_num_seqs * self.scratch_per_row
         kv = allocate_kv_tensors(self.head.arch, num_blocks, bs, ctx.dtype, ctx.device)
+        self.features = torch.zeros(num_target_blocks * bs, self.head.arch.hidden_size, dtype=ctx.dtype,
+                                    device=ctx.device)
         self.runner = ModelRunner(self.head, kv, self.backend, ctx.device)  # type: ignore[arg-type]
         warm_up_runner(self.runner, max_seq_tokens + k)
         if ctx.cuda_graph_max_rows is not None and cuda_graphs_enabled(ctx.model, ctx.device, self.backend):
@@ -162,81 +127,84 @@ class EagleProposer:
 
     # ---- features
     @torch.inference_mode()
-    def observe(self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor) -> None:
-        """The target's step: its hidden states [tokens, hidden] of every position it computed, in
-        scheduled order (a view that the next step overwrites: copied here)."""
-        kept = hidden.clone()
-        row = 0
+    def observe(self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor, slots: torch.Tensor) -> None:
+        """The target's step: the hidden states [tokens, hidden] of every position it computed, in
+        scheduled order, and the cache slots [tokens] of those positions (device tensors)."""
+        self.features.index_copy_(0, slots, hidden)
         feed: list[_Feed] = []
         for s in scheduled:
-            r, n = s.request, s.num_new_tokens
+            r = s.request
             start = r.num_computed_tokens
-            seq = self.seqs.get(r.request_id)
-            if seq is None or not seq.fed <= start <= seq.end:
+            fed = self.fed.get(r.request_id)
+            if fed is None or fed > start:
                 # NOTE: a new request trusts the head KV of the blocks it found cached
-                self.num_resets += seq is not None
-                seq = self.seqs[r.request_id] = _HeadSeq(start)
-            seq.cut(start)
-            seq.pending.append(kept[row : row + n])
-            row += n
-            # Positions whose next token the host has read (an asynchronous step's token is a placeholder
-            # until then: engine/engine.py PLACEHOLDER, negative).
-            known = min(seq.end, r.num_tokens - 1)
-            while known > seq.fed and r.token_ids[known] < 0:
-                known -= 1
-            if known > seq.fed and (n > s.num_spec_tokens + 1 or seq.end - seq.fed > MAX_PENDING):
-                feed.append(_Feed(seq, r.token_ids, r.block_ids, known))
+                fed = self.fed[r.request_id] = start
+            if s.num_new_tokens > s.num_spec_tokens + 1:  # prompt tokens: their next tokens are known
+                # NOTE: never up to an asynchronous step's token, a placeholder until read (engine/engine.py)
+                known = min(start + s.num_new_tokens, r.num_tokens - 1)
+                while known > fed and r.token_ids[known] < 0:
+                    known -= 1
+                if known > fed:
+                    feed.append(_Feed(r.request_id, r.token_ids, r.block_ids, fed, known))
         self._feed(feed)
 
-    def _feed(self, feed: list[_Feed]) -> None:
-        """Writes the head's KV of positions [fed, up_to) of each, from their pending features, in
-        forwards of at most max_rows tokens."""
+    def _feed(self, feed: Sequence[_Feed]) -> None:
+        """Writes the head's KV of positions [fed, up_to) of each request, from the target's features,
+        in forwards of at most max_rows tokens; moves each request's `fed` to up_to."""
         assert self.runner is not None
-        while feed:
-            batch, rows = [], []
+        bs = self.context.block_size
+        todo = [f for f in feed if f.up_to > f.fed]
+        while todo:
+            batch, positions, left = [], [], []
             budget = self.max_rows
-            for f in feed:
-                count = min(f.up_to - f.seq.fed, budget)
+            for f in todo:
+                count = min(f.up_to - f.fed, budget)
                 if count <= 0:
-                    break
-                fed = f.seq.fed
-                batch.append(ForwardSeq(f.token_ids[fed + 1 : fed + 1 + count], fed, f.block_ids, 0))
-                rows.extend(f.seq.take(count))
+                    left.append(f)
+                    continue
+                batch.append(ForwardSeq(f.token_ids[f.fed + 1 : f.fed + 1 + count], f.fed, f.block_ids, 0))
+                positions.extend(f.block_ids[p // bs] * bs + p % bs for p in range(f.fed, f.fed + count))
+                if f.fed + count < f.up_to:
+                    left.append(f._replace(fed=f.fed + count))
                 budget -= count
-            torch.cat(rows, out=self.head.features[: self.max_rows - budget])
+            self._gather_features(positions)
             self.runner.forward_hidden(batch)
-            feed = [f for f in feed if f.seq.fed < f.up_to]
+            todo = left
+        for f in feed:
+            self.fed[f.request_id] = max(self.fed[f.request_id], f.up_to)
+
+    def _gather_features(self, slots: list[int]) -> None:
+        """The head's feature buffer rows [0, len(slots)) <- the target's features at these slots."""
+        index = upload(slots, torch.long, self.features.device)
+        torch.index_select(self.features, 0, index, out=self.head.features[: len(slots)])
 
     # ---- drafting
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], generator: torch.Generator | None) -> list[Draft | None]:
         assert self.runner is not None, "bind() first"
         self._read_pending()
-        ready = []
-        for r in requests:
-            seq = self.seqs.get(r.request_id)
-            n = len(r.token_ids) - 1
-            if seq is not None and seq.fed < n <= seq.end:
-                ready.append(r)
+        # Requests whose features reach their last token's position n - 1 (the target computed it).
+        ready = [r for r in requests if r.request_id in self.fed and self.fed[r.request_id] < len(r.token_ids) - 1]
         if not ready:
             return [None] * len(requests)
         looped = self._loop(ready, generator)
         if looped is not None:
             return [looped.get(r.request_id) for r in requests]
-        # Pass 1 feeds every row's pending positions up to its last token, in one forward when they fit.
-        total = sum(len(r.token_ids) - 1 - self.seqs[r.request_id].fed for r in ready)
-        if total > self.max_rows:
-            self._feed([_Feed(self.seqs[r.request_id], r.token_ids, r.block_ids, len(r.token_ids) - 2) for r in ready])
+        # Pass 1 feeds every row's positions [fed, n - 1], in one forward when they fit.
+        if sum(len(r.token_ids) - 1 - self.fed[r.request_id] for r in ready) > self.max_rows:
+            self._feed([_Feed(r.request_id, r.token_ids, r.block_ids, self.fed[r.request_id], len(r.token_ids) - 2)
+                        for r in ready])
         jobs = [_Row(r) for r in ready]
         tables = [self._table(r, i) for i, r in enumerate(ready)]
-        fwd, features = [], []
+        bs = self.context.block_size
+        fwd, slots = [], []
         for r, table in zip(ready, tables):
-            seq = self.seqs[r.request_id]
-            n = len(r.token_ids) - 1
-            fwd.append(ForwardSeq(r.token_ids[seq.fed + 1 :], seq.fed, table, 1))
-            features.extend(seq.take(n - seq.fed))
+            fed, n = self.fed[r.request_id], len(r.token_ids) - 1
+            fwd.append(ForwardSeq(r.token_ids[fed + 1 :], fed, table, 1))
+            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in range(fed, n))
+            self.fed[r.request_id] = n
         on_device = not any(has_penalty(r.params) for r in ready)
-        torch.cat(features, out=self.head.features[: sum(len(f.token_ids) for f in fwd)])
+        self._gather_features(slots)
         f = self.runner.forward_hidden(fwd)
         passes = [(draw_drafts(self.context.sampler, jobs, self.head.compute_logits(f), generator, on_device), jobs)]
         active = jobs
@@ -273,28 +241,23 @@ class EagleProposer:
         before them; its later passes feed the head its own f (EagleHead.compute_logits leaves it in
         the feature buffer). None: not served, nothing done."""
         loop = self.loop
-        if loop is None:
+        if loop is None or any(len(r.token_ids) < 3 for r in ready):  # NOTE: n >= 2 (a position n - 2)
             return None
         k = loop.num_passes
-        seqs = [self.seqs[r.request_id] for r in ready]
         num_outputs = [len(r.token_ids) - r.num_prompt_tokens for r in ready]
         if not loop.serves([r.params for r in ready], num_outputs, [r.max_draft_tokens for r in ready], k):
             return None
-        for r, seq in zip(ready, seqs):
+        self._feed([_Feed(r.request_id, r.token_ids, r.block_ids, self.fed[r.request_id], len(r.token_ids) - 3)
+                    for r in ready])
+        bs = self.context.block_size
+        slots, rows = [], []
+        for i, r in enumerate(ready):
             n = len(r.token_ids) - 1
-            if n < 2 or (seq.fed == n - 1 and seq.last_fed is None):
-                return None
-        self._feed([_Feed(seq, r.token_ids, r.block_ids, len(r.token_ids) - 3) for r, seq in zip(ready, seqs)
-                    if seq.fed < len(r.token_ids) - 3])
-        features, rows = [], []
-        for i, (r, seq) in enumerate(zip(ready, seqs)):
-            n = len(r.token_ids) - 1
-            before = [seq.last_fed] if seq.fed == n - 1 else []
-            features.extend(before + seq.take(n - seq.fed))
+            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in (n - 2, n - 1))
             temperature = 0.0 if r.params.is_greedy else r.params.temperature
-            table = self._table(r, i, k)
-            rows.append(LoopRow(n - 1, (r.token_ids[n - 1], r.token_ids[n]), table, temperature))
-        torch.cat(features, out=self.head.features[: 2 * len(ready)])
+            rows.append(LoopRow(n - 1, (r.token_ids[n - 1], r.token_ids[n]), self._table(r, i, k), temperature))
+            self.fed[r.request_id] = n
+        self._gather_features(slots)
         out = loop.run(rows, generator)
         assert out is not None, "served rows within the loop's context"
         tokens, dists = out
@@ -340,10 +303,10 @@ class EagleProposer:
         """Nothing is queued ahead (no chaining)."""
 
     def drop(self, request_id: str) -> None:
-        self.seqs.pop(request_id, None)
+        self.fed.pop(request_id, None)
 
     def check_integrity(self, live_request_ids: Collection[str]) -> None:
         self._read_pending()
-        stale = sorted(set(self.seqs) - set(live_request_ids))
+        stale = sorted(set(self.fed) - set(live_request_ids))
         if stale:
             raise IntegrityError(f"the EAGLE head holds features of requests no longer running: {stale[:8]}")
