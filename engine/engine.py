@@ -361,7 +361,8 @@ class EngineCore:
     # ---- the step
     def step(self) -> list[StepOutput]:
         gate, batch = self.draft_gate, len(self.scheduler.running)
-        if gate is None:
+        limit = self.config.speculative.disable_above_batch_size
+        if gate is None or (limit is not None and batch > limit):  # NOTE: past the cap the gate is never asked
             outputs = self._step()
         else:
             prompted, self._step_drafted, self._step_prompted = self._step_prompted, False, False

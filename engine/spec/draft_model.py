@@ -35,13 +35,11 @@ from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, byte
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import has_penalty
-from engine.spec.base import (DRAFT_PLACEHOLDER, DeviceDrafts, DraftRequest, ProposerContext, draw_drafts,
-                              register_proposer)
+from engine.spec.base import DRAFT_PLACEHOLDER as PLACEHOLDER  # read once, when first used: _DraftRead
+from engine.spec.base import DeviceDrafts, DraftRequest, ProposerContext, draw_drafts, register_proposer
 from engine.spec.draft_load import load_draft
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 from engine.warmup import warm_up_runner
-
-PLACEHOLDER = DRAFT_PLACEHOLDER  # read once, when first used: _DraftRead
 
 
 @dataclass
@@ -437,7 +435,7 @@ class _DraftRead(DeviceDrafts):
         self, drafting: Sequence[_Job | None], passes: Sequence[tuple[torch.Tensor, Sequence[_Job | None]]]
     ) -> None:
         super().__init__(drafting, passes)
-        self.jobs: list[_Job] = [j for j in drafting if j is not None]
+        self.jobs: list[_Job]  # NOTE: the base class keeps the jobs that are not None
         for j in self.jobs:
             j.read = self
 
