@@ -362,8 +362,11 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         gate, batch = self.draft_gate, len(self.scheduler.running)
         limit = self.config.speculative.disable_above_batch_size
-        if gate is None or (limit is not None and batch > limit):  # NOTE: past the cap the gate is never asked
+        if gate is None:
             outputs = self._step()
+        elif limit is not None and batch > limit:  # NOTE: past the cap no step drafts and the gate is not asked
+            outputs = self._step()
+            gate.unmeasured(drafted=False)
         else:
             prompted, self._step_drafted, self._step_prompted = self._step_prompted, False, False
             start = self.clock()

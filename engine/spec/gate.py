@@ -81,6 +81,11 @@ class DraftGate:
             self.num_overturns += 1
         bucket.probing, bucket.left = False, bucket.hold
 
+    def unmeasured(self, drafted: bool) -> None:
+        """A step the gate does not measure (past disable_above_batch_size) that drafted or not: the
+        next step of the other kind is the first after a switch."""
+        self._last = drafted
+
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
         """The bucket's median rates (tokens a second) drafting and not; None: not measured."""
         rates = self._bucket(batch_size).rates

@@ -84,6 +84,12 @@ def test_steps_of_a_kind_not_asked_for_and_empty_steps_are_not_measured() -> Non
     gate.observe(8, True, 0.0, 5)
     gate.observe(8, True, 1.0, 5)
     assert gate.rates(8) == (5.0, None)
+    # A step past the cap, not measured, still counts as the kind it was: the drafting step after it is the
+    # first after a switch.
+    gate.unmeasured(drafted=False)
+    gate.observe(8, True, 1.0, 100)
+    gate.observe(8, True, 1.0, 9)
+    assert gate.rates(8) == (7.0, None)  # the median of 5 and 9: the step of 100 was not measured
 
 
 @pytest.mark.parametrize("draft_cost_s", [0.5, 0.0])
