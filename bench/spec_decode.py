@@ -78,10 +78,15 @@ def _params(args: argparse.Namespace, num: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)] * num
 
 
+def draft_of(args: argparse.Namespace) -> str | None:
+    """--draft, for the methods that read one (a draft model, an EAGLE head)."""
+    return args.draft if args.method in ("draft", "eagle") else None
+
+
 def _speculative(args: argparse.Namespace, k: int, adaptive: bool) -> SpeculativeConfig:
     return SpeculativeConfig(
         method=args.method,
-        draft_model=args.draft if args.method in ("draft", "eagle") else None,
+        draft_model=draft_of(args),
         num_draft_tokens=k,
         enable_adaptive_draft_length=adaptive,
         # NOTE: the acceptance runs (not adaptive) draft at every batch size; -1: the speed runs do too
@@ -384,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         speedups[f"{batch}_paired_by_k"] = {str(r["k"]): r["paired_speedup"] for r in speed
                                             if r["batch_size"] == batch and r["mode"] == "speculative"}
     workload = {
-        "method": args.method, "target": args.model, "draft": args.draft if args.method in ("draft", "eagle") else None,
+        "method": args.method, "target": args.model, "draft": draft_of(args),
         "draft_shape": shape or None,
         "ks": args.ks, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens, "temperature": args.temperature, "large_batch": args.large_batch,

@@ -35,7 +35,7 @@ workers (the head's KV of a pushed prompt is not pushed).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -55,6 +55,11 @@ from engine.spec.draft_load import draft_dir
 from engine.spec.draft_loop import DraftLoopGraphs, LoopRow
 from engine.spec.eagle_head import EagleHead, load_eagle_head
 from engine.warmup import warm_up_runner
+
+
+def _slots(block_ids: Sequence[int], positions: Iterable[int], block_size: int) -> list[int]:
+    """The cache slots of a request's positions (the target's, and the feature cache's)."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
 
 
 class _Feed(NamedTuple):
@@ -93,7 +98,7 @@ class EagleProposer:
         self.backend = create_backend(context.model.attention_backend, spec, context.device)
         # The head's KV and the target's features, per target block.
         element = torch.empty((), dtype=context.dtype).element_size()
-        feature_bytes = context.block_size * target.arch.hidden_size * element
+        feature_bytes = context.block_size * arch.hidden_size * element  # NOTE: the head's is the target's
         self.kv_bytes_per_block = bytes_per_block(arch, context.block_size, context.dtype) + feature_bytes
         self.fed: dict[str, int] = {}  # per request: head positions [0, fed) hold KV from the target's features
         self.features = torch.empty(0)  # [target slots, hidden]: the feature of the position each slot holds
@@ -163,7 +168,7 @@ class EagleProposer:
                     left.append(f)
                     continue
                 batch.append(ForwardSeq(f.token_ids[f.fed + 1 : f.fed + 1 + count], f.fed, f.block_ids, 0))
-                positions.extend(f.block_ids[p // bs] * bs + p % bs for p in range(f.fed, f.fed + count))
+                positions.extend(_slots(f.block_ids, range(f.fed, f.fed + count), bs))
                 if f.fed + count < f.up_to:
                     left.append(f._replace(fed=f.fed + count))
                 budget -= count
@@ -201,7 +206,7 @@ class EagleProposer:
         for r, table in zip(ready, tables):
             fed, n = self.fed[r.request_id], len(r.token_ids) - 1
             fwd.append(ForwardSeq(r.token_ids[fed + 1 :], fed, table, 1))
-            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in range(fed, n))
+            slots.extend(_slots(r.block_ids, range(fed, n), bs))
             self.fed[r.request_id] = n
         on_device = not any(has_penalty(r.params) for r in ready)
         self._gather_features(slots)
@@ -253,7 +258,7 @@ class EagleProposer:
         slots, rows = [], []
         for i, r in enumerate(ready):
             n = len(r.token_ids) - 1
-            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in (n - 2, n - 1))
+            slots.extend(_slots(r.block_ids, (n - 2, n - 1), bs))
             temperature = 0.0 if r.params.is_greedy else r.params.temperature
             rows.append(LoopRow(n - 1, (r.token_ids[n - 1], r.token_ids[n]), self._table(r, i, k), temperature))
             self.fed[r.request_id] = n
