@@ -32,7 +32,8 @@
 #           spec_bench: the same without the GPU tests.
 #   eagle   (one GPU): the EAGLE GPU test, trains the pair ($MINUTES, default 2.5), then an EAGLE-1 head on it
 #           (bench.eagle_lab, $HEAD_SECONDS, default 100: simulated acceptance against the draft model, lab costs),
-#           then bench.spec_decode with the head (method eagle) and with the draft model in turns, T=0 and T=1.
+#           then bench.spec_decode with the head (method eagle) against the draft model in the same runs (--versus),
+#           T=0 and T=1, and T=0 with drafting capped at batch 16 (a speculative engine's plain steps at batch 32).
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
@@ -382,15 +383,16 @@ case "$part" in
     run 200 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds "${HEAD_SECONDS:-100}" --save-head /tmp/head \
       --num-prompts 8 --max-tokens 64 --out "$out"
     tee -a "$out/log.txt" < /tmp/head/config.json
-    # The head in the engine against the pair's draft model, alternated: eagle T=0, draft T=0, draft T=1, eagle T=1.
-    # NOTE: one JSON a run and no plot: the device returns 8 files (gpu.txt, log.txt, the lab's two, these four).
-    for run_ in eagle:0.0 draft:0.0 draft:1.0 eagle:1.0; do
-      m=${run_%%:*} t=${run_##*:}
-      d=$([ "$m" = eagle ] && echo /tmp/head || echo /tmp/pair/draft)
-      run 150 python3 -m bench.spec_decode --target /tmp/pair/target --method "$m" --draft "$d" \
-        --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 5 \
-        --temperature "$t" --dtype bfloat16 --out "/tmp/spec_${m}_t$t"
-      cp /tmp/spec_${m}_t$t/spec_decode_*.json "$out/spec_decode_${m}_t$t.json"
+    # The head in the engine against the pair's draft model, both in the same runs, alternated with plain (paired
+    # speedups; --versus): T=0 (with the batch-1 profile of the head's steps), T=1, then T=0 with drafting capped at
+    # batch 16, so that batch 32 measures what a speculative engine's plain steps cost beside a plain engine's.
+    for run_ in t0:0.0:32 t1:1.0:32 t0_cap16:0.0:16; do
+      name=${run_%%:*} rest=${run_#*:} t=${rest%%:*} cap=${rest##*:}
+      run 170 python3 -m bench.spec_decode --target /tmp/pair/target --method eagle --draft /tmp/head \
+        --versus draft=/tmp/pair/draft --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 \
+        --num-requests 8 --repeats 7 --temperature "$t" --disable-above-batch-size "$cap" --dtype bfloat16 \
+        $([ "$name" = t0 ] && echo --profile) --out "/tmp/spec_$name"
+      cp /tmp/spec_$name/spec_decode_*.json "$out/spec_decode_eagle_vs_draft_$name.json"
     done
     ;;
   *) echo "unknown part $part"; exit 2 ;;

@@ -83,10 +83,12 @@ def draft_of(args: argparse.Namespace) -> str | None:
     return args.draft if args.method in ("draft", "eagle") else None
 
 
-def _speculative(args: argparse.Namespace, k: int, adaptive: bool) -> SpeculativeConfig:
+def _speculative(args: argparse.Namespace, k: int, adaptive: bool, versus: bool = False) -> SpeculativeConfig:
+    """The run's drafter, or with `versus` the one --versus names."""
+    method, draft = (args.versus_method, args.versus_draft) if versus else (args.method, draft_of(args))
     return SpeculativeConfig(
-        method=args.method,
-        draft_model=draft_of(args),
+        method=method,
+        draft_model=draft,
         num_draft_tokens=k,
         enable_adaptive_draft_length=adaptive,
         # NOTE: the acceptance runs (not adaptive) draft at every batch size; -1: the speed runs do too
@@ -172,12 +174,15 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
         ks = sorted(set(args.batch1_ks or [max(args.ks)])) if batch == 1 else [max(args.ks)]
         prompts = make_prompts(args, batch, vocab_size, args.seed + 1)
         per_seq = -(-(args.prompt_len + args.max_tokens + max(ks) + 1) // 16) + 1
-        engines: dict[tuple[str, int | None], EngineCore] = {}
-        for mode, k in [("plain", None), *(("speculative", k) for k in ks)]:
-            spec = _speculative(args, k, adaptive=True) if k is not None else None
-            engines[mode, k] = _engine(args, spec, max_num_seqs=batch, num_blocks=batch * per_seq + 16)
-            _run(engines[mode, k], prompts, _params(args, batch), f"warmup-{mode}{k or ''}")
-        runs: dict[tuple[str, int | None], list[dict[str, Any]]] = {key: [] for key in engines}
+        engines: dict[tuple[str, int | None, str | None], EngineCore] = {}
+        keys = [("plain", None, None), *(("speculative", k, args.method) for k in ks)]
+        if args.versus:
+            keys.append(("speculative", max(ks), args.versus_method))
+        for mode, k, method in keys:
+            spec = _speculative(args, k, adaptive=True, versus=method != args.method) if k is not None else None
+            engines[mode, k, method] = _engine(args, spec, max_num_seqs=batch, num_blocks=batch * per_seq + 16)
+            _run(engines[mode, k, method], prompts, _params(args, batch), f"warmup-{mode}{k or ''}{method or ''}")
+        runs: dict[tuple[str, int | None, str | None], list[dict[str, Any]]] = {key: [] for key in engines}
         order = list(engines)
         # NOTE: the engines' objects are frozen out of the collector's reach, as a serving worker's are
         # (DecodeWorkerConfig.freeze_gc): a full collection over them took tens of ms inside a timed run.
@@ -189,9 +194,9 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
                     runs[key].append(_run(engines[key], prompts, _params(args, batch), f"r{r}"))
         finally:
             gc.unfreeze()
-        plain_runs = runs["plain", None]
-        for (mode, k), engine in engines.items():
-            mine = runs[mode, k]
+        plain_runs = runs["plain", None, None]
+        for (mode, k, method), engine in engines.items():
+            mine = runs[mode, k, method]
             # Each repeat's plain run over this one (they ran side by side): drift between repeats
             # cancels in the ratio; its median is the paired speedup.
             paired = [p["decode_s"] / x["decode_s"] * x["num_decode_tokens"] / p["num_decode_tokens"]
@@ -203,6 +208,7 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
                     "batch_size": batch,
                     "mode": mode,
                     "k": k,
+                    "method": method,
                     "decode_tokens_per_s": run["num_decode_tokens"] / run["decode_s"],
                     "best_decode_tokens_per_s": max(x["num_decode_tokens"] / x["decode_s"] for x in mine),
                     "decode_s_all": [x["decode_s"] for x in mine],
@@ -216,8 +222,9 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
                     "num_spec_gate_overturns": getattr(s, "num_spec_gate_overturns", None),
                 }
             )
-            print(f"batch {batch} {mode}: {rows[-1]['decode_tokens_per_s']:.1f} decode tokens/s (median; best "
-                  f"{rows[-1]['best_decode_tokens_per_s']:.1f})")
+            print(f"batch {batch} {mode}{'' if method is None else ' ' + method}: "
+                  f"{rows[-1]['decode_tokens_per_s']:.1f} decode tokens/s (median; best "
+                  f"{rows[-1]['best_decode_tokens_per_s']:.1f}, paired {rows[-1]['paired_speedup']:.2f}x)")
         del engines
     return rows
 
@@ -320,6 +327,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", dest="model", help="Target checkpoint directory (same as --model).")
     parser.add_argument("--draft", default="default", help="Draft checkpoint directory, or 'default'.")
     parser.add_argument("--method", default="draft", choices=["draft", "eagle", "ngram"])
+    parser.add_argument("--versus", default=None, metavar="METHOD=DIR",
+                        help="Another drafter (draft=DIR or eagle=DIR) whose speed is measured in the same runs, "
+                             "at K = max(--ks), alternated with plain and --method.")
     parser.add_argument("--text", type=Path, default=None, help="Held-out text for prompts (else random ids).")
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="Draft lengths K (1 2 4 8; 1 2 4 quick).")
     parser.add_argument("--num-requests", type=int, default=None, help="Acceptance requests (32; 8 quick).")
@@ -348,6 +358,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if min(args.ks) < 1:
         parser.error(f"--ks must all be at least 1, got {args.ks}")
+    args.versus_method, _, args.versus_draft = (args.versus or "").partition("=")
+    if args.versus is not None and (args.versus_method not in ("draft", "eagle") or not args.versus_draft
+                                    or args.versus_method == args.method):
+        parser.error(f"--versus must be draft=DIR or eagle=DIR, a method other than --method {args.method}; "
+                     f"got {args.versus!r}")
     return args
 
 
@@ -382,14 +397,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     speedups: dict[str, Any] = {}
     for batch in (1, args.large_batch):
         plain = next(r["decode_tokens_per_s"] for r in speed if r["batch_size"] == batch and r["mode"] == "plain")
-        by_k = {r["k"]: r["decode_tokens_per_s"] / plain for r in speed
-                if r["batch_size"] == batch and r["mode"] == "speculative"}
+        mine = [r for r in speed if r["batch_size"] == batch and r["method"] == args.method]
+        by_k = {r["k"]: r["decode_tokens_per_s"] / plain for r in mine}
         speedups[str(batch)] = max(by_k.values())  # the best K measured (a deployment's choice)
         speedups[f"{batch}_by_k"] = {str(k): v for k, v in by_k.items()}
-        speedups[f"{batch}_paired_by_k"] = {str(r["k"]): r["paired_speedup"] for r in speed
-                                            if r["batch_size"] == batch and r["mode"] == "speculative"}
+        speedups[f"{batch}_paired_by_k"] = {str(r["k"]): r["paired_speedup"] for r in mine}
+        versus = [r for r in speed if r["batch_size"] == batch and r["method"] not in (None, args.method)]
+        if versus:
+            speedups[f"{batch}_paired_versus_{args.versus_method}"] = versus[0]["paired_speedup"]
     workload = {
-        "method": args.method, "target": args.model, "draft": draft_of(args),
+        "method": args.method, "target": args.model, "draft": draft_of(args), "versus": args.versus,
         "draft_shape": shape or None,
         "ks": args.ks, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens, "temperature": args.temperature, "large_batch": args.large_batch,
@@ -411,7 +428,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ax1.set(xlabel="K (drafted tokens per step)", ylabel="tokens per target step, per request",
                 title=f"acceptance at temperature {args.temperature}")
         ax1.legend()
-        labels = [f"batch {r['batch_size']}\n{r['mode']}" + (f" K={r['k']}" if r["k"] else "") for r in speed]
+        labels = [f"batch {r['batch_size']}\n{r['method'] or r['mode']}" + (f" K={r['k']}" if r["k"] else "")
+                  for r in speed]
         values = [r["decode_tokens_per_s"] for r in speed]
         bars = ax2.bar(labels, values, color=["tab:gray" if r["mode"] == "plain" else "tab:blue" for r in speed])
         label_bars(ax2, bars, values, "{:.0f}")

@@ -44,3 +44,25 @@ def test_spec_decode_bench_smoke(tmp_path: Path) -> None:
     # Paired per repeat with the plain run beside it: plain over itself is exactly 1.
     assert all(r["paired_speedup"] == 1.0 for r in record["speed"] if r["mode"] == "plain")
     assert all(r["paired_speedup"] > 0 for r in record["speed"])
+
+
+def test_spec_decode_bench_measures_a_second_drafter_in_the_same_runs(tmp_path: Path) -> None:
+    args = ["--quick", "--device", "cpu", "--num-threads", "1", "--target", "default", "--method", "ngram"]
+    args += ["--versus", "draft=default", "--ks", "2", "--num-requests", "2", "--max-tokens", "8"]
+    args += ["--large-batch", "2", "--out", str(tmp_path)]
+    record = spec_decode.main(args)
+    assert sorted((r["batch_size"], r["method"] or "plain") for r in record["speed"]) == [
+        (1, "draft"), (1, "ngram"), (1, "plain"), (2, "draft"), (2, "ngram"), (2, "plain")
+    ]
+    assert record["workload"]["versus"] == "draft=default"
+    # The target as its own draft: every draft is accepted, in the same runs as ngram and plain.
+    versus = [r for r in record["speed"] if r["method"] == "draft"]
+    assert all(r["spec_acceptance_rate"] == 1.0 and len(r["paired_speedup_all"]) == 1 for r in versus)
+    assert set(record["speedup"]) >= {"1_paired_versus_draft", "2_paired_versus_draft"}
+
+
+def test_spec_decode_bench_refuses_a_versus_without_a_directory() -> None:
+    with pytest.raises(SystemExit):
+        spec_decode.parse_args(["--method", "draft", "--versus", "draft=x"])
+    with pytest.raises(SystemExit):
+        spec_decode.parse_args(["--versus", "eagle"])
