@@ -1,5 +1,6 @@
-"""An EAGLE-1 draft head (Li et al., 2024) for a TrainLlama target, and its training: the lab side
-of pdserve's EAGLE proposer (engine/spec/eagle.py loads what `save_head` writes).
+"""An EAGLE-1 draft head (Li et al., 2024) for a TrainLlama target, and its training (lab only; an
+EAGLE proposer in the engine lost to the draft model and was deleted: README). `save_head` writes
+the EAGLE-1 layout (a one-layer Llama config.json and safetensors) that bench.eagle_lab --head reads.
 
 The head is one Llama decoder layer without its input norm (EAGLE-1 drops the first layer's). At
 index j it reads fc([embed(x_{j+1}), h_j]): the next token's embedding (the target's table) beside

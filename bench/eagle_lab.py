@@ -1,6 +1,6 @@
 """Would an EAGLE-1 head draft for the trained pair better than its draft model? Trains one and
-compares them by exact simulation and lab costs; a head it saves (--save-head) is what pdserve's
-EAGLE proposer serves (engine/spec/eagle.py), which bench.spec_decode measures in the engine.
+compares them by exact simulation and lab costs. Lab only: an EAGLE proposer built on these heads
+lost to the draft model in the engine and was deleted (bench/results/eagle_vs_draft_*, README).
 
 1. Trains a head (bench/eagle_head.py: one decoder layer on the target's hidden states, KL to the
    target over --steps unrolled drafting steps) for --head-seconds on the pair's training corpus

@@ -30,10 +30,8 @@
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (4 minutes), then bench.spec_decode on it
 #           at T = 1 and T = 0 (batch 1 at K = 4 and 6 side by side; the large batch).
 #           spec_bench: the same without the GPU tests.
-#   eagle   (one GPU): the EAGLE GPU test, trains the pair ($MINUTES, default 2.5), then an EAGLE-1 head on it
-#           (bench.eagle_lab, $HEAD_SECONDS, default 100: simulated acceptance against the draft model, lab costs),
-#           then bench.spec_decode with the head (method eagle) against the draft model in the same runs (--versus),
-#           T=0 and T=1, and T=0 with drafting capped at batch 16 (a speculative engine's plain steps at batch 32).
+#   eagle   (one GPU): trains the pair ($MINUTES, default 2.5), then an EAGLE-1 head on it (bench.eagle_lab,
+#           $HEAD_SECONDS, default 100: simulated acceptance against the draft model, lab costs; lab only).
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
 #   adaptive (nvidia-h200-x2): bench.goodput, 2 colocated, 1P1D and the adaptive mode ($MODES) at the default
 #           workload and SLOs, rates $RATES (15 s each); $GOODPUT_FLAGS: more flags (another workload).
@@ -377,23 +375,10 @@ case "$part" in
     done
     ;;
   eagle)
-    run 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py -k eagle
     run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
     grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
-    run 200 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds "${HEAD_SECONDS:-100}" --save-head /tmp/head \
-      --num-prompts 8 --max-tokens 64 --out "$out"
-    tee -a "$out/log.txt" < /tmp/head/config.json
-    # The head in the engine against the pair's draft model, both in the same runs, alternated with plain (paired
-    # speedups; --versus): T=0 (with the batch-1 profile of the head's steps), T=1, then T=0 with drafting capped at
-    # batch 16, so that batch 32 measures what a speculative engine's plain steps cost beside a plain engine's.
-    for run_ in t0:0.0:32 t1:1.0:32 t0_cap16:0.0:16; do
-      name=${run_%%:*} rest=${run_#*:} t=${rest%%:*} cap=${rest##*:}
-      run 170 python3 -m bench.spec_decode --target /tmp/pair/target --method eagle --draft /tmp/head \
-        --versus draft=/tmp/pair/draft --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 \
-        --num-requests 8 --repeats 7 --temperature "$t" --disable-above-batch-size "$cap" --dtype bfloat16 \
-        $([ "$name" = t0 ] && echo --profile) --out "/tmp/spec_$name"
-      cp /tmp/spec_$name/spec_decode_*.json "$out/spec_decode_eagle_vs_draft_$name.json"
-    done
+    run 200 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds "${HEAD_SECONDS:-100}" --num-prompts 8 \
+      --max-tokens 64 --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -2,8 +2,7 @@
 formula, and decode tokens/s with and without speculation.
 
 Models: --target and --draft (HF checkpoint directories, or 'default' for the embedded model; the
-draft follows the target's --load-format and --dtype); --method draft (the default), eagle (--draft is
-then an EAGLE-1 head's directory, e.g. bench.eagle_lab's --save-head) or ngram.
+draft follows the target's --load-format and --dtype); --method draft (the default) or ngram.
 
 1. Acceptance, at --temperature (1.0): for each K of --ks, with adaptive K off, --num-requests
    requests run together, each with --max-tokens output tokens (ignore_eos). Prompts are slices of
@@ -79,13 +78,13 @@ def _params(args: argparse.Namespace, num: int) -> list[SamplingParams]:
 
 
 def draft_of(args: argparse.Namespace) -> str | None:
-    """--draft, for the methods that read one (a draft model, an EAGLE head)."""
-    return args.draft if args.method in ("draft", "eagle") else None
+    """--draft, for the method that reads one (a draft model)."""
+    return args.draft if args.method == "draft" else None
 
 
 def _speculative(args: argparse.Namespace, k: int, adaptive: bool, versus: bool = False) -> SpeculativeConfig:
     """The run's drafter, or with `versus` the one --versus names."""
-    method, draft = (args.versus_method, args.versus_draft) if versus else (args.method, draft_of(args))
+    method, draft = (args.versus_method, args.versus_draft or None) if versus else (args.method, draft_of(args))
     return SpeculativeConfig(
         method=method,
         draft_model=draft,
@@ -326,10 +325,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--target", dest="model", help="Target checkpoint directory (same as --model).")
     parser.add_argument("--draft", default="default", help="Draft checkpoint directory, or 'default'.")
-    parser.add_argument("--method", default="draft", choices=["draft", "eagle", "ngram"])
-    parser.add_argument("--versus", default=None, metavar="METHOD=DIR",
-                        help="Another drafter (draft=DIR or eagle=DIR) whose speed is measured in the same runs, "
-                             "at K = max(--ks), alternated with plain and --method.")
+    parser.add_argument("--method", default="draft", choices=["draft", "ngram"])
+    parser.add_argument("--versus", default=None, metavar="METHOD[=DIR]",
+                        help="Another drafter (draft=DIR, or ngram) whose speed is measured in the same runs, at "
+                             "K = max(--ks), alternated with plain and --method.")
     parser.add_argument("--text", type=Path, default=None, help="Held-out text for prompts (else random ids).")
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="Draft lengths K (1 2 4 8; 1 2 4 quick).")
     parser.add_argument("--num-requests", type=int, default=None, help="Acceptance requests (32; 8 quick).")
@@ -359,9 +358,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if min(args.ks) < 1:
         parser.error(f"--ks must all be at least 1, got {args.ks}")
     args.versus_method, _, args.versus_draft = (args.versus or "").partition("=")
-    if args.versus is not None and (args.versus_method not in ("draft", "eagle") or not args.versus_draft
-                                    or args.versus_method == args.method):
-        parser.error(f"--versus must be draft=DIR or eagle=DIR, a method other than --method {args.method}; "
+    if args.versus is not None and (args.versus_method == args.method or args.versus_method not in ("draft", "ngram")
+                                    or bool(args.versus_draft) != (args.versus_method == "draft")):
+        parser.error(f"--versus must be draft=DIR or ngram, a method other than --method {args.method}; "
                      f"got {args.versus!r}")
     return args
 

@@ -90,10 +90,6 @@ class ClusterConfig(BaseModel):
             # (bench/results/adaptive_2xh200*; deploy/cli.py leaves it out for colocated mode too)
             raise ValueError("engine.scheduler.itl_budget_ms is a decode worker's budget in disaggregated mode; "
                              "colocated engines keep none: leave it out, or serve disaggregated")
-        if self.engine.speculative.method == "eagle" and (self.mode == "disaggregated" or self.tp_of("decode") > 1):
-            # NOTE: a pushed prompt arrives without the head's KV (kvtransfer/ moves the target's layers)
-            raise ValueError("engine.speculative.method='eagle' runs in colocated workers of one GPU for now; "
-                             "disaggregated or tensor-parallel workers draft with method='draft'")
         for name in ("prefill", "decode"):
             fixed = getattr(self, name).model_fields_set & _SET_BY_CLUSTER
             if fixed:

@@ -152,16 +152,14 @@ class SpeculativeConfig(_Frozen):
     distribution.
     """
 
-    method: Literal["none", "ngram", "draft", "eagle"] = Field(
-        "none", description="'none' (off), 'ngram' (prompt lookup, no model), 'draft' (a smaller model) or "
-        "'eagle' (an EAGLE-1 head on the target's hidden states, engine/spec/eagle.py)."
+    method: Literal["none", "ngram", "draft"] = Field(
+        "none", description="'none' (off), 'ngram' (prompt lookup, no model) or 'draft' (a smaller model)."
     )
     num_draft_tokens: int = Field(4, ge=1, le=32, description="Most tokens drafted per request and step (K).")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix of the context looked up.")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up (tried first).")
     draft_model: str | None = Field(
-        None, description="draft: HF checkpoint directory of a model with the target's tokenizer, or 'default'; "
-        "eagle: the EAGLE-1 head's directory (config.json and safetensors)."
+        None, description="draft: HF checkpoint directory of a model with the target's tokenizer, or 'default'."
     )
     draft_num_blocks: int | None = Field(
         None, ge=2, description="draft: KV blocks of the draft's own cache; default: the target's plus lookahead."
@@ -191,9 +189,8 @@ class SpeculativeConfig(_Frozen):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
-        if self.method in ("draft", "eagle") and not self.draft_model:
-            raise ValueError(f"method={self.method!r} needs draft_model: the checkpoint directory of the "
-                             + ("draft model" if self.method == "draft" else "EAGLE head"))
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method='draft' needs draft_model: the checkpoint directory of the draft model")
         return self
 
     @property

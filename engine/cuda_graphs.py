@@ -292,7 +292,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)  # one query a row
         self.block_tables = torch.zeros(max_size, max_block_cols, dtype=torch.int32, device=device)
-        weight = model.lm_head.weight  # [vocab rows, hidden]
+        weight = model.model.embed_tokens.weight
         self.hidden = torch.zeros(max_size, weight.shape[1], dtype=weight.dtype, device=device)  # [rows, hidden]
         self._metadata = {size: self._metadata_for(size) for size in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}

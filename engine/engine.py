@@ -64,8 +64,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import TokenPatch
 from engine.sampler import PendingSample, PendingVerify, Sampler, SamplingRow, VerifyRow, has_penalty
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.spec import (DraftModelProposer, DraftRequest, EagleProposer, ProposerContext, SpecCounters, adaptive,
-                         build_proposer)
+from engine.spec import DraftModelProposer, DraftRequest, ProposerContext, SpecCounters, adaptive, build_proposer
 from engine.spec.gate import DraftGate
 from engine.stats import EngineStats
 from engine.step_rates import StepRates
@@ -155,7 +154,7 @@ class EngineCore:
             ProposerContext(
                 config.speculative, config.model, arch, self.device, self.dtype, block_size,
                 config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, self.sampler,
-                None if config.model.enforce_eager else graph_max_rows(config), parts.model,
+                None if config.model.enforce_eager else graph_max_rows(config),
             )
         )
         extra_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
@@ -191,7 +190,6 @@ class EngineCore:
         # worker with no prefill pool left: DecodeWorker.computes_every_prompt)
         self.itl_budget_ms: float | None = config.scheduler.itl_budget_ms
         self.runner = build_runner(config, parts, kv, self.device, self.max_seq_tokens, self.tp)
-        self.runner.observer = self.proposer.observe if isinstance(self.proposer, EagleProposer) else None
         leader = self.runner.leader
         self._rank_stats = RankStats(leader.group, leader.send) if leader is not None else None
         self.wait_seconds = 0.0  # the host's wait for asynchronous steps' tokens, since start (stats)
@@ -548,8 +546,7 @@ class EngineCore:
             )
             if k >= 1:
                 asks.append(
-                    DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.num_prior_output_tokens, k,
-                                 r.block_ids)
+                    DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.num_prior_output_tokens, k)
                 )
         if asks:
             self._step_drafted = True

@@ -14,7 +14,7 @@ verifications, short prompts: engine/cuda_graphs.py) replay CUDA graphs once
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -107,12 +107,6 @@ class ModelRunner:
         self.block_size = kv_caches.shape[3]
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
-        # Called after each `execute` with the step's scheduled requests, the hidden states of every
-        # position it computed [tokens, hidden] in scheduled order and those positions' cache slots
-        # [tokens] (views of a graph's static buffers: copy what outlives the step). An EAGLE head's
-        # proposer reads its features there.
-        self.observer: Callable[[Sequence[ScheduledRequest], torch.Tensor, torch.Tensor], None] | None = None
-        self._hidden: tuple[torch.Tensor, torch.Tensor] | None = None  # the last forward's, for an observer
 
     def capture_decode_graphs(self, max_rows: int, max_context: int) -> None:
         """Captures CUDA graphs of steps of up to max_rows one-query rows (engine/cuda_graphs.py)
@@ -189,37 +183,23 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order.
         `patch`: input tokens to take from the device (see TokenPatch)."""
-        return self.model.compute_logits(self.forward_hidden(seqs, patch))
-
-    @torch.inference_mode()
-    def forward_hidden(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor:
-        """`forward`'s hidden states of the logit rows [sum of num_logits, hidden], before the logits
-        (a view of a graph's static output: read it before the next forward)."""
         if self.leader is not None:
             self.leader.hand_off(seqs, patch)
         if self.graphs is not None:
             hidden = self.graphs.run(seqs, patch)  # None: not a step a graph serves
             if hidden is not None:
-                if self.observer is not None:
-                    n = sum(len(s.token_ids) for s in seqs)
-                    self._hidden = self.graphs.hidden[:n], self.graphs.tokens[2, :n]  # NOTE: row 2: slots
-                return hidden
-        return self._eager_hidden(seqs, patch)
+                return self.model.compute_logits(hidden)
+        return self.forward_eager(seqs, patch)
 
     @torch.inference_mode()
     def forward_eager(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor:
         """`forward` on this rank alone, without graphs (the other ranks of a tensor-parallel worker
         must run the same forward: the engine's warm-up runs it on every rank)."""
-        return self.model.compute_logits(self._eager_hidden(seqs, patch))
-
-    def _eager_hidden(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None) -> torch.Tensor:
         ids, pos, meta, logit_rows = self.prepare(seqs)
         if patch is not None:
             patch.apply(ids)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        if self.observer is not None:
-            self._hidden = hidden, meta.slot_mapping
-        return hidden.index_select(0, logit_rows)
+        return self.model.compute_logits(hidden.index_select(0, logit_rows))
 
     def execute(
         self, scheduled: Sequence[ScheduledRequest], patch: TokenPatch | None = None
@@ -228,11 +208,7 @@ class ModelRunner:
         sampling request, 1 + num_spec_tokens rows per verifying one (its last computed token's,
         then each drafted token's)."""
         seqs, drafts = _forward_seqs(scheduled, patch_drafts=patch is None)
-        logits = self.forward(seqs, patch or drafts)
-        if self.observer is not None and self._hidden is not None:
-            (hidden, slots), self._hidden = self._hidden, None
-            self.observer(scheduled, hidden, slots)
-        return logits
+        return self.forward(seqs, patch or drafts)
 
 
 def _align16(n: int) -> int:

@@ -8,7 +8,6 @@ configuration alone) and engine/ imports nothing of ours.
 Proposers, by `SpeculativeConfig.method`:
 - "ngram": prompt lookup (ngram.py), no model.
 - "draft": a smaller model of the same tokenizer with its own paged KV cache (draft_model.py).
-- "eagle": an EAGLE-1 head on the target's hidden states, its KV in the target's blocks (eagle.py).
 
 Knows nothing of the scheduler's queues: a proposer sees `DraftRequest`s and returns `Draft`s.
 """
@@ -25,14 +24,12 @@ from engine.spec.base import (
     register_proposer,
 )
 from engine.spec.draft_model import DraftModelProposer
-from engine.spec.eagle import EagleProposer
 from engine.spec.ngram import NgramProposer
 
 __all__ = [
     "Draft",
     "DraftModelProposer",
     "DraftRequest",
-    "EagleProposer",
     "NgramProposer",
     "Proposer",
     "ProposerContext",

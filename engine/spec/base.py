@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from engine.config import ModelConfig, SamplingParams, SpeculativeConfig
-from engine.models import ArchConfig, LlamaForCausalLM
+from engine.models import ArchConfig
 from engine.pinned import Download
 from engine.request import Draft
 from engine.sampler import Sampler, SamplingRow
@@ -33,7 +33,6 @@ class DraftRequest:
     params: SamplingParams
     num_prior_output_tokens: int  # Request.num_prior_output_tokens: where seeded draws count from
     max_draft_tokens: int  # >= 1
-    block_ids: Sequence[int] = ()  # the target's (an EAGLE head keeps its KV in the same blocks)
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,6 @@ class ProposerContext:
     max_num_batched_tokens: int
     sampler: Sampler  # the target's (its EOS ids), so drafts are processed as the target's logits are
     cuda_graph_max_rows: int | None = None  # a model proposer's CUDA graphs (engine/cuda_graphs.py); None: eager
-    target_model: LlamaForCausalLM | None = None  # an EAGLE head reads its embedding and lm_head
 
 
 class Proposer(Protocol):

@@ -136,30 +136,6 @@ def _tiny_pair(out: Path) -> None:
     (out / "held_out.txt").write_text("\n".join(held))
 
 
-@torch.no_grad()
-def test_a_lab_head_drafts_in_the_engine_as_in_the_lab(tmp_path: Path) -> None:
-    """A head save_head wrote, served by the engine's EAGLE proposer beside its target: every draft the
-    engine proposes is the lab head's greedy draft (bench/spec_sim.py HeadDrafter) after the same tokens."""
-    from engine import LLM, SamplingParams, SpeculativeConfig
-    from tests.eagle_builders import record_proposals
-
-    _tiny_pair(tmp_path)
-    target, _, head = _models()
-    save_head(tmp_path / "head", head, unroll=2)
-    spec = SpeculativeConfig(method="eagle", draft_model=str(tmp_path / "head"), num_draft_tokens=3)
-    llm = LLM(str(tmp_path / "target"), device="cpu", block_size=4, speculative=spec)
-    proposals = record_proposals(llm)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
-    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    llm.engine.check_integrity()
-    drafter = HeadDrafter(head, target)
-    assert len(proposals) >= 6
-    for tokens, draft in proposals:
-        features = target.hidden(torch.tensor([tokens]))[0, :-1]
-        want, _ = drafter.propose(tokens, features, len(draft), 0.0, torch.Generator())
-        assert draft.token_ids == want
-
-
 def test_lab_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     _tiny_pair(tmp_path)
     threads = torch.get_num_threads()

@@ -61,8 +61,9 @@ def test_spec_decode_bench_measures_a_second_drafter_in_the_same_runs(tmp_path: 
     assert set(record["speedup"]) >= {"1_paired_versus_draft", "2_paired_versus_draft"}
 
 
-def test_spec_decode_bench_refuses_a_versus_without_a_directory() -> None:
-    with pytest.raises(SystemExit):
-        spec_decode.parse_args(["--method", "draft", "--versus", "draft=x"])
-    with pytest.raises(SystemExit):
-        spec_decode.parse_args(["--versus", "eagle"])
+def test_spec_decode_bench_refuses_a_versus_it_cannot_build() -> None:
+    for bad in (["--method", "draft", "--versus", "draft=x"], ["--method", "ngram", "--versus", "draft"],
+                ["--method", "draft", "--versus", "ngram=x"], ["--versus", "eagle=x"]):
+        with pytest.raises(SystemExit):
+            spec_decode.parse_args(bad)
+    assert spec_decode.parse_args(["--versus", "ngram"]).versus_method == "ngram"
