@@ -30,6 +30,8 @@
 #   spec    (one GPU): the GPU tests, trains the target/draft pair (4 minutes), then bench.spec_decode on it
 #           at T = 1 and T = 0 (batch 1 at K = 4 and 6 side by side; the large batch).
 #           spec_bench: the same without the GPU tests.
+#   spec_large (one GPU): trains the pair ($MINUTES, default 2.5), bench.spec_decode at batch 1 and 128 (past the
+#           drafting cap), T=0 and T=1, then bench.diag.spec_gate_log at batch 32 (the draft gate's observations).
 #   eagle   (one GPU): trains the pair ($MINUTES, default 2.5), then an EAGLE-1 head on it (bench.eagle_lab,
 #           $HEAD_SECONDS, default 100: simulated acceptance against the draft model, lab costs; lab only).
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
@@ -91,7 +93,7 @@
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -373,6 +375,23 @@ case "$part" in
         --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 6 --repeats 5 --temperature "$t" --dtype bfloat16 \
         --out "$out/t$t"
     done
+    ;;
+  spec_large)
+    # The pair's draft model at batch 128 (past the cap of 32: no step drafts) against plain decoding, T=0 and T=1,
+    # 9 repeats; then the draft gate's observations at batch 32 (bench.diag.spec_gate_log).
+    run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
+    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+    for t in 0.0 1.0; do
+      run 150 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
+        --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 128 --num-requests 8 --repeats 9 \
+        --temperature "$t" --dtype bfloat16 --out "/tmp/large_t$t"
+      cp /tmp/large_t$t/spec_decode_*.json "$out/spec_decode_b128_t$t.json"
+    done
+    run 150 python3 -m bench.diag.spec_gate_log /tmp/gate --target /tmp/pair/target --draft /tmp/pair/draft \
+      --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 5 \
+      --temperature 0 --dtype bfloat16
+    cp /tmp/gate/gate_log.json "$out/gate_log_b32_t0.json"
+    cp /tmp/gate/spec_decode_*.json "$out/spec_decode_gate_b32_t0.json"
     ;;
   eagle)
     run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
