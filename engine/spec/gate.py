@@ -6,7 +6,10 @@ pair, the GPU, the batch and the text (the trained pair on an H200 at batch 32 a
 plain decoding, while the 8B shape gained 1.63x at batch 32: docs/speculative-decoding.md). So the
 engine measures it. Per bucket of batch sizes (1, 2-3, 4-7, ...) the gate keeps the last WINDOW
 rates of each kind of decode-only step, a step's output tokens over the wall time of its `step`
-call, and holds to one kind: a bucket drafts for its first FIRST_HOLD measured steps, then decodes
+call and over its running requests (tokens a second a request: a bucket's steps come at several
+batch sizes, and a step's tokens grow with its batch where its time barely does, so rates of the
+whole batch compared a plain probe at 16 requests with drafting at 28, on one H200, and kept
+drafting that lost), and holds to one kind: a bucket drafts for its first FIRST_HOLD measured steps, then decodes
 plainly for PROBE steps, then keeps the kind whose median rate is higher for HOLD steps, doubling up
 to MAX_HOLD each time a probe of the other kind confirms it and back to HOLD when one overturns it.
 So a pair that pays loses at most one probe in MAX_HOLD steps once settled, and one that does not
@@ -66,7 +69,7 @@ class DraftGate:
         bucket = self._bucket(batch_size)
         if switched or drafted != bucket.drafts or seconds <= 0.0 or tokens <= 0:
             return  # NOTE: a step of the kind the bucket did not choose (one the gate was not asked for)
-        bucket.rates[drafted].append(tokens / seconds)
+        bucket.rates[drafted].append(tokens / seconds / max(1, batch_size))
         bucket.left -= 1
         if bucket.left > 0:
             return
@@ -87,7 +90,8 @@ class DraftGate:
         self._last = drafted
 
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
-        """The bucket's median rates (tokens a second) drafting and not; None: not measured."""
+        """The bucket's median rates (tokens a second a running request) drafting and not; None: not
+        measured."""
         rates = self._bucket(batch_size).rates
         return _median(rates[True]), _median(rates[False])
 

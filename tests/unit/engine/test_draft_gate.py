@@ -53,7 +53,7 @@ def test_a_draft_that_loses_is_dropped_and_probed_ever_more_rarely() -> None:
     assert runs[:3] == [(True, FIRST_HOLD), (False, PROBE + 1 + HOLD), (True, PROBE + 1)]
     assert gate.num_overturns == 1
     assert sum(kinds) <= FIRST_HOLD + 5 * (PROBE + 1)
-    assert gate.rates(32) == (10.0, 30.0)
+    assert gate.rates(32) == (10 / 32, 30 / 32)  # a request's
 
 
 def test_a_probe_that_overturns_the_kind_starts_the_holds_again() -> None:
@@ -75,6 +75,22 @@ def test_buckets_by_batch_size_are_apart() -> None:
     assert gate.rates(16) == (None, None)
 
 
+def test_rates_are_a_requests_so_batch_sizes_within_a_bucket_compare() -> None:
+    """A launch-bound step (its time the same at 16 and 30 requests): drafting 2 s a step for 1.5 tokens a
+    request, plain decoding 0.8 s for 1. Drafting measured at 30 requests and the plain probe at 16 (a
+    batch that shrinks as requests finish): plain decoding is faster at either size, and the gate says
+    so; by the whole batch's tokens a second (45 / 2 against 16 / 0.8) it would keep drafting."""
+    gate = DraftGate()
+    for _ in range(FIRST_HOLD):
+        gate.observe(30, True, 2.0, 45)
+    assert not gate.drafts(30)  # the probe
+    gate.observe(16, False, 0.8, 0)  # the first step after the switch: not measured
+    for _ in range(PROBE):
+        gate.observe(16, False, 0.8, 16)
+    assert not gate.drafts(16) and gate.num_overturns == 1
+    assert gate.rates(16) == (pytest.approx(0.75), pytest.approx(1.25))
+
+
 def test_steps_of_a_kind_not_asked_for_and_empty_steps_are_not_measured() -> None:
     gate = DraftGate()
     for _ in range(3 * FIRST_HOLD):  # steps that did not draft, where the bucket asked for drafting (a cap)
@@ -83,13 +99,13 @@ def test_steps_of_a_kind_not_asked_for_and_empty_steps_are_not_measured() -> Non
     gate.observe(8, True, 1.0, 0)  # the first call after a switch (nothing read), then one of no time
     gate.observe(8, True, 0.0, 5)
     gate.observe(8, True, 1.0, 5)
-    assert gate.rates(8) == (5.0, None)
+    assert gate.rates(8) == (5 / 8, None)  # tokens a second a request
     # A step past the cap, not measured, still counts as the kind it was: the drafting step after it is the
     # first after a switch.
     gate.unmeasured(drafted=False)
     gate.observe(8, True, 1.0, 100)
     gate.observe(8, True, 1.0, 9)
-    assert gate.rates(8) == (7.0, None)  # the median of 5 and 9: the step of 100 was not measured
+    assert gate.rates(8) == (7 / 8, None)  # the median of 5 and 9: the step of 100 was not measured
 
 
 @pytest.mark.parametrize("draft_cost_s", [0.5, 0.0])
