@@ -45,13 +45,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("name")
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="One label a RESULT (an A/B of one drafter: old, new), shown before each bar's method.")
     args = parser.parse_args(argv)
+    if args.labels is not None and len(args.labels) != len(args.results):
+        parser.error(f"--labels has {len(args.labels)} labels for {len(args.results)} results: give one a result")
     runs = [json.loads(p.read_text()) for p in args.results]
     devices = {r["environment"]["device_name"] for r in runs}
     if len(devices) != 1:
         parser.error(f"the results come from different devices {sorted(devices)}: compare within one call")
     device = devices.pop()
-    rows = [row for p, r in zip(args.results, runs) for row in rows_of(r, p.name)]
+    labels = args.labels or [""] * len(runs)
+    rows = [row | {"label": label} for p, r, label in zip(args.results, runs, labels) for row in rows_of(r, p.name)]
     record = {"benchmark": "spec_versus", "device_name": device, "sources": [p.name for p in args.results],
               "rows": rows}
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")  # NOTE: as bench.common.device_slug names it
@@ -61,13 +66,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     def plot(fig: Any) -> None:
         ax = fig.subplots(1, 1)
-        labels = [f"{r['method']}\nT={r['temperature']:g} b{r['batch_size']}"
+        names = [f"{r['label']} {r['method']}".strip() + f"\nT={r['temperature']:g} b{r['batch_size']}"
                   + (f"\ncap {r['disable_above_batch_size']}" if r["disable_above_batch_size"] < r["batch_size"]
                      else "") for r in rows]
         values = [r["paired_speedup"] for r in rows]
-        bars = ax.bar(range(len(rows)), values, color=["tab:blue" if r["method"] == rows[0]["method"] else "tab:orange"
-                                                       for r in rows])
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        first = (rows[0]["label"], rows[0]["method"])
+        bars = ax.bar(range(len(rows)), values,
+                      color=["tab:blue" if (r["label"], r["method"]) == first else "tab:orange" for r in rows])
+        ax.set_xticks(range(len(rows)), names, fontsize=7)
         label_bars(ax, bars, values, "{:.2f}x")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set(ylabel="decode speed over plain (paired median)")

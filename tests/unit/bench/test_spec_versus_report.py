@@ -30,6 +30,10 @@ def test_each_drafters_paired_speedup_per_run(tmp_path: Path) -> None:
     got = [(r["method"], r["temperature"], r["paired_speedup"]) for r in record["rows"]]
     assert got == [("ngram", 0.0, 1.2), ("draft", 0.0, 0.9), ("ngram", 1.0, 1.2)]
     assert (tmp_path / "out" / "spec_versus_x_nvidia-h200.json").is_file()
+    labelled = spec_versus_report.main(["y", *map(str, paths), "--labels", "old", "new", "--out", str(tmp_path)])
+    assert [r["label"] for r in labelled["rows"]] == ["old", "old", "new"]
+    with pytest.raises(SystemExit):
+        spec_versus_report.main(["z", *map(str, paths), "--labels", "old", "--out", str(tmp_path)])
 
 
 def test_results_of_two_devices_are_refused(tmp_path: Path) -> None:
