@@ -34,6 +34,8 @@
 #           drafting cap), T=0 and T=1, then bench.diag.spec_gate_log at batch 32 (the draft gate's observations).
 #   spec_gate_ab (one GPU, .old carried): trains the pair, then bench.spec_decode at batch 1 and 32 from this tree
 #           and from .old in turns, T=0 and T=1 (an A/B of the draft gate).
+#   spec_profile (one GPU): trains the pair ($MINUTES, default 1), bench.spec_decode at batch 1 and 4 with step
+#           profiles at $PROFILE_BATCHES (default 1 4 8), T=0: where a drafting step's time goes by batch.
 #   eagle   (one GPU): trains the pair ($MINUTES, default 2.5), then an EAGLE-1 head on it (bench.eagle_lab,
 #           $HEAD_SECONDS, default 100: simulated acceptance against the draft model, lab costs; lab only).
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
@@ -95,7 +97,7 @@
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_gate_ab|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_gate_ab|spec_profile|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -408,6 +410,16 @@ case "$part" in
          --temperature "$t" --dtype bfloat16 --out "/tmp/ab_${tree}_t$t")
       cp /tmp/ab_${tree}_t$t/spec_decode_*.json "$out/spec_decode_${tree}_t$t.json"
     done
+    ;;
+  spec_profile)
+    # (one GPU) where a drafting step's time goes by batch: the pair ($MINUTES, default 1), then bench.spec_decode
+    # at batch 1 and 4 and its step profiles at $PROFILE_BATCHES (default 1 4 8), T=0, plain and speculative.
+    run 200 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-1}" --quiet
+    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+    run 240 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
+      --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 4 --num-requests 8 --repeats 5 \
+      --temperature 0 --dtype bfloat16 --profile-batches ${PROFILE_BATCHES:-1 4 8} --out /tmp/prof
+    cp /tmp/prof/spec_decode_*.json "$out/spec_decode_profile_t0.json"
     ;;
   eagle)
     run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet

@@ -228,22 +228,23 @@ def measure_speed(args: argparse.Namespace, vocab_size: int) -> list[dict[str, A
     return rows
 
 
-def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
-    """Where a batch-1 step's time goes, plain and speculative: the phases (synchronous steps), a
-    host profile (cProfile, own time) and the device launches a step makes (torch.profiler)."""
+def profile_steps(args: argparse.Namespace, vocab_size: int, batch: int) -> dict[str, Any]:
+    """Where a step's time goes at `batch` requests, plain and speculative: the phases (synchronous
+    steps), a host profile (cProfile, own time) and the device launches a step makes (torch.profiler)."""
     import cProfile
     import io
     import pstats
 
     k = max(args.ks)
-    prompts = make_prompts(args, 1, vocab_size, args.seed + 2)
-    record: dict[str, Any] = {}
+    prompts = make_prompts(args, batch, vocab_size, args.seed + 2)
+    record: dict[str, Any] = {"batch_size": batch}
     for mode in ("plain", "speculative"):
         spec = _speculative(args, k, adaptive=True) if mode == "speculative" else None
-        engine = _engine(args, spec, max_num_seqs=1, num_blocks=64)
+        engine = _engine(args, spec, max_num_seqs=batch, num_blocks=64 * batch)
         engine.async_scheduling = False
-        engine.add_request("p", prompts[0], SamplingParams(max_tokens=10_000, temperature=args.temperature,
-                                                            ignore_eos=True))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=10_000, temperature=args.temperature,
+                                                               ignore_eos=True))
         for _ in range(5):
             engine.step()
         row: dict[str, Any] = {"phases_s": phases(engine, 40)}
@@ -257,8 +258,8 @@ def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-        print(f"== {mode}: phases", {n: f"{v * 1e3:.3f} ms" for n, v in row["phases_s"].items()})
-        print(f"== {mode}: host calls", {n: {k: round(v * 1e3, 4) if k != "per_step" else v for k, v in c.items()}
+        print(f"== batch {batch} {mode}: phases", {n: f"{v * 1e3:.3f} ms" for n, v in row["phases_s"].items()})
+        print(f"== batch {batch} {mode}: host calls", {n: {k: round(v * 1e3, 4) if k != "per_step" else v for k, v in c.items()}
                                          for n, c in row["host_calls_s"].items()})
         print(text.getvalue())
         if engine.device.type == "cuda":
@@ -274,11 +275,12 @@ def profile_batch1(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
                               "cudaEventRecord", "cudaMemsetAsync"):
                     counts[e.name] = counts.get(e.name, 0) + 1
             row["runtime_calls_per_step"] = {n: c / 10 for n, c in counts.items()}
-            print(f"== {mode}: runtime calls per step", row["runtime_calls_per_step"])
+            print(f"== batch {batch} {mode}: runtime calls per step", row["runtime_calls_per_step"])
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         row["verifications_in_profile"] = engine.stats().num_spec_verifications - steps0
         record[mode] = row
-        engine.abort_request("p")
+        for i in range(batch):
+            engine.abort_request(f"p{i}")
         while engine.has_unfinished():
             engine.step()
         del engine
@@ -344,7 +346,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="Timed runs per speed point (5; 1 quick).")
     parser.add_argument("--batch1-ks", type=int, nargs="+", default=None,
                         help="Draft lengths K whose batch-1 speed is measured side by side (default: largest --ks).")
-    parser.add_argument("--profile", action="store_true", help="Also profile a batch-1 step, plain and speculative.")
+    parser.add_argument("--profile-batches", type=int, nargs="+", default=None,
+                        help="Also profile a step at each of these batch sizes, plain and speculative (steps timed "
+                             "synchronously, cProfile, torch.profiler's launches).")
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {"ks": [1, 2, 4] if quick else [1, 2, 4, 8], "num_requests": 8 if quick else 32,
@@ -392,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     shape: dict[str, Any] = {}
     acceptance = measure_acceptance(args, vocab_size, shape)
     speed = measure_speed(args, vocab_size)
-    profile = profile_batch1(args, vocab_size) if args.profile else None
+    profile = [profile_steps(args, vocab_size, b) for b in args.profile_batches or []]
     speedups: dict[str, Any] = {}
     for batch in (1, args.large_batch):
         plain = next(r["decode_tokens_per_s"] for r in speed if r["batch_size"] == batch and r["mode"] == "plain")
@@ -414,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     caveats = notes(args, torch.device(env["device"]))
     record = {"workload": workload, "notes": list(caveats.values()), "acceptance": acceptance,
-              "speed": speed, "speedup": speedups, "profile_batch1": profile}
+              "speed": speed, "speedup": speedups, "profiles": profile}
 
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.subplots(1, 2)

@@ -49,8 +49,11 @@ def test_spec_decode_bench_smoke(tmp_path: Path) -> None:
 def test_spec_decode_bench_measures_a_second_drafter_in_the_same_runs(tmp_path: Path) -> None:
     args = ["--quick", "--device", "cpu", "--num-threads", "1", "--target", "default", "--method", "ngram"]
     args += ["--versus", "draft=default", "--ks", "2", "--num-requests", "2", "--max-tokens", "8"]
-    args += ["--large-batch", "2", "--out", str(tmp_path)]
+    args += ["--large-batch", "2", "--out", str(tmp_path), "--profile-batches", "2"]
     record = spec_decode.main(args)
+    # The step profile at 2 requests, each mode's phases timed synchronously
+    assert [p["batch_size"] for p in record["profiles"]] == [2]
+    assert all(record["profiles"][0][mode]["phases_s"]["step"] > 0 for mode in ("plain", "speculative"))
     assert sorted((r["batch_size"], r["method"] or "plain") for r in record["speed"]) == [
         (1, "draft"), (1, "ngram"), (1, "plain"), (2, "draft"), (2, "ngram"), (2, "plain")
     ]
