@@ -35,8 +35,9 @@ from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, byte
 from engine.request import DeviceTokens, Draft
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
 from engine.sampler import has_penalty
-from engine.spec.base import DRAFT_PLACEHOLDER as PLACEHOLDER  # read once, when first used: _DraftRead
-from engine.spec.base import DeviceDrafts, DraftRequest, ProposerContext, draw_drafts, register_proposer
+from engine.spec.base import DraftRequest, ProposerContext, register_proposer
+from engine.spec.device_drafts import DRAFT_PLACEHOLDER as PLACEHOLDER  # read once, when first used: _DraftRead
+from engine.spec.device_drafts import DeviceDrafts, draw_drafts
 from engine.spec.draft_load import load_draft
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 from engine.warmup import warm_up_runner
