@@ -326,9 +326,7 @@ def test_the_decode_worker_dies(when):
             await asyncio.sleep(0.1)  # its first step
             s.kill_decode()
         await s.stream("r")
-        # NOTE: a send that never ends fails by its own transfer timeout, which settle_pushes' default (the
-        # same timeout, from later) raced on a loaded host: wait longer, bounded
-        assert await s.prefill.settle_pushes(timeout_s=10 * TRANSFER_TIMEOUT_S) == 0
+        assert await s.prefill.settle_pushes() == 0  # NOTE: the push that never ends fails by its own timeout
         assert s.outcomes == ["decode worker lost"]
         want = {"before": [Q, C, A, JobState.FAILED], "during": [Q, C, A, P, JobState.FAILED],
                 "after": [Q, C, A, P, JobState.DONE]}[when]
