@@ -259,8 +259,9 @@ def profile_steps(args: argparse.Namespace, vocab_size: int, batch: int) -> dict
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         print(f"== batch {batch} {mode}: phases", {n: f"{v * 1e3:.3f} ms" for n, v in row["phases_s"].items()})
-        print(f"== batch {batch} {mode}: host calls", {n: {k: round(v * 1e3, 4) if k != "per_step" else v for k, v in c.items()}
-                                         for n, c in row["host_calls_s"].items()})
+        calls = {n: {k: round(v * 1e3, 4) if k != "per_step" else v for k, v in c.items()}
+                 for n, c in row["host_calls_s"].items()}
+        print(f"== batch {batch} {mode}: host calls", calls)
         print(text.getvalue())
         if engine.device.type == "cuda":
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
