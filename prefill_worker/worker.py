@@ -325,8 +325,7 @@ class PrefillWorker(TransferEndpoint):
     async def settle_pushes(self, timeout_s: float | None = None) -> int:
         """Waits (at most timeout_s) for the pushes under way; returns how many still are. The default
         outlasts a push that has started: its handshake (pair_timeout_s), the draft's buffer and each of
-        its two sends (transfer_timeout_s each) are its bounded waits. (transfer_timeout_s alone raced
-        a send that never ends, timed out from before the call, on a loaded host.)"""
+        its two sends (transfer_timeout_s each) are its bounded waits."""
         pushes = [job.push for job in self.jobs.values() if job.push is not None]
         if pushes:
             longest = self.config.pair_timeout_s + 3 * self.config.transfer_timeout_s
