@@ -8,10 +8,11 @@ tokens the target accepted since (the whole prompt for a newcomer, within the st
 and drafts d_1; the others feed d_{i-1} and draft d_i. Drafts are sampled from the draft's logits
 processed as the target's are (the engine's Sampler), so verification can use their probabilities.
 
-On CUDA a step whose requests have at most two tokens each to catch up (the steady state after a
-verification) replays one graph for all K passes and their draws (engine/spec/draft_loop.py);
-other steps run pass by pass, replaying the draft runner's decode graphs (engine/cuda_graphs.py)
-as the target's do when the pass is short.
+On CUDA a step's K passes and their draws replay as one graph (engine/spec/draft_loop.py), whose
+first pass feeds each request's last two tokens; requests further behind (a newcomer's prompt, or
+steps decoded without drafting) catch up on the rest in one forward before it. Steps the loop does
+not serve (penalties, seeds, truncated sampling) run pass by pass, replaying the draft runner's
+decode graphs (engine/cuda_graphs.py) as the target's do when the pass is short.
 
 Chained drafting (`chain`): once the target's verification of a loop run's drafts is queued, the
 next run of the same rows is queued behind it, its inputs moved on the device by the verification's
@@ -346,14 +347,17 @@ class DraftModelProposer:
         """All K passes through the loop graph, when it serves these jobs (engine/spec/draft_loop.py):
         their drafts get placeholders (read later) and the distributions they were drawn from. Every
         job drafts K (its blocks cover them, see _plan): a job proposing fewer (adaptive K) proposes
-        the first ones, and the draft cache keeps the rest until the next step rolls them back."""
-        if self.loop is None or any(j.num_new > MAX_CATCH_UP for j in drafting):
+        the first ones, and the draft cache keeps the rest until the next step rolls them back. Jobs
+        further behind than the loop's first pass reaches (a newcomer's prompt, steps decoded without
+        drafting) catch up first, in one forward."""
+        if self.loop is None:
             return False
         requests = [j.request for j in drafting]
         num_outputs = [len(r.token_ids) - r.num_prompt_tokens for r in requests]
         k = self.loop.num_passes
         if not self.loop.serves([r.params for r in requests], num_outputs, [r.max_draft_tokens for r in requests], k):
             return False
+        self._catch_up([j for j in drafting if j.num_new > MAX_CATCH_UP])
         rows = []
         for r, j in zip(requests, drafting):
             start = len(r.token_ids) - 1
@@ -375,6 +379,22 @@ class DraftModelProposer:
             _keep_row_dists(drafting, dists)
         passes.extend((tokens[i], drafting) for i in range(k))
         return True
+
+    def _catch_up(self, behind: list[_Job]) -> None:
+        """Feeds each job's tokens but its last MAX_CATCH_UP, in one forward without logits: the loop's
+        first pass (or pass 1 of drafting pass by pass) feeds those."""
+        assert self.runner is not None
+        if not behind:
+            return
+        fwd = []
+        for j in behind:
+            have, upto = len(j.seq.token_ids), len(j.request.token_ids) - MAX_CATCH_UP
+            fwd.append(ForwardSeq(j.request.token_ids[have:upto], have, j.seq.block_ids, 0))
+        self.runner.forward(fwd)
+        for j, f in zip(behind, fwd):
+            j.seq.token_ids.extend(f.token_ids)
+            j.seq.num_trusted = len(j.seq.token_ids)
+            j.num_new = MAX_CATCH_UP
 
     def _plan(self, requests: Sequence[DraftRequest], keep: Collection[str]) -> list[_Job]:
         """Rolls each request back, then gives blocks and the step's token budget: the requests with

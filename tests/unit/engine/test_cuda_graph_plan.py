@@ -68,6 +68,9 @@ def test_sequences_of_several_tokens_are_one_row_per_position():
     layout = plan_graph_step([decode(5, 0, [3]), chunk, silent], SIZES, 64, 4)
     # Rows: the decode (0), the chunk's positions 3 and 4 (1, 2: only 2 samples), the silent row (3).
     assert layout == GraphStepLayout(4, 4, 2, logit_rows=(0, 2))
+    # A step that samples nothing (the draft model catching up before its loop graph): no logit rows.
+    assert plan_graph_step([silent, ForwardSeq([8, 9], 6, [2, 3], 0)], SIZES, 64, 4) == GraphStepLayout(
+        3, 4, 2, logit_rows=())
 
 
 def test_too_many_rows_too_long_a_context_or_too_much_multi_row_attention_run_eagerly():
