@@ -36,6 +36,8 @@
 #           and from .old in turns, T=0 and T=1 (an A/B of the draft gate).
 #   spec_profile (one GPU): trains the pair ($MINUTES, default 1), bench.spec_decode at batch 1 and 4 with step
 #           profiles at $PROFILE_BATCHES (default 1 4 8), T=0: where a drafting step's time goes by batch.
+#   spec_catchup (one GPU, .old carried): the GPU spec tests, the pair, the gate's log at batch 32 (how each step
+#           drafted), then bench.spec_decode from this tree and .old in turns at batch 1 and 32, T=0 and T=1.
 #   eagle   (one GPU): trains the pair ($MINUTES, default 2.5), then an EAGLE-1 head on it (bench.eagle_lab,
 #           $HEAD_SECONDS, default 100: simulated acceptance against the draft model, lab costs; lab only).
 #   goodput (nvidia-h200-x2): bench.goodput, 1P1D vs 2 colocated replicas over a Poisson rate sweep.
@@ -97,7 +99,7 @@
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_gate_ab|spec_profile|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_gate_ab|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -420,6 +422,26 @@ case "$part" in
       --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 4 --num-requests 8 --repeats 5 \
       --temperature 0 --dtype bfloat16 --profile-batches ${PROFILE_BATCHES:-1 4 8} --out /tmp/prof
     cp /tmp/prof/spec_decode_*.json "$out/spec_decode_profile_t0.json"
+    ;;
+  spec_catchup)
+    # (one GPU, .old carried: the commit before the draft model's catch-up forward) the GPU spec tests, the pair
+    # ($MINUTES, default 2.5), the gate's log at batch 32 with how each step drafted (this tree), then this tree
+    # against .old at batch 1 and 32 in turns: new T=0, old T=0, old T=1, new T=1.
+    run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py
+    run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
+    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+    run 120 python3 -m bench.diag.spec_gate_log /tmp/gate --target /tmp/pair/target --draft /tmp/pair/draft \
+      --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 3 \
+      --temperature 0 --dtype bfloat16
+    cp /tmp/gate/gate_log.json "$out/gate_log_b32_t0.json"
+    for run_ in new:0.0 old:0.0 old:1.0 new:1.0; do
+      tree=${run_%%:*} t=${run_##*:}
+      (if [ "$tree" = old ]; then cd .old && export PYTHONPATH=/tmp/site:/tmp/bench/site:$PWD; fi
+       run 120 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
+         --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 7 \
+         --temperature "$t" --dtype bfloat16 --out "/tmp/ab_${tree}_t$t")
+      cp /tmp/ab_${tree}_t$t/spec_decode_*.json "$out/spec_decode_${tree}_t$t.json"
+    done
     ;;
   eagle)
     run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
