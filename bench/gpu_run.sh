@@ -32,8 +32,6 @@
 #           spec_bench: the same without the GPU tests.
 #   spec_large (one GPU): trains the pair ($MINUTES, default 2.5), bench.spec_decode at batch 1 and 128 (past the
 #           drafting cap), T=0 and T=1, then bench.diag.spec_gate_log at batch 32 (the draft gate's observations).
-#   spec_gate_ab (one GPU, .old carried): trains the pair, then bench.spec_decode at batch 1 and 32 from this tree
-#           and from .old in turns, T=0 and T=1 (an A/B of the draft gate).
 #   spec_profile (one GPU): trains the pair ($MINUTES, default 1), bench.spec_decode at batch 1 and 4 with step
 #           profiles at $PROFILE_BATCHES (default 1 4 8), T=0: where a drafting step's time goes by batch.
 #   spec_catchup (one GPU, .old carried): the GPU spec tests, the pair, the gate's log at batch 32 (how each step
@@ -99,7 +97,7 @@
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_gate_ab|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -115,6 +113,11 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
   TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 run() { echo "== $*"; timeout "$1" "${@:2}" 2>&1 | tee -a "$out/log.txt" | tail -40; }
+# the target/draft pair (bench.train_models --size gpu) in /tmp/pair, trained $1 minutes; its held-out figures in the log
+train_pair() {
+  run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "$1" --quiet
+  grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+}
 case "$part" in
   single)
     run 200 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/gpu
@@ -385,8 +388,7 @@ case "$part" in
   spec_large)
     # The pair's draft model at batch 128 (past the cap of 32: no step drafts) against plain decoding, T=0 and T=1,
     # 9 repeats; then the draft gate's observations at batch 32 (bench.diag.spec_gate_log).
-    run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
-    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+    train_pair "${MINUTES:-2.5}"
     for t in 0.0 1.0; do
       run 150 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
         --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 128 --num-requests 8 --repeats 9 \
@@ -399,25 +401,10 @@ case "$part" in
     cp /tmp/gate/gate_log.json "$out/gate_log_b32_t0.json"
     cp /tmp/gate/spec_decode_*.json "$out/spec_decode_gate_b32_t0.json"
     ;;
-  spec_gate_ab)
-    # (one GPU, .old carried: a checkout of the commit to compare with) the pair's draft model at batch 1 and 32
-    # from this tree and from .old, alternated: new T=0, old T=0, old T=1, new T=1 (the draft gate's A/B).
-    run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
-    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
-    for run_ in new:0.0 old:0.0 old:1.0 new:1.0; do
-      tree=${run_%%:*} t=${run_##*:}
-      (if [ "$tree" = old ]; then cd .old && export PYTHONPATH=/tmp/site:/tmp/bench/site:$PWD; fi
-       run 150 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
-         --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 7 \
-         --temperature "$t" --dtype bfloat16 --out "/tmp/ab_${tree}_t$t")
-      cp /tmp/ab_${tree}_t$t/spec_decode_*.json "$out/spec_decode_${tree}_t$t.json"
-    done
-    ;;
   spec_profile)
     # (one GPU) where a drafting step's time goes by batch: the pair ($MINUTES, default 1), then bench.spec_decode
     # at batch 1 and 4 and its step profiles at $PROFILE_BATCHES (default 1 4 8), T=0, plain and speculative.
-    run 200 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-1}" --quiet
-    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+    train_pair "${MINUTES:-1}"
     run 240 python3 -m bench.spec_decode --target /tmp/pair/target --draft /tmp/pair/draft \
       --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 4 --num-requests 8 --repeats 5 \
       --temperature 0 --dtype bfloat16 --profile-batches ${PROFILE_BATCHES:-1 4 8} --out /tmp/prof
@@ -428,8 +415,7 @@ case "$part" in
     # ($MINUTES, default 2.5), the gate's log at batch 32 with how each step drafted (this tree), then this tree
     # against .old at batch 1 and 32 in turns: new T=0, old T=0, old T=1, new T=1.
     run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py
-    run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
-    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+    train_pair "${MINUTES:-2.5}"
     run 120 python3 -m bench.diag.spec_gate_log /tmp/gate --target /tmp/pair/target --draft /tmp/pair/draft \
       --text /tmp/pair/held_out.txt --ks 4 --batch1-ks 4 --large-batch 32 --num-requests 8 --repeats 3 \
       --temperature 0 --dtype bfloat16
@@ -444,8 +430,7 @@ case "$part" in
     done
     ;;
   eagle)
-    run 240 python3 -m bench.train_models --out /tmp/pair --size gpu --minutes "${MINUTES:-2.5}" --quiet
-    grep -A 8 '"held_out"' /tmp/pair/summary.json | tee -a "$out/log.txt"
+    train_pair "${MINUTES:-2.5}"
     run 200 python3 -m bench.eagle_lab --pair /tmp/pair --head-seconds "${HEAD_SECONDS:-100}" --num-prompts 8 \
       --max-tokens 64 --out "$out"
     ;;

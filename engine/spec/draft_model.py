@@ -34,14 +34,15 @@ import torch
 from engine.cuda_graphs import cuda_graphs_enabled
 from engine.kv_cache import BlockPool, IntegrityError, allocate_kv_tensors, bytes_per_block
 from engine.request import DeviceTokens, Draft
+from engine.pinned import Download
 from engine.runner import ForwardSeq, ModelRunner, TokenPatch
-from engine.sampler import has_penalty
+from engine.sampler import SamplingRow, has_penalty
 from engine.spec.base import DraftRequest, ProposerContext, register_proposer
-from engine.spec.device_drafts import DRAFT_PLACEHOLDER as PLACEHOLDER  # read once, when first used: _DraftRead
-from engine.spec.device_drafts import DeviceDrafts, draw_drafts
 from engine.spec.draft_load import load_draft
 from engine.spec.draft_loop import MAX_CATCH_UP, DraftLoopGraphs, LoopRow
 from engine.warmup import warm_up_runner
+
+PLACEHOLDER = -1  # a drafted token still on the device: read once, when first used (_DraftRead)
 
 
 @dataclass
@@ -316,7 +317,7 @@ class DraftModelProposer:
             j.seq.num_trusted = len(j.seq.token_ids)
         if not drafting:
             return
-        passes.append((draw_drafts(self.context.sampler, drafting, logits, generator, on_device), drafting))
+        passes.append((self._sample(drafting, logits, generator, on_device), drafting))
         previous = drafting
         for i in range(1, max(j.request.max_draft_tokens for j in drafting)):
             active = [j for j in previous if j.request.max_draft_tokens > i]
@@ -331,8 +332,28 @@ class DraftModelProposer:
             logits = self.runner.forward(fwd, patch)
             for j in active:
                 j.seq.token_ids.append(j.token_ids[-1])  # a PLACEHOLDER on the device path, read later
-            passes.append((draw_drafts(self.context.sampler, active, logits, generator, on_device), active))
+            passes.append((self._sample(active, logits, generator, on_device), active))
             previous = active
+
+    def _sample(
+        self, jobs: list[_Job], logits: torch.Tensor, generator: torch.Generator | None, on_device: bool
+    ) -> torch.Tensor:
+        """Draws each job's next drafted token from its logits row, as the target would process it;
+        returns them [jobs] on the device. on_device: the jobs' drafts get a PLACEHOLDER each (no
+        job applies penalties, so no draw reads their values); else the values, read now."""
+        rows = []
+        for j in jobs:
+            r = j.request
+            output = list(r.token_ids[r.num_prompt_tokens :]) + j.token_ids
+            # A seeded draft races with the target's noise for the same output position: the target
+            # then accepts it as often as that coupling allows (engine/sampler.py).
+            rows.append(SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], output, r.num_prior_output_tokens))
+        token_ids, probs = self.context.sampler.launch_with_probs(logits, rows, generator)
+        values = [PLACEHOLDER] * len(jobs) if on_device else token_ids.tolist()
+        for j, token, p in zip(jobs, values, probs):
+            j.token_ids.append(token)
+            j.probs.append(p)
+        return token_ids
 
     def _read_pending(self) -> None:
         """The proposals' drafted tokens, read now if no one asked for them (the draft cache's inputs
@@ -448,21 +469,40 @@ def _keep_row_dists(rows: Sequence[_Job | None], dists: torch.Tensor) -> None:
             j.row_dists = (kept, row)
 
 
-class _DraftRead(DeviceDrafts):
-    """DeviceDrafts whose read also fills the draft cache's inputs of d_1 .. d_{K-1} and the jobs'
-    proposed drafts."""
+class _DraftRead:
+    """A proposal's drafted tokens on the device (one flat tensor) and their one read back into
+    place of the jobs' placeholders: in their drafts, and in the draft cache's inputs of
+    d_1 .. d_{K-1}. A row of None in a pass (a chained run's row no request drafts from) is drawn
+    and never read."""
 
     def __init__(
         self, drafting: Sequence[_Job | None], passes: Sequence[tuple[torch.Tensor, Sequence[_Job | None]]]
     ) -> None:
-        super().__init__(drafting, passes)
-        self.jobs: list[_Job]  # NOTE: the base class keeps the jobs that are not None
+        # NOTE: a copy even of one pass: the loop graph's draws are views of its static output, which
+        # its next run overwrites while an unscheduled request's draft may still be unread.
+        self.tokens = torch.cat([t for t, _ in passes])  # [sum of pass sizes] int64
+        self._download = Download(self.tokens)  # NOTE: a read waits for this proposal alone
+        self.jobs = [j for j in drafting if j is not None]
+        self.index: dict[int, list[int]] = {id(j): [] for j in self.jobs}  # a job's tokens in self.tokens
+        offset = 0
+        for tokens, active in passes:
+            assert len(active) == len(tokens), "a pass draws one token per active job"
+            for row, j in enumerate(active):
+                if j is not None:
+                    self.index[id(j)].append(offset + row)
+            offset += len(active)
         for j in self.jobs:
             j.read = self
+        self.is_done = False
 
-    def fill(self, values: list[int]) -> None:
-        super().fill(values)
+    def read(self) -> None:
+        if self.is_done:
+            return
+        self.is_done = True
+        values = self._download.read()
         for j in self.jobs:
+            # A job keeping fewer tokens than it was drawn for keeps the first ones
+            j.token_ids[:] = [values[x] for x in self.index[id(j)][: len(j.token_ids)]]
             if j.draft_ids is not None:
                 j.draft_ids[:] = j.token_ids[: len(j.draft_ids)]
             num_fed = len(j.token_ids) - 1  # d_1 .. d_{K-1} were fed to the draft model

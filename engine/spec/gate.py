@@ -8,9 +8,10 @@ engine measures it. Per bucket of batch sizes (1, 2-3, 4-7, ...) the gate keeps 
 rates of each kind of decode-only step, a step's output tokens over the wall time of its `step`
 call and over its running requests (tokens a second a request: a bucket's steps come at several
 batch sizes, and a step's tokens grow with its batch where its time barely does, so whole-batch
-rates would compare the sizes rather than the kinds), and holds to one kind: a bucket drafts for its first FIRST_HOLD measured steps, then decodes
-plainly for PROBE steps, then keeps the kind whose median rate is higher for HOLD steps, doubling up
-to MAX_HOLD each time a probe of the other kind confirms it and back to HOLD when one overturns it.
+rates would compare the sizes rather than the kinds), and holds to one kind: a bucket drafts for
+its first FIRST_HOLD measured steps, then decodes plainly for PROBE steps, then keeps the kind
+whose median rate is higher for HOLD steps, doubling up to MAX_HOLD each time a probe of the other
+kind confirms it and back to HOLD when one overturns it.
 So a pair that pays loses at most one probe in MAX_HOLD steps once settled, and one that does not
 drafts for FIRST_HOLD steps and then rarely.
 

@@ -142,6 +142,19 @@ def _with_a_loop(llm, k: int):  # type: ignore[no-untyped-def]
     return proposer
 
 
+def _count_pass_by_pass(proposer) -> list[int]:  # type: ignore[no-untyped-def]
+    """The drafting jobs of each step the proposer drafts pass by pass, from now on (a list it fills)."""
+    by_pass: list[int] = []
+    pass_by_pass = proposer._pass_by_pass
+
+    def counted(jobs, drafting, *args):  # type: ignore[no-untyped-def]
+        by_pass.append(len(drafting))
+        return pass_by_pass(jobs, drafting, *args)
+
+    proposer._pass_by_pass = counted
+    return by_pass
+
+
 @pytest.mark.parametrize(("draft", "adaptive"), [("own", False), ("poor", False), ("poor", True)])
 def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_checkpoints, draft, adaptive):
     """The draft model's proposer with a loop graph (run eagerly here, through the interpreter)
@@ -160,14 +173,7 @@ def test_the_proposer_drafts_through_the_loop(interpreted_kernels, make_llm, hf_
                              enable_adaptive_draft_length=adaptive)
     llm = make_llm(block_size=4, speculative=spec)
     proposer = _with_a_loop(llm, 3)
-    by_pass: list[int] = []  # drafting jobs of each step drafted pass by pass
-    pass_by_pass = proposer._pass_by_pass
-
-    def counted(jobs, drafting, *args):  # type: ignore[no-untyped-def]
-        by_pass.append(len(drafting))
-        return pass_by_pass(jobs, drafting, *args)
-
-    proposer._pass_by_pass = counted
+    by_pass = _count_pass_by_pass(proposer)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     # No step drafts pass by pass: the first (the prompts to catch up) catches up in one forward, then loops.
     assert not any(by_pass), by_pass
@@ -244,14 +250,7 @@ def test_a_chained_run_is_dropped_when_steps_decode_without_drafting(interpreted
         return steps[0] not in plain and drafts_now()
 
     engine._drafts_now = gated
-    by_pass: list[int] = []  # drafting jobs of each step drafted pass by pass
-    pass_by_pass = proposer._pass_by_pass
-
-    def counted(jobs, drafting, *args):  # type: ignore[no-untyped-def]
-        by_pass.append(len(drafting))
-        return pass_by_pass(jobs, drafting, *args)
-
-    proposer._pass_by_pass = counted
+    by_pass = _count_pass_by_pass(proposer)
     engine.add_request("r", [5, 9, 300, 17], SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True))
     for _ in range(80):
         if not engine.has_unfinished():
