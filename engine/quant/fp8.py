@@ -9,8 +9,7 @@ engine/models/fused_ops.py), and
     y = (x_q @ weight.T) * x_scale * weight_scale (+ bias)
 
 with float32 accumulation. Two paths compute it: `cuda` (CUDA with compute capability 8.9+ and
-bfloat16 activations: the Triton quantization, then one row a Triton product on the CUDA cores (which
-quantizes an unquantized row itself), up to
+bfloat16 activations: the Triton quantization, then one row a Triton product on the CUDA cores, up to
 fp8_kernels.SPLIT_K_MAX_ROWS rows a Triton split-K tensor-core product, more rows torch._scaled_mm with
 row-wise scales) and
 `reference` (everywhere else: the same quantized operands multiplied in float32, slowly). Knows
@@ -90,11 +89,6 @@ class Fp8Matmul:
         """x [..., in] -> [..., out] in x's dtype; QuantizedRows [rows, in] -> [rows, out] in its dtype."""
         if isinstance(x, QuantizedRows):
             (x_q, x_scale, dtype), lead = x, x.q.shape[:-1]
-        elif self._gemv_matmul is not None and x.numel() == x.shape[-1]:
-            # NOTE: one row quantizes inside the product (its bits equal quantize_rows'): one launch less
-            row = x.reshape(1, -1).contiguous()
-            out = self._gemv_matmul(row, None, weight, weight_scale, bias, x.dtype)
-            return out.reshape(*x.shape[:-1], weight.shape[0])
         else:
             x_q, x_scale = self._quantize(x.reshape(-1, x.shape[-1]))
             dtype, lead = x.dtype, x.shape[:-1]

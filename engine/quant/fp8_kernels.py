@@ -135,37 +135,21 @@ def _split_k_matmul_kernel(
 @triton.jit
 def _gemv_kernel(
     xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, QUANTIZE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[0, n-block] of one quantized row on the CUDA cores: E4M3 products, exact in float32, summed
-    in float32 lane by lane over K, then across the tile's columns; the scales and bias after.
-    QUANTIZE: xq_ptr holds the row unquantized; each program reads it whole for its max (ROW_BLOCK
-    columns a load, all in flight) and quantizes each slice as it multiplies, quantize_rows' bits, so
-    the product equals quantize_rows' then this kernel's without the quantizing launch."""
+    in float32 lane by lane over K, then across the tile's columns; the scales and bias after."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     after_previous(PDL)
-    if QUANTIZE:
-        wide = tl.arange(0, ROW_BLOCK)
-        amax = tl.zeros([ROW_BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, ROW_BLOCK):
-            amax = tl.maximum(amax, tl.abs(tl.load(xq_ptr + k0 + wide, mask=k0 + wide < K, other=0.0).to(tl.float32)))
-        x_scale = row_scale(tl.max(amax, 0))
-        inverse = tl.math.div_rn(1.0, x_scale)
-    else:
-        x_scale = tl.load(x_scale_ptr)
-        inverse = 1.0
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(xq_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-        if QUANTIZE:
-            x = to_e4m3(x, inverse)
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-    total = tl.sum(acc, 1) * x_scale * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+    total = tl.sum(acc, 1) * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -184,11 +168,10 @@ def gemv_config(n: int) -> GemvConfig:
     return 8, 1024 if n <= 4096 else 512, 4, 3
 
 
-def gemv_matmul(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
+def gemv_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemvConfig | None = None) -> torch.Tensor:
     """split_k_matmul's product for one quantized row xq [1, K], on the CUDA cores (float32 products
-    and sums); x_scale None: xq is the row unquantized (contiguous), quantized in the product as
-    quantize_rows would. config: gemv_config's by default."""
+    and sums); config: gemv_config's by default."""
     m, k = xq.shape
     n = weight.shape[0]
     if m != 1:
@@ -196,10 +179,9 @@ def gemv_matmul(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
     block_n, block_k, num_warps, num_stages = config or gemv_config(n)
     out = torch.empty(1, n, dtype=out_dtype, device=xq.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        xq, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
-        bias if bias is not None else weight_scale, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        QUANTIZE=x_scale is None, ROW_BLOCK=min(16384, triton.next_power_of_2(k)), BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=num_stages, num_warps=num_warps, **pdl_options(xq.device, 1, max_rows=PDL_PRODUCT_MAX_ROWS))
+        xq, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        **pdl_options(xq.device, 1, max_rows=PDL_PRODUCT_MAX_ROWS))
     return out
 
 

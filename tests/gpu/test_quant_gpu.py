@@ -62,20 +62,6 @@ def test_cuda_path_equals_reference_path(rows: int) -> None:
     torch.testing.assert_close(fast.float(), slow.float(), atol=0.05, rtol=1e-2)
 
 
-@pytest.mark.parametrize("k", [4096, 14336, 28672])
-def test_gemv_quantizing_its_row_equals_quantize_rows_then_gemv(k: int) -> None:
-    """Compiled: the one-row product that quantizes its bfloat16 row itself gives the same bits as the
-    quantizing kernel followed by the product (the o projection at batch 1; 28,672 reads the row twice)."""
-    from engine.quant import fp8_kernels
-
-    gen = torch.Generator(device="cuda").manual_seed(k)
-    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
-    wq, ws = quantize_rows(torch.randn(4096, k, device="cuda", generator=gen))
-    xq, xs = fp8_kernels.quantize_rows(x)
-    want = fp8_kernels.gemv_matmul(xq, xs, wq, ws.view(-1), None, torch.bfloat16)
-    assert torch.equal(fp8_kernels.gemv_matmul(x, None, wq, ws.view(-1), None, torch.bfloat16), want)
-
-
 @pytest.mark.parametrize("config", [(16, 64, 128, 1, 4, 4), (16, 32, 256, 8, 4, 3), (32, 128, 128, 4, 8, 5),
                                     (32, 64, 256, 2, 4, 4), None])
 @pytest.mark.parametrize("rows", [1, 3, 16, 50])

@@ -60,11 +60,7 @@ CASES = [
     ("engine.quant.fp8_kernels", "_gemv_kernel",
      dict(xq_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*fp32",
           out_ptr=P, N="i32", K="i32", stride_w="i32"),
-     dict(HAS_BIAS=True, QUANTIZE=False, ROW_BLOCK=4096, BLOCK_N=8, BLOCK_K=1024, NUM_STAGES=3, PDL=True)),
-    ("engine.quant.fp8_kernels", "_gemv_kernel",  # the row quantized inside (o_proj at one row)
-     dict(xq_ptr=P, x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*fp32",
-          out_ptr=P, N="i32", K="i32", stride_w="i32"),
-     dict(HAS_BIAS=False, QUANTIZE=True, ROW_BLOCK=16384, BLOCK_N=8, BLOCK_K=512, NUM_STAGES=3, PDL=True)),
+     dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=1024, NUM_STAGES=3, PDL=True)),
     ("engine.quant.int4_kernels", "_words_kernel",  # its PTX conversion assembled too
      dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32",
           N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32"),

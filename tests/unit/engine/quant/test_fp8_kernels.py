@@ -117,32 +117,8 @@ def test_gemv_matmul_equals_reference_path(n: int, k: int, config: tuple | None,
         fp8_kernels.gemv_matmul(torch.cat([xq, xq]), xs, wq, ws.view(-1), b, torch.float32, config)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k, config", [
-    (48, 300, (8, 128, 4, 2)),     # K not a multiple of its steps
-    (16, 20000, (8, 1024, 4, 2)),  # K past one 16,384-column read of the row's max
-    (64, 2048, None),
-])
-def test_gemv_quantizing_its_row_equals_quantize_rows_then_gemv(n: int, k: int, config: tuple | None,
-                                                                dtype: torch.dtype) -> None:
-    """An unquantized row (x_scale None) is quantized inside the product to quantize_rows' bits: the
-    output equals the quantizing launch's then the product's, bit for bit (values over eight decades,
-    E4M3 subnormals included; a zero row)."""
-    gen = torch.Generator().manual_seed(n + k)
-    magnitudes = torch.logspace(-6, 2, k)[torch.randperm(k, generator=gen)]
-    x = (torch.randn(1, k, generator=gen) * magnitudes).to(dtype)
-    wq, ws = quantize_rows(torch.randn(n, k, generator=gen))
-    for row in (x, torch.zeros_like(x)):
-        xq, xs = fp8_kernels.quantize_rows(row)
-        want = fp8_kernels.gemv_matmul(xq, xs, wq, ws.view(-1), None, torch.float32, config)
-        got = fp8_kernels.gemv_matmul(row, None, wq, ws.view(-1), None, torch.float32, config)
-        assert torch.equal(got, want)
-    assert want.eq(0).all() and got.eq(0).all()
-
-
 def test_fp8_matmul_takes_one_row_to_the_gemv_and_more_to_split_k() -> None:
-    """Fp8Matmul's one-row product is gemv_matmul's of the quantized row, bit for bit (the row quantized inside
-    it); two rows take split_k_matmul's tiles."""
+    """Fp8Matmul's one-row product is gemv_matmul's, bit for bit; two rows take split_k_matmul's tiles."""
     gen = torch.Generator().manual_seed(4)
     served = Fp8Matmul("cuda", triton=True)
     x, w = torch.randn(2, 512, generator=gen), torch.randn(40, 512, generator=gen)
@@ -150,23 +126,8 @@ def test_fp8_matmul_takes_one_row_to_the_gemv_and_more_to_split_k() -> None:
     xq, xs = fp8_kernels.quantize_rows(x)
     one = served(x[:1], wq, ws.view(-1), None)
     assert torch.equal(one, fp8_kernels.gemv_matmul(xq[:1], xs[:1], wq, ws.view(-1), None, torch.float32))
-    assert torch.equal(served(x[0], wq, ws.view(-1), None), one[0])  # a row without its batch dimension
     two = served(x, wq, ws.view(-1), None)
     assert torch.equal(two, fp8_kernels.split_k_matmul(xq, xs, wq, ws.view(-1), None, torch.float32))
-
-
-def test_fp8_matmul_launches_no_quantization_for_one_row() -> None:
-    """One unquantized row goes to the product whole (it quantizes it): no quantizing launch before it."""
-    gen = torch.Generator().manual_seed(5)
-    served = Fp8Matmul("cuda", triton=True)
-    launches: list[int] = []
-    quantize = served._quantize
-    served._quantize = lambda x: (launches.append(x.shape[0]), quantize(x))[1]
-    wq, ws = quantize_rows(torch.randn(40, 512, generator=gen))
-    served(torch.randn(1, 512, generator=gen), wq, ws.view(-1), None)
-    assert launches == []
-    served(torch.randn(3, 512, generator=gen), wq, ws.view(-1), None)
-    assert launches == [3]
 
 
 def test_fp8_matmul_shares_one_count_buffer_across_its_products() -> None:
