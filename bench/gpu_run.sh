@@ -71,6 +71,8 @@
 #           1-256) through NCCL as pdserve calls it, NCCL symmetric windows, and torch symmetric memory's one-shot
 #           (with and without the copy in) and two-shot kernels, 64 to a CUDA graph (issue 26: TP=2 is 1.14x TP=1
 #           at batch 1, the all-reduces 22-26% of a step).
+#   tp_step_ab (nvidia-h200-x2, .old carried): the two-GPU all-reduce and TP tests, the 8B TP=2 decode step by
+#           batch from this tree, .old, this tree (ABA), then TP=1 once.
 #   tp_decode (nvidia-h200-x2; optional .old, a checkout of the commit to compare with): issue 26's decode
 #           figures: the two-GPU tests (the symmetric all-reduces, the one fused with the norm, TP=2's tokens
 #           against TP=1's, closing), rank 0's TP=2 batch-1 step kernel by kernel (bench.profile_step), the 8B
@@ -97,7 +99,7 @@
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|tp_step_ab|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -339,6 +341,18 @@ case "$part" in
     # NOTE: not through run(): its tail would keep the table's last 40 lines
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" > "$out/engine_use.txt" 2>&1
     timeout 60 python3 -m bench.worker_timeline "$(ls "$out"/goodput_*.json | head -n 1)" --summary
+    ;;
+  tp_step_ab)
+    # (nvidia-h200-x2, .old carried: the commit to compare with) the two-GPU all-reduce and TP tests, then the 8B
+    # decode step by batch at TP=2 from this tree, .old and this tree again (ABA), and TP=1 once (the ratio)
+    run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_symmetric_allreduce_gpu.py \
+      tests/gpu/test_tensor_parallel_gpu.py
+    steps="python3 -m bench.tensor_parallel --load-format dummy --dtype bfloat16 --model bench/shapes/llama-3.1-8b"
+    run 120 $steps --tp 2 --batches 1 8 64 --out "$out/a"
+    (cd .old && export PYTHONPATH=/tmp/site:$PWD && run 120 $steps --tp 2 --batches 1 8 64 --out "$out/before")
+    run 120 $steps --tp 2 --batches 1 8 64 --out "$out/a2"
+    run 120 $steps --tp 1 --batches 1 8 64 --out "$out/tp1"
+    find "$out" -name "*.png" -delete  # NOTE: 8 files come back at most
     ;;
   tp_decode)
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_symmetric_allreduce_gpu.py \
