@@ -1,17 +1,15 @@
 """A row-parallel projection's all-reduce fused with the residual add and RMSNorm that follow it, in one
-kernel on the group's symmetric memory (engine/parallel/symmetric.py): each program takes one row, writes
-this rank's partial sums into its slot of the row in every rank's buffer (stores over NVLink), meets its
-peers' programs of the same row (signals over NVLink), then sums the row's slots in its own buffer in rank
-order (local reads: no read crosses NVLink after the meeting), adds the residual and writes the new
-residual and the norm (quantized for an FP8 projection). A decode step's all-reduce and the norm after it
-were two launches, the all-reduce's result going through memory between them.
+kernel on the group's symmetric memory (engine/parallel/symmetric.py): each program takes one row, copies
+this rank's partial sums into its buffer, meets its peers' programs of the same row (signals over NVLink),
+sums every rank's row in rank order, adds the residual and writes the new residual and the norm (quantized
+for an FP8 projection). A decode step's all-reduce and the norm after it were two launches, the all-reduce's
+result going through memory between them.
 
 The barrier is per row: program r of every rank stores its row's call count into its flag in each peer's
-signal pad (a release: its stores into the peers' buffers are visible before it) and waits for each
-peer's flag in its own to reach that count. The row's calls alternate between two halves of the buffer,
-so a fast rank's next partial sums never land where a peer still reads this call's, without a second
-barrier. The kernel owns its buffer's signal pads (counts left in them would break another kernel's
-barriers). Every rank sums in rank order, so all hold the same bits. CUDA only (PTX)."""
+signal pad and waits for each peer's flag in its own to reach that count. The row's calls alternate between
+two halves of the buffer, so a fast rank's next partial sums never land where a peer still reads this call's,
+without a second barrier. The kernel owns its buffer's signal pads (counts left in them would break another
+kernel's barriers). Every rank sums in rank order, so all hold the same bits. CUDA only (PTX)."""
 
 from __future__ import annotations
 
@@ -83,10 +81,9 @@ def _allreduce_add_rms_norm_kernel(
     BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program a row: h = round(sum over ranks of x, rank order) [+ residual, rounded], stored as the
-    new residual; out = norm(h) as `_add_rms_norm_kernel` computes it. Row `row` of a half holds WORLD slots
-    of n, slot r rank r's partial sums. The row's calls alternate between the buffer's two halves (`half`
-    elements each), so one meeting a call suffices: a rank writes into a peer's half again only two calls
-    on, after that peer has met it for the call between, so done reading it."""
+    new residual; out = norm(h) as `_add_rms_norm_kernel` computes it. The row's calls alternate between
+    the buffer's two halves (`half` elements each), so one meeting a call suffices: a rank writes a half
+    again only two calls on, after every peer has met it for the call between, so done reading it."""
     after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     # NOTE: this row's calls so far, the same on every rank; unsigned, so its wrap is defined
@@ -96,15 +93,14 @@ def _allreduce_add_rms_norm_kernel(
     ok = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
-    base = (epoch & 1).to(tl.int64) * half + row * WORLD * n
-    for r in tl.static_range(WORLD):
-        peer = tl.load(buffers + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        tl.store(peer + base + RANK * n + cols, x, mask=ok)
-    _meet(signal_pads, row, epoch, RANK, WORLD)
+    base = (epoch & 1).to(tl.int64) * half + row * n
     mine = tl.load(buffers + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    tl.store(mine + base + cols, x, mask=ok)
+    _meet(signal_pads, row, epoch, RANK, WORLD)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for r in tl.static_range(WORLD):
-        acc += tl.load(mine + base + r * n + cols, mask=ok, other=0.0).to(tl.float32)
+        peer = tl.load(buffers + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        acc += tl.load(peer + base + cols, mask=ok, other=0.0).to(tl.float32)
     h = acc.to(x_ptr.dtype.element_ty)  # NOTE: what the all-reduce alone returns, rounded
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
@@ -117,8 +113,7 @@ def allreduce_add_rms_norm(
     handle: Any, calls: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
     eps: float, quantize: bool
 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
-    """x: this rank's partial sums [tokens, n] (contiguous; a slot of each row for every rank, world * tokens
-    * n elements, fits half the buffer: ONE_SHOT_MAX_BYTES a rank); returns
+    """x: this rank's partial sums [tokens, n] (contiguous; tokens * n elements fit half the buffer); returns
     (norm of (sum over ranks of x) + residual, that sum + residual) as DecoderOps.add_rms_norm does (the norm
     quantized for an FP8 projection). `handle`: this kernel's own symmetric buffer (rendezvous'd; its signal
     pads zeroed, then only this kernel's); `calls`: int32 zeros, a row's count of calls, one a row. Every rank
@@ -131,8 +126,7 @@ def allreduce_add_rms_norm(
     if tokens:
         _allreduce_add_rms_norm_kernel[(tokens,)](
             handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, x, res, weight, out, res_out, scale,
-            x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n,
-            handle.world_size * ONE_SHOT_MAX_BYTES // x.element_size(),
+            x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n, ONE_SHOT_MAX_BYTES // x.element_size(),
             eps,
             RANK=handle.rank, WORLD=handle.world_size, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
             BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8,

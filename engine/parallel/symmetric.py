@@ -50,8 +50,7 @@ class SymmetricAllReduce:
 
     def __init__(self, buffer: torch.Tensor, fused: torch.Tensor, fused_handle: Any, group_name: str) -> None:
         self._buffer = buffer  # uint8, BUFFER_BYTES, mapped by every rank
-        # uint8, two halves of size * ONE_SHOT_MAX_BYTES (a slot a rank): the fused kernel's own, and its pads
-        self._fused = fused
+        self._fused = fused  # uint8, two halves of ONE_SHOT_MAX_BYTES: the fused kernel's own, and its pads
         self._fused_handle = fused_handle  # its rendezvous: every rank's buffer and signal pad
         self._name = group_name
         self._signal_pad_bytes = int(getattr(fused_handle, "signal_pad_size", None) or OLDEST_SIGNAL_PAD_BYTES)
@@ -83,7 +82,7 @@ class SymmetricAllReduce:
             symm_mem._SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(buffer, name)
-            fused = symm_mem.empty(2 * size * ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+            fused = symm_mem.empty(2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
             fused_handle = symm_mem.rendezvous(fused, name)
         except Exception as err:  # noqa: BLE001 - NCCL stays the path; the reason is logged
             log.warning("symmetric-memory all-reduce unavailable on rank %d (%s: %s); NCCL does them",
