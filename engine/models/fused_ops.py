@@ -88,9 +88,10 @@ class DecoderOps:
         if triton:
             # NOTE: imported only here: importing triton decides, once per process, whether its
             # kernels are compiled or interpreted (TRITON_INTERPRET), which tests set later.
-            from engine.models import fused_kernels
+            from engine.models import fused_kernels, row_kernels
 
             self._kernels = fused_kernels
+            self._rows = row_kernels
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -122,6 +123,8 @@ class DecoderOps:
             assert self.fp8 is not None and weight.dtype == FP8, "quantized rows for a projection that is not FP8"
             return self.fp8(x, weight, weight_scale, bias)
         if weight_scale is None:
+            if self.triton and self._rows.takes_row_product(x, weight):
+                return self._rows.row_product(x, weight, bias)
             return F.linear(x, weight, bias)
         if weight.dtype == torch.uint8:
             assert self.int4 is not None, "a 4-bit weight in a model built without int4_path"

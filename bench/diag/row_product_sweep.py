@@ -1,0 +1,63 @@
+"""One row through a bfloat16 projection: cuBLAS (F.linear) against engine/models/row_kernels.row_product over a
+few tiles, at Llama-3.1-8B's projections for TP=1 and TP=2 (a rank's shard); the floor beside (weight bytes /
+copy bandwidth). Timing as bench.diag.fp8_split_k_sweep: weights cycled past L2, one CUDA graph a cycle, median
+of its replays.
+
+    python -m bench.diag.row_product_sweep --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.diag.fp8_split_k_sweep import CYCLE_BYTES, per_call_us, write_sweep
+from bench.offline_throughput import copy_bandwidth
+from engine.models import row_kernels
+
+SHAPES = {  # (N, K)
+    "8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096), "8b_down": (4096, 14336),
+    "8b_tp2_qkv": (3072, 4096), "8b_tp2_o": (4096, 2048), "8b_tp2_gate_up": (14336, 4096), "8b_tp2_down": (4096, 7168),
+}
+CONFIGS = [(8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4),
+           (16, 512, 8, 3)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    rows = []
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        copies = max(2, -(-CYCLE_BYTES // (2 * n * k)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        want = x.double() @ weights[0].double().t()
+        row = {"shape": name, "n": n, "k": k, "floor_us": 1e6 * 2 * n * k / bandwidth,
+               "cublas_us": per_call_us(lambda i: F.linear(x, weights[i]), copies), "configs": []}
+        for config in CONFIGS:
+            got = row_kernels.row_product(x, weights[0], None, config)
+            row["configs"].append({
+                "config": config, "us": per_call_us(lambda i, c=config: row_kernels.row_product(x, weights[i], None, c),
+                                                    copies),
+                "max_abs_vs_float64": float((got.double() - want).abs().max())})
+        best = min(row["configs"], key=lambda r: r["us"])
+        served = next(r for r in row["configs"] if tuple(r["config"]) == row_kernels.ROW_CONFIG)
+        row["best"], row["served_us"] = best, served["us"]
+        taken = "taken" if n <= row_kernels.ROW_PRODUCT_MAX_N else "not taken"
+        print(f"{name}: floor {row['floor_us']:.1f} cuBLAS {row['cublas_us']:.1f} row_product {served['us']:.1f} "
+              f"(best {best['us']:.1f} {best['config']}); {taken} by the rule", flush=True)
+        rows.append(row)
+        weights.clear()
+        torch.cuda.empty_cache()
+    write_sweep(args.out, "row_product_sweep", bandwidth, rows)
+
+
+if __name__ == "__main__":
+    main()
