@@ -4,16 +4,20 @@ copy bandwidth). Timing as bench.diag.fp8_split_k_sweep: weights cycled past L2,
 of its replays.
 
     python -m bench.diag.row_product_sweep --out DIR
+    python -m bench.diag.row_product_sweep --plot RESULT.json   # its PNG again (no GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import save_plot
 from bench.diag.fp8_split_k_sweep import CYCLE_BYTES, per_call_us, write_sweep
 from bench.offline_throughput import copy_bandwidth
 from engine.models import row_kernels
@@ -26,11 +30,34 @@ CONFIGS = [(8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16
            (16, 512, 8, 3)]
 
 
+def plot(result: Path) -> None:
+    """result's PNG beside it: per shape, cuBLAS, the served tile and the best tile over the floor."""
+    record = json.loads(result.read_text())
+    rows = record["rows"]
+
+    def draw(fig: Any) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        xs = range(len(rows))
+        for i, (label, key) in enumerate([("cuBLAS", "cublas_us"), ("row_product (served tile)", "served_us")]):
+            ax.bar([x + 0.27 * (i - 1) for x in xs], [r[key] / r["floor_us"] for r in rows], 0.27, label=label)
+        ax.bar([x + 0.27 for x in xs], [r["best"]["us"] / r["floor_us"] for r in rows], 0.27, label="best tile")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(xs), [r["shape"] for r in rows], fontsize=8)
+        ax.set_ylabel("time over the weights' floor (copy bandwidth)")
+        ax.legend(fontsize=8)
+
+    save_plot(result.with_suffix(".png"), draw, f"One row through a bfloat16 projection\n{record['device_name']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--plot", type=Path, default=None, help="Only draw this result's PNG again.")
     args = parser.parse_args()
+    if args.plot is not None:
+        plot(args.plot)
+        return
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     for name in args.shapes:
@@ -57,6 +84,7 @@ def main() -> None:
         weights.clear()
         torch.cuda.empty_cache()
     write_sweep(args.out, "row_product_sweep", bandwidth, rows)
+    plot(next(args.out.glob("row_product_sweep_*.json")))
 
 
 if __name__ == "__main__":
