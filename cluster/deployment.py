@@ -6,6 +6,8 @@ is what the router is given. Ray must be initialized first.
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 from cluster.config import ClusterConfig
@@ -63,12 +65,18 @@ class Deployment:
             prefill=self.prefill.router_handles() if self.prefill else {}, decode=self.decode.router_handles()
         )
 
-    async def held_blocks(self) -> dict[str, int]:
-        """Every worker's held block count after its integrity check (0 everywhere once drained)."""
+    async def held_blocks(self, timeout_s: float = 240.0) -> dict[str, int]:
+        """Every worker's held block count after its integrity check (0 everywhere once drained); a worker
+        that does not answer within timeout_s (its engine thread stuck or gone) is a TimeoutError naming it.
+        The default outlasts a prefill worker's wait for its pushes under way (150 s by default)."""
         held = {}
         for pool in self.pools:
             for worker_id, handle in pool.handles.items():
-                held[worker_id] = await handle.check_integrity.remote()
+                try:
+                    held[worker_id] = await asyncio.wait_for(handle.check_integrity.remote(), timeout_s)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"{worker_id} did not answer its integrity check within {timeout_s} s; "
+                                       "its engine thread is stuck or gone (see its log)") from None
         return held
 
     def shutdown(self) -> None:

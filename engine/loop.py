@@ -45,6 +45,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[[EngineCore], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # NOTE: held by a submit's check and put, and by the loop's end while it marks itself stopped: every
+        # command put before that mark is failed by its last sweep, none is put after it
+        self._closing = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside engine.step(), since start
@@ -64,10 +67,11 @@ class EngineLoop:
     def submit(self, command: Callable[[EngineCore], T]) -> Future[T]:
         """Runs `command(engine)` on the engine thread before its next step."""
         future: Future[T] = Future()
-        if self._stopping.is_set():
-            future.set_exception(RuntimeError("the engine loop is stopped"))
-            return future
-        self._commands.put((command, future))
+        with self._closing:
+            if self._stopping.is_set():
+                future.set_exception(RuntimeError("the engine loop is stopped"))
+                return future
+            self._commands.put((command, future))
         self._wake.set()
         return future
 
@@ -134,7 +138,8 @@ class EngineLoop:
             if self.on_error is not None:
                 self.on_error(err)
         finally:
-            self._stopping.set()
+            with self._closing:
+                self._stopping.set()
             self.gc_pauses.stop()
             self._fail_pending()
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from engine import LLM, SamplingParams
 from engine.loop import EngineLoop
@@ -47,3 +50,34 @@ def test_the_loop_counts_its_steps_and_times_its_steps_and_commands(make_llm: Ca
     # the collector's pauses while the loop ran: the full pass at least
     assert 0 < after.longest_recent_gc_seconds <= after.gc_seconds
     assert after.follower_gc_seconds == 0.0
+
+
+class _PutAfterTheLoopEnds:
+    """The loop's command queue, whose put first starts the loop and gives its thread half a second to end (its
+    engine's step raises at once): the race of a submit with a loop that dies between the submit's check and
+    its put."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop, self._queue = loop, loop._commands
+
+    def put(self, item: Any) -> None:
+        self._loop.start()
+        self._loop._thread.join(0.5)
+        self._queue.put(item)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+def test_a_command_submitted_as_the_loop_dies_fails_instead_of_waiting_forever() -> None:
+    def step() -> None:
+        raise RuntimeError("a rank died")
+
+    engine: Any = SimpleNamespace(has_unfinished=lambda: True, step=step)
+    loop = EngineLoop(engine, lambda outs: None)
+    loop._commands = _PutAfterTheLoopEnds(loop)  # type: ignore[assignment]
+    future = loop.submit(lambda engine: 1)
+    with pytest.raises(RuntimeError, match="stopped before running this command"):
+        future.result(timeout=5)
+    loop._thread.join(5)
+    assert not loop._thread.is_alive()
