@@ -22,22 +22,30 @@ ROW_CONFIG: RowConfig = (8, 512, 4, 3)  # the FP8 one-row product's tile at twic
 
 
 @triton.jit
-def _row_product_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """out[0, n-block] = x . w[n-block] (+ bias), float32 products summed lane by lane over K."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+def row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            NUM_STAGES: tl.constexpr):
+    """w[rn] . x for one row x over K: float32 products summed lane by lane over K, then across each weight
+    row's lanes (x and w of any dtype float32 holds exactly: 16-bit, or E4M3 for the FP8 one-row product)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    after_previous(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-    total = tl.sum(acc, 1)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _row_product_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out[0, n-block] = x . w[n-block] (+ bias)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    after_previous(PDL)
+    total = row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES)
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.models.row_kernels import row_dot
 from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
 from engine.quant.fp8 import FP8, FP8_MAX, MIN_SCALE
 from engine.quant.split_k import store_split_k
@@ -141,15 +142,9 @@ def _gemv_kernel(
     in float32 lane by lane over K, then across the tile's columns; the scales and bias after."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     after_previous(PDL)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        x = tl.load(xq_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    total = tl.sum(acc, 1) * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+    total = row_dot(xq_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES)
+    total = total * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
