@@ -1,8 +1,8 @@
 """One row times a 16-bit weight on the CUDA cores (`row_product`): a decode step's narrow projections at
 batch 1, where cuBLAS's small-M tiles and split-K reductions read the weights well above their bandwidth
-floor (Llama-3.1-8B at TP=2 on an H200: o 10.9 us against 3.9, down 19.0 against 13.5). Products and sums in
-float32, lane by lane over K, then across a tile's columns: the reference's sums in another order. Imported
-only by CUDA models and interpreted tests (it imports triton)."""
+floor (README, tensor parallelism: the step and each product against cuBLAS). Products and sums in float32,
+lane by lane over K, then across a tile's columns: the reference's sums in another order. `row_dot` is the
+FP8 one-row product's sum too. Imported only by CUDA models and interpreted tests (it imports triton)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import triton.language as tl
 from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
 
 ROW_PRODUCT_MAX_N = 4096
-"""The widest output `takes_row_product` sends here (the 8B shape's o and down projections, and TP=2's qkv)."""
+"""The widest output `takes_row_product` sends here: the widths measured in a step (the 8B shape's o and down
+projections, and TP=2's qkv); wider ones stay with cuBLAS until a step measures them."""
 
 RowConfig = tuple[int, int, int, int]
 """(block_n, block_k, num_warps, num_stages) of `row_product`."""
 
-ROW_CONFIG: RowConfig = (8, 512, 4, 3)  # the FP8 one-row product's tile at twice the bytes a weight
+ROW_CONFIG: RowConfig = (8, 512, 4, 3)  # the FP8 one-row product's tile at twice the bytes a weight (16 rows lost)
 
 
 @triton.jit
