@@ -18,6 +18,9 @@ from prefill_worker import PrefillWorkerConfig
 from router import Workers
 
 
+INTEGRITY_CHECK_S = 60.0  # a worker's integrity check itself: a command between two engine steps
+
+
 class Deployment:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -65,10 +68,12 @@ class Deployment:
             prefill=self.prefill.router_handles() if self.prefill else {}, decode=self.decode.router_handles()
         )
 
-    async def held_blocks(self, timeout_s: float = 240.0) -> dict[str, int]:
+    async def held_blocks(self, timeout_s: float | None = None) -> dict[str, int]:
         """Every worker's held block count after its integrity check (0 everywhere once drained); a worker
         that does not answer within timeout_s (its engine thread stuck or gone) is a TimeoutError naming it.
-        The default outlasts a prefill worker's wait for its pushes under way (150 s by default)."""
+        Default: a prefill worker's wait for its pushes under way (longest_push_s), plus INTEGRITY_CHECK_S."""
+        if timeout_s is None:
+            timeout_s = self.config.prefill.longest_push_s + INTEGRITY_CHECK_S
         held = {}
         for pool in self.pools:
             for worker_id, handle in pool.handles.items():

@@ -45,6 +45,12 @@ class EndpointConfig(BaseModel):
         "frozen with it would never be freed.",
     )
 
+    @property
+    def longest_push_s(self) -> float:
+        """How long a started push can last: its handshake (pair_timeout_s), the draft's buffer and each of its
+        two sends (transfer_timeout_s each) are its bounded waits."""
+        return self.pair_timeout_s + 3 * self.transfer_timeout_s
+
 
 class TransferEndpoint:
     worker_id: str

@@ -323,13 +323,11 @@ class PrefillWorker(TransferEndpoint):
         return await self.channel.address()
 
     async def settle_pushes(self, timeout_s: float | None = None) -> int:
-        """Waits (at most timeout_s) for the pushes under way; returns how many still are. The default
-        outlasts a push that has started: its handshake (pair_timeout_s), the draft's buffer and each of
-        its two sends (transfer_timeout_s each) are its bounded waits."""
+        """Waits (at most timeout_s; default: as long as a started push can last, `longest_push_s`) for the
+        pushes under way; returns how many still are."""
         pushes = [job.push for job in self.jobs.values() if job.push is not None]
         if pushes:
-            longest = self.config.pair_timeout_s + 3 * self.config.transfer_timeout_s
-            await asyncio.wait(pushes, timeout=longest if timeout_s is None else timeout_s)
+            await asyncio.wait(pushes, timeout=self.config.longest_push_s if timeout_s is None else timeout_s)
         return sum(1 for job in self.jobs.values() if job.push is not None and not job.push.done())
 
     async def push_records(self) -> list[bytes]:

@@ -403,7 +403,7 @@ class DraftModelProposer:
 
     def _catch_up(self, behind: list[_Job]) -> None:
         """Feeds each job's tokens but its last MAX_CATCH_UP, in one forward without logits: the loop's
-        first pass (or pass 1 of drafting pass by pass) feeds those."""
+        first pass feeds those."""
         assert self.runner is not None
         if not behind:
             return

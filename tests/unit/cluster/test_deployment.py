@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from cluster.config import ClusterConfig
 from cluster.deployment import Deployment
 
 
@@ -22,7 +23,8 @@ def _handle(answer: int | None) -> SimpleNamespace:
 
 
 def _deployment(handles: dict[str, SimpleNamespace]) -> Deployment:
-    deployment = Deployment.__new__(Deployment)  # NOTE: no Ray cluster: only the pools' handles are read
+    deployment = Deployment.__new__(Deployment)  # NOTE: no Ray cluster: only the config and the pools' handles are read
+    deployment.config = ClusterConfig()
     deployment.prefill, deployment.decode = None, SimpleNamespace(handles=handles)
     return deployment
 
