@@ -1,6 +1,6 @@
 """One row through a bfloat16 projection: cuBLAS (F.linear) against engine/models/row_kernels.row_product over a
-few tiles, at Llama-3.1-8B's projections for TP=1 and TP=2 (a rank's shard); the floor beside (weight bytes /
-copy bandwidth). Timing as bench.diag.fp8_split_k_sweep: weights cycled past L2, one CUDA graph a cycle, median
+few tiles, at Llama-3.1-8B's projections for TP=1 and TP=2 (a rank's shard), Llama-3.1-70B's for TP=2, and their
+LM heads; the floor beside (weight bytes / copy bandwidth). Timing as bench.diag.fp8_split_k_sweep: weights cycled past L2, one CUDA graph a cycle, median
 of its replays.
 
     python -m bench.diag.row_product_sweep --out DIR
@@ -22,6 +22,9 @@ from bench.common import save_plot
 SHAPES = {  # (N, K)
     "8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096), "8b_down": (4096, 14336),
     "8b_tp2_qkv": (3072, 4096), "8b_tp2_o": (4096, 2048), "8b_tp2_gate_up": (14336, 4096), "8b_tp2_down": (4096, 7168),
+    "70b_tp2_qkv": (5120, 8192), "70b_tp2_o": (8192, 4096), "70b_tp2_gate_up": (28672, 8192),
+    "70b_tp2_down": (8192, 14336), "8b_lm_head": (128256, 4096), "8b_tp2_lm_head": (64128, 4096),
+    "70b_tp2_lm_head": (64128, 8192),
 }
 CONFIGS = [(8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4),
            (16, 512, 8, 3)]
@@ -78,11 +81,10 @@ def main() -> None:
                                                     copies),
                 "max_abs_vs_float64": float((got.double() - want).abs().max())})
         best = min(row["configs"], key=lambda r: r["us"])
-        served = next(r for r in row["configs"] if tuple(r["config"]) == row_kernels.ROW_CONFIG)
+        served = next(r for r in row["configs"] if tuple(r["config"]) == row_kernels.row_config(k))
         row["best"], row["served_us"] = best, served["us"]
-        taken = "taken" if n <= row_kernels.ROW_PRODUCT_MAX_N else "not taken"
         print(f"{name}: floor {row['floor_us']:.1f} cuBLAS {row['cublas_us']:.1f} row_product {served['us']:.1f} "
-              f"(best {best['us']:.1f} {best['config']}); {taken} by the rule", flush=True)
+              f"(best {best['us']:.1f} {best['config']})", flush=True)
         rows.append(row)
         weights.clear()
         torch.cuda.empty_cache()

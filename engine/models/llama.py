@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         return add_norm(self.ops, x, residual, self.model.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
-        logits = self.lm_head(hidden)
+        logits = self.ops.linear(hidden, self.lm_head.weight, None, None)
         if self.tp is not None:
             logits = self.tp.group.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
         return logits.float()

@@ -1,6 +1,6 @@
-"""One row times a 16-bit weight on the CUDA cores (`row_product`): a decode step's narrow projections at
-batch 1, where cuBLAS's small-M tiles and split-K reductions read the weights well above their bandwidth
-floor (README, tensor parallelism: the step and each product against cuBLAS). Products and sums in float32,
+"""One row times a 16-bit weight on the CUDA cores (`row_product`): a decode step's projections and LM head at
+batch 1, where cuBLAS's small-M tiles and split-K reductions read the weights above their bandwidth floor
+(README, tensor parallelism: the step and each product against cuBLAS). Products and sums in float32,
 lane by lane over K, then across a tile's columns: the reference's sums in another order. `row_dot` is the
 FP8 one-row product's sum too. Imported only by CUDA models and interpreted tests (it imports triton)."""
 
@@ -12,14 +12,17 @@ import triton.language as tl
 
 from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
 
-ROW_PRODUCT_MAX_N = 4096
-"""The widest output `takes_row_product` sends here: the widths measured in a step (the 8B shape's o and down
-projections, and TP=2's qkv); wider ones stay with cuBLAS until a step measures them."""
-
 RowConfig = tuple[int, int, int, int]
 """(block_n, block_k, num_warps, num_stages) of `row_product`."""
 
 ROW_CONFIG: RowConfig = (8, 512, 4, 3)  # the FP8 one-row product's tile at twice the bytes a weight (16 rows lost)
+LONG_ROW_CONFIG: RowConfig = (8, 1024, 4, 3)  # rows of LONG_ROW_K or more (the 70B shape's projections)
+LONG_ROW_K = 8192
+
+
+def row_config(k: int) -> RowConfig:
+    """The tile `row_product` multiplies rows of K with."""
+    return LONG_ROW_CONFIG if k >= LONG_ROW_K else ROW_CONFIG
 
 
 @triton.jit
@@ -54,21 +57,20 @@ def _row_product_kernel(
 
 def takes_row_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `row_product` serves x @ weight.T: one row on a CUDA device, a 16-bit weight of x's dtype with
-    at most ROW_PRODUCT_MAX_N outputs and contiguous rows."""
+    contiguous rows."""
     return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[0] <= ROW_PRODUCT_MAX_N
-            and weight.stride(1) == 1)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
 
 
 def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: RowConfig = ROW_CONFIG) -> torch.Tensor:
-    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype."""
+                config: RowConfig | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype; config: row_config(K)'s by default."""
     n, k = weight.shape
     if x.numel() != k:
         raise ValueError(f"row_product multiplies one row of {k}; got x of shape {tuple(x.shape)}")
     row = x.reshape(k).contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config
+    block_n, block_k, num_warps, num_stages = config or row_config(k)
     _row_product_kernel[(triton.cdiv(n, block_n),)](
         row, weight, bias if bias is not None else row, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,

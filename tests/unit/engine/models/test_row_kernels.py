@@ -18,22 +18,28 @@ pytestmark = pytest.mark.usefixtures("interpreted_triton")
     (45, 300, (8, 128, 4, 2)),    # N and K not multiples of the tile
     (64, 2048, None),             # the served tile
     (16, 1000, (16, 256, 4, 3)),
+    (12, 8200, None),             # long rows: row_config's wider tile, K not a multiple of it
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_row_product_equals_the_float32_reference(n: int, k: int, config: tuple | None, bias: bool) -> None:
     gen = torch.Generator().manual_seed(n * k)
     x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    got = row_kernels.row_product(x, w, b, config or row_kernels.ROW_CONFIG)
+    got = row_kernels.row_product(x, w, b, config)
     want = x.double() @ w.double().t() + (b.double() if bias else 0.0)
     assert got.shape == (1, n)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
-    assert row_kernels.row_product(x[0], w, b, config or row_kernels.ROW_CONFIG).shape == (n,)  # no batch dimension
+    assert row_kernels.row_product(x[0], w, b, config).shape == (n,)  # no batch dimension
 
 
 def test_row_product_refuses_two_rows() -> None:
     with pytest.raises(ValueError, match="one row of 64; got x of shape"):
         row_kernels.row_product(torch.randn(2, 64), torch.randn(8, 64), None)
+
+
+def test_long_rows_take_the_wider_tile() -> None:
+    assert row_kernels.row_config(4096) == row_kernels.ROW_CONFIG
+    assert row_kernels.row_config(8192) == row_kernels.row_config(14336) == row_kernels.LONG_ROW_CONFIG
 
 
 def test_the_rule_takes_no_cpu_tensor() -> None:
