@@ -13,14 +13,14 @@ from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
 
 
 @triton.jit
-def norm_row(h, w_ptr, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE: tl.constexpr):
-    """h: one row in the activations' dtype -> out's row = weight * norm(h) in that dtype; with QUANTIZE,
-    that quantized as fp8.quantize_rows does (E4M3 into out, the row's scale into scale_ptr). The norm of
-    `_add_rms_norm_kernel` and of the symmetric all-reduce's fused kernel (engine/parallel/symm_kernels.py)."""
+def norm_row(h, w, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE: tl.constexpr):
+    """h: one row in the activations' dtype, w: the norm's weight (float32, loaded before the kernel's wait:
+    no kernel writes it) -> out's row = weight * norm(h) in that dtype; with QUANTIZE, that quantized as
+    fp8.quantize_rows does (E4M3 into out, the row's scale into scale_ptr). The norm of `_add_rms_norm_kernel`
+    and of the symmetric all-reduce's fused kernel (engine/parallel/symm_kernels.py)."""
     hf = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
     y = (hf * inv).to(h.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if QUANTIZE:
         q, scale = quantize_row((w * y).to(h.dtype).to(tl.float32), ok)
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
@@ -37,16 +37,17 @@ def _add_rms_norm_kernel(
     """One program a row: h = residual + x (rounded; stored as the new residual), out = norm(h) in
     the activations' dtype; with QUANTIZE, out is that norm quantized as fp8.quantize_rows does
     (E4M3 into out, the row's scale into scale_ptr): the next projection's input, one launch less."""
-    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # NOTE: a weight: read before the wait
+    after_previous(PDL)
     h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
         h = (r.to(tl.float32) + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + cols, h, mask=ok)
-    norm_row(h, w_ptr, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE)
+    norm_row(h, w, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE)
 
 @triton.jit
 def _norm_rope_kernel(

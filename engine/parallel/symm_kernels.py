@@ -57,14 +57,11 @@ def _flags(addrs, epoch, ASM: tl.constexpr):
 
 
 @triton.jit
-def _meet(signal_pads, block, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _meet(peers, own, block, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Program `block` of every rank meets here for its `epoch`-th call: after it, each rank's writes before
-    it are visible to all. A peer is at most one call ahead (its next meeting waits for ours), and the
-    signed difference keeps the count's wrap harmless."""
+    it are visible to all (peers: every rank's signal pad, own: this rank's). A peer is at most one call
+    ahead (its next meeting waits for ours), and the signed difference keeps the count's wrap harmless."""
     ranks = tl.arange(0, WORLD)
-    pads = signal_pads.to(tl.pointer_type(tl.uint64))
-    peers = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32))
-    own = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
     epochs = tl.full([WORLD], 0, tl.uint32) + epoch
     tl.debug_barrier()  # NOTE: every thread's writes of this program are done before one thread signals
     if _thread_index() < WORLD:
@@ -84,19 +81,25 @@ def _allreduce_add_rms_norm_kernel(
     new residual; out = norm(h) as `_add_rms_norm_kernel` computes it. The row's calls alternate between
     the buffer's two halves (`half` elements each), so one meeting a call suffices: a rank writes a half
     again only two calls on, after every peer has met it for the call between, so done reading it."""
-    after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    # NOTE: this row's calls so far, the same on every rank; unsigned, so its wrap is defined
-    epoch = tl.load(calls_ptr + row).to(tl.uint32, bitcast=True) + 1
-    tl.store(calls_ptr + row, epoch.to(tl.int32, bitcast=True))
     cols = tl.arange(0, BLOCK)
     ok = cols < n
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    # NOTE: before the wait, what no other kernel writes: the norm's weight, the buffers' and pads' addresses,
+    # and this row's calls so far (this kernel's own count, the same on every rank; unsigned, so its wrap is
+    # defined), read past L1
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
-    base = (epoch & 1).to(tl.int64) * half + row * n
     mine = tl.load(buffers + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    pads = signal_pads.to(tl.pointer_type(tl.uint64))
+    peers = tl.load(pads + tl.arange(0, WORLD)).to(tl.pointer_type(tl.uint32))
+    own = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+    epoch = tl.load(calls_ptr + row, cache_modifier=".cg").to(tl.uint32, bitcast=True) + 1
+    after_previous(PDL)
+    tl.store(calls_ptr + row, epoch.to(tl.int32, bitcast=True))
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    base = (epoch & 1).to(tl.int64) * half + row * n
     tl.store(mine + base + cols, x, mask=ok)
-    _meet(signal_pads, row, epoch, RANK, WORLD)
+    _meet(peers, own, row, epoch, RANK, WORLD)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         peer = tl.load(buffers + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
@@ -106,7 +109,7 @@ def _allreduce_add_rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
         h = (r.to(tl.float32) + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
     tl.store(res_out_ptr + row * stride_ro + cols, h, mask=ok)
-    norm_row(h, w_ptr, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE)
+    norm_row(h, w, out_ptr, scale_ptr, row, stride_o, cols, ok, n, eps, QUANTIZE)
 
 
 def allreduce_add_rms_norm(
@@ -130,7 +133,6 @@ def allreduce_add_rms_norm(
             eps,
             RANK=handle.rank, WORLD=handle.world_size, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
             BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8,
-            # NOTE: launched in the stream's order: an early launch of it is unmeasured on two GPUs
-            **pdl_options(x.device, tokens, max_rows=0),
+            **pdl_options(x.device, tokens),
         )  # fmt: skip
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
