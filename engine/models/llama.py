@@ -71,6 +71,10 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor | QuantizedRows, ops: Decode
     then the bias once."""
     if tp is None:
         return ops.linear(x, linear.weight, linear.weight_scale, linear.bias)
+    if linear.bias is None and ops.triton and linear.weight_scale is None and isinstance(x, torch.Tensor):
+        pushed = tp.group.product_later(x, linear.weight)  # NOTE: one row into the peers' buffers as it is made
+        if pushed is not None:
+            return pushed
     partial = ops.linear(x, linear.weight, linear.weight_scale, None)
     if linear.bias is None and ops.triton:
         return tp.group.all_reduce_later(partial)  # NOTE: maybe a PartialSum: the norm after it sums it (add_norm)

@@ -6,6 +6,8 @@ FP8 one-row product's sum too. Imported only by CUDA models and interpreted test
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,19 +42,41 @@ def row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K:
     return tl.sum(acc, 1)
 
 
+# NOTE: relaxed at system scope: a peer's polling loads (engine/parallel/symm_kernels.py) see each line whole
+_PUT = tl.constexpr("st.relaxed.sys.global.u32 [$1], $2;\n mov.u32 $0, 0;")
+
+
+@triton.jit
+def _put(addrs, lines):
+    """Store each 32-bit line at its address (a peer's symmetric buffer, mapped here)."""
+    tl.inline_asm_elementwise(_PUT, "=r, l, r", [addrs, lines], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _row_product_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, buffer_ptrs, calls_ptr, region,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[0, n-block] = x . w[n-block] (+ bias)."""
+    """out[0, n-block] = x . w[n-block] (+ bias). PUSH (N a multiple of BLOCK_N): each value also into every
+    peer's buffer (buffer_ptrs: each rank's) as a 32-bit line, its 16 bits low and its call's tag high, at
+    ((call's half * WORLD + RANK) * region + n): engine/parallel/symm_kernels.py's pushed norm reads them."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     after_previous(PDL)
     total = row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES)
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+    partial = total.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rn, partial, mask=n_ok)
+    if PUSH:
+        epoch = tl.load(calls_ptr).to(tl.uint32, bitcast=True) + 1  # NOTE: the call the norm after it makes
+        lines = partial.to(tl.uint16, bitcast=True).to(tl.uint32) | ((epoch & 0xFFFF) << 16)
+        buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer = tl.load(buffers + r).to(tl.pointer_type(tl.uint32))
+                _put(peer + ((epoch & 1).to(tl.int64) * WORLD + RANK) * region + rn, lines)  # NOTE: N % BLOCK_N == 0
 
 
 def takes_row_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -62,17 +86,35 @@ def takes_row_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
 
 
+class Push(NamedTuple):
+    """Where `row_product` also stores its row, as 32-bit lines tagged with their call (symm_kernels' layout):
+    every rank's symmetric buffer (a device array of addresses), the call count the norm after it raises, a
+    region's lines, this rank and the group's size."""
+
+    buffer_ptrs: int
+    calls: torch.Tensor
+    region: int
+    rank: int
+    world: int
+
+
 def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: RowConfig | None = None) -> torch.Tensor:
-    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype; config: row_config(K)'s by default."""
+                config: RowConfig | None = None, push: Push | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype; config: row_config(K)'s by default.
+    push: the row also into every peer's buffer (N a multiple of the tile's rows, at most push.region)."""
     n, k = weight.shape
     if x.numel() != k:
         raise ValueError(f"row_product multiplies one row of {k}; got x of shape {tuple(x.shape)}")
     row = x.reshape(k).contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or row_config(k)
+    if push is not None and (n % block_n or n > push.region or x.element_size() != 2):
+        raise ValueError(f"row_product pushes 16-bit rows of a multiple of {block_n} up to {push.region} values; "
+                         f"got {n} of {x.dtype}")
     _row_product_kernel[(triton.cdiv(n, block_n),)](
-        row, weight, bias if bias is not None else row, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        row, weight, bias if bias is not None else row, out, n, k, weight.stride(0),
+        push.buffer_ptrs if push else 0, push.calls if push else out, push.region if push else 0,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, PUSH=push is not None,
+        RANK=push.rank if push else 0, WORLD=push.world if push else 1, num_warps=num_warps,
         **pdl_options(x.device, 1, max_rows=PDL_PRODUCT_MAX_ROWS))
     return out.reshape(*x.shape[:-1], n)

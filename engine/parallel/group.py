@@ -38,6 +38,7 @@ class PartialSum(NamedTuple):
 
     tensor: torch.Tensor
     group: TPGroup
+    pushed: bool = False  # its product stored it into the peers' buffers too (TPGroup.product_later)
 
 _IDLE_TIMEOUT = timedelta(days=30)
 
@@ -143,10 +144,20 @@ class TPGroup:
             return PartialSum(tensor, self)
         return self.all_reduce(tensor)
 
+    def product_later(self, x: torch.Tensor, weight: torch.Tensor) -> PartialSum | None:
+        """A row-parallel projection's one-row product x @ weight.T (no bias), pushed into every peer's symmetric
+        buffer as it is made, its all-reduce left to the norm after it; None where the product cannot push (then
+        multiply, and `all_reduce_later`)."""
+        if self._symmetric is None or not self._symmetric.pushes(x, weight):
+            return None
+        return PartialSum(self._symmetric.product_pushed(x, weight), self, pushed=True)
+
     def add_rms_norm(self, partial: PartialSum, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      quantize: bool) -> tuple[Any, torch.Tensor]:
         """DecoderOps.add_rms_norm of `partial` summed over the ranks, the sum in the same kernel."""
         assert self._symmetric is not None and partial.group is self
+        if partial.pushed:
+            return self._symmetric.pushed_add_rms_norm(partial.tensor, residual, weight, eps, quantize)
         return self._symmetric.add_rms_norm(partial.tensor, residual, weight, eps, quantize)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

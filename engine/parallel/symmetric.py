@@ -10,6 +10,8 @@ above (a prefill chunk's rows, bandwidth-bound, where NCCL is not slower).
 
 Both kernels sum every rank's rows in rank order on every rank, so all ranks hold the same bits, and
 both end with a barrier of the ranks, so the one buffer is free again once a call returns on any rank.
+The all-reduces a norm follows take one kernel with it (engine/parallel/symm_kernels.py) in a buffer of its
+own, and a one-row product's pushes another.
 A rank whose peer died spins in the barrier (as an NCCL kernel does): its process must go (README,
 tensor parallelism)."""
 
@@ -35,6 +37,9 @@ def fused_rows_max(world: int, signal_pad_bytes: int) -> int:
     return signal_pad_bytes // (FLAG_BYTES * world)
 
 
+PUSH_REGION = 16384  # the widest row a product pushes (its peers' lines: a region a half and rank)
+
+
 def takes_fused_norm(rows: int, row_bytes: int, world: int, signal_pad_bytes: int) -> bool:
     """Whether the all-reduce fused with the norm (engine/parallel/symm_kernels.py) takes ROWS rows of
     ROW_BYTES: the one-shot size, a power-of-two group, and a flag per row and rank within each signal pad
@@ -48,7 +53,8 @@ class SymmetricAllReduce:
     cannot be made (the CPU, a torch without symmetric memory, ranks that cannot map each other's
     memory); every rank calls it at once, and the caller makes the ranks agree before using it."""
 
-    def __init__(self, buffer: torch.Tensor, fused: torch.Tensor, fused_handle: Any, group_name: str) -> None:
+    def __init__(self, buffer: torch.Tensor, fused: torch.Tensor, fused_handle: Any, pushed: torch.Tensor,
+                 pushed_handle: Any, group_name: str) -> None:
         self._buffer = buffer  # uint8, BUFFER_BYTES, mapped by every rank
         self._fused = fused  # uint8, two halves of ONE_SHOT_MAX_BYTES: the fused kernel's own, and its pads
         self._fused_handle = fused_handle  # its rendezvous: every rank's buffer and signal pad
@@ -56,6 +62,9 @@ class SymmetricAllReduce:
         self._signal_pad_bytes = int(getattr(fused_handle, "signal_pad_size", None) or OLDEST_SIGNAL_PAD_BYTES)
         rows = fused_rows_max(fused_handle.world_size, self._signal_pad_bytes)
         self._fused_calls = torch.zeros(rows, dtype=torch.int32, device=buffer.device)  # each row's calls
+        self._pushed = pushed  # int32 lines, 2 * world regions of PUSH_REGION, zeroed: the pushed norm's own
+        self._pushed_handle = pushed_handle
+        self._pushed_calls = torch.zeros(1, dtype=torch.int32, device=buffer.device)
 
     @staticmethod
     def build(name: str, rank: int, size: int, store: Any, backend: Any, device: torch.device
@@ -84,17 +93,22 @@ class SymmetricAllReduce:
             symm_mem.rendezvous(buffer, name)
             fused = symm_mem.empty(2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
             fused_handle = symm_mem.rendezvous(fused, name)
+            pushed = symm_mem.empty(2 * size * PUSH_REGION, dtype=torch.int32, device=device)
+            pushed.zero_()  # NOTE: no line carries a call's tag before its call (tags start at 1)
+            torch.cuda.synchronize(device)  # zeroed before any peer can write into it
+            pushed_handle = symm_mem.rendezvous(pushed, name)
         except Exception as err:  # noqa: BLE001 - NCCL stays the path; the reason is logged
             log.warning("symmetric-memory all-reduce unavailable on rank %d (%s: %s); NCCL does them",
                         rank, type(err).__name__, err)
             return None
-        return SymmetricAllReduce(buffer, fused, fused_handle, name)
+        return SymmetricAllReduce(buffer, fused, fused_handle, pushed, pushed_handle, name)
 
     def close(self) -> None:
         """Free the buffer (a mapping every rank holds) once the device is done with it, and forget the group's
         name, before the device group's NCCL communicator is shut down."""
         torch.cuda.synchronize(self._buffer.device)
         del self._buffer, self._fused, self._fused_handle, self._fused_calls
+        del self._pushed, self._pushed_handle, self._pushed_calls
         try:
             torch._C._distributed_c10d._unregister_process_group(self._name)
         except (RuntimeError, AttributeError):
@@ -120,6 +134,35 @@ class SymmetricAllReduce:
         from engine.parallel.symm_kernels import allreduce_add_rms_norm
 
         return allreduce_add_rms_norm(self._fused_handle, self._fused_calls, partial, residual, weight, eps, quantize)
+
+    def pushes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the one-row product x @ weight.T (a row-parallel projection's, no bias) can push its row into
+        the peers' buffers for `pushed_add_rms_norm`: a row_product on a power-of-two group, at most PUSH_REGION
+        outputs, a multiple of its tile's rows."""
+        from engine.models import row_kernels
+
+        n = weight.shape[0]
+        return (row_kernels.takes_row_product(x, weight) and n <= PUSH_REGION
+                and n % row_kernels.row_config(weight.shape[1])[0] == 0
+                and self._pushed_handle.world_size & (self._pushed_handle.world_size - 1) == 0)
+
+    def product_pushed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T (which `pushes`), the row also stored into every peer's buffer (`pushed_add_rms_norm`
+        sums it)."""
+        from engine.models import row_kernels
+
+        handle = self._pushed_handle
+        push = row_kernels.Push(handle.buffer_ptrs_dev, self._pushed_calls, PUSH_REGION, handle.rank,
+                                handle.world_size)
+        return row_kernels.row_product(x, weight, None, push=push)
+
+    def pushed_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float, quantize: bool) -> tuple[Any, torch.Tensor]:
+        """`add_rms_norm` of a row from `product_pushed`: its peers' rows are in this rank's buffer already."""
+        from engine.parallel.symm_kernels import pushed_add_rms_norm
+
+        return pushed_add_rms_norm(self._pushed_handle, self._pushed_calls, PUSH_REGION, partial, residual, weight,
+                                   eps, quantize)
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `tensor` (which `fits`), as a new tensor; the current stream is
