@@ -70,7 +70,8 @@ def _row_product_kernel(
     partial = total.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rn, partial, mask=n_ok)
     if PUSH:
-        epoch = tl.load(calls_ptr).to(tl.uint32, bitcast=True) + 1  # NOTE: the call the norm after it makes
+        # NOTE: the call the norm after it makes (that norm's own count, read past L1 as it reads it)
+        epoch = tl.load(calls_ptr, cache_modifier=".cg").to(tl.uint32, bitcast=True) + 1
         lines = partial.to(tl.uint16, bitcast=True).to(tl.uint32) | ((epoch & 0xFFFF) << 16)
         buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
         for r in tl.static_range(WORLD):
