@@ -37,6 +37,17 @@ def test_row_product_refuses_two_rows() -> None:
         row_kernels.row_product(torch.randn(2, 64), torch.randn(8, 64), None)
 
 
+def test_a_push_is_refused_past_its_region_or_for_a_part_tile() -> None:
+    push = row_kernels.Push(0, torch.zeros(1, dtype=torch.int32), 64, 0, 2)
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pushes 16-bit rows of a multiple of 8 up to 64 values; got 45"):
+        row_kernels.row_product(x, torch.randn(45, 32, dtype=torch.bfloat16), None, push=push)
+    with pytest.raises(ValueError, match="got 72"):
+        row_kernels.row_product(x, torch.randn(72, 32, dtype=torch.bfloat16), None, push=push)
+    with pytest.raises(ValueError, match="got 64 of torch.float32"):
+        row_kernels.row_product(x.float(), torch.randn(64, 32), None, push=push)
+
+
 def test_long_rows_take_the_wider_tile() -> None:
     assert row_kernels.row_config(4096) == row_kernels.ROW_CONFIG
     assert row_kernels.row_config(8192) == row_kernels.row_config(14336) == row_kernels.LONG_ROW_CONFIG
