@@ -71,13 +71,13 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor | QuantizedRows, ops: Decode
     then the bias once."""
     if tp is None:
         return ops.linear(x, linear.weight, linear.weight_scale, linear.bias)
-    if linear.bias is None and ops.triton and linear.weight_scale is None and isinstance(x, torch.Tensor):
-        pushed = tp.group.product_later(x, linear.weight)  # NOTE: one row into the peers' buffers as it is made
+    if linear.bias is None and ops.triton:  # NOTE: maybe a PartialSum: the norm after it sums it (add_norm)
+        # one 16-bit row goes into the peers' buffers as it is made (an FP8 or 4-bit weight's dtype is not x's)
+        pushed = tp.group.product_later(x, linear.weight) if isinstance(x, torch.Tensor) else None
         if pushed is not None:
             return pushed
+        return tp.group.all_reduce_later(ops.linear(x, linear.weight, linear.weight_scale, None))
     partial = ops.linear(x, linear.weight, linear.weight_scale, None)
-    if linear.bias is None and ops.triton:
-        return tp.group.all_reduce_later(partial)  # NOTE: maybe a PartialSum: the norm after it sums it (add_norm)
     out = tp.group.all_reduce(partial)
     return out if linear.bias is None else out + linear.bias
 

@@ -65,6 +65,13 @@ class SymmetricAllReduce:
         self._pushed = pushed  # int32 lines, 2 * world regions of PUSH_REGION, zeroed: the pushed norm's own
         self._pushed_handle = pushed_handle
         self._pushed_calls = torch.zeros(1, dtype=torch.int32, device=buffer.device)
+        # NOTE: the kernels' modules import Triton: resolved once here (this is built on CUDA only), not per call
+        from engine.models import row_kernels
+        from engine.parallel import symm_kernels
+
+        self._rows, self._kernels = row_kernels, symm_kernels
+        self._push = row_kernels.Push(pushed_handle.buffer_ptrs_dev, self._pushed_calls, PUSH_REGION,
+                                      pushed_handle.rank, pushed_handle.world_size)
 
     @staticmethod
     def build(name: str, rank: int, size: int, store: Any, backend: Any, device: torch.device
@@ -108,7 +115,7 @@ class SymmetricAllReduce:
         name, before the device group's NCCL communicator is shut down."""
         torch.cuda.synchronize(self._buffer.device)
         del self._buffer, self._fused, self._fused_handle, self._fused_calls
-        del self._pushed, self._pushed_handle, self._pushed_calls
+        del self._pushed, self._pushed_handle, self._pushed_calls, self._push
         try:
             torch._C._distributed_c10d._unregister_process_group(self._name)
         except (RuntimeError, AttributeError):
@@ -131,38 +138,28 @@ class SymmetricAllReduce:
                      quantize: bool) -> tuple[Any, torch.Tensor]:
         """The all-reduce of `partial` (which `fuses_norm`), then DecoderOps.add_rms_norm, in one kernel
         (engine/parallel/symm_kernels.py)."""
-        from engine.parallel.symm_kernels import allreduce_add_rms_norm
-
-        return allreduce_add_rms_norm(self._fused_handle, self._fused_calls, partial, residual, weight, eps, quantize)
+        return self._kernels.allreduce_add_rms_norm(self._fused_handle, self._fused_calls, partial, residual, weight,
+                                                    eps, quantize)
 
     def pushes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the one-row product x @ weight.T (a row-parallel projection's, no bias) can push its row into
-        the peers' buffers for `pushed_add_rms_norm`: a row_product on a power-of-two group, at most PUSH_REGION
-        outputs, a multiple of its tile's rows."""
-        from engine.models import row_kernels
-
+        the peers' buffers for `pushed_add_rms_norm`: a row_product of at most PUSH_REGION outputs, a multiple of
+        its tile's rows, whose row the fused norm takes (`takes_fused_norm`)."""
         n = weight.shape[0]
-        return (row_kernels.takes_row_product(x, weight) and n <= PUSH_REGION
-                and n % row_kernels.row_config(weight.shape[1])[0] == 0
-                and self._pushed_handle.world_size & (self._pushed_handle.world_size - 1) == 0)
+        return (self._rows.takes_row_product(x, weight) and n <= PUSH_REGION
+                and n % self._rows.row_config(weight.shape[1])[0] == 0
+                and takes_fused_norm(1, n * x.element_size(), self._push.world, self._signal_pad_bytes))
 
     def product_pushed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T (which `pushes`), the row also stored into every peer's buffer (`pushed_add_rms_norm`
         sums it)."""
-        from engine.models import row_kernels
-
-        handle = self._pushed_handle
-        push = row_kernels.Push(handle.buffer_ptrs_dev, self._pushed_calls, PUSH_REGION, handle.rank,
-                                handle.world_size)
-        return row_kernels.row_product(x, weight, None, push=push)
+        return self._rows.row_product(x, weight, None, push=self._push)
 
     def pushed_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                             eps: float, quantize: bool) -> tuple[Any, torch.Tensor]:
         """`add_rms_norm` of a row from `product_pushed`: its peers' rows are in this rank's buffer already."""
-        from engine.parallel.symm_kernels import pushed_add_rms_norm
-
-        return pushed_add_rms_norm(self._pushed_handle, self._pushed_calls, PUSH_REGION, partial, residual, weight,
-                                   eps, quantize)
+        return self._kernels.pushed_add_rms_norm(self._pushed_handle, self._pushed_calls, PUSH_REGION, partial,
+                                                 residual, weight, eps, quantize)
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `tensor` (which `fits`), as a new tensor; the current stream is
