@@ -213,3 +213,23 @@ def count_close_sequences(llm: Any, reference: Any, prompts: list[list[int]], nu
             deviations.append(float((torch.tensor([v for _, v in top]) - ref[ids]).abs().max()))
         close += agrees_until_a_flip(got.token_ids, want, deviations, exact)
     return close
+
+
+def scaled_kv_checkpoint(src: Path, out: Path, scales: list[tuple[float, float]] | None, v_gain: float = 1.0) -> Path:
+    """`src` with V's projection times v_gain and o_proj over it (the same model), and `scales` as
+    compressed-tensors names them."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in list(tensors):
+        if ".v_proj." in name:
+            tensors[name] = tensors[name] * v_gain
+        elif name.endswith("o_proj.weight"):
+            tensors[name] = tensors[name] / v_gain
+    for i, (k, v) in enumerate(scales or []):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

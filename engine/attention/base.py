@@ -44,12 +44,13 @@ class AttentionBackend(Protocol):
     supports_cpu: ClassVar[bool]
     supports_cuda: ClassVar[bool]
     supports_cuda_graphs: ClassVar[bool]  # its decode launch can be captured (engine/cuda_graphs.py)
+    takes_stored_kv: ClassVar[bool]  # forward takes k = v = None: the new K/V are in the caches already
 
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: stored (takes_stored_kv)
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,

@@ -70,6 +70,7 @@ class TorchAttention:
     supports_cpu: ClassVar[bool] = True
     supports_cuda: ClassVar[bool] = True
     supports_cuda_graphs: ClassVar[bool] = False  # host lists and a per-sequence loop
+    takes_stored_kv: ClassVar[bool] = False  # a whole prompt's attention reads the new K/V, not the cache
 
     def __init__(self, spec: AttentionSpec, max_scores: int = 1 << 22) -> None:
         self.spec = spec

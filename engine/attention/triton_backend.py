@@ -1,6 +1,7 @@
 """The Triton attention backend: paged KV, GQA, split-K decode, prefill/extend, sliding window.
 
-One forward = four launches at most, whatever the batch: store the new K/V at their slots, one
+One forward = four launches at most, whatever the batch: store the new K/V at their slots (none when
+the caller stored them already, k = v = None: the fused ops' rotary kernel does, `takes_stored_kv`), one
 decode launch over every sequence with one new token (plus its split-K reduce when the contexts
 are split), one prefill launch over every sequence with more. Both attention launches span all
 sequences of the batch and skip the other kind on the device, so no per-kind index tensor has to be
@@ -135,6 +136,7 @@ class TritonAttention:
     supports_cpu: ClassVar[bool] = False  # runs on CPU tensors only under TRITON_INTERPRET=1 (tests)
     supports_cuda: ClassVar[bool] = HAS_TRITON
     supports_cuda_graphs: ClassVar[bool] = True  # decode-only batches, through `graph_mode`
+    takes_stored_kv: ClassVar[bool] = True  # both launches read the step's K/V from the caches
 
     def __init__(self, spec: AttentionSpec, config: TritonAttentionConfig | None = None) -> None:
         if spec.num_heads % spec.num_kv_heads:
@@ -181,8 +183,8 @@ class TritonAttention:
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: in the caches already
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
@@ -191,7 +193,8 @@ class TritonAttention:
             return self._forward_graph(q, k, v, k_cache, v_cache, meta)
         # NOTE: k and v may be strided views of a fused qkv projection: the kernels take row strides.
         self._kernels.check_dtype("q", q)
-        self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc
         decode_lens = [n for i, n in enumerate(meta.seq_lens) if starts[i + 1] - starts[i] == 1]
@@ -229,8 +232,8 @@ class TritonAttention:
     def _forward_graph(
         self,
         q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -244,7 +247,8 @@ class TritonAttention:
             )
         # NOTE: k and v may be strided views of a fused qkv projection: the kernels take row strides.
         self._kernels.check_dtype("q", q)
-        self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device, fp8)

@@ -53,7 +53,7 @@ def check_dtype(name: str, t: torch.Tensor, cache: bool = False) -> None:
 
 # ---- store_kv
 @triton.jit
-def _to_cache(x, cache_ptr):
+def to_cache(x, cache_ptr):
     """x as the cache stores it (base.to_cache): FP8 saturated at +-448 and rounded to nearest even
     (round_e4m3, so the conversion is exact under Triton's interpreter too); other dtypes cast."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
@@ -83,8 +83,8 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + h * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + d
-    tl.store(k_dst, _to_cache(k, k_cache_ptr), mask=mask)
-    tl.store(v_dst, _to_cache(v, v_cache_ptr), mask=mask)
+    tl.store(k_dst, to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(v_dst, to_cache(v, v_cache_ptr), mask=mask)
 
 
 def store_kv(

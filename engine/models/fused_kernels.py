@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.triton_kernels import to_cache
+from engine.models.fused_ops import KVStore
 from engine.pdl import after_previous, pdl_options
 from engine.quant.fp8 import FP8, QuantizedRows
 from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
@@ -53,13 +55,18 @@ def _add_rms_norm_kernel(
 def _norm_rope_kernel(
     x_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_out_ptr, k_out_ptr, stride_xt, stride_xh, stride_qt, stride_qh,
     stride_kt, stride_kh, stride_c, eps, num_q_heads, num_heads,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, stride_kcb, stride_kco, stride_kch,
+    stride_vcb, stride_vco, stride_vch, num_kv_heads, k_inverse, v_inverse,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens, cdiv(q heads + k heads, BLOCK_H)): BLOCK_H heads of one token, each normalized
-    (HAS_NORM: q's or k's weight) then rotated, into q_out or k_out. q and k in one launch (they are
-    adjacent in qkv). NOTE: BLOCK_H heads a program, not one: a program per head was a launch of
-    tokens x 40 one-warp programs at the 8B shape, 387 us for 8,192 tokens
-    (bench/results/profile_step_8b_prompt_steps_*)."""
+    """Grid (tokens, cdiv(q heads + k heads (+ v heads: STORE), BLOCK_H)): BLOCK_H heads of one token, each
+    normalized (HAS_NORM: q's or k's weight) then rotated, into q_out or k_out. q and k in one launch (they are
+    adjacent in qkv). STORE: k's heads and v's (v_ptr) go into the paged caches at the token's slot instead
+    (store_kv's layout and rounding; a slot < 0 stores nothing), each first times its scale's reciprocal and
+    rounded (1.0: unchanged), not into k_out. NOTE: BLOCK_H heads a
+    program, not one: a program per head was a launch of tokens x 40 one-warp programs at the 8B shape, 387 us
+    for 8,192 tokens (bench/results/profile_step_8b_prompt_steps_*)."""
     after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -86,11 +93,27 @@ def _norm_rope_kernel(
     o1 = ((f1 * c1).to(dtype).to(tl.float32) + (-f2 * s1).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)).to(dtype)
     q_dst = q_out_ptr + t * stride_qt + h[:, None] * stride_qh + d
-    k_dst = k_out_ptr + t * stride_kt + (h - num_q_heads)[:, None] * stride_kh + d
     tl.store(q_dst, o1, mask=q_rows)
     tl.store(q_dst + HALF, o2, mask=q_rows)
-    tl.store(k_dst, o1, mask=k_rows)
-    tl.store(k_dst + HALF, o2, mask=k_rows)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        stored = (tl.zeros([BLOCK_H, 1], dtype=tl.int64) + slot) >= 0
+        k_dst = kc_ptr + block * stride_kcb + offset * stride_kco + (h - num_q_heads)[:, None] * stride_kch + d
+        tl.store(k_dst, to_cache((o1.to(tl.float32) * k_inverse).to(dtype), kc_ptr), mask=k_rows & stored)
+        tl.store(k_dst + HALF, to_cache((o2.to(tl.float32) * k_inverse).to(dtype), kc_ptr), mask=k_rows & stored)
+        vh = (h - num_heads)[:, None]
+        v_rows = (vh >= 0) & (vh < num_kv_heads) & stored
+        v_src = v_ptr + t * stride_vt + vh * stride_vh + d
+        v_dst = vc_ptr + block * stride_vcb + offset * stride_vco + vh * stride_vch + d
+        v1 = tl.load(v_src, mask=v_rows, other=0.0).to(tl.float32) * v_inverse
+        v2 = tl.load(v_src + HALF, mask=v_rows, other=0.0).to(tl.float32) * v_inverse
+        tl.store(v_dst, to_cache(v1.to(dtype), vc_ptr), mask=v_rows)
+        tl.store(v_dst + HALF, to_cache(v2.to(dtype), vc_ptr), mask=v_rows)
+    else:
+        k_dst = k_out_ptr + t * stride_kt + (h - num_q_heads)[:, None] * stride_kh + d
+        tl.store(k_dst, o1, mask=k_rows)
+        tl.store(k_dst + HALF, o2, mask=k_rows)
 
 
 NORM_ROPE_HEADS = 8
@@ -177,26 +200,46 @@ def add_rms_norm(
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
 
+def _reciprocal(scale: float) -> float:
+    """1 / scale in float32, as torch multiplies a CUDA tensor divided by a number."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+
+
 def norm_rope_qk(
     qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    k_weight: torch.Tensor | None, eps: float, store: KVStore | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """qk: [tokens, q heads + k heads, head_dim], q's heads first (a strided view of qkv is fine);
-    returns contiguous (q, k), each normalized by its weight (both or neither) then rotated."""
+    returns contiguous (q, k), each normalized by its weight (both or neither) then rotated. store: k and
+    store.v go into the paged caches at their slots instead (store_kv's work, in this launch, scaled as
+    KVStore says): (q, None)."""
     _check_rows("qk", qk)
     tokens, heads, head_dim = qk.shape
     if head_dim % 2 or head_dim & (head_dim - 1):
         raise ValueError(f"the fused rotary kernel takes a power-of-two head_dim; got {head_dim}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight come together (a q/k norm) or not at all")
+    kv_heads = heads - num_q_heads
     q = torch.empty((tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
-    k = torch.empty((tokens, heads - num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
+    k = None if store else torch.empty((tokens, kv_heads, head_dim), dtype=qk.dtype, device=qk.device)
+    if store is not None:
+        _check_rows("v", store.v)
+        kc, vc = store.k_cache, store.v_cache
+        if store.v.shape != (tokens, kv_heads, head_dim) or kc.shape[-2:] != (kv_heads, head_dim):
+            raise ValueError(f"k and v of {tokens} tokens x {kv_heads} heads x {head_dim} go into the caches; got v "
+                             f"{tuple(store.v.shape)}, a cache of {tuple(kc.shape)}")
     if tokens:
-        _norm_rope_kernel[(tokens, triton.cdiv(heads, NORM_ROPE_HEADS))](
-            qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q, k,
-            qk.stride(0), qk.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
-            num_q_heads, heads, HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_H=NORM_ROPE_HEADS,
-            HAS_NORM=q_weight is not None, num_warps=2, **pdl_options(qk.device, tokens),
+        v, kc, vc, slots = (store.v, store.k_cache, store.v_cache, store.slot_mapping) if store else (qk, qk, qk, qk)
+        _norm_rope_kernel[(tokens, triton.cdiv(heads + (kv_heads if store else 0), NORM_ROPE_HEADS))](
+            qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q,
+            k if k is not None else q, qk.stride(0), qk.stride(1), q.stride(0), q.stride(1),
+            k.stride(0) if k is not None else 0, k.stride(1) if k is not None else 0, cos.stride(0), eps,
+            num_q_heads, heads, v, kc, vc, slots, v.stride(0), v.stride(1),
+            *(kc.stride()[:3] if store else (0, 0, 0)), *(vc.stride()[:3] if store else (0, 0, 0)), kv_heads,
+            *((_reciprocal(store.k_scale), _reciprocal(store.v_scale)) if store else (1.0, 1.0)),
+            HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_H=NORM_ROPE_HEADS, HAS_NORM=q_weight is not None,
+            STORE=store is not None, BLOCK_SIZE=kc.shape[1] if store else 1, num_warps=2,
+            **pdl_options(qk.device, tokens),
         )  # fmt: skip
     return q, k
 

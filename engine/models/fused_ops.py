@@ -24,6 +24,7 @@ qkv projection.
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,20 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [tokens, 2 * inter] (gate, then up) -> [tokens, inter]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class KVStore(NamedTuple):
+    """Where a step's new keys and values go: the paged caches at each token's slot (AttentionMetadata's
+    slot_mapping: block * block_size + offset, < 0 for none), v's heads beside the rotated k's. A cache with
+    scales holds K / k_scale and V / v_scale (engine/quant/kv_scales.py), each a product by the float32
+    reciprocal rounded to the activations' dtype, as torch divides a CUDA tensor by a number."""
+
+    v: torch.Tensor  # [tokens, kv heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, kv heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def takes_fp8(weight: torch.Tensor | None) -> bool:
@@ -106,12 +121,14 @@ class DecoderOps:
 
     def norm_rope_qk(
         self, qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, store: KVStore | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """qk: q's heads then k's ([tokens, heads, head_dim], as in qkv) -> (q, k), each through
-        norm_rope_ref with its own weight (one launch for both on the Triton path)."""
+        norm_rope_ref with its own weight (one launch for both on the Triton path). store (the Triton path
+        only): k and store.v into the paged caches in that launch, (q, None) returned."""
         if self.triton:
-            return self._kernels.norm_rope_qk(qk, num_q_heads, cos, sin, q_weight, k_weight, eps)
+            return self._kernels.norm_rope_qk(qk, num_q_heads, cos, sin, q_weight, k_weight, eps, store)
+        assert store is None, "the reference path leaves the store to the attention backend"
         q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
         return norm_rope_ref(q, cos, sin, q_weight, eps), norm_rope_ref(k, cos, sin, k_weight, eps)
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.arch import ArchConfig
-from engine.models.fused_ops import DecoderOps, rms_norm_ref, takes_fp8
+from engine.models.fused_ops import DecoderOps, KVStore, rms_norm_ref, takes_fp8
 from engine.models.rope import RotaryEmbedding
 from engine.parallel import PartialSum, Shard, TensorParallel, TPShard, local_arch
 from engine.quant.fp8 import Fp8Path, QuantizedRows
@@ -124,13 +124,20 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
+        k_scale, v_scale = self.kv_scales or (1.0, 1.0)
+        # NOTE: the Triton path stores k and v (scaled) in the rotary launch: the backend stores nothing then
+        store = (KVStore(v, kv_cache[0], kv_cache[1], meta.slot_mapping, k_scale, v_scale)
+                 if ops.triton and backend.takes_stored_kv else None)
         q, k = ops.norm_rope_qk(qk, self.num_heads, cos, sin, self.q_norm.weight if self.qk_norm else None,
-                                self.k_norm.weight if self.qk_norm else None, self.eps)
+                                self.k_norm.weight if self.qk_norm else None, self.eps, store)
+        if store is not None:
+            v = None
+        elif self.kv_scales is not None:
+            k, v = k / k_scale, v / v_scale
         if self.kv_scales is None:
             out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         else:  # NOTE: q . k unchanged, the output of the values' sums scaled back
-            k_scale, v_scale = self.kv_scales
-            out = backend.forward(q * k_scale, k / k_scale, v / v_scale, kv_cache[0], kv_cache[1], meta) * v_scale
+            out = backend.forward(q * k_scale, k, v, kv_cache[0], kv_cache[1], meta) * v_scale
         return row_parallel(self.o_proj, out.reshape(tokens, self.q_size), ops, tp)
 
 

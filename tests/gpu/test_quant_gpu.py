@@ -107,6 +107,26 @@ def test_fp8_kv_cache_on_triton_equals_torch_backend(hf_checkpoints, make_llm) -
     _same_until_a_near_tie(fast.generate(prompts, params), slow.generate(prompts, params))
 
 
+def test_scaled_fp8_kv_cache_stored_by_the_rotary_kernel_equals_the_torch_backend(hf_checkpoints, make_llm,
+                                                                                  tmp_path) -> None:
+    """Checkpoint K/V scales and V in the thousands (a unit scale would saturate it): the Triton path stores
+    K / k_scale and V / v_scale in its rotary launch, the torch backend divides and stores them itself; the
+    same tokens (until a near tie), and the cache's bytes written are mostly the same."""
+    from tests.quant_builders import scaled_kv_checkpoint
+
+    path = scaled_kv_checkpoint(hf_checkpoints("llama3"), tmp_path / "scaled", [(0.75, 12.0), (1.25, 20.0)], 3000.0)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[0, 17, 400, 33, 1021, 7], list(range(40, 90))]
+    options = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_blocks=64, enable_prefix_caching=False)
+    fast = make_llm(str(path), attention_backend="triton", **options)
+    slow = make_llm(str(path), attention_backend="torch", **options)
+    assert fast.engine.kv_scales == ((0.75, 12.0), (1.25, 20.0))
+    _same_until_a_near_tie(fast.generate(prompts, params), slow.generate(prompts, params))
+    fast_kv, slow_kv = (llm.engine.runner.kv_caches.view(torch.uint8) for llm in (fast, slow))
+    written = slow_kv != 0
+    assert written.float().mean() > 0.001 and (fast_kv[written] == slow_kv[written]).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 300])
 def test_int4_cuda_path_equals_reference_path(rows: int) -> None:
     """int4_kernels' words kernel (its PTX conversion; row tiles of 16 and 64, K split) and, at 300 rows,

@@ -78,6 +78,45 @@ def test_norm_rope_of_q_and_k_in_one_launch_equals_reference(dtype: torch.dtype,
             fused_kernels.norm_rope_qk(qk, heads, cos, sin, q_weight, None, 1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype, scales", [(None, None), (torch.float8_e4m3fn, None),
+                                                 (torch.float8_e4m3fn, (2.0, 0.5))])
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (10, 3)])
+def test_norm_rope_that_stores_k_and_v_equals_store_kv_after_it(cache_dtype: torch.dtype | None,
+                                                                 scales: tuple[float, float] | None, with_norm: bool,
+                                                                 heads: int, kv_heads: int) -> None:
+    """The store in the rotary launch: q as without it, k (rotated) and v at their slots in the paged caches as
+    store_kv puts them (FP8 rounded alike; a scaled cache's K / k_scale and V / v_scale: powers of two here, so
+    that the kernel's product by the reciprocal is the CPU's division), a slot < 0 stored nowhere, every other
+    slot untouched."""
+    from engine.attention import triton_kernels
+    from engine.models.fused_ops import KVStore
+
+    dtype, tokens, head_dim, blocks, block_size = torch.float16, 5, 16, 4, 4
+    gen = torch.Generator().manual_seed(heads)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim).cos_sin(torch.tensor([3, 4, 0, 7, 8]), dtype)
+    q_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) if with_norm else None
+    k_weight = (1 - 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) if with_norm else None
+    slots = torch.tensor([5, 14, -1, 0, 9])
+    before = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype or dtype)
+    caches = [before.clone(), before.clone()]
+    q, k = fused_kernels.norm_rope_qk(qk, heads, cos, sin, q_weight, k_weight, 1e-6)
+    k_scale, v_scale = scales or (1.0, 1.0)
+    triton_kernels.store_kv(k / k_scale, v / v_scale, caches[0][0], caches[0][1], slots)
+    got_q, got_k = fused_kernels.norm_rope_qk(qk, heads, cos, sin, q_weight, k_weight, 1e-6,
+                                              KVStore(v, caches[1][0], caches[1][1], slots, k_scale, v_scale))
+    assert got_k is None and torch.equal(got_q, q)
+    assert torch.equal(caches[1].view(torch.uint8), caches[0].view(torch.uint8))
+    changed = (caches[1].view(torch.uint8) != before.view(torch.uint8)).flatten(3).any(-1)  # [2, blocks, offsets]
+    assert changed.flatten(1).nonzero()[:, 1].unique().tolist() == [0, 5, 9, 14], "the slots, and only they"
+    with pytest.raises(ValueError, match=r"go into the caches; got v \(5, 1, 16\)"):
+        fused_kernels.norm_rope_qk(qk, heads, cos, sin, q_weight, k_weight, 1e-6,
+                                   KVStore(v[:, :1], caches[1][0], caches[1][1], slots))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_equals_reference(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)

@@ -11,18 +11,17 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from engine import SamplingParams
 from engine.quant.kv_scales import fingerprint, read_kv_scales
 from kvtransfer import KvLayout, LayoutMismatchError
 from tests.builders import ARCHITECTURES, load_hf_model
-from tests.quant_builders import count_close_sequences, count_runs_agreeing, fp8_kv_reference
+from tests.quant_builders import count_close_sequences, count_runs_agreeing, fp8_kv_reference, scaled_kv_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -34,23 +33,6 @@ V_GAIN = 3000.0  # v_proj's gain (and o_proj's loss): V values in the thousands,
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
     return path
-
-
-def _scaled_checkpoint(src: Path, out: Path, scales: list[tuple[float, float]] | None, v_gain: float = 1.0) -> Path:
-    """`src` with V's projection times v_gain and o_proj over it (the same model), and `scales` as
-    compressed-tensors names them."""
-    shutil.copytree(src, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    for name in list(tensors):
-        if ".v_proj." in name:
-            tensors[name] = tensors[name] * v_gain
-        elif name.endswith("o_proj.weight"):
-            tensors[name] = tensors[name] / v_gain
-    for i, (k, v) in enumerate(scales or []):
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
-    _write(out / "model.safetensors", tensors)
-    return out
 
 
 @pytest.mark.parametrize("names", [("self_attn.k_scale", "self_attn.v_scale"),
@@ -102,7 +84,7 @@ def test_models_with_checkpoint_kv_scales_match_transformers_reading_fp8_kv_unde
     fp8_kv_reference(monkeypatch, scales)
     close = 0
     for arch in ARCHITECTURES:
-        path = _scaled_checkpoint(hf_checkpoints(arch), tmp_path / arch, scales, V_GAIN)
+        path = scaled_kv_checkpoint(hf_checkpoints(arch), tmp_path / arch, scales, V_GAIN)
         llm = make_llm(str(path), kv_cache_dtype="fp8", num_blocks=64)
         assert llm.engine.kv_scales == tuple(scales) and llm.engine.stats().kv_scales == "checkpoint"
         close += count_close_sequences(llm, load_hf_model(path), PROMPTS, NUM_NEW)
@@ -116,7 +98,7 @@ def test_the_cache_holds_values_over_their_scales(hf_checkpoints, make_llm, tmp_
     (Were the scales not applied, it would hold the same values.)
     A bfloat16 cache ignores the scales."""
     src = hf_checkpoints("llama3")
-    scaled = _scaled_checkpoint(src, tmp_path / "scaled", [(2.0, 0.5), (2.0, 0.5)])
+    scaled = scaled_kv_checkpoint(src, tmp_path / "scaled", [(2.0, 0.5), (2.0, 0.5)])
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
     for name, path in (("unit", src), ("scaled", scaled)):
@@ -141,7 +123,7 @@ def test_the_cache_holds_values_over_their_scales(hf_checkpoints, make_llm, tmp_
 def test_every_tensor_parallel_rank_stores_under_the_scales(hf_checkpoints, make_llm, tmp_path):
     """TP=2 on the checkpoint whose V runs past E4M3's range: each rank's cache holds its KV heads under
     the scales (a rank under a unit scale would saturate V): TP=1's tokens up to a flip."""
-    path = _scaled_checkpoint(hf_checkpoints("qwen3"), tmp_path / "qwen3", [(0.75, 12.0), (1.25, 20.0)], V_GAIN)
+    path = scaled_kv_checkpoint(hf_checkpoints("qwen3"), tmp_path / "qwen3", [(0.75, 12.0), (1.25, 20.0)], V_GAIN)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
     one = make_llm(str(path), kv_cache_dtype="fp8", num_blocks=64).generate(PROMPTS, params)
     llm = make_llm(str(path), kv_cache_dtype="fp8", num_blocks=64, tensor_parallel_size=2)
