@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from engine.parallel.ring import RingReader, RingWriter
+from engine.parallel.ring import RingReader, RingWriter, reader_spin_s
 from engine.parallel.symmetric import SymmetricAllReduce
 
 __all__ = ["GroupAddress", "PartialSum", "TPGroup", "host_store", "shutdown_beside"]
@@ -86,7 +86,7 @@ class TPGroup:
             store.set(f"{prefix}/ring", json.dumps([self.ring_writer.name, os.getpid()]))
         else:
             name, writer_pid = json.loads(store.get(f"{prefix}/ring"))
-            self._ring_reader = RingReader(name, size - 1, rank - 1, writer_pid)
+            self._ring_reader = RingReader(name, size - 1, rank - 1, writer_pid, reader_spin_s(self.device.type))
         self.host_group = self._gloo(dist.PrefixStore(f"{prefix}/host", store), address.host, _IDLE_TIMEOUT)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()

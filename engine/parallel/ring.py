@@ -10,7 +10,10 @@ consecutive slots (`more` = 1 on all but the last).
 
 NOTE: the order of the writes is what publishes a message: CPython's memoryview stores are plain
 stores, ordered on x86 (TSO). Waiting sides spin, then sleep with backoff (an idle follower costs
-~nothing; the first step after a long idle waits up to MAX_SLEEP_S).
+~nothing; the first step after a long idle waits up to MAX_SLEEP_S). A reader spins for `spin_s`: a
+GPU rank's (GPU_SPIN_S) outlasts a step, so a busy follower takes each message as it lands, not at
+the end of a sleep while rank 0's GPU waits for it at the step's first collective; a CPU rank's is
+short (its steps are long, and a spinning rank takes a core its peers compute on).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import struct
 import time
 import uuid
 
-__all__ = ["RingWriter", "RingReader", "RingClosed", "SLOT_BYTES", "NUM_SLOTS"]
+__all__ = ["GPU_SPIN_S", "NUM_SLOTS", "RingClosed", "RingReader", "RingWriter", "SLOT_BYTES", "SPIN_S",
+           "reader_spin_s"]
 
 SLOT_BYTES = 1 << 20
 NUM_SLOTS = 8
 _SLOT_HEAD = 32
-_SPIN_S = 2e-3  # spin this long before sleeping
+SPIN_S = 2e-3  # spin this long before sleeping
+GPU_SPIN_S = 0.1  # a GPU rank's reader: longer than a decode step (a 70B one at batch 64 is ~35 ms)
 MAX_SLEEP_S = 1e-3
 _I64 = struct.Struct("<q")
 _SLOT = struct.Struct("<qqq")
@@ -36,15 +41,20 @@ class RingClosed(RuntimeError):
     """The other side went away (the writer's process died, or it closed the ring)."""
 
 
-def _wait(ready: object, alive: object, what: str, spin: bool) -> None:
-    """Spin on ready() (if `spin`: the peer is another process; threads of one process must not hold
-    the GIL spinning), then sleep with backoff; RingClosed once alive() says the peer is gone."""
+def reader_spin_s(device_type: str) -> float:
+    """How long a follower on a device of this type spins for rank 0's next message before it sleeps."""
+    return GPU_SPIN_S if device_type == "cuda" else SPIN_S
+
+
+def _wait(ready: object, alive: object, what: str, spin_s: float) -> None:
+    """Spin on ready() for spin_s (0 where the peer is a thread of this process: it must not hold the
+    GIL spinning), then sleep with backoff; RingClosed once alive() says the peer is gone."""
     start = time.perf_counter()
     sleep = 1e-5
     checked = start
     while not ready():  # type: ignore[operator]
         now = time.perf_counter()
-        if spin and now - start < _SPIN_S:
+        if now - start < spin_s:
             continue
         if now - checked > 1.0:
             checked = now
@@ -107,7 +117,7 @@ class RingWriter(_Ring):
             seq = self._seq
             oldest = seq - NUM_SLOTS  # the message this slot held last
             _wait(lambda: all(self.consumed(r) >= oldest for r in range(self.num_readers)), self.readers_alive,
-                  "a tensor-parallel rank stopped reading its step messages", spin=False)
+                  "a tensor-parallel rank stopped reading its step messages", spin_s=0.0)
             at = self._slot(seq)
             self.buf[at + _SLOT_HEAD : at + _SLOT_HEAD + len(chunk)] = chunk
             _I64.pack_into(self.buf, at + 8, len(chunk))
@@ -129,11 +139,13 @@ class RingWriter(_Ring):
 
 
 class RingReader(_Ring):
-    """Reader `index` (rank - 1) of the ring `name`; `writer_pid`: rank 0's process, watched while waiting."""
+    """Reader `index` (rank - 1) of the ring `name`; `writer_pid`: rank 0's process, watched while waiting;
+    `spin_s`: how long a read spins before it sleeps (SPIN_S, or GPU_SPIN_S on a GPU rank)."""
 
-    def __init__(self, name: str, num_readers: int, index: int, writer_pid: int) -> None:
+    def __init__(self, name: str, num_readers: int, index: int, writer_pid: int, spin_s: float = SPIN_S) -> None:
         super().__init__(name, self.size_for(num_readers), num_readers)
         self.index = index
+        self.spin_s = spin_s
         self._seq = 0
         self._writer_pid = writer_pid
 
@@ -152,7 +164,8 @@ class RingReader(_Ring):
             seq = self._seq
             at = self._slot(seq)
             _wait(lambda: _I64.unpack_from(self.buf, at)[0] == seq, self._writer_alive,
-                  "rank 0 went away (its process ended)", spin=self._writer_pid != os.getpid())
+                  "rank 0 went away (its process ended)",
+                  spin_s=self.spin_s if self._writer_pid != os.getpid() else 0.0)
             _, size, more = _SLOT.unpack_from(self.buf, at)
             parts.append(bytes(self.buf[at + _SLOT_HEAD : at + _SLOT_HEAD + size]))
             _I64.pack_into(self.buf, 8 * self.index, seq)
