@@ -5,7 +5,7 @@ read of each. A reader whose spin window is shorter than the period has gone to 
 lands, and wakes at the end of one of its backoff sleeps; the GPU rank's window outlasts the step. CPU only:
 two processes and a file in /dev/shm.
 
-    python -m bench.diag.ring_latency --out DIR [--period-ms 2.7] [--messages 300]
+    python -m bench.diag.ring_latency --out DIR [--period-ms 2.7 18] [--messages 300]
 """
 
 from __future__ import annotations
@@ -71,19 +71,21 @@ def summary(delays: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--period-ms", type=float, default=2.7)
+    parser.add_argument("--period-ms", type=float, nargs="+", default=[2.7, 18.0])
     parser.add_argument("--messages", type=int, default=300)
     args = parser.parse_args()
-    results = {}
-    for label, spin_s in (("cpu_rank_spin", ring.SPIN_S), ("gpu_rank_spin", ring.GPU_SPIN_S),
-                          ("cpu_rank_spin_again", ring.SPIN_S), ("gpu_rank_spin_again", ring.GPU_SPIN_S)):
-        delays = latencies_us(spin_s, args.period_ms / 1e3, args.messages)[10:]  # the first ones warm up
-        results[label] = {"spin_s": spin_s, **summary(delays)}
-        print(label, {k: round(v, 4 if k == "spin_s" else 1) for k, v in results[label].items()})
+    results: dict[str, dict[str, Any]] = {}
+    for period_ms in args.period_ms:
+        for label, spin_s in (("cpu_rank_spin", ring.SPIN_S), ("gpu_rank_spin", ring.GPU_SPIN_S),
+                              ("cpu_rank_spin_again", ring.SPIN_S), ("gpu_rank_spin_again", ring.GPU_SPIN_S)):
+            delays = latencies_us(spin_s, period_ms / 1e3, args.messages)[10:]  # the first ones warm up
+            key = f"period_{period_ms}ms_{label}"
+            results[key] = {"period_ms": period_ms, "spin_s": spin_s, **summary(delays)}
+            print(key, {k: round(v, 4 if k == "spin_s" else 1) for k, v in results[key].items()})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": "ring_latency", "device_name": "cpu", "host": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "period_ms": args.period_ms, "messages": args.messages, "results": results}
+              "cpus": os.cpu_count(), "messages": args.messages, "results": results}
     (out / "ring_latency_cpu.json").write_text(json.dumps(record, indent=1))
 
 

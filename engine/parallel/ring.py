@@ -11,9 +11,9 @@ consecutive slots (`more` = 1 on all but the last).
 NOTE: the order of the writes is what publishes a message: CPython's memoryview stores are plain
 stores, ordered on x86 (TSO). Waiting sides spin, then sleep with backoff (an idle follower costs
 ~nothing; the first step after a long idle waits up to MAX_SLEEP_S). A reader spins for `spin_s`: a
-GPU rank's (GPU_SPIN_S) outlasts a step, so a busy follower takes each message as it lands, not at
-the end of a sleep while rank 0's GPU waits for it at the step's first collective; a CPU rank's is
-short (its steps are long, and a spinning rank takes a core its peers compute on).
+GPU rank's (GPU_SPIN_S) outlasts a step, so a busy follower takes each message as it lands, not up to
+a backoff sleep late (rank 0's GPU may wait for it at the step's first collective then); a CPU
+rank's is short (its steps are long, and a spinning rank takes a core its peers compute on).
 """
 
 from __future__ import annotations
