@@ -3,6 +3,8 @@ imported only when a model on CUDA (or a TRITON_INTERPRET test) asks for them.""
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -12,6 +14,8 @@ from engine.models.fused_ops import KVStore
 from engine.pdl import after_previous, pdl_options
 from engine.quant.fp8 import FP8, QuantizedRows
 from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
+
+_F32 = struct.Struct("<f")
 
 
 @triton.jit
@@ -64,9 +68,9 @@ def _norm_rope_kernel(
     normalized (HAS_NORM: q's or k's weight) then rotated, into q_out or k_out. q and k in one launch (they are
     adjacent in qkv). STORE: k's heads and v's (v_ptr) go into the paged caches at the token's slot instead
     (store_kv's layout and rounding; a slot < 0 stores nothing), each first times its scale's reciprocal and
-    rounded (1.0: unchanged), not into k_out. NOTE: BLOCK_H heads a
-    program, not one: a program per head was a launch of tokens x 40 one-warp programs at the 8B shape, 387 us
-    for 8,192 tokens (bench/results/profile_step_8b_prompt_steps_*)."""
+    rounded (1.0: unchanged), not into k_out. NOTE: BLOCK_H heads a program, not one: a program per head was a
+    launch of tokens x 40 one-warp programs at the 8B shape, 387 us for 8,192 tokens
+    (bench/results/profile_step_8b_prompt_steps_*)."""
     after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -200,9 +204,14 @@ def add_rms_norm(
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
 
+def _float32(x: float) -> float:
+    return _F32.unpack(_F32.pack(x))[0]
+
+
 def _reciprocal(scale: float) -> float:
-    """1 / scale in float32, as torch multiplies a CUDA tensor divided by a number."""
-    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+    """1 / scale in float32, as torch multiplies a CUDA tensor divided by a number (the quotient of two
+    float32 values computed in double, then rounded once more: the float32 quotient)."""
+    return _float32(1.0 / _float32(scale))
 
 
 def norm_rope_qk(

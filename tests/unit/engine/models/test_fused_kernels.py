@@ -212,3 +212,11 @@ def test_fp8_model_with_fused_ops_equals_its_reference_ops(arch, hf_checkpoints,
     assert got.shape == want.shape == (2, llm.engine.arch.vocab_size)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)  # 1.4e-6 apart on logits up to 10.7
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_stores_reciprocal_of_a_kv_scale_is_float32s() -> None:
+    """The rotary kernel's store multiplies by 1 / scale as float32 divides (no host tensor a call)."""
+    gen = torch.Generator().manual_seed(0)
+    for scale in [0.75, 12.0, 1.25, 20.0, 3.0, 1e-3, 7.3, *(torch.rand(500, generator=gen) * 100 + 1e-3).tolist()]:
+        want = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+        assert fused_kernels._reciprocal(scale) == want, scale
