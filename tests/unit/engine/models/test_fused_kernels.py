@@ -220,3 +220,36 @@ def test_the_stores_reciprocal_of_a_kv_scale_is_float32s() -> None:
     for scale in [0.75, 12.0, 1.25, 20.0, 3.0, 1e-3, 7.3, *(torch.rand(500, generator=gen) * 100 + 1e-3).tolist()]:
         want = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
         assert fused_kernels._reciprocal(scale) == want, scale
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_model_on_the_triton_path_stores_its_kv_in_the_rotary_launch(arch, hf_checkpoints, make_llm,
+                                                                       monkeypatch) -> None:
+    """The fused ops with the Triton backend (interpreted): the rotary kernel stores the step's K and V (no
+    store_kv launch), and the logits and the cache equal the reference ops' on the torch backend."""
+    from engine.attention import triton_kernels
+    from engine.attention.triton_backend import TritonAttention
+
+    llm = make_llm(str(hf_checkpoints(arch)), device="cpu", num_blocks=16)
+    runner = llm.engine.runner
+    seqs = [ForwardSeq([3, 17, 42, 7, 99], 0, [0], 1), ForwardSeq([5, 6, 8], 0, [1], 1)]
+    step = [ForwardSeq([11], 5, [0], 1)]  # one more token of the first sequence: a decode row
+    want, want_step = runner.forward_eager(seqs), runner.forward_eager(step)
+    want_kv = runner.kv_caches.clone()
+    runner.kv_caches.zero_()
+    stores: list[int] = []
+    store_kv = triton_kernels.store_kv
+    monkeypatch.setattr(triton_kernels, "store_kv", lambda *a, **kw: stores.append(1) or store_kv(*a, **kw))
+    reference = runner.backend
+    runner.backend = TritonAttention(reference.spec)
+    runner.model.use_fused_ops(True)
+    try:
+        got, got_step = runner.forward_eager(seqs), runner.forward_eager(step)
+    finally:
+        runner.model.use_fused_ops(False)
+        runner.backend = reference
+    assert stores == [], "the backend stored nothing: the rotary launch did"
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got_step, want_step, atol=1e-4, rtol=1e-5)
+    assert want_kv[..., 0, 5, :, :].abs().sum() > 0, "the decode row's K and V are in slot 5 of block 0"
+    torch.testing.assert_close(runner.kv_caches, want_kv, atol=1e-5, rtol=1e-5)
