@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.parallel import ring
+from loadgen.metrics import percentile
 
 _STAMP = struct.Struct("<d")
 
@@ -62,10 +63,8 @@ def latencies_us(spin_s: float, period_s: float, messages: int) -> list[float]:
 
 
 def summary(delays: list[float]) -> dict[str, float]:
-    ordered = sorted(delays)
-    return {"median_us": statistics.median(ordered), "p90_us": ordered[int(0.9 * (len(ordered) - 1))],
-            "p99_us": ordered[int(0.99 * (len(ordered) - 1))], "max_us": ordered[-1],
-            "mean_us": statistics.fmean(ordered)}
+    return {"median_us": percentile(delays, 50), "p90_us": percentile(delays, 90), "p99_us": percentile(delays, 99),
+            "max_us": max(delays), "mean_us": statistics.fmean(delays)}
 
 
 def main() -> None:

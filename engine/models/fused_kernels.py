@@ -3,6 +3,7 @@ imported only when a model on CUDA (or a TRITON_INTERPRET test) asks for them.""
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -208,6 +209,7 @@ def _float32(x: float) -> float:
     return _F32.unpack(_F32.pack(x))[0]
 
 
+@functools.cache
 def _reciprocal(scale: float) -> float:
     """1 / scale in float32, as torch multiplies a CUDA tensor divided by a number (the quotient of two
     float32 values computed in double, then rounded once more: the float32 quotient)."""
@@ -230,25 +232,26 @@ def norm_rope_qk(
         raise ValueError("q_weight and k_weight come together (a q/k norm) or not at all")
     kv_heads = heads - num_q_heads
     q = torch.empty((tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
-    k = None if store else torch.empty((tokens, kv_heads, head_dim), dtype=qk.dtype, device=qk.device)
-    if store is not None:
-        _check_rows("v", store.v)
-        kc, vc = store.k_cache, store.v_cache
-        if store.v.shape != (tokens, kv_heads, head_dim) or kc.shape[-2:] != (kv_heads, head_dim):
+    if store is None:
+        k = torch.empty((tokens, kv_heads, head_dim), dtype=qk.dtype, device=qk.device)
+        # NOTE: STORE off: the caches' arguments are placeholders, never read
+        k_out, caches, inverses, block_size = (k, k.stride(0), k.stride(1)), (qk,) * 4 + (0,) * 8, (1.0, 1.0), 1
+    else:
+        k, (v, kc, vc) = None, (store.v, store.k_cache, store.v_cache)
+        _check_rows("v", v)
+        if v.shape != (tokens, kv_heads, head_dim) or kc.shape[-2:] != (kv_heads, head_dim):
             raise ValueError(f"k and v of {tokens} tokens x {kv_heads} heads x {head_dim} go into the caches; got v "
-                             f"{tuple(store.v.shape)}, a cache of {tuple(kc.shape)}")
+                             f"{tuple(v.shape)}, a cache of {tuple(kc.shape)}")
+        k_out = (q, 0, 0)  # NOTE: STORE on: k_out is a placeholder, never written
+        caches = (v, kc, vc, store.slot_mapping, v.stride(0), v.stride(1), *kc.stride()[:3], *vc.stride()[:3])
+        inverses, block_size = (_reciprocal(store.k_scale), _reciprocal(store.v_scale)), kc.shape[1]
     if tokens:
-        v, kc, vc, slots = (store.v, store.k_cache, store.v_cache, store.slot_mapping) if store else (qk, qk, qk, qk)
         _norm_rope_kernel[(tokens, triton.cdiv(heads + (kv_heads if store else 0), NORM_ROPE_HEADS))](
             qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q,
-            k if k is not None else q, qk.stride(0), qk.stride(1), q.stride(0), q.stride(1),
-            k.stride(0) if k is not None else 0, k.stride(1) if k is not None else 0, cos.stride(0), eps,
-            num_q_heads, heads, v, kc, vc, slots, v.stride(0), v.stride(1),
-            *(kc.stride()[:3] if store else (0, 0, 0)), *(vc.stride()[:3] if store else (0, 0, 0)), kv_heads,
-            *((_reciprocal(store.k_scale), _reciprocal(store.v_scale)) if store else (1.0, 1.0)),
+            k_out[0], qk.stride(0), qk.stride(1), q.stride(0), q.stride(1), k_out[1], k_out[2], cos.stride(0), eps,
+            num_q_heads, heads, *caches, kv_heads, *inverses,
             HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_H=NORM_ROPE_HEADS, HAS_NORM=q_weight is not None,
-            STORE=store is not None, BLOCK_SIZE=kc.shape[1] if store else 1, num_warps=2,
-            **pdl_options(qk.device, tokens),
+            STORE=store is not None, BLOCK_SIZE=block_size, num_warps=2, **pdl_options(qk.device, tokens),
         )  # fmt: skip
     return q, k
 

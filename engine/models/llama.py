@@ -131,7 +131,7 @@ class Attention(nn.Module):
         q, k = ops.norm_rope_qk(qk, self.num_heads, cos, sin, self.q_norm.weight if self.qk_norm else None,
                                 self.k_norm.weight if self.qk_norm else None, self.eps, store)
         if store is not None:
-            v = None
+            k = v = None  # NOTE: in the caches already
         elif self.kv_scales is not None:
             k, v = k / k_scale, v / v_scale
         if self.kv_scales is None:

@@ -99,6 +99,12 @@ class Push(NamedTuple):
     world: int
 
 
+def push_fits(n: int, block_n: int, region: int, element_size: int) -> bool:
+    """Whether `row_product` can push a row of n outputs in tiles of block_n rows: 16-bit values, whole tiles,
+    within a region."""
+    return element_size == 2 and n % block_n == 0 and n <= region
+
+
 def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: RowConfig | None = None, push: Push | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype; config: row_config(K)'s by default.
@@ -109,7 +115,7 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     row = x.reshape(k).contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or row_config(k)
-    if push is not None and (n % block_n or n > push.region or x.element_size() != 2):
+    if push is not None and not push_fits(n, block_n, push.region, x.element_size()):
         raise ValueError(f"row_product pushes 16-bit rows of a multiple of {block_n} up to {push.region} values; "
                          f"got {n} of {x.dtype}")
     _row_product_kernel[(triton.cdiv(n, block_n),)](

@@ -145,9 +145,9 @@ class SymmetricAllReduce:
         """Whether the one-row product x @ weight.T (a row-parallel projection's, no bias) can push its row into
         the peers' buffers for `pushed_add_rms_norm`: a row_product of at most PUSH_REGION outputs, a multiple of
         its tile's rows, whose row the fused norm takes (`takes_fused_norm`)."""
-        n = weight.shape[0]
-        return (self._rows.takes_row_product(x, weight) and n <= PUSH_REGION
-                and n % self._rows.row_config(weight.shape[1])[0] == 0
+        n, block_n = weight.shape[0], self._rows.row_config(weight.shape[1])[0]
+        return (self._rows.takes_row_product(x, weight)
+                and self._rows.push_fits(n, block_n, PUSH_REGION, x.element_size())
                 and takes_fused_norm(1, n * x.element_size(), self._push.world, self._signal_pad_bytes))
 
     def product_pushed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
