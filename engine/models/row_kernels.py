@@ -29,11 +29,18 @@ def row_config(k: int) -> RowConfig:
 
 @triton.jit
 def row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            NUM_STAGES: tl.constexpr):
+            NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     """w[rn] . x for one row x over K: float32 products summed lane by lane over K, then across each weight
-    row's lanes (x and w of any dtype float32 holds exactly: 16-bit, or E4M3 for the FP8 one-row product)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    row's lanes (x and w of any dtype float32 holds exactly: 16-bit, or E4M3 for the FP8 one-row product).
+    It waits for the kernel before it (`after_previous`) itself: the first tile of weights is loaded before
+    the wait (a weight: no kernel writes it), so its read overlaps that kernel's end; x after it."""
+    rk = tl.arange(0, BLOCK_K)
+    k_ok = rk < K
+    w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    after_previous(PDL)
+    x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]  # [BLOCK_N, BLOCK_K]
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
@@ -63,8 +70,7 @@ def _row_product_kernel(
     ((call's half * WORLD + RANK) * region + n): engine/parallel/symm_kernels.py's pushed norm reads them."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    after_previous(PDL)
-    total = row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES)
+    total = row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES, PDL)  # NOTE: waits in it
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     partial = total.to(out_ptr.dtype.element_ty)
