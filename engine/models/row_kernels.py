@@ -70,7 +70,7 @@ def _row_product_kernel(
     ((call's half * WORLD + RANK) * region + n): engine/parallel/symm_kernels.py's pushed norm reads them."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    total = row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES, PDL)  # NOTE: waits in it
+    total = row_dot(x_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES, PDL)  # waits in row_dot
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     partial = total.to(out_ptr.dtype.element_ty)

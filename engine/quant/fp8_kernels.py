@@ -142,7 +142,7 @@ def _gemv_kernel(
     in float32 lane by lane over K, then across the tile's columns; the scales and bias after."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    total = row_dot(xq_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES, PDL)  # NOTE: waits in it
+    total = row_dot(xq_ptr, w_ptr, rn, n_ok, K, stride_w, BLOCK_N, BLOCK_K, NUM_STAGES, PDL)  # waits in row_dot
     total = total * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
