@@ -109,15 +109,16 @@ def matmul_peak(device: torch.device) -> float | None:
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads (a tensor-parallel rank's: its shards): every parameter's and buffer's storage (each once: the
-    fused projections' parts are views) but the embedding table's, unless the lm_head shares it."""
+    """Bytes of weights one decode step reads (a tensor-parallel rank's: its shards): every parameter's and buffer's
+    storage (each once: the fused projections' parts are views) but the embedding table's; a tied lm_head's rows
+    (on a tensor-parallel rank 0, the first rows of its whole table) once."""
     embedding = model.model.embed_tokens.weight.untyped_storage()
-    tied = model.lm_head.weight.untyped_storage().data_ptr() == embedding.data_ptr()
+    lm_head = model.lm_head.weight
+    tied = lm_head.untyped_storage().data_ptr() == embedding.data_ptr()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers()] if t is not None}
-    if not tied:
-        storages.pop(embedding.data_ptr())
-    return sum(storages.values())
+    storages.pop(embedding.data_ptr())
+    return sum(storages.values()) + (lm_head.numel() * lm_head.element_size() if tied else 0)
 
 
 def decode_step_times(engine: EngineCore, batches: list[int], contexts: list[int], bandwidth: float | None,

@@ -31,7 +31,7 @@ from engine.runner import ForwardSeq, ForwardStep
 
 def step_message(batch: int, context: int, block_size: int = 16) -> ForwardStep:
     n = context // block_size  # NOTE: a list per sequence, as in a real step (pickle would share one list)
-    return ForwardStep([ForwardSeq([7], context - 1, list(range(i * n, (i + 1) * n)), 1) for i in range(batch)], None)
+    return ForwardStep([ForwardSeq([7], context - 1, list(range(i * n, (i + 1) * n)), 1) for i in range(batch)])
 
 
 HEADER_BYTES = 1 << 16

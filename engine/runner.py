@@ -53,11 +53,10 @@ class TokenPatch:
 
 class ForwardStep(NamedTuple):
     """Rank 0's hand-off of one forward to the other ranks of a tensor-parallel worker: the step's
-    sequences, and, when some inputs are still on rank 0's device (a TokenPatch), the patch's
-    positions and its token tensor's shape and dtype (the tensor follows over the device group)."""
+    sequences. Inputs still on rank 0's device (a TokenPatch) are not sent: only rank 0 reads token ids
+    (llama.LlamaForCausalLM.embed), so the other ranks run the sequences with whatever ids they hold."""
 
     seqs: Sequence[ForwardSeq]
-    patch: tuple[list[int], list[int], tuple[int, ...], str] | None  # dst, src, shape, dtype
 
 
 class StepLeader:
@@ -67,26 +66,12 @@ class StepLeader:
     def __init__(self, group: TPGroup) -> None:
         self.group = group
 
-    def hand_off(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None) -> None:
-        spec = None
-        if patch is not None:
-            spec = (patch.dst, patch.src, tuple(patch.tokens.shape), str(patch.tokens.dtype).removeprefix("torch."))
-        self.group.broadcast_object(ForwardStep(list(seqs), spec))
-        if patch is not None:
-            self.group.broadcast(patch.tokens.contiguous())
+    def hand_off(self, seqs: Sequence[ForwardSeq]) -> None:
+        self.group.broadcast_object(ForwardStep(list(seqs)))
 
     def send(self, message: object) -> None:
         """Another message for the followers, in order with the forwards (e.g. Stop)."""
         self.group.broadcast_object(message)
-
-
-def receive_step(group: TPGroup, step: ForwardStep, device: torch.device) -> TokenPatch | None:
-    """A follower's patch of `step`, its tokens received from rank 0."""
-    if step.patch is None:
-        return None
-    dst, src, shape, dtype = step.patch
-    tokens = group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=device))
-    return TokenPatch(tokens, dst, src)
 
 
 class ModelRunner:
@@ -184,7 +169,7 @@ class ModelRunner:
         """Writes the sequences' new KV; returns float32 logits [sum of num_logits, vocab], in order.
         `patch`: input tokens to take from the device (see TokenPatch)."""
         if self.leader is not None:
-            self.leader.hand_off(seqs, patch)
+            self.leader.hand_off(seqs)
         if self.graphs is not None:
             hidden = self.graphs.run(seqs, patch)  # None: not a step a graph serves
             if hidden is not None:

@@ -7,8 +7,9 @@ the backend's business. Knows nothing of scheduling or sampling.
 Tensor parallelism (`tp`, engine/parallel/): each rank builds its part (engine/parallel/shard.py)
 and marks each sharded parameter with its `Shard` of the checkpoint tensor, which the loaders read
 alone. qkv and gate/up are column-parallel, o_proj and down_proj row-parallel (each followed by an
-all-reduce, then the bias), the embedding and lm_head vocabulary-parallel (masked lookup +
-all-reduce; logits all-gathered, every rank gets the full row).
+all-reduce, then the bias), the lm_head vocabulary-parallel (logits all-gathered, every rank gets the full
+row). Rank 0 holds the whole embedding and looks every token up; the other ranks add zeros to its rows in the
+first all-reduce, so they need no token ids: a step's tokens still on rank 0's device stay there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
@@ -194,10 +194,13 @@ class LlamaForCausalLM(nn.Module):
         self.local_arch = local = local_arch(arch, shard)
         self.vocab_range = shard.vocab(arch.vocab_size)
         vocab_rows = self.vocab_range[1] - self.vocab_range[0]
-        self.model = LlamaBody(local, vocab_rows)
+        # NOTE: rank 0 embeds every token (a whole table); another rank's rows serve only a tied lm_head
+        self.embeds = shard.rank == 0
+        self.model = LlamaBody(local, arch.vocab_size if self.embeds else vocab_rows)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            table = self.model.embed_tokens.weight  # rank 0's vocabulary rows [0, vocab_rows) lead its table
+            self.lm_head.weight = table if table.shape[0] == vocab_rows else nn.Parameter(table[:vocab_rows])
         # set when the projections are FP8 or 4-bit (engine/quant/convert.py)
         self.fp8_path: Fp8Path | None = None
         self.int4_path: Int4Path | None = None
@@ -227,18 +230,20 @@ class LlamaForCausalLM(nn.Module):
             elif part in columns:
                 module.weight.shard = columns[part]  # NOTE: the bias is whole: added once, after the all-reduce
         v0, v1 = self.vocab_range
-        self.model.embed_tokens.weight.shard = Shard(0, v0, v1, arch.vocab_size)
+        if not self.embeds:
+            self.model.embed_tokens.weight.shard = Shard(0, v0, v1, arch.vocab_size)
         self.lm_head.weight.shard = Shard(0, v0, v1, arch.vocab_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor | PartialSum:
-        """The token embeddings; with tensor parallelism each rank's vocabulary rows, summed (or a PartialSum the
-        first layer's norm sums, as row_parallel leaves)."""
+        """The token embeddings; with tensor parallelism rank 0's lookup and the other ranks' zeros, summed (or a
+        PartialSum the first layer's norm sums, as row_parallel leaves): the other ranks read no input_ids."""
+        if self.embeds:
+            x = self.model.embed_tokens(input_ids)
+        else:
+            weight = self.model.embed_tokens.weight
+            x = torch.zeros(input_ids.shape[0], weight.shape[1], dtype=weight.dtype, device=weight.device)
         if self.tp is None:
-            return self.model.embed_tokens(input_ids)
-        start, stop = self.vocab_range
-        outside = (input_ids < start) | (input_ids >= stop)
-        x = F.embedding((input_ids - start).masked_fill(outside, 0), self.model.embed_tokens.weight)
-        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+            return x
         return self.tp.group.all_reduce_later(x) if self.ops.triton else self.tp.group.all_reduce(x)
 
     def set_kv_scales(self, scales: Sequence[tuple[float, float]] | None) -> None:

@@ -20,7 +20,7 @@ from engine.parallel import TensorParallel, TPGroup
 from engine.process_gc import GcPauses
 from engine.recent import RecentMax
 from engine.rank import build_cache, build_parts, build_runner, max_model_len, resolve_dtype, resolve_model_dir
-from engine.runner import ForwardStep, ModelRunner, receive_step
+from engine.runner import ForwardStep, ModelRunner
 
 __all__ = ["Follower", "RankCall", "Stop"]
 log = logging.getLogger(__name__)
@@ -67,8 +67,7 @@ class Follower:
                 message = self.group.broadcast_object()
                 started = time.perf_counter()
                 if isinstance(message, ForwardStep):
-                    patch = receive_step(self.group, message, self.device)
-                    self.runner.forward(message.seqs, patch)
+                    self.runner.forward(message.seqs)
                     self.forward_seconds += time.perf_counter() - started
                 elif isinstance(message, RankCall):
                     message.fn(self, *message.args)

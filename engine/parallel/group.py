@@ -175,13 +175,6 @@ class TPGroup:
         self.device_group.allgather([parts], [tensor.contiguous()]).wait()
         return torch.cat(parts, dim=dim)
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype), in place."""
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        self.device_group.broadcast([tensor], options).wait()
-        return tensor
-
     # ---- rank 0's messages (the ring)
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 passes `obj`; every rank returns it. A follower waits until rank 0 sends (RingClosed

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (gloo, ranks 1..N-1 on threads): TP=2 and TP=4 give TP=1's greedy
 tokens and logprobs in float32 on every test architecture, with fewer KV heads than ranks (TP=4 of
-2 KV heads), a vocabulary the ranks do not divide, asynchronous scheduling (input tokens handed
-over from rank 0's device) and speculative decoding; sizes that do not divide say which field."""
+2 KV heads), a vocabulary the ranks do not divide, asynchronous scheduling (input tokens on rank 0's
+device) and speculative decoding, with only rank 0 reading token ids; sizes that do not divide say which field."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import gc
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,10 @@ from engine.config import SamplingParams
 from engine.engine import EngineCore
 from engine.llm import engine_config
 from engine.models import load_arch
-from engine.parallel import TPGroup, TPShard, check_tensor_parallel, local_arch
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel import TensorParallel, TPGroup, TPShard, check_tensor_parallel, local_arch
+from engine.parallel.shard import Shard
+from engine.runner import ModelRunner
 from tests.builders import make_hf_checkpoint
 from tests.conftest import assert_no_leak
 
@@ -70,6 +74,36 @@ def test_async_scheduling_hands_device_tokens_to_the_ranks(hf_checkpoints: Calla
     reference = run(model)
     _same(run(model, tensor_parallel_size=2, async_scheduling=True), reference)
     assert run.built[-1].engine.async_scheduling
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_only_rank_0_reads_token_ids(hf_checkpoints: Callable[[str], Path], run: Any, monkeypatch: Any,
+                                     async_scheduling: bool) -> None:
+    """Rank 0 embeds every token; the other ranks, given other ids, still give TP=1's tokens."""
+    model = hf_checkpoints("llama")
+    reference = run(model)
+    forward, last = ModelRunner.forward, load_arch(model).vocab_size - 1  # NOTE: a row of rank 1's half
+
+    def other_ids(runner: ModelRunner, seqs: Any, patch: Any = None) -> Any:
+        if runner.leader is None:  # NOTE: another rank's runner (TP=2's rank 0 hands off)
+            seqs = [seq._replace(token_ids=[last] * len(seq.token_ids)) for seq in seqs]
+        return forward(runner, seqs, patch)
+
+    monkeypatch.setattr(ModelRunner, "forward", other_ids)
+    _same(run(model, tensor_parallel_size=2, async_scheduling=async_scheduling), reference)
+
+
+def test_rank_0_holds_the_whole_embedding_and_a_tied_lm_head_is_its_rows(tmp_path: Path) -> None:
+    model = make_hf_checkpoint("qwen3", tmp_path / "odd_vocab", vocab_size=2045, tie_word_embeddings=True)
+    arch = load_arch(model)
+    group = SimpleNamespace(size=4)
+    ranks = [LlamaForCausalLM(arch, TensorParallel(TPShard(r, 4), group)) for r in range(4)]  # type: ignore[arg-type]
+    assert [m.model.embed_tokens.weight.shape[0] for m in ranks] == [2045, 512, 512, 512]
+    assert [m.lm_head.weight.shape[0] for m in ranks] == [512] * 4
+    zero = ranks[0]
+    assert zero.lm_head.weight.data_ptr() == zero.model.embed_tokens.weight.data_ptr()
+    assert not hasattr(zero.model.embed_tokens.weight, "shard")
+    assert ranks[3].model.embed_tokens.weight.shard == Shard(0, 1536, 2048, 2045)
 
 
 def test_speculative_decoding_over_tp(hf_checkpoints: Callable[[str], Path], run: Any) -> None:
