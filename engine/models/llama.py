@@ -194,9 +194,10 @@ class LlamaForCausalLM(nn.Module):
         self.local_arch = local = local_arch(arch, shard)
         self.vocab_range = shard.vocab(arch.vocab_size)
         vocab_rows = self.vocab_range[1] - self.vocab_range[0]
-        # NOTE: rank 0 embeds every token (a whole table); another rank's rows serve only a tied lm_head
+        # NOTE: rank 0 embeds every token (a whole table); another rank holds its rows only for a tied lm_head
         self.embeds = shard.rank == 0
-        self.model = LlamaBody(local, arch.vocab_size if self.embeds else vocab_rows)
+        self.table_rows = arch.vocab_size if self.embeds else vocab_rows if arch.tie_word_embeddings else 0
+        self.model = LlamaBody(local, self.table_rows)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             table = self.model.embed_tokens.weight  # rank 0's vocabulary rows [0, vocab_rows) lead its table
@@ -230,8 +231,8 @@ class LlamaForCausalLM(nn.Module):
             elif part in columns:
                 module.weight.shard = columns[part]  # NOTE: the bias is whole: added once, after the all-reduce
         v0, v1 = self.vocab_range
-        if not self.embeds:
-            self.model.embed_tokens.weight.shard = Shard(0, v0, v1, arch.vocab_size)
+        if not self.embeds:  # NOTE: no rows (an empty slice) unless a tied lm_head reads them
+            self.model.embed_tokens.weight.shard = Shard(0, v0, v0 + self.table_rows, arch.vocab_size)
         self.lm_head.weight.shard = Shard(0, v0, v1, arch.vocab_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor | PartialSum:

@@ -93,7 +93,7 @@ def test_only_rank_0_reads_token_ids(hf_checkpoints: Callable[[str], Path], run:
     _same(run(model, tensor_parallel_size=2, async_scheduling=async_scheduling), reference)
 
 
-def test_rank_0_holds_the_whole_embedding_and_a_tied_lm_head_is_its_rows(tmp_path: Path) -> None:
+def test_rank_0_holds_the_whole_embedding_and_a_tied_lm_head_is_its_rows_other_ranks_none(tmp_path: Path) -> None:
     model = make_hf_checkpoint("qwen3", tmp_path / "odd_vocab", vocab_size=2045, tie_word_embeddings=True)
     arch = load_arch(model)
     group = SimpleNamespace(size=4)
@@ -104,6 +104,11 @@ def test_rank_0_holds_the_whole_embedding_and_a_tied_lm_head_is_its_rows(tmp_pat
     assert zero.lm_head.weight.data_ptr() == zero.model.embed_tokens.weight.data_ptr()
     assert not hasattr(zero.model.embed_tokens.weight, "shard")
     assert ranks[3].model.embed_tokens.weight.shard == Shard(0, 1536, 2048, 2045)
+    untied = make_hf_checkpoint("llama", tmp_path / "untied", vocab_size=2048, tie_word_embeddings=False)
+    ranks = [LlamaForCausalLM(load_arch(untied), TensorParallel(TPShard(r, 2), group))  # type: ignore[arg-type]
+             for r in range(2)]
+    assert [m.model.embed_tokens.weight.shape[0] for m in ranks] == [2048, 0]  # rank 1 holds no rows it reads
+    assert ranks[1].model.embed_tokens.weight.shard == Shard(0, 1024, 1024, 2048)
 
 
 def test_speculative_decoding_over_tp(hf_checkpoints: Callable[[str], Path], run: Any) -> None:
