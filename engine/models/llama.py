@@ -196,8 +196,8 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = self.vocab_range[1] - self.vocab_range[0]
         # NOTE: rank 0 embeds every token (a whole table); another rank holds its rows only for a tied lm_head
         self.embeds = shard.rank == 0
-        self.table_rows = arch.vocab_size if self.embeds else vocab_rows if arch.tie_word_embeddings else 0
-        self.model = LlamaBody(local, self.table_rows)
+        table_rows = arch.vocab_size if self.embeds else vocab_rows if arch.tie_word_embeddings else 0
+        self.model = LlamaBody(local, table_rows)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             table = self.model.embed_tokens.weight  # rank 0's vocabulary rows [0, vocab_rows) lead its table
@@ -232,7 +232,8 @@ class LlamaForCausalLM(nn.Module):
                 module.weight.shard = columns[part]  # NOTE: the bias is whole: added once, after the all-reduce
         v0, v1 = self.vocab_range
         if not self.embeds:  # NOTE: no rows (an empty slice) unless a tied lm_head reads them
-            self.model.embed_tokens.weight.shard = Shard(0, v0, v0 + self.table_rows, arch.vocab_size)
+            table = self.model.embed_tokens.weight
+            table.shard = Shard(0, v0, v0 + table.shape[0], arch.vocab_size)
         self.lm_head.weight.shard = Shard(0, v0, v1, arch.vocab_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor | PartialSum:
