@@ -31,8 +31,9 @@ def num_kv_blocks(
         num = cache.cpu_kv_cache_bytes // per_block
     else:
         peak = profile_activation_bytes(model, arch, backend, config, dtype, device, max_model_len)
-        _, total = torch.cuda.mem_get_info(device)
-        budget = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - peak
+        free, total = torch.cuda.mem_get_info(device)
+        budget = gpu_kv_budget(cache.gpu_memory_utilization, total, free, torch.cuda.memory_allocated(device), peak,
+                               str(device))
         num = budget // per_block
     if num < 2:
         raise ValueError(
@@ -40,6 +41,24 @@ def num_kv_blocks(
             f"{'gpu_memory_utilization' if device.type == 'cuda' else 'cpu_kv_cache_bytes'} or use a smaller model"
         )
     return int(num)
+
+
+def gpu_kv_budget(utilization: float, total: int, free: int, allocated: int, peak: int, device: str) -> int:
+    """The KV bytes `utilization` of the device leaves after this process's `allocated` bytes (the weights)
+    and the activation `peak`. They must also fit in what is `free` now: memory other processes hold is
+    not ours to count on, and allocating past it would fail later with a bare out-of-memory error."""
+    budget = int(total * utilization) - allocated - peak
+    if budget > free - peak:
+        gib = 1 << 30
+        others = max(0, total - free - allocated)
+        most = max(0.0, (free + allocated) / total)
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} gives {device}'s KV cache {budget / gib:.1f} GiB, but only "
+            f"{free / gib:.1f} GiB of its {total / gib:.1f} GiB is free and the largest step needs "
+            f"{peak / gib:.1f} GiB of it; other processes (or this one's caches) hold {others / gib:.1f} GiB: "
+            f"set gpu_memory_utilization at most {int(most * 100) / 100:.2f} or free the device"
+        )
+    return budget
 
 
 @torch.inference_mode()

@@ -18,7 +18,10 @@ TWO_GPUS = [
 
 def run_child(script: str, *args: str, timeout_s: float = 240) -> str:
     """`python -c script args` from the repository's root, its stdout; a failure shows its stderr's end. In a
-    child process, a collective that hangs fails the test instead of the run."""
+    child process, a collective that hangs fails the test instead of the run. The memory earlier tests left
+    cached in this process is handed back first: the child sizes its KV cache from what is free."""
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     done = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout_s)
     assert done.returncode == 0, done.stderr[-3000:]
