@@ -3,11 +3,13 @@ kernel before it on the stream still runs, and waits for it where its own kernel
 
 Invariant: a kernel compiled with `PDL` (`pdl_options`) calls `after_previous` before it reads anything an
 earlier kernel of the step writes and before it writes anything (only such a kernel is launched with PDL);
-before that it only computes addresses and reads what no kernel writes (a norm's weight) or what only its own
-earlier calls wrote (the fused all-reduce's call counts, read past L1). Its own dependents are let in at that
-point, not earlier, so at most the one kernel after a running one is early: every kernel before it has
-finished. (Prefetching the weights into L2 before the wait lost: bench/results/pdl_prefetch_8b_nvidia-h200; so did a
-kernel of L2 prefetches a few kernels ahead of the product: l2_prefetch_kernel_ab_8b_2xh200.)
+before that it only computes addresses and reads what no kernel writes (a norm's weight), what only its own
+earlier calls wrote (the fused all-reduce's call counts, read past L1), or what only kernels before the one
+before it wrote (decode attention's metadata and its sequences' keys older than the step's). Its own dependents
+are let in at that point, not earlier, so at most the one kernel after a running one is early: every kernel
+before it has finished. (Prefetching the weights into L2 before the wait lost:
+bench/results/pdl_prefetch_8b_nvidia-h200; so did a kernel of L2 prefetches a few kernels ahead of the product:
+l2_prefetch_kernel_ab_8b_2xh200.)
 Kernels launched without it (cuBLAS, torch, NCCL) keep the stream's order; a CUDA graph captures the same edges.
 Imported only by the Triton kernel modules (it imports triton)."""
 

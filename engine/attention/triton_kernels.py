@@ -121,6 +121,33 @@ def _split_keys(seq_len, window, num_splits, BLOCK_N: tl.constexpr, HAS_WINDOW: 
     return lo, tps
 
 
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, keys, key_ok, kv_head, d,
+             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """Addresses of a tile of keys [BLOCK_D, BLOCK_N] and of values [BLOCK_N, BLOCK_D] of one KV head,
+    through the sequence's block table row (its entries read for the keys in key_ok)."""
+    block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    offset = keys % BLOCK_SIZE
+    k_tile = k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ko + kv_head * stride_kh + d[:, None]
+    v_tile = v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh + d[None, :]
+    return k_tile, v_tile
+
+
+@triton.jit
+def _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION: tl.constexpr):
+    """One tile of keys k [BLOCK_D, BLOCK_N] and values v [BLOCK_N, BLOCK_D] (key_ok: the keys that
+    count, at least one) folded into the running max m, sum l and unnormalised output acc."""
+    s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.where(key_ok[None, :], s, float("-inf"))
+    # NOTE: every tile holds at least one key (j < end), so m_new is finite in every row.
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l, acc
+
+
 # NOTE: integer arguments that change from step to step are not specialized: Triton compiles a
 # variant for each of 1, a multiple of 16 and any other value, and a variant compiled at run time
 # stalls its step by seconds (tests/gpu/test_compile_warmup_gpu.py).
@@ -133,7 +160,7 @@ def _decode_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) attends the GROUP
     query heads of kv_head over the split-th of num_splits even parts (whole BLOCK_N tiles) of the
@@ -141,26 +168,43 @@ def _decode_kernel(
     not 1 are left to the prefill kernel. IS_SPLIT: write unnormalised partials (acc, max, sum) for
     `_decode_reduce_kernel`; else the one split covers the whole context and writes `out`.
     F16_DOTS (an FP8 cache, bfloat16 queries): the dots take float16 operands, the queries clamped to
-    its range: E4M3 converts to float16 exactly in one instruction, where bfloat16 takes several."""
-    after_previous(PDL)
+    its range: E4M3 converts to float16 exactly in one instruction, where bfloat16 takes several.
+    Before its PDL wait a program reads the metadata (written before the step's layers ran) and, when
+    its launch starts while the kernel before it ends (EARLY), its first tile of keys and values but
+    the step's own: every key of a decode sequence but the newest was stored by a kernel of an earlier
+    step, finished (engine/pdl.py), in the sequence's own blocks, which no sequence of the step writes;
+    the newest, stored by the kernel before this one, is read after the wait. Launched in the stream's
+    order, every tile is read in the loop (taking the first out of it slowed batch 8:
+    bench/results/decode_first_tile_every_batch_ab_8b_2xh200)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
-        return
+    is_decode = tl.load(query_start_loc_ptr + seq + 1) - q_row == 1
     seq_len = tl.load(seq_lens_ptr + seq)
     lo, tps = _split_keys(seq_len, window, num_splits, BLOCK_N, HAS_WINDOW)
     start = lo + split * tps
     end = tl.minimum(start + tps, seq_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if EARLY:
+        keys = start + tl.arange(0, BLOCK_N)
+        readable = tl.where(is_decode, end, start)  # none of a sequence left to the prefill kernel
+        k_tile, v_tile = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, keys, keys < readable, kv_head, d,
+                                  stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, BLOCK_SIZE)
+        old = keys < tl.minimum(readable, seq_len - 1)
+        k = tl.load(k_tile, mask=old[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_tile, mask=old[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    after_previous(PDL)
+    if not is_decode:
+        return
     if start >= end:
         return  # NOTE: the reduce reads only splits that hold keys, so nothing need be written
 
     rows = tl.arange(0, BLOCK_M)
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     q = tl.load(
         q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
@@ -170,29 +214,21 @@ def _decode_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for j in range(start, end, BLOCK_N):
+    first = start
+    if EARLY:
+        new = keys == seq_len - 1  # in the first tile when the split ends within it; later tiles are read below
+        k = tl.where(new[None, :], tl.load(k_tile, mask=new[None, :] & d_ok[:, None], other=0.0), k)
+        v = tl.where(new[:, None], tl.load(v_tile, mask=new[:, None] & d_ok[None, :], other=0.0), v)
+        m, l, acc = _attend_tile(q, k, v, keys < end, m, l, acc, scale_log2, PRECISION)
+        first = start + BLOCK_N
+    for j in range(first, end, BLOCK_N):
         keys = j + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ko + kv_head * stride_kh + d[:, None],
-            mask=key_ok[None, :] & d_ok[:, None], other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        # NOTE: every tile holds at least one key (j < end), so m_new is finite in every row.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
-            mask=key_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m = m_new
+        k_tile, v_tile = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, keys, key_ok, kv_head, d,
+                                  stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, BLOCK_SIZE)
+        k = tl.load(k_tile, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_tile, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        m, l, acc = _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION)
 
     if IS_SPLIT:
         idx = (seq * num_heads + heads) * num_splits + split  # [BLOCK_M] into [seqs, heads, splits]
@@ -216,13 +252,14 @@ def _decode_reduce_kernel(
 ):  # fmt: skip
     """Grid (num_seqs, num_heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
     splits that held keys, M = max_s m_s."""
-    after_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
-        return
+    q_row = tl.load(query_start_loc_ptr + seq)  # the metadata before the wait, as the decode kernel reads it
+    is_decode = tl.load(query_start_loc_ptr + seq + 1) - q_row == 1
     seq_len = tl.load(seq_lens_ptr + seq)
+    after_previous(PDL)
+    if not is_decode:
+        return
     lo, tps = _split_keys(seq_len, window, num_splits, BLOCK_N, HAS_WINDOW)
     last = (seq_len - lo + tps - 1) // tps  # splits [0, last) were written by the decode kernel
     s = tl.arange(0, BLOCK_S)
@@ -336,7 +373,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
         PRECISION=dot_precision(q.dtype), F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **options, **kernel_options,
+        EARLY=options["launch_pdl"], num_warps=num_warps, num_stages=num_stages, **options, **kernel_options,
     )  # fmt: skip
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -111,7 +111,7 @@ CASES = [
           stride_ot="i32", stride_oh="i32", stride_kb="i32", stride_ko="i32", stride_kh="i32", stride_vb="i32",
           stride_vo="i32", stride_vh="i32", stride_bt="i32"),
      dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, HAS_WINDOW=False,
-          IS_SPLIT=True, PRECISION="tf32", F16_DOTS=False, PDL=True)),
+          IS_SPLIT=True, PRECISION="tf32", F16_DOTS=False, PDL=True, EARLY=True)),
     ("engine.attention.triton_kernels", "_decode_kernel",  # an FP8 cache: float16 dots, its own tiles
      dict(q_ptr=P, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr=P, part_acc_ptr="*fp32",
           part_m_ptr="*fp32", part_l_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
@@ -119,7 +119,7 @@ CASES = [
           stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32", stride_kb="i32", stride_ko="i32",
           stride_kh="i32", stride_vb="i32", stride_vo="i32", stride_vh="i32", stride_bt="i32"),
      dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=128, BLOCK_SIZE=16, HAS_WINDOW=False,
-          IS_SPLIT=False, PRECISION="tf32", F16_DOTS=True, PDL=True)),
+          IS_SPLIT=False, PRECISION="tf32", F16_DOTS=True, PDL=True, EARLY=False)),
     ("engine.attention.triton_kernels", "_decode_reduce_kernel",
      dict(out_ptr=P, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", seq_lens_ptr="*i32",
           query_start_loc_ptr="*i32", window="i32", num_splits="i32", num_heads="i32", stride_ot="i32",

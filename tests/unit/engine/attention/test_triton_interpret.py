@@ -308,3 +308,77 @@ def test_registered_for_cuda_only():
         TritonAttentionConfig(prefill_block_n=24)
     with pytest.raises(ValueError, match=r"decode_fp8_maxnreg=8 must be in \[16, 255\]"):
         TritonAttentionConfig(decode_fp8_maxnreg=8)
+
+
+def launch_early(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The decode kernel compiled as for a launch that starts while the kernel before it ends (EARLY: the
+    interpreter launches in the stream's order); returns the launches' own `launch_pdl`s as they come."""
+    launches: list[bool] = []
+    kernel = triton_kernels._decode_kernel
+
+    class Early:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                launches.append(options.pop("launch_pdl"))
+                return kernel[grid](*args, **{**options, "EARLY": True})
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_decode_kernel", Early())
+    return launches
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_the_early_decode_launch_matches_the_reference(monkeypatch, cache_dtype):
+    """Compiled to read its first tile before the wait: mixed batches (the prefill kernel's sequences read
+    nothing early), several splits and tiles a split, one split, block boundaries."""
+    launches = launch_early(monkeypatch)
+    magnitude = 150.0 if cache_dtype == torch.float8_e4m3fn else 1.0
+    check_against_reference(make_batch(MIXED, num_heads=4, num_kv_heads=2, seed=4, cache_dtype=cache_dtype,
+                                       kv_magnitude=magnitude), magnitude=magnitude)
+    batch = make_batch([(1, 70), (1, 16), (1, 17), (2, 9)], num_heads=4, num_kv_heads=2, seed=5,
+                       cache_dtype=cache_dtype, kv_magnitude=magnitude)
+    for programs_per_sm, plan in ((1, (1, 80)), (2, (2, 48))):  # one split of 5 tiles; two of 3
+        config = dataclasses.replace(SMALL, min_split_tokens=32, target_programs_per_sm=programs_per_sm)
+        assert decode_split_plan(4, 2, 70, 8, config, fp8_cache=cache_dtype == torch.float8_e4m3fn) == plan
+        check_against_reference(batch, config, magnitude=magnitude)
+    assert launches
+
+
+@pytest.mark.parametrize("seq_len", [5, 16, 21])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_decode_reads_the_step_s_newest_key_only_after_its_wait(monkeypatch, seq_len, cache_dtype):
+    """Under PDL the decode kernel reads its first tile of keys before it waits for the kernel before it, which
+    stores the step's newest key. Here that key's slot holds NaN until the wait (a stand-in for `after_previous`
+    stores it then), so a kernel that took it from before the wait would give NaN. One split of 16-key tiles:
+    the newest key in the first tile (5, 16) or in the one after (21)."""
+    b = make_batch([(1, seq_len)], num_heads=4, num_kv_heads=1, seed=seq_len, cache_dtype=cache_dtype)
+    k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
+    triton_kernels.store_kv(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping)
+    block, offset = divmod(int(b.meta.slot_mapping[0]), k_cache.shape[1])
+    stored_k, stored_v = k_cache[block, offset].clone(), v_cache[block, offset].clone()
+
+    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(b.q, float("nan"))
+        triton_kernels.decode_attention(
+            b.q, k, v, out, b.meta.block_tables_tensor, b.meta.seq_lens_tensor, b.meta.query_start_loc_tensor,
+            scale=b.spec.scale, sliding_window=None, num_splits=1, tokens_per_split=32, max_splits=SMALL.max_splits,
+            block_n=16,
+        )  # fmt: skip
+        return out
+
+    want = TorchAttention(b.spec).forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta)
+    assert not want.isnan().any()
+    k_cache[block, offset] = v_cache[block, offset] = float("nan")
+    waits: list[None] = []
+
+    def after_previous(pdl: object) -> None:  # the kernel before has stored the newest key by now
+        waits.append(None)
+        k_cache[block, offset], v_cache[block, offset] = stored_k, stored_v
+
+    monkeypatch.setattr(triton_kernels, "after_previous", after_previous)
+    launches = launch_early(monkeypatch)
+    got = attend(k_cache, v_cache)
+    assert launches == [False]  # the interpreter's own launch is in the stream's order
+    assert waits, "the decode kernel never waited"
+    assert not got.isnan().any(), "the newest key was taken from before the wait"
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
