@@ -139,7 +139,7 @@ def _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION: tl.constexpr
     count, at least one) folded into the running max m, sum l and unnormalised output acc."""
     s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     s = tl.where(key_ok[None, :], s, float("-inf"))
-    # NOTE: every tile holds at least one key (j < end), so m_new is finite in every row.
+    # NOTE: every tile holds at least one key that counts, so m_new is finite in every row.
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
