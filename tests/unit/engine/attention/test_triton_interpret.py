@@ -191,28 +191,37 @@ def test_fp8_cache_decodes_bfloat16_queries_through_float16_dots():
     check_against_reference(batch, one_split, magnitude=150.0)
 
 
-def test_decode_launch_over_fp8_caps_registers(monkeypatch):
-    """The decode kernel over an FP8 cache launches with the config's register cap (more programs an SM:
-    bench/results/fp8_decode_attention_maxnreg_*); over another dtype with none."""
-    caps: list[int | None] = []
+def record_decode_launches(monkeypatch: pytest.MonkeyPatch, **constexprs: object) -> list[dict[str, object]]:
+    """Every `_decode_kernel` launch's own options, recorded as they come; `constexprs` replace the launch's
+    (EARLY=True: compiled as for a launch that starts while the kernel before it ends, which the interpreter's,
+    in the stream's order, never is)."""
+    launches: list[dict[str, object]] = []
     kernel = triton_kernels._decode_kernel
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **options):
-                caps.append(options.get("maxnreg"))
-                return kernel[grid](*args, **options)
+                launches.append(dict(options))
+                return kernel[grid](*args, **{**options, **constexprs})
             return launch
 
     monkeypatch.setattr(triton_kernels, "_decode_kernel", Recorded())
+    return launches
+
+
+def test_decode_launch_over_fp8_caps_registers(monkeypatch):
+    """The decode kernel over an FP8 cache launches with the config's register cap (more programs an SM:
+    bench/results/fp8_decode_attention_maxnreg_*); over another dtype with none."""
+    launches = record_decode_launches(monkeypatch)
     seqs = [(1, 40), (1, 9)]
     fp8 = make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16, seed=5,
                      cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
     check_against_reference(fp8, magnitude=150.0)
-    assert caps and set(caps) == {SMALL.decode_fp8_maxnreg} and SMALL.decode_fp8_maxnreg is not None
-    caps.clear()
+    caps = {options.get("maxnreg") for options in launches}
+    assert launches and caps == {SMALL.decode_fp8_maxnreg} and SMALL.decode_fp8_maxnreg is not None
+    launches.clear()
     check_against_reference(make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=5))
-    assert caps and set(caps) == {None}
+    assert launches and {options.get("maxnreg") for options in launches} == {None}
 
 
 def test_k_and_v_as_strided_views_of_a_fused_qkv_projection():
@@ -310,28 +319,11 @@ def test_registered_for_cuda_only():
         TritonAttentionConfig(decode_fp8_maxnreg=8)
 
 
-def launch_early(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """The decode kernel compiled as for a launch that starts while the kernel before it ends (EARLY: the
-    interpreter launches in the stream's order); returns the launches' own `launch_pdl`s as they come."""
-    launches: list[bool] = []
-    kernel = triton_kernels._decode_kernel
-
-    class Early:
-        def __getitem__(self, grid):
-            def launch(*args, **options):
-                launches.append(options.pop("launch_pdl"))
-                return kernel[grid](*args, **{**options, "EARLY": True})
-            return launch
-
-    monkeypatch.setattr(triton_kernels, "_decode_kernel", Early())
-    return launches
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_the_early_decode_launch_matches_the_reference(monkeypatch, cache_dtype):
     """Compiled to read its first tile before the wait: mixed batches (the prefill kernel's sequences read
     nothing early), several splits and tiles a split, one split, block boundaries."""
-    launches = launch_early(monkeypatch)
+    launches = record_decode_launches(monkeypatch, EARLY=True)
     magnitude = 150.0 if cache_dtype == torch.float8_e4m3fn else 1.0
     check_against_reference(make_batch(MIXED, num_heads=4, num_kv_heads=2, seed=4, cache_dtype=cache_dtype,
                                        kv_magnitude=magnitude), magnitude=magnitude)
@@ -376,9 +368,9 @@ def test_decode_reads_the_step_s_newest_key_only_after_its_wait(monkeypatch, seq
         k_cache[block, offset], v_cache[block, offset] = stored_k, stored_v
 
     monkeypatch.setattr(triton_kernels, "after_previous", after_previous)
-    launches = launch_early(monkeypatch)
+    launches = record_decode_launches(monkeypatch, EARLY=True)
     got = attend(k_cache, v_cache)
-    assert launches == [False]  # the interpreter's own launch is in the stream's order
+    assert [options["launch_pdl"] for options in launches] == [False]  # the interpreter's own is in stream order
     assert waits, "the decode kernel never waited"
     assert not got.isnan().any(), "the newest key was taken from before the wait"
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
