@@ -1,6 +1,7 @@
 """Decode steps of several trees measured in one device call (bench.tensor_parallel or bench.quantized JSONs,
 one per tree and repeat), gathered into one result: each label's ms per step by batch (every repeat, and their
-mean), and each label's mean over the first label's of the same model, TP size and weights (its baseline).
+mean), and each label's mean over the first label's of the same model, TP size and weights (its baseline);
+with bench.quantized's offline run, its output tokens per second too.
 Measures nothing itself: the JSONs come from the GPU.
 
     python -m bench.steps_side_by_side --out bench/results --name NAME \\
@@ -31,6 +32,8 @@ def gather(runs: list[tuple[str, Path]]) -> dict[str, Any]:
                                             "step_ms": {}, "model": model})
             for row in run["decode"]:
                 entry["step_ms"].setdefault(str(row["batch"]), []).append(row["step_s"] * 1e3)
+            if run.get("offline"):
+                entry.setdefault("offline_tok_per_s", []).append(run["offline"]["output_tok_per_s"])
     return labels
 
 
@@ -75,7 +78,8 @@ def main() -> None:
     save_plot(args.out / f"{args.name}.png", plot, f"{args.name}: {record['device_name']}")
     for key, entry in labels.items():
         print(key, " ".join(f"b{b} {m:.2f} ms ({entry['over_baseline'].get(b, float('nan')):.3f}x)"
-                            for b, m in entry["mean_ms"].items()))
+                            for b, m in entry["mean_ms"].items()),
+              " ".join(f"offline {t:,.0f} tok/s" for t in entry.get("offline_tok_per_s", [])))
 
 
 if __name__ == "__main__":

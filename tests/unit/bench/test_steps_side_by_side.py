@@ -41,3 +41,17 @@ def test_refuses_jsons_from_two_devices(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["x", "--run", f"x={a}", "--run", f"y={b}", "--out", str(tmp_path), "--name", "n"])
     with pytest.raises(SystemExit, match="one device call"):
         steps_side_by_side.main()
+
+
+def test_keeps_each_offline_run_s_output_tokens_per_second(tmp_path: Path, monkeypatch) -> None:
+    path = _json(tmp_path / "a.json", "H200", 1, {64: 7.5})
+    record = json.loads(path.read_text())
+    record["runs"][0].update(variant="fp8", offline={"output_tok_per_s": 13903.0})
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(sys, "argv", ["x", "--run", f"new={path}", "--run", f"main={tmp_path / 'b.json'}",
+                                      "--out", str(tmp_path / "out"), "--name", "n"])
+    _json(tmp_path / "b.json", "H200", 1, {64: 8.6})  # no offline run: no figure
+    steps_side_by_side.main()
+    labels = json.loads((tmp_path / "out" / "n.json").read_text())["labels"]
+    assert labels["new m fp8"]["offline_tok_per_s"] == [13903.0]
+    assert "offline_tok_per_s" not in labels["main m TP=1"]
