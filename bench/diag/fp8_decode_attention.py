@@ -20,7 +20,13 @@ Found (one H200, batch 256, context 1500, floor 193 us; the `_dots`, `_ahead`, `
 programs an SM, half the DRAM bandwidth used; a program's time a tile is its loads' latency. Head-major
 blocks gained 1-3%; dots on FP8 tensor cores (queries and weights in E4M3) nothing, at 3.5% error; loads
 issued a tile ahead in registers ran slower (more registers still). Capping registers at 128 took the
-kernel to 286 us (512 sequences: 641 -> 546 us), which the product takes since (its `maxnreg`).
+kernel to 286 us (512 sequences: 641 -> 546 us), which the product took then.
+Later (`_values_f16`, `_values_f16_main`, one H200, one call each): the product at 6e66d4f took 471 us at batch 256 and
+922 at 512 (it had grown past the cap: compiled offline for sm_90 it keeps 336 bytes a thread in local memory),
+and both it and this lab copy read each E4M3 value of a tile from shared memory alone (`ld.shared.b8`, 128 a
+thread a tile): Triton moves the values' conversion after their trip into the dot's layout, and ldmatrix
+transposes 16-bit values only. Converting them first (inline PTX that Triton cannot move) and dropping the cap:
+282 us at 256, 530 at 512, 96 at 64 (`--tiles`: the product's kernel at other tiles).
 Each cache block's keys of a head read by one TMA copy (16 or 32 keys a tile) took twice as long
 (591 us at batch 256, `_tma`); two or four KV heads a program with batched dots (a key's 256 or 512 bytes
 read as one run) ran slower and the grid's order made no difference (`_grid_heads`): both variants are gone
@@ -169,8 +175,32 @@ def paged_cache(num_blocks: int, dtype: torch.dtype, layout: str, device: torch.
     return torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype).permute(0, 2, 1, 3)
 
 
+def product_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sms: int,
+                  tiles: tuple[int, int, int], ref: torch.Tensor) -> dict[str, Any]:
+    """The product's decode launch with other tiles (keys a tile, warps, stages), its split plan made for them:
+    its time and its error against the product's tiles."""
+    block_n, num_warps, num_stages = tiles
+    cfg = TritonAttentionConfig(decode_fp8_block_n=block_n, decode_fp8_num_warps=num_warps,
+                                decode_fp8_num_stages=num_stages)
+    batch, context = q.shape[0], int(seq_lens.max())
+    num_splits, tps = decode_split_plan(batch, KV_HEADS, context, sms, cfg, fp8_cache=True)
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale=scale,
+                         sliding_window=None, num_splits=num_splits, tokens_per_split=tps, max_splits=cfg.max_splits,
+                         block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+    run()
+    err = float((out.float() - ref).norm() / ref.norm())
+    result = {"tiles": list(tiles), "num_splits": num_splits, "us": median_us(run), "rel_err_vs_product": err}
+    print(f"  product tiles {tiles}: {result}", flush=True)
+    return result
+
+
 def point(batch: int, context: int, bandwidth: float, configs: list[Config],
-          layouts: list[str]) -> dict[str, Any]:
+          layouts: list[str], tiles_list: list[tuple[int, int, int]]) -> dict[str, Any]:
     device = torch.device("cuda")
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
@@ -196,7 +226,7 @@ def point(batch: int, context: int, bandwidth: float, configs: list[Config],
             decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale=scale,
                              sliding_window=None, num_splits=num_splits, tokens_per_split=tps,
                              max_splits=cfg.max_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
-                             num_stages=tiles.num_stages, maxnreg=tiles.maxnreg)
+                             num_stages=tiles.num_stages)
 
         name = f"{'fp8' if fp8 else 'bf16'}_{layout}"
         kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
@@ -207,6 +237,8 @@ def point(batch: int, context: int, bandwidth: float, configs: list[Config],
         print(f"batch {batch} ctx {context} product {name}: {row[f'product_{name}']}", flush=True)
         if not fp8:
             continue
+        row[f"product_tiles_{name}"] = [product_tiles(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                      scale, sms, t, ref) for t in tiles_list]
         row[f"lab_{name}"] = []
         for c in configs:
             try:
@@ -226,7 +258,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--points", default="256:1500,64:1500")
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads")
+    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads; empty: the lab copy not run")
     parser.add_argument("--k-loads", default="cols,rows")
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
@@ -234,16 +266,20 @@ def main() -> None:
     parser.add_argument("--maxnreg", default="0", help="registers a thread at most (Triton's maxnreg); 0: no cap")
     parser.add_argument("--grids", default="seq", help="of seq head (_program_ids)")
     parser.add_argument("--layouts", default="token", help="of token head (paged_cache)")
+    parser.add_argument("--tiles", default="", help="the product's kernel with other tiles too: comma-separated "
+                        "block_n:warps:stages")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    tiles_list = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",") if t]
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    configs = list(itertools.product(args.dots.split(","), args.k_loads.split(","), ints(args.block_n),
-                                     ints(args.warps), ints(args.stages), ints(args.maxnreg), args.grids.split(",")))
+    configs = [] if not args.dots else list(itertools.product(
+        args.dots.split(","), args.k_loads.split(","), ints(args.block_n), ints(args.warps), ints(args.stages),
+        ints(args.maxnreg), args.grids.split(",")))
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     for p in args.points.split(","):
         batch, context = (int(x) for x in p.split(":"))
-        rows.append(point(batch, context, bandwidth, configs, args.layouts.split(",")))
+        rows.append(point(batch, context, bandwidth, configs, args.layouts.split(","), tiles_list))
     name = torch.cuda.get_device_name()
     slug = name.lower().replace(" ", "-")
     (args.out / f"fp8_decode_attention{args.tag}_{slug}.json").write_text(json.dumps(

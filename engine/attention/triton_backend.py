@@ -64,9 +64,6 @@ class TritonAttentionConfig:
     decode_fp8_block_n: int = 128
     decode_fp8_num_warps: int = 4
     decode_fp8_num_stages: int = 2
-    # Registers a thread of it may take. Uncapped the compiler takes 212, two programs fit an SM, and
-    # too few tiles are in flight to hide their loads' latency (bench/results/fp8_decode_attention_maxnreg_*).
-    decode_fp8_maxnreg: int | None = 128
     prefill_block_m: int = 128  # rows (query tokens x group heads) per prefill program
     prefill_block_n: int = 64  # keys per tile of the prefill kernel
     prefill_num_warps: int = 8
@@ -86,23 +83,18 @@ class TritonAttentionConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.graph_max_context is not None and self.graph_max_context < 1:
             raise ValueError(f"graph_max_context={self.graph_max_context} must be at least 1 or None")
-        cap = self.decode_fp8_maxnreg
-        if cap is not None and not 16 <= cap <= 255:
-            raise ValueError(f"decode_fp8_maxnreg={cap} must be in [16, 255] registers (what ptxas takes) or None")
 
     def decode_tiles(self, fp8_cache: bool) -> DecodeTiles:
         """The decode kernel's launch over a cache of FP8 or another dtype."""
         if fp8_cache:
-            return DecodeTiles(self.decode_fp8_block_n, self.decode_fp8_num_warps, self.decode_fp8_num_stages,
-                               self.decode_fp8_maxnreg)
-        return DecodeTiles(self.decode_block_n, self.decode_num_warps, self.decode_num_stages, None)
+            return DecodeTiles(self.decode_fp8_block_n, self.decode_fp8_num_warps, self.decode_fp8_num_stages)
+        return DecodeTiles(self.decode_block_n, self.decode_num_warps, self.decode_num_stages)
 
 
 class DecodeTiles(NamedTuple):
     block_n: int  # keys a tile
     num_warps: int
     num_stages: int
-    maxnreg: int | None  # registers a thread at most; None: as the compiler likes
 
 
 def decode_split_plan(
@@ -218,7 +210,7 @@ class TritonAttention:
                 q, k_cache, v_cache, out, *tensors,
                 scale=spec.scale, sliding_window=spec.sliding_window,
                 num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-                block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg,
+                block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             )  # fmt: skip
         if num_decode < meta.num_seqs:
             self._prefill.prefill_attention(
@@ -258,7 +250,7 @@ class TritonAttention:
             q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
             scale=spec.scale, sliding_window=spec.sliding_window,
             num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-            block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg,
+            block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             workspace=self._workspace,
         )  # fmt: skip
         return out

@@ -27,6 +27,8 @@ kernel saturates at +-448 and rounds to nearest even, as `to_cache` does.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -133,10 +135,26 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, keys, key_ok, kv_head, d,
     return k_tile, v_tile
 
 
+# NOTE: four E4M3 values (one 32-bit register) -> four float16 (two), two `cvt`s
+_E4M3X4_TO_F16 = tl.constexpr("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, $2;\n cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+                              " cvt.rn.f16x2.e4m3x2 $1, hi;}")
+
+
 @triton.jit
-def _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION: tl.constexpr):
+def _values_as_f16(v):
+    """An E4M3 tile of values as float16 (exact), converted where it was loaded. NOTE: not pure, so Triton
+    cannot move it after the tile's trip through shared memory into the dot's operand layout: there an E4M3
+    tile would be read a byte at a time (its keys run across rows, and ldmatrix transposes 16-bit values
+    only), where float16 is read by transposing ldmatrix (bench/results/fp8_decode_attention_values_f16_*)."""
+    return tl.inline_asm_elementwise(_E4M3X4_TO_F16, "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                                     is_pure=False, pack=4)
+
+
+@triton.jit
+def _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION: tl.constexpr, VALUES_ASM: tl.constexpr):
     """One tile of keys k [BLOCK_D, BLOCK_N] and values v [BLOCK_N, BLOCK_D] (key_ok: the keys that
-    count, at least one) folded into the running max m, sum l and unnormalised output acc."""
+    count, at least one) folded into the running max m, sum l and unnormalised output acc. VALUES_ASM
+    (compiled, E4M3 values, float16 dots): the values converted by `_values_as_f16`."""
     s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     s = tl.where(key_ok[None, :], s, float("-inf"))
     # NOTE: every tile holds at least one key that counts, so m_new is finite in every row.
@@ -144,6 +162,8 @@ def _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION: tl.constexpr
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, 1)
+    if VALUES_ASM:
+        v = _values_as_f16(v)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l, acc
 
@@ -160,7 +180,8 @@ def _decode_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, VALUES_ASM: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) attends the GROUP
     query heads of kv_head over the split-th of num_splits even parts (whole BLOCK_N tiles) of the
@@ -169,6 +190,7 @@ def _decode_kernel(
     `_decode_reduce_kernel`; else the one split covers the whole context and writes `out`.
     F16_DOTS (an FP8 cache, bfloat16 queries): the dots take float16 operands, the queries clamped to
     its range: E4M3 converts to float16 exactly in one instruction, where bfloat16 takes several.
+    VALUES_ASM (compiled, an FP8 cache, 16-bit queries): values converted as `_attend_tile` says.
     Before its PDL wait a program reads the metadata (written before the step's layers ran) and, when
     its launch starts while the kernel before it ends (EARLY), its first tile of keys and values but
     the step's own: every key of a decode sequence but the newest was stored by a kernel of an earlier
@@ -219,7 +241,7 @@ def _decode_kernel(
         new = keys == seq_len - 1  # in the first tile when the split ends within it; later tiles are read below
         k = tl.where(new[None, :], tl.load(k_tile, mask=new[None, :] & d_ok[:, None], other=0.0), k)
         v = tl.where(new[:, None], tl.load(v_tile, mask=new[:, None] & d_ok[None, :], other=0.0), v)
-        m, l, acc = _attend_tile(q, k, v, keys < end, m, l, acc, scale_log2, PRECISION)
+        m, l, acc = _attend_tile(q, k, v, keys < end, m, l, acc, scale_log2, PRECISION, VALUES_ASM)
         first = start + BLOCK_N
     for j in range(first, end, BLOCK_N):
         keys = j + tl.arange(0, BLOCK_N)
@@ -228,7 +250,7 @@ def _decode_kernel(
                                   stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, BLOCK_SIZE)
         k = tl.load(k_tile, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_tile, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        m, l, acc = _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION)
+        m, l, acc = _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION, VALUES_ASM)
 
     if IS_SPLIT:
         idx = (seq * num_heads + heads) * num_splits + split  # [BLOCK_M] into [seqs, heads, splits]
@@ -320,7 +342,6 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    maxnreg: int | None = None,
     workspace: torch.Tensor | None = None,
 ) -> None:
     """Attention of every sequence with exactly one new token (others are skipped on the device).
@@ -361,8 +382,8 @@ def decode_attention(
     else:
         part_acc = part_m = part_l = out  # not read
     window = sliding_window or 0
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     options = pdl_options(q.device, num_seqs)
-    kernel_options = {"maxnreg": maxnreg} if maxnreg is not None else {}
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
@@ -372,8 +393,9 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
-        PRECISION=dot_precision(q.dtype), F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        EARLY=options["launch_pdl"], num_warps=num_warps, num_stages=num_stages, **options, **kernel_options,
+        PRECISION=dot_precision(q.dtype), F16_DOTS=fp8 and q.dtype == torch.bfloat16,
+        VALUES_ASM=fp8 and q.dtype != torch.float32 and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        EARLY=options["launch_pdl"], num_warps=num_warps, num_stages=num_stages, **options,
     )  # fmt: skip
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](

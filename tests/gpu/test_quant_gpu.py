@@ -94,6 +94,43 @@ def test_fp8_model_on_cuda_path_equals_reference_path(hf_checkpoints, make_llm) 
     _same_until_a_near_tie(fast.generate(prompts, params), slow.generate(prompts, params))
 
 
+@pytest.mark.parametrize(("batch", "context", "num_splits", "block_n"),
+                         [(1, 1500, 24, 64), (3, 700, 1, 128), (64, 1500, 2, 128), (5, 37, 1, 64)])
+def test_decode_attention_over_an_fp8_cache_equals_a_float32_reference(batch: int, context: int, num_splits: int,
+                                                                       block_n: int) -> None:
+    """The compiled decode kernel over a paged FP8 cache (its values converted to float16 before their dot,
+    triton_kernels._values_as_f16) against float32 attention over the same E4M3 values, queries rounded to
+    float16 as its dots take them: batch 1 (launched early), split and whole contexts, a short one."""
+    from engine.attention.triton_kernels import decode_attention
+
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
+    blocks = -(-context // block_size)
+    order = torch.randperm(batch * blocks, generator=gen, device="cuda").to(torch.int32) + 1  # block 0 unused
+    tables = order.view(batch, blocks)
+    shape = (batch * blocks + 1, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, device="cuda", generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    q = torch.randn(batch, heads, head_dim, device="cuda", generator=gen).bfloat16()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    seq_lens[-1] = max(1, context - 5)  # a shorter last sequence
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    tokens_per_split = -(-(-(-context // num_splits)) // block_n) * block_n
+    decode_attention(q, k_cache, v_cache, out, tables, seq_lens, starts, scale=head_dim ** -0.5, sliding_window=None,
+                     num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=64, block_n=block_n,
+                     num_stages=2)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        slots = tables[b].long()[:, None] * block_size + torch.arange(block_size, device="cuda")
+        keys = k_cache.view(-1, kv_heads, head_dim)[slots.view(-1)[:n]].float()  # [n, kv_heads, head_dim]
+        values = v_cache.view(-1, kv_heads, head_dim)[slots.view(-1)[:n]].float()
+        qf = q[b].half().float().view(kv_heads, heads // kv_heads, head_dim)
+        weights = torch.softmax(torch.einsum("hgd,nhd->hgn", qf, keys) * head_dim ** -0.5, dim=-1)
+        want = torch.einsum("hgn,nhd->hgd", weights, values).reshape(heads, head_dim)
+        error = float((out[b].float() - want).norm() / want.norm())
+        assert error < 5e-3, f"sequence {b}: relative error {error:.2e}"  # its probabilities rounded to float16
+
+
 def test_fp8_kv_cache_on_triton_equals_torch_backend(hf_checkpoints, make_llm) -> None:
     """The Triton kernels compiled over an FP8 cache (store, decode with CUDA graphs, prefill) against
     the torch backend over the same FP8 cache, bfloat16 activations, FP8 projections too."""

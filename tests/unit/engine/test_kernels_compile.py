@@ -111,7 +111,7 @@ CASES = [
           stride_ot="i32", stride_oh="i32", stride_kb="i32", stride_ko="i32", stride_kh="i32", stride_vb="i32",
           stride_vo="i32", stride_vh="i32", stride_bt="i32"),
      dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, HAS_WINDOW=False,
-          IS_SPLIT=True, PRECISION="tf32", F16_DOTS=False, PDL=True, EARLY=True)),
+          IS_SPLIT=True, PRECISION="tf32", F16_DOTS=False, VALUES_ASM=False, PDL=True, EARLY=True)),
     ("engine.attention.triton_kernels", "_decode_kernel",  # an FP8 cache: float16 dots, its own tiles
      dict(q_ptr=P, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr=P, part_acc_ptr="*fp32",
           part_m_ptr="*fp32", part_l_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
@@ -119,7 +119,7 @@ CASES = [
           stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32", stride_kb="i32", stride_ko="i32",
           stride_kh="i32", stride_vb="i32", stride_vo="i32", stride_vh="i32", stride_bt="i32"),
      dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=128, BLOCK_SIZE=16, HAS_WINDOW=False,
-          IS_SPLIT=False, PRECISION="tf32", F16_DOTS=True, PDL=True, EARLY=False)),
+          IS_SPLIT=False, PRECISION="tf32", F16_DOTS=True, VALUES_ASM=True, PDL=True, EARLY=False)),
     ("engine.attention.triton_kernels", "_decode_reduce_kernel",
      dict(out_ptr=P, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", seq_lens_ptr="*i32",
           query_start_loc_ptr="*i32", window="i32", num_splits="i32", num_heads="i32", stride_ot="i32",
@@ -157,3 +157,49 @@ def test_fused_and_quantizing_kernels_compile_for_hopper_on_the_cpu():
     assert done.returncode == 0, done.stderr[-3000:]
     cases = int(done.stdout.rsplit("cases ", 1)[1])
     assert cases >= PROGRAM.count('("engine.') and done.stdout.count("compiled ") == cases, done.stdout
+
+
+# The FP8 decode kernel as a launch at the 8B shape specializes it: its pointers and strides divisible by 16
+VALUES_PROGRAM = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.attention.triton_kernels import _decode_kernel
+
+signature = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16",
+                 part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", block_tables_ptr="*i32",
+                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32", window="i32", num_splits="i32",
+                 num_heads="i32", stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
+                 stride_kb="i32", stride_ko="i32", stride_kh="i32", stride_vb="i32", stride_vo="i32",
+                 stride_vh="i32", stride_bt="i32")
+constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=128, BLOCK_SIZE=16, HAS_WINDOW=False,
+                  IS_SPLIT=True, PRECISION="tf32", F16_DOTS=True, VALUES_ASM=VALUES_ASM, PDL=False, EARLY=False)
+names = list(signature)
+unspecialized = {"scale_log2", "num_splits", "stride_bt"}  # a float, and _decode_kernel's do_not_specialize
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in unspecialized}
+kernel = triton.compile(ASTSource(fn=_decode_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                                  constexprs=constexprs, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+ptx = kernel.asm["ptx"]
+print("byte loads", ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"))
+print("transposed", ptx.count(".trans.shared.b16"))
+"""
+
+
+@pytest.mark.parametrize("values_asm", [True, False])
+def test_fp8_decode_reads_its_value_tiles_as_float16_through_transposing_ldmatrix(values_asm: bool):
+    """With VALUES_ASM, the FP8 decode kernel (specialized as at the 8B shape) converts its value tiles before
+    their trip through shared memory into the dot's layout, so it reads them back by transposing ldmatrix,
+    with no byte loads; without it (the case that shows the test can fail), Triton moves the conversion after
+    the trip and reads each value's byte alone."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-c", f"VALUES_ASM = {values_asm}\n" + VALUES_PROGRAM], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    byte_loads = int(done.stdout.split("byte loads ")[1].split()[0])
+    transposed = int(done.stdout.split("transposed ")[1].split()[0])
+    if values_asm:
+        assert byte_loads == 0 and transposed > 0, done.stdout
+    else:
+        assert byte_loads >= 64 and transposed == 0, done.stdout

@@ -209,21 +209,6 @@ def record_decode_launches(monkeypatch: pytest.MonkeyPatch, **constexprs: object
     return launches
 
 
-def test_decode_launch_over_fp8_caps_registers(monkeypatch):
-    """The decode kernel over an FP8 cache launches with the config's register cap (more programs an SM:
-    bench/results/fp8_decode_attention_maxnreg_*); over another dtype with none."""
-    launches = record_decode_launches(monkeypatch)
-    seqs = [(1, 40), (1, 9)]
-    fp8 = make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16, seed=5,
-                     cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
-    check_against_reference(fp8, magnitude=150.0)
-    caps = {options.get("maxnreg") for options in launches}
-    assert launches and caps == {SMALL.decode_fp8_maxnreg} and SMALL.decode_fp8_maxnreg is not None
-    launches.clear()
-    check_against_reference(make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=5))
-    assert launches and {options.get("maxnreg") for options in launches} == {None}
-
-
 def test_k_and_v_as_strided_views_of_a_fused_qkv_projection():
     """The model passes q, k, v as column slices of one [tokens, (heads + 2 kv_heads) * head_dim]
     projection; the kernels read them through their row strides, with no copy."""
@@ -315,8 +300,6 @@ def test_registered_for_cuda_only():
         create_backend("triton", spec, torch.device("cpu"))
     with pytest.raises(ValueError, match="power of two"):
         TritonAttentionConfig(prefill_block_n=24)
-    with pytest.raises(ValueError, match=r"decode_fp8_maxnreg=8 must be in \[16, 255\]"):
-        TritonAttentionConfig(decode_fp8_maxnreg=8)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
