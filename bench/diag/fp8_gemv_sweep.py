@@ -2,6 +2,8 @@
 quantization, then gemv_matmul) and gemv_matmul (CUDA cores, float32 lanes) over a grid of tiles, warps and stages, at
 Llama-3.1-8B's projections; the floor beside (weight bytes / copy bandwidth). Timing as
 bench.diag.fp8_split_k_sweep: weights cycled past L2, one CUDA graph a cycle, median of its replays.
+`--grid` times only the configs named (`_k2048`: steps of 2048 columns, fewer instructions a weight, slower at
+every projection).
 
     python -m bench.diag.fp8_gemv_sweep --out DIR
 """
@@ -37,7 +39,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=["8b_qkv", "8b_o", "8b_gate_up", "8b_down"])
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--grid", default="", help="only these configs, no refinement: comma-separated "
+                        "block_n:block_k:warps:stages")
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    explicit = [tuple(int(v) for v in c.split(":")) for c in args.grid.split(",") if c]
     bandwidth = copy_bandwidth(torch.device("cuda"))
     served = Fp8Matmul("cuda", triton=True)
     counts = fp8_kernels.split_k_counts(torch.device("cuda"))
@@ -61,7 +67,8 @@ def main() -> None:
             got = fp8_kernels.gemv_matmul(xq, xs, *weights[0], None, torch.float32, c)
             return float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
 
-        row["configs"] = sweep_configs(first_grid(), refine, call_for, check, "max_rel_vs_split_k", copies)
+        row["configs"] = sweep_configs(explicit or first_grid(), (lambda best: []) if explicit else refine, call_for,
+                                       check, "max_rel_vs_split_k", copies)
         best = min(row["configs"], key=lambda r: r["us"])
         row["best_gemv"] = best
         print(f"{name}: floor {row['floor_us']:.1f} split-K {row['split_k_us']:.1f} served {row['served_us']:.1f} "
@@ -69,7 +76,7 @@ def main() -> None:
         rows.append(row)
         weights.clear()
         torch.cuda.empty_cache()
-    write_sweep(args.out, "fp8_gemv_sweep", bandwidth, rows)
+    write_sweep(args.out, f"fp8_gemv_sweep{args.tag}", bandwidth, rows)
 
 
 if __name__ == "__main__":
