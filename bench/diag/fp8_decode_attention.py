@@ -9,7 +9,8 @@ blocks), one layer's decode launch over a paged cache of random non-contiguous b
   operands (`bf16`: as the product, `f16`: half precision, which Hopper converts from E4M3 in one instruction
   (q clamped to its range)), how it loads K (`cols`: a [head_dim, keys] tile as the product, `rows`: [keys,
   head_dim] then transposed), keys a tile, warps, stages and the registers a thread may take;
-or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take); by the grid's
+or with no dots (`loads`: the tiles loaded, converted and summed, what the reads alone take), or `f16v` (the
+product's since: values converted before their dot); by the grid's
 order (`--grids`: `seq`, sequences fastest as the product, or `head`, a sequence's KV heads launched side by
 side so they read the same cache rows at once); each beside the floor
 (K/V bytes / the copy bandwidth), with its error against the product's FP8 output; and by how the cache lies in
@@ -50,7 +51,7 @@ import triton.language as tl
 
 from bench.offline_throughput import copy_bandwidth
 from engine.attention.triton_backend import TritonAttentionConfig, decode_split_plan
-from engine.attention.triton_kernels import LOG2E, decode_attention
+from engine.attention.triton_kernels import LOG2E, _values_as_f16, decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -93,7 +94,7 @@ def _lab_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     q, heads, row_ok = _queries(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    if DOTS == "f16":
+    if DOTS == "f16" or DOTS == "f16v":
         q = _as_f16(q)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -125,6 +126,8 @@ def _lab_decode_kernel(
         if DOTS == "loads":
             acc = acc * alpha[:, None] + tl.sum(v.to(tl.float32), 0)[None, :] * tl.sum(p, 1)[:, None]
         else:
+            if DOTS == "f16v":  # the product's values, converted before their dot
+                v = _values_as_f16(v)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     _store(out_ptr, acc / l[:, None], seq, heads, row_ok, stride_qt, stride_qh, HEAD_DIM)
@@ -258,7 +261,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--points", default="256:1500,64:1500")
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 loads; empty: the lab copy not run")
+    parser.add_argument("--dots", default="bf16,f16", help="of bf16 f16 f16v (f16, the values converted as the "
+                        "product converts them) loads; empty: the lab copy not run")
     parser.add_argument("--k-loads", default="cols,rows")
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
