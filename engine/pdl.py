@@ -35,16 +35,28 @@ steps over main's, in turns in one call (bench/results/pdl_*_8b_nvidia-h200), at
 - this rule: FP8 0.93 / 0.95 / 0.99, W4A16 0.95 / 0.99 / 0.99, bfloat16 0.99 / 1.00 / 1.00."""
 
 
+def compiled(device: torch.device) -> bool:
+    """Whether Triton compiles the kernels launched on `device` (CUDA, TRITON_INTERPRET unset): only then does
+    their inline PTX run (Triton's interpreter runs none of it)."""
+    return device.type == "cuda" and _compiling()
+
+
+@functools.cache
+def _compiling() -> bool:
+    # NOTE: read once, at a CUDA device's first launch: a launcher asks for every kernel it launches
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0) and os.environ.get("TRITON_INTERPRET") != "1"
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` are compiled with `after_previous` (its PDL argument): CUDA of compute
-    capability 9.0 or more, compiled (Triton's interpreter runs none of it). Every kernel of a step is, so
-    that each lets the next in early; launched without PDL, a kernel's wait returns at once."""
-    if device.type != "cuda":
+    """Whether kernels on `device` are compiled with `after_previous` (its PDL argument): `compiled`, on CUDA of
+    compute capability 9.0 or more. Every kernel of a step is, so that each lets the next in early; launched
+    without PDL, a kernel's wait returns at once."""
+    if not compiled(device):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -42,6 +42,7 @@ import argparse
 import itertools
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,28 +179,23 @@ def paged_cache(num_blocks: int, dtype: torch.dtype, layout: str, device: torch.
     return torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype).permute(0, 2, 1, 3)
 
 
-def product_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sms: int,
-                  tiles: tuple[int, int, int], ref: torch.Tensor) -> dict[str, Any]:
-    """The product's decode launch with other tiles (keys a tile, warps, stages), its split plan made for them:
-    its time and its error against the product's tiles."""
-    block_n, num_warps, num_stages = tiles
-    cfg = TritonAttentionConfig(decode_fp8_block_n=block_n, decode_fp8_num_warps=num_warps,
-                                decode_fp8_num_stages=num_stages)
-    batch, context = q.shape[0], int(seq_lens.max())
-    num_splits, tps = decode_split_plan(batch, KV_HEADS, context, sms, cfg, fp8_cache=True)
+def product_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sms: int,
+                   cfg: TritonAttentionConfig) -> tuple[Callable[[], torch.Tensor], int, Any]:
+    """The product's decode launch over this cache with cfg's tiles and split plan: (a call returning its output,
+    its splits, its tiles)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    num_splits, tps = decode_split_plan(q.shape[0], KV_HEADS, int(seq_lens.max()), sms, cfg, fp8_cache=fp8)
+    tiles = cfg.decode_tiles(fp8)
     out = torch.empty_like(q)
 
-    def run() -> None:
+    def run() -> torch.Tensor:
         decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale=scale,
                          sliding_window=None, num_splits=num_splits, tokens_per_split=tps, max_splits=cfg.max_splits,
-                         block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                         block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        return out
 
-    run()
-    err = float((out.float() - ref).norm() / ref.norm())
-    result = {"tiles": list(tiles), "num_splits": num_splits, "us": median_us(run), "rel_err_vs_product": err}
-    print(f"  product tiles {tiles}: {result}", flush=True)
-    return result
+    return run, num_splits, tiles
 
 
 def point(batch: int, context: int, bandwidth: float, configs: list[Config],
@@ -221,27 +217,25 @@ def point(batch: int, context: int, bandwidth: float, configs: list[Config],
         fp8 = dtype == torch.float8_e4m3fn
         k_cache = paged_cache(num_blocks, dtype, layout, device)
         v_cache = paged_cache(num_blocks, dtype, layout, device)
-        num_splits, tps = decode_split_plan(batch, KV_HEADS, context, sms, cfg, fp8_cache=fp8)
-        tiles = cfg.decode_tiles(fp8)
-        out = torch.empty_like(q)
-
-        def product() -> None:
-            decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale=scale,
-                             sliding_window=None, num_splits=num_splits, tokens_per_split=tps,
-                             max_splits=cfg.max_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
-                             num_stages=tiles.num_stages)
-
+        launch = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sms)
+        product, num_splits, tiles = product_launch(*launch, cfg)
         name = f"{'fp8' if fp8 else 'bf16'}_{layout}"
         kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-        product()
-        ref = out.float().clone()
+        ref = product().float().clone()
         row[f"product_{name}"] = {"us": median_us(product), "floor_us": 1e6 * kv_bytes / bandwidth,
                                   "num_splits": num_splits, "tiles": list(tiles)}
         print(f"batch {batch} ctx {context} product {name}: {row[f'product_{name}']}", flush=True)
         if not fp8:
             continue
-        row[f"product_tiles_{name}"] = [product_tiles(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                      scale, sms, t, ref) for t in tiles_list]
+        row[f"product_tiles_{name}"] = []
+        for block_n, num_warps, num_stages in tiles_list:  # the product's kernel at other tiles, its own split plan
+            other, splits, _ = product_launch(*launch, TritonAttentionConfig(
+                decode_fp8_block_n=block_n, decode_fp8_num_warps=num_warps, decode_fp8_num_stages=num_stages))
+            err = float((other().float() - ref).norm() / ref.norm())
+            result = {"tiles": [block_n, num_warps, num_stages], "num_splits": splits, "us": median_us(other),
+                      "rel_err_vs_product": err}
+            row[f"product_tiles_{name}"].append(result)
+            print(f"  product tiles {result}", flush=True)
         row[f"lab_{name}"] = []
         for c in configs:
             try:

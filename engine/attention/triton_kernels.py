@@ -27,13 +27,11 @@ kernel saturates at +-448 and rounds to nearest even, as `to_cache` does.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.pdl import after_previous, pdl_options
+from engine.pdl import after_previous, compiled, pdl_options
 from engine.quant.fp8_kernels import round_e4m3
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
@@ -394,7 +392,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
         PRECISION=dot_precision(q.dtype), F16_DOTS=fp8 and q.dtype == torch.bfloat16,
-        VALUES_ASM=fp8 and q.dtype != torch.float32 and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        VALUES_ASM=fp8 and q.dtype != torch.float32 and compiled(q.device),
         EARLY=options["launch_pdl"], num_warps=num_warps, num_stages=num_stages, **options,
     )  # fmt: skip
     if is_split:

@@ -17,13 +17,11 @@ _r8_words_tiles.json): 70.7 against 91.1 us at one row, 72.0 against 140.1 at tw
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, pdl_options
+from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, compiled, pdl_options
 from engine.quant.split_k import store_split_k
 
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -190,11 +188,10 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     if split_k > 1 and grid[0] > MAX_TILES:
         raise ValueError(f"words_matmul of {n} output rows split over K takes {grid[0]} counts; at most {MAX_TILES}")
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    compiled = x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     _words_kernel[grid](
         x, weight.view(torch.int32), weight_scale, bias if bias is not None else x, out, part, counts, m, n, k,
         k_per_split, x.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, SPLIT_K=split_k, ASM=compiled, WORD_ASM=word_asm(magic), MAGIC=magic, OFFSET=offset,
+        BLOCK_N=block_n, SPLIT_K=split_k, ASM=compiled(x.device), WORD_ASM=word_asm(magic), MAGIC=magic, OFFSET=offset,
         NUM_STAGES=3, num_warps=4, **pdl_options(x.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
     return out
 

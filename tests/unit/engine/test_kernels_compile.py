@@ -129,7 +129,8 @@ CASES = [
 ]
 """
 
-PROGRAM = CASES + """
+# CASES compiled as their launches specialize them (compile_case)
+COMPILER = CASES + """
 import importlib
 import os
 import re
@@ -155,14 +156,19 @@ def launch_options(name, constexprs):
     return dict(num_warps={"_norm_rope_kernel": 2, "_quantize_rows_kernel": 8}.get(name, 4))
 
 
-for module, name, signature, constexprs in CASES:
+def compile_case(module, name, signature, constexprs):
     fn = getattr(importlib.import_module(module), name)
     # NOTE: as a launch at the 8B shape specializes it: pointers, sizes and strides divisible by 16
     attrs = {(list(fn.arg_names).index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if t != "fp32" and n not in fn.do_not_specialize}
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=launch_options(name, constexprs))
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=launch_options(name, constexprs))
+"""
+
+PROGRAM = COMPILER + """
+for module, name, signature, constexprs in CASES:
+    kernel = compile_case(module, name, signature, constexprs)
     assert "cubin" in kernel.asm, name
     # NOTE: no thread keeps more than a register pair in local memory: the FP8 decode attention took 471 us a
     # layer, spilling 336 bytes a thread and reading its values a byte at a time, where it takes 271 without
@@ -182,38 +188,26 @@ print("cases", len(CASES))
 """
 
 
-def test_fused_and_quantizing_kernels_compile_for_hopper_on_the_cpu_without_spilling():
+def _compiled(program: str) -> str:
+    """`program`'s output, run in a process of its own with Triton compiling (not interpreting)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    done = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    cases = int(done.stdout.rsplit("cases ", 1)[1])
-    assert cases >= PROGRAM.count('("engine.') and done.stdout.count("compiled ") == cases, done.stdout
+    return done.stdout
 
 
-# The FP8 decode kernel as a launch at the 8B shape specializes it: its pointers and strides divisible by 16
-VALUES_PROGRAM = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from engine.attention.triton_kernels import _decode_kernel
+def test_fused_and_quantizing_kernels_compile_for_hopper_on_the_cpu_without_spilling():
+    out = _compiled(PROGRAM)
+    cases = int(out.rsplit("cases ", 1)[1])
+    assert cases >= PROGRAM.count('("engine.') and out.count("compiled ") == cases, out
 
-signature = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16",
-                 part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", block_tables_ptr="*i32",
-                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32", window="i32", num_splits="i32",
-                 num_heads="i32", stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
-                 stride_kb="i32", stride_ko="i32", stride_kh="i32", stride_vb="i32", stride_vo="i32",
-                 stride_vh="i32", stride_bt="i32")
-constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=128, BLOCK_SIZE=16, HAS_WINDOW=False,
-                  IS_SPLIT=True, PRECISION="tf32", F16_DOTS=True, VALUES_ASM=VALUES_ASM, PDL=False, EARLY=False)
-names = list(signature)
-unspecialized = {"scale_log2", "num_splits", "stride_bt"}  # a float, and _decode_kernel's do_not_specialize
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in unspecialized}
-kernel = triton.compile(ASTSource(fn=_decode_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                                  constexprs=constexprs, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
-ptx = kernel.asm["ptx"]
+
+# CASES' FP8 decode kernel, its values converted by PTX (VALUES_ASM) or by Triton
+VALUES_PROGRAM = COMPILER + """
+module, name, signature, constexprs = next(c for c in CASES if c[1] == "_decode_kernel" and c[3]["F16_DOTS"])
+ptx = compile_case(module, name, signature, dict(constexprs, VALUES_ASM=VALUES_ASM)).asm["ptx"]
 print("byte loads", ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"))
 print("transposed", ptx.count(".trans.shared.b16"))
 """
@@ -225,14 +219,10 @@ def test_fp8_decode_reads_its_value_tiles_as_float16_through_transposing_ldmatri
     their trip through shared memory into the dot's layout, so it reads them back by transposing ldmatrix,
     with no byte loads; without it (the case that shows the test can fail), Triton moves the conversion after
     the trip and reads each value's byte alone."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    done = subprocess.run([sys.executable, "-c", f"VALUES_ASM = {values_asm}\n" + VALUES_PROGRAM], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    byte_loads = int(done.stdout.split("byte loads ")[1].split()[0])
-    transposed = int(done.stdout.split("transposed ")[1].split()[0])
+    out = _compiled(f"VALUES_ASM = {values_asm}\n" + VALUES_PROGRAM)
+    byte_loads = int(out.split("byte loads ")[1].split()[0])
+    transposed = int(out.split("transposed ")[1].split()[0])
     if values_asm:
-        assert byte_loads == 0 and transposed > 0, done.stdout
+        assert byte_loads == 0 and transposed > 0, out
     else:
-        assert byte_loads >= 64 and transposed == 0, done.stdout
+        assert byte_loads >= 64 and transposed == 0, out
