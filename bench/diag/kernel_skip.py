@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import base_parser, write_results
+from bench.common import base_parser, run_in_processes, write_results
 
 
 def skip(names: set[str]) -> None:
@@ -78,13 +76,9 @@ def main() -> None:
         Path(args.one_out).write_text(json.dumps(one(args, args.one)))
         sys.stdout.flush()
         os._exit(0)
-    runs = []
-    for setting in args.skips:
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, "-m", "bench.diag.kernel_skip", *sys.argv[1:], "--one", setting,
-                            "--one-out", f.name], check=True, timeout=400)
-            runs.append(json.loads(Path(f.name).read_text()))
-        print(runs[-1]["skip"], [(r["batch"], round(r["step_s"] * 1e3, 3)) for r in runs[-1]["decode"]], flush=True)
+    runs = run_in_processes("bench.diag.kernel_skip", args.skips, 400.0)
+    for run in runs:
+        print(run["skip"], [(r["batch"], round(r["step_s"] * 1e3, 3)) for r in run["decode"]], flush=True)
     env = {**runs[0]["env"], "device_name": runs[0]["device_name"], "torch_version": torch.__version__}
     for r in runs:
         r.pop("env")
