@@ -132,6 +132,22 @@ def graph_seconds(fn: Callable[[], Any], device: torch.device, count: int) -> fl
     return statistics.median(times[3:])
 
 
+def add_child_arguments(parser: argparse.ArgumentParser, value_type: Callable[[str], object] = str) -> None:
+    """The arguments `run_in_processes` gives each child: --one VALUE and --one-out FILE (hidden)."""
+    parser.add_argument("--one", type=value_type, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+
+
+def finish_child(one_out: str, record: dict[str, Any], cleanup: Callable[[], None] | None = None) -> None:
+    """The end of a `run_in_processes` child: its record to one_out as JSON, then (after `cleanup`) the process
+    gone at once. NOTE: os._exit: the figures are written; no teardown may hold them back."""
+    Path(one_out).write_text(json.dumps(record))
+    sys.stdout.flush()
+    if cleanup is not None:
+        cleanup()
+    os._exit(0)
+
+
 def run_in_processes(module: str, values: Sequence[object], timeout_s: float) -> list[dict[str, Any]]:
     """For each value, one after another: `python -m module <this process's arguments> --one VALUE
     --one-out FILE` in a process of its own (so one run's memory never crowds the next); the JSON

@@ -16,16 +16,14 @@ on an H200, 15.2k on an H100) are written beside (2) as the goal, not measured h
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import base_parser, device_name, model_label, run_in_processes, write_results
+from bench.common import (
+    add_child_arguments, base_parser, device_name, finish_child, model_label, run_in_processes, write_results,
+)
 from bench.offline_throughput import copy_bandwidth, decode_step_times, step_weight_bytes
 from bench.tensor_parallel import offline
 from engine import LLM
@@ -81,13 +79,10 @@ def main() -> None:
     parser.add_argument("--isl", type=int, default=1000)
     parser.add_argument("--osl", type=int, default=1000)
     parser.add_argument("--variant-timeout-s", type=float, default=400.0, help="Most seconds one variant may take.")
-    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one variant, in a child process
-    parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+    add_child_arguments(parser)  # one variant, in a child process
     args = parser.parse_args()
     if args.one is not None:
-        Path(args.one_out).write_text(json.dumps(one_variant(args, args.one)))
-        sys.stdout.flush()
-        os._exit(0)  # NOTE: the figures are written; no teardown may hold them back
+        finish_child(args.one_out, one_variant(args, args.one))
     write(args, run_in_processes("bench.quantized", args.variants, args.variant_timeout_s))
 
 

@@ -13,20 +13,16 @@ process, so one's memory never crowds the next):
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
-import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import (base_parser, device_name, graph_seconds, model_label, run_in_processes, synchronize,
-                          write_results)
+from bench.common import (add_child_arguments, base_parser, device_name, finish_child, graph_seconds, model_label,
+                          run_in_processes, synchronize, write_results)
 from bench.offline_throughput import copy_bandwidth, decode_step_times, step_weight_bytes
 from engine import LLM, SamplingParams
 from engine.parallel import PartialSum, TPGroup
@@ -150,16 +146,12 @@ def main() -> None:
     parser.add_argument("--isl", type=int, default=1000)
     parser.add_argument("--osl", type=int, default=1000)
     parser.add_argument("--size-timeout-s", type=float, default=300.0, help="Most seconds one size may take.")
-    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # one size, in a child process
-    parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+    add_child_arguments(parser, int)  # one size, in a child process
     args = parser.parse_args()
     args.dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
     if args.one is not None:
-        Path(args.one_out).write_text(json.dumps(one_size(args, args.one)))
-        sys.stdout.flush()
-        for child in multiprocessing.active_children():
-            child.kill()  # the other ranks
-        os._exit(0)  # NOTE: the figures are written; no teardown may hold them back
+        finish_child(args.one_out, one_size(args, args.one),
+                     cleanup=lambda: [child.kill() for child in multiprocessing.active_children()])  # other ranks
     write(args, run_in_processes("bench.tensor_parallel", args.tp, args.size_timeout_s))
 
 

@@ -13,15 +13,12 @@ without that launch takes), each setting in a process of its own, in turns, in o
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import base_parser, run_in_processes, write_results
+from bench.common import add_child_arguments, base_parser, finish_child, run_in_processes, write_results
 
 
 def skip(names: set[str]) -> None:
@@ -55,7 +52,6 @@ def one(args: Any, setting: str) -> dict[str, Any]:
     from bench.quantized import one_variant
 
     skip(set(setting.split(",")) - {"none"})
-    args.max_num_batched_tokens, args.requests = 8192, 0
     result = one_variant(args, "fp8")
     return {"skip": setting, "decode": result["decode"], "device_name": result["device_name"], "env": result["env"]}
 
@@ -67,15 +63,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--awq-model", default="")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.set_defaults(requests=0)  # bench.quantized's offline run: not run here
     parser.add_argument("--tag", default="")
-    parser.add_argument("--one", default=None)
-    parser.add_argument("--one-out", default=None)
+    add_child_arguments(parser)  # one setting, in a child process
     args = parser.parse_args()
     if args.one is not None:
-        Path(args.one_out).write_text(json.dumps(one(args, args.one)))
-        sys.stdout.flush()
-        os._exit(0)
+        finish_child(args.one_out, one(args, args.one))
     runs = run_in_processes("bench.diag.kernel_skip", args.skips, 400.0)
     for run in runs:
         print(run["skip"], [(r["batch"], round(r["step_s"] * 1e3, 3)) for r in run["decode"]], flush=True)
