@@ -5,7 +5,10 @@ decode step are its sequences; a sequence computing n > 1 tokens (a speculative 
 K+1 positions, a draft model's catch-up, a short prompt or chunk) is n rows, one per position p,
 each attending positions [0, p] over the sequence's blocks. That is causal attention: every row's
 K/V is stored before any row attends (the backend stores a layer's whole batch first), and row p
-reads no key past p. So one decode launch serves every kind of step, and a step is graph-eligible
+reads no key past p. So one decode launch serves every kind of step (its metadata says
+`rows_share_sequences`). A backend that `rotates` a batch of one row per sequence (its decode launch
+rotating and storing each row's own key, which no other row reads) gets graphs of its own for the
+sizes where it does: a step whose rows are all distinct sequences replays those. A step is graph-eligible
 (`plan_graph_step`) when its rows fit the largest captured size, every position is below
 `max_context`, and its multi-row sequences' attention is small enough that reading each row's
 context separately costs less than an eager step's launches: sum over them of n * (start + n)
@@ -32,13 +35,14 @@ sampled tokens. The runner computes the logits of the step's logit rows outside 
 real rows when every row returns logits, as in decode and verification steps; otherwise a gather
 whose row indexes ride in the same upload).
 
-Capture (once, after the KV cache exists, before any step): sizes largest first, each warmed up
-once eagerly on the capture stream (Triton compiles its kernels, cuBLAS sets up its workspace for
-that stream), then captured on that stream into one memory pool shared by all sizes. Sharing is
-safe in any replay order: replays never overlap, and every tensor a replay reads or writes after
-it ends (inputs, the hidden-state output, the attention workspace, the KV cache) lives outside
-the pool. On a device other than CUDA nothing is captured and `run` calls the same code eagerly
-on the static buffers (CPU tests check the padding and staging that way).
+Capture (once, after the KV cache exists, before any step): sizes largest first (the shared graphs,
+then the one-row-per-sequence ones), each warmed up once eagerly on the capture stream (Triton
+compiles its kernels, cuBLAS sets up its workspace for that stream), then captured on that stream
+into one memory pool shared by all the graphs. Sharing is safe in any replay order: replays never
+overlap, and every tensor a replay reads or writes after it ends (inputs, the hidden-state output,
+the attention workspace, the KV cache) lives outside the pool. On a device other than CUDA nothing
+is captured and `run` calls the same code eagerly on the static buffers (CPU tests check the
+padding and staging that way).
 
 Knows nothing of scheduling or sampling; asks the attention backend for its graph mode
 (`supports_cuda_graphs`, `graph_mode`).
@@ -231,12 +235,12 @@ def fill_graph_step(buffer: np.ndarray, seqs: Sequence[ForwardSeq], layout: Grap
 
 @torch.inference_mode()
 def capture_graphs(
-    sizes: Sequence[int], body: Callable[[int], None], device: torch.device
+    sizes: Sequence[int], body: Callable[[int], None], device: torch.device, pool: Any = None
 ) -> dict[int, torch.cuda.CUDAGraph]:
-    """One CUDA graph of `body(size)` per size, largest first, all in one memory pool. Sharing the
-    pool is safe in any replay order when replays never overlap and everything a replay reads or
-    writes after it ends lives outside the pool (the callers' static buffers)."""
-    pool = torch.cuda.graph_pool_handle()
+    """One CUDA graph of `body(size)` per size, largest first, all in one memory pool (`pool`, else a
+    new one). Sharing the pool is safe in any replay order when replays never overlap and everything
+    a replay reads or writes after it ends lives outside the pool (the callers' static buffers)."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     stream = torch.cuda.Stream(device=device)
     current = torch.cuda.current_stream(device)
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -294,14 +298,21 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_size, max_block_cols, dtype=torch.int32, device=device)
         weight = model.model.embed_tokens.weight
         self.hidden = torch.zeros(max_size, weight.shape[1], dtype=weight.dtype, device=device)  # [rows, hidden]
-        self._metadata = {size: self._metadata_for(size) for size in self.sizes}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._metadata = {size: self._metadata_for(size, shared=True) for size in self.sizes}
+        one_row = {size: self._metadata_for(size, shared=False) for size in self.sizes}
+        # NOTE: a model with q/k norms rotates in its norm kernel: the same graph serves every step
+        rotates = not model.arch.qk_norm
+        self._one_row_metadata = {s: m for s, m in one_row.items() if rotates and self.backend.rotates(m)}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # any step of its size
+        self._one_row_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # a step of that many sequences, a row each
         self.num_replays = 0  # graph steps run (CPU: eager runs of the same code)
         self.num_padding_rows = 0  # padding rows computed by those steps
+        self.num_one_row_replays = 0  # of them, steps of the one-row-per-sequence graphs
 
-    def _metadata_for(self, size: int) -> AttentionMetadata:
+    def _metadata_for(self, size: int, shared: bool) -> AttentionMetadata:
         """The metadata a graph of `size` rows is captured with. Its host lists are fixed: one query
-        per row, and max_context standing for every context (the real ones are on the device)."""
+        per row, and max_context standing for every context (the real ones are on the device);
+        `shared`: rows may be positions of one sequence."""
         return AttentionMetadata(
             slot_mapping=self.tokens[2, :size],
             query_start_loc=list(range(size + 1)),
@@ -312,19 +323,24 @@ class DecodeGraphs:
             query_start_loc_tensor=self.query_start_loc[: size + 1],
             max_query_len=1,
             max_seq_len=self.max_context,
+            rows_share_sequences=shared,
         )
 
-    def _body(self, size: int) -> None:
-        """The captured work: the model over the first `size` static rows into self.hidden."""
-        hidden = self.model(
-            self.tokens[0, :size], self.tokens[1, :size], self.kv_caches, self._metadata[size], self.backend
-        )
+    def _body(self, size: int, one_row: bool = False) -> None:
+        """The captured work: the model over the first `size` static rows into self.hidden (`one_row`: each
+        row a sequence of its own)."""
+        meta = self._one_row_metadata[size] if one_row else self._metadata[size]
+        hidden = self.model(self.tokens[0, :size], self.tokens[1, :size], self.kv_caches, meta, self.backend)
         self.hidden[:size].copy_(hidden)
 
     def capture(self) -> None:
         """One graph per size, largest first, in one shared pool (CUDA); nothing elsewhere."""
         if self.is_cuda:
-            self._graphs = capture_graphs(self.sizes, self._body, self.device)
+            pool = torch.cuda.graph_pool_handle()
+            self._graphs = capture_graphs(self.sizes, self._body, self.device, pool)
+            self._one_row_graphs = capture_graphs(
+                sorted(self._one_row_metadata), lambda size: self._body(size, one_row=True), self.device, pool
+            )
 
     def release(self) -> None:
         """Free the graphs once the device is done with them. A tensor-parallel rank does so before its group
@@ -332,9 +348,9 @@ class DecodeGraphs:
         alive (tests/gpu/test_tp_close_gpu.py)."""
         if self._graphs:
             torch.cuda.synchronize(self.device)
-            for graph in self._graphs.values():
+            for graph in [*self._graphs.values(), *self._one_row_graphs.values()]:
                 graph.reset()
-            self._graphs = {}
+            self._graphs, self._one_row_graphs = {}, {}
 
     @torch.inference_mode()
     def run(self, seqs: Sequence[ForwardSeq], patch: TokenPatch | None = None) -> torch.Tensor | None:
@@ -352,10 +368,12 @@ class DecodeGraphs:
         self.block_tables[:g, :cols].copy_(staged[4 * g : layout.num_table_end].view(g, cols))
         if patch is not None:
             patch.apply(self.tokens[0, :g])  # NOTE: a view: patched in the static buffer, before the replay
+        one_row = layout.num_rows == len(seqs) and g in self._one_row_metadata  # every sequence one row
         if self.is_cuda:
-            self._graphs[g].replay()
+            (self._one_row_graphs if one_row else self._graphs)[g].replay()
         else:
-            self._body(g)
+            self._body(g, one_row)
+        self.num_one_row_replays += one_row
         self.num_replays += 1
         self.num_padding_rows += g - layout.num_rows
         if layout.logit_rows is None:

@@ -10,6 +10,7 @@ so the values below are the only ones that pick a variant:
 |-------------------------------------------------|-----------------------------|---------------|
 | decode keys split over programs or not          | attention decode (+ reduce) | 1 / 2, 4      |
 | one row (launched early: engine/pdl.py) or more | every Triton kernel         | 4, 6 / others |
+| decode only (rotates), early or not; split or not | attention decode  | 4, 6 / 9, 10; 6, 9 / 4, 10 |
 | one row / <= 8 (early), <= 16, <= 32, more      | FP8 gemv / split-K / scaled | 4, 6 / 2, 7, 1, 5 |
 | rows <= 16, <= 32, <= 64, more                  | 4-bit words / dequantize    | 2, 1, 8, 5    |
 | unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
@@ -55,6 +56,8 @@ def warm_up_steps(max_seq_tokens: int, block_size: int) -> list[list[ForwardSeq]
         [decode(cap)],  # one row, its keys split
         [prompt(min(12, cap))],  # 12 rows
         [prompt(min(40, cap))],  # 40 rows: the 4-bit kernel's 64-row tile
+        [decode(cap), decode(min(5, cap))],  # decode only, not early: the rotating launch, its keys split
+        [decode(min(5, cap)), decode(min(3, cap))],  # and whole
     ]
 
 

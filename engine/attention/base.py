@@ -8,7 +8,7 @@ It knows nothing of scheduling: the runner hands it flat tensors and an `Attenti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol
+from typing import Callable, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -33,10 +33,28 @@ class AttentionMetadata:
     query_start_loc_tensor: torch.Tensor  # [num_seqs + 1] int32 on the device
     max_query_len: int
     max_seq_len: int
+    # A graph step's rows may be positions of one sequence, each attending as a one-query sequence of its own
+    # (engine/cuda_graphs.py): every row's key must be in the cache before any row attends.
+    rows_share_sequences: bool = False
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+class DecodeRotation(NamedTuple):
+    """What a decode launch needs to rotate a step's queries and store its keys and values itself (a backend that
+    `rotates` the batch): each token's cos and sin rows [tokens, head_dim] (the activations' dtype), the unrotated
+    keys and the values [tokens, kv heads, head_dim] (views of qkv), q's factor (a scaled cache's k_scale, else
+    1.0) and the float32 reciprocals of the cache's scales (fused_ops.KVStore's rounding)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_scale: float
+    k_inverse: float
+    v_inverse: float
 
 
 class AttentionBackend(Protocol):
@@ -55,6 +73,22 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+    def rotates(self, meta: AttentionMetadata) -> bool:
+        """Whether forward_rotated serves this batch (and pays)."""
+        ...
+
+    def forward_rotated(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence, not yet rotated
+        rotation: DecodeRotation,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+        """Where `rotates`: a decode-only batch's attention, its queries rotated (and scaled) and its keys
+        (rotated) and values stored in the decode launch, as the rotary kernel and forward would."""
         ...
 
 

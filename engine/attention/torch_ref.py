@@ -76,6 +76,9 @@ class TorchAttention:
         self.spec = spec
         self.max_scores = max_scores
 
+    def rotates(self, meta: AttentionMetadata) -> bool:
+        return False  # the model rotates and passes the new K/V (no forward_rotated)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -47,7 +47,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from engine.attention.base import AttentionMetadata, AttentionSpec, register_backend
+from engine.attention.base import AttentionMetadata, AttentionSpec, DecodeRotation, register_backend
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -73,13 +73,18 @@ class TritonAttentionConfig:
     max_splits: int = 64  # most decode splits per (sequence, KV head)
     target_programs_per_sm: int = 2  # split until decode programs >= this x SMs (or splits run out)
     graph_max_context: int | None = None  # fixed context bound for decode launch sizes (CUDA graphs)
+    # Decode batches of at most this many sequences rotate in the decode launch (`rotates`): where it paid at the
+    # Llama-3.1-8B shape on an H200 (bench/results/rope_in_decode_small_batches_ab_8b_*): FP8 steps 2.0% faster at
+    # batch 1, even at 8 and 16, 0.7-0.9% slower at 32 and 64; W4A16 2.3% and 3.7% faster at 1 and 8, even at 16
+    # and 32, 0.8% slower at 64 (and 3.8% slower at 512 with an FP8 cache: rope_in_decode_read_back_ab_8b_*).
+    rotate_max_seqs: int = 8
 
     def __post_init__(self) -> None:
         for name in ("decode_block_n", "decode_fp8_block_n", "prefill_block_m", "prefill_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16 (tl.dot tile)")
-        for name in ("min_split_tokens", "max_splits", "target_programs_per_sm"):
+        for name in ("min_split_tokens", "max_splits", "target_programs_per_sm", "rotate_max_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.graph_max_context is not None and self.graph_max_context < 1:
@@ -195,13 +200,7 @@ class TritonAttention:
         cfg, spec = self.config, self.spec
         tensors = (meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor)
         if num_decode:
-            max_context = max(decode_lens)
-            if cfg.graph_max_context is not None:
-                if max_context > cfg.graph_max_context:
-                    raise ValueError(
-                        f"a decode context of {max_context} tokens exceeds graph_max_context={cfg.graph_max_context}"
-                    )
-                max_context = cfg.graph_max_context
+            max_context = self._decode_context(max(decode_lens))
             fp8 = k_cache.dtype == torch.float8_e4m3fn
             num_splits, tokens_per_split = decode_split_plan(
                 num_decode, spec.num_kv_heads, max_context, self._sms(q.device), cfg, fp8
@@ -255,6 +254,62 @@ class TritonAttention:
             workspace=self._workspace,
         )  # fmt: skip
         return out
+
+    def rotates(self, meta: AttentionMetadata) -> bool:
+        """forward_rotated serves a decode batch of at most config.rotate_max_seqs sequences, a row each (not a
+        graph's rows of one sequence: a row's keys stored by another row's program would race), of a power-of-two
+        head_dim of at least 16 (the kernel's rotation works on whole tiles)."""
+        dim = self.spec.head_dim
+        return (meta.max_query_len == 1 and not meta.rows_share_sequences
+                and meta.num_seqs <= self.config.rotate_max_seqs and dim >= 16 and dim & (dim - 1) == 0)
+
+    def forward_rotated(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence, not yet rotated
+        rotation: DecodeRotation,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A decode-only batch in one launch (plus its split reduce): the queries rotated, the new K/V rotated and
+        stored by the decode kernel (the rotary kernel's launch saved); sized as `forward` or, in graph mode,
+        `_forward_graph` sizes it."""
+        num_seqs = meta.num_seqs
+        if q.shape[0] != num_seqs or meta.max_query_len != 1 or meta.rows_share_sequences:
+            raise ValueError(f"forward_rotated takes decode-only batches, one query per sequence and no two rows of "
+                             f"one sequence; got {q.shape[0]} queries for {num_seqs} sequences, rows_share_sequences="
+                             f"{meta.rows_share_sequences}")
+        self._kernels.check_dtype("q", q)
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        cfg, spec = self.config, self.spec
+        if self.is_graph_mode:
+            num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device, fp8)
+        else:
+            max_context = self._decode_context(max(meta.seq_lens))
+            num_splits, tokens_per_split = decode_split_plan(
+                num_seqs, spec.num_kv_heads, max_context, self._sms(q.device), cfg, fp8
+            )
+        tiles = cfg.decode_tiles(fp8)
+        # NOTE: q is a strided view of qkv; the output is contiguous
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._kernels.decode_attention(
+            q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
+            scale=spec.scale, sliding_window=spec.sliding_window,
+            num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
+            block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            workspace=self._workspace, rotation=rotation, slot_mapping=meta.slot_mapping,
+        )  # fmt: skip
+        return out
+
+    def _decode_context(self, max_context: int) -> int:
+        """The context a decode launch is sized for: the batch's longest, or graph_max_context where set (which
+        it may not exceed)."""
+        bound = self.config.graph_max_context
+        if bound is None:
+            return max_context
+        if max_context > bound:
+            raise ValueError(f"a decode context of {max_context} tokens exceeds graph_max_context={bound}")
+        return bound
 
     def _sms(self, device: torch.device) -> int:
         if device not in self._num_sms:

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.base import DecodeRotation
 from engine.pdl import after_previous, compiled, pdl_options
 from engine.quant.fp8_kernels import round_e4m3
 
@@ -166,6 +167,42 @@ def _attend_tile(q, k, v, key_ok, m, l, acc, scale_log2, PRECISION: tl.constexpr
     return m_new, l, acc
 
 
+@triton.jit
+def rotated(x, partner, c, s):
+    """Rotary embedding as fused_kernels' rotary kernel rounds it: x * cos + rotate_half(x) * sin, each product
+    rounded to x's dtype, then their sum; `partner` is x's other half at each column (rotate_half's values up to
+    sign) and s carries that sign (-sin on the first half)."""
+    dtype = x.dtype
+    return ((x.to(tl.float32) * c).to(dtype).to(tl.float32) + (partner.to(tl.float32) * s).to(dtype).to(tl.float32)
+            ).to(dtype)
+
+
+@triton.jit
+def _cos_sin(cos_row, sin_row, HEAD_DIM: tl.constexpr):
+    """A token's cos row and its sin row signed as `rotated` takes them (-sin on the first half), float32, with
+    rotate_half's column of each: (c, s, partner), [HEAD_DIM] each."""
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.load(cos_row + d).to(tl.float32)
+    s = tl.load(sin_row + d).to(tl.float32) * tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+    return c, s, (d + HEAD_DIM // 2) % HEAD_DIM
+
+
+@triton.jit
+def _step_kv(k_row, v_row, cos_row, sin_row, k_inverse, v_inverse, k_cache_ptr, v_cache_ptr,
+             HEAD_DIM: tl.constexpr):
+    """A step's key (its unrotated row at k_row, rotated) and value (at v_row), [HEAD_DIM] each, as the caches
+    hold them: times k_inverse and v_inverse, rounded to the activations' dtype, then `to_cache` (the rotary
+    kernel's store). NOTE: bit for bit under the interpreter and, compiled, in float32; a compiled 16-bit key
+    at head_dim 128 differed from the rotary kernel's in its last bit (H200, contraction), which any
+    rounding of the projections may move as well."""
+    c, s, partner = _cos_sin(cos_row, sin_row, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
+    k = rotated(tl.load(k_row + d), tl.load(k_row + partner), c, s)
+    v = tl.load(v_row + d)
+    return (to_cache((k.to(tl.float32) * k_inverse).to(k.dtype), k_cache_ptr),
+            to_cache((v.to(tl.float32) * v_inverse).to(v.dtype), v_cache_ptr))
+
+
 # NOTE: integer arguments that change from step to step are not specialized: Triton compiles a
 # variant for each of 1, a multiple of 16 and any other value, and a variant compiled at run time
 # stalls its step by seconds (tests/gpu/test_compile_warmup_gpu.py).
@@ -176,10 +213,12 @@ def _decode_kernel(
     scale_log2, window, num_splits, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
+    cos_ptr, sin_ptr, k_new_ptr, v_new_ptr, slot_ptr, stride_c, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    q_scale, k_inverse, v_inverse,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, VALUES_ASM: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr,
+    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, VALUES_ASM: tl.constexpr, ROTATE: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) attends the GROUP
     query heads of kv_head over the split-th of num_splits even parts (whole BLOCK_N tiles) of the
@@ -195,7 +234,15 @@ def _decode_kernel(
     step, finished (engine/pdl.py), in the sequence's own blocks, which no sequence of the step writes;
     the newest, stored by the kernel before this one, is read after the wait. Launched in the stream's
     order, every tile is read in the loop (taking the first out of it slowed batch 8:
-    bench/results/decode_first_tile_every_batch_ab_8b_2xh200)."""
+    bench/results/decode_first_tile_every_batch_ab_8b_2xh200).
+    ROTATE (every sequence decoding; HEAD_DIM == BLOCK_D): q holds the step's queries unrotated; each program
+    rotates its own (`rotated`, by the token's cos/sin rows, read before the wait as the metadata: written at the
+    step's start) and scales them by q_scale. The program whose split holds the step's key makes that key
+    (rotated) and the step's value as the cache holds them (`_step_kv`: the rotary kernel's store), stores both
+    at the token's slot and waits at a block barrier; its loop then reads them back as the newest key. A row with
+    no slot (below 0, a graph's padding) stores nothing and reads the key cached there, as after the rotary
+    kernel. Every key but each row's newest must be in the cache before the launch: each row its own sequence
+    (no two rows of one sequence, as a graph step's multi-row prompt has). The rotary kernel's launch saved."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -208,6 +255,8 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if ROTATE:
+        c, s, partner = _cos_sin(cos_ptr + q_row * stride_c, sin_ptr + q_row * stride_c, HEAD_DIM)
     if EARLY:
         keys = start + tl.arange(0, BLOCK_N)
         readable = tl.where(is_decode, end, start)  # none of a sequence left to the prefill kernel
@@ -225,12 +274,25 @@ def _decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
-    q = tl.load(
-        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
+    q_rows = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if ROTATE:
+        q = rotated(q, tl.load(q_rows + partner[None, :], mask=row_ok[:, None], other=0.0), c[None, :], s[None, :])
+        q = (q.to(tl.float32) * q_scale).to(q_ptr.dtype.element_ty)
     if F16_DOTS:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    if ROTATE:
+        slot = tl.load(slot_ptr + q_row).to(tl.int64)
+        if (start <= seq_len - 1) & (seq_len - 1 < end) & (slot >= 0):  # this split holds the step's key
+            k_new, v_new = _step_kv(
+                k_new_ptr + q_row * stride_knt + kv_head * stride_knh,
+                v_new_ptr + q_row * stride_vnt + kv_head * stride_vnh, cos_ptr + q_row * stride_c,
+                sin_ptr + q_row * stride_c, k_inverse, v_inverse, k_cache_ptr, v_cache_ptr, HEAD_DIM,
+            )
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            tl.store(k_cache_ptr + block * stride_kb + offset * stride_ko + kv_head * stride_kh + d, k_new)
+            tl.store(v_cache_ptr + block * stride_vb + offset * stride_vo + kv_head * stride_vh + d, v_new)
+            tl.debug_barrier()  # NOTE: the program's stores visible to all its threads before the loop reads them
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -341,8 +403,12 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     workspace: torch.Tensor | None = None,
+    rotation: DecodeRotation | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """Attention of every sequence with exactly one new token (others are skipped on the device).
+    rotation (every sequence decoding, a power-of-two head_dim): q unrotated; the launch rotates it and stores
+    rotation.k (rotated) and rotation.v at slot_mapping's slots itself (the kernel's ROTATE).
 
     The launch depends on the shapes of the metadata tensors and on (num_splits, tokens_per_split)
     only, not on their values: with those fixed per batch size, a CUDA graph can replay it.
@@ -382,17 +448,26 @@ def decode_attention(
     window = sliding_window or 0
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     options = pdl_options(q.device, num_seqs)
+    if rotation is not None:
+        if block_d != head_dim or slot_mapping is None or q.shape[0] != num_seqs:
+            raise ValueError(f"a rotating decode launch takes one query per sequence, a power-of-two head_dim and "
+                             f"the slots; got {q.shape[0]} queries for {num_seqs} sequences, head_dim {head_dim}")
+        cos, sin, k_new, v_new, q_scale, k_inverse, v_inverse = rotation
+        rotating = (cos, sin, k_new, v_new, slot_mapping, cos.stride(0), k_new.stride(0), k_new.stride(1),
+                    v_new.stride(0), v_new.stride(1), q_scale, k_inverse, v_inverse)
+    else:  # NOTE: ROTATE off: placeholders, never read
+        rotating = (q, q, q, q, seq_lens, 0, 0, 0, 0, 0, 1.0, 1.0, 1.0)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
         scale * LOG2E, window, num_splits, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *rotating,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
         PRECISION=dot_precision(q.dtype), F16_DOTS=fp8 and q.dtype == torch.bfloat16,
-        VALUES_ASM=fp8 and q.dtype != torch.float32 and compiled(q.device),
+        VALUES_ASM=fp8 and q.dtype != torch.float32 and compiled(q.device), ROTATE=rotation is not None,
         EARLY=options["launch_pdl"], num_warps=num_warps, num_stages=num_stages, **options,
     )  # fmt: skip
     if is_split:

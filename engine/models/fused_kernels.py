@@ -3,8 +3,6 @@ imported only when a model on CUDA (or a TRITON_INTERPRET test) asks for them.""
 
 from __future__ import annotations
 
-import functools
-import struct
 
 import torch
 import triton
@@ -16,7 +14,6 @@ from engine.pdl import after_previous, pdl_options
 from engine.quant.fp8 import FP8, QuantizedRows
 from engine.quant.fp8_kernels import quantize_row, row_scale, to_e4m3
 
-_F32 = struct.Struct("<f")
 
 
 @triton.jit
@@ -205,17 +202,6 @@ def add_rms_norm(
     return (QuantizedRows(out, scale, x.dtype) if quantize else out), res_out
 
 
-def _float32(x: float) -> float:
-    return _F32.unpack(_F32.pack(x))[0]
-
-
-@functools.cache
-def _reciprocal(scale: float) -> float:
-    """1 / scale in float32, as torch multiplies a CUDA tensor divided by a number (the quotient of two
-    float32 values computed in double, then rounded once more: the float32 quotient)."""
-    return _float32(1.0 / _float32(scale))
-
-
 def norm_rope_qk(
     qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, eps: float, store: KVStore | None = None,
@@ -244,7 +230,7 @@ def norm_rope_qk(
                              f"{tuple(v.shape)}, a cache of {tuple(kc.shape)}")
         k_out = (q, 0, 0)  # NOTE: STORE on: k_out is a placeholder, never written
         caches = (v, kc, vc, store.slot_mapping, v.stride(0), v.stride(1), *kc.stride()[:3], *vc.stride()[:3])
-        inverses, block_size = (_reciprocal(store.k_scale), _reciprocal(store.v_scale)), kc.shape[1]
+        inverses, block_size = store.inverses(), kc.shape[1]
     if tokens:
         _norm_rope_kernel[(tokens, triton.cdiv(heads + (kv_heads if store else 0), NORM_ROPE_HEADS))](
             qk, cos, sin, q_weight if q_weight is not None else qk, k_weight if k_weight is not None else qk, q,

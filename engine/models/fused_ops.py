@@ -23,7 +23,9 @@ qkv projection.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import struct
 from typing import NamedTuple
 
 import torch
@@ -78,6 +80,24 @@ class KVStore(NamedTuple):
     slot_mapping: torch.Tensor
     k_scale: float = 1.0
     v_scale: float = 1.0
+
+    def inverses(self) -> tuple[float, float]:
+        """(1 / k_scale, 1 / v_scale) as the kernels that store multiply by them (`float32_reciprocal`)."""
+        return float32_reciprocal(self.k_scale), float32_reciprocal(self.v_scale)
+
+
+_F32 = struct.Struct("<f")
+
+
+def _float32(x: float) -> float:
+    return _F32.unpack(_F32.pack(x))[0]
+
+
+@functools.cache
+def float32_reciprocal(scale: float) -> float:
+    """1 / scale in float32, as torch multiplies a CUDA tensor divided by a number (the quotient of two
+    float32 values computed in double, then rounded once more: the float32 quotient)."""
+    return _float32(1.0 / _float32(scale))
 
 
 def takes_fp8(weight: torch.Tensor | None) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, DecodeRotation
 from engine.models.arch import ArchConfig
 from engine.models.fused_ops import DecoderOps, KVStore, rms_norm_ref, takes_fp8
 from engine.models.rope import RotaryEmbedding
@@ -128,16 +128,21 @@ class Attention(nn.Module):
         # NOTE: the Triton path stores k and v (scaled) in the rotary launch: the backend stores nothing then
         store = (KVStore(v, kv_cache[0], kv_cache[1], meta.slot_mapping, k_scale, v_scale)
                  if ops.triton and backend.takes_stored_kv else None)
-        q, k = ops.norm_rope_qk(qk, self.num_heads, cos, sin, self.q_norm.weight if self.qk_norm else None,
-                                self.k_norm.weight if self.qk_norm else None, self.eps, store)
-        if store is not None:
-            k = v = None  # NOTE: in the caches already
-        elif self.kv_scales is not None:
-            k, v = k / k_scale, v / v_scale
-        if self.kv_scales is None:
-            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        else:  # NOTE: q . k unchanged, the output of the values' sums scaled back
-            out = backend.forward(q * k_scale, k, v, kv_cache[0], kv_cache[1], meta) * v_scale
+        if store is not None and not self.qk_norm and backend.rotates(meta):
+            # NOTE: a decode batch, a row a sequence: its decode launch rotates and stores too (a launch less a layer)
+            rotation = DecodeRotation(cos, sin, qk[:, self.num_heads:], v, k_scale, *store.inverses())
+            out = backend.forward_rotated(qk[:, : self.num_heads], rotation, kv_cache[0], kv_cache[1], meta)
+        else:
+            q, k = ops.norm_rope_qk(qk, self.num_heads, cos, sin, self.q_norm.weight if self.qk_norm else None,
+                                    self.k_norm.weight if self.qk_norm else None, self.eps, store)
+            if store is not None:
+                k = v = None  # NOTE: in the caches already
+            elif self.kv_scales is not None:
+                k, v = k / k_scale, v / v_scale
+            # NOTE: with scales q . k unchanged, the output of the values' sums scaled back (below)
+            out = backend.forward(q if self.kv_scales is None else q * k_scale, k, v, kv_cache[0], kv_cache[1], meta)
+        if self.kv_scales is not None:
+            out = out * v_scale
         return row_parallel(self.o_proj, out.reshape(tokens, self.q_size), ops, tp)
 
 

@@ -289,3 +289,48 @@ def test_graph_rows_of_prompts_and_verifications_equal_the_eager_prefill_kernel(
         torch.testing.assert_close(graphed.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5, msg=f"KV, step {step}")
     assert graphs.num_replays == 3, "every step fits the 16-row graph"
     assert graphs.num_padding_rows == (16 - 14) + (8 - 5) + (8 - 7)
+
+
+def test_a_rotating_backend_replays_graphs_of_its_own_for_steps_of_one_row_a_sequence(interpreted_kernels,
+                                                                                      monkeypatch):
+    """With the fused ops (their rotary kernel storing K/V) a llama-family model's decode launch rotates and
+    stores each row's key itself (TritonAttention.rotates). A graph step whose rows are all distinct sequences
+    replays graphs captured that way; a step with several rows of one sequence (a short prompt beside a decode
+    row) replays the shared graphs, where every row's key is stored before any row attends: a row's program
+    storing its own key while another row of its sequence reads it would race on a GPU. Both equal eager."""
+    from engine.attention.triton_backend import TritonAttention
+
+    eager, graphed, arch = _eager_and_graphed(max_rows=8, seed=3)
+    graphs = graphed.graphs
+    assert graphs is not None and not arch.qk_norm
+    assert sorted(graphs._one_row_metadata) == [1, 2, 4, 8]
+    eager.model.use_fused_ops(True)  # NOTE: one model behind both runners
+    rotated: list[bool] = []
+    forward_rotated = TritonAttention.forward_rotated
+
+    def counted(self, q, rotation, k_cache, v_cache, meta):
+        rotated.append(meta.rows_share_sequences)
+        return forward_rotated(self, q, rotation, k_cache, v_cache, meta)
+
+    monkeypatch.setattr(TritonAttention, "forward_rotated", counted)
+    tables = [[5, 0, 11, 2, 17, 8], [3, 14, 9, 21, 6, 12], [19, 1, 22, 7, 15, 4]]
+    tokens = [torch.randint(2, arch.vocab_size, (n,)).tolist() for n in (7, 4, 3)]
+    prefill = [ForwardSeq(tokens[i], 0, tables[i], 1) for i in (0, 1)]
+    try:
+        for runner in (eager, graphed):
+            runner.forward(prefill)  # eager in both (not graph-eligible: 11 rows)
+        steps = [
+            [ForwardSeq(tokens[2], 0, tables[2], 1), decode(9, 7, tables[0])],  # 4 rows, one sequence's 3
+            [decode(10, 8, tables[0]), decode(11, 4, tables[1]), decode(12, 3, tables[2])],  # a row a sequence
+        ]
+        for step, seqs in enumerate(steps):
+            rotated.clear()
+            want = eager.forward(seqs)
+            eager_rotated, rotated[:] = list(rotated), []
+            got = graphed.forward(seqs)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=f"step {step}")
+            torch.testing.assert_close(graphed.kv_caches, eager.kv_caches, atol=1e-5, rtol=1e-5, msg=f"KV {step}")
+            assert rotated == eager_rotated == ([] if step == 0 else [False] * arch.num_layers), f"step {step}"
+    finally:
+        eager.model.use_fused_ops(False)
+    assert graphs.num_replays == 2 and graphs.num_one_row_replays == 1

@@ -71,6 +71,10 @@ def test_steps_reach_every_row_class_and_both_decode_plans():
         # One decode row alone (every kernel launched early), its keys split and whole.
         assert {decode_split_plan(1, num_kv_heads, ctx[0], H100_SMS, config, fp8)[0] > 1
                 for ctx in alone if ctx} == {True, False}
+        # Decode-only steps of several sequences (the rotating launch, not early), split and whole.
+        several = [ctx for seqs in steps if len(ctx := _decode_contexts(seqs)) == len(seqs) > 1]
+        assert {decode_split_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config, fp8)[0] > 1
+                for ctx in several} == {True, False}
 
 
 def test_steps_run_on_the_interpreted_kernels_in_one_block():

@@ -34,14 +34,18 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine.attention import triton_kernels, triton_prefill  # noqa: E402
-from engine.attention.base import AttentionMetadata, AttentionSpec, available_backends, create_backend  # noqa: E402
+from engine.attention.base import AttentionMetadata, AttentionSpec, DecodeRotation  # noqa: E402
+from engine.attention.base import available_backends, create_backend  # noqa: E402
 from engine.attention.base import write_kv  # noqa: E402
 from engine.attention.torch_ref import TorchAttention  # noqa: E402
 from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig, decode_split_plan  # noqa: E402
+from engine.models import fused_kernels  # noqa: E402  (its rotary kernel: the rotating decode launch's reference)
+from engine.models.fused_ops import KVStore  # noqa: E402
 
 if not _INTERPRET_WAS_SET:
     del os.environ["TRITON_INTERPRET"]  # back on around each test only (interpreted_triton)
-if not all(isinstance(f, InterpretedFunction) for f in (triton_kernels._decode_kernel, triton_prefill._prefill_kernel)):
+if not all(isinstance(f, InterpretedFunction)
+           for f in (triton_kernels._decode_kernel, triton_prefill._prefill_kernel, fused_kernels._norm_rope_kernel)):
     pytest.skip(
         "the Triton kernels were defined without TRITON_INTERPRET=1 (another module imported them first); "
         "run this module alone: TRITON_INTERPRET=1 pytest tests/unit/engine/attention/test_triton_interpret.py",
@@ -357,3 +361,75 @@ def test_decode_reads_the_step_s_newest_key_only_after_its_wait(monkeypatch, seq
     assert waits, "the decode kernel never waited"
     assert not got.isnan().any(), "the newest key was taken from before the wait"
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
+# NOTE: float16, not bfloat16, beside an FP8 cache: the interpreter's bfloat16 dots give garbage (the kernels' own
+# bfloat16 dots are checked on the GPU: tests/gpu/test_engine_gpu.py)
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float16, torch.float16),
+                                                    (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("early", [False, True])
+def test_the_rotating_decode_launch_equals_the_rotary_kernel_then_decode(monkeypatch, dtype, cache_dtype, scaled,
+                                                                        early):
+    """forward_rotated on a decode-only batch (q and the new k unrotated, views of one qkv row): the decode launch
+    rotates the queries, scales them, and stores the new keys (rotated) and values; its caches equal, bit for
+    bit, and its output, to the activations' rounding, the rotary kernel storing (fused_kernels.norm_rope_qk with a
+    KVStore) then forward on q times k_scale, as the model did; with a scaled cache or not, several splits and
+    one, a row with no slot (a CUDA graph's padding: nothing stored, its cached key read), compiled as the early
+    launch or not."""
+    if early:
+        record_decode_launches(monkeypatch, EARLY=True)
+    magnitude = 40.0 if cache_dtype == torch.float8_e4m3fn else 1.0
+    b = make_batch([(1, 70), (1, 16), (1, 17), (1, 5)], num_heads=4, num_kv_heads=2, head_dim=16,
+                   dtype=dtype, cache_dtype=cache_dtype, seed=9, kv_magnitude=magnitude)
+    padding = int(b.meta.slot_mapping[3])
+    write_kv(b.k[3:], b.v[3:], b.k_cache, b.v_cache, b.meta.slot_mapping[3:])  # the padding row's key exists
+    meta = dataclasses.replace(b.meta, slot_mapping=torch.tensor(b.meta.slot_mapping.tolist()[:3] + [-1]))
+    tokens, heads, dim = b.q.shape
+    qkv = torch.cat([b.q.flatten(1), b.k.flatten(1), b.v.flatten(1)], dim=1)
+    q, k, v = qkv[:, : heads * dim].view(b.q.shape), qkv[:, heads * dim : (heads + 2) * dim].view(b.k.shape), \
+        qkv[:, (heads + 2) * dim :].view(b.v.shape)
+    g = torch.Generator().manual_seed(3)
+    cos, sin = ((torch.rand(tokens, dim, generator=g) * 2 - 1).to(dtype) for _ in range(2))
+    # NOTE: k_scale a power of two: q times it is exact, where the interpreter's rounding of float32 to bfloat16
+    # (not to nearest even) would tell the kernel's product from torch's; on a GPU both round to nearest even
+    k_scale, v_scale = (2.0, 0.75) if scaled else (1.0, 1.0)
+    for config in (SMALL, dataclasses.replace(SMALL, target_programs_per_sm=1)):  # 5 splits of the 70; one
+        backend = TritonAttention(b.spec, config)
+        want_k, want_v = b.k_cache.clone(), b.v_cache.clone()
+        store = KVStore(v, want_k, want_v, meta.slot_mapping, k_scale, v_scale)
+        q_rotated, _ = fused_kernels.norm_rope_qk(qkv[:, : (heads + 2) * dim].view(tokens, heads + 2, dim), heads,
+                                                  cos, sin, None, None, 1e-6, store)
+        want = backend.forward(q_rotated * k_scale if scaled else q_rotated, None, None, want_k, want_v, meta)
+        got_k, got_v = b.k_cache.clone(), b.v_cache.clone()
+        rotation = DecodeRotation(cos, sin, k, v, k_scale, *store.inverses())
+        got = backend.forward_rotated(q, rotation, got_k, got_v, meta)
+        assert not got.isnan().any()
+        for got_cache, want_cache in ((got_k, want_k), (got_v, want_v)):  # NaN where nothing was written
+            assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+        # a weighted mean of the values (standard normals times magnitude)
+        assert 0.1 < got.abs().max() < 10 * magnitude
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance["atol"] * magnitude,
+                                   rtol=tolerance["rtol"])
+        assert not want_k.view(-1, dim)[padding].isnan().any()  # the padding row's key: cached, not stored again
+    with pytest.raises(ValueError, match="decode-only"):
+        backend.forward_rotated(q, rotation, got_k, got_v, dataclasses.replace(meta, max_query_len=2))
+    with pytest.raises(ValueError, match="no two rows of one sequence"):
+        backend.forward_rotated(q, rotation, got_k, got_v, dataclasses.replace(meta, rows_share_sequences=True))
+
+
+def test_the_backend_rotates_small_decode_batches_of_a_row_a_sequence_only():
+    """`rotates`: decode-only, no two rows of one sequence (a graph step's prompt rows), at most rotate_max_seqs
+    sequences (where it paid), a power-of-two head_dim of 16 or more."""
+    b = make_batch([(1, 9), (1, 5), (1, 3)], num_heads=4, num_kv_heads=2, head_dim=16)
+    backend = TritonAttention(b.spec, dataclasses.replace(SMALL, rotate_max_seqs=3))
+    assert backend.rotates(b.meta)
+    assert not backend.rotates(dataclasses.replace(b.meta, rows_share_sequences=True))
+    assert not TritonAttention(b.spec, dataclasses.replace(SMALL, rotate_max_seqs=2)).rotates(b.meta)
+    assert not backend.rotates(make_batch([(2, 9), (1, 5)], num_heads=4, num_kv_heads=2, head_dim=16).meta)
+    for dim in (8, 24):
+        odd = make_batch([(1, 9)], num_heads=4, num_kv_heads=2, head_dim=dim)
+        assert not TritonAttention(odd.spec, SMALL).rotates(odd.meta)
+    with pytest.raises(ValueError, match="rotate_max_seqs=0"):
+        dataclasses.replace(SMALL, rotate_max_seqs=0)

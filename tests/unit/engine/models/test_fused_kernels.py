@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from engine.models.arch import RopeConfig
-from engine.models.fused_ops import DecoderOps, add_rms_norm_ref, norm_rope_ref, rms_norm_ref, silu_and_mul_ref
+from engine.models.fused_ops import (
+    DecoderOps, add_rms_norm_ref, float32_reciprocal, norm_rope_ref, rms_norm_ref, silu_and_mul_ref,
+)
 from engine.models.rope import RotaryEmbedding
 from engine.quant.fp8 import FP8, QuantizedRows, quantize_rows
 from engine.runner import ForwardSeq
@@ -219,14 +221,16 @@ def test_the_stores_reciprocal_of_a_kv_scale_is_float32s() -> None:
     gen = torch.Generator().manual_seed(0)
     for scale in [0.75, 12.0, 1.25, 20.0, 3.0, 1e-3, 7.3, *(torch.rand(500, generator=gen) * 100 + 1e-3).tolist()]:
         want = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
-        assert fused_kernels._reciprocal(scale) == want, scale
+        assert float32_reciprocal(scale) == want, scale
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_model_on_the_triton_path_stores_its_kv_in_the_rotary_launch(arch, hf_checkpoints, make_llm,
                                                                        monkeypatch) -> None:
     """The fused ops with the Triton backend (interpreted): the rotary kernel stores the step's K and V (no
-    store_kv launch), and the logits and the cache equal the reference ops' on the torch backend."""
+    store_kv launch), and the logits and the cache equal the reference ops' on the torch backend. In a
+    decode-only step of a model without q/k norms (llama) the decode launch rotates and stores instead: no
+    rotary launch; with them (qwen3) a rotary launch a layer."""
     from engine.attention import triton_kernels
     from engine.attention.triton_backend import TritonAttention
 
@@ -243,12 +247,19 @@ def test_a_model_on_the_triton_path_stores_its_kv_in_the_rotary_launch(arch, hf_
     reference = runner.backend
     runner.backend = TritonAttention(reference.spec)
     runner.model.use_fused_ops(True)
+    rotary: list[int] = []
+    norm_rope_qk = fused_kernels.norm_rope_qk
+    monkeypatch.setattr(fused_kernels, "norm_rope_qk", lambda *a, **kw: rotary.append(1) or norm_rope_qk(*a, **kw))
     try:
-        got, got_step = runner.forward_eager(seqs), runner.forward_eager(step)
+        got = runner.forward_eager(seqs)
+        prompt_rotary, rotary[:] = len(rotary), []
+        got_step = runner.forward_eager(step)
     finally:
         runner.model.use_fused_ops(False)
         runner.backend = reference
     assert stores == [], "the backend stored nothing: the rotary launch did"
+    layers = llm.engine.arch.num_layers
+    assert prompt_rotary == layers and len(rotary) == (layers if arch == "qwen3" else 0)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got_step, want_step, atol=1e-4, rtol=1e-5)
     assert want_kv[..., 0, 5, :, :].abs().sum() > 0, "the decode row's K and V are in slot 5 of block 0"
