@@ -334,7 +334,8 @@ class DecodeGraphs:
         self.hidden[:size].copy_(hidden)
 
     def capture(self) -> None:
-        """One graph per size, largest first, in one shared pool (CUDA); nothing elsewhere."""
+        """One graph per size, largest first, and one more per size of `_one_row_metadata`, all in one pool
+        (CUDA); nothing elsewhere."""
         if self.is_cuda:
             pool = torch.cuda.graph_pool_handle()
             self._graphs = capture_graphs(self.sizes, self._body, self.device, pool)
