@@ -200,18 +200,7 @@ class TritonAttention:
         cfg, spec = self.config, self.spec
         tensors = (meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor)
         if num_decode:
-            max_context = self._decode_context(max(decode_lens))
-            fp8 = k_cache.dtype == torch.float8_e4m3fn
-            num_splits, tokens_per_split = decode_split_plan(
-                num_decode, spec.num_kv_heads, max_context, self._sms(q.device), cfg, fp8
-            )
-            tiles = cfg.decode_tiles(fp8)
-            self._kernels.decode_attention(
-                q, k_cache, v_cache, out, *tensors,
-                scale=spec.scale, sliding_window=spec.sliding_window,
-                num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-                block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            )  # fmt: skip
+            self._decode(q, k_cache, v_cache, out, meta, num_decode, max(decode_lens))
         if num_decode < meta.num_seqs:
             self._prefill.prefill_attention(
                 q, k_cache, v_cache, out, *tensors,
@@ -242,17 +231,9 @@ class TritonAttention:
         if k is not None:
             self._kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        fp8 = k_cache.dtype == torch.float8_e4m3fn
-        num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device, fp8)
-        cfg, spec = self.config, self.spec
-        tiles = cfg.decode_tiles(fp8)
-        self._kernels.decode_attention(
-            q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
-            scale=spec.scale, sliding_window=spec.sliding_window,
-            num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-            block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            workspace=self._workspace,
-        )  # fmt: skip
+        bound = self.config.graph_max_context
+        assert bound is not None  # graph mode's twin has one (graph_mode)
+        self._decode(q, k_cache, v_cache, out, meta, num_seqs, bound)
         return out
 
     def rotates(self, meta: AttentionMetadata) -> bool:
@@ -280,26 +261,31 @@ class TritonAttention:
                              f"one sequence; got {q.shape[0]} queries for {num_seqs} sequences, rows_share_sequences="
                              f"{meta.rows_share_sequences}")
         self._kernels.check_dtype("q", q)
-        fp8 = k_cache.dtype == torch.float8_e4m3fn
-        cfg, spec = self.config, self.spec
-        if self.is_graph_mode:
-            num_splits, tokens_per_split = self._graph_split_plan(num_seqs, q.device, fp8)
-        else:
-            max_context = self._decode_context(max(meta.seq_lens))
-            num_splits, tokens_per_split = decode_split_plan(
-                num_seqs, spec.num_kv_heads, max_context, self._sms(q.device), cfg, fp8
-            )
-        tiles = cfg.decode_tiles(fp8)
         # NOTE: q is a strided view of qkv; the output is contiguous
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._decode(q, k_cache, v_cache, out, meta, num_seqs, max(meta.seq_lens), rotation)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+        meta: AttentionMetadata, num_seqs: int, max_context: int, rotation: DecodeRotation | None = None,
+    ) -> None:
+        """The decode launch (and its reduce) of a batch's num_seqs decoding sequences, split as a context of
+        `_decode_context(max_context)` needs (graph mode: graph_max_context, over its static workspace);
+        `rotation`: the rotating launch of forward_rotated."""
+        cfg, spec = self.config, self.spec
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        num_splits, tokens_per_split = decode_split_plan(
+            num_seqs, spec.num_kv_heads, self._decode_context(max_context), self._sms(q.device), cfg, fp8
+        )
+        tiles = cfg.decode_tiles(fp8)
         self._kernels.decode_attention(
             q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
             scale=spec.scale, sliding_window=spec.sliding_window,
             num_splits=num_splits, tokens_per_split=tokens_per_split, max_splits=cfg.max_splits,
-            block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            workspace=self._workspace, rotation=rotation, slot_mapping=meta.slot_mapping,
+            block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages, workspace=self._workspace,
+            rotation=rotation, slot_mapping=None if rotation is None else meta.slot_mapping,
         )  # fmt: skip
-        return out
 
     def _decode_context(self, max_context: int) -> int:
         """The context a decode launch is sized for: the batch's longest, or graph_max_context where set (which

@@ -188,14 +188,13 @@ def _cos_sin(cos_row, sin_row, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _step_kv(k_row, v_row, cos_row, sin_row, k_inverse, v_inverse, k_cache_ptr, v_cache_ptr,
+def _step_kv(k_row, v_row, c, s, partner, k_inverse, v_inverse, k_cache_ptr, v_cache_ptr,
              HEAD_DIM: tl.constexpr):
-    """A step's key (its unrotated row at k_row, rotated) and value (at v_row), [HEAD_DIM] each, as the caches
-    hold them: times k_inverse and v_inverse, rounded to the activations' dtype, then `to_cache` (the rotary
-    kernel's store). NOTE: bit for bit under the interpreter and, compiled, in float32; a compiled 16-bit key
-    at head_dim 128 differed from the rotary kernel's in its last bit (H200, contraction), which any
-    rounding of the projections may move as well."""
-    c, s, partner = _cos_sin(cos_row, sin_row, HEAD_DIM)
+    """A step's key (its unrotated row at k_row, rotated by `_cos_sin`'s c, s, partner) and value (at v_row),
+    [HEAD_DIM] each, as the caches hold them: times k_inverse and v_inverse, rounded to the activations' dtype,
+    then `to_cache` (the rotary kernel's store). NOTE: bit for bit under the interpreter and, compiled, in
+    float32; a compiled 16-bit key at head_dim 128 differed from the rotary kernel's in its last bit (H200,
+    contraction), which any rounding of the projections may move as well."""
     d = tl.arange(0, HEAD_DIM)
     k = rotated(tl.load(k_row + d), tl.load(k_row + partner), c, s)
     v = tl.load(v_row + d)
@@ -286,8 +285,8 @@ def _decode_kernel(
         if (start <= seq_len - 1) & (seq_len - 1 < end) & (slot >= 0):  # this split holds the step's key
             k_new, v_new = _step_kv(
                 k_new_ptr + q_row * stride_knt + kv_head * stride_knh,
-                v_new_ptr + q_row * stride_vnt + kv_head * stride_vnh, cos_ptr + q_row * stride_c,
-                sin_ptr + q_row * stride_c, k_inverse, v_inverse, k_cache_ptr, v_cache_ptr, HEAD_DIM,
+                v_new_ptr + q_row * stride_vnt + kv_head * stride_vnh, c, s, partner, k_inverse, v_inverse,
+                k_cache_ptr, v_cache_ptr, HEAD_DIM,
             )
             block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             tl.store(k_cache_ptr + block * stride_kb + offset * stride_ko + kv_head * stride_kh + d, k_new)
