@@ -9,6 +9,9 @@ What it counted: the CUDA-core kernel before it (2026-11-28) 4.33 a weight at on
 warps), 3.95 at 32 x 1,024, and the one before that 6.39; the tensor-core words kernel (2026-11-29,
 Triton 3.9 here) 4.34 at 64 rows a tile, 3.17 at 128, of which 1.6 convert (PTX) and take the zero
 point (packed adds).
+A group's nibbles as one dot (2026-12-01, Triton 3.6 as on the GPU machines): 3.31 at 64 rows a tile
+(212 instructions a trip against 277 before, with one warpgroup wait a trip where each of the eight
+16-column products had one).
 
     python -m bench.diag.sass_loop [--block-n 64] [--group 128] [--warps 4]
 """

@@ -5,7 +5,8 @@ product's first operand (its rows fill Hopper's wgmma M), x's rows the second; i
 CUDA models and interpreted tests.
 
 A trip of the K loop is 128 columns: a tile's BLOCK_N x 16 int32 words, nibble i of word w column
-16 i + w, so nibble i of every word is one product of 16 columns against x's 16 contiguous ones.
+16 i + w, so nibble i of every word is a tile of 16 columns against x's 16 contiguous ones; a group's
+tiles side by side are one product (`_group_product`: the trip's eight at groups of 128 and more).
 Two words (a thread's two adjacent columns) become eight registers of two numbers OFFSET + q by one
 PTX block (two byte permutes, six shifts, eight AND-ORs: a nibble in the low mantissa bits of 128.0,
 bfloat16, or 1024.0, float16, reads OFFSET + q exactly); OFFSET + z comes off each (exact, a packed
@@ -13,7 +14,9 @@ add for two), and a group's scale applies to its products' float32 tile. K is sp
 the last program of a tile sums the slices in order (split_k.store_split_k). The kernels it
 replaced, on one H200 at Llama-3.1-8B's four projections (bench/results/int4_gemv_sweep_nvidia-h200
 _r8_words_tiles.json): 70.7 against 91.1 us at one row, 72.0 against 140.1 at two, 76.7 / 83.1 /
-152.6 against 280 / 281 / 519 at 8, 16 and 64 (bench/diag/int4_gemv_sweep.py says how it was found)."""
+152.6 against 280 / 281 / 519 at 8, 16 and 64 (bench/diag/int4_gemv_sweep.py says how it was found).
+A dot a nibble tile before one a group: 84.1 against 66.0 us at one row, the engine's tiles
+(int4_gemv_sweep_nvidia-h200_one_dot_{main,new}.json)."""
 
 from __future__ import annotations
 
@@ -52,21 +55,37 @@ def _group_scales(s_ptr, tile, g, BLOCK_N: tl.constexpr, OFFSET: tl.constexpr, D
 
 
 @triton.jit
-def _nibble_step(acc, part, nib, i: tl.constexpr, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, OFFSET: tl.constexpr, DTYPE: tl.constexpr, s, zb):
-    """Nibble i of a trip's words (OFFSET + q, as int16 bits) times x's 16 columns k0 + 16 i: into
-    `part`, which goes into `acc` scaled at its group's last nibble. With groups under 128 columns a
-    group's scales load at its first nibble (s, zb: those of the trip's group otherwise)."""
-    NIBBLES: tl.constexpr = GROUP // 16 if GROUP < 128 else 8  # a group's nibbles in a trip
-    if GROUP < 128 and i % NIBBLES == 0:
-        s, zb = _group_scales(s_ptr, tile, k0 // GROUP + i // NIBBLES, BLOCK_N, OFFSET, DTYPE)
-    x = tl.load(x_ptr + rm[None, :] * stride_x + (k0 + 16 * i + tl.arange(0, 16))[:, None], mask=m_ok[None, :],
-                other=0.0)  # [16, BLOCK_M]
-    part = tl.dot(nib.to(DTYPE, bitcast=True) - zb, x, part)
-    if (i + 1) % NIBBLES == 0:
-        acc += part * s
-        part = tl.zeros_like(part)
-    return acc, part, s, zb
+def _cat(a, b):
+    """Tiles [R, C] side by side: [R, 2 C], a's columns first. NOTE: where a and b are a dot operand's registers
+    (nibbles converted where their words were loaded) the result is too: Triton moves no data (sass_loop)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _side_by_side(n, i: tl.constexpr, COUNT: tl.constexpr):
+    """Nibble tiles n[i] .. n[i + COUNT - 1] (COUNT of 1, 2, 4, 8) as one tile of their columns in order."""
+    if COUNT == 1:
+        tile = n[i]
+    elif COUNT == 2:
+        tile = _cat(n[i], n[i + 1])
+    elif COUNT == 4:
+        tile = _cat(_cat(n[i], n[i + 1]), _cat(n[i + 2], n[i + 3]))
+    else:
+        tile = _cat(_cat(_cat(n[i], n[i + 1]), _cat(n[i + 2], n[i + 3])),
+                    _cat(_cat(n[i + 4], n[i + 5]), _cat(n[i + 6], n[i + 7])))
+    return tile
+
+
+@triton.jit
+def _group_product(acc, nibbles, g, k, x_ptr, rm, m_ok, stride_x, s_ptr, tile, BLOCK_N: tl.constexpr,
+                   OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+    """acc + one group's product: its nibbles [BLOCK_N, C] (OFFSET + q as int16 bits, the columns k .. k + C of
+    group g, C <= GROUP) less their zero points, times x's C columns there, scaled by the group's scales. One dot,
+    so its warpgroup MMAs issue back to back (a dot a 16-column nibble waited for each before the next)."""
+    s, zb = _group_scales(s_ptr, tile, g, BLOCK_N, OFFSET, DTYPE)
+    x = tl.load(x_ptr + rm[None, :] * stride_x + (k + tl.arange(0, nibbles.shape[1]))[:, None], mask=m_ok[None, :],
+                other=0.0)  # [C, BLOCK_M]
+    return acc + tl.dot(nibbles.to(DTYPE, bitcast=True) - zb, x) * s
 
 
 # NOTE: M (the step's rows) is not specialized: one variant per BLOCK_M serves every batch size,
@@ -91,41 +110,23 @@ def _words_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     tile = pid_n * groups  # the tile's first group's scales (to_words: [N / BLOCK_N, groups, BLOCK_N, 2])
+    NIBBLES: tl.constexpr = min(GROUP, 128) // 16  # a group's nibbles in a trip
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     after_previous(PDL)
     for k0 in tl.range(k_begin, k_end, 128, num_stages=NUM_STAGES):
         words = tl.load(w_ptr + ((pid_n * (K // 128) + k0 // 128) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * 16
                         + c[None, :])  # [BLOCK_N, 16]
         if ASM:
-            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            n = tl.inline_asm_elementwise(
                 WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words], dtype=(tl.int16,) * 8, is_pure=True, pack=2)
         else:
-            n0 = ((words & 0xF) | MAGIC).to(tl.int16)
-            n1 = (((words >> 4) & 0xF) | MAGIC).to(tl.int16)
-            n2 = (((words >> 8) & 0xF) | MAGIC).to(tl.int16)
-            n3 = (((words >> 12) & 0xF) | MAGIC).to(tl.int16)
-            n4 = (((words >> 16) & 0xF) | MAGIC).to(tl.int16)
-            n5 = (((words >> 20) & 0xF) | MAGIC).to(tl.int16)
-            n6 = (((words >> 24) & 0xF) | MAGIC).to(tl.int16)
-            n7 = (((words >> 28) & 0xF) | MAGIC).to(tl.int16)
-        s, zb = _group_scales(s_ptr, tile, k0 // GROUP, BLOCK_N, OFFSET, DTYPE)
-        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc, part, s, zb = _nibble_step(acc, part, n0, 0, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
-        acc, part, s, zb = _nibble_step(acc, part, n1, 1, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
-        acc, part, s, zb = _nibble_step(acc, part, n2, 2, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
-        acc, part, s, zb = _nibble_step(acc, part, n3, 3, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
-        acc, part, s, zb = _nibble_step(acc, part, n4, 4, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
-        acc, part, s, zb = _nibble_step(acc, part, n5, 5, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
-        acc, part, s, zb = _nibble_step(acc, part, n6, 6, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
-        acc, part, s, zb = _nibble_step(acc, part, n7, 7, k0, x_ptr, rm, m_ok, stride_x, s_ptr, tile, GROUP,
-                                        BLOCK_N, OFFSET, DTYPE, s, zb)
+            n = (((words & 0xF) | MAGIC).to(tl.int16), (((words >> 4) & 0xF) | MAGIC).to(tl.int16),
+                 (((words >> 8) & 0xF) | MAGIC).to(tl.int16), (((words >> 12) & 0xF) | MAGIC).to(tl.int16),
+                 (((words >> 16) & 0xF) | MAGIC).to(tl.int16), (((words >> 20) & 0xF) | MAGIC).to(tl.int16),
+                 (((words >> 24) & 0xF) | MAGIC).to(tl.int16), (((words >> 28) & 0xF) | MAGIC).to(tl.int16))
+        for i in tl.static_range(0, 8, NIBBLES):  # a group's nibbles at a time (the trip's 8 for groups of 128+)
+            acc = _group_product(acc, _side_by_side(n, i, NIBBLES), (k0 + 16 * i) // GROUP, k0 + 16 * i, x_ptr, rm,
+                                 m_ok, stride_x, s_ptr, tile, BLOCK_N, OFFSET, DTYPE)
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     # slice s of the sums at part_ptr + s * M * N
     store_split_k(acc, out_ptr + rm[:, None] * stride_o + rn[None, :], part_ptr + rm[:, None] * N + rn[None, :],

@@ -222,3 +222,35 @@ def test_fp8_decode_reads_its_value_tiles_as_float16_through_transposing_ldmatri
         assert byte_loads == 0 and transposed > 0, out
     else:
         assert byte_loads >= 64 and transposed == 0, out
+
+
+# CASES' 4-bit words kernel at a group size: its K loop's warpgroup MMAs and waits, in its SASS
+WORDS_PROGRAM = COMPILER + """
+module, name, signature, constexprs = next(c for c in CASES if c[1] == "_words_kernel" and c[3]["GROUP"] == 128)
+cubin = compile_case(module, name, signature, dict(constexprs, GROUP=GROUP)).asm["cubin"]
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(cubin)
+    f.flush()
+    sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+rows = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := re.match(r"\\s+/\\*([0-9a-f]{4,5})\\*/", line))]
+# the K loop: the widest backward branch
+loops = [(int(b.group(1), 16), at) for at, line in rows
+         if (b := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(b.group(1), 16) < at]
+start, end = max(loops, key=lambda s: s[1] - s[0])
+body = [line for at, line in rows if start <= at <= end]
+print("mmas", sum("HGMMA" in line for line in body))
+print("waits", sum("WARPGROUP.DEPBAR" in line for line in body))
+"""
+
+
+@pytest.mark.parametrize("group", [128, 16])
+def test_int4_words_kernel_issues_a_groups_warpgroup_mmas_back_to_back(group: int):
+    """The words kernel (64-row tiles, one row tile of 16, as at the 8B shape) multiplies a group's nibbles as one
+    dot, so at groups of 128 its loop issues a trip's eight warpgroup MMAs with one wait (a dot a 16-column nibble
+    waited for each: 1.27x slower at one row on an H200, README); at groups of 16 (the case that shows the test can
+    fail) each nibble is a group of its own, a dot and a wait each."""
+    out = _compiled(f"GROUP = {group}\n" + WORDS_PROGRAM)
+    mmas = int(out.split("mmas ")[1].split()[0])
+    waits = int(out.split("waits ")[1].split()[0])
+    assert mmas == 8, out
+    assert waits == (1 if group == 128 else 8), out
