@@ -31,7 +31,10 @@ transposes 16-bit values only. Converting them first (inline PTX that Triton can
 Each cache block's keys of a head read by one TMA copy (16 or 32 keys a tile) took twice as long
 (591 us at batch 256, `_tma`); two or four KV heads a program with batched dots (a key's 256 or 512 bytes
 read as one run) ran slower and the grid's order made no difference (`_grid_heads`): both variants are gone
-but the grid's order, a knob.
+but the grid's order, a knob. The dots with the keys as M (scores^T = K q^T, out^T += V^T p^T, keys and values
+read as [keys, head_dim] rows and converted where loaded), which Hopper's warpgroup MMA takes where the product
+pads 4 query rows to M = 16: 329 us at batch 256 and 634 at 512 against this copy's f16v 281 / 517 and the
+product's 275 / 505 (`_swap`, 128-key tiles, 4 warps, their best): gone.
 
     python -m bench.diag.fp8_decode_attention --out DIR
 """
