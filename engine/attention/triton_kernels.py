@@ -123,12 +123,26 @@ def _split_keys(seq_len, window, num_splits, BLOCK_N: tl.constexpr, HAS_WINDOW: 
 
 
 @triton.jit
+def cache_blocks(bt_row, keys, key_ok, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """(block, offset) of each key of a sequence in the paged cache, through its block table row (the entries of
+    the keys in key_ok read when MASKED, every entry otherwise): the block int64, the offset in it. NOTE: keys
+    are never negative, so they are taken unsigned: a shift and a mask, where signed division and remainder
+    round toward zero, and the block widened without its sign (on sm_90 the FP8 decode loop's instructions a
+    128-key trip 653 against 837: bench/diag/sass_loop.py)."""
+    index = keys.to(tl.uint32)
+    if MASKED:
+        block = tl.load(bt_row + index // BLOCK_SIZE, mask=key_ok, other=0)
+    else:
+        block = tl.load(bt_row + index // BLOCK_SIZE)
+    return block.to(tl.uint32).to(tl.int64), index % BLOCK_SIZE
+
+
+@triton.jit
 def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, keys, key_ok, kv_head, d,
              stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, BLOCK_SIZE: tl.constexpr):
     """Addresses of a tile of keys [BLOCK_D, BLOCK_N] and of values [BLOCK_N, BLOCK_D] of one KV head,
     through the sequence's block table row (its entries read for the keys in key_ok)."""
-    block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    offset = keys % BLOCK_SIZE
+    block, offset = cache_blocks(bt_row, keys, key_ok, BLOCK_SIZE, True)
     k_tile = k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ko + kv_head * stride_kh + d[:, None]
     v_tile = v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh + d[None, :]
     return k_tile, v_tile

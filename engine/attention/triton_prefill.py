@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import LOG2E, dot_precision
+from engine.attention.triton_kernels import LOG2E, cache_blocks, dot_precision
 
 
 @triton.jit
@@ -50,12 +50,9 @@ def _attend_tile(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     key_ok = keys < key_end
-    if MASKED:
-        block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    else:
-        block = tl.load(bt_row + keys // BLOCK_SIZE).to(tl.int64)
+    block, offset = cache_blocks(bt_row, keys, key_ok, BLOCK_SIZE, MASKED)
+    if not MASKED:
         key_ok = keys >= 0  # all true; lets the loads below drop the key mask
-    offset = keys % BLOCK_SIZE
     k = tl.load(
         k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ko + kv_head * stride_kh + d[:, None],
         mask=key_ok[None, :] & d_ok[:, None], other=0.0,
