@@ -61,9 +61,9 @@ class TritonAttentionConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     # The decode kernel's tiles over an FP8 cache (its dots in float16): bench.diag.fp8_decode_attention's sweeps
-    # (bench/results/fp8_decode_attention_values_f16_*)
-    decode_fp8_block_n: int = 128
-    decode_fp8_num_warps: int = 4
+    # (bench/results/fp8_decode_attention_values_f16_*; since the unsigned cache index, _unsigned_tiles_*)
+    decode_fp8_block_n: int = 64
+    decode_fp8_num_warps: int = 2
     decode_fp8_num_stages: int = 3
     prefill_block_m: int = 128  # rows (query tokens x group heads) per prefill program
     prefill_block_n: int = 64  # keys per tile of the prefill kernel

@@ -113,7 +113,7 @@ CASES = [
             stride_vo="i32", stride_vh="i32", stride_bt="i32", cos_ptr=P, sin_ptr=P, k_new_ptr=P, v_new_ptr=P,
             slot_ptr="*i64" if rotate else "*i32", stride_c="i32", stride_knt="i32", stride_knh="i32",
             stride_vnt="i32", stride_vnh="i32", q_scale="fp32", k_inverse="fp32", v_inverse="fp32"),
-       dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=128 if fp8 else 64, BLOCK_SIZE=16,
+       dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16,
             HAS_WINDOW=False, IS_SPLIT=not fp8, PRECISION="tf32", F16_DOTS=fp8, VALUES_ASM=fp8, ROTATE=rotate,
             PDL=True, EARLY=not fp8))
       for cache, fp8, rotate in ((P, False, True), ("*fp8e4nv", True, False), ("*fp8e4nv", True, True))),
