@@ -52,15 +52,20 @@ def sass(kernel) -> str:
                               check=True).stdout
 
 
-def loop_opcodes(text: str) -> collections.Counter:
-    """Opcodes between the widest backward branch and its target."""
-    rows = [(int(m.group(1), 16), m.group(3), line) for line in text.splitlines() if (m := INSTRUCTION.match(line))]
-    spans = [(int(b.group(1), 16), at) for at, _, line in rows if (b := re.search(r"BRA (0x[0-9a-f]+)", line))
+def loop_lines(text: str) -> list[str]:
+    """The SASS lines between the widest backward branch and its target (a kernel's main loop)."""
+    rows = [(int(m.group(1), 16), line) for line in text.splitlines() if (m := INSTRUCTION.match(line))]
+    spans = [(int(b.group(1), 16), at) for at, line in rows if (b := re.search(r"BRA (0x[0-9a-f]+)", line))
              and int(b.group(1), 16) < at]
     if not spans:
         raise ValueError("no backward branch: the kernel has no loop")
     start, end = max(spans, key=lambda s: s[1] - s[0])
-    return collections.Counter(op for at, op, _ in rows if start <= at <= end)
+    return [line for at, line in rows if start <= at <= end]
+
+
+def loop_opcodes(text: str) -> collections.Counter:
+    """Opcodes between the widest backward branch and its target."""
+    return collections.Counter(INSTRUCTION.match(line).group(3) for line in loop_lines(text))
 
 
 def main() -> None:

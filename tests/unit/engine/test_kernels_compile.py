@@ -135,6 +135,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from bench.diag.sass_loop import loop_lines, sass
 from engine.attention.triton_backend import TritonAttentionConfig
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -150,20 +151,6 @@ def launch_options(name, constexprs):
         tiles = TritonAttentionConfig().decode_tiles(fp8_cache=constexprs["F16_DOTS"])
         return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return dict(num_warps={"_norm_rope_kernel": 2, "_quantize_rows_kernel": 8}.get(name, 4))
-
-
-def loop_body(cubin):
-    # the SASS lines of a kernel's widest loop (its longest backward branch)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    rows = [(int(m.group(1), 16), line) for line in sass.splitlines()
-            if (m := re.match(r"\\s+/\\*([0-9a-f]{4,5})\\*/", line))]
-    loops = [(int(b.group(1), 16), at) for at, line in rows
-             if (b := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(b.group(1), 16) < at]
-    start, end = max(loops, key=lambda s: s[1] - s[0])
-    return [line for at, line in rows if start <= at <= end]
 
 
 def compile_case(module, name, signature, constexprs):
@@ -241,7 +228,7 @@ def test_fp8_decode_reads_its_value_tiles_as_float16_through_transposing_ldmatri
 # CASES' 4-bit words kernel at a group size: its K loop's warpgroup MMAs and waits, in its SASS
 WORDS_PROGRAM = COMPILER + """
 module, name, signature, constexprs = next(c for c in CASES if c[1] == "_words_kernel" and c[3]["GROUP"] == 128)
-body = loop_body(compile_case(module, name, signature, dict(constexprs, GROUP=GROUP)).asm["cubin"])
+body = loop_lines(sass(compile_case(module, name, signature, dict(constexprs, GROUP=GROUP))))
 print("mmas", sum("HGMMA" in line for line in body))
 print("waits", sum("WARPGROUP.DEPBAR" in line for line in body))
 """
@@ -264,7 +251,7 @@ def test_int4_words_kernel_issues_a_groups_warpgroup_mmas_back_to_back(group: in
 INDEX_PROGRAM = COMPILER + """
 for module, name, signature, constexprs in CASES:
     if name == "_decode_kernel":
-        body = loop_body(compile_case(module, name, signature, constexprs).asm["cubin"])
+        body = loop_lines(sass(compile_case(module, name, signature, constexprs)))
         print("signed", sum("SHF.R.S32.HI" in line or "LEA.HI " in line for line in body), "of", len(body))
 """
 
