@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 # (module, kernel, signature, constexprs): the bf16 model's arguments; "constexpr" entries set below
 CASES = """
+from engine.attention.triton_backend import TritonAttentionConfig
 from engine.quant.int4_kernels import word_asm
 P = "*bf16"
 WORD_ASM = word_asm(0x4300)
@@ -113,9 +114,9 @@ CASES = [
             stride_vo="i32", stride_vh="i32", stride_bt="i32", cos_ptr=P, sin_ptr=P, k_new_ptr=P, v_new_ptr=P,
             slot_ptr="*i64" if rotate else "*i32", stride_c="i32", stride_knt="i32", stride_knh="i32",
             stride_vnt="i32", stride_vnh="i32", q_scale="fp32", k_inverse="fp32", v_inverse="fp32"),
-       dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16,
-            HAS_WINDOW=False, IS_SPLIT=not fp8, PRECISION="tf32", F16_DOTS=fp8, VALUES_ASM=fp8, ROTATE=rotate,
-            PDL=True, EARLY=not fp8))
+       dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_SIZE=16, HAS_WINDOW=False,
+            BLOCK_N=TritonAttentionConfig().decode_tiles(fp8).block_n, IS_SPLIT=not fp8, PRECISION="tf32",
+            F16_DOTS=fp8, VALUES_ASM=fp8, ROTATE=rotate, PDL=True, EARLY=not fp8))
       for cache, fp8, rotate in ((P, False, True), ("*fp8e4nv", True, False), ("*fp8e4nv", True, True))),
     ("engine.attention.triton_kernels", "_decode_reduce_kernel",
      dict(out_ptr=P, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", seq_lens_ptr="*i32",
@@ -136,7 +137,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bench.diag.sass_loop import loop_lines, sass
-from engine.attention.triton_backend import TritonAttentionConfig
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
