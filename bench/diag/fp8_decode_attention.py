@@ -35,6 +35,14 @@ but the grid's order, a knob. The dots with the keys as M (scores^T = K q^T, out
 read as [keys, head_dim] rows and converted where loaded), which Hopper's warpgroup MMA takes where the product
 pads 4 query rows to M = 16: 329 us at batch 256 and 634 at 512 against this copy's f16v 281 / 517 and the
 product's 275 / 505 (`_swap`, 128-key tiles, 4 warps, their best): gone.
+With the 64-key / 2-warp / 3-stage tiles (`_orders`, `_orders_wide`, one call): where a sequence's blocks lie made no
+difference: drawn at random, one run each (a prompt prefilled from a fresh pool), or a sequence's i-th block beside
+the others' i-th (as decode steps append them), in a cache of the batch's blocks or of the engine's 119,033: 484-491
+us at batch 512 (floor 393), 263-267 at 256 (floor 196), all within 2%. The bfloat16 kernel read at the floor there
+(750 us, floor 785 by the copy bandwidth). `_k8` (one call): keys read as E4M3 dot operands with no conversion, the
+queries as two E4M3 terms of a row's scale (error 1.6e-3 against the product), took 558 us at 512 and 285 at 256
+against this copy's f16v 502 / 277; a variant with no float conversion at all (the tiles' bytes summed as
+integers) ran slower than the whole kernel (629 / 325 us), so it bounds nothing: both gone.
 
     python -m bench.diag.fp8_decode_attention --out DIR
 """
