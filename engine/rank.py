@@ -107,7 +107,8 @@ def build_runner(config: EngineConfig, parts: RankParts, kv: torch.Tensor, devic
     captured (on every rank alike) where they run."""
     leader = StepLeader(tp.group) if tp is not None and tp.shard.rank == 0 else None
     runner = ModelRunner(parts.model, kv, parts.backend, device, leader)
-    warm_up_runner(runner, max_seq_tokens)  # NOTE: before capture: graphs then find every kernel compiled
+    # NOTE: before capture: graphs then find every kernel compiled
+    warm_up_runner(runner, max_seq_tokens, config.scheduler.max_num_seqs)
     if cuda_graphs_enabled(config.model, device, parts.backend):
         # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
         runner.capture_decode_graphs(graph_max_rows(config), max_seq_tokens)

@@ -11,6 +11,7 @@ so the values below are the only ones that pick a variant:
 | decode keys split over programs or not          | attention decode (+ reduce) | 1 / 2, 4      |
 | one row (launched early: engine/pdl.py) or more | every Triton kernel         | 4, 6 / others |
 | decode only (rotates), early or not; split or not | attention decode  | 4, 6 / 9, 10; 6, 9 / 4, 10 |
+| decode of a crowded launch (FP8 cache: its tiles) | attention decode  | the last, where the batch reaches it |
 | one row / <= 8 (early), <= 16, <= 32, more      | FP8 gemv / split-K / scaled | 4, 6 / 2, 7, 1, 5 |
 | rows <= 16, <= 32, <= 64, more                  | 4-bit words / dequantize    | 2, 1, 8, 5    |
 | unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
@@ -37,8 +38,10 @@ from engine.sampler import Sampler, SamplingRow, VerifyRow
 LONG_CONTEXT = 1024  # a decode context that splits its keys over programs (more than min_split_tokens)
 
 
-def warm_up_steps(max_seq_tokens: int, block_size: int) -> list[list[ForwardSeq]]:
-    """The forwards of the table above, every sequence within max_seq_tokens, all in block 0."""
+def warm_up_steps(max_seq_tokens: int, block_size: int, crowded_seqs: int | None = None) -> list[list[ForwardSeq]]:
+    """The forwards of the table above, every sequence within max_seq_tokens, all in block 0; crowded_seqs: the
+    decoding sequences of a crowded decode launch (`AttentionBackend.crowded_decode_seqs`), its keys whole (None:
+    none such in this engine)."""
 
     def prompt(n: int) -> ForwardSeq:
         return ForwardSeq(token_ids=[0] * n, start=0, block_ids=[0] * -(-n // block_size), num_logits=1)
@@ -47,6 +50,7 @@ def warm_up_steps(max_seq_tokens: int, block_size: int) -> list[list[ForwardSeq]
         return ForwardSeq(token_ids=[0], start=context - 1, block_ids=[0] * -(-context // block_size), num_logits=1)
 
     cap = max(1, min(max_seq_tokens, LONG_CONTEXT))
+    crowded = [[decode(min(5, cap))] * crowded_seqs] if crowded_seqs else []
     return [
         [prompt(min(20, cap)), prompt(min(3, cap)), decode(cap), decode(min(5, cap))],  # 25 rows
         [prompt(min(5, cap)), decode(min(5, cap)), decode(min(3, cap))],  # 7 rows
@@ -58,15 +62,18 @@ def warm_up_steps(max_seq_tokens: int, block_size: int) -> list[list[ForwardSeq]
         [prompt(min(40, cap))],  # 40 rows: the 4-bit kernel's 64-row tile
         [decode(cap), decode(min(5, cap))],  # decode only, not early: the rotating launch, its keys split
         [decode(min(5, cap)), decode(min(3, cap))],  # and whole
-    ]
+    ] + crowded
 
 
-def warm_up_runner(runner: ModelRunner, max_seq_tokens: int) -> None:
+def warm_up_runner(runner: ModelRunner, max_seq_tokens: int, max_num_seqs: int) -> None:
     """Runs the warm-up forwards on this rank alone (every rank of a tensor-parallel worker runs
-    the same ones, so their collectives meet). Call before graph capture and before any step."""
+    the same ones, so their collectives meet), a crowded decode launch only where max_num_seqs
+    sequences reach one. Call before graph capture and before any step."""
     if runner.device.type != "cuda":
         return
-    for seqs in warm_up_steps(max_seq_tokens, runner.block_size):
+    crowded = runner.backend.crowded_decode_seqs(runner.device)
+    for seqs in warm_up_steps(max_seq_tokens, runner.block_size,
+                              crowded if crowded is not None and crowded <= max_num_seqs else None):
         runner.forward_eager(seqs)
     torch.cuda.synchronize(runner.device)
 

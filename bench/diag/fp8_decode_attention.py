@@ -43,6 +43,9 @@ us at batch 512 (floor 393), 263-267 at 256 (floor 196), all within 2%. The bflo
 queries as two E4M3 terms of a row's scale (error 1.6e-3 against the product), took 558 us at 512 and 285 at 256
 against this copy's f16v 502 / 277; a variant with no float conversion at all (the tiles' bytes summed as
 integers) ran slower than the whole kernel (629 / 325 us), so it bounds nothing: both gone.
+`_small_tiles` (one call): one warp a program ran batch 256 in 244 us against 266 (64 keys, 3 or 4 stages), even at
+512 (484), slower at 64 (78-85 against 76); 32 and 16 keys a tile no better. The product takes 64 / 1 / 4 for
+crowded launches since (TritonAttentionConfig.decode_fp8_crowded_*; `product_launch` picks as the engine does).
 
     python -m bench.diag.fp8_decode_attention --out DIR
 """
@@ -197,7 +200,7 @@ def product_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     its splits, its tiles)."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     num_splits, tps = decode_split_plan(q.shape[0], KV_HEADS, int(seq_lens.max()), sms, cfg, fp8_cache=fp8)
-    tiles = cfg.decode_tiles(fp8)
+    tiles = cfg.decode_tiles(fp8, q.shape[0] * KV_HEADS * num_splits / sms)
     out = torch.empty_like(q)
 
     def run() -> torch.Tensor:
@@ -241,7 +244,8 @@ def point(batch: int, context: int, bandwidth: float, configs: list[Config],
         row[f"product_tiles_{name}"] = []
         for block_n, num_warps, num_stages in tiles_list:  # the product's kernel at other tiles, its own split plan
             other, splits, _ = product_launch(*launch, TritonAttentionConfig(
-                decode_fp8_block_n=block_n, decode_fp8_num_warps=num_warps, decode_fp8_num_stages=num_stages))
+                decode_fp8_block_n=block_n, decode_fp8_num_warps=num_warps, decode_fp8_num_stages=num_stages,
+                decode_fp8_crowded_num_warps=num_warps, decode_fp8_crowded_num_stages=num_stages))
             err = float((other().float() - ref).norm() / ref.norm())
             result = {"tiles": [block_n, num_warps, num_stages], "num_splits": splits, "us": median_us(other),
                       "rel_err_vs_product": err}

@@ -79,6 +79,11 @@ class AttentionBackend(Protocol):
         """Whether forward_rotated serves this batch (and pays)."""
         ...
 
+    def crowded_decode_seqs(self, device: torch.device) -> int | None:
+        """The decoding sequences from which a decode launch on `device` takes other tiles (a kernel variant of
+        its own, which the start-up warm-up must reach); None: the same tiles at any batch."""
+        ...
+
     def forward_rotated(
         self,
         q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence, not yet rotated

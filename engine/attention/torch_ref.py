@@ -76,6 +76,9 @@ class TorchAttention:
         self.spec = spec
         self.max_scores = max_scores
 
+    def crowded_decode_seqs(self, device: torch.device) -> int | None:
+        return None  # no tiles
+
     def rotates(self, meta: AttentionMetadata) -> bool:
         return False  # the model rotates and passes the new K/V (no forward_rotated)
 

@@ -77,6 +77,28 @@ def test_steps_reach_every_row_class_and_both_decode_plans():
                 for ctx in several} == {True, False}
 
 
+@pytest.mark.parametrize("num_kv_heads", [8, 4, 1])
+def test_a_crowded_decode_launch_is_warmed_up_where_the_batch_reaches_one(num_kv_heads):
+    """The last forward decodes crowded_seqs sequences, its keys whole: its launch takes the crowded FP8 tiles (at
+    132 SMs, as the backend counts them on an H100 or H200); without crowded_seqs no forward does."""
+    config = TritonAttentionConfig()
+    crowded_seqs = -(-config.decode_fp8_crowded_programs_per_sm * H100_SMS // num_kv_heads)
+    steps = warm_up_steps(8192, 16, crowded_seqs)
+    assert steps[:-1] == warm_up_steps(8192, 16)
+    ctx = _decode_contexts(steps[-1])
+    assert len(ctx) == len(steps[-1]) == crowded_seqs
+    splits, _ = decode_split_plan(crowded_seqs, num_kv_heads, max(ctx), H100_SMS, config, fp8_cache=True)
+    assert splits == 1
+    crowded = config.decode_tiles(True, crowded_seqs * num_kv_heads / H100_SMS)
+    assert crowded != config.decode_tiles(True, (crowded_seqs - 1) * num_kv_heads / H100_SMS)
+    assert crowded.num_warps == config.decode_fp8_crowded_num_warps
+    for seqs in warm_up_steps(8192, 16):
+        ctx = _decode_contexts(seqs)
+        if ctx:
+            splits, _ = decode_split_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config, True)
+            assert config.decode_tiles(True, len(ctx) * num_kv_heads * splits / H100_SMS) != crowded
+
+
 def test_steps_run_on_the_interpreted_kernels_in_one_block():
     from engine.attention.triton_backend import TritonAttention
 

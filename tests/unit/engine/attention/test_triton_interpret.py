@@ -195,6 +195,27 @@ def test_fp8_cache_decodes_bfloat16_queries_through_float16_dots():
     check_against_reference(batch, one_split, magnitude=150.0)
 
 
+def test_crowded_fp8_decode_launches_take_their_own_tiles(monkeypatch):
+    """A decode launch over an FP8 cache of at least decode_fp8_crowded_programs_per_sm programs an SM (the CPU
+    counts 8 SMs) takes the crowded tiles, one program fewer the others, counting the decoding sequences only
+    (not a mixed batch's prompts); each against the reference. crowded_decode_seqs names the first crowded batch."""
+    launches = record_decode_launches(monkeypatch)
+    config = dataclasses.replace(SMALL, target_programs_per_sm=1, decode_fp8_crowded_programs_per_sm=2,
+                                 decode_fp8_crowded_num_warps=1, decode_fp8_crowded_num_stages=4)
+    crowded, other = config.decode_tiles(True, 2.0), config.decode_tiles(True, 1.99)
+    assert (crowded.num_warps, crowded.num_stages) == (1, 4) and crowded.block_n == other.block_n == 16
+    assert (other.num_warps, other.num_stages) == (config.decode_fp8_num_warps, config.decode_fp8_num_stages) != (1, 4)
+    assert config.decode_tiles(False, 64.0) == config.decode_tiles(False)  # a 16-bit cache: its tiles at any size
+    cases = [([(1, 5 + i) for i in range(8)], crowded), ([(1, 5 + i) for i in range(7)], other),
+             ([(1, 5 + i) for i in range(8)] + [(5, 21)], crowded), ([(1, 5 + i) for i in range(7)] + [(5, 21)], other)]
+    for i, (seqs, tiles) in enumerate(cases):
+        batch = make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=20 + i,
+                           cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
+        check_against_reference(batch, config, magnitude=150.0)
+        assert (launches[-1]["num_warps"], launches[-1]["num_stages"]) == (tiles.num_warps, tiles.num_stages)
+    assert TritonAttention(batch.spec, config).crowded_decode_seqs(torch.device("cpu")) == 8
+
+
 def record_decode_launches(monkeypatch: pytest.MonkeyPatch, **constexprs: object) -> list[dict[str, object]]:
     """Every `_decode_kernel` launch's own options, recorded as they come; `constexprs` replace the launch's
     (EARLY=True: compiled as for a launch that starts while the kernel before it ends, which the interpreter's,
