@@ -18,13 +18,12 @@ from __future__ import annotations
 import collections
 import json
 import random
-import time
 from typing import Any
 
 import torch
 from torch.autograd import DeviceType
 
-from bench.common import base_parser, build_engine, device_name, device_slug, synchronize
+from bench.common import base_parser, build_engine, device_name, device_slug, synchronize, timed
 from bench.profile_step import fill
 
 
@@ -88,12 +87,8 @@ def main() -> None:
         engine.async_scheduling = mode == "async"
         for _ in range(3):
             engine.step()  # NOTE: the first synchronous step reads the asynchronous step in flight
-        synchronize(engine.device)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        synchronize(engine.device)
-        period = (time.perf_counter() - start) / args.steps
+        seconds, _ = timed(engine.device, lambda: [engine.step() for _ in range(args.steps)])
+        period = seconds / args.steps
         traced = trace(engine, args.trace_steps, args.top) if engine.device.type == "cuda" else {}
         result["modes"].append({"mode": mode, "period_us": 1e6 * period, **traced})
     print(json.dumps(result, indent=1), flush=True)
