@@ -45,7 +45,8 @@ def _attend_tile(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys [j, j + BLOCK_N) into the running (acc, l, m). MASKED: apply the
-    causal/window mask and read no key at or past key_end; else every key is visible to every row."""
+    causal/window mask and read no key at or past key_end; else every key is visible to every row.
+    The dots take q's dtype (float16 over an FP8 cache of bfloat16 queries: `_prefill_kernel`'s F16_DOTS)."""
     keys = j + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -90,9 +91,12 @@ def _prefill_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads); see the module docstring."""
+    """Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads); see the module docstring. F16_DOTS (an FP8 cache,
+    bfloat16 queries), as the decode kernel's: the dots take float16 operands, the queries clamped to its range;
+    E4M3 tiles convert to float16 in one instruction a pair, to bfloat16 through a conversion each (on sm_90 the
+    loop's instructions a 64-key trip at 8 warps 401 against 506: tests/unit/engine/test_kernels_compile.py)."""
     # NOTE: last tiles first: a sequence's later tiles see more keys; starting them first shortens the tail.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,6 +122,8 @@ def _prefill_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q_rows = q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_rows, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if F16_DOTS:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -187,5 +193,6 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=dot_precision(q.dtype), F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -195,6 +195,26 @@ def test_fp8_cache_decodes_bfloat16_queries_through_float16_dots():
     check_against_reference(batch, one_split, magnitude=150.0)
 
 
+def test_fp8_cache_prefills_bfloat16_queries_through_float16_dots(monkeypatch):
+    """Mixed batches of bfloat16 queries over an FP8 cache (prefill, extend over a cached prefix, decode) against
+    the reference: the prefill kernel launched with its dots in float16 (F16_DOTS), as the decode kernel."""
+    launched: list[dict[str, object]] = []
+    kernel = triton_prefill._prefill_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                launched.append(dict(options))
+                return kernel[grid](*args, **options)
+            return launch
+
+    monkeypatch.setattr(triton_prefill, "_prefill_kernel", Recorded())
+    batch = make_batch(MIXED, num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, seed=7,
+                       cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
+    check_against_reference(batch, magnitude=150.0)
+    assert launched and all(options["F16_DOTS"] for options in launched)
+
+
 def test_crowded_fp8_decode_launches_take_their_own_tiles(monkeypatch):
     """A decode launch over an FP8 cache of at least decode_fp8_crowded_programs_per_sm programs an SM (the CPU
     counts 8 SMs) takes the crowded tiles, one program fewer the others, counting the decoding sequences only
