@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from bench.offline_throughput import copy_bandwidth
-from engine.attention.triton_backend import TritonAttentionConfig, decode_split_plan
+from engine.attention.triton_backend import TritonAttentionConfig, decode_launch_plan
 from engine.attention.triton_kernels import LOG2E, _values_as_f16, decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -199,8 +199,7 @@ def product_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """The product's decode launch over this cache with cfg's tiles and split plan: (a call returning its output,
     its splits, its tiles)."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    num_splits, tps = decode_split_plan(q.shape[0], KV_HEADS, int(seq_lens.max()), sms, cfg, fp8_cache=fp8)
-    tiles = cfg.decode_tiles(fp8, q.shape[0] * KV_HEADS * num_splits / sms)
+    num_splits, tps, tiles = decode_launch_plan(q.shape[0], KV_HEADS, int(seq_lens.max()), sms, cfg, fp8_cache=fp8)
     out = torch.empty_like(q)
 
     def run() -> torch.Tensor:

@@ -131,6 +131,18 @@ def decode_split_plan(
     return _cdiv(max_context, tokens_per_split), tokens_per_split
 
 
+def decode_launch_plan(
+    num_decode_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, config: TritonAttentionConfig,
+    fp8_cache: bool = False,
+) -> tuple[int, int, DecodeTiles]:
+    """(num_splits, tokens_per_split, tiles) of a decode launch: `decode_split_plan`'s split, then the tiles of a
+    launch of that many programs an SM (`decode_tiles`)."""
+    num_splits, tokens_per_split = decode_split_plan(num_decode_seqs, num_kv_heads, max_context, num_sms, config,
+                                                     fp8_cache)
+    programs_per_sm = num_decode_seqs * num_kv_heads * num_splits / num_sms
+    return num_splits, tokens_per_split, config.decode_tiles(fp8_cache, programs_per_sm)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -291,11 +303,10 @@ class TritonAttention:
         `_decode_context(max_context)` needs (graph mode: graph_max_context, over its static workspace);
         `rotation`: the rotating launch of forward_rotated."""
         cfg, spec = self.config, self.spec
-        fp8, sms = k_cache.dtype == torch.float8_e4m3fn, self._sms(q.device)
-        num_splits, tokens_per_split = decode_split_plan(
-            num_seqs, spec.num_kv_heads, self._decode_context(max_context), sms, cfg, fp8
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        num_splits, tokens_per_split, tiles = decode_launch_plan(
+            num_seqs, spec.num_kv_heads, self._decode_context(max_context), self._sms(q.device), cfg, fp8
         )
-        tiles = cfg.decode_tiles(fp8, num_seqs * spec.num_kv_heads * num_splits / sms)
         self._kernels.decode_attention(
             q, k_cache, v_cache, out, meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor,
             scale=spec.scale, sliding_window=spec.sliding_window,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionSpec
-from engine.attention.triton_backend import TritonAttentionConfig, decode_split_plan
+from engine.attention.triton_backend import TritonAttentionConfig, decode_launch_plan, decode_split_plan
 from engine.kv_cache import allocate_kv_tensors
 from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.runner import ForwardSeq, ModelRunner
@@ -87,16 +87,14 @@ def test_a_crowded_decode_launch_is_warmed_up_where_the_batch_reaches_one(num_kv
     assert steps[:-1] == warm_up_steps(8192, 16)
     ctx = _decode_contexts(steps[-1])
     assert len(ctx) == len(steps[-1]) == crowded_seqs
-    splits, _ = decode_split_plan(crowded_seqs, num_kv_heads, max(ctx), H100_SMS, config, fp8_cache=True)
+    splits, _, crowded = decode_launch_plan(crowded_seqs, num_kv_heads, max(ctx), H100_SMS, config, fp8_cache=True)
     assert splits == 1
-    crowded = config.decode_tiles(True, crowded_seqs * num_kv_heads / H100_SMS)
-    assert crowded != config.decode_tiles(True, (crowded_seqs - 1) * num_kv_heads / H100_SMS)
+    assert crowded != decode_launch_plan(crowded_seqs - 1, num_kv_heads, max(ctx), H100_SMS, config, True)[2]
     assert crowded.num_warps == config.decode_fp8_crowded_num_warps
     for seqs in warm_up_steps(8192, 16):
         ctx = _decode_contexts(seqs)
         if ctx:
-            splits, _ = decode_split_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config, True)
-            assert config.decode_tiles(True, len(ctx) * num_kv_heads * splits / H100_SMS) != crowded
+            assert decode_launch_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config, True)[2] != crowded
 
 
 def test_steps_run_on_the_interpreted_kernels_in_one_block():

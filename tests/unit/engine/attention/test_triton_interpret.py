@@ -195,20 +195,29 @@ def test_fp8_cache_decodes_bfloat16_queries_through_float16_dots():
     check_against_reference(batch, one_split, magnitude=150.0)
 
 
-def test_fp8_cache_prefills_bfloat16_queries_through_float16_dots(monkeypatch):
-    """Mixed batches of bfloat16 queries over an FP8 cache (prefill, extend over a cached prefix, decode) against
-    the reference: the prefill kernel launched with its dots in float16 (F16_DOTS), as the decode kernel."""
-    launched: list[dict[str, object]] = []
-    kernel = triton_prefill._prefill_kernel
+def record_launches(monkeypatch: pytest.MonkeyPatch, module: object = triton_kernels, name: str = "_decode_kernel",
+                    **constexprs: object) -> list[dict[str, object]]:
+    """Every launch's own options of the kernel `name` of `module` (the decode kernel by default), recorded as they
+    come; `constexprs` replace the launch's (EARLY=True: compiled as for a launch that starts while the kernel
+    before it ends, which the interpreter's, in the stream's order, never is)."""
+    launches: list[dict[str, object]] = []
+    kernel = getattr(module, name)
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **options):
-                launched.append(dict(options))
-                return kernel[grid](*args, **options)
+                launches.append(dict(options))
+                return kernel[grid](*args, **{**options, **constexprs})
             return launch
 
-    monkeypatch.setattr(triton_prefill, "_prefill_kernel", Recorded())
+    monkeypatch.setattr(module, name, Recorded())
+    return launches
+
+
+def test_fp8_cache_prefills_bfloat16_queries_through_float16_dots(monkeypatch):
+    """Mixed batches of bfloat16 queries over an FP8 cache (prefill, extend over a cached prefix, decode) against
+    the reference: the prefill kernel launched with its dots in float16 (F16_DOTS), as the decode kernel."""
+    launched = record_launches(monkeypatch, triton_prefill, "_prefill_kernel")
     batch = make_batch(MIXED, num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, seed=7,
                        cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
     check_against_reference(batch, magnitude=150.0)
@@ -219,7 +228,7 @@ def test_crowded_fp8_decode_launches_take_their_own_tiles(monkeypatch):
     """A decode launch over an FP8 cache of at least decode_fp8_crowded_programs_per_sm programs an SM (the CPU
     counts 8 SMs) takes the crowded tiles, one program fewer the others, counting the decoding sequences only
     (not a mixed batch's prompts); each against the reference. crowded_decode_seqs names the first crowded batch."""
-    launches = record_decode_launches(monkeypatch)
+    launches = record_launches(monkeypatch)
     config = dataclasses.replace(SMALL, target_programs_per_sm=1, decode_fp8_crowded_programs_per_sm=2,
                                  decode_fp8_crowded_num_warps=1, decode_fp8_crowded_num_stages=4)
     crowded, other = config.decode_tiles(True, 2.0), config.decode_tiles(True, 1.99)
@@ -234,24 +243,6 @@ def test_crowded_fp8_decode_launches_take_their_own_tiles(monkeypatch):
         check_against_reference(batch, config, magnitude=150.0)
         assert (launches[-1]["num_warps"], launches[-1]["num_stages"]) == (tiles.num_warps, tiles.num_stages)
     assert TritonAttention(batch.spec, config).crowded_decode_seqs(torch.device("cpu")) == 8
-
-
-def record_decode_launches(monkeypatch: pytest.MonkeyPatch, **constexprs: object) -> list[dict[str, object]]:
-    """Every `_decode_kernel` launch's own options, recorded as they come; `constexprs` replace the launch's
-    (EARLY=True: compiled as for a launch that starts while the kernel before it ends, which the interpreter's,
-    in the stream's order, never is)."""
-    launches: list[dict[str, object]] = []
-    kernel = triton_kernels._decode_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **options):
-                launches.append(dict(options))
-                return kernel[grid](*args, **{**options, **constexprs})
-            return launch
-
-    monkeypatch.setattr(triton_kernels, "_decode_kernel", Recorded())
-    return launches
 
 
 def test_k_and_v_as_strided_views_of_a_fused_qkv_projection():
@@ -351,7 +342,7 @@ def test_registered_for_cuda_only():
 def test_the_early_decode_launch_matches_the_reference(monkeypatch, cache_dtype):
     """Compiled to read its first tile before the wait: mixed batches (the prefill kernel's sequences read
     nothing early), several splits and tiles a split, one split, block boundaries."""
-    launches = record_decode_launches(monkeypatch, EARLY=True)
+    launches = record_launches(monkeypatch, EARLY=True)
     magnitude = 150.0 if cache_dtype == torch.float8_e4m3fn else 1.0
     check_against_reference(make_batch(MIXED, num_heads=4, num_kv_heads=2, seed=4, cache_dtype=cache_dtype,
                                        kv_magnitude=magnitude), magnitude=magnitude)
@@ -396,7 +387,7 @@ def test_decode_reads_the_step_s_newest_key_only_after_its_wait(monkeypatch, seq
         k_cache[block, offset], v_cache[block, offset] = stored_k, stored_v
 
     monkeypatch.setattr(triton_kernels, "after_previous", after_previous)
-    launches = record_decode_launches(monkeypatch, EARLY=True)
+    launches = record_launches(monkeypatch, EARLY=True)
     got = attend(k_cache, v_cache)
     assert [options["launch_pdl"] for options in launches] == [False]  # the interpreter's own is in stream order
     assert waits, "the decode kernel never waited"
@@ -419,7 +410,7 @@ def test_the_rotating_decode_launch_equals_the_rotary_kernel_then_decode(monkeyp
     one, a row with no slot (a CUDA graph's padding: nothing stored, its cached key read), compiled as the early
     launch or not."""
     if early:
-        record_decode_launches(monkeypatch, EARLY=True)
+        record_launches(monkeypatch, EARLY=True)
     magnitude = 40.0 if cache_dtype == torch.float8_e4m3fn else 1.0
     b = make_batch([(1, 70), (1, 16), (1, 17), (1, 5)], num_heads=4, num_kv_heads=2, head_dim=16,
                    dtype=dtype, cache_dtype=cache_dtype, seed=9, kv_magnitude=magnitude)
