@@ -72,10 +72,18 @@ class TritonAttentionConfig:
     decode_fp8_crowded_programs_per_sm: int = 8
     decode_fp8_crowded_num_warps: int = 1
     decode_fp8_crowded_num_stages: int = 4
-    prefill_block_m: int = 128  # rows (query tokens x group heads) per prefill program
-    prefill_block_n: int = 64  # keys per tile of the prefill kernel
-    prefill_num_warps: int = 8
+    # The prefill kernel's tiles (rows = query tokens x group heads a program; keys a tile), over a 16-bit cache
+    # and over an FP8 one: the best of bench.diag.prefill_tiles' sweep at the 8B shape on an H200 over 8 prompts
+    # of 1,024, one of 8,192 and 512 new on 3,584 (bench/results/prefill_tiles_nvidia-h200_sweep.json); 128 x 64
+    # keys, 8 warps, 2 stages (a first guess) took 1.12-1.18x as long in bfloat16, 1.17-1.31x over FP8.
+    prefill_block_m: int = 64
+    prefill_block_n: int = 64
+    prefill_num_warps: int = 4
     prefill_num_stages: int = 2
+    prefill_fp8_block_m: int = 64
+    prefill_fp8_block_n: int = 128
+    prefill_fp8_num_warps: int = 4
+    prefill_fp8_num_stages: int = 3
     min_split_tokens: int = 64  # splits per sequence <= its longest context / this
     max_splits: int = 64  # most decode splits per (sequence, KV head)
     target_programs_per_sm: int = 2  # split until decode programs >= this x SMs (or splits run out)
@@ -87,7 +95,8 @@ class TritonAttentionConfig:
     rotate_max_seqs: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("decode_block_n", "decode_fp8_block_n", "prefill_block_m", "prefill_block_n"):
+        for name in ("decode_block_n", "decode_fp8_block_n", "prefill_block_m", "prefill_block_n",
+                     "prefill_fp8_block_m", "prefill_fp8_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16 (tl.dot tile)")
@@ -108,6 +117,21 @@ class TritonAttentionConfig:
             return DecodeTiles(self.decode_fp8_block_n, self.decode_fp8_crowded_num_warps,
                                self.decode_fp8_crowded_num_stages)
         return DecodeTiles(self.decode_fp8_block_n, self.decode_fp8_num_warps, self.decode_fp8_num_stages)
+
+    def prefill_tiles(self, fp8_cache: bool) -> PrefillTiles:
+        """The prefill kernel's launch over a cache of FP8 or another dtype."""
+        if fp8_cache:
+            return PrefillTiles(self.prefill_fp8_block_m, self.prefill_fp8_block_n, self.prefill_fp8_num_warps,
+                                self.prefill_fp8_num_stages)
+        return PrefillTiles(self.prefill_block_m, self.prefill_block_n, self.prefill_num_warps,
+                            self.prefill_num_stages)
+
+
+class PrefillTiles(NamedTuple):
+    block_m: int  # rows (query tokens x group heads) a program
+    block_n: int  # keys a tile
+    num_warps: int
+    num_stages: int
 
 
 class DecodeTiles(NamedTuple):
@@ -228,11 +252,9 @@ class TritonAttention:
             self._decode(q, k_cache, v_cache, out, meta, num_decode, max(decode_lens))
         if num_decode < meta.num_seqs:
             self._prefill.prefill_attention(
-                q, k_cache, v_cache, out, *tensors,
-                scale=spec.scale, sliding_window=spec.sliding_window,
-                block_m=cfg.prefill_block_m, block_n=cfg.prefill_block_n,
-                num_warps=cfg.prefill_num_warps, num_stages=cfg.prefill_num_stages,
-            )  # fmt: skip
+                q, k_cache, v_cache, out, *tensors, scale=spec.scale, sliding_window=spec.sliding_window,
+                **cfg.prefill_tiles(k_cache.dtype == torch.float8_e4m3fn)._asdict(),
+            )
         return out
 
     def _forward_graph(

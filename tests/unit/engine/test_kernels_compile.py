@@ -151,8 +151,8 @@ def launch_options(name, constexprs):
         tiles = TritonAttentionConfig().decode_tiles(fp8_cache=constexprs["F16_DOTS"])
         return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if name == "_prefill_kernel":
-        config = TritonAttentionConfig()
-        return dict(num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages)
+        tiles = TritonAttentionConfig().prefill_tiles(fp8_cache=constexprs["F16_DOTS"])
+        return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return dict(num_warps={"_norm_rope_kernel": 2, "_quantize_rows_kernel": 8}.get(name, 4))
 
 
@@ -272,13 +272,13 @@ def test_decode_attention_loops_index_the_paged_cache_unsigned():
 # The prefill kernel over an FP8 cache with bfloat16 queries, its dots in float16 (F16_DOTS) or not: its widest
 # loop's (the masked keys') scalar float conversions, in its SASS
 PREFILL_PROGRAM = COMPILER + """
-config = TritonAttentionConfig()
+tiles = TritonAttentionConfig().prefill_tiles(fp8_cache=True)
 signature = dict(q_ptr=P, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr=P, block_tables_ptr="*i32",
                  seq_lens_ptr="*i32", query_start_loc_ptr="*i32", num_seqs="i32", scale_log2="fp32", window="i32",
                  stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32", stride_kb="i32",
                  stride_ko="i32", stride_kh="i32", stride_vb="i32", stride_vo="i32", stride_vh="i32", stride_bt="i32")
-constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=config.prefill_block_m,
-                  BLOCK_Q=config.prefill_block_m // 4, BLOCK_N=config.prefill_block_n, BLOCK_SIZE=16,
+constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=tiles.block_m,
+                  BLOCK_Q=tiles.block_m // 4, BLOCK_N=tiles.block_n, BLOCK_SIZE=16,
                   HAS_WINDOW=False, PRECISION="tf32", F16_DOTS=F16_DOTS)
 body = loop_lines(sass(compile_case("engine.attention.triton_prefill", "_prefill_kernel", signature, constexprs)))
 print("f2f", sum(" F2F." in line for line in body), "of", len(body))

@@ -63,8 +63,8 @@ def interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 # Small tiles: fewer interpreted operations. Decode contexts > 16 split into 16-key splits (the
 # interpreter counts as 8 SMs; 64 programs a SM are never reached here).
 SMALL = TritonAttentionConfig(
-    decode_block_n=16, decode_fp8_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16,
-    target_programs_per_sm=64,
+    decode_block_n=16, decode_fp8_block_n=16, prefill_block_m=16, prefill_block_n=16, prefill_fp8_block_m=16,
+    prefill_fp8_block_n=16, min_split_tokens=16, target_programs_per_sm=64,
 )
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3},
              torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
@@ -222,6 +222,24 @@ def test_fp8_cache_prefills_bfloat16_queries_through_float16_dots(monkeypatch):
                        cache_dtype=torch.float8_e4m3fn, kv_magnitude=150.0)
     check_against_reference(batch, magnitude=150.0)
     assert launched and all(options["F16_DOTS"] for options in launched)
+
+
+def test_prefill_launches_take_the_tiles_of_their_cache_dtype(monkeypatch):
+    """The prefill kernel over an FP8 cache launches at the prefill_fp8_* tiles, over a 16-bit cache at the
+    prefill_* ones (their best differ: README), each against the reference on a mixed batch."""
+    launched = record_launches(monkeypatch, triton_prefill, "_prefill_kernel")
+    config = dataclasses.replace(SMALL, prefill_block_m=16, prefill_block_n=16, prefill_num_warps=2,
+                                 prefill_num_stages=2, prefill_fp8_block_m=32, prefill_fp8_block_n=32,
+                                 prefill_fp8_num_warps=4, prefill_fp8_num_stages=3)
+    for cache_dtype, tiles in ((torch.float16, (16, 16, 2, 2)), (torch.float8_e4m3fn, (32, 32, 4, 3))):
+        batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=31, cache_dtype=cache_dtype,
+                           kv_magnitude=150.0 if cache_dtype == torch.float8_e4m3fn else 1.0)
+        check_against_reference(batch, config, magnitude=150.0 if cache_dtype == torch.float8_e4m3fn else 1.0)
+        last = launched[-1]
+        assert (last["BLOCK_M"], last["BLOCK_N"], last["num_warps"], last["num_stages"]) == tiles
+        assert config.prefill_tiles(cache_dtype == torch.float8_e4m3fn) == tiles
+    with pytest.raises(ValueError, match="prefill_fp8_block_n=24"):
+        TritonAttentionConfig(prefill_fp8_block_n=24)
 
 
 def test_crowded_fp8_decode_launches_take_their_own_tiles(monkeypatch):

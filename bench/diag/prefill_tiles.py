@@ -1,0 +1,219 @@
+"""The prefill attention kernel's tiles, swept (LAB ONLY): `triton_prefill.prefill_attention` at the Llama-3.1-8B
+attention shape (32 query heads, 8 KV heads, head_dim 128, 16-token blocks) over a paged cache of random
+non-contiguous blocks, bfloat16 queries over a bfloat16 and an FP8 (E4M3) cache, for every (block_m, block_n,
+num_warps, num_stages) of the grid, at prompt shapes the engine meets: eight prompts of 1,024 tokens (an offline
+prompt step), one of 8,192 (a long prompt) and 512 new tokens on a 3,584-token prefix (a chunk of chunked
+prefill). Each launch: `triton.testing.do_bench`'s median, its causal FLOPs (4 a visible query-key pair a head
+dimension) as TFLOP/s, and its output's largest difference from the product's tiles' for that cache when it ran
+(TritonAttentionConfig.prefill_tiles; `default` marks their rows).
+Beside them, torch's SDPA (flash, causal, K/V contiguous and repeated to every head: no paging) on the prompts'
+shapes, bfloat16: what a tuned kernel reaches here.
+
+TritonAttentionConfig's prefill tiles were a first guess (128 rows x 64 keys, 8 warps, 2 stages), never swept on a
+Hopper GPU before this. Found (one H200, `prefill_tiles_nvidia-h200_sweep`, its `default` rows that guess): no one
+tile is best for both caches. Over bfloat16, 64 x 64, 4 warps, 2 stages took 269 / 1,574 / 119 us at the three shapes against the guess's 318 /
+1,756 / 133 (256-row tiles were faster at the two prompt shapes, 261 / 1,318, and 1.6x slower on the chunk: too few
+programs); over FP8, 64 x 128, 4 warps, 3 stages took 309 / 1,687 / 119 against 361 / 2,155 / 156, within 4% of each
+shape's best. The product takes those (TritonAttentionConfig.prefill_tiles). SDPA, bfloat16: 164 us (419 TFLOP/s) on
+eight prompts of 1,024 and 1,023 us (538) on one of 8,192, so the kernel stays 1.5-1.6x off a tuned flash kernel.
+
+    python -m bench.diag.prefill_tiles --out DIR [--quick]      # --replot JSON: the PNG again
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import device_name, device_slug
+from engine.attention.triton_backend import TritonAttentionConfig
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+CASES = {"8 x 1024": [(1024, 1024)] * 8, "1 x 8192": [(8192, 8192)], "extend 512 on 3584": [(512, 4096)]}
+QUICK_CASES = {"2 x 64": [(64, 64)] * 2, "extend 16 on 48": [(16, 64)]}
+GRID = {"block_m": (64, 128, 256), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+QUICK_GRID = {"block_m": (64,), "block_n": (32, 64), "num_warps": (4,), "num_stages": (2,)}
+
+
+def batch(seqs: list[tuple[int, int]], num_blocks: int, device: torch.device, gen: torch.Generator) -> dict:
+    """Queries and the metadata of a step whose sequences (new tokens, context) hold distinct random blocks."""
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(seqs))).tolist()
+    tables, starts = [], [0]
+    for num_new, seq_len in seqs:
+        tables.append([order.pop() for _ in range(-(-seq_len // BLOCK_SIZE))])
+        starts.append(starts[-1] + num_new)
+    width = max(len(t) for t in tables)
+    q = torch.randn(starts[-1], HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen)
+    return {
+        "q": q,
+        "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        "seq_lens": torch.tensor([s for _, s in seqs], dtype=torch.int32, device=device),
+        "query_start_loc": torch.tensor(starts, dtype=torch.int32, device=device),
+    }
+
+
+def causal_flops(seqs: list[tuple[int, int]]) -> float:
+    """4 FLOPs a visible (query, key) pair a head dimension, every head: n * prefix + n (n + 1) / 2 pairs."""
+    return sum(4 * (n * (s - n) + n * (n + 1) / 2) * HEADS * HEAD_DIM for n, s in seqs)
+
+
+def run_prefill(step: dict, k: torch.Tensor, v: torch.Tensor, tiles: dict[str, int]) -> torch.Tensor:
+    # NOTE: imported here: importing the kernel module at import would compile its kernels in a test session
+    # before the interpreted kernel tests import it (tests/interpreted.py)
+    from engine.attention.triton_prefill import prefill_attention
+
+    out = torch.empty_like(step["q"])
+    prefill_attention(step["q"], k, v, out, step["block_tables"], step["seq_lens"], step["query_start_loc"],
+                      scale=HEAD_DIM**-0.5, sliding_window=None, **tiles)
+    return out
+
+
+def seconds(fn: Any, device: torch.device) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e-3
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def sdpa_seconds(seqs: list[tuple[int, int]], device: torch.device, gen: torch.Generator) -> float | None:
+    """SDPA on the prompts' shapes (equal fresh prompts only), K/V repeated to every head."""
+    if len(set(seqs)) != 1 or seqs[0][0] != seqs[0][1] or device.type != "cuda":
+        return None
+    b, n = len(seqs), seqs[0][0]
+    q = torch.randn(b, HEADS, n, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen)
+    kv = torch.randn(2, b, KV_HEADS, n, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen)
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in kv)
+    return seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
+
+
+def sweep(cache: str, cases: dict, grid: dict, device: torch.device, seed: int) -> list[dict[str, Any]]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    need = max(sum(-(-s // BLOCK_SIZE) for _, s in seqs) for seqs in cases.values())
+    shape = (need, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=gen)
+    v = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=gen)
+    if cache == "fp8":
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    default_tiles = TritonAttentionConfig().prefill_tiles(cache == "fp8")._asdict()
+    steps = {name: batch(seqs, need, device, gen) for name, seqs in cases.items()}
+    reference = {name: run_prefill(step, k, v, default_tiles) for name, step in steps.items()}
+    rows = []
+    every = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    for tiles in every + ([default_tiles] if default_tiles not in every else []):
+        for name, step in steps.items():
+            row = {"cache": cache, "case": name, **tiles, "default": tiles == default_tiles}
+            try:
+                out = run_prefill(step, k, v, tiles)
+                row["max_diff"] = (out.float() - reference[name].float()).abs().max().item()
+                row["us"] = seconds(lambda: run_prefill(step, k, v, tiles), device) * 1e6
+                row["tflops"] = causal_flops(cases[name]) / row["us"] * 1e-6
+            except Exception as exc:  # out of shared memory and the like
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def best_by_case(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (cache, case): the time at the product's tiles when the sweep ran (`default`) and the fastest tiles'."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        if "us" not in row:
+            continue
+        key = f"{row['cache']} {row['case']}"
+        entry = out.setdefault(key, {"default_us": None, "best": None})
+        if row["default"]:
+            entry["default_us"] = row["us"]
+        if entry["best"] is None or row["us"] < entry["best"]["us"]:
+            entry["best"] = row
+    return out
+
+
+def plot(record: dict[str, Any], path: Path) -> bool:
+    """Per cache and shape, over the time at the product's tiles when the sweep ran: the product's tiles now, the
+    sweep's best, SDPA beside bfloat16."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    config = TritonAttentionConfig()
+    keys = list(record["best"])
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width, labelled = 0.2, set()
+    for i, key in enumerate(keys):
+        cache, case = key.split(" ", 1)
+        chosen = config.prefill_tiles(cache == "fp8")._asdict()
+        product = next((r["us"] for r in record["rows"] if r["cache"] == cache and r["case"] == case and "us" in r
+                        and all(r[k] == v for k, v in chosen.items())), None)
+        bars = [("product's tiles when run", record["best"][key]["default_us"], "tab:gray"),
+                ("product's tiles now", product, "tab:blue"),
+                ("sweep's best", record["best"][key]["best"]["us"], "tab:green"),
+                ("SDPA (bf16, unpaged)", record["sdpa_us"].get(case) if cache == "bf16" else None, "tab:orange")]
+        for j, (label, us, color) in enumerate(bars):
+            if us is not None:
+                ax.bar(i + (j - 1.5) * width, us / record["best"][key]["default_us"], width, color=color,
+                       label=None if label in labelled else label)
+                labelled.add(label)
+    ax.set_xticks(range(len(keys)), keys, rotation=15, fontsize=8)
+    ax.set_ylabel("time / at the product's tiles when run")
+    ax.set_title(f"prefill attention tiles, Llama-3.1-8B attention shape, {record['device_name']} (LAB ONLY)")
+    ax.set_ylim(0, 1.35)
+    ax.legend(fontsize=8, ncol=4, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--caches", default="bf16,fp8")
+    parser.add_argument("--quick", action="store_true", help="two tiny cases, four tiles (a CPU check)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--replot", type=Path, help="only draw the PNG of this JSON again, and exit")
+    args = parser.parse_args(argv)
+    if args.replot:
+        record = json.loads(args.replot.read_text())
+        plot(record, args.replot.with_suffix(".png"))
+        return record
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases, grid = (QUICK_CASES, QUICK_GRID) if args.quick else (CASES, GRID)
+    rows = [row for cache in args.caches.split(",") for row in sweep(cache, cases, grid, device, args.seed)]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    sdpa = {name: s * 1e6 for name, seqs in cases.items() if (s := sdpa_seconds(seqs, device, gen)) is not None}
+    record = {"benchmark": "prefill_tiles (LAB ONLY)", "device_name": device_name(device),
+              "torch_version": torch.__version__, "python": platform.python_version(),
+              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
+              "cases": {name: {"seqs": seqs, "flops": causal_flops(seqs)} for name, seqs in cases.items()},
+              "sdpa_us": sdpa, "rows": rows, "best": best_by_case(rows)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"prefill_tiles_{device_slug(device)}{'_' + args.tag if args.tag else ''}.json"
+    path.write_text(json.dumps(record, indent=1))
+    plot(record, path.with_suffix(".png"))
+    for key, entry in record["best"].items():
+        b = entry["best"]
+        print(f"{key}: default {entry['default_us']:.1f} us; best {b['us']:.1f} us ({b['tflops']:.0f} TFLOP/s) at "
+              f"{b['block_m']}x{b['block_n']} w{b['num_warps']} s{b['num_stages']}")
+    for name, us in sdpa.items():
+        print(f"sdpa {name}: {us:.1f} us ({causal_flops(cases[name]) / us * 1e-6:.0f} TFLOP/s)")
+    return record
+
+
+if __name__ == "__main__":
+    main()
