@@ -11,11 +11,12 @@ shapes, bfloat16: what a tuned kernel reaches here.
 
 TritonAttentionConfig's prefill tiles were a first guess (128 rows x 64 keys, 8 warps, 2 stages), never swept on a
 Hopper GPU before this. Found (one H200, `prefill_tiles_nvidia-h200_sweep`, its `default` rows that guess): no one
-tile is best for both caches. Over bfloat16, 64 x 64, 4 warps, 2 stages took 269 / 1,574 / 119 us at the three shapes against the guess's 318 /
-1,756 / 133 (256-row tiles were faster at the two prompt shapes, 261 / 1,318, and 1.6x slower on the chunk: too few
-programs); over FP8, 64 x 128, 4 warps, 3 stages took 309 / 1,687 / 119 against 361 / 2,155 / 156, within 4% of each
-shape's best. The product takes those (TritonAttentionConfig.prefill_tiles). SDPA, bfloat16: 164 us (419 TFLOP/s) on
-eight prompts of 1,024 and 1,023 us (538) on one of 8,192, so the kernel stays 1.5-1.6x off a tuned flash kernel.
+tile is best for both caches. Over bfloat16, 64 x 64, 4 warps, 2 stages took 269 / 1,574 / 119 us at the three
+shapes against the guess's 318 / 1,756 / 133 (256-row tiles were faster at the two prompt shapes, 261 / 1,318, and
+1.6x slower on the chunk: too few programs); over FP8, 64 x 128, 4 warps, 3 stages took 309 / 1,687 / 119 against
+361 / 2,155 / 156, within 4% of each shape's best. The product takes those (TritonAttentionConfig.prefill_tiles).
+SDPA, bfloat16: 164 us (419 TFLOP/s) on eight prompts of 1,024 and 1,023 us (538) on one of 8,192, so the kernel
+stays 1.5-1.6x off a tuned flash kernel.
 
     python -m bench.diag.prefill_tiles --out DIR [--quick]      # --replot JSON: the PNG again
 """
