@@ -18,7 +18,7 @@ shapes against the guess's 318 / 1,756 / 133 (256-row tiles were faster at the t
 SDPA, bfloat16: 164 us (419 TFLOP/s) on eight prompts of 1,024 and 1,023 us (538) on one of 8,192, so the kernel
 stays 1.5-1.6x off a tuned flash kernel.
 
-    python -m bench.diag.prefill_tiles --out DIR [--quick]      # --replot JSON: the PNG again
+    python -m bench.diag.prefill_tiles --out DIR [--heads 64:8] [--quick]      # --replot JSON: the PNG again
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import itertools
 import json
 import platform
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,25 @@ import torch.nn.functional as F
 from bench.common import device_name, device_slug
 from engine.attention.triton_backend import TritonAttentionConfig
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention shape a launch serves: query heads, KV heads, head_dim."""
+
+    heads: int = 32  # Llama-3.1-8B's (70B's: 64 / 8, a TP=2 rank's 32 / 4)
+    kv_heads: int = 8
+    head_dim: int = 128
+
 CASES = {"8 x 1024": [(1024, 1024)] * 8, "1 x 8192": [(8192, 8192)], "extend 512 on 3584": [(512, 4096)]}
 QUICK_CASES = {"2 x 64": [(64, 64)] * 2, "extend 16 on 48": [(16, 64)]}
 GRID = {"block_m": (64, 128, 256), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 QUICK_GRID = {"block_m": (64,), "block_n": (32, 64), "num_warps": (4,), "num_stages": (2,)}
 
 
-def batch(seqs: list[tuple[int, int]], num_blocks: int, device: torch.device, gen: torch.Generator) -> dict:
+def batch(seqs: list[tuple[int, int]], shape: Shape, num_blocks: int, device: torch.device,
+          gen: torch.Generator) -> dict:
     """Queries and the metadata of a step whose sequences (new tokens, context) hold distinct random blocks."""
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(seqs))).tolist()
     tables, starts = [], [0]
@@ -51,7 +63,7 @@ def batch(seqs: list[tuple[int, int]], num_blocks: int, device: torch.device, ge
         tables.append([order.pop() for _ in range(-(-seq_len // BLOCK_SIZE))])
         starts.append(starts[-1] + num_new)
     width = max(len(t) for t in tables)
-    q = torch.randn(starts[-1], HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen)
+    q = torch.randn(starts[-1], shape.heads, shape.head_dim, dtype=torch.bfloat16, device=device, generator=gen)
     return {
         "q": q,
         "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
@@ -60,9 +72,9 @@ def batch(seqs: list[tuple[int, int]], num_blocks: int, device: torch.device, ge
     }
 
 
-def causal_flops(seqs: list[tuple[int, int]]) -> float:
+def causal_flops(seqs: list[tuple[int, int]], shape: Shape) -> float:
     """4 FLOPs a visible (query, key) pair a head dimension, every head: n * prefix + n (n + 1) / 2 pairs."""
-    return sum(4 * (n * (s - n) + n * (n + 1) / 2) * HEADS * HEAD_DIM for n, s in seqs)
+    return sum(4 * (n * (s - n) + n * (n + 1) / 2) * shape.heads * shape.head_dim for n, s in seqs)
 
 
 def run_prefill(step: dict, k: torch.Tensor, v: torch.Tensor, tiles: dict[str, int]) -> torch.Tensor:
@@ -72,7 +84,7 @@ def run_prefill(step: dict, k: torch.Tensor, v: torch.Tensor, tiles: dict[str, i
 
     out = torch.empty_like(step["q"])
     prefill_attention(step["q"], k, v, out, step["block_tables"], step["seq_lens"], step["query_start_loc"],
-                      scale=HEAD_DIM**-0.5, sliding_window=None, **tiles)
+                      scale=k.shape[-1] ** -0.5, sliding_window=None, **tiles)
     return out
 
 
@@ -88,27 +100,28 @@ def seconds(fn: Any, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def sdpa_seconds(seqs: list[tuple[int, int]], device: torch.device, gen: torch.Generator) -> float | None:
+def sdpa_seconds(seqs: list[tuple[int, int]], shape: Shape, device: torch.device,
+                 gen: torch.Generator) -> float | None:
     """SDPA on the prompts' shapes (equal fresh prompts only), K/V repeated to every head."""
     if len(set(seqs)) != 1 or seqs[0][0] != seqs[0][1] or device.type != "cuda":
         return None
     b, n = len(seqs), seqs[0][0]
-    q = torch.randn(b, HEADS, n, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen)
-    kv = torch.randn(2, b, KV_HEADS, n, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen)
-    k, v = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in kv)
+    q = torch.randn(b, shape.heads, n, shape.head_dim, dtype=torch.bfloat16, device=device, generator=gen)
+    kv = torch.randn(2, b, shape.kv_heads, n, shape.head_dim, dtype=torch.bfloat16, device=device, generator=gen)
+    k, v = (t.repeat_interleave(shape.heads // shape.kv_heads, 1) for t in kv)
     return seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
 
 
-def sweep(cache: str, cases: dict, grid: dict, device: torch.device, seed: int) -> list[dict[str, Any]]:
+def sweep(cache: str, cases: dict, grid: dict, shape: Shape, device: torch.device, seed: int) -> list[dict[str, Any]]:
     gen = torch.Generator(device=device).manual_seed(seed)
     need = max(sum(-(-s // BLOCK_SIZE) for _, s in seqs) for seqs in cases.values())
-    shape = (need, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    k = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=gen)
-    v = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=gen)
+    dims = (need, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
+    k = torch.randn(dims, dtype=torch.bfloat16, device=device, generator=gen)
+    v = torch.randn(dims, dtype=torch.bfloat16, device=device, generator=gen)
     if cache == "fp8":
         k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     default_tiles = TritonAttentionConfig().prefill_tiles(cache == "fp8")._asdict()
-    steps = {name: batch(seqs, need, device, gen) for name, seqs in cases.items()}
+    steps = {name: batch(seqs, shape, need, device, gen) for name, seqs in cases.items()}
     reference = {name: run_prefill(step, k, v, default_tiles) for name, step in steps.items()}
     rows = []
     every = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
@@ -119,7 +132,7 @@ def sweep(cache: str, cases: dict, grid: dict, device: torch.device, seed: int) 
                 out = run_prefill(step, k, v, tiles)
                 row["max_diff"] = (out.float() - reference[name].float()).abs().max().item()
                 row["us"] = seconds(lambda: run_prefill(step, k, v, tiles), device) * 1e6
-                row["tflops"] = causal_flops(cases[name]) / row["us"] * 1e-6
+                row["tflops"] = causal_flops(cases[name], shape) / row["us"] * 1e-6
             except Exception as exc:  # out of shared memory and the like
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
             rows.append(row)
@@ -187,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="two tiny cases, four tiles (a CPU check)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--heads", default="32:8", help="query heads:KV heads (the 8B shape's; 70B's 64:8)")
     parser.add_argument("--replot", type=Path, help="only draw the PNG of this JSON again, and exit")
     args = parser.parse_args(argv)
     if args.replot:
@@ -195,13 +209,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return record
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases, grid = (QUICK_CASES, QUICK_GRID) if args.quick else (CASES, GRID)
-    rows = [row for cache in args.caches.split(",") for row in sweep(cache, cases, grid, device, args.seed)]
+    heads, kv_heads = (int(n) for n in args.heads.split(":"))
+    shape = Shape(heads, kv_heads)
+    rows = [row for cache in args.caches.split(",") for row in sweep(cache, cases, grid, shape, device, args.seed)]
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    sdpa = {name: s * 1e6 for name, seqs in cases.items() if (s := sdpa_seconds(seqs, device, gen)) is not None}
+    sdpa = {name: s * 1e6 for name, seqs in cases.items() if (s := sdpa_seconds(seqs, shape, device, gen)) is not None}
     record = {"benchmark": "prefill_tiles (LAB ONLY)", "device_name": device_name(device),
               "torch_version": torch.__version__, "python": platform.python_version(),
-              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
-              "cases": {name: {"seqs": seqs, "flops": causal_flops(seqs)} for name, seqs in cases.items()},
+              "shape": {**asdict(shape), "block_size": BLOCK_SIZE},
+              "cases": {name: {"seqs": seqs, "flops": causal_flops(seqs, shape)} for name, seqs in cases.items()},
               "sdpa_us": sdpa, "rows": rows, "best": best_by_case(rows)}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"prefill_tiles_{device_slug(device)}{'_' + args.tag if args.tag else ''}.json"
@@ -212,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{key}: default {entry['default_us']:.1f} us; best {b['us']:.1f} us ({b['tflops']:.0f} TFLOP/s) at "
               f"{b['block_m']}x{b['block_n']} w{b['num_warps']} s{b['num_stages']}")
     for name, us in sdpa.items():
-        print(f"sdpa {name}: {us:.1f} us ({causal_flops(cases[name]) / us * 1e-6:.0f} TFLOP/s)")
+        print(f"sdpa {name}: {us:.1f} us ({causal_flops(cases[name], shape) / us * 1e-6:.0f} TFLOP/s)")
     return record
 
 

@@ -13,9 +13,10 @@ from bench.diag import prefill_tiles
 
 def test_causal_flops_count_the_visible_pairs() -> None:
     # a fresh prompt of 2 tokens sees 1 + 2 keys; 1 new token on a prefix of 3 sees 4
-    per_pair = 4 * prefill_tiles.HEADS * prefill_tiles.HEAD_DIM
-    assert prefill_tiles.causal_flops([(2, 2)]) == 3 * per_pair
-    assert prefill_tiles.causal_flops([(1, 4), (2, 2)]) == 7 * per_pair
+    shape = prefill_tiles.Shape(heads=8, kv_heads=2, head_dim=64)
+    per_pair = 4 * 8 * 64
+    assert prefill_tiles.causal_flops([(2, 2)], shape) == 3 * per_pair
+    assert prefill_tiles.causal_flops([(1, 4), (2, 2)], shape) == 7 * per_pair
 
 
 def rows() -> list[dict]:
