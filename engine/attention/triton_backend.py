@@ -54,8 +54,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 @dataclass(frozen=True)
 class TritonAttentionConfig:
-    """Tile sizes and the split-K policy. Defaults: a first guess for head_dim 128 on H100/H200, not
-    yet tuned (`python -m bench.attention_gpu --sweep` times the alternatives)."""
+    """Tile sizes and the split-K policy. Defaults for head_dim 128 on H100/H200: the FP8 decode tiles and both
+    prefill tiles from sweeps on an H200 (the comments below name them); the 16-bit decode tiles a first guess,
+    which read a bfloat16 cache at its bandwidth floor at batch 512 (README)."""
 
     decode_block_n: int = 64  # keys per tile of the decode kernel
     decode_num_warps: int = 4
