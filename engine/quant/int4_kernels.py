@@ -47,10 +47,12 @@ def word_asm(magic: int) -> str:
 
 @triton.jit
 def _group_scales(s_ptr, tile, g, BLOCK_N: tl.constexpr, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
-    """Group g's scales (float32) and OFFSET + zero points (DTYPE, exact) of a tile's rows: [BLOCK_N, 1] each."""
-    row = s_ptr + ((tile + g) * BLOCK_N + tl.arange(0, BLOCK_N)) * 2
-    s = tl.load(row).to(tl.float32)
-    zb = (tl.load(row + 1).to(tl.float32) + OFFSET).to(DTYPE)
+    """Group g's scales (float32) and OFFSET + zero points (DTYPE, exact) of a tile's rows: [BLOCK_N, 1] each. A
+    row's pair is read as one 32-bit word (the scale its low half): an asynchronous copy takes 4 bytes or more, so
+    the K loop's pipeline fetches the word a trip ahead, where two 16-bit loads were waited for in the trip."""
+    pair = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + (tile + g) * BLOCK_N + tl.arange(0, BLOCK_N))
+    s = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    zb = ((pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) + OFFSET).to(DTYPE)
     return s[:, None], zb[:, None]
 
 
@@ -176,6 +178,9 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     if m > WORDS_MAX_ROWS:
         raise ValueError(f"words_matmul takes at most WORDS_MAX_ROWS={WORDS_MAX_ROWS} rows, got {m}: "
                          "multiply more after dequantize_words")
+    if weight_scale.dtype != torch.float16 or not weight_scale.is_contiguous():
+        raise ValueError(f"words_matmul reads a row's (scale, zero point) as one 32-bit word: weight_scale must be "
+                         f"contiguous float16 (int4.to_words' layout), got {weight_scale.dtype}")
     n, groups = weight_scale.shape[0], weight_scale.shape[1]
     group = k // groups
     magic, offset = MAGIC[x.dtype]

@@ -234,6 +234,7 @@ module, name, signature, constexprs = next(c for c in CASES if c[1] == "_words_k
 body = loop_lines(sass(compile_case(module, name, signature, dict(constexprs, GROUP=GROUP))))
 print("mmas", sum("HGMMA" in line for line in body))
 print("waits", sum("WARPGROUP.DEPBAR" in line for line in body))
+print("global", sum(" LDG." in line for line in body))
 """
 
 
@@ -248,6 +249,16 @@ def test_int4_words_kernel_issues_a_groups_warpgroup_mmas_back_to_back(group: in
     waits = int(out.split("waits ")[1].split()[0])
     assert mmas == 8, out
     assert waits == (1 if group == 128 else 8), out
+
+
+@pytest.mark.parametrize("group", [128, 16])
+def test_int4_words_kernel_loop_waits_on_no_global_load(group: int):
+    """Every load of the words kernel's K loop goes through the pipeline's asynchronous copies (a trip ahead into
+    shared memory), the group scales included: read as one 32-bit word a row (scale and zero point), not two 16-bit
+    halves, which an asynchronous copy cannot take (it moves 4, 8 or 16 bytes), so that each trip waited on a global
+    load of its scales (4 a thread a trip at groups of 128, 32 at 16; Triton 3.6 and 3.9)."""
+    out = _compiled(f"GROUP = {group}\n" + WORDS_PROGRAM)
+    assert int(out.split("global ")[1].split()[0]) == 0, out
 
 
 # CASES' decode attention kernels: signed-arithmetic fix-ups in their K loop's SASS

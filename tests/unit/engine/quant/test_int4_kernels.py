@@ -48,6 +48,15 @@ def test_words_matmul_equals_reference_path(rows: int, n: int, k: int, group: in
     assert not counts.any()  # each launch leaves the split-K counts zeroed
 
 
+def test_words_matmul_refuses_scales_it_cannot_read_as_words() -> None:
+    """The kernel reads a row's (scale, zero point) as one 32-bit word: other than contiguous float16, an error."""
+    x, weight, scale = _case(1, 64, 256, 128, seed=5)
+    words, words_scale = to_words(weight, scale, 64)
+    counts = int4_kernels.split_k_counts(torch.device("cpu"))
+    with pytest.raises(ValueError, match="weight_scale must be contiguous float16"):
+        int4_kernels.words_matmul(x, words, words_scale.to(torch.bfloat16), None, 64, counts)
+
+
 def test_words_config_splits_k_for_few_tiles_only() -> None:
     assert int4_kernels.words_config(1, 64, 512, 64) == (16, 2)  # one tile: K split while slices keep 2 trips
     assert int4_kernels.words_config(1, 64, 256, 64) == (16, 1)
