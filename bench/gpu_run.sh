@@ -90,16 +90,20 @@
 #           151,643-token BPE ($ROUNDS rounds, default 6).
 #   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
+#   int4_words (one GPU; optional .old): the 4-bit GPU tests, bench.diag.int4_gemv_sweep's words kernel at 1 and 16
+#           rows, the 8B W4A16 decode step at batches 1 8 64; with .old, the same from there, the steps new/old/new.
+#   prefill_tiles (one GPU): bench.diag.prefill_tiles at $HEADS (default 64:8, the 70B shape; "64:8 32:4" both).
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
 #           (bfloat16, FP8 projections, FP8 KV, both, 4-bit AWQ by round-to-nearest).
 #   throughput, http, goodput, scale4, scale4b and scale8 also carry router/proto/pdserve_pb2*.py (generated here by
 #   `python -m router.proto.codegen`; the GPU machines have no grpcio-tools).
 #
 #   usage (device tool, carry [".raybundle"]):  bash bench/gpu_run.sh single
+#   PACK=1 puts everything a part wrote under $OUT into one results.tgz: a device call brings back 8 files at most.
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|tp_step_ab|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|prefill_tiles|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|tp_step_ab|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -148,19 +152,27 @@ case "$part" in
       --train-vocab 151643 --rounds "${ROUNDS:-6}" --out "$out"
     ;;
   int4_words)
-    # (one GPU) the 4-bit small product reading int32 words (a nibble a LOP3 and an FMA): its GPU tests, its
-    # tiles by shape and rows, the 8B W4A16 decode step by batch beside bfloat16's; with .old carried (a
-    # checkout of the commit before), the same sweep and step from there into $out/before
-    run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py -k "int4 or awq"
-    run 200 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul --rows 1 2 --tag _words --out "$out"
-    run 200 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-      --variants bfloat16 w4a16 --batches 1 2 64 --requests 0 --out "$out"
+    # (one GPU) the 4-bit words kernel: its GPU tests, its tiles by projection at 1 and 16 rows, the 8B W4A16 decode
+    # step by batch; with .old carried (a checkout of the commit before), the same from there, the steps in turns
+    # (new, old, new) into $out/a, $out/before, $out/a2
+    run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py tests/gpu/test_compile_warmup_gpu.py
+    steps="python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16
+      --variants w4a16 --batches 1 8 64 --requests 0"
+    run 150 python3 -m bench.diag.int4_gemv_sweep --variants words --rows 1 16 --tag _new --out "$out"
+    run 150 $steps --out "$out/a"
     if [ -d .old ]; then
       mkdir -p "$out/before" && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
-        run 150 python3 -m bench.diag.int4_gemv_sweep --variants small_matmul --rows 1 2 --out "$out/before" && \
-        run 200 python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-          --variants w4a16 --batches 1 2 64 --requests 0 --out "$out/before")
+        run 150 python3 -m bench.diag.int4_gemv_sweep --variants words --rows 1 16 --tag _old --out "$out/before" && \
+        run 150 $steps --out "$out/before")
+      run 150 $steps --out "$out/a2"
     fi
+    ;;
+  prefill_tiles)
+    # (one GPU) the prefill kernel's tiles swept at $HEADS (query:KV heads, default the 70B shape's 64:8; a TP=2
+    # rank's 32:4), bfloat16 and FP8 caches (bench.diag.prefill_tiles)
+    for heads in ${HEADS:-64:8}; do
+      run 280 python3 -m bench.diag.prefill_tiles --heads "$heads" --tag "heads${heads/:/_}" --out "$out"
+    done
     ;;
   step_profile)
     # (one GPU) where the 8B batch-1 decode step's time goes, kernel by kernel (bench.profile_step's device
@@ -450,3 +462,7 @@ case "$part" in
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
+# PACK=1: everything under $out in one archive (a device call brings back at most 8 files)
+if [ "${PACK:-0}" = 1 ]; then
+  tar -czf /tmp/results.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/results.tgz "$out/results.tgz"
+fi
