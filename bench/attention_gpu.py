@@ -44,7 +44,7 @@ import triton
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from bench.common import device_name, device_slug, synchronize
+from bench.common import device_name, device_slug, random_block_tables, synchronize
 from engine.attention.base import AttentionMetadata, AttentionSpec
 from engine.attention.torch_ref import TorchAttention
 from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig, decode_split_plan
@@ -84,18 +84,10 @@ class PagedCache:
 
     def batch(self, seqs: list[tuple[int, int]], spec: AttentionSpec) -> tuple[torch.Tensor, ...]:
         """(q, k, v, meta) of a step; seqs: (num_new, seq_len) each; distinct random blocks for all."""
-        tables_needed = [triton.cdiv(seq_len, BLOCK_SIZE) for _, seq_len in seqs]
-        if sum(tables_needed) > self.num_blocks:
-            raise ValueError(f"the batch needs {sum(tables_needed)} blocks; the cache has {self.num_blocks}")
-        order = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(len(seqs))).tolist()
-        tables, slots, starts = [], [], [0]
-        for (num_new, seq_len), count in zip(seqs, tables_needed):
-            table = [order.pop() for _ in range(count)]
-            tables.append(table)
-            new_positions = range(seq_len - num_new, seq_len)
-            slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in new_positions)
-            starts.append(starts[-1] + num_new)
-        width = max(tables_needed)
+        tables, starts = random_block_tables(seqs, self.num_blocks, BLOCK_SIZE)
+        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                 for table, (num_new, seq_len) in zip(tables, seqs) for p in range(seq_len - num_new, seq_len)]
+        width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         seq_lens = [seq_len for _, seq_len in seqs]
         meta = AttentionMetadata(

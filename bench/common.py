@@ -168,6 +168,20 @@ def random_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int
     return [[rng.randrange(vocab_size) for _ in range(num_tokens)] for _ in range(num_prompts)]
 
 
+def random_block_tables(seqs: Sequence[tuple[int, int]], num_blocks: int,
+                        block_size: int) -> tuple[list[list[int]], list[int]]:
+    """A step's paged layout for the attention labs: each sequence (new tokens, context) its own distinct random
+    blocks of num_blocks (drawn the same for the same count of sequences), and the step's query start offsets."""
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(seqs))).tolist()
+    if sum(-(-seq_len // block_size) for _, seq_len in seqs) > num_blocks:
+        raise ValueError(f"the step needs more than the cache's {num_blocks} blocks")
+    tables, starts = [], [0]
+    for num_new, seq_len in seqs:
+        tables.append([order.pop() for _ in range(-(-seq_len // block_size))])
+        starts.append(starts[-1] + num_new)
+    return tables, starts
+
+
 def decode_window(engine: EngineCore, num_requests: int) -> tuple[float, int, int, dict[str, list[int]]]:
     """Steps the engine until done. The decode window starts at the step after every one of its
     `num_requests` requests has its first token (device synchronised): (its seconds, tokens decoded

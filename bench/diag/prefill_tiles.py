@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import device_name, device_slug
+from bench.common import device_name, device_slug, random_block_tables, timed
 from engine.attention.triton_backend import TritonAttentionConfig
 
 BLOCK_SIZE = 16
@@ -48,6 +48,7 @@ class Shape:
     kv_heads: int = 8
     head_dim: int = 128
 
+
 CASES = {"8 x 1024": [(1024, 1024)] * 8, "1 x 8192": [(8192, 8192)], "extend 512 on 3584": [(512, 4096)]}
 QUICK_CASES = {"2 x 64": [(64, 64)] * 2, "extend 16 on 48": [(16, 64)]}
 GRID = {"block_m": (64, 128, 256), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
@@ -57,11 +58,7 @@ QUICK_GRID = {"block_m": (64,), "block_n": (32, 64), "num_warps": (4,), "num_sta
 def batch(seqs: list[tuple[int, int]], shape: Shape, num_blocks: int, device: torch.device,
           gen: torch.Generator) -> dict:
     """Queries and the metadata of a step whose sequences (new tokens, context) hold distinct random blocks."""
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(seqs))).tolist()
-    tables, starts = [], [0]
-    for num_new, seq_len in seqs:
-        tables.append([order.pop() for _ in range(-(-seq_len // BLOCK_SIZE))])
-        starts.append(starts[-1] + num_new)
+    tables, starts = random_block_tables(seqs, num_blocks, BLOCK_SIZE)
     width = max(len(t) for t in tables)
     q = torch.randn(starts[-1], shape.heads, shape.head_dim, dtype=torch.bfloat16, device=device, generator=gen)
     return {
@@ -89,15 +86,12 @@ def run_prefill(step: dict, k: torch.Tensor, v: torch.Tensor, tiles: dict[str, i
 
 
 def seconds(fn: Any, device: torch.device) -> float:
-    if device.type == "cuda":
-        from triton.testing import do_bench
+    """do_bench's median on a GPU; one synchronised call elsewhere (the --quick CPU check)."""
+    if device.type != "cuda":
+        return timed(device, fn)[0]
+    from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e-3
-    import time
-
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e-3
 
 
 def sdpa_seconds(seqs: list[tuple[int, int]], shape: Shape, device: torch.device,

@@ -81,3 +81,14 @@ def test_free_device_memory_frees_a_dropped_engine() -> None:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_random_block_tables_give_each_sequence_its_own_blocks() -> None:
+    seqs = [(5, 5), (1, 33), (16, 40)]
+    tables, starts = common.random_block_tables(seqs, num_blocks=10, block_size=16)
+    assert [len(t) for t in tables] == [1, 3, 3] and starts == [0, 5, 6, 22]
+    drawn = [b for t in tables for b in t]
+    assert len(set(drawn)) == len(drawn) and all(0 <= b < 10 for b in drawn)
+    assert common.random_block_tables(seqs, 10, 16) == (tables, starts)  # the same draw for the same step
+    with pytest.raises(ValueError, match="10 blocks"):
+        common.random_block_tables(seqs + [(1, 64)], num_blocks=10, block_size=16)

@@ -231,10 +231,11 @@ def test_prefill_launches_take_the_tiles_of_their_cache_dtype(monkeypatch):
     config = dataclasses.replace(SMALL, prefill_block_m=16, prefill_block_n=16, prefill_num_warps=2,
                                  prefill_num_stages=2, prefill_fp8_block_m=32, prefill_fp8_block_n=32,
                                  prefill_fp8_num_warps=4, prefill_fp8_num_stages=3)
-    for cache_dtype, tiles in ((torch.float16, (16, 16, 2, 2)), (torch.float8_e4m3fn, (32, 32, 4, 3))):
+    for cache_dtype, tiles, magnitude in ((torch.float16, (16, 16, 2, 2), 1.0),
+                                          (torch.float8_e4m3fn, (32, 32, 4, 3), 150.0)):
         batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=31, cache_dtype=cache_dtype,
-                           kv_magnitude=150.0 if cache_dtype == torch.float8_e4m3fn else 1.0)
-        check_against_reference(batch, config, magnitude=150.0 if cache_dtype == torch.float8_e4m3fn else 1.0)
+                           kv_magnitude=magnitude)
+        check_against_reference(batch, config, magnitude=magnitude)
         last = launched[-1]
         assert (last["BLOCK_M"], last["BLOCK_N"], last["num_warps"], last["num_stages"]) == tiles
         assert config.prefill_tiles(cache_dtype == torch.float8_e4m3fn) == tiles
