@@ -141,7 +141,7 @@ from bench.diag.sass_loop import loop_lines, sass
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def launch_options(name, constexprs):
+def launch_options(name, constexprs, signature):
     # num_warps / num_stages as the product's launchers take them for the case's shape
     if name in ("_add_rms_norm_kernel", "_pushed_add_rms_norm_kernel", "_allreduce_add_rms_norm_kernel"):
         return dict(num_warps=4 if constexprs["BLOCK"] <= 2048 else 8)
@@ -150,8 +150,8 @@ def launch_options(name, constexprs):
     if name == "_decode_kernel":
         tiles = TritonAttentionConfig().decode_tiles(fp8_cache=constexprs["F16_DOTS"])
         return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if name == "_prefill_kernel":
-        tiles = TritonAttentionConfig().prefill_tiles(fp8_cache=constexprs["F16_DOTS"])
+    if name == "_prefill_kernel":  # its cache's tiles, whatever its dots
+        tiles = TritonAttentionConfig().prefill_tiles(fp8_cache=signature["k_cache_ptr"] == "*fp8e4nv")
         return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return dict(num_warps={"_norm_rope_kernel": 2, "_quantize_rows_kernel": 8}.get(name, 4))
 
@@ -161,9 +161,10 @@ def compile_case(module, name, signature, constexprs):
     # NOTE: as a launch at the 8B shape specializes it: pointers, sizes and strides divisible by 16
     attrs = {(list(fn.arg_names).index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if t != "fp32" and n not in fn.do_not_specialize}
+    options = launch_options(name, constexprs, signature)
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=launch_options(name, constexprs))
+                          target=GPUTarget("cuda", 90, 32), options=options)
 """
 
 PROGRAM = COMPILER + """
