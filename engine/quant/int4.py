@@ -89,6 +89,9 @@ def to_words(weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int) -> 
     """pack_nibbles' bytes [N, K / 2] and scales [N, groups, 2] -> the same shapes and bytes in the
     kernel's layout: int32 words [N / block_n, K / 128, block_n, 16] (nibble i of word w is column
     16 i + w of its 128) and scales [N / block_n, groups, block_n, 2]: a tile's trip contiguous."""
+    if weight_scale.dtype != torch.float16:
+        # NOTE: the words kernel reads a row's (scale, zero point) as one 32-bit word (int4_kernels._group_scales)
+        raise ValueError(f"int4 weight_scale must be float16 (scale, zero point) pairs, got {weight_scale.dtype}")
     n, half = weight.shape
     groups = weight_scale.shape[1]
     q = unpack_nibbles(weight).to(torch.int32).view(n // block_n, block_n, half // 64, 8, 16).transpose(1, 2)

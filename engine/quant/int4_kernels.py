@@ -178,9 +178,6 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     if m > WORDS_MAX_ROWS:
         raise ValueError(f"words_matmul takes at most WORDS_MAX_ROWS={WORDS_MAX_ROWS} rows, got {m}: "
                          "multiply more after dequantize_words")
-    if weight_scale.dtype != torch.float16 or not weight_scale.is_contiguous():
-        raise ValueError(f"words_matmul reads a row's (scale, zero point) as one 32-bit word: weight_scale must be "
-                         f"contiguous float16 (int4.to_words' layout), got {weight_scale.dtype}")
     n, groups = weight_scale.shape[0], weight_scale.shape[1]
     group = k // groups
     magic, offset = MAGIC[x.dtype]

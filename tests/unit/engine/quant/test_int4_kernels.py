@@ -48,13 +48,13 @@ def test_words_matmul_equals_reference_path(rows: int, n: int, k: int, group: in
     assert not counts.any()  # each launch leaves the split-K counts zeroed
 
 
-def test_words_matmul_refuses_scales_it_cannot_read_as_words() -> None:
-    """The kernel reads a row's (scale, zero point) as one 32-bit word: other than contiguous float16, an error."""
-    x, weight, scale = _case(1, 64, 256, 128, seed=5)
-    words, words_scale = to_words(weight, scale, 64)
-    counts = int4_kernels.split_k_counts(torch.device("cpu"))
-    with pytest.raises(ValueError, match="weight_scale must be contiguous float16"):
-        int4_kernels.words_matmul(x, words, words_scale.to(torch.bfloat16), None, 64, counts)
+def test_the_words_layout_refuses_scales_the_kernel_cannot_read_as_words() -> None:
+    """The kernel reads a row's (scale, zero point) as one 32-bit word: to_words, which lays the scales out for
+    it (contiguous), refuses other than float16 pairs."""
+    _, weight, scale = _case(1, 64, 256, 128, seed=5)
+    assert to_words(weight, scale, 64)[1].is_contiguous()
+    with pytest.raises(ValueError, match="weight_scale must be float16"):
+        to_words(weight, scale.to(torch.bfloat16), 64)
 
 
 def test_words_config_splits_k_for_few_tiles_only() -> None:
