@@ -92,6 +92,8 @@
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   int4_words (one GPU; optional .old): the 4-bit GPU tests, bench.diag.int4_gemv_sweep's words kernel at 1 and 16
 #           rows, the 8B W4A16 decode step at batches 1 8 64; with .old, the same from there, the steps new/old/new.
+#   prefill_crowded (one GPU; optional .old): warm-up and engine GPU tests, the product's prefill tiles at 32:8 and
+#           64:8 heads, the 8B prompt steps in bfloat16 and FP8 + FP8 KV from this tree and .old in turns.
 #   prefill_tiles (one GPU): bench.diag.prefill_tiles at $HEADS (default 64:8, the 70B shape; "64:8 32:4" both).
 #   quality (one GPU): trains the gpu-size pair ($MINUTES, default 3), then bench.quant_quality on its target
 #           (bfloat16, FP8 projections, FP8 KV, both, 4-bit AWQ by round-to-nearest).
@@ -103,7 +105,7 @@
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|prefill_tiles|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|tp_step_ab|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|prefill_crowded|prefill_tiles|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|tp_step_ab|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -166,6 +168,26 @@ case "$part" in
         run 150 $steps --out "$out/before")
       run 150 $steps --out "$out/a2"
     fi
+    ;;
+  prefill_crowded)
+    # (one GPU; optional .old) the crowded prefill tiles: the warm-up and engine GPU tests, the product's tiles timed
+    # at the 8B and 70B heads (bench.diag.prefill_tiles --product-only), then the 8B prompt steps (chunks of 8,192
+    # tokens beside 384 decodes at context 1,500) in bfloat16 and FP8 + FP8 KV, this tree and .old in turns
+    run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_compile_warmup_gpu.py tests/gpu/test_engine_gpu.py
+    for heads in 32:8 64:8; do
+      run 100 python3 -m bench.diag.prefill_tiles --product-only --heads "$heads" --tag "product_heads${heads/:/_}" \
+        --out "$out"
+    done
+    prompt_steps() {  # $1: the tag; $2: the quantization (auto, fp8); then the tree's directory
+      (cd "$3" && export PYTHONPATH=/tmp/site:$PWD && run 120 python3 -m bench.profile_step \
+        --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization "$2" \
+        --kv-cache-dtype "$2" --batches 384 --context 1500 --prompt-tokens 8192 --max-num-batched-tokens 8192 \
+        --steps 3 --top 0 --out "$out/$1")
+    }
+    for q in auto fp8; do
+      prompt_steps "new_$q" $q "$PWD"
+      [ -d .old ] && prompt_steps "old_$q" $q "$PWD/.old"
+    done
     ;;
   prefill_tiles)
     # (one GPU) the prefill kernel's tiles swept at $HEADS (query:KV heads, default the 70B shape's 64:8; a TP=2

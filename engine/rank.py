@@ -108,7 +108,7 @@ def build_runner(config: EngineConfig, parts: RankParts, kv: torch.Tensor, devic
     leader = StepLeader(tp.group) if tp is not None and tp.shard.rank == 0 else None
     runner = ModelRunner(parts.model, kv, parts.backend, device, leader)
     # NOTE: before capture: graphs then find every kernel compiled
-    warm_up_runner(runner, max_seq_tokens, config.scheduler.max_num_seqs)
+    warm_up_runner(runner, max_seq_tokens, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
     if cuda_graphs_enabled(config.model, device, parts.backend):
         # NOTE: after the KV cache exists (its tensors are graph inputs) and before any step.
         runner.capture_decode_graphs(graph_max_rows(config), max_seq_tokens)

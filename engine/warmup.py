@@ -12,6 +12,7 @@ so the values below are the only ones that pick a variant:
 | one row (launched early: engine/pdl.py) or more | every Triton kernel         | 4, 6 / others |
 | decode only (rotates), early or not; split or not | attention decode  | 4, 6 / 9, 10; 6, 9 / 4, 10 |
 | decode of a crowded launch (FP8 cache: its tiles) | attention decode  | the last, where the batch reaches it |
+| prefill of a crowded launch (its tiles)         | attention prefill           | the last, where a step reaches it |
 | one row / <= 8 (early), <= 16, <= 32, more      | FP8 gemv / split-K / scaled | 4, 6 / 2, 7, 1, 5 |
 | rows <= 16, <= 32, <= 64, more                  | 4-bit words / dequantize    | 2, 1, 8, 5    |
 | unseeded / seeded random rows, truncated rows   | fused race, keyed noise     | the sampler   |
@@ -38,10 +39,12 @@ from engine.sampler import Sampler, SamplingRow, VerifyRow
 LONG_CONTEXT = 1024  # a decode context that splits its keys over programs (more than min_split_tokens)
 
 
-def warm_up_steps(max_seq_tokens: int, block_size: int, crowded_seqs: int | None = None) -> list[list[ForwardSeq]]:
+def warm_up_steps(max_seq_tokens: int, block_size: int, crowded_seqs: int | None = None,
+                  crowded_prompts: list[int] | None = None) -> list[list[ForwardSeq]]:
     """The forwards of the table above, every sequence within max_seq_tokens, all in block 0; crowded_seqs: the
-    decoding sequences of a crowded decode launch (`AttentionBackend.crowded_decode_seqs`), its keys whole (None:
-    none such in this engine)."""
+    decoding sequences of a crowded decode launch (`AttentionBackend.crowded_decode_seqs`), its keys whole;
+    crowded_prompts: the prompt lengths of a crowded prefill launch (`crowded_prompt_lens`; None: none such in
+    this engine)."""
 
     def prompt(n: int) -> ForwardSeq:
         return ForwardSeq(token_ids=[0] * n, start=0, block_ids=[0] * -(-n // block_size), num_logits=1)
@@ -51,6 +54,7 @@ def warm_up_steps(max_seq_tokens: int, block_size: int, crowded_seqs: int | None
 
     cap = max(1, min(max_seq_tokens, LONG_CONTEXT))
     crowded = [[decode(min(5, cap))] * crowded_seqs] if crowded_seqs else []
+    crowded += [[prompt(n) for n in crowded_prompts]] if crowded_prompts else []
     return [
         [prompt(min(20, cap)), prompt(min(3, cap)), decode(cap), decode(min(5, cap))],  # 25 rows
         [prompt(min(5, cap)), decode(min(5, cap)), decode(min(3, cap))],  # 7 rows
@@ -65,15 +69,29 @@ def warm_up_steps(max_seq_tokens: int, block_size: int, crowded_seqs: int | None
     ] + crowded
 
 
-def warm_up_runner(runner: ModelRunner, max_seq_tokens: int, max_num_seqs: int) -> None:
+def crowded_prompt_lens(tokens: int | None, max_seq_tokens: int, max_num_seqs: int,
+                        max_num_batched_tokens: int) -> list[int] | None:
+    """Prompts of at most max_seq_tokens, the fewest that together have `tokens` (a crowded prefill launch's:
+    `AttentionBackend.crowded_prefill_tokens`), or None where no step can hold them (nor, then, reach one)."""
+    if tokens is None or max_seq_tokens < 2:
+        return None
+    each = min(tokens, max_seq_tokens)
+    count = -(-tokens // each)
+    return [each] * count if count <= max_num_seqs and count * each <= max_num_batched_tokens else None
+
+
+def warm_up_runner(runner: ModelRunner, max_seq_tokens: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
     """Runs the warm-up forwards on this rank alone (every rank of a tensor-parallel worker runs
     the same ones, so their collectives meet), a crowded decode launch only where max_num_seqs
-    sequences reach one. Call before graph capture and before any step."""
+    sequences reach one, a crowded prefill launch where a step's tokens do. Call before graph capture
+    and before any step."""
     if runner.device.type != "cuda":
         return
     crowded = runner.backend.crowded_decode_seqs(runner.device)
+    prompts = crowded_prompt_lens(runner.backend.crowded_prefill_tokens(runner.device), max_seq_tokens, max_num_seqs,
+                                  max_num_batched_tokens)
     for seqs in warm_up_steps(max_seq_tokens, runner.block_size,
-                              crowded if crowded is not None and crowded <= max_num_seqs else None):
+                              crowded if crowded is not None and crowded <= max_num_seqs else None, prompts):
         runner.forward_eager(seqs)
     torch.cuda.synchronize(runner.device)
 

@@ -4,8 +4,9 @@ non-contiguous blocks, bfloat16 queries over a bfloat16 and an FP8 (E4M3) cache,
 num_warps, num_stages) of the grid, at prompt shapes the engine meets: eight prompts of 1,024 tokens (an offline
 prompt step), one of 8,192 (a long prompt) and 512 new tokens on a 3,584-token prefix (a chunk of chunked
 prefill). Each launch: `triton.testing.do_bench`'s median, its causal FLOPs (4 a visible query-key pair a head
-dimension) as TFLOP/s, and its output's largest difference from the product's tiles' for that cache when it ran
-(TritonAttentionConfig.prefill_tiles; `default` marks their rows).
+dimension) as TFLOP/s, and its output's largest difference from the product's tiles' for that cache and case when it
+ran (`prefill_launch_tiles`: crowded or not, at this device's SM count; `default` marks their rows). --product-only
+times those alone.
 Beside them, torch's SDPA (flash, causal, K/V contiguous and repeated to every head: no paging) on the prompts'
 shapes, bfloat16: what a tuned kernel reaches here.
 
@@ -15,10 +16,12 @@ tile is best for both caches. Over bfloat16, 64 x 64, 4 warps, 2 stages took 269
 shapes against the guess's 318 / 1,756 / 133 (256-row tiles were faster at the two prompt shapes, 261 / 1,318, and
 1.6x slower on the chunk: too few programs); over FP8, 64 x 128, 4 warps, 3 stages took 309 / 1,687 / 119 against
 361 / 2,155 / 156, within 4% of each shape's best. The product takes those (TritonAttentionConfig.prefill_tiles).
+At the 70B shape (`_heads64_8`) taller tiles won every case; a launch with query rows enough for every SM takes them
+(README).
 SDPA, bfloat16: 164 us (419 TFLOP/s) on eight prompts of 1,024 and 1,023 us (538) on one of 8,192, so the kernel
 stays 1.5-1.6x off a tuned flash kernel.
 
-    python -m bench.diag.prefill_tiles --out DIR [--heads 64:8] [--quick]      # --replot JSON: the PNG again
+    python -m bench.diag.prefill_tiles --out DIR [--heads 64:8] [--quick] [--product-only]  # --replot JSON: the PNG
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import device_name, device_slug, random_block_tables, timed
-from engine.attention.triton_backend import TritonAttentionConfig
+from engine.attention.triton_backend import TritonAttentionConfig, prefill_launch_tiles
 
 BLOCK_SIZE = 16
 
@@ -106,7 +109,14 @@ def sdpa_seconds(seqs: list[tuple[int, int]], shape: Shape, device: torch.device
     return seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
 
 
-def sweep(cache: str, cases: dict, grid: dict, shape: Shape, device: torch.device, seed: int) -> list[dict[str, Any]]:
+def product_tiles(cache: str, seqs: list[tuple[int, int]], shape: Shape, num_sms: int) -> dict[str, int]:
+    """The tiles the product launches a step of these sequences at (`prefill_launch_tiles`: crowded or not)."""
+    return prefill_launch_tiles(sum(n for n, _ in seqs), shape.heads, shape.kv_heads, num_sms, TritonAttentionConfig(),
+                                cache == "fp8")._asdict()
+
+
+def sweep(cache: str, cases: dict, grid: dict, shape: Shape, device: torch.device, seed: int,
+          num_sms: int) -> list[dict[str, Any]]:
     gen = torch.Generator(device=device).manual_seed(seed)
     need = max(sum(-(-s // BLOCK_SIZE) for _, s in seqs) for seqs in cases.values())
     dims = (need, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
@@ -114,19 +124,19 @@ def sweep(cache: str, cases: dict, grid: dict, shape: Shape, device: torch.devic
     v = torch.randn(dims, dtype=torch.bfloat16, device=device, generator=gen)
     if cache == "fp8":
         k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-    default_tiles = TritonAttentionConfig().prefill_tiles(cache == "fp8")._asdict()
-    steps = {name: batch(seqs, shape, need, device, gen) for name, seqs in cases.items()}
-    reference = {name: run_prefill(step, k, v, default_tiles) for name, step in steps.items()}
     rows = []
-    every = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-    for tiles in every + ([default_tiles] if default_tiles not in every else []):
-        for name, step in steps.items():
-            row = {"cache": cache, "case": name, **tiles, "default": tiles == default_tiles}
+    every = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else []
+    for name, seqs in cases.items():
+        step = batch(seqs, shape, need, device, gen)
+        chosen = product_tiles(cache, seqs, shape, num_sms)
+        reference = run_prefill(step, k, v, chosen)
+        for tiles in every + ([chosen] if chosen not in every else []):
+            row = {"cache": cache, "case": name, **tiles, "default": tiles == chosen}
             try:
                 out = run_prefill(step, k, v, tiles)
-                row["max_diff"] = (out.float() - reference[name].float()).abs().max().item()
+                row["max_diff"] = (out.float() - reference.float()).abs().max().item()
                 row["us"] = seconds(lambda: run_prefill(step, k, v, tiles), device) * 1e6
-                row["tflops"] = causal_flops(cases[name], shape) / row["us"] * 1e-6
+                row["tflops"] = causal_flops(seqs, shape) / row["us"] * 1e-6
             except Exception as exc:  # out of shared memory and the like
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
             rows.append(row)
@@ -159,13 +169,14 @@ def plot(record: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    config = TritonAttentionConfig()
+    shape = Shape(record["shape"]["heads"], record["shape"]["kv_heads"], record["shape"]["head_dim"])
     keys = list(record["best"])
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width, labelled = 0.2, set()
     for i, key in enumerate(keys):
         cache, case = key.split(" ", 1)
-        chosen = config.prefill_tiles(cache == "fp8")._asdict()
+        # NOTE: the sweeps before crowded tiles recorded no SM count: they ran on an H200 (132)
+        chosen = product_tiles(cache, record["cases"][case]["seqs"], shape, record.get("num_sms", 132))
         product = next((r["us"] for r in record["rows"] if r["cache"] == cache and r["case"] == case and "us" in r
                         and all(r[k] == v for k, v in chosen.items())), None)
         bars = [("product's tiles when run", record["best"][key]["default_us"], "tab:gray"),
@@ -179,7 +190,7 @@ def plot(record: dict[str, Any], path: Path) -> bool:
                 labelled.add(label)
     ax.set_xticks(range(len(keys)), keys, rotation=15, fontsize=8)
     ax.set_ylabel("time / at the product's tiles when run")
-    ax.set_title(f"prefill attention tiles, Llama-3.1-8B attention shape, {record['device_name']} (LAB ONLY)")
+    ax.set_title(f"prefill attention tiles, {shape.heads}:{shape.kv_heads} heads, {record['device_name']} (LAB ONLY)")
     ax.set_ylim(0, 1.35)
     ax.legend(fontsize=8, ncol=4, loc="upper center")
     fig.tight_layout()
@@ -196,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tag", default="")
     parser.add_argument("--heads", default="32:8", help="query heads:KV heads (the 8B shape's; 70B's 64:8)")
     parser.add_argument("--replot", type=Path, help="only draw the PNG of this JSON again, and exit")
+    parser.add_argument("--product-only", action="store_true", help="time only the product's tiles, no grid")
     args = parser.parse_args(argv)
     if args.replot:
         record = json.loads(args.replot.read_text())
@@ -203,14 +215,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return record
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases, grid = (QUICK_CASES, QUICK_GRID) if args.quick else (CASES, GRID)
+    grid = {} if args.product_only else grid
     heads, kv_heads = (int(n) for n in args.heads.split(":"))
     shape = Shape(heads, kv_heads)
-    rows = [row for cache in args.caches.split(",") for row in sweep(cache, cases, grid, shape, device, args.seed)]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    rows = [row for cache in args.caches.split(",")
+            for row in sweep(cache, cases, grid, shape, device, args.seed, num_sms)]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     sdpa = {name: s * 1e6 for name, seqs in cases.items() if (s := sdpa_seconds(seqs, shape, device, gen)) is not None}
     record = {"benchmark": "prefill_tiles (LAB ONLY)", "device_name": device_name(device),
               "torch_version": torch.__version__, "python": platform.python_version(),
-              "shape": {**asdict(shape), "block_size": BLOCK_SIZE},
+              "shape": {**asdict(shape), "block_size": BLOCK_SIZE}, "num_sms": num_sms,
               "cases": {name: {"seqs": seqs, "flops": causal_flops(seqs, shape)} for name, seqs in cases.items()},
               "sdpa_us": sdpa, "rows": rows, "best": best_by_case(rows)}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -84,6 +84,11 @@ class AttentionBackend(Protocol):
         its own, which the start-up warm-up must reach); None: the same tiles at any batch."""
         ...
 
+    def crowded_prefill_tokens(self, device: torch.device) -> int | None:
+        """The new prompt tokens (of one launch) from which a prefill launch on `device` takes other tiles (a kernel
+        variant of its own, which the start-up warm-up must reach); None: the same tiles at any size."""
+        ...
+
     def forward_rotated(
         self,
         q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence, not yet rotated

@@ -79,6 +79,9 @@ class TorchAttention:
     def crowded_decode_seqs(self, device: torch.device) -> int | None:
         return None  # no tiles
 
+    def crowded_prefill_tokens(self, device: torch.device) -> int | None:
+        return None
+
     def rotates(self, meta: AttentionMetadata) -> bool:
         return False  # the model rotates and passes the new K/V (no forward_rotated)
 

@@ -85,6 +85,24 @@ class TritonAttentionConfig:
     prefill_fp8_block_n: int = 128
     prefill_fp8_num_warps: int = 4
     prefill_fp8_num_stages: int = 3
+    # A prefill launch of at least this many new query rows (tokens x query heads) an SM takes the crowded tiles below
+    # where they hold at most prefill_crowded_max_tile_tokens query tokens (block_m / group heads): taller, they pay
+    # once the launch has rows enough for every SM. bench.diag.prefill_tiles on an H200 (132 SMs): at the 70B shape
+    # (64:8 heads) they took 0.84-0.93x the time of the tiles above in bfloat16, 0.90-0.96x over FP8, on all three
+    # cases, the fewest rows 512 new tokens on 3,584 (248 an SM); at the 8B shape (32:8) 0.84-0.97x and 0.97-0.99x on
+    # 8 x 1,024 and 1 x 8,192, and 1.54x and 1.76x on that chunk (124 rows an SM). In the 8B engine's prompt steps
+    # (8 prompts of ~975 tokens beside 399 decodes) the kernel took 11.88 ms against 12.43 over FP8 (32 tokens a
+    # tile) and 10.95 against 10.40 in bfloat16 (64 a tile: the bound), bench/results/prefill_crowded_tiles_ab_*.
+    prefill_crowded_rows_per_sm: int = 192
+    prefill_crowded_max_tile_tokens: int = 32
+    prefill_crowded_block_m: int = 256
+    prefill_crowded_block_n: int = 64
+    prefill_crowded_num_warps: int = 8
+    prefill_crowded_num_stages: int = 3
+    prefill_fp8_crowded_block_m: int = 128
+    prefill_fp8_crowded_block_n: int = 64
+    prefill_fp8_crowded_num_warps: int = 4
+    prefill_fp8_crowded_num_stages: int = 3
     min_split_tokens: int = 64  # splits per sequence <= its longest context / this
     max_splits: int = 64  # most decode splits per (sequence, KV head)
     target_programs_per_sm: int = 2  # split until decode programs >= this x SMs (or splits run out)
@@ -97,13 +115,16 @@ class TritonAttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("decode_block_n", "decode_fp8_block_n", "prefill_block_m", "prefill_block_n",
-                     "prefill_fp8_block_m", "prefill_fp8_block_n"):
+                     "prefill_fp8_block_m", "prefill_fp8_block_n", "prefill_crowded_block_m", "prefill_crowded_block_n",
+                     "prefill_fp8_crowded_block_m", "prefill_fp8_crowded_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16 (tl.dot tile)")
         for name in ("min_split_tokens", "max_splits", "target_programs_per_sm", "rotate_max_seqs",
                      "decode_fp8_crowded_programs_per_sm", "decode_fp8_crowded_num_warps",
-                     "decode_fp8_crowded_num_stages"):
+                     "decode_fp8_crowded_num_stages", "prefill_crowded_num_warps", "prefill_crowded_num_stages",
+                     "prefill_fp8_crowded_num_warps", "prefill_fp8_crowded_num_stages", "prefill_crowded_rows_per_sm",
+                     "prefill_crowded_max_tile_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.graph_max_context is not None and self.graph_max_context < 1:
@@ -119,13 +140,26 @@ class TritonAttentionConfig:
                                self.decode_fp8_crowded_num_stages)
         return DecodeTiles(self.decode_fp8_block_n, self.decode_fp8_num_warps, self.decode_fp8_num_stages)
 
-    def prefill_tiles(self, fp8_cache: bool) -> PrefillTiles:
-        """The prefill kernel's launch over a cache of FP8 or another dtype."""
+    def prefill_tiles(self, fp8_cache: bool, crowded: bool = False) -> PrefillTiles:
+        """The prefill kernel's launch over a cache of FP8 or another dtype, crowded or not (`prefill_launch_tiles`)."""
+        if fp8_cache and crowded:
+            return PrefillTiles(self.prefill_fp8_crowded_block_m, self.prefill_fp8_crowded_block_n,
+                                self.prefill_fp8_crowded_num_warps, self.prefill_fp8_crowded_num_stages)
         if fp8_cache:
             return PrefillTiles(self.prefill_fp8_block_m, self.prefill_fp8_block_n, self.prefill_fp8_num_warps,
                                 self.prefill_fp8_num_stages)
+        if crowded:
+            return PrefillTiles(self.prefill_crowded_block_m, self.prefill_crowded_block_n,
+                                self.prefill_crowded_num_warps, self.prefill_crowded_num_stages)
         return PrefillTiles(self.prefill_block_m, self.prefill_block_n, self.prefill_num_warps,
                             self.prefill_num_stages)
+
+    def crowded_prefill_tokens(self, num_heads: int, group: int, num_sms: int, fp8_cache: bool) -> int | None:
+        """The fewest new query tokens (of sequences with more than one) of a crowded prefill launch; None where the
+        crowded tiles hold more than prefill_crowded_max_tile_tokens query tokens of this group (none is crowded)."""
+        if self.prefill_tiles(fp8_cache, crowded=True).block_m // group > self.prefill_crowded_max_tile_tokens:
+            return None
+        return _cdiv(self.prefill_crowded_rows_per_sm * num_sms, num_heads)
 
 
 class PrefillTiles(NamedTuple):
@@ -166,6 +200,16 @@ def decode_launch_plan(
                                                      fp8_cache)
     programs_per_sm = num_decode_seqs * num_kv_heads * num_splits / num_sms
     return num_splits, tokens_per_split, config.decode_tiles(fp8_cache, programs_per_sm)
+
+
+def prefill_launch_tiles(
+    num_prefill_tokens: int, num_heads: int, num_kv_heads: int, num_sms: int, config: TritonAttentionConfig,
+    fp8_cache: bool = False,
+) -> PrefillTiles:
+    """The tiles of a prefill launch over num_prefill_tokens new queries of sequences with more than one: the
+    crowded ones from `crowded_prefill_tokens` on."""
+    crowded = config.crowded_prefill_tokens(num_heads, num_heads // num_kv_heads, num_sms, fp8_cache)
+    return config.prefill_tiles(fp8_cache, crowded is not None and num_prefill_tokens >= crowded)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -247,14 +291,17 @@ class TritonAttention:
         starts = meta.query_start_loc
         decode_lens = [n for i, n in enumerate(meta.seq_lens) if starts[i + 1] - starts[i] == 1]
         num_decode = len(decode_lens)
+        fp8_cache = k_cache.dtype == torch.float8_e4m3fn
         cfg, spec = self.config, self.spec
         tensors = (meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor)
         if num_decode:
             self._decode(q, k_cache, v_cache, out, meta, num_decode, max(decode_lens))
         if num_decode < meta.num_seqs:
+            tiles = prefill_launch_tiles(starts[-1] - num_decode, spec.num_heads, spec.num_kv_heads,
+                                         self._sms(q.device), cfg, fp8_cache)
             self._prefill.prefill_attention(
                 q, k_cache, v_cache, out, *tensors, scale=spec.scale, sliding_window=spec.sliding_window,
-                **cfg.prefill_tiles(k_cache.dtype == torch.float8_e4m3fn)._asdict(),
+                **tiles._asdict(),
             )
         return out
 
@@ -287,6 +334,14 @@ class TritonAttention:
     def crowded_decode_seqs(self, device: torch.device) -> int | None:
         """The fewest decoding sequences whose launch, its keys whole, is crowded (`decode_tiles`)."""
         return _cdiv(self.config.decode_fp8_crowded_programs_per_sm * self._sms(device), self.spec.num_kv_heads)
+
+    def crowded_prefill_tokens(self, device: torch.device) -> int | None:
+        """The fewest new prompt tokens of a crowded launch over a cache of either dtype (`prefill_launch_tiles`;
+        the count is the same for both), None where neither has one."""
+        heads, sms = self.spec.num_heads, self._sms(device)
+        group = heads // self.spec.num_kv_heads
+        return min((t for fp8 in (False, True) if (t := self.config.crowded_prefill_tokens(heads, group, sms, fp8))
+                    is not None), default=None)
 
     def rotates(self, meta: AttentionMetadata) -> bool:
         """forward_rotated serves a decode batch of at most config.rotate_max_seqs sequences, a row each (not a

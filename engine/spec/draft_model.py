@@ -107,7 +107,7 @@ class DraftModelProposer:
         kv = allocate_kv_tensors(self.arch, num_blocks, bs, ctx.dtype, ctx.device)
         self.pool = BlockPool(num_blocks, bs, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, kv, self.backend, ctx.device)
-        warm_up_runner(self.runner, max_seq_tokens + k, ctx.max_num_seqs)
+        warm_up_runner(self.runner, max_seq_tokens + k, ctx.max_num_seqs, ctx.max_num_batched_tokens)
         if ctx.cuda_graph_max_rows is not None and cuda_graphs_enabled(ctx.model, ctx.device, self.backend):
             # Drafted positions run up to K - 1 past the target's longest sequence.
             self.runner.capture_decode_graphs(ctx.cuda_graph_max_rows, max_seq_tokens + k)

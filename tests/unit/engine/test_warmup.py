@@ -11,10 +11,11 @@ import torch
 
 from engine.attention import AttentionSpec
 from engine.attention.triton_backend import TritonAttentionConfig, decode_launch_plan, decode_split_plan
+from engine.attention.triton_backend import prefill_launch_tiles
 from engine.kv_cache import allocate_kv_tensors
 from engine.models import DEFAULT_MODEL_DIR, build_model
 from engine.runner import ForwardSeq, ModelRunner
-from engine.warmup import draft_count_classes, warm_up_steps
+from engine.warmup import crowded_prompt_lens, draft_count_classes, warm_up_steps
 from tests.interpreted import import_interpreted, interpreted_triton  # noqa: F401 (the fixture, used below)
 
 SPLIT_K_MAX_ROWS = import_interpreted("engine.quant.fp8_kernels", "_quantize_rows_kernel").SPLIT_K_MAX_ROWS
@@ -97,16 +98,61 @@ def test_a_crowded_decode_launch_is_warmed_up_where_the_batch_reaches_one(num_kv
             assert decode_launch_plan(len(ctx), num_kv_heads, max(ctx), H100_SMS, config, True)[2] != crowded
 
 
+def _prefill_tokens(seqs: list[ForwardSeq]) -> int:
+    return sum(len(s.token_ids) for s in seqs if len(s.token_ids) > 1)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "fp8"), [(32, 8, True), (64, 8, False), (64, 8, True),
+                                                                 (16, 2, True)])
+@pytest.mark.parametrize("max_seq_tokens", [8192, 300])
+def test_a_crowded_prefill_launch_is_warmed_up_where_a_step_reaches_one(num_heads, num_kv_heads, fp8, max_seq_tokens):
+    """The last forward's prompts (as many as max_seq_tokens needs) are a crowded prefill launch (at 132 SMs); no
+    other forward's is; with one token fewer it would not be; an engine whose steps cannot hold them warms none
+    (nor can its steps be crowded)."""
+    config = TritonAttentionConfig()
+    tokens = config.crowded_prefill_tokens(num_heads, num_heads // num_kv_heads, H100_SMS, fp8)
+    prompts = crowded_prompt_lens(tokens, max_seq_tokens, max_num_seqs=256, max_num_batched_tokens=8192)
+    assert prompts is not None and sum(prompts) - prompts[0] < tokens <= sum(prompts) and max(prompts) <= max_seq_tokens
+    steps = warm_up_steps(max_seq_tokens, 16, None, prompts)
+    assert steps[:-1] == warm_up_steps(max_seq_tokens, 16)
+
+    def tiles(num_tokens: int):
+        return prefill_launch_tiles(num_tokens, num_heads, num_kv_heads, H100_SMS, config, fp8)
+
+    crowded = config.prefill_tiles(fp8, crowded=True)
+    assert tiles(_prefill_tokens(steps[-1])) == crowded != config.prefill_tiles(fp8)
+    assert tiles(tokens - 1) != crowded
+    assert all(tiles(_prefill_tokens(seqs)) != crowded for seqs in steps[:-1])
+    assert crowded_prompt_lens(tokens, max_seq_tokens, max_num_seqs=256, max_num_batched_tokens=tokens - 1) is None
+    assert crowded_prompt_lens(tokens, 8, max_num_seqs=-(-tokens // 8) - 1, max_num_batched_tokens=8192) is None
+    assert crowded_prompt_lens(None, max_seq_tokens, 256, 8192) is None
+
+
+def test_no_launch_is_crowded_whose_crowded_tiles_hold_too_many_query_tokens():
+    """The 8B shape (group 4) in bfloat16: 256-row crowded tiles hold 64 query tokens, past
+    prefill_crowded_max_tile_tokens: no launch takes them, however large."""
+    config = TritonAttentionConfig()
+    assert config.crowded_prefill_tokens(32, 4, H100_SMS, fp8_cache=False) is None
+    assert prefill_launch_tiles(8192, 32, 8, H100_SMS, config, fp8_cache=False) == config.prefill_tiles(False)
+    assert prefill_launch_tiles(8192, 32, 8, H100_SMS, config, fp8_cache=True) == config.prefill_tiles(True, True)
+
+
 def test_steps_run_on_the_interpreted_kernels_in_one_block():
     from engine.attention.triton_backend import TritonAttention
 
     cpu = torch.device("cpu")
     model, arch = build_model(DEFAULT_MODEL_DIR, torch.float32, cpu)
     spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
-    config = TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16)
+    config = TritonAttentionConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16, min_split_tokens=16,
+                                   prefill_crowded_block_m=32, prefill_crowded_block_n=16,
+                                   prefill_fp8_crowded_block_m=32, prefill_fp8_crowded_block_n=16,
+                                   prefill_crowded_rows_per_sm=24)
     kv = allocate_kv_tensors(arch, 1, 16, torch.float32, cpu)
-    runner = ModelRunner(model, kv, TritonAttention(spec, config), cpu)
-    steps = warm_up_steps(64, 16)
+    backend = TritonAttention(spec, config)
+    runner = ModelRunner(model, kv, backend, cpu)
+    prompts = crowded_prompt_lens(backend.crowded_prefill_tokens(cpu), 64, 8, 256)
+    assert prompts == [48]  # 24 rows x 8 SMs (the CPU's count) / 4 query heads
+    steps = warm_up_steps(64, 16, None, prompts)
     assert decode_split_plan(1, arch.num_kv_heads, 64, 8, config)[0] > 1, "the test should cover split-K"
     for seqs in steps:
         logits = runner.forward_eager(seqs)

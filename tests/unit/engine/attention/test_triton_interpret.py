@@ -61,10 +61,11 @@ def interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # Small tiles: fewer interpreted operations. Decode contexts > 16 split into 16-key splits (the
-# interpreter counts as 8 SMs; 64 programs a SM are never reached here).
+# interpreter counts as 8 SMs; 64 programs a SM are never reached here, nor a crowded prefill launch's 8,192 rows).
 SMALL = TritonAttentionConfig(
     decode_block_n=16, decode_fp8_block_n=16, prefill_block_m=16, prefill_block_n=16, prefill_fp8_block_m=16,
-    prefill_fp8_block_n=16, min_split_tokens=16, target_programs_per_sm=64,
+    prefill_fp8_block_n=16, prefill_crowded_block_m=32, prefill_crowded_block_n=16, prefill_fp8_crowded_block_m=32,
+    prefill_fp8_crowded_block_n=16, prefill_crowded_rows_per_sm=1024, min_split_tokens=16, target_programs_per_sm=64,
 )
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3},
              torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
@@ -241,6 +242,36 @@ def test_prefill_launches_take_the_tiles_of_their_cache_dtype(monkeypatch):
         assert config.prefill_tiles(cache_dtype == torch.float8_e4m3fn) == tiles
     with pytest.raises(ValueError, match="prefill_fp8_block_n=24"):
         TritonAttentionConfig(prefill_fp8_block_n=24)
+
+
+def test_crowded_prefill_launches_take_the_crowded_tiles_of_their_cache_dtype(monkeypatch):
+    """A prefill launch whose new query tokens reach crowded_prefill_tokens (at the interpreter's 8 SMs) takes the
+    crowded tiles of its cache's dtype, one token fewer the others; a decoding sequence's token does not count; none
+    does where the crowded tiles hold more than prefill_crowded_max_tile_tokens query tokens. Each launch against the
+    reference."""
+    launched = record_launches(monkeypatch, triton_prefill, "_prefill_kernel")
+    config = dataclasses.replace(SMALL, prefill_crowded_rows_per_sm=24, prefill_crowded_num_warps=4,
+                                 prefill_fp8_crowded_block_m=64, prefill_fp8_crowded_num_stages=3)
+    backend = TritonAttention(AttentionSpec(4, 2, 16, 0.25), config)
+    crowded = backend.crowded_prefill_tokens(torch.device("cpu"))
+    assert crowded == config.crowded_prefill_tokens(4, 2, 8, False) == 48  # 24 rows x 8 SMs / 4 heads
+    assert dataclasses.replace(config, prefill_crowded_max_tile_tokens=8).crowded_prefill_tokens(4, 2, 8, False) is None
+    for cache_dtype, magnitude in ((torch.float16, 1.0), (torch.float8_e4m3fn, 150.0)):
+        fp8 = cache_dtype == torch.float8_e4m3fn
+        for tokens, tiles in ((crowded, config.prefill_tiles(fp8, crowded=True)),
+                              (crowded - 1, config.prefill_tiles(fp8))):
+            seqs = [(1, 30), (tokens - 7, tokens + 2), (7, 7)]
+            batch = make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=tokens,
+                               cache_dtype=cache_dtype, kv_magnitude=magnitude)
+            check_against_reference(batch, config, magnitude=magnitude)
+            last = launched[-1]
+            assert (last["BLOCK_M"], last["BLOCK_N"], last["num_warps"], last["num_stages"]) == tiles
+    assert config.prefill_tiles(False, crowded=True) == (32, 16, 4, 3)
+    assert config.prefill_tiles(True, crowded=True) == (64, 16, 4, 3)
+    with pytest.raises(ValueError, match="prefill_crowded_block_m=48"):
+        TritonAttentionConfig(prefill_crowded_block_m=48)
+    with pytest.raises(ValueError, match="prefill_crowded_rows_per_sm=0"):
+        TritonAttentionConfig(prefill_crowded_rows_per_sm=0)
 
 
 def test_crowded_fp8_decode_launches_take_their_own_tiles(monkeypatch):
