@@ -90,8 +90,8 @@
 #           151,643-token BPE ($ROUNDS rounds, default 6).
 #   fp8_split_k (one GPU): bench.diag.fp8_split_k_sweep, FP8 products by shape and batch ($SWEEP_FLAGS).
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
-#   int4_words (one GPU; optional .old): the 4-bit GPU tests, bench.diag.int4_gemv_sweep's words kernel at 1 and 16
-#           rows, the 8B W4A16 decode step at batches 1 8 64; with .old, the same from there, the steps new/old/new.
+#   int4_words (one GPU; optional .old): the 4-bit GPU tests, bench.diag.int4_gemv_sweep's words kernel at $ROWS
+#           (default 1 16) rows, the 8B W4A16 decode step at batches 1 8 64; with .old, the same from there, the steps new/old/new.
 #   prefill_crowded (one GPU; optional .old): warm-up and engine GPU tests, the product's prefill tiles at 32:8 and
 #           64:8 heads, the 8B prompt steps in bfloat16 and FP8 + FP8 KV from this tree and .old in turns.
 #   prefill_tiles (one GPU): bench.diag.prefill_tiles at $HEADS (default 64:8, the 70B shape; "64:8 32:4" both).
@@ -160,11 +160,11 @@ case "$part" in
     run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py tests/gpu/test_compile_warmup_gpu.py
     steps="python3 -m bench.quantized --model bench/shapes/llama-3.1-8b --load-format dummy --dtype bfloat16
       --variants w4a16 --batches 1 8 64 --requests 0"
-    run 150 python3 -m bench.diag.int4_gemv_sweep --variants words --rows 1 16 --tag _new --out "$out"
+    run 150 python3 -m bench.diag.int4_gemv_sweep --variants words --rows ${ROWS:-1 16} --tag _new --out "$out"
     run 150 $steps --out "$out/a"
     if [ -d .old ]; then
       mkdir -p "$out/before" && (cd .old && export PYTHONPATH=/tmp/site:$PWD && \
-        run 150 python3 -m bench.diag.int4_gemv_sweep --variants words --rows 1 16 --tag _old --out "$out/before" && \
+        run 150 python3 -m bench.diag.int4_gemv_sweep --variants words --rows ${ROWS:-1 16} --tag _old --out "$out/before" && \
         run 150 $steps --out "$out/before")
       run 150 $steps --out "$out/a2"
     fi

@@ -143,10 +143,12 @@ tiles 401 against 332 (K unsplit; split as at 64 rows, 314), at 256 rows 550-600
 2,822 against 1,309 (each row tile converts the whole weight again)."""
 
 WORDS_PROGRAMS = 512
-"""Programs (tiles times K slices) `words_config` aims for up to 32 rows, half of it from 33 (K split in
-powers of two until then, at most 16 slices of at least two trips): on an H200 the split-K rule
-picked the sweep's best tile at every 8B projection up to 16 rows, and at 64 rows split 4 gained
-1.4x on o and down over split 8 (bench/results/int4_gemv_sweep_nvidia-h200_r8_words_tiles.json)."""
+"""Programs (tiles times K slices) of 64 weight rows `words_config` aims for up to 32 rows, half of it from 33 (K
+split in powers of two until then, at most 16 slices of at least two trips); tiles of 128 rows aim for half as many
+(the same rows times slices): on an H200 the split-K rule picked the sweep's best tile at every 8B projection up to
+16 rows, and at 64 rows split 4 gained 1.4x on o and down over split 8
+(bench/results/int4_gemv_sweep_nvidia-h200_r8_words_tiles.json); at 128 rows a tile, split 8 beat 16 on o and down
+(6.5 against 8.9 us, 13.6 against 16.0 at one row: int4_gemv_sweep_scale_pair_word_nvidia-h200.json)."""
 
 MAX_TILES = 1 << 14
 """Output tiles of one `words_matmul` split over K its count buffer (`split_k_counts`) serves."""
@@ -157,11 +159,18 @@ def words_config(m: int, n: int, k: int, block_n: int) -> tuple[int, int]:
     block_n: 16, 32 or 64 rows a tile."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     tiles, trips = triton.cdiv(n, block_n), k // 128
-    target = WORDS_PROGRAMS if block_m <= 32 else WORDS_PROGRAMS // 2
+    target = (WORDS_PROGRAMS if block_m <= 32 else WORDS_PROGRAMS // 2) * 64 // max(block_n, 64)
     split = 1
     while tiles * split < target and split < 16 and trips // (2 * split) >= 2:
         split *= 2
     return block_m, split
+
+
+def words_num_warps(block_m: int, block_n: int) -> int:
+    """Warps of a words_matmul program: 4, 8 for tiles of more than 16 x 64 rows and columns, which 4 warps hold
+    only by spilling (sm_90, 128 weight rows a tile: 255 registers and a 8-byte stack at 32 rows, 128 bytes at 64;
+    8 warps at 64: 170 registers, no stack, tests/unit/engine/test_kernels_compile.py)."""
+    return 8 if block_m > 16 and block_n > 64 else 4
 
 
 def split_k_counts(device: torch.device) -> torch.Tensor:
@@ -195,7 +204,8 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         x, weight.view(torch.int32), weight_scale, bias if bias is not None else x, out, part, counts, m, n, k,
         k_per_split, x.stride(0), out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, SPLIT_K=split_k, ASM=compiled(x.device), WORD_ASM=word_asm(magic), MAGIC=magic, OFFSET=offset,
-        NUM_STAGES=3, num_warps=4, **pdl_options(x.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
+        NUM_STAGES=3, num_warps=words_num_warps(block_m, block_n),
+        **pdl_options(x.device, m, max_rows=PDL_PRODUCT_MAX_ROWS))
     return out
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # (module, kernel, signature, constexprs): the bf16 model's arguments; "constexpr" entries set below
 CASES = """
 from engine.attention.triton_backend import TritonAttentionConfig
-from engine.quant.int4_kernels import word_asm
+from engine.quant.int4_kernels import word_asm, words_num_warps
 P = "*bf16"
 WORD_ASM = word_asm(0x4300)
 CASES = [
@@ -82,15 +82,20 @@ CASES = [
     ("engine.quant.int4_kernels", "_words_kernel",  # its PTX conversion assembled too
      dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32",
           N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32"),
-     dict(GROUP=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, ASM=True, WORD_ASM=WORD_ASM, MAGIC=0x4300,
+     dict(GROUP=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, SPLIT_K=8, ASM=True, WORD_ASM=WORD_ASM, MAGIC=0x4300,
           OFFSET=128.0, NUM_STAGES=3, PDL=True)),
     ("engine.quant.int4_kernels", "_words_kernel",
      dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32",
           N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32"),
      dict(GROUP=32, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=32, SPLIT_K=1, ASM=True, WORD_ASM=WORD_ASM, MAGIC=0x4300,
           OFFSET=128.0, NUM_STAGES=3, PDL=True)),
+    *(("engine.quant.int4_kernels", "_words_kernel",  # the 8B shape's 128-row tiles at 17-32 and 33-64 rows
+       dict(x_ptr=P, w_ptr="*i32", s_ptr="*fp16", bias_ptr=P, out_ptr=P, part_ptr="*fp32", count_ptr="*i32", M="i32",
+            N="i32", K="i32", k_per_split="i32", stride_x="i32", stride_o="i32"),
+       dict(GROUP=128, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=128, SPLIT_K=4, ASM=True, WORD_ASM=WORD_ASM,
+            MAGIC=0x4300, OFFSET=128.0, NUM_STAGES=3, PDL=True)) for block_m in (32, 64)),
     ("engine.quant.int4_kernels", "_dequantize_words_kernel",
-     dict(w_ptr="*i32", s_ptr="*fp16", out_ptr=P, K="i32", stride_o="i32"), dict(GROUP=32, BLOCK_N=64, PDL=True)),
+     dict(w_ptr="*i32", s_ptr="*fp16", out_ptr=P, K="i32", stride_o="i32"), dict(GROUP=32, BLOCK_N=128, PDL=True)),
     ("engine.parallel.symm_kernels", "_allreduce_add_rms_norm_kernel",
      dict(buffer_ptrs="i64", signal_pads="i64", calls_ptr="*i32", x_ptr=P, res_ptr=P, w_ptr=P, out_ptr="*fp8e4nv",
           res_out_ptr=P, scale_ptr="*fp32", stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32", n="i32",
@@ -153,6 +158,8 @@ def launch_options(name, constexprs, signature):
     if name == "_prefill_kernel":  # its cache's tiles, whatever its dots
         tiles = TritonAttentionConfig().prefill_tiles(fp8_cache=signature["k_cache_ptr"] == "*fp8e4nv")
         return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if name == "_words_kernel":
+        return dict(num_warps=words_num_warps(constexprs["BLOCK_M"], constexprs["BLOCK_N"]))
     return dict(num_warps={"_norm_rope_kernel": 2, "_quantize_rows_kernel": 8}.get(name, 4))
 
 
@@ -241,14 +248,14 @@ print("global", sum(" LDG." in line for line in body))
 
 @pytest.mark.parametrize("group", [128, 16])
 def test_int4_words_kernel_issues_a_groups_warpgroup_mmas_back_to_back(group: int):
-    """The words kernel (64-row tiles, one row tile of 16, as at the 8B shape) multiplies a group's nibbles as one
-    dot, so at groups of 128 its loop issues a trip's eight warpgroup MMAs with one wait (a dot a 16-column nibble
-    waited for each: 1.27x slower at one row on an H200, README); at groups of 16 (the case that shows the test can
-    fail) each nibble is a group of its own, a dot and a wait each."""
+    """The words kernel (128-row tiles, one row tile of 16, as at the 8B shape) multiplies a group's nibbles as one
+    dot, so at groups of 128 its loop issues a trip's sixteen warpgroup MMAs (two a 16-column nibble, 64 rows each)
+    with one wait (a dot a 16-column nibble waited for each: 1.27x slower at one row on an H200, README); at groups
+    of 16 (the case that shows the test can fail) each nibble is a group of its own, a dot and a wait each."""
     out = _compiled(f"GROUP = {group}\n" + WORDS_PROGRAM)
     mmas = int(out.split("mmas ")[1].split()[0])
     waits = int(out.split("waits ")[1].split()[0])
-    assert mmas == 8, out
+    assert mmas == 16, out
     assert waits == (1 if group == 128 else 8), out
 
 

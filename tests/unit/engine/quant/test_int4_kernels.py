@@ -1,8 +1,8 @@
 """The Triton 4-bit kernel (engine/quant/int4_kernels.py) against the reference path under Triton's
 CPU interpreter, on float16 rows (the interpreter multiplies bfloat16 as their bits): groups under,
-at and over a 128-column trip, tiles of 64, 32 and 16 rows, row tiles of 16, 32 and 64, K split and not,
-bias; the dequantization past its rows. Its PTX conversion runs on a GPU only (tests/gpu/test_quant_gpu.py); the interpreter runs the
-same numbers in Triton's operations. NOTE: imported under TRITON_INTERPRET (tests/interpreted.py
+at and over a 128-column trip, tiles of 128, 64, 32 and 16 rows, row tiles of 16, 32 and 64, K split and not,
+bias; the dequantization past its rows. Its PTX conversion runs on a GPU only (tests/gpu/test_quant_gpu.py); the
+interpreter runs the same numbers in Triton's operations. NOTE: imported under TRITON_INTERPRET (tests/interpreted.py
 says how, and why this skips otherwise)."""
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ def _case(rows: int, n: int, k: int, group: int, seed: int):
     (17, 32, 256, 64, False),  # 32-row tile; two groups a trip
     (2, 64, 512, 256, True),  # a group over two trips
     (40, 64, 128, 16, True),  # a 64-row tile; eight groups a trip
+    (1, 128, 512, 128, True),  # tiles of 128 rows, K split in two
+    (40, 256, 256, 32, False),  # two 128-row tiles against a 64-row tile
 ])
 def test_words_matmul_equals_reference_path(rows: int, n: int, k: int, group: int, bias: bool) -> None:
     x, weight, scale = _case(rows, n, k, group, seed=rows * n + k)
     b = torch.randn(n).half() if bias else None
     want = Int4Matmul("reference", triton=False)(x.double(), weight, scale, b.double() if bias else None)
     block_n = words_block_n(weight, scale)
-    assert block_n == max(b for b in (64, 32, 16) if n % b == 0)
+    assert block_n == max(b for b in (128, 64, 32, 16) if n % b == 0)
     assert (int4_kernels.words_config(rows, n, k, block_n)[1] > 1) == (k == 512)
     counts = int4_kernels.split_k_counts(torch.device("cpu"))
     got = int4_kernels.words_matmul(x, *to_words(weight, scale, block_n), b, block_n, counts)
@@ -63,6 +65,10 @@ def test_words_config_splits_k_for_few_tiles_only() -> None:
     assert int4_kernels.words_config(1, 4096, 4096, 64)[1] == 8  # 64 tiles: split to 512 programs
     assert int4_kernels.words_config(1, 28672, 4096, 64)[1] == 2
     assert int4_kernels.words_config(40, 4096, 4096, 64) == (64, 4)  # half the programs from 33 rows
+    # tiles of 128 rows: half as many programs (the same rows times slices)
+    assert int4_kernels.words_config(1, 4096, 4096, 128)[1] == 8
+    assert int4_kernels.words_config(1, 28672, 4096, 128)[1] == 2
+    assert int4_kernels.words_config(40, 4096, 4096, 128) == (64, 4)
     with pytest.raises(ValueError, match="WORDS_MAX_ROWS"):
         int4_kernels.words_matmul(torch.zeros(65, 128).half(), *_case(1, 16, 128, 128, 0)[1:], None, 16,
                                   int4_kernels.split_k_counts(torch.device("cpu")))
