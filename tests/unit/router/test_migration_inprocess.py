@@ -3,7 +3,8 @@
 prefilled on the decode worker itself), a prefill worker killed mid-prefill, a colocated worker
 killed mid-stream, and each transfer fault (drop, delay past the deadline, fail): every greedy
 or seeded stream still gives exactly the offline tokens, and no live worker holds a block afterwards.
-With no capacity left, or faults on every attempt, requests end with a clear error, not a hang."""
+With no capacity left, or faults on every attempt, requests end with a clear error, not a hang; a test whose loop
+hangs anyway ends after 240 s with every task's stack (tests/watched.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvtransfer.fault import FaultRule
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from router import Dispatcher, NoCapacityError, RequestFailedError, Workers
 from router.dispatch import DispatcherConfig, LocalPrefillConfig
+from tests.watched import run_watched
 
 ENGINE = dict(device="cpu", block_size=8, num_blocks=256)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -167,7 +169,7 @@ def test_a_killed_decode_worker_s_requests_move_on_with_exactly_the_offline_toke
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 def test_a_killed_prefill_worker_s_requests_are_retried_on_the_other():
@@ -187,7 +189,7 @@ def test_a_killed_prefill_worker_s_requests_are_retried_on_the_other():
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 def test_a_killed_colocated_worker_s_requests_are_resubmitted_with_their_tokens():
@@ -204,7 +206,7 @@ def test_a_killed_colocated_worker_s_requests_are_resubmitted_with_their_tokens(
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 @pytest.mark.parametrize(
@@ -237,7 +239,7 @@ def test_transfer_faults_free_the_lease_retry_and_the_pairs_form_again(rule: Fau
         assert await Streams(cluster.dispatcher, prompts[:2], GREEDY).results() == expected[:2]
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 def test_a_request_whose_kv_never_came_tries_another_prefill_worker_next():
@@ -258,7 +260,7 @@ def test_a_request_whose_kv_never_came_tries_another_prefill_worker_next():
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 def test_pairs_form_while_the_default_thread_pool_is_busy():
@@ -286,7 +288,7 @@ def test_pairs_form_while_the_default_thread_pool_is_busy():
             await blocker
             await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 def test_no_capacity_left_ends_requests_with_a_clear_error_never_a_hang():
@@ -303,7 +305,7 @@ def test_no_capacity_left_ends_requests_with_a_clear_error_never_a_hang():
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 def test_a_fault_on_every_attempt_gives_up_after_max_attempts():
@@ -318,7 +320,7 @@ def test_a_fault_on_every_attempt_gives_up_after_max_attempts():
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
@@ -338,7 +340,7 @@ def test_a_seeded_sampled_request_moves_on_with_exactly_the_offline_tokens(coloc
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 def test_a_pair_the_decode_side_lost_forms_again_from_the_prefill_side():
@@ -362,7 +364,7 @@ def test_a_pair_the_decode_side_lost_forms_again_from_the_prefill_side():
         assert set((await cluster.held()).values()) == {0}
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
 
 
 class _Mute:
@@ -401,4 +403,4 @@ def test_a_worker_that_goes_quiet_has_its_requests_moved_after_stall_timeout():
         assert all(n == 0 for n in (await cluster.held()).values())
         await cluster.close()
 
-    asyncio.run(main())
+    run_watched(main())
