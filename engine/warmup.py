@@ -71,13 +71,14 @@ def warm_up_steps(max_seq_tokens: int, block_size: int, crowded_seqs: int | None
 
 def crowded_prompt_lens(tokens: int | None, max_seq_tokens: int, max_num_seqs: int,
                         max_num_batched_tokens: int) -> list[int] | None:
-    """Prompts of at most max_seq_tokens, the fewest that together have `tokens` (a crowded prefill launch's:
-    `AttentionBackend.crowded_prefill_tokens`), or None where no step can hold them (nor, then, reach one)."""
+    """Prompts of 2 to max_seq_tokens tokens, the fewest that together have `tokens` (a crowded prefill launch's:
+    `AttentionBackend.crowded_prefill_tokens`; one more where the last would hold one token, a decode's), or None
+    where no step can hold them (nor, then, reach one)."""
     if tokens is None or max_seq_tokens < 2:
         return None
     each = min(tokens, max_seq_tokens)
-    count = -(-tokens // each)
-    return [each] * count if count <= max_num_seqs and count * each <= max_num_batched_tokens else None
+    lens = [each] * (tokens // each) + ([max(2, tokens % each)] if tokens % each else [])
+    return lens if len(lens) <= max_num_seqs and sum(lens) <= max_num_batched_tokens else None
 
 
 def warm_up_runner(runner: ModelRunner, max_seq_tokens: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:

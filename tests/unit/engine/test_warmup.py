@@ -112,7 +112,8 @@ def test_a_crowded_prefill_launch_is_warmed_up_where_a_step_reaches_one(num_head
     config = TritonAttentionConfig()
     tokens = config.crowded_prefill_tokens(num_heads, num_heads // num_kv_heads, H100_SMS, fp8)
     prompts = crowded_prompt_lens(tokens, max_seq_tokens, max_num_seqs=256, max_num_batched_tokens=8192)
-    assert prompts is not None and sum(prompts) - prompts[0] < tokens <= sum(prompts) and max(prompts) <= max_seq_tokens
+    assert prompts is not None and sum(prompts) == tokens and 2 <= min(prompts) <= max(prompts) <= max_seq_tokens
+    assert len(prompts) == -(-tokens // max_seq_tokens)
     steps = warm_up_steps(max_seq_tokens, 16, None, prompts)
     assert steps[:-1] == warm_up_steps(max_seq_tokens, 16)
 
@@ -126,6 +127,7 @@ def test_a_crowded_prefill_launch_is_warmed_up_where_a_step_reaches_one(num_head
     assert crowded_prompt_lens(tokens, max_seq_tokens, max_num_seqs=256, max_num_batched_tokens=tokens - 1) is None
     assert crowded_prompt_lens(tokens, 8, max_num_seqs=-(-tokens // 8) - 1, max_num_batched_tokens=8192) is None
     assert crowded_prompt_lens(None, max_seq_tokens, 256, 8192) is None
+    assert crowded_prompt_lens(601, 300, 256, 8192) == [300, 300, 2]  # never a one-token prompt (a decode)
 
 
 def test_no_launch_is_crowded_whose_crowded_tiles_hold_too_many_query_tokens():
