@@ -92,6 +92,7 @@
 #   fp8_decode_70b (nvidia-h200): bench.quantized's decode steps by batch at the 70B shape in FP8 (TP=1), no offline run.
 #   int4_words (one GPU; optional .old): the 4-bit GPU tests, bench.diag.int4_gemv_sweep's words kernel at $ROWS
 #           (default 1 16) rows, the 8B W4A16 decode step at batches 1 8 64; with .old, the same from there, the steps new/old/new.
+#   pending (one GPU, .old = e643aea, .benchbundle carried): all one-GPU tests, then int4_words at ROWS="1 16 64".
 #   prefill_crowded (one GPU; optional .old): warm-up and engine GPU tests, the product's prefill tiles at 32:8 and
 #           64:8 heads, the 8B prompt steps in bfloat16 and FP8 + FP8 KV from this tree and .old in turns.
 #   prefill_tiles (one GPU): bench.diag.prefill_tiles at $HEADS (default 64:8, the 70B shape; "64:8 32:4" both).
@@ -105,7 +106,7 @@
 #   The grammar GPU tests need xgrammar, which the Ray bundle lacks: carry [".raybundle", ".benchbundle"] too
 #   (bash bench/make_bench_bundle.sh .benchbundle) and it is put behind the Ray bundle on the path.
 set -uo pipefail
-part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|prefill_crowded|prefill_tiles|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|tp_step_ab|plan_profile_70b|kv_pairs}
+part=${1:?usage: gpu_run.sh single|engine|quant|session_checks|structured|int4_words|pending|prefill_crowded|prefill_tiles|step_profile|swiglu_step|prefill_queue|fp8_split_k|fp8_decode_70b|quality|pair_kv|throughput|http|graphs|spec|spec_bench|spec_large|spec_profile|spec_catchup|eagle|pair|handoff|nccl_kill|flip|goodput|adaptive|decode_heavy|planned|plan_profile|rate_step|scale4|scale4b|scale8|tp70b|tp70b_plan|stall_probe|allreduce_small|tp_decode|tp_step_ab|plan_profile_70b|kv_pairs}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a part may run from another directory (.old)
 bundle=${BUNDLE:-.raybundle}  # .benchbundle (pydantic & co., no Ray) for the parts that start no Ray
@@ -168,6 +169,13 @@ case "$part" in
         run 150 $steps --out "$out/before")
       run 150 $steps --out "$out/a2"
     fi
+    ;;
+  pending)
+    # (one GPU; .old a checkout of e643aea; carry .benchbundle for the grammar tests) what session 41 left unmeasured:
+    # every one-GPU test on the crowded prefill rule's final form and the 128-row 4-bit tiles, then int4_words at
+    # 1, 16 and 64 rows (the 128-row tiles against .old's 64-row ones, steps new/old/new)
+    run 260 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu
+    PACK=0 ROWS="1 16 64" OUT="$out" bash "$0" int4_words
     ;;
   prefill_crowded)
     # (one GPU; optional .old) the crowded prefill tiles: the warm-up and engine GPU tests, the product's tiles timed
