@@ -41,7 +41,9 @@ prompt and output alike. Logprobs are those of the new attempt's computation. No
 draws of unseeded requests, which come from a worker's shared generator anyway.
 
 Every wait has a deadline (DispatcherConfig); after `max_attempts` the client gets a
-RequestFailedError naming the last failure, and NoCapacityError when no worker can take it.
+RequestFailedError naming the last failure, and NoCapacityError when no worker can take it. With no
+prefill worker serving for max_capacity_wait_s (the last one died, or each failed a call within
+failed_worker_cooldown_s), a decode worker that takes the prompt computes it itself.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ C = TypeVar("C", bound=WorkerClient)
 
 class NoCapacityError(RuntimeError):
     """Every decode worker is full: the caller should retry later (HTTP 503 with Retry-After)."""
+
+
+class _NoPrefillWorker(NoCapacityError):
+    """No prefill worker served within max_capacity_wait_s (none left, or each failed a call lately)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -469,7 +475,15 @@ class Dispatcher:
             return None
         if await self._prefill_locally(attempt, progress):
             return None
-        return await self._prefill(attempt, progress)
+        try:
+            return await self._prefill(attempt, progress)
+        except _NoPrefillWorker as err:
+            # NOTE: a decode worker that takes it computes the prompt itself rather than the request failing (the
+            # last prefill worker died or fails its calls until a replacement serves); nothing was placed yet
+            log.info("request %s: %s; prefilling it on a decode worker", attempt.request.request_id, err)
+            if await self._prefill_locally(attempt, progress, anywhere=True):
+                return None
+            raise NoCapacityError(f"{err}, and no decode worker took the prompt itself") from None
 
     def _on_finished(self, attempt: _Attempt, progress: _Progress) -> None:
         """The request ended well: its decode worker's prefix cache now holds its prompt and all
@@ -559,12 +573,15 @@ class Dispatcher:
             self._mark_failed(worker_id, err)
             raise _AttemptFailed(f"{what} {worker_id} failed: {type(err).__name__}: {err}") from None
 
-    async def _prefill_locally(self, attempt: _Attempt, progress: _Progress) -> bool:
+    async def _prefill_locally(self, attempt: _Attempt, progress: _Progress, anywhere: bool = False) -> bool:
         """Places the attempt on a decode worker that computes the prompt itself, when the prefill
-        rule picks some and one of them takes it; False: nothing was placed."""
+        rule picks some (anywhere: any, no prefix asked) and one of them takes it; False: nothing was placed."""
         prompt = attempt.request.prompt_token_ids
         candidates = {i: h for i, h in self.workers.decode.items() if i not in progress.failed_workers}
-        picked, min_cached_tokens = self.prefill_rule.local_workers(prompt, list(candidates))
+        if anywhere:
+            picked, min_cached_tokens = list(candidates), 0
+        else:
+            picked, min_cached_tokens = self.prefill_rule.local_workers(prompt, list(candidates))
         if not picked:
             return False
         local = LocalPrefillMsg(request=attempt.request, min_cached_tokens=min_cached_tokens)
@@ -617,9 +634,12 @@ class Dispatcher:
         this attempt from the decode worker's stream)."""
         request = attempt.request
         # NOTE: the prefill worker first, so that a request finding none holds no lease meanwhile.
-        usable = await self._wait_for_workers(
-            "prefill", lambda: self.workers.prefill, progress.failed_workers, request.prompt_token_ids
-        )
+        try:
+            usable = await self._wait_for_workers(
+                "prefill", lambda: self.workers.prefill, progress.failed_workers, request.prompt_token_ids
+            )
+        except NoCapacityError as err:
+            raise _NoPrefillWorker(str(err)) from None
         # A continuation goes back to the prefill worker that computed the prompt: its prefix cache holds it.
         preferred = [w for w in usable if w[0] == progress.prefill_id and w[0] not in progress.failed_workers]
         prefill_id, prefill = (preferred or usable)[0]

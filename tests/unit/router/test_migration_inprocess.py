@@ -291,6 +291,26 @@ def test_pairs_form_while_the_default_thread_pool_is_busy():
     run_watched(main())
 
 
+def test_requests_are_prefilled_on_a_decode_worker_while_no_prefill_worker_serves():
+    """The only prefill worker dies before the requests come: each first attempt's prefill call fails (the worker
+    then sits out failed_worker_cooldown_s), and the retry, finding no prefill worker within max_capacity_wait_s,
+    has a decode worker compute its prompt: the offline tokens, not NoCapacityError (as a chaos or role-flip run
+    under load would lose them)."""
+    prompts = _prompts(4, seed=8)
+    expected = _offline(prompts, GREEDY)
+
+    async def main():
+        cluster = Cluster(num_prefill=1, num_decode=2)
+        await cluster.prefill["p0"].kill()
+        results = await Streams(cluster.dispatcher, prompts, GREEDY).results(timeout_s=60.0)
+        assert results == expected
+        assert cluster.dispatcher.num_local_prefills == len(prompts)
+        assert set((await cluster.held()).values()) == {0}
+        await cluster.close()
+
+    run_watched(main())
+
+
 def test_no_capacity_left_ends_requests_with_a_clear_error_never_a_hang():
     prompts = _prompts(4)
 
