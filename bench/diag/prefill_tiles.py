@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import device_name, device_slug, random_block_tables, timed
-from engine.attention.triton_backend import TritonAttentionConfig, prefill_launch_tiles
+from engine.attention.triton_backend import TritonAttentionConfig, _num_sms, prefill_launch_tiles
 
 BLOCK_SIZE = 16
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     grid = {} if args.product_only else grid
     heads, kv_heads = (int(n) for n in args.heads.split(":"))
     shape = Shape(heads, kv_heads)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    num_sms = _num_sms(device)  # as the backend counts them (the CPU: 8)
     rows = [row for cache in args.caches.split(",")
             for row in sweep(cache, cases, grid, shape, device, args.seed, num_sms)]
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -154,12 +154,14 @@ class TritonAttentionConfig:
         return PrefillTiles(self.prefill_block_m, self.prefill_block_n, self.prefill_num_warps,
                             self.prefill_num_stages)
 
-    def crowded_prefill_tokens(self, num_heads: int, group: int, num_sms: int, fp8_cache: bool) -> int | None:
-        """The fewest new query tokens (of sequences with more than one) of a crowded prefill launch; None where the
-        crowded tiles hold more than prefill_crowded_max_tile_tokens query tokens of this group (none is crowded)."""
-        if self.prefill_tiles(fp8_cache, crowded=True).block_m // group > self.prefill_crowded_max_tile_tokens:
-            return None
+    def crowded_prefill_tokens(self, num_heads: int, num_sms: int) -> int:
+        """The fewest new query tokens (of sequences with more than one) of a crowded prefill launch."""
         return _cdiv(self.prefill_crowded_rows_per_sm * num_sms, num_heads)
+
+    def takes_crowded_prefill(self, group: int, fp8_cache: bool) -> bool:
+        """Whether crowded prefill launches of this group over this cache take the crowded tiles: where these hold at
+        most prefill_crowded_max_tile_tokens query tokens."""
+        return self.prefill_tiles(fp8_cache, crowded=True).block_m // group <= self.prefill_crowded_max_tile_tokens
 
 
 class PrefillTiles(NamedTuple):
@@ -207,9 +209,10 @@ def prefill_launch_tiles(
     fp8_cache: bool = False,
 ) -> PrefillTiles:
     """The tiles of a prefill launch over num_prefill_tokens new queries of sequences with more than one: the
-    crowded ones from `crowded_prefill_tokens` on."""
-    crowded = config.crowded_prefill_tokens(num_heads, num_heads // num_kv_heads, num_sms, fp8_cache)
-    return config.prefill_tiles(fp8_cache, crowded is not None and num_prefill_tokens >= crowded)
+    crowded ones from `crowded_prefill_tokens` on, where it `takes_crowded_prefill`."""
+    crowded = (config.takes_crowded_prefill(num_heads // num_kv_heads, fp8_cache)
+               and num_prefill_tokens >= config.crowded_prefill_tokens(num_heads, num_sms))
+    return config.prefill_tiles(fp8_cache, crowded)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -291,14 +294,13 @@ class TritonAttention:
         starts = meta.query_start_loc
         decode_lens = [n for i, n in enumerate(meta.seq_lens) if starts[i + 1] - starts[i] == 1]
         num_decode = len(decode_lens)
-        fp8_cache = k_cache.dtype == torch.float8_e4m3fn
         cfg, spec = self.config, self.spec
         tensors = (meta.block_tables_tensor, meta.seq_lens_tensor, meta.query_start_loc_tensor)
         if num_decode:
             self._decode(q, k_cache, v_cache, out, meta, num_decode, max(decode_lens))
         if num_decode < meta.num_seqs:
             tiles = prefill_launch_tiles(starts[-1] - num_decode, spec.num_heads, spec.num_kv_heads,
-                                         self._sms(q.device), cfg, fp8_cache)
+                                         self._sms(q.device), cfg, k_cache.dtype == torch.float8_e4m3fn)
             self._prefill.prefill_attention(
                 q, k_cache, v_cache, out, *tensors, scale=spec.scale, sliding_window=spec.sliding_window,
                 **tiles._asdict(),
@@ -336,12 +338,12 @@ class TritonAttention:
         return _cdiv(self.config.decode_fp8_crowded_programs_per_sm * self._sms(device), self.spec.num_kv_heads)
 
     def crowded_prefill_tokens(self, device: torch.device) -> int | None:
-        """The fewest new prompt tokens of a crowded launch over a cache of either dtype (`prefill_launch_tiles`;
-        the count is the same for both), None where neither has one."""
-        heads, sms = self.spec.num_heads, self._sms(device)
-        group = heads // self.spec.num_kv_heads
-        return min((t for fp8 in (False, True) if (t := self.config.crowded_prefill_tokens(heads, group, sms, fp8))
-                    is not None), default=None)
+        """The fewest new prompt tokens of a crowded launch (`prefill_launch_tiles`), None where the crowded tiles
+        serve neither cache dtype at this group."""
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        if not any(self.config.takes_crowded_prefill(group, fp8) for fp8 in (False, True)):
+            return None
+        return self.config.crowded_prefill_tokens(self.spec.num_heads, self._sms(device))
 
     def rotates(self, meta: AttentionMetadata) -> bool:
         """forward_rotated serves a decode batch of at most config.rotate_max_seqs sequences, a row each (not a

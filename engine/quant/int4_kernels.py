@@ -156,7 +156,7 @@ MAX_TILES = 1 << 14
 
 def words_config(m: int, n: int, k: int, block_n: int) -> tuple[int, int]:
     """(block_m, split_k) for x [m, k] (m <= WORDS_MAX_ROWS) against a weight of n rows in tiles of
-    block_n: 16, 32 or 64 rows a tile."""
+    block_n (16 to 128 weight rows); block_m: 16, 32 or 64 of x's rows a tile."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     tiles, trips = triton.cdiv(n, block_n), k // 128
     target = (WORDS_PROGRAMS if block_m <= 32 else WORDS_PROGRAMS // 2) * 64 // max(block_n, 64)

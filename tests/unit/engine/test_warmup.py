@@ -110,7 +110,8 @@ def test_a_crowded_prefill_launch_is_warmed_up_where_a_step_reaches_one(num_head
     other forward's is; with one token fewer it would not be; an engine whose steps cannot hold them warms none
     (nor can its steps be crowded)."""
     config = TritonAttentionConfig()
-    tokens = config.crowded_prefill_tokens(num_heads, num_heads // num_kv_heads, H100_SMS, fp8)
+    assert config.takes_crowded_prefill(num_heads // num_kv_heads, fp8)
+    tokens = config.crowded_prefill_tokens(num_heads, H100_SMS)
     prompts = crowded_prompt_lens(tokens, max_seq_tokens, max_num_seqs=256, max_num_batched_tokens=8192)
     assert prompts is not None and sum(prompts) == tokens and 2 <= min(prompts) <= max(prompts) <= max_seq_tokens
     assert len(prompts) == -(-tokens // max_seq_tokens)
@@ -134,7 +135,7 @@ def test_no_launch_is_crowded_whose_crowded_tiles_hold_too_many_query_tokens():
     """The 8B shape (group 4) in bfloat16: 256-row crowded tiles hold 64 query tokens, past
     prefill_crowded_max_tile_tokens: no launch takes them, however large."""
     config = TritonAttentionConfig()
-    assert config.crowded_prefill_tokens(32, 4, H100_SMS, fp8_cache=False) is None
+    assert not config.takes_crowded_prefill(4, fp8_cache=False)
     assert prefill_launch_tiles(8192, 32, 8, H100_SMS, config, fp8_cache=False) == config.prefill_tiles(False)
     assert prefill_launch_tiles(8192, 32, 8, H100_SMS, config, fp8_cache=True) == config.prefill_tiles(True, True)
 

@@ -254,8 +254,10 @@ def test_crowded_prefill_launches_take_the_crowded_tiles_of_their_cache_dtype(mo
                                  prefill_fp8_crowded_block_m=64, prefill_fp8_crowded_num_stages=3)
     backend = TritonAttention(AttentionSpec(4, 2, 16, 0.25), config)
     crowded = backend.crowded_prefill_tokens(torch.device("cpu"))
-    assert crowded == config.crowded_prefill_tokens(4, 2, 8, False) == 48  # 24 rows x 8 SMs / 4 heads
-    assert dataclasses.replace(config, prefill_crowded_max_tile_tokens=8).crowded_prefill_tokens(4, 2, 8, False) is None
+    assert crowded == config.crowded_prefill_tokens(4, 8) == 48  # 24 rows x 8 SMs / 4 heads
+    bounded = dataclasses.replace(config, prefill_crowded_max_tile_tokens=8)  # 16 and 32 query tokens a tile: past it
+    assert not any(bounded.takes_crowded_prefill(2, fp8) for fp8 in (False, True))
+    assert TritonAttention(AttentionSpec(4, 2, 16, 0.25), bounded).crowded_prefill_tokens(torch.device("cpu")) is None
     for cache_dtype, magnitude in ((torch.float16, 1.0), (torch.float8_e4m3fn, 150.0)):
         fp8 = cache_dtype == torch.float8_e4m3fn
         for tokens, tiles in ((crowded, config.prefill_tiles(fp8, crowded=True)),
