@@ -167,15 +167,18 @@ def test_scaled_fp8_kv_cache_stored_by_the_rotary_kernel_equals_the_torch_backen
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 300])
 def test_int4_cuda_path_equals_reference_path(rows: int) -> None:
     """int4_kernels' words kernel (its PTX conversion; row tiles of 16 and 64, K split) and, at 300 rows,
-    its dequantization for cuBLAS, against dequantize-then-multiply."""
-    from engine.quant.int4 import Int4Matmul, pack_nibbles, to_words
+    its dequantization for cuBLAS, against dequantize-then-multiply; the weight laid out in the tiles
+    Int4Matmul reads it in (words_block_n: 128 rows for these 1,536)."""
+    from engine.quant.int4 import Int4Matmul, pack_nibbles, to_words, words_block_n
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
     q = torch.randint(0, 16, (1536, 4096), device="cuda", generator=gen)
     scale = torch.stack((torch.rand(1536, 32, device="cuda", generator=gen).half() * 0.01,
                          torch.randint(0, 16, (1536, 32), device="cuda", generator=gen).half()), -1)
-    fast = Int4Matmul("cuda", triton=True)(x, *to_words(pack_nibbles(q), scale, 64), None)
+    block_n = words_block_n(pack_nibbles(q), scale)
+    assert block_n == 128
+    fast = Int4Matmul("cuda", triton=True)(x, *to_words(pack_nibbles(q), scale, block_n), None)
     slow = Int4Matmul("reference", triton=False)(x, pack_nibbles(q), scale, None)
     torch.testing.assert_close(fast.float(), slow.float(), atol=0.05, rtol=1e-2)
 
