@@ -12,6 +12,7 @@ copy at all, its step a kernel argument. Keys are Philox keys: distinct keys giv
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,9 +89,10 @@ class RaceRows:
 
     def next(self, rows: Sequence[tuple[int | None, float, int]],
              generator: torch.Generator | None) -> tuple[torch.Tensor, int]:
-        """rows: each row's (seed or None, temperature > 0, output position) -> (the rows on the device,
-        the step to launch them with). Unseeded rows' a are drawn from `generator` (torch's default
-        one of the device when None) when the rows are staged."""
+        """rows: each row's (seed or None, temperature, output position) -> (the rows on the device,
+        the step to launch them with). Unseeded random rows' a are drawn from `generator` (torch's default
+        one of the device when None) when the rows are staged; a greedy row (temperature 0) is staged with
+        1 / T = inf, which the race takes for its argmax, and draws nothing."""
         step = self._step
         signature = [(t, None, 0) if s is None else (t, s, p - step) for s, t, p in rows]
         if signature != self._signature or self._rows is None or step == 0:
@@ -101,13 +103,15 @@ class RaceRows:
     def _stage(self, signature: list[tuple[float, int | None, int]], generator: torch.Generator | None) -> torch.Tensor:
         n = len(signature)
         host = self._staging.host(3 * n)
-        if any(seed is None for _, seed, _ in signature):
+        if any(seed is None and t > 0 for t, seed, _ in signature):  # NOTE: a greedy row draws no key
             # NOTE: an array's int64 sums wrap (silently, unlike a scalar's), as 64-bit keys do
             base = np.int64(as_int64(step_key(generator, self.device)))
             host[0::3] = (np.arange(n, dtype=np.int64) * np.int64(as_int64(0x9E3779B97F4A7C15))) ^ base
             host[1::3] = 0
+        else:
+            host[0::3], host[1::3] = 0, 0
         for i, (_, seed, offset) in enumerate(signature):
             if seed is not None:
                 host[3 * i], host[3 * i + 1] = as_int64(seed_mix(seed)), offset
-        host[2::3].view(np.float64)[:] = [1.0 / t for t, _, _ in signature]
+        host[2::3].view(np.float64)[:] = [1.0 / t if t > 0 else math.inf for t, _, _ in signature]
         return self._staging.upload(3 * n)

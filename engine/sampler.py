@@ -523,13 +523,9 @@ def _words(mask: TokenMask | None, bitmask: torch.Tensor | None, draw_rows: list
 
 
 def _fusable(params: SamplingParams) -> bool:
-    """A row the fused kernel draws: random, no truncation (top-k, top-p, min-p)."""
-    return (
-        not params.is_greedy
-        and params.top_k <= 0
-        and params.top_p >= 1.0
-        and params.min_p == 0.0
-    )
+    """A row the fused kernel draws: greedy (its argmax, in the same launch as the random rows'), or random
+    with no truncation (top-k, top-p, min-p)."""
+    return params.is_greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p == 0.0)
 
 
 def _verifies_fused(vr: VerifyRow) -> bool:

@@ -140,14 +140,17 @@ def _race_kernel(
     the row's token (out[r], int64) is the first chunk's holding the row's best, picked by whichever
     of the row's programs ends last (CHUNKS: num_chunks to the next power of two; with one chunk the
     program writes it). draw_ptr: row r's a, b at 3r, 3r + 1, its key splitmix64(a ^ (b + step)), and its
-    1 / T's float64 bits at 3r + 2 (rounded to float32 here, as torch rounds a Python float). MASKED: row r
-    may take token t only if bit t % 32 of words[word_row[r], t // 32] is set (no mask where word_row[r] < 0)."""
+    1 / T's float64 bits at 3r + 2 (rounded to float32 here, as torch rounds a Python float); 1 / T = inf (a
+    greedy row): its score is its logit, no noise drawn, so its token is the argmax (the lowest index of a tie).
+    MASKED: row r may take token t only if bit t % 32 of words[word_row[r], t // 32] is set (no mask where
+    word_row[r] < 0)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     a = tl.load(draw_ptr + 3 * row).to(tl.uint64, bitcast=True)
     b = tl.load(draw_ptr + 3 * row + 1).to(tl.uint64, bitcast=True)
     key = _splitmix64(a ^ (b + step.to(tl.uint64))).to(tl.int64, bitcast=True)
     inv_temp = tl.load(draw_ptr + 3 * row + 2).to(tl.float64, bitcast=True).to(tl.float32)
+    greedy = inv_temp == float("inf")
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
     if MASKED:
@@ -160,7 +163,10 @@ def _race_kernel(
             has_words = ok & (cols * 0 + word_row >= 0)
             word = tl.load(words_ptr + word_row * words_stride + cols // 32, mask=has_words, other=-1)
             x = tl.where(((word >> (cols % 32)) & 1) != 0, x, float("-inf"))
-        score = x * inv_temp - tl.log(_torch_exponential(key, cols, threads))
+        if greedy:
+            score = x
+        else:
+            score = x * inv_temp - tl.log(_torch_exponential(key, cols, threads))
         better = ok & (score > best)  # NaN scores never win
         best = tl.where(better, score, best)
         best_index = tl.where(better, cols, best_index)

@@ -67,6 +67,19 @@ def test_fused_draw_tends_to_the_argmax_at_a_real_vocabulary() -> None:
     assert torch.equal(logits.float().gather(1, tokens.unsqueeze(1)).squeeze(1), top)
 
 
+def test_greedy_rows_of_the_race_are_torch_s_argmax_at_a_real_vocabulary() -> None:
+    """1 / T = inf (a greedy row): the race's token is torch's argmax, bit for bit, ties (which bfloat16 makes
+    common at this vocabulary) to the lowest index, at 1 row (16 chunks) and 64."""
+    from engine import sampling_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for rows in (1, 64):
+        logits = torch.randn(rows, 128_256, device="cuda", generator=gen).to(torch.bfloat16)
+        seeds = torch.randint(0, 1 << 62, (rows,), device="cuda", generator=gen)
+        tokens = sampling_kernels.race(logits, _draws(seeds, float("inf")), 0)
+        assert torch.equal(tokens, logits.float().argmax(dim=1))
+
+
 def test_fused_and_unfused_samplers_agree_in_distribution() -> None:
     vocab, num_draws = 9, 8_000
     logits = torch.randn(1, vocab, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)).expand(

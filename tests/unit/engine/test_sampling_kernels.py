@@ -158,6 +158,31 @@ def test_fused_sampler_leaves_greedy_and_top_k_rows_to_their_own_rules(monkeypat
     assert top_k_draws <= top3 and len(top_k_draws) >= 2, (top_k_draws, top3)
 
 
+def test_greedy_rows_take_their_argmax_in_the_race_launch_and_draw_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy row is drawn by the race (1 / T = inf: its logit is its score, no noise): the lowest index
+    of its maximum, across chunks and within one, as torch's argmax; a batch of greedy rows draws nothing
+    from the generator, and greedy rows beside random ones take one launch with them."""
+    monkeypatch.setattr(sampling_kernels, "_CHUNK", 16)
+    monkeypatch.setattr(sampling_kernels, "_BLOCK", 8)
+    launches = []
+    race = sampling_kernels.race
+    monkeypatch.setattr(sampling_kernels, "race", lambda logits, *a, **k: launches.append(len(logits)) or race(
+        logits, *a, **k))
+    vocab = 40  # three chunks of 16
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(8))
+    logits[0, [33, 5]] = 9.0  # a tie across chunks: 5
+    logits[1, [22, 20]] = 9.0  # a tie within a chunk and a block: 20
+    logits[2, 39] = 9.0  # the last token
+    sampler = Sampler([EOS], fused=True)
+    gen = torch.Generator().manual_seed(1)
+    state = gen.get_state()
+    greedy = [_row(temperature=0.0) for _ in range(3)]
+    assert sampler(logits[:3], greedy, gen).token_ids == [5, 20, 39] == logits[:3].argmax(dim=1).tolist()
+    assert torch.equal(gen.get_state(), state) and launches == [3]
+    mixed = sampler(logits, [*greedy, _row(temperature=0.9)], gen).token_ids
+    assert mixed[:3] == [5, 20, 39] and 0 <= mixed[3] < vocab and launches == [3, 4]
+
+
 def _random_words(rows: int, vocab: int, seed: int) -> torch.Tensor:
     """[rows, ceil(vocab / 32)] int32 bitmask words, about a third of the tokens allowed; bits past
     vocab set (the kernel must ignore them)."""
