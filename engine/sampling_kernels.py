@@ -1,6 +1,6 @@
 """The Triton kernels behind the sampler's fused paths (engine/sampler.py, `Sampler(fused=True)`),
 for rows with no top-k, top-p or min-p: `race`, the exponential race over temperature-scaled logits
-in one pass over the logits, `keyed_noise`, the race's noise of seeded rows for the sampler's torch
+in one pass over the logits (a greedy row's argmax in the same launch), `keyed_noise`, the race's noise of seeded rows for the sampler's torch
 path, and `verify`, speculative decoding's verification of greedy rows and rejection sampling of
 unseeded random rows in one launch.
 Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET test asks for it).
