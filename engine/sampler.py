@@ -23,7 +23,7 @@ its token depends on (seed, n) and its distribution, never on the other rows, th
 many draws came before, or which worker drew them. A request moved to another worker, with the
 tokens it had generated recomputed (`num_prior_output_tokens`), so continues the very stream of a
 fault-free run. Greedy rows draw nothing. With `fused` (CUDA) the kernels compute those very noise
-values themselves (engine/sampling_kernels.py).
+values themselves (engine/sampling_kernels.py), and a greedy row's argmax in the same launch.
 
 Speculative decoding (Leviathan et al., 2023) adds two entry points:
 

@@ -1,8 +1,8 @@
 """The Triton kernels behind the sampler's fused paths (engine/sampler.py, `Sampler(fused=True)`),
 for rows with no top-k, top-p or min-p: `race`, the exponential race over temperature-scaled logits
-in one pass over the logits (a greedy row's argmax in the same launch), `keyed_noise`, the race's noise of seeded rows for the sampler's torch
-path, and `verify`, speculative decoding's verification of greedy rows and rejection sampling of
-unseeded random rows in one launch.
+in one pass over the logits (a greedy row's argmax in the same launch), `keyed_noise`, the race's
+noise of seeded rows for the sampler's torch path, and `verify`, speculative decoding's verification
+of greedy rows and rejection sampling of unseeded random rows in one launch.
 Imported only when such a draw runs on CUDA (or a TRITON_INTERPRET test asks for it).
 
 The unfused draw reads and writes [rows, vocab] float32 about seven times (scale, softmax, noise,
@@ -141,7 +141,8 @@ def _race_kernel(
     of the row's programs ends last (CHUNKS: num_chunks to the next power of two; with one chunk the
     program writes it). draw_ptr: row r's a, b at 3r, 3r + 1, its key splitmix64(a ^ (b + step)), and its
     1 / T's float64 bits at 3r + 2 (rounded to float32 here, as torch rounds a Python float); 1 / T = inf (a
-    greedy row): its score is its logit, no noise drawn, so its token is the argmax (the lowest index of a tie).
+    greedy row): its score is its logit, no noise drawn, so its token is the argmax (the lowest index of a tie;
+    a NaN logit never wins, where torch's argmax would return it).
     MASKED: row r may take token t only if bit t % 32 of words[word_row[r], t // 32] is set (no mask where
     word_row[r] < 0)."""
     row = tl.program_id(0).to(tl.int64)
