@@ -20,6 +20,9 @@ A dot a nibble tile before one a group: 84.1 against 66.0 us at one row, the eng
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -154,16 +157,45 @@ MAX_TILES = 1 << 14
 """Output tiles of one `words_matmul` split over K its count buffer (`split_k_counts`) serves."""
 
 
-def words_config(m: int, n: int, k: int, block_n: int) -> tuple[int, int]:
+def words_config(m: int, n: int, k: int, block_n: int, num_sms: int | None) -> tuple[int, int]:
     """(block_m, split_k) for x [m, k] (m <= WORDS_MAX_ROWS) against a weight of n rows in tiles of
-    block_n (16 to 128 weight rows); block_m: 16, 32 or 64 of x's rows a tile."""
+    block_n (16 to 128 weight rows); block_m: 16, 32 or 64 of x's rows a tile. num_sms: the device's SMs
+    (None on the CPU: then the split aims at WORDS_PROGRAMS only)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     tiles, trips = triton.cdiv(n, block_n), k // 128
     target = (WORDS_PROGRAMS if block_m <= 32 else WORDS_PROGRAMS // 2) * 64 // max(block_n, 64)
     split = 1
     while tiles * split < target and split < 16 and trips // (2 * split) >= 2:
         split *= 2
+    # NOTE: up to WORDS_TAIL_MAX_ROWS rows a program is light and many stay resident: split further while the
+    # programs' last round over the SMs leaves WORDS_IDLE_TAIL more of them idle than the split after it would
+    while (m <= WORDS_TAIL_MAX_ROWS and num_sms and split < 16 and trips // (2 * split) >= 2
+           and _idle_tail(tiles * split, num_sms) > _idle_tail(tiles * 2 * split, num_sms) + WORDS_IDLE_TAIL):
+        split *= 2
     return block_m, split
+
+
+WORDS_IDLE_TAIL = 0.1
+WORDS_TAIL_MAX_ROWS = 8
+"""How much less idle the SMs' last round of programs must be for `words_config` to split K once more, up to 8
+rows. On an H200 (132 SMs) at 128-row tiles and one row, in three sweeps (bench/results/int4_gemv_sweep_128_row_
+tiles_{new,old}, int4_gemv_sweep_scale_pair_word): gate_up's 224 tiles split 4 (896 programs, 6.8 an SM: 3% idle)
+23.3-23.4 us against split 2 (448, 3.4 an SM: 18% idle) 24.4-24.7; o, down (32 tiles) and qkv (48) keep their
+split 8 (256 and 384 programs, 3% idle). W4A16 8B decode steps, new / old / new in one call
+(quantized_llama-3.1-8b_w4a16_idle_tail_split_*): batch 1 2.318 / 2.341 / 2.287 ms, 8 2.945 / 2.987 / 2.933; at
+16 (gate_up's split 4 flat in the sweeps there) 3.464 / 3.418 / 3.444, hence the 8 rows."""
+
+
+def _idle_tail(programs: int, num_sms: int) -> float:
+    """The SMs' idle share over whole rounds of `programs` spread over `num_sms` (0: the last round full)."""
+    rounds = programs / num_sms
+    return math.ceil(rounds) / rounds - 1.0
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int | None:
+    """The SMs of a CUDA device; None elsewhere (the CPU: interpreted tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def words_num_warps(block_m: int, block_n: int) -> int:
@@ -190,7 +222,7 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     n, groups = weight_scale.shape[0], weight_scale.shape[1]
     group = k // groups
     magic, offset = MAGIC[x.dtype]
-    block_m, split_k = config or words_config(m, n, k, block_n)
+    block_m, split_k = config or words_config(m, n, k, block_n, _num_sms(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out

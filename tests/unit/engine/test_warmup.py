@@ -56,7 +56,7 @@ def test_steps_reach_every_row_class_and_both_decode_plans():
     assert any(16 < r <= SPLIT_K_MAX_ROWS for r in rows)
     assert any(r > SPLIT_K_MAX_ROWS for r in rows)
     small = [r for r in rows if r <= INT4.WORDS_MAX_ROWS]
-    assert {INT4.words_config(r, 4096, 4096, 64) for r in small} == {(16, 8), (32, 8), (64, 4)}
+    assert {INT4.words_config(r, 4096, 4096, 64, 132) for r in small} == {(16, 8), (32, 8), (64, 4)}
     assert any(r > INT4.WORDS_MAX_ROWS for r in rows)
     # Decode launched with its keys split over programs, and whole; beside prompts and alone; over a
     # cache of either tile plan (bfloat16's, FP8's).

@@ -41,7 +41,7 @@ def test_words_matmul_equals_reference_path(rows: int, n: int, k: int, group: in
     want = Int4Matmul("reference", triton=False)(x.double(), weight, scale, b.double() if bias else None)
     block_n = words_block_n(weight, scale)
     assert block_n == max(b for b in (128, 64, 32, 16) if n % b == 0)
-    assert (int4_kernels.words_config(rows, n, k, block_n)[1] > 1) == (k == 512)
+    assert (int4_kernels.words_config(rows, n, k, block_n, None)[1] > 1) == (k == 512)
     counts = int4_kernels.split_k_counts(torch.device("cpu"))
     got = int4_kernels.words_matmul(x, *to_words(weight, scale, block_n), b, block_n, counts)
     # exact products of (q - z) and x summed in float32, scaled in float32, rounded to float16 once
@@ -60,15 +60,21 @@ def test_the_words_layout_refuses_scales_the_kernel_cannot_read_as_words() -> No
 
 
 def test_words_config_splits_k_for_few_tiles_only() -> None:
-    assert int4_kernels.words_config(1, 64, 512, 64) == (16, 2)  # one tile: K split while slices keep 2 trips
-    assert int4_kernels.words_config(1, 64, 256, 64) == (16, 1)
-    assert int4_kernels.words_config(1, 4096, 4096, 64)[1] == 8  # 64 tiles: split to 512 programs
-    assert int4_kernels.words_config(1, 28672, 4096, 64)[1] == 2
-    assert int4_kernels.words_config(40, 4096, 4096, 64) == (64, 4)  # half the programs from 33 rows
+    assert int4_kernels.words_config(1, 64, 512, 64, None) == (16, 2)  # one tile: K split while slices keep 2 trips
+    assert int4_kernels.words_config(1, 64, 256, 64, None) == (16, 1)
+    assert int4_kernels.words_config(1, 4096, 4096, 64, None)[1] == 8  # 64 tiles: split to 512 programs
+    assert int4_kernels.words_config(1, 28672, 4096, 64, None)[1] == 2
+    assert int4_kernels.words_config(40, 4096, 4096, 64, None) == (64, 4)  # half the programs from 33 rows
     # tiles of 128 rows: half as many programs (the same rows times slices)
-    assert int4_kernels.words_config(1, 4096, 4096, 128)[1] == 8
-    assert int4_kernels.words_config(1, 28672, 4096, 128)[1] == 2
-    assert int4_kernels.words_config(40, 4096, 4096, 128) == (64, 4)
+    assert int4_kernels.words_config(1, 4096, 4096, 128, None)[1] == 8
+    assert int4_kernels.words_config(1, 28672, 4096, 128, None)[1] == 2
+    assert int4_kernels.words_config(40, 4096, 4096, 128, None) == (64, 4)
+    # the SMs' last round of programs: up to 8 rows K splits once more where that round was 10% emptier
+    assert int4_kernels.words_config(1, 28672, 4096, 128, 132) == (16, 4)  # 448 programs idle 18%, 896 3%
+    assert int4_kernels.words_config(8, 28672, 4096, 128, 132) == (16, 4)
+    assert int4_kernels.words_config(9, 28672, 4096, 128, 132) == (16, 2)  # past 8 rows: the target alone
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # 384 or 256 programs: idle 3% already
+        assert int4_kernels.words_config(1, n, k, 128, 132) == int4_kernels.words_config(1, n, k, 128, None)
     with pytest.raises(ValueError, match="WORDS_MAX_ROWS"):
         int4_kernels.words_matmul(torch.zeros(65, 128).half(), *_case(1, 16, 128, 128, 0)[1:], None, 16,
                                   int4_kernels.split_k_counts(torch.device("cpu")))
