@@ -103,13 +103,11 @@ class RaceRows:
     def _stage(self, signature: list[tuple[float, int | None, int]], generator: torch.Generator | None) -> torch.Tensor:
         n = len(signature)
         host = self._staging.host(3 * n)
+        host[0::3], host[1::3] = 0, 0
         if any(seed is None and t > 0 for t, seed, _ in signature):  # NOTE: a greedy row draws no key
             # NOTE: an array's int64 sums wrap (silently, unlike a scalar's), as 64-bit keys do
             base = np.int64(as_int64(step_key(generator, self.device)))
             host[0::3] = (np.arange(n, dtype=np.int64) * np.int64(as_int64(0x9E3779B97F4A7C15))) ^ base
-            host[1::3] = 0
-        else:
-            host[0::3], host[1::3] = 0, 0
         for i, (_, seed, offset) in enumerate(signature):
             if seed is not None:
                 host[3 * i], host[3 * i + 1] = as_int64(seed_mix(seed)), offset

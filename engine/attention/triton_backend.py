@@ -48,6 +48,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from engine.attention.base import AttentionMetadata, AttentionSpec, DecodeRotation, register_backend
+from engine.sms import num_sms
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -220,9 +221,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # CPU (TRITON_INTERPRET=1 tests): any fixed figure
+    return num_sms(device) or 8  # CPU (TRITON_INTERPRET=1 tests): any fixed figure
 
 
 @register_backend

@@ -20,7 +20,6 @@ A dot a nibble tile before one a group: 84.1 against 66.0 us at one row, the eng
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -29,6 +28,7 @@ import triton.language as tl
 
 from engine.pdl import PDL_PRODUCT_MAX_ROWS, after_previous, compiled, pdl_options
 from engine.quant.split_k import store_split_k
+from engine.sms import num_sms
 
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 """Per activation dtype, the bits and value (OFFSET) of 128.0 or 1024.0: a nibble q in their low
@@ -175,13 +175,15 @@ def words_config(m: int, n: int, k: int, block_n: int, num_sms: int | None) -> t
     return block_m, split
 
 
-WORDS_IDLE_TAIL = 0.1
 WORDS_TAIL_MAX_ROWS = 8
-"""How much less idle the SMs' last round of programs must be for `words_config` to split K once more, up to 8
-rows. On an H200 (132 SMs) at 128-row tiles and one row, in three sweeps (bench/results/int4_gemv_sweep_128_row_
-tiles_{new,old}, int4_gemv_sweep_scale_pair_word): gate_up's 224 tiles split 4 (896 programs, 6.8 an SM: 3% idle)
-23.3-23.4 us against split 2 (448, 3.4 an SM: 18% idle) 24.4-24.7; o, down (32 tiles) and qkv (48) keep their
-split 8 (256 and 384 programs, 3% idle). W4A16 8B decode steps, new / old / new in one call
+"""The most rows at which `words_config` splits K further for the SMs' last round of programs (WORDS_IDLE_TAIL)."""
+
+WORDS_IDLE_TAIL = 0.1
+"""How much less idle the SMs' last round of programs must be for `words_config` to split K once more, up to
+WORDS_TAIL_MAX_ROWS rows. On an H200 (132 SMs) at 128-row tiles and one row, in three sweeps (bench/results/
+int4_gemv_sweep_128_row_tiles_{new,old}, int4_gemv_sweep_scale_pair_word): gate_up's 224 tiles split 4 (896
+programs, 6.8 an SM: 3% idle) 23.3-23.4 us against split 2 (448, 3.4 an SM: 18% idle) 24.4-24.7; o, down (32 tiles)
+and qkv (48) keep their split 8 (256 and 384 programs, 3% idle). W4A16 8B decode steps, new / old / new in one call
 (quantized_llama-3.1-8b_w4a16_idle_tail_split_*): batch 1 2.318 / 2.341 / 2.287 ms, 8 2.945 / 2.987 / 2.933; at
 16 (gate_up's split 4 flat in the sweeps there) 3.464 / 3.418 / 3.444, hence the 8 rows."""
 
@@ -190,12 +192,6 @@ def _idle_tail(programs: int, num_sms: int) -> float:
     """The SMs' idle share over whole rounds of `programs` spread over `num_sms` (0: the last round full)."""
     rounds = programs / num_sms
     return math.ceil(rounds) / rounds - 1.0
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int | None:
-    """The SMs of a CUDA device; None elsewhere (the CPU: interpreted tests)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def words_num_warps(block_m: int, block_n: int) -> int:
@@ -222,7 +218,7 @@ def words_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     n, groups = weight_scale.shape[0], weight_scale.shape[1]
     group = k // groups
     magic, offset = MAGIC[x.dtype]
-    block_m, split_k = config or words_config(m, n, k, block_n, _num_sms(x.device))
+    block_m, split_k = config or words_config(m, n, k, block_n, num_sms(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
